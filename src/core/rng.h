@@ -1,0 +1,28 @@
+// Seeded random numbers, reproducible across runs and machines (no std::distribution,
+// whose output is implementation-defined). The whole state is four words, so
+// checkpoints save it and a resumed run draws exactly what the uninterrupted one would.
+#pragma once
+#include <array>
+#include <cstdint>
+
+namespace esplag {
+
+class Rng {
+ public:
+  explicit Rng(uint64_t seed = 0) { reseed(seed); }
+  void reseed(uint64_t seed);
+
+  uint64_t next_u64();                  // xoshiro256**
+  uint32_t below(uint32_t n);           // uniform in [0, n), unbiased
+  double uniform();                     // [0, 1), 53 random bits
+  double normal();                      // standard normal (Box-Muller, no cached spare)
+
+  using State = std::array<uint64_t, 4>;
+  State state() const { return s_; }
+  void set_state(const State& s) { s_ = s; }
+
+ private:
+  State s_{};
+};
+
+}  // namespace esplag

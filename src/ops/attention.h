@@ -1,0 +1,29 @@
+// Causal multi-head self-attention with grouped-query heads, and rotary embeddings.
+//
+// Layout: the fused QKV projection gives per token [q (NH*HD) | k (NKV*HD) | v (NKV*HD)],
+// qkv: [B, T, (NH + 2*NKV) * HD]. Query head h reads key/value head h / (NH / NKV).
+// NH must be a multiple of NKV (NKV == NH is plain multi-head attention).
+#pragma once
+
+namespace esplag::cpu {
+
+// out: [B, T, NH*HD]; att: [B, NH, T, T] softmax probabilities saved for backward
+// (entries above the diagonal are written as 0).
+template <typename T>
+void attention_forward(T* out, T* att, const T* qkv, int B, int Tlen, int NH, int NKV, int HD);
+
+// dqkv += gradient w.r.t. qkv.
+template <typename T>
+void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* att, int B, int Tlen, int NH, int NKV,
+                        int HD);
+
+// Rotary position embedding (LLaMA / GPT-NeoX "rotate half" convention), applied in place
+// to the q and k parts of qkv; v is untouched. Pair i of a head is (x[i], x[i + HD/2]),
+// rotated by angle t * theta^(-2i/HD). HD must be even.
+template <typename T>
+void rope_forward(T* qkv, int B, int Tlen, int NH, int NKV, int HD, double theta);
+// Backward of the rotation is the inverse rotation, applied in place to dqkv.
+template <typename T>
+void rope_backward(T* dqkv, int B, int Tlen, int NH, int NKV, int HD, double theta);
+
+}  // namespace esplag::cpu
