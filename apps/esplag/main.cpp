@@ -1,2 +1,268 @@
+// esplag: the command-line front end. Parses arguments, calls the library, prints.
+// Every error reaches main() as an esplag::Error and becomes one line on stderr with a
+// non-zero exit code.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
 #include <iostream>
-int main() { std::cout << "esplag\n"; }
+#include <nlohmann/json.hpp>
+
+#include "args.h"
+#include "core/parallel.h"
+#include "core/rng.h"
+#include "data/bpe_trainer.h"
+#include "data/prepare.h"
+#include "data/tokenizer.h"
+#include "io/atomic_file.h"
+#include "model/transformer.h"
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+
+namespace fs = std::filesystem;
+using namespace esplag;
+using cli::Args;
+
+namespace {
+
+void print_line(const std::string& s) { std::cout << s << std::endl; }
+
+const char* kUsage = R"(esplag — sparse-aware transformer LM training
+
+usage:
+  esplag data prepare --input TEXT --out DIR [--tokenizer byte|TOKENIZER.json]
+                      [--val-fraction 0.05] [--shard-tokens 100000000]
+  esplag tokenizer train --input TEXT --vocab-size N --out TOKENIZER.json
+  esplag train --config FILE.yaml [--set key=value]... [--out RUN_DIR]
+  esplag train --resume RUN_OR_CHECKPOINT_DIR [--steps N]
+  esplag eval --checkpoint DIR [--data DIR] [--split val|train] [--batches N] [--json]
+  esplag sample --checkpoint DIR [--prompt TEXT] [--tokens 200] [--temperature 0.8]
+                [--top-k 40] [--seed 1]
+  esplag bench train --model PRESET [--batch 4] [--seq 256] [--steps 2] [--warmup 1]
+                     [--vocab N] [--csv FILE]
+  esplag --version
+
+Common: --threads N sets the CPU worker threads (default: all cores).
+)";
+
+std::string take_threads(std::vector<std::string>& args) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--threads" && i + 1 < args.size()) {
+      const std::string v = args[i + 1];
+      args.erase(args.begin() + i, args.begin() + i + 2);
+      return v;
+    }
+    if (args[i].rfind("--threads=", 0) == 0) {
+      const std::string v = args[i].substr(10);
+      args.erase(args.begin() + i);
+      return v;
+    }
+  }
+  return "";
+}
+
+int cmd_data(const std::vector<std::string>& argv) {
+  ESPLAG_CHECK(!argv.empty() && argv[0] == "prepare", "usage: esplag data prepare --input TEXT --out DIR ...");
+  Args a({argv.begin() + 1, argv.end()}, "data prepare", {"input", "out", "tokenizer", "val-fraction", "shard-tokens"});
+  PrepareOptions opt;
+  opt.input = a.required("input");
+  opt.out_dir = a.required("out");
+  opt.tokenizer = a.get("tokenizer", "byte");
+  opt.val_fraction = a.number("val-fraction", opt.val_fraction);
+  opt.shard_tokens = a.integer("shard-tokens", opt.shard_tokens);
+  const PrepareResult r = prepare_dataset(opt, print_line);
+  std::printf("prepared %s: %lld train tokens, %lld val tokens, vocab %d\n", opt.out_dir.c_str(),
+              static_cast<long long>(r.train_tokens), static_cast<long long>(r.val_tokens), r.vocab_size);
+  return 0;
+}
+
+int cmd_tokenizer(const std::vector<std::string>& argv) {
+  ESPLAG_CHECK(!argv.empty() && argv[0] == "train",
+               "usage: esplag tokenizer train --input TEXT --vocab-size N --out TOKENIZER.json");
+  Args a({argv.begin() + 1, argv.end()}, "tokenizer train", {"input", "vocab-size", "out"});
+  const std::string text = read_file(a.required("input"));
+  const int vocab = static_cast<int>(a.integer("vocab-size", 0));
+  const std::string out = a.required("out");
+  const auto t0 = std::chrono::steady_clock::now();
+  const BpeModel bpe = train_bpe(text, vocab, print_line);
+  save_tokenizer_json(out, bpe);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("wrote %s: vocabulary %d (%zu merges) in %.1f s\n", out.c_str(), vocab, bpe.merges.size(), s);
+  return 0;
+}
+
+int cmd_train(const std::vector<std::string>& argv) {
+  Args a(argv, "train", {"config", "out", "resume", "steps"}, {}, {"set"});
+  std::unique_ptr<Trainer> trainer;
+  if (a.has("resume")) {
+    ESPLAG_CHECK(!a.has("config") && a.all("set").empty(),
+                 "train --resume continues a run with its saved config; --config and --set do not apply");
+    trainer = Trainer::resume(a.get("resume"), print_line, a.integer("steps", 0));
+  } else {
+    const std::string config_path = a.required("config");
+    TrainConfig cfg = load_train_config(config_path, a.all("set"));
+    if (a.has("steps")) cfg.steps = cfg.schedule.total_steps = a.integer("steps", cfg.steps);
+    const std::string out = a.get("out", "runs/" + fs::path(config_path).stem().string());
+    trainer = std::make_unique<Trainer>(cfg, out, print_line);
+  }
+  const TrainResult r = trainer->run();
+  std::printf("done: %lld steps, loss %.4f -> %.4f, val loss %.4f, checkpoint %s\n",
+              static_cast<long long>(r.steps), r.first_loss, r.last_loss, r.final_val_loss,
+              r.last_checkpoint.c_str());
+  return 0;
+}
+
+int cmd_eval(const std::vector<std::string>& argv) {
+  Args a(argv, "eval", {"checkpoint", "data", "split", "batches", "batch", "seq"}, {"json"});
+  const std::string ck = resolve_checkpoint(a.required("checkpoint"));
+  const std::string data = a.get("data", read_checkpoint_info(ck).config.data_path);
+  const std::string split = a.get("split", "val");
+  ESPLAG_CHECK(split == "val" || split == "train", "eval: --split must be val or train, got '", split, "'");
+  const EvalResult r = evaluate_checkpoint(ck, data, split, static_cast<int>(a.integer("batches", 0)),
+                                           static_cast<int>(a.integer("batch", 0)), static_cast<int>(a.integer("seq", 0)));
+  if (a.has("json")) {
+    std::cout << nlohmann::json{{"checkpoint", ck}, {"data", data},       {"split", split},
+                                {"loss", r.loss},   {"perplexity", r.perplexity}, {"batches", r.batches},
+                                {"tokens", r.tokens}}
+                     .dump()
+              << std::endl;
+  } else {
+    std::printf("%s on %s/%s: loss %.4f | perplexity %.3f | %d batches, %lld tokens\n", ck.c_str(), data.c_str(),
+                split.c_str(), r.loss, r.perplexity, r.batches, static_cast<long long>(r.tokens));
+  }
+  return 0;
+}
+
+int cmd_sample(const std::vector<std::string>& argv) {
+  Args a(argv, "sample", {"checkpoint", "prompt", "tokens", "temperature", "top-k", "seed"});
+  const std::string ck = resolve_checkpoint(a.required("checkpoint"));
+  const CheckpointContents info = read_checkpoint_info(ck);
+  Transformer<float> model(info.config.model);
+  load_checkpoint_weights(ck, model);
+  const auto tok = load_tokenizer(info.tokenizer);
+  const int n_new = static_cast<int>(a.integer("tokens", 200));
+  const double temperature = a.number("temperature", 0.8);
+  const int top_k = static_cast<int>(a.integer("top-k", 40));
+  ESPLAG_CHECK(temperature >= 0, "sample: --temperature must not be negative");
+  ESPLAG_CHECK(n_new >= 0 && top_k >= 0, "sample: --tokens and --top-k must not be negative");
+  Rng rng(static_cast<uint64_t>(a.integer("seed", 1)));
+
+  const std::string prompt = a.get("prompt", "");
+  std::vector<int32_t> ids = tok->encode(prompt);
+  if (ids.empty()) ids.push_back(tok->eot_token() >= 0 ? tok->eot_token() : 0);
+  const int V = info.config.model.vocab_size, ctx = info.config.model.max_seq_len;
+  std::vector<float> logits(V);
+  std::vector<int32_t> generated;
+  std::cout << prompt << std::flush;
+  for (int i = 0; i < n_new; ++i) {
+    const int len = std::min<int>(ids.size(), ctx);
+    model.forward_last_logits(ids.data() + ids.size() - len, 1, len, logits.data());
+    int next;
+    if (temperature == 0) {
+      next = static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    } else {
+      std::vector<int> order(V);
+      for (int v = 0; v < V; ++v) order[v] = v;
+      const int k = top_k > 0 ? std::min(top_k, V) : V;
+      std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                        [&](int x, int y) { return logits[x] > logits[y] || (logits[x] == logits[y] && x < y); });
+      std::vector<double> p(k);
+      double sum = 0;
+      for (int j = 0; j < k; ++j) sum += p[j] = std::exp((logits[order[j]] - logits[order[0]]) / temperature);
+      double r = rng.uniform() * sum;
+      next = order[k - 1];
+      for (int j = 0; j < k; ++j)
+        if ((r -= p[j]) < 0) {
+          next = order[j];
+          break;
+        }
+    }
+    if (next == tok->eot_token()) break;
+    ids.push_back(next);
+    generated.push_back(next);
+    std::cout << tok->decode({next}) << std::flush;
+  }
+  std::cout << std::endl;
+  return 0;
+}
+
+int cmd_bench(const std::vector<std::string>& argv) {
+  ESPLAG_CHECK(!argv.empty() && argv[0] == "train", "usage: esplag bench train --model PRESET ...");
+  Args a({argv.begin() + 1, argv.end()}, "bench train", {"model", "batch", "seq", "steps", "warmup", "vocab", "csv"});
+  ModelConfig mc = model_preset(a.get("model", "tiny"));
+  mc.vocab_size = static_cast<int>(a.integer("vocab", mc.vocab_size ? mc.vocab_size : 257));
+  const int B = static_cast<int>(a.integer("batch", 4)), T = static_cast<int>(a.integer("seq", 256));
+  const int steps = static_cast<int>(a.integer("steps", 2)), warmup = static_cast<int>(a.integer("warmup", 1));
+  ESPLAG_CHECK(steps > 0 && warmup >= 0, "bench train: --steps must be positive and --warmup not negative");
+  Transformer<float> model(mc);
+  model.init_weights(1);
+  std::vector<float> m(model.num_params()), v(model.num_params());
+  Rng rng(1);
+  std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
+  for (auto& t : x) t = static_cast<int32_t>(rng.below(mc.vocab_size));
+  for (auto& t : y) t = static_cast<int32_t>(rng.below(mc.vocab_size));
+  std::vector<double> times;
+  for (int s = 0; s < warmup + steps; ++s) {
+    const auto t0 = std::chrono::steady_clock::now();
+    model.zero_grad();
+    model.forward_backward(x.data(), y.data(), B, T, 1.0);
+    for (const auto& info : model.param_infos())
+      cpu::adamw_step(model.params() + info.offset, model.grads() + info.offset, m.data() + info.offset,
+                      v.data() + info.offset, int64_t(info.numel), 1e-4, 0.9, 0.95, 1e-8, 0.1, s + 1, 1.0);
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (s >= warmup) times.push_back(dt);
+  }
+  std::sort(times.begin(), times.end());
+  const double med = times[times.size() / 2];
+  const double tok_s = B * T / med;
+  const double gflops = mc.train_flops_per_token(T) * B * T / med / 1e9;
+  std::printf("%-10s %-8s %8s %8s %12s %10s %10s\n", "model", "device", "batch", "seq", "params(M)", "step_ms", "tok/s");
+  std::printf("%-10s %-8s %8d %8d %12.2f %10.1f %10.0f   (%.1f GFLOP/s, %d threads)\n", mc.preset.c_str(), "cpu", B, T,
+              model.num_params() / 1e6, med * 1e3, tok_s, gflops, num_threads());
+  if (a.has("csv")) {
+    const std::string header = "model,device,batch,seq,params,step_ms,tokens_per_s,gflops,threads\n";
+    char row[256];
+    std::snprintf(row, sizeof row, "%s,cpu,%d,%d,%lld,%.3f,%.1f,%.2f,%d\n", mc.preset.c_str(), B, T,
+                  static_cast<long long>(model.num_params()), med * 1e3, tok_s, gflops, num_threads());
+    const std::string path = a.get("csv");
+    const bool fresh = !fs::exists(path);
+    std::string content = fresh ? header : read_file(path);
+    write_file_atomic(path, content + row);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  try {
+    const std::string threads = take_threads(args);
+    if (!threads.empty()) set_num_threads(std::max(1, std::atoi(threads.c_str())));
+    if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
+      std::cout << kUsage;
+      return args.empty() ? 2 : 0;
+    }
+    if (args[0] == "--version") {
+      std::cout << "esplag " << ESPLAG_VERSION << std::endl;
+      return 0;
+    }
+    const std::string cmd = args[0];
+    const std::vector<std::string> rest(args.begin() + 1, args.end());
+    if (cmd == "data") return cmd_data(rest);
+    if (cmd == "tokenizer") return cmd_tokenizer(rest);
+    if (cmd == "train") return cmd_train(rest);
+    if (cmd == "eval") return cmd_eval(rest);
+    if (cmd == "sample") return cmd_sample(rest);
+    if (cmd == "bench") return cmd_bench(rest);
+    std::cerr << "esplag: unknown command '" << cmd << "' (see esplag --help)" << std::endl;
+    return 2;
+  } catch (const Error& e) {
+    std::cerr << "esplag: error: " << e.what() << std::endl;
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "esplag: unexpected error: " << e.what() << std::endl;
+    return 1;
+  }
+}

@@ -29,11 +29,10 @@ template <typename... Args>
 
 }  // namespace esplag
 
-// ESPLAG_CHECK(cond, "message", values...): throws Error("message values... (file:line)")
-// when cond is false. For invariants a user can break through input, not for asserts.
-#define ESPLAG_CHECK(cond, ...)                                                          \
-  do {                                                                                   \
-    if (!(cond))                                                                         \
-      ::esplag::fail(__VA_ARGS__, " [check `" #cond "` failed at ", __FILE__, ":", __LINE__, \
-                     "]");                                                               \
+// ESPLAG_CHECK(cond, "message", values...): throws Error("message values...") when cond is
+// false. For conditions a user can break through input (shapes, files, configs), so the
+// message must say what was expected and what was found.
+#define ESPLAG_CHECK(cond, ...)                       \
+  do {                                                \
+    if (!(cond)) ::esplag::fail(__VA_ARGS__);         \
   } while (0)

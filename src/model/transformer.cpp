@@ -1,0 +1,384 @@
+#include "model/transformer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "ops/activation.h"
+#include "ops/attention.h"
+#include "ops/cross_entropy.h"
+#include "ops/embedding.h"
+#include "ops/matmul.h"
+#include "ops/norm.h"
+
+namespace esplag {
+
+namespace {
+std::string block_prefix(int l) { return "blocks." + std::to_string(l) + "."; }
+// Rows of the LM head computed at once: bounds the logits scratch to kHeadChunk × vocab.
+constexpr int kHeadChunk = 256;
+}  // namespace
+
+template <typename T>
+struct Transformer<T>::Block {
+  std::unique_ptr<Linear<T>> qkv, attn_proj, fc, mlp_proj;
+};
+
+// Everything forward saves for backward, sized for B×T tokens, plus backward scratch.
+template <typename T>
+struct Transformer<T>::Activations {
+  int B = 0, Tlen = 0;
+  struct Layer {
+    std::vector<T> ln1, ln1_mean, ln1_rstd, qkv, att, atty, res_mid, ln2, ln2_mean, ln2_rstd, fc, act, res_out;
+  };
+  std::vector<T> embed;  // the residual stream entering block 0
+  std::vector<Layer> layers;
+  std::vector<T> lnf, lnf_mean, lnf_rstd;
+  // backward scratch
+  std::vector<T> dres, dln, dqkv, datty, dfc, dact, dlnf, logits, dlogits, losses;
+};
+
+template <typename T>
+Transformer<T>::Transformer(const ModelConfig& config) : cfg_(config) {
+  cfg_.validate();
+  const int C = cfg_.d_model, V = cfg_.vocab_size, L = cfg_.n_layer;
+  const bool ln = cfg_.norm == NormKind::layernorm;
+  add_param("embed.tokens.weight", {V, C}, true);
+  if (cfg_.pos == PosKind::learned) add_param("embed.positions.weight", {cfg_.max_seq_len, C}, true);
+  for (int l = 0; l < L; ++l) {
+    const std::string b = block_prefix(l);
+    auto linear = [&](const std::string& name, int out, int in) {
+      add_param(b + name + ".weight", {out, in}, true);
+      if (cfg_.bias) add_param(b + name + ".bias", {out}, false);
+    };
+    add_param(b + "norm1.weight", {C}, false);
+    if (ln) add_param(b + "norm1.bias", {C}, false);
+    linear("attn.qkv", cfg_.qkv_dim(), C);
+    linear("attn.proj", C, cfg_.n_head * cfg_.head_dim());
+    add_param(b + "norm2.weight", {C}, false);
+    if (ln) add_param(b + "norm2.bias", {C}, false);
+    linear("mlp.fc", cfg_.fc_dim(), C);
+    linear("mlp.proj", C, cfg_.d_ff);
+  }
+  add_param("norm_f.weight", {C}, false);
+  if (ln) add_param("norm_f.bias", {C}, false);
+  if (!cfg_.tie_embeddings) add_param("lm_head.weight", {V, C}, true);
+
+  size_t total = 0;
+  for (auto& info : infos_) {
+    info.offset = total;
+    total += info.numel;
+  }
+  params_.assign(total, T(0));
+  grads_.assign(total, T(0));
+
+  blocks_.resize(L);
+  for (int l = 0; l < L; ++l) {
+    const std::string b = block_prefix(l);
+    blocks_[l].qkv = std::make_unique<DenseLinear<T>>(linear_params(b + "attn.qkv.weight"));
+    blocks_[l].attn_proj = std::make_unique<DenseLinear<T>>(linear_params(b + "attn.proj.weight"));
+    blocks_[l].fc = std::make_unique<DenseLinear<T>>(linear_params(b + "mlp.fc.weight"));
+    blocks_[l].mlp_proj = std::make_unique<DenseLinear<T>>(linear_params(b + "mlp.proj.weight"));
+  }
+}
+
+template <typename T>
+Transformer<T>::~Transformer() = default;
+
+template <typename T>
+void Transformer<T>::add_param(const std::string& name, const Shape& shape, bool decay) {
+  ParamInfo info;
+  info.name = name;
+  info.shape = shape;
+  info.numel = static_cast<size_t>(shape_numel(shape));
+  info.decay = decay;
+  infos_.push_back(std::move(info));
+}
+
+template <typename T>
+const ParamInfo& Transformer<T>::param_info(const std::string& name) const {
+  for (const auto& info : infos_)
+    if (info.name == name) return info;
+  fail("model has no parameter named '", name, "'");
+}
+
+template <typename T>
+T* Transformer<T>::p(const std::string& name) {
+  return params_.data() + param_info(name).offset;
+}
+template <typename T>
+T* Transformer<T>::g(const std::string& name) {
+  return grads_.data() + param_info(name).offset;
+}
+
+template <typename T>
+Tensor Transformer<T>::param(const std::string& name) const {
+  const auto& info = param_info(name);
+  // The view is writable: callers that hold a const model only read through it.
+  return Tensor::borrow(const_cast<T*>(params_.data()) + info.offset, info.shape, sizeof(T) == 4 ? DType::f32 : DType::f64,
+                        Device::cpu, name);
+}
+template <typename T>
+Tensor Transformer<T>::grad(const std::string& name) const {
+  const auto& info = param_info(name);
+  return Tensor::borrow(const_cast<T*>(grads_.data()) + info.offset, info.shape, sizeof(T) == 4 ? DType::f32 : DType::f64,
+                        Device::cpu, name + ".grad");
+}
+
+template <typename T>
+void Transformer<T>::init_weights(uint64_t seed) {
+  Rng rng(seed);
+  const double residual_scale = 1.0 / std::sqrt(2.0 * cfg_.n_layer);
+  for (const auto& info : infos_) {
+    T* w = params_.data() + info.offset;
+    const bool is_norm = info.name.find("norm") != std::string::npos;
+    const bool is_bias = info.name.size() > 5 && info.name.compare(info.name.size() - 5, 5, ".bias") == 0;
+    if (is_bias) {
+      std::fill(w, w + info.numel, T(0));
+    } else if (is_norm) {
+      std::fill(w, w + info.numel, T(1));
+    } else {
+      const bool residual_out = info.name.find("attn.proj.weight") != std::string::npos ||
+                                info.name.find("mlp.proj.weight") != std::string::npos;
+      const double std = cfg_.init_std * (residual_out ? residual_scale : 1.0);
+      for (size_t i = 0; i < info.numel; ++i) w[i] = static_cast<T>(rng.normal() * std);
+    }
+  }
+}
+
+template <typename T>
+void Transformer<T>::zero_grad() {
+  std::fill(grads_.begin(), grads_.end(), T(0));
+}
+
+template <typename T>
+LinearParams<T> Transformer<T>::linear_params(const std::string& weight_name) {
+  const auto& info = param_info(weight_name);
+  ESPLAG_CHECK(info.shape.size() == 2, "parameter '", weight_name, "' is not a matrix");
+  LinearParams<T> lp;
+  lp.name = weight_name;
+  lp.out_features = static_cast<int>(info.shape[0]);
+  lp.in_features = static_cast<int>(info.shape[1]);
+  lp.weight = params_.data() + info.offset;
+  lp.dweight = grads_.data() + info.offset;
+  const std::string bias_name = weight_name.substr(0, weight_name.size() - 7) + ".bias";  // "weight" -> "bias"
+  for (const auto& bi : infos_)
+    if (bi.name == bias_name) {
+      lp.bias = params_.data() + bi.offset;
+      lp.dbias = grads_.data() + bi.offset;
+    }
+  return lp;
+}
+
+template <typename T>
+std::vector<std::string> Transformer<T>::linear_names() const {
+  std::vector<std::string> names;
+  for (int l = 0; l < cfg_.n_layer; ++l)
+    for (const char* n : {"attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"})
+      names.push_back(block_prefix(l) + n + ".weight");
+  return names;
+}
+
+template <typename T>
+Linear<T>& Transformer<T>::linear(const std::string& weight_name) {
+  for (int l = 0; l < cfg_.n_layer; ++l) {
+    auto& b = blocks_[l];
+    for (auto* slot : {&b.qkv, &b.attn_proj, &b.fc, &b.mlp_proj})
+      if ((*slot)->params().name == weight_name) return **slot;
+  }
+  fail("model has no linear layer with weight '", weight_name, "'");
+}
+
+template <typename T>
+void Transformer<T>::replace_linear(const std::string& weight_name, std::unique_ptr<Linear<T>> impl) {
+  ESPLAG_CHECK(impl && impl->params().name == weight_name, "replacement for '", weight_name,
+               "' must be built on that layer's parameters");
+  for (int l = 0; l < cfg_.n_layer; ++l) {
+    auto& b = blocks_[l];
+    for (auto* slot : {&b.qkv, &b.attn_proj, &b.fc, &b.mlp_proj})
+      if ((*slot)->params().name == weight_name) {
+        *slot = std::move(impl);
+        return;
+      }
+  }
+  fail("model has no linear layer with weight '", weight_name, "'");
+}
+
+template <typename T>
+void Transformer<T>::ensure_activations(int B, int Tlen) {
+  ESPLAG_CHECK(Tlen > 0 && Tlen <= cfg_.max_seq_len, "sequence length ", Tlen, " outside [1, max_seq_len=",
+               cfg_.max_seq_len, "]");
+  ESPLAG_CHECK(B > 0, "batch size must be positive, got ", B);
+  if (acts_ && acts_->B == B && acts_->Tlen == Tlen) return;
+  acts_ = std::make_unique<Activations>();
+  auto& a = *acts_;
+  a.B = B;
+  a.Tlen = Tlen;
+  const size_t N = size_t(B) * Tlen, C = cfg_.d_model, Q = cfg_.qkv_dim(), F = cfg_.fc_dim(), H = cfg_.d_ff;
+  const size_t att = size_t(B) * cfg_.n_head * Tlen * Tlen;
+  const size_t AC = size_t(cfg_.n_head) * cfg_.head_dim();
+  a.embed.resize(N * C);
+  a.layers.resize(cfg_.n_layer);
+  for (auto& L : a.layers) {
+    L.ln1.resize(N * C), L.ln1_mean.resize(N), L.ln1_rstd.resize(N);
+    L.qkv.resize(N * Q), L.att.resize(att), L.atty.resize(N * AC), L.res_mid.resize(N * C);
+    L.ln2.resize(N * C), L.ln2_mean.resize(N), L.ln2_rstd.resize(N);
+    L.fc.resize(N * F), L.act.resize(N * H), L.res_out.resize(N * C);
+  }
+  a.lnf.resize(N * C), a.lnf_mean.resize(N), a.lnf_rstd.resize(N);
+  a.dres.resize(N * C), a.dln.resize(N * C), a.dqkv.resize(N * Q), a.datty.resize(N * AC);
+  a.dfc.resize(N * F), a.dact.resize(N * H), a.dlnf.resize(N * C);
+  const size_t chunk = std::min<size_t>(N, kHeadChunk);
+  a.logits.resize(chunk * cfg_.vocab_size), a.dlogits.resize(chunk * cfg_.vocab_size), a.losses.resize(chunk);
+}
+
+template <typename T>
+void Transformer<T>::forward_body(const int32_t* inputs, int B, int Tlen) {
+  ensure_activations(B, Tlen);
+  auto& a = *acts_;
+  const int N = B * Tlen, C = cfg_.d_model, V = cfg_.vocab_size;
+  const bool ln = cfg_.norm == NormKind::layernorm;
+  for (int i = 0; i < N; ++i)
+    ESPLAG_CHECK(inputs[i] >= 0 && inputs[i] < V, "input token ", inputs[i], " at position ", i,
+                 " is outside the vocabulary [0, ", V, ")");
+  cpu::embedding_forward(a.embed.data(), inputs, p("embed.tokens.weight"),
+                         cfg_.pos == PosKind::learned ? p("embed.positions.weight") : static_cast<T*>(nullptr), B,
+                         Tlen, C);
+  auto norm = [&](const std::string& name, T* out, T* mean, T* rstd, const T* x) {
+    if (ln)
+      cpu::layernorm_forward(out, mean, rstd, x, p(name + ".weight"), p(name + ".bias"), N, C);
+    else
+      cpu::rmsnorm_forward(out, rstd, x, p(name + ".weight"), N, C);
+  };
+  const T* x = a.embed.data();
+  for (int l = 0; l < cfg_.n_layer; ++l) {
+    auto& L = a.layers[l];
+    auto& blk = blocks_[l];
+    const std::string b = block_prefix(l);
+    norm(b + "norm1", L.ln1.data(), L.ln1_mean.data(), L.ln1_rstd.data(), x);
+    blk.qkv->forward(L.qkv.data(), L.ln1.data(), N);
+    if (cfg_.pos == PosKind::rope)
+      cpu::rope_forward(L.qkv.data(), B, Tlen, cfg_.n_head, cfg_.n_kv_head, cfg_.head_dim(), cfg_.rope_theta);
+    cpu::attention_forward(L.atty.data(), L.att.data(), L.qkv.data(), B, Tlen, cfg_.n_head, cfg_.n_kv_head,
+                           cfg_.head_dim());
+    blk.attn_proj->forward(L.res_mid.data(), L.atty.data(), N);
+    cpu::residual_forward(L.res_mid.data(), L.res_mid.data(), x, int64_t(N) * C);
+    norm(b + "norm2", L.ln2.data(), L.ln2_mean.data(), L.ln2_rstd.data(), L.res_mid.data());
+    blk.fc->forward(L.fc.data(), L.ln2.data(), N);
+    switch (cfg_.mlp) {
+      case MlpKind::gelu: cpu::gelu_forward(L.act.data(), L.fc.data(), int64_t(N) * cfg_.d_ff); break;
+      case MlpKind::swiglu: cpu::swiglu_forward(L.act.data(), L.fc.data(), N, cfg_.d_ff); break;
+      case MlpKind::relu2: cpu::relu2_forward(L.act.data(), L.fc.data(), int64_t(N) * cfg_.d_ff); break;
+    }
+    blk.mlp_proj->forward(L.res_out.data(), L.act.data(), N);
+    cpu::residual_forward(L.res_out.data(), L.res_out.data(), L.res_mid.data(), int64_t(N) * C);
+    x = L.res_out.data();
+  }
+  norm("norm_f", a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), x);
+}
+
+template <typename T>
+double Transformer<T>::head_loss(const int32_t* targets, int N, bool train, double loss_scale) {
+  auto& a = *acts_;
+  const int C = cfg_.d_model, V = cfg_.vocab_size;
+  const std::string head = cfg_.tie_embeddings ? "embed.tokens.weight" : "lm_head.weight";
+  const T* W = p(head);
+  T* dW = g(head);
+  if (train) std::fill(a.dlnf.begin(), a.dlnf.end(), T(0));
+  double total = 0;
+  for (int r0 = 0; r0 < N; r0 += kHeadChunk) {
+    const int rows = std::min(kHeadChunk, N - r0);
+    const T* h = a.lnf.data() + size_t(r0) * C;
+    cpu::linear_forward(a.logits.data(), h, W, static_cast<const T*>(nullptr), rows, C, V);
+    cpu::softmax_cross_entropy(a.losses.data(), train ? a.dlogits.data() : static_cast<T*>(nullptr),
+                               a.logits.data(), targets + r0, rows, V, static_cast<T>(loss_scale / N));
+    for (int i = 0; i < rows; ++i) total += a.losses[i];
+    if (train)
+      cpu::linear_backward(a.dlnf.data() + size_t(r0) * C, dW, static_cast<T*>(nullptr), a.dlogits.data(), h, W,
+                           rows, C, V);
+  }
+  return total / N;
+}
+
+template <typename T>
+void Transformer<T>::backward_body(const int32_t* inputs, int B, int Tlen) {
+  auto& a = *acts_;
+  const int N = B * Tlen, C = cfg_.d_model;
+  const bool ln = cfg_.norm == NormKind::layernorm;
+  auto zero = [](std::vector<T>& v) { std::fill(v.begin(), v.end(), T(0)); };
+  // Norm backward adds into dinp, which is the residual-stream gradient itself.
+  auto norm_bwd = [&](const std::string& name, T* dinp, const T* dout, const T* x, const T* mean, const T* rstd) {
+    if (ln)
+      cpu::layernorm_backward(dinp, g(name + ".weight"), g(name + ".bias"), dout, x, p(name + ".weight"), mean,
+                              rstd, N, C);
+    else
+      cpu::rmsnorm_backward(dinp, g(name + ".weight"), dout, x, p(name + ".weight"), rstd, N, C);
+  };
+  zero(a.dres);
+  const T* x_last = cfg_.n_layer ? a.layers.back().res_out.data() : a.embed.data();
+  norm_bwd("norm_f", a.dres.data(), a.dlnf.data(), x_last, a.lnf_mean.data(), a.lnf_rstd.data());
+  for (int l = cfg_.n_layer - 1; l >= 0; --l) {
+    auto& L = a.layers[l];
+    auto& blk = blocks_[l];
+    const std::string b = block_prefix(l);
+    const T* x_in = l ? a.layers[l - 1].res_out.data() : a.embed.data();
+    // MLP half: dres holds d(res_out) = d(res_mid) through the residual.
+    zero(a.dact);
+    blk.mlp_proj->backward(a.dact.data(), a.dres.data(), L.act.data(), N);
+    zero(a.dfc);
+    switch (cfg_.mlp) {
+      case MlpKind::gelu: cpu::gelu_backward(a.dfc.data(), L.fc.data(), a.dact.data(), int64_t(N) * cfg_.d_ff); break;
+      case MlpKind::swiglu: cpu::swiglu_backward(a.dfc.data(), L.fc.data(), a.dact.data(), N, cfg_.d_ff); break;
+      case MlpKind::relu2: cpu::relu2_backward(a.dfc.data(), L.fc.data(), a.dact.data(), int64_t(N) * cfg_.d_ff); break;
+    }
+    zero(a.dln);
+    blk.fc->backward(a.dln.data(), a.dfc.data(), L.ln2.data(), N);
+    norm_bwd(b + "norm2", a.dres.data(), a.dln.data(), L.res_mid.data(), L.ln2_mean.data(), L.ln2_rstd.data());
+    // Attention half: dres now holds d(res_mid) = d(x_in) through the residual.
+    zero(a.datty);
+    blk.attn_proj->backward(a.datty.data(), a.dres.data(), L.atty.data(), N);
+    zero(a.dqkv);
+    cpu::attention_backward(a.dqkv.data(), a.datty.data(), L.qkv.data(), L.att.data(), B, Tlen, cfg_.n_head,
+                            cfg_.n_kv_head, cfg_.head_dim());
+    if (cfg_.pos == PosKind::rope)
+      cpu::rope_backward(a.dqkv.data(), B, Tlen, cfg_.n_head, cfg_.n_kv_head, cfg_.head_dim(), cfg_.rope_theta);
+    zero(a.dln);
+    blk.qkv->backward(a.dln.data(), a.dqkv.data(), L.ln1.data(), N);
+    norm_bwd(b + "norm1", a.dres.data(), a.dln.data(), x_in, L.ln1_mean.data(), L.ln1_rstd.data());
+  }
+  cpu::embedding_backward(g("embed.tokens.weight"),
+                          cfg_.pos == PosKind::learned ? g("embed.positions.weight") : static_cast<T*>(nullptr),
+                          a.dres.data(), inputs, B, Tlen, C);
+}
+
+template <typename T>
+double Transformer<T>::forward_backward(const int32_t* inputs, const int32_t* targets, int B, int Tlen,
+                                        double loss_scale) {
+  forward_body(inputs, B, Tlen);
+  const double loss = head_loss(targets, B * Tlen, true, loss_scale);
+  backward_body(inputs, B, Tlen);
+  return loss;
+}
+
+template <typename T>
+double Transformer<T>::forward_loss(const int32_t* inputs, const int32_t* targets, int B, int Tlen) {
+  forward_body(inputs, B, Tlen);
+  return head_loss(targets, B * Tlen, false, 1.0);
+}
+
+template <typename T>
+void Transformer<T>::forward_last_logits(const int32_t* inputs, int B, int Tlen, T* out) {
+  forward_body(inputs, B, Tlen);
+  const int C = cfg_.d_model, V = cfg_.vocab_size;
+  const T* W = p(cfg_.tie_embeddings ? "embed.tokens.weight" : "lm_head.weight");
+  for (int b = 0; b < B; ++b)
+    cpu::linear_forward(out + size_t(b) * V, acts_->lnf.data() + (size_t(b) * Tlen + Tlen - 1) * C, W,
+                        static_cast<const T*>(nullptr), 1, C, V);
+}
+
+template class Transformer<float>;
+template class Transformer<double>;
+
+}  // namespace esplag

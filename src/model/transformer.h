@@ -1,0 +1,87 @@
+// The transformer language model on the CPU: parameters in one flat buffer (with a
+// gradient buffer of the same layout), explicit forward and backward over its layers, and
+// the LM head's cross-entropy fused in chunks so the full logits are never stored.
+// T is float for training and double for the finite-difference gradient checks.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/config.h"
+#include "model/linear.h"
+
+namespace esplag {
+
+struct ParamInfo {
+  std::string name;
+  Shape shape;
+  size_t offset = 0;  // in elements, into the flat buffers
+  size_t numel = 0;
+  bool decay = false;  // AdamW weight decay applies to matrices, not to norms and biases
+};
+
+template <typename T>
+class Transformer {
+ public:
+  explicit Transformer(const ModelConfig& config);
+  ~Transformer();
+  Transformer(const Transformer&) = delete;
+  Transformer& operator=(const Transformer&) = delete;
+
+  const ModelConfig& config() const { return cfg_; }
+
+  // --- parameters -------------------------------------------------------------------
+  const std::vector<ParamInfo>& param_infos() const { return infos_; }
+  const ParamInfo& param_info(const std::string& name) const;  // throws naming unknown params
+  size_t num_params() const { return params_.size(); }
+  T* params() { return params_.data(); }
+  T* grads() { return grads_.data(); }
+  const T* params() const { return params_.data(); }
+  // A view of one parameter (or its gradient) in the flat buffer.
+  Tensor param(const std::string& name) const;
+  Tensor grad(const std::string& name) const;
+  // GPT-2 initialisation: N(0, init_std), residual projections scaled by 1/sqrt(2·n_layer),
+  // biases 0, norm weights 1. Deterministic in the seed.
+  void init_weights(uint64_t seed);
+  void zero_grad();
+
+  // --- compute ------------------------------------------------------------------------
+  // One micro-batch: forward, loss, and backward. Adds d(mean loss · loss_scale)/dθ into
+  // the gradient buffer (so accumulation over micro-batches is loss_scale = 1/steps).
+  // Returns the mean loss over the B·T positions.
+  double forward_backward(const int32_t* inputs, const int32_t* targets, int B, int Tlen, double loss_scale);
+  // Mean loss without gradients.
+  double forward_loss(const int32_t* inputs, const int32_t* targets, int B, int Tlen);
+  // Logits of the last position of each sequence: out [B, vocab].
+  void forward_last_logits(const int32_t* inputs, int B, int Tlen, T* out);
+
+  // --- the Linear seam ------------------------------------------------------------------
+  // Weight names of every block linear, e.g. "blocks.0.attn.qkv.weight".
+  std::vector<std::string> linear_names() const;
+  Linear<T>& linear(const std::string& weight_name);
+  LinearParams<T> linear_params(const std::string& weight_name);
+  void replace_linear(const std::string& weight_name, std::unique_ptr<Linear<T>> impl);
+
+ private:
+  struct Block;
+  struct Activations;
+  void add_param(const std::string& name, const Shape& shape, bool decay);
+  T* p(const std::string& name);
+  T* g(const std::string& name);
+  void ensure_activations(int B, int Tlen);
+  // Runs the blocks and final norm; leaves the final hidden states in acts_->lnf.
+  void forward_body(const int32_t* inputs, int B, int Tlen);
+  // LM head + cross-entropy over rows in chunks; with train, also the head's backward.
+  double head_loss(const int32_t* targets, int N, bool train, double loss_scale);
+  void backward_body(const int32_t* inputs, int B, int Tlen);
+
+  ModelConfig cfg_;
+  std::vector<ParamInfo> infos_;
+  std::vector<T> params_, grads_;
+  std::vector<Block> blocks_;
+  std::unique_ptr<Activations> acts_;
+};
+
+}  // namespace esplag

@@ -1,0 +1,55 @@
+// Checkpoints: one directory per saved step, written under a temporary name and renamed
+// into place, so a crash or a full disk never leaves a half-written checkpoint and never
+// touches an existing one.
+//
+//   RUN/step-000100/model.safetensors      weights (f32), config + tokenizer in __metadata__
+//   RUN/step-000100/optimizer.safetensors  AdamW moments "m.<param>", "v.<param>"
+//   RUN/step-000100/state.json             step, RNG state, data position, tokens seen
+//   RUN/latest                             name of the newest complete checkpoint
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/rng.h"
+#include "data/loader.h"
+#include "model/transformer.h"
+#include "train/config.h"
+
+namespace esplag {
+
+struct TrainerState {
+  int64_t step = 0;  // number of optimizer steps completed
+  int64_t tokens_seen = 0;
+  Rng::State rng{};
+  DataLoader::State data{};
+};
+
+struct CheckpointContents {
+  TrainConfig config;
+  std::string tokenizer;  // tokenizer spec of the data the model was trained on
+  TrainerState state;
+};
+
+// Writes RUN/step-XXXXXX (atomically) and updates RUN/latest. `m` and `v` may be empty
+// (weights-only export). Returns the checkpoint directory.
+std::string save_checkpoint(const std::string& run_dir, const Transformer<float>& model, const TrainConfig& config,
+                            const std::string& tokenizer, const TrainerState& state, const std::vector<float>& m,
+                            const std::vector<float>& v);
+
+// Resolves DIR to a checkpoint directory: DIR itself if it holds model.safetensors,
+// else the checkpoint named by DIR/latest.
+std::string resolve_checkpoint(const std::string& dir);
+
+// Reads the config and metadata of a checkpoint (no weights).
+CheckpointContents read_checkpoint_info(const std::string& checkpoint_dir);
+
+// Loads weights into `model` (shapes must match exactly: an Error names the tensor),
+// and, when m/v are given, the optimizer moments.
+void load_checkpoint_weights(const std::string& checkpoint_dir, Transformer<float>& model,
+                             std::vector<float>* m = nullptr, std::vector<float>* v = nullptr);
+
+// Removes all but the newest `keep` step directories of a run (keep == 0 keeps all).
+void prune_checkpoints(const std::string& run_dir, int keep);
+
+}  // namespace esplag

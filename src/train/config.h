@@ -1,0 +1,57 @@
+// The run configuration: one YAML file with sections model, data, train, optimizer and
+// schedule. Every key is known: an unknown key, a value of the wrong type, or an
+// impossible combination is an Error naming the key. `--set key=value` overrides use
+// the same dotted keys (e.g. `--set optimizer.lr=1e-3`).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "train/schedule.h"
+
+namespace esplag {
+
+struct OptimizerConfig {
+  double lr = 3e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+  double grad_clip = 1.0;  // max global grad norm; <= 0 turns clipping off
+};
+
+struct TrainConfig {
+  ModelConfig model;
+  std::string data_path = "data/kjv";  // a directory written by `esplag data prepare`
+  int batch_size = 16;
+  int seq_len = 64;
+  int grad_accum = 1;
+  int64_t steps = 300;
+  uint64_t seed = 1337;
+  std::string device = "auto";  // auto | cpu | cuda
+  int64_t log_every = 10;
+  int64_t eval_every = 100;  // 0: only at the end
+  int eval_batches = 16;
+  int64_t checkpoint_every = 100;  // 0: only at the end
+  int keep_checkpoints = 2;        // newest N step directories are kept; 0 keeps all
+  OptimizerConfig optimizer;
+  LrSchedule schedule;  // schedule.lr and total_steps mirror optimizer.lr and steps
+
+  void validate() const;
+};
+
+// Flat "section.key" -> scalar text view of a config, in a stable order.
+using FlatConfig = std::vector<std::pair<std::string, std::string>>;
+
+// Reads a YAML file and applies overrides ("key=value"). `source` names the file in errors.
+TrainConfig load_train_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// Same, from YAML text (used by tests and by --resume, which reads the saved config).
+TrainConfig parse_train_config(const std::string& yaml_text, const std::string& source,
+                               const std::vector<std::string>& overrides = {});
+// Every resolved value, as YAML text that parse_train_config reads back to the same config.
+std::string to_yaml(const TrainConfig& c);
+FlatConfig flatten(const TrainConfig& c);
+
+}  // namespace esplag
