@@ -92,3 +92,17 @@ TEST(Parallel, CoversEveryIndexOnce) {
   });
   EXPECT_EQ(total.load(), 800);
 }
+
+TEST(Parallel, ResizingAfterARunIsSafe) {
+  const int original = num_threads();
+  for (int n : {3, 1, 2, 4}) {
+    set_num_threads(n);
+    EXPECT_EQ(num_threads(), n);
+    std::atomic<int64_t> sum{0};
+    parallel_for(1000, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) sum += i;
+    });
+    EXPECT_EQ(sum.load(), 999 * 1000 / 2);
+  }
+  set_num_threads(original);
+}

@@ -21,9 +21,12 @@ class Pool {
   int size() const { return static_cast<int>(workers_.size()) + 1; }
 
   void resize(int n) {
+    std::lock_guard lock(run_mutex_);  // never while a parallel region is running
     stop();
     done_ = false;
-    for (int i = 1; i < n; ++i) workers_.emplace_back([this, i] { loop(i); });
+    // New workers wait for the next run; they must not replay the last one (its fn_ is gone).
+    const uint64_t current = generation_;
+    for (int i = 1; i < n; ++i) workers_.emplace_back([this, i, current] { loop(i, current); });
   }
 
   void run(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
@@ -53,9 +56,8 @@ class Pool {
     if (begin < end) (*fn_)(begin, end);
   }
 
-  void loop(int index) {
+  void loop(int index, uint64_t seen) {
     t_inside_worker = true;
-    uint64_t seen = 0;
     for (;;) {
       {
         std::unique_lock g(m_);

@@ -7,22 +7,26 @@
 
 namespace esplag::cpu {
 
+// Scores are q·k / sqrt(HD), masked so that position t sees positions 0..t.
 // out: [B, T, NH*HD]; att: [B, NH, T, T] softmax probabilities saved for backward
-// (entries above the diagonal are written as 0).
+// (entries above the diagonal are written as 0). Throws Error unless NH % NKV == 0.
 template <typename T>
 void attention_forward(T* out, T* att, const T* qkv, int B, int Tlen, int NH, int NKV, int HD);
 
-// dqkv += gradient w.r.t. qkv.
+// dqkv += gradient w.r.t. qkv, given the forward's qkv and att.
 template <typename T>
 void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* att, int B, int Tlen, int NH, int NKV,
                         int HD);
 
 // Rotary position embedding (LLaMA / GPT-NeoX "rotate half" convention), applied in place
 // to the q and k parts of qkv; v is untouched. Pair i of a head is (x[i], x[i + HD/2]),
-// rotated by angle t * theta^(-2i/HD). HD must be even.
+// rotated by angle t * theta^(-2i/HD) (position t counts from 0 in every sequence, so
+// t = 0 is left unchanged). HD must be even.
 template <typename T>
 void rope_forward(T* qkv, int B, int Tlen, int NH, int NKV, int HD, double theta);
-// Backward of the rotation is the inverse rotation, applied in place to dqkv.
+// Backward of the rotation is the inverse rotation, applied in place to dqkv: unlike
+// the other backwards it does not accumulate, it turns the gradient w.r.t. the rotated
+// q and k into the gradient w.r.t. the unrotated ones (v's gradient passes unchanged).
 template <typename T>
 void rope_backward(T* dqkv, int B, int Tlen, int NH, int NKV, int HD, double theta);
 
