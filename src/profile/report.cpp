@@ -1,0 +1,543 @@
+#include "profile/report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <set>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace esplag {
+
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+std::string fmt(const char* format, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, v);
+  return buf;
+}
+
+// A duration with a unit that keeps 3-4 significant digits.
+std::string fmt_time(double ns) {
+  const double a = std::abs(ns);
+  if (a >= 1e9) return fmt("%.3f s", ns / 1e9);
+  if (a >= 1e6) return fmt("%.3f ms", ns / 1e6);
+  if (a >= 1e3) return fmt("%.3f us", ns / 1e3);
+  return fmt("%.0f ns", ns);
+}
+
+std::string fmt_pct(double part, double whole) {
+  return fmt("%.1f%%", whole > 0 ? 100.0 * part / whole : 0.0);
+}
+
+std::string fmt_speedup(double baseline, double predicted) {
+  if (predicted <= 0) return baseline > 0 ? "inf" : "1.00x";
+  return fmt("%.2fx", baseline / predicted);
+}
+
+// Integers print exactly, other values with enough digits to read back.
+std::string fmt_number(double v) {
+  if (std::abs(v) < 9e15 && v == std::floor(v)) return fmt("%.0f", v);
+  return fmt("%.17g", v);
+}
+
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\n\r") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"') out += '"';
+    out += c;
+  }
+  return out + "\"";
+}
+
+std::string html_escape(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (char c : s) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      case '\'': out += "&#39;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+const char* category_color(OpCategory c) {
+  static const char* kColors[kNumOpCategories] = {
+      "#4e79a7", "#59a14f", "#f28e2b", "#b07aa1", "#76b7b2",
+      "#edc948", "#9c755f", "#bab0ac", "#ff9da7", "#8c8c8c"};
+  return kColors[static_cast<size_t>(c)];
+}
+constexpr const char* kCriticalColor = "#d62728";
+
+// Where an op sits on the timeline: measured start when known, else the scheduled one.
+double node_start(const ProfileResult& r, int i) {
+  const double m = r.graph.nodes()[i].measured_start_ns;
+  return m >= 0 ? m : r.schedule.earliest_start[i];
+}
+
+std::string layer_label(int layer) {
+  return layer < 0 ? std::string("(none)") : "layer " + std::to_string(layer);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// trace.json
+
+std::string trace_json(const ProfileResult& r) {
+  const auto& nodes = r.graph.nodes();
+  std::map<int64_t, int> node_of_record;
+  for (int i = 0; i < r.graph.size(); ++i)
+    if (nodes[i].record >= 0) node_of_record[nodes[i].record] = i;
+
+  std::set<int> streams;
+  for (const auto& n : nodes) streams.insert(n.stream);
+  for (const auto& rec : r.records) streams.insert(rec.stream);
+  const int critical_tid = streams.empty() ? 1 : *streams.rbegin() + 1;
+
+  Json events = Json::array();
+  auto meta = [&](const char* what, int pid, int tid, const std::string& name, int sort) {
+    Json m = {{"ph", "M"}, {"name", what}, {"pid", pid}, {"tid", tid}, {"args", {{"name", name}}}};
+    events.push_back(m);
+    Json s = {{"ph", "M"},
+              {"name", std::string(what) == "process_name" ? "process_sort_index"
+                                                           : "thread_sort_index"},
+              {"pid", pid},
+              {"tid", tid},
+              {"args", {{"sort_index", sort}}}};
+    events.push_back(s);
+  };
+  meta("process_name", 1, 0, "measured", 1);
+  for (int s : streams) meta("thread_name", 1, s, "stream " + std::to_string(s), s);
+  meta("thread_name", 1, critical_tid, "critical path", critical_tid);
+
+  auto node_args = [&](Json& args, int i) {
+    args["critical_path"] = r.schedule.on_critical_path[i] != 0;
+    args["slack_us"] = r.schedule.slack[i] / 1e3;
+  };
+  auto x_event = [&](const std::string& name, OpCategory cat, int pid, int tid, double ts_ns,
+                     double dur_ns, Json args) {
+    Json e = {{"name", name},  {"cat", std::string(op_category_name(cat))},
+              {"ph", "X"},     {"ts", ts_ns / 1e3},
+              {"dur", dur_ns / 1e3}, {"pid", pid},
+              {"tid", tid},    {"args", std::move(args)}};
+    return e;
+  };
+
+  if (!r.records.empty()) {
+    int64_t t0 = std::numeric_limits<int64_t>::max();
+    for (const auto& rec : r.records) t0 = std::min(t0, rec.start_ns);
+    for (size_t k = 0; k < r.records.size(); ++k) {
+      const OpRecord& rec = r.records[k];
+      Json args = {{"category", std::string(op_category_name(rec.category))},
+                   {"layer", rec.layer},
+                   {"flops", rec.flops},
+                   {"bytes", rec.bytes},
+                   {"depth", rec.depth},
+                   {"leaf", rec.leaf}};
+      auto it = node_of_record.find(static_cast<int64_t>(k));
+      if (it != node_of_record.end()) node_args(args, it->second);
+      Json e = x_event(rec.name, rec.category, 1, rec.stream,
+                       static_cast<double>(rec.start_ns - t0),
+                       static_cast<double>(rec.end_ns - rec.start_ns), std::move(args));
+      if (it != node_of_record.end() && r.schedule.on_critical_path[it->second])
+        e["cname"] = "terrible";
+      events.push_back(std::move(e));
+    }
+  } else {
+    for (int i = 0; i < r.graph.size(); ++i) {
+      const GraphNode& n = nodes[i];
+      Json args = {{"category", std::string(op_category_name(n.category))},
+                   {"layer", n.layer},
+                   {"flops", n.flops},
+                   {"bytes", n.bytes},
+                   {"depth", 0},
+                   {"leaf", true}};
+      node_args(args, i);
+      Json e = x_event(n.name, n.category, 1, n.stream, node_start(r, i), n.duration_ns,
+                       std::move(args));
+      if (r.schedule.on_critical_path[i]) e["cname"] = "terrible";
+      events.push_back(std::move(e));
+    }
+  }
+  for (int i : r.schedule.critical_path) {
+    const GraphNode& n = nodes[i];
+    Json e = x_event(n.name, n.category, 1, critical_tid, node_start(r, i), n.duration_ns,
+                     Json{{"stream", n.stream}, {"layer", n.layer}});
+    e["cat"] = "critical_path";
+    e["cname"] = "terrible";
+    events.push_back(std::move(e));
+  }
+
+  const WhatIfResult& w = r.what_if;
+  if (!w.specs.empty()) {
+    meta("process_name", 2, 0, "what-if predicted", 2);
+    for (int s : streams) meta("thread_name", 2, s, "stream " + std::to_string(s), s);
+    for (int i = 0; i < r.graph.size(); ++i) {
+      const GraphNode& n = nodes[i];
+      const int spec = w.spec_of_node[i];
+      Json args = {{"category", std::string(op_category_name(n.category))},
+                   {"layer", n.layer},
+                   {"measured_dur_us", n.duration_ns / 1e3},
+                   {"what_if", spec >= 0 ? w.specs[spec].text : std::string()},
+                   {"critical_path", w.predicted.on_critical_path[i] != 0}};
+      events.push_back(x_event(n.name, n.category, 2, n.stream, w.predicted.earliest_start[i],
+                               w.predicted.durations[i], std::move(args)));
+    }
+  }
+
+  Json other = {{"measured_wall_us", r.measured_wall_ns / 1e3},
+                {"modelled_step_us", r.schedule.makespan_ns / 1e3},
+                {"critical_path_us", r.schedule.makespan_ns / 1e3},
+                {"critical_path_ops", r.schedule.critical_path.size()},
+                {"op_time_us", r.op_time_ns / 1e3}};
+  if (!w.specs.empty()) {
+    Json specs = Json::array();
+    for (const auto& s : w.specs) specs.push_back(s.text);
+    other["what_if"] = specs;
+    other["what_if_predicted_us"] = w.predicted_ns / 1e3;
+  }
+  Json doc = {{"traceEvents", std::move(events)},
+              {"displayTimeUnit", "ns"},
+              {"otherData", std::move(other)}};
+  return doc.dump();
+}
+
+// ---------------------------------------------------------------------------------------
+// ops.csv
+
+std::string ops_csv(const ProfileResult& r) {
+  std::ostringstream os;
+  os << "name,category,layer,stream,start_us,dur_us,flops,bytes,on_critical_path,slack_us\n";
+  for (int i = 0; i < r.graph.size(); ++i) {
+    const GraphNode& n = r.graph.nodes()[i];
+    os << csv_field(n.name) << ',' << op_category_name(n.category) << ',' << n.layer << ','
+       << n.stream << ',' << fmt("%.3f", node_start(r, i) / 1e3) << ','
+       << fmt("%.3f", n.duration_ns / 1e3) << ',' << fmt_number(n.flops) << ','
+       << fmt_number(n.bytes) << ',' << (r.schedule.on_critical_path[i] ? 1 : 0) << ','
+       << fmt("%.3f", r.schedule.slack[i] / 1e3) << '\n';
+  }
+  return os.str();
+}
+
+// ---------------------------------------------------------------------------------------
+// summary
+
+std::string summary_text(const ProfileResult& r, int top_categories) {
+  std::ostringstream os;
+  const Schedule& s = r.schedule;
+  os << "step time: " << fmt_time(r.measured_wall_ns) << " measured, "
+     << fmt_time(s.makespan_ns) << " modelled (" << r.graph.size() << " ops on " << r.streams
+     << (r.streams == 1 ? " stream)\n" : " streams)\n");
+  os << "critical path: " << fmt_time(s.makespan_ns) << " over " << s.critical_path.size()
+     << " ops (in ops " << fmt_time(s.critical_op_ns) << ", untraced "
+     << fmt_time(s.makespan_ns - s.critical_op_ns) << "); op time summed over all ops "
+     << fmt_time(r.op_time_ns) << "\n";
+  if (!r.by_category.empty()) {
+    os << "time by category (share of op time / of critical path):\n";
+    int shown = 0;
+    for (const auto& c : r.by_category) {
+      if (shown++ >= top_categories) break;
+      char line[160];
+      std::snprintf(line, sizeof line, "  %-12s %12s  %6s / %6s\n",
+                    std::string(op_category_name(c.category)).c_str(),
+                    fmt_time(c.total_ns).c_str(), fmt_pct(c.total_ns, r.op_time_ns).c_str(),
+                    fmt_pct(c.critical_ns, s.makespan_ns).c_str());
+      os << line;
+    }
+  }
+  const WhatIfResult& w = r.what_if;
+  if (!w.specs.empty()) {
+    os << "what-if (modelled baseline " << fmt_time(w.baseline_ns) << "):\n";
+    for (const auto& p : w.per_spec) {
+      os << "  " << p.spec << ": " << p.matched_ops << " ops, " << fmt_time(p.matched_ns)
+         << " -> " << fmt_time(p.predicted_alone_ns) << " ("
+         << fmt_speedup(w.baseline_ns, p.predicted_alone_ns) << "); if free "
+         << fmt_time(p.amdahl_bound_ns) << " (" << fmt_speedup(w.baseline_ns, p.amdahl_bound_ns)
+         << ")\n";
+    }
+    if (w.specs.size() > 1)
+      os << "  all specs: " << fmt_time(w.predicted_ns) << " ("
+         << fmt_speedup(w.baseline_ns, w.predicted_ns) << ")\n";
+  }
+  return os.str();
+}
+
+// ---------------------------------------------------------------------------------------
+// report.html
+
+namespace {
+
+struct Bar {
+  std::string label;
+  double value = 0;
+  double highlight = -1;  // drawn over the bar in a darker shade; < 0: none
+  std::string color;
+  std::string text;       // printed after the bar
+};
+
+constexpr const char* kSvgOpen = "<svg xmlns=\"http://www.w3.org/2000/svg\" ";
+
+std::string bar_chart(const std::vector<Bar>& bars, int label_w = 260) {
+  const int bar_w = 520, row_h = 22, text_w = 300;
+  const int width = label_w + bar_w + text_w;
+  const int height = static_cast<int>(bars.size()) * row_h + 8;
+  double max_v = 0;
+  for (const auto& b : bars) max_v = std::max(max_v, b.value);
+  std::ostringstream os;
+  os << kSvgOpen << "width=\"" << width << "\" height=\"" << height << "\" viewBox=\"0 0 "
+     << width << " " << height << "\" class=\"chart\">\n";
+  for (size_t k = 0; k < bars.size(); ++k) {
+    const Bar& b = bars[k];
+    const double y = 4 + static_cast<double>(k) * row_h;
+    const double w = max_v > 0 ? bar_w * b.value / max_v : 0;
+    os << "<text x=\"" << label_w - 6 << "\" y=\"" << fmt("%.1f", y + 15)
+       << "\" text-anchor=\"end\">" << html_escape(b.label) << "</text>";
+    os << "<rect x=\"" << label_w << "\" y=\"" << fmt("%.1f", y + 3) << "\" width=\""
+       << fmt("%.2f", w) << "\" height=\"" << row_h - 6 << "\" fill=\"" << b.color
+       << "\" fill-opacity=\"0.45\"><title>" << html_escape(b.label) << ": "
+       << html_escape(b.text) << "</title></rect>";
+    if (b.highlight >= 0 && max_v > 0)
+      os << "<rect x=\"" << label_w << "\" y=\"" << fmt("%.1f", y + 3) << "\" width=\""
+         << fmt("%.2f", bar_w * b.highlight / max_v) << "\" height=\"" << row_h - 6
+         << "\" fill=\"" << b.color << "\"/>";
+    os << "<text x=\"" << fmt("%.1f", label_w + w + 6) << "\" y=\"" << fmt("%.1f", y + 15)
+       << "\">" << html_escape(b.text) << "</text>\n";
+  }
+  os << "</svg>\n";
+  return os.str();
+}
+
+std::string timeline_svg(const ProfileResult& r) {
+  const auto& nodes = r.graph.nodes();
+  std::set<int> stream_set;
+  for (const auto& n : nodes) stream_set.insert(n.stream);
+  std::vector<int> streams(stream_set.begin(), stream_set.end());
+  const int label_w = 110, plot_w = 1000, lane_h = 26, axis_h = 28;
+  const int lanes = static_cast<int>(streams.size()) + 1;  // + the critical path lane
+  const int width = label_w + plot_w + 50;  // room for the last tick label
+  const int height = lanes * lane_h + axis_h + 6;
+  double total = std::max(r.measured_wall_ns, r.schedule.makespan_ns);
+  for (int i = 0; i < r.graph.size(); ++i)
+    total = std::max(total, node_start(r, i) + nodes[i].duration_ns);
+  if (total <= 0) total = 1;
+  auto x_of = [&](double t) { return label_w + plot_w * t / total; };
+
+  std::ostringstream os;
+  os << kSvgOpen << "width=\"" << width << "\" height=\"" << height << "\" viewBox=\"0 0 "
+     << width << " " << height << "\" class=\"chart\">\n";
+  auto lane_y = [&](int lane) { return 4 + lane * lane_h; };
+  for (int l = 0; l < lanes; ++l) {
+    const bool crit = l == lanes - 1;
+    os << "<rect x=\"" << label_w << "\" y=\"" << lane_y(l) << "\" width=\"" << plot_w
+       << "\" height=\"" << lane_h - 4 << "\" fill=\"" << (crit ? "#fbeaea" : "#f3f3f3")
+       << "\"/>";
+    os << "<text x=\"" << label_w - 6 << "\" y=\"" << lane_y(l) + 16
+       << "\" text-anchor=\"end\">"
+       << (crit ? std::string("critical path") : "stream " + std::to_string(streams[l]))
+       << "</text>\n";
+  }
+  auto draw = [&](int i, int lane, bool crit_lane) {
+    const GraphNode& n = nodes[i];
+    const bool crit = r.schedule.on_critical_path[i] != 0;
+    const double x = x_of(node_start(r, i));
+    const double w = std::max(0.5, plot_w * n.duration_ns / total);
+    os << "<rect x=\"" << fmt("%.2f", x) << "\" y=\"" << lane_y(lane) + 2 << "\" width=\""
+       << fmt("%.2f", w) << "\" height=\"" << lane_h - 8 << "\" fill=\""
+       << (crit_lane ? kCriticalColor : category_color(n.category)) << "\"";
+    if (crit && !crit_lane) os << " stroke=\"" << kCriticalColor << "\" stroke-width=\"1.5\"";
+    os << "><title>" << html_escape(n.name) << " (" << op_category_name(n.category) << ", "
+       << layer_label(n.layer) << "): " << fmt_time(n.duration_ns) << ", slack "
+       << fmt_time(r.schedule.slack[i]) << (crit ? ", on the critical path" : "")
+       << "</title></rect>\n";
+  };
+  for (int i = 0; i < r.graph.size(); ++i) {
+    const int lane = static_cast<int>(
+        std::lower_bound(streams.begin(), streams.end(), nodes[i].stream) - streams.begin());
+    draw(i, lane, false);
+  }
+  for (int i : r.schedule.critical_path) draw(i, lanes - 1, true);
+  const int axis_y = lanes * lane_h + 6;
+  os << "<line x1=\"" << label_w << "\" y1=\"" << axis_y << "\" x2=\"" << label_w + plot_w
+     << "\" y2=\"" << axis_y << "\" stroke=\"#444\"/>";
+  for (int k = 0; k <= 5; ++k) {
+    const double t = total * k / 5;
+    const double x = x_of(t);
+    os << "<line x1=\"" << fmt("%.1f", x) << "\" y1=\"" << axis_y << "\" x2=\""
+       << fmt("%.1f", x) << "\" y2=\"" << axis_y + 4 << "\" stroke=\"#444\"/>";
+    os << "<text x=\"" << fmt("%.1f", x) << "\" y=\"" << axis_y + 18
+       << "\" text-anchor=\"middle\">" << fmt_time(t) << "</text>";
+  }
+  os << "\n</svg>\n";
+  return os.str();
+}
+
+std::string legend_html() {
+  std::ostringstream os;
+  os << "<p class=\"legend\">";
+  for (OpCategory c : all_op_categories())
+    os << "<span><span class=\"sw\" style=\"background:" << category_color(c) << "\"></span>"
+       << op_category_name(c) << "</span> ";
+  os << "<span><span class=\"sw\" style=\"background:" << kCriticalColor
+     << "\"></span>critical path</span></p>\n";
+  return os.str();
+}
+
+}  // namespace
+
+std::string report_html(const ProfileResult& r) {
+  const Schedule& s = r.schedule;
+  const WhatIfResult& w = r.what_if;
+  std::ostringstream os;
+  os << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+     << "<title>esplag profile</title>\n<style>\n"
+     << "body{font-family:sans-serif;margin:24px;color:#222}\n"
+     << "h1{font-size:22px}h2{font-size:17px;margin-top:28px}\n"
+     << "table{border-collapse:collapse;font-size:13px}\n"
+     << "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}\n"
+     << "td.n{text-align:right;font-variant-numeric:tabular-nums}\n"
+     << "svg.chart{font-size:12px;display:block}\n"
+     << ".legend{font-size:12px}.sw{display:inline-block;width:10px;height:10px;"
+        "margin:0 4px 0 10px}\n"
+     << "</style>\n</head>\n<body>\n<h1>esplag profile</h1>\n";
+
+  // Summary.
+  os << "<h2>Summary</h2>\n<table>\n";
+  auto row = [&](const std::string& k, const std::string& v) {
+    os << "<tr><th>" << html_escape(k) << "</th><td class=\"n\">" << html_escape(v)
+       << "</td></tr>\n";
+  };
+  row("measured step time (wall)", fmt_time(r.measured_wall_ns));
+  row("modelled step time (critical path)", fmt_time(s.makespan_ns));
+  row("ops on the critical path", std::to_string(s.critical_path.size()) + " of " +
+                                      std::to_string(r.graph.size()));
+  row("time in ops on the critical path", fmt_time(s.critical_op_ns));
+  row("untraced time on the critical path", fmt_time(s.makespan_ns - s.critical_op_ns));
+  row("op time summed over all ops", fmt_time(r.op_time_ns));
+  row("streams", std::to_string(r.streams));
+  if (!r.records.empty()) row("recorded ops (incl. enclosing)", std::to_string(r.records.size()));
+  if (!w.specs.empty())
+    row("what-if predicted step time",
+        fmt_time(w.predicted_ns) + " (" + fmt_speedup(w.baseline_ns, w.predicted_ns) + ")");
+  os << "</table>\n";
+
+  // Time by category.
+  os << "<h2>Time by category</h2>\n<p>Light bar: summed op time; dark part: time on the "
+        "critical path.</p>\n";
+  {
+    std::vector<Bar> bars;
+    for (const auto& c : r.by_category)
+      bars.push_back(Bar{std::string(op_category_name(c.category)), c.total_ns, c.critical_ns,
+                         category_color(c.category),
+                         fmt_time(c.total_ns) + " (" + fmt_pct(c.total_ns, r.op_time_ns) +
+                             "), critical path " + fmt_pct(c.critical_ns, s.makespan_ns)});
+    os << bar_chart(bars, 140);
+  }
+
+  // Time by layer.
+  os << "<h2>Time by layer</h2>\n";
+  {
+    std::vector<Bar> bars;
+    for (const auto& l : r.by_layer)
+      bars.push_back(Bar{layer_label(l.layer), l.total_ns, l.critical_ns, "#4e79a7",
+                         fmt_time(l.total_ns) + " (" + fmt_pct(l.total_ns, r.op_time_ns) +
+                             "), " + std::to_string(l.ops) + " ops"});
+    os << bar_chart(bars, 140);
+  }
+
+  // Timeline.
+  os << "<h2>Timeline</h2>\n" << legend_html() << timeline_svg(r);
+
+  // What-if.
+  os << "<h2>What-if</h2>\n";
+  if (w.specs.empty()) {
+    os << "<p>No what-if specs were given.</p>\n";
+  } else {
+    std::vector<Bar> bars;
+    bars.push_back(Bar{"baseline (modelled)", w.baseline_ns, -1, "#8c8c8c",
+                       fmt_time(w.baseline_ns)});
+    for (const auto& p : w.per_spec) {
+      const std::string pattern = p.spec.substr(0, p.spec.rfind('='));
+      bars.push_back(Bar{p.spec, p.predicted_alone_ns, -1, "#4e79a7",
+                         fmt_time(p.predicted_alone_ns) + " (" +
+                             fmt_speedup(w.baseline_ns, p.predicted_alone_ns) + ")"});
+      bars.push_back(Bar{pattern + " free", p.amdahl_bound_ns, -1, "#59a14f",
+                         fmt_time(p.amdahl_bound_ns) + " (" +
+                             fmt_speedup(w.baseline_ns, p.amdahl_bound_ns) +
+                             ", Amdahl bound)"});
+    }
+    bars.push_back(Bar{"all specs", w.predicted_ns, -1, kCriticalColor,
+                       fmt_time(w.predicted_ns) + " (" +
+                           fmt_speedup(w.baseline_ns, w.predicted_ns) + ")"});
+    os << bar_chart(bars);
+    os << "<table>\n<tr><th>spec</th><th>ops matched</th><th>ops decided</th><th>matched "
+          "time</th><th>on critical path</th><th>predicted alone</th><th>if free</th></tr>\n";
+    for (const auto& p : w.per_spec)
+      os << "<tr><td>" << html_escape(p.spec) << "</td><td class=\"n\">" << p.matched_ops
+         << "</td><td class=\"n\">" << p.applied_ops << "</td><td class=\"n\">"
+         << fmt_time(p.matched_ns) << "</td><td class=\"n\">" << fmt_time(p.matched_critical_ns)
+         << "</td><td class=\"n\">" << fmt_time(p.predicted_alone_ns) << " ("
+         << fmt_speedup(w.baseline_ns, p.predicted_alone_ns) << ")</td><td class=\"n\">"
+         << fmt_time(p.amdahl_bound_ns) << " (" << fmt_speedup(w.baseline_ns, p.amdahl_bound_ns)
+         << ")</td></tr>\n";
+    os << "</table>\n<p>With several specs, the first that matches an op decides its "
+          "factor (ops decided).</p>\n";
+  }
+
+  // Top ops.
+  os << "<h2>Longest ops</h2>\n<table>\n<tr><th>op</th><th>category</th><th>layer</th>"
+        "<th>stream</th><th>duration</th><th>slack</th><th>critical</th></tr>\n";
+  std::vector<int> ids(r.graph.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  std::stable_sort(ids.begin(), ids.end(), [&](int a, int b) {
+    return r.graph.nodes()[a].duration_ns > r.graph.nodes()[b].duration_ns;
+  });
+  if (ids.size() > 30) ids.resize(30);
+  for (int i : ids) {
+    const GraphNode& n = r.graph.nodes()[i];
+    os << "<tr><td>" << html_escape(n.name) << "</td><td>" << op_category_name(n.category)
+       << "</td><td class=\"n\">" << n.layer << "</td><td class=\"n\">" << n.stream
+       << "</td><td class=\"n\">" << fmt_time(n.duration_ns) << "</td><td class=\"n\">"
+       << fmt_time(s.slack[i]) << "</td><td>" << (s.on_critical_path[i] ? "yes" : "")
+       << "</td></tr>\n";
+  }
+  os << "</table>\n</body>\n</html>\n";
+  return os.str();
+}
+
+// ---------------------------------------------------------------------------------------
+
+void write_reports(const std::string& dir, const ProfileResult& result) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) fail("write_reports: cannot create directory '", dir, "': ", ec.message());
+  auto write = [&](const char* file, const std::string& text) {
+    const fs::path p = fs::path(dir) / file;
+    std::ofstream out(p, std::ios::binary | std::ios::trunc);
+    if (!out) fail("write_reports: cannot open '", p.string(), "' for writing");
+    out << text;
+    out.close();
+    if (!out) fail("write_reports: error writing '", p.string(), "'");
+  };
+  write("trace.json", trace_json(result));
+  write("ops.csv", ops_csv(result));
+  write("report.html", report_html(result));
+}
+
+}  // namespace esplag
