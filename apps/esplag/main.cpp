@@ -17,6 +17,7 @@
 #include "data/tokenizer.h"
 #include "io/atomic_file.h"
 #include "model/transformer.h"
+#include "ops/adamw.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 
