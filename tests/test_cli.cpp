@@ -1,0 +1,211 @@
+// The esplag binary end to end: every bad input gives one clear error line and a non-zero
+// exit, and never damages a checkpoint that already exists.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "io/atomic_file.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Result {
+  int code = -1;
+  std::string out, err;
+};
+
+fs::path root() {
+  static const fs::path p = [] {
+    const fs::path d = fs::temp_directory_path() / "esplag_test_cli";
+    fs::remove_all(d);
+    fs::create_directories(d);
+    return d;
+  }();
+  return p;
+}
+
+Result run(const std::string& args) {
+  const fs::path out = root() / "stdout.txt", err = root() / "stderr.txt";
+  const std::string cmd = std::string(ESPLAG_BINARY) + " --threads 2 " + args + " >" + out.string() + " 2>" +
+                          err.string() + " </dev/null";
+  const int status = std::system(cmd.c_str());
+  Result r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = esplag::read_file(out.string());
+  r.err = esplag::read_file(err.string());
+  return r;
+}
+
+// Expects failure with exactly one line on stderr that contains `needle`.
+void expect_error(const Result& r, const std::string& needle) {
+  EXPECT_NE(r.code, 0) << "stdout: " << r.out;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << "stderr: " << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "stderr: " << r.err;
+}
+
+void write(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
+
+// Prepares a byte-level dataset and trains a tiny run with checkpoints (once per process).
+struct Fixture {
+  fs::path data, run, config;
+  Fixture() {
+    const fs::path d = root();
+    std::string text;
+    for (int i = 0; i < 300; ++i) text += "In the beginning was the word, and the word was " + std::to_string(i) + ".\n";
+    write(d / "corpus.txt", text);
+    data = d / "data";
+    Result r = run_checked("data prepare --input " + (d / "corpus.txt").string() + " --out " + data.string() +
+                           " --val-fraction 0.1");
+    config = d / "tiny.yaml";
+    write(config, "model: {preset: tiny, n_layer: 1, d_model: 32, n_head: 2, n_kv_head: 2, d_ff: 64, max_seq_len: 32}\n"
+                  "data: {path: " + data.string() + "}\n"
+                  "train: {batch_size: 4, seq_len: 32, steps: 4, log_every: 1, eval_every: 2, eval_batches: 2,"
+                  " checkpoint_every: 2}\n");
+    run = d / "run";
+    run_checked("train --config " + config.string() + " --out " + run.string());
+  }
+  static Result run_checked(const std::string& args) {
+    Result r = ::run(args);
+    EXPECT_EQ(r.code, 0) << args << "\n" << r.err;
+    return r;
+  }
+};
+
+const Fixture& fixture() {
+  static Fixture f;
+  return f;
+}
+
+std::string checkpoint_bytes() {
+  const fs::path ck = fixture().run / "step-000004";
+  return esplag::read_file((ck / "model.safetensors").string()) + esplag::read_file((ck / "optimizer.safetensors").string()) +
+         esplag::read_file((ck / "state.json").string());
+}
+
+fs::path copy_data(const std::string& name) {
+  const fs::path d = root() / name;
+  fs::remove_all(d);
+  fs::copy(fixture().data, d, fs::copy_options::recursive);
+  return d;
+}
+
+}  // namespace
+
+TEST(Cli, TrainsEvaluatesAndSamples) {
+  const auto& f = fixture();
+  EXPECT_TRUE(fs::exists(f.run / "metrics.jsonl"));
+  EXPECT_TRUE(fs::exists(f.run / "config.yaml"));
+  EXPECT_EQ(esplag::read_file((f.run / "latest").string()), "step-000004\n");
+  Result ev = run("eval --checkpoint " + f.run.string() + " --json");
+  ASSERT_EQ(ev.code, 0) << ev.err;
+  EXPECT_NE(ev.out.find("\"perplexity\""), std::string::npos) << ev.out;
+  Result s = run("sample --checkpoint " + f.run.string() + " --prompt \"In the\" --tokens 20 --seed 3");
+  ASSERT_EQ(s.code, 0) << s.err;
+  EXPECT_EQ(s.out.rfind("In the", 0), 0u) << s.out;
+  EXPECT_EQ(run("sample --checkpoint " + f.run.string() + " --prompt \"In the\" --tokens 20 --seed 3").out, s.out);
+}
+
+TEST(Cli, ResumeContinuesTheRun) {
+  const auto& f = fixture();
+  const fs::path copy = root() / "resumed";
+  fs::remove_all(copy);
+  fs::copy(f.run, copy, fs::copy_options::recursive);
+  Result r = run("train --resume " + copy.string() + " --steps 6");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("resuming"), std::string::npos);
+  EXPECT_TRUE(fs::exists(copy / "step-000006" / "model.safetensors"));
+}
+
+TEST(Cli, MissingDataDirectory) {
+  expect_error(run("train --config " + fixture().config.string() + " --set data.path=/nonexistent/data --out " +
+                   (root() / "r1").string()),
+               "meta.json");
+}
+
+TEST(Cli, TruncatedShard) {
+  const fs::path d = copy_data("truncated");
+  const fs::path shard = d / "train_000000.bin";
+  fs::resize_file(shard, fs::file_size(shard) - 100);
+  expect_error(run("train --config " + fixture().config.string() + " --set data.path=" + d.string() + " --out " +
+                   (root() / "r2").string()),
+               "truncated");
+}
+
+TEST(Cli, WrongMagic) {
+  const fs::path d = copy_data("magic");
+  std::fstream shard(d / "train_000000.bin", std::ios::in | std::ios::out | std::ios::binary);
+  const int32_t bad = 12345;
+  shard.write(reinterpret_cast<const char*>(&bad), 4);
+  shard.close();
+  expect_error(run("train --config " + fixture().config.string() + " --set data.path=" + d.string() + " --out " +
+                   (root() / "r3").string()),
+               "magic");
+}
+
+TEST(Cli, UnknownConfigKeyAndBadOptions) {
+  const fs::path cfg = root() / "bad.yaml";
+  write(cfg, "train: {batch_size: 4, learning_rate: 0.1}\n");
+  expect_error(run("train --config " + cfg.string()), "unknown config key 'train.learning_rate'");
+  expect_error(run("train --config " + fixture().config.string() + " --set optimizer.lr=fast"), "optimizer.lr");
+  expect_error(run("train --config " + fixture().config.string() + " --bogus 1"), "unknown option --bogus");
+  expect_error(run("eval"), "--checkpoint is required");
+}
+
+TEST(Cli, CorruptSafetensorsHeaderLeavesTheOriginalIntact) {
+  const std::string before = checkpoint_bytes();
+  const fs::path copy = root() / "corrupt_ck";
+  fs::remove_all(copy);
+  fs::copy(fixture().run / "step-000004", copy, fs::copy_options::recursive);
+  std::string bytes = esplag::read_file((copy / "model.safetensors").string());
+  for (int i = 8; i < 40; ++i) bytes[i] = '#';  // garbage in the JSON header
+  write(copy / "model.safetensors", bytes);
+  expect_error(run("eval --checkpoint " + copy.string()), "model.safetensors");
+  expect_error(run("train --resume " + copy.string()), "model.safetensors");
+  EXPECT_EQ(checkpoint_bytes(), before);
+}
+
+TEST(Cli, ShapeMismatchOnLoad) {
+  // A checkpoint whose config says d_model=32 but whose weights come from a d_model=16 run.
+  const auto& f = fixture();
+  const fs::path other = root() / "other_run";
+  fs::remove_all(other);
+  ASSERT_EQ(run("train --config " + f.config.string() + " --set model.d_model=16 --set train.steps=2 --out " +
+                other.string())
+                .code,
+            0);
+  const fs::path mixed = root() / "mixed_ck";
+  fs::remove_all(mixed);
+  fs::copy(f.run / "step-000004", mixed, fs::copy_options::recursive);
+  fs::copy_file(other / "step-000002" / "optimizer.safetensors", mixed / "optimizer.safetensors",
+                fs::copy_options::overwrite_existing);
+  expect_error(run("train --resume " + mixed.string()), "shape mismatch");
+}
+
+TEST(Cli, FailedResumeNeverDamagesTheCheckpoint) {
+  // A run on its own copy of the data; then the data is damaged and the run resumed.
+  const fs::path d = copy_data("resume_data");
+  const fs::path run_dir = root() / "bad_resume";
+  fs::remove_all(run_dir);
+  ASSERT_EQ(run("train --config " + fixture().config.string() + " --set data.path=" + d.string() +
+                " --set train.steps=2 --out " + run_dir.string())
+                .code,
+            0);
+  const fs::path ck = run_dir / "step-000002";
+  const std::string before = esplag::read_file((ck / "model.safetensors").string()) +
+                             esplag::read_file((ck / "optimizer.safetensors").string()) +
+                             esplag::read_file((ck / "state.json").string()) +
+                             esplag::read_file((run_dir / "latest").string());
+  fs::resize_file(d / "train_000000.bin", fs::file_size(d / "train_000000.bin") - 64);
+  expect_error(run("train --resume " + run_dir.string() + " --steps 4"), "truncated");
+  const std::string after = esplag::read_file((ck / "model.safetensors").string()) +
+                            esplag::read_file((ck / "optimizer.safetensors").string()) +
+                            esplag::read_file((ck / "state.json").string()) +
+                            esplag::read_file((run_dir / "latest").string());
+  EXPECT_EQ(after, before);
+}
