@@ -1,10 +1,30 @@
 // The one seam every sparsity method plugs into (DESIGN.md, "Linear"): a linear layer
-// y = x·Wᵀ + b with an explicit forward and backward. The weight and bias (and their
+// y = x·Wᵀ + b with an explicit forward and backward. The dense weight and bias (and their
 // gradients) live in the model's flat parameter buffers; a Linear holds views into them
 // plus whatever extra state its kind needs (masks, compressed copies, adapters).
+//
+// How a kind talks to the trainer (all hooks have do-nothing defaults, so `dense` only
+// implements forward/backward):
+//   - on_step_begin(step)       before the step's first forward (refresh masks, ...)
+//   - trains_dense_weight()     false when the kind stores and trains its weight in
+//                               another form (compressed kept values): the trainer then
+//                               skips the flat-buffer weight in AdamW and in the grad norm
+//   - owned_params()            parameters the kind stores itself (compressed values,
+//                               adapters): the trainer zeroes their gradients, includes
+//                               them in the global grad norm, runs AdamW on them (its
+//                               moments exist only for these values: that is "sparse
+//                               AdamW" for compressed kinds) and checkpoints them
+//   - after_optimizer_step()    after AdamW (re-apply a mask, refresh a compressed copy)
+//   - state() / load_state()    non-trained state (masks, indices, metadata) for checkpoints
+//   - dense_weight(out)         the effective dense weight (for export and `esplag sparsity`)
 #pragma once
+#include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
+
+#include "core/tensor.h"
 
 namespace esplag {
 
@@ -19,6 +39,16 @@ struct LinearParams {
   T* dbias = nullptr;
 };
 
+// A trained tensor owned by a Linear kind: value and gradient of the same shape.
+template <typename T>
+struct OwnedParam {
+  std::string name;  // e.g. "blocks.0.mlp.fc.weight.values", "blocks.0.mlp.fc.lora_a"
+  Shape shape;
+  T* value = nullptr;
+  T* grad = nullptr;
+  bool decay = true;
+};
+
 template <typename T>
 class Linear {
  public:
@@ -27,10 +57,22 @@ class Linear {
 
   // out[N, out] = inp[N, in] · Wᵀ + b.
   virtual void forward(T* out, const T* inp, int N) = 0;
-  // dinp += dout · W (dinp may be null); dweight/dbias += their gradients.
+  // dinp += dout · W (dinp may be null); weight/bias gradients += their gradients.
   virtual void backward(T* dinp, const T* dout, const T* inp, int N) = 0;
   // "dense", "masked", "slope", ... as written in recipes.
   virtual std::string kind() const = 0;
+  // Human-readable pattern ("dense", "2:4", "64:2:8", "unstructured 50%").
+  virtual std::string pattern() const { return "dense"; }
+
+  virtual void on_step_begin(int64_t step) {}
+  virtual bool trains_dense_weight() const { return true; }
+  virtual std::vector<OwnedParam<T>> owned_params() { return {}; }
+  virtual void after_optimizer_step() {}
+  // Tensors named "<weight name>.<what>" plus string metadata describing the kind.
+  virtual std::map<std::string, Tensor> state() const { return {}; }
+  virtual void load_state(const std::map<std::string, Tensor>& tensors) {}
+  // Writes the effective dense weight [out, in] (what forward multiplies by).
+  virtual void dense_weight(T* out) const;
 
   const LinearParams<T>& params() const { return p_; }
 

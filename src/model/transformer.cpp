@@ -151,6 +151,36 @@ void Transformer<T>::init_weights(uint64_t seed) {
 template <typename T>
 void Transformer<T>::zero_grad() {
   std::fill(grads_.begin(), grads_.end(), T(0));
+  for (const auto& name : linear_names())
+    for (auto& op : linear(name).owned_params()) std::fill(op.grad, op.grad + shape_numel(op.shape), T(0));
+}
+
+template <typename T>
+std::vector<OwnedParam<T>> Transformer<T>::trainable_params() {
+  std::vector<std::string> skipped;
+  std::vector<OwnedParam<T>> owned;
+  for (const auto& name : linear_names()) {
+    Linear<T>& l = linear(name);
+    if (!l.trains_dense_weight()) skipped.push_back(name);
+    for (auto& op : l.owned_params()) owned.push_back(std::move(op));
+  }
+  std::vector<OwnedParam<T>> out;
+  for (const auto& info : infos_) {
+    if (std::find(skipped.begin(), skipped.end(), info.name) != skipped.end()) continue;
+    out.push_back({info.name, info.shape, params_.data() + info.offset, grads_.data() + info.offset, info.decay});
+  }
+  for (auto& op : owned) out.push_back(std::move(op));
+  return out;
+}
+
+template <typename T>
+void Transformer<T>::on_step_begin(int64_t step) {
+  for (const auto& name : linear_names()) linear(name).on_step_begin(step);
+}
+
+template <typename T>
+void Transformer<T>::after_optimizer_step() {
+  for (const auto& name : linear_names()) linear(name).after_optimizer_step();
 }
 
 template <typename T>

@@ -45,7 +45,16 @@ class Transformer {
   // GPT-2 initialisation: N(0, init_std), residual projections scaled by 1/sqrt(2·n_layer),
   // biases 0, norm weights 1. Deterministic in the seed.
   void init_weights(uint64_t seed);
+  // Zeroes every gradient: the flat buffer and the ones Linear kinds own.
   void zero_grad();
+
+  // What the optimizer trains: every flat parameter except the weights of Linear kinds
+  // that train another form of them, plus every parameter the kinds own (compressed
+  // kept values, adapters). In a fixed order, so reductions over it are deterministic.
+  std::vector<OwnedParam<T>> trainable_params();
+  // Forwarded to every Linear (see linear.h).
+  void on_step_begin(int64_t step);
+  void after_optimizer_step();
 
   // --- compute ------------------------------------------------------------------------
   // One micro-batch: forward, loss, and backward. Adds d(mean loss · loss_scale)/dθ into

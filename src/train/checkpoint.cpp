@@ -25,39 +25,35 @@ std::string step_dir_name(int64_t step) {
   return buf;
 }
 
-std::vector<Tensor> moment_tensors(const Transformer<float>& model, const std::vector<float>& buf,
-                                   const std::string& prefix) {
-  std::vector<Tensor> out;
-  for (const auto& info : model.param_infos())
-    out.push_back(Tensor::borrow(const_cast<float*>(buf.data()) + info.offset, info.shape, DType::f32, Device::cpu,
-                                 prefix + info.name));
-  return out;
+Tensor view(const OwnedParam<float>& p, const std::string& prefix = "") {
+  return Tensor::borrow(p.value, p.shape, DType::f32, Device::cpu, prefix + p.name);
 }
 
-// Copies every tensor named `prefix + param` from `file` into the flat buffer `dst`,
-// checking that each exists with the model's shape.
-void read_into(const SafetensorsFile& file, const std::string& path, const Transformer<float>& model,
-               const std::string& prefix, float* dst) {
-  for (const auto& info : model.param_infos()) {
-    const std::string name = prefix + info.name;
-    auto it = file.tensors.find(name);
-    ESPLAG_CHECK(it != file.tensors.end(), path, ": tensor '", name, "' is missing");
-    const Tensor& t = it->second;
-    if (t.shape() != info.shape)
-      fail(path, ": shape mismatch for tensor '", name, "': the model expects ", shape_str(info.shape),
-           ", the file holds ", shape_str(t.shape()));
-    const Tensor f32 = t.dtype() == DType::f32 ? t : t.to(DType::f32);
-    std::copy_n(f32.data<float>(), info.numel, dst + info.offset);
-  }
-  if (prefix.empty())
-    for (const auto& [name, t] : file.tensors) model.param_info(name);  // unknown tensor names are an error too
+Tensor moment_view(const Moments& moments, const OwnedParam<float>& p, const std::string& prefix) {
+  auto it = moments.find(p.name);
+  ESPLAG_CHECK(it != moments.end() && it->second.size() == size_t(shape_numel(p.shape)),
+               "optimizer state for '", p.name, "' is missing");
+  return Tensor::borrow(const_cast<float*>(it->second.data()), p.shape, DType::f32, Device::cpu, prefix + p.name);
+}
+
+// Copies tensor `name` of `file` into dst (numel elements), checking its shape.
+void read_tensor(const SafetensorsFile& file, const std::string& path, const std::string& name, const Shape& shape,
+                 float* dst) {
+  auto it = file.tensors.find(name);
+  ESPLAG_CHECK(it != file.tensors.end(), path, ": tensor '", name, "' is missing");
+  const Tensor& t = it->second;
+  if (t.shape() != shape)
+    fail(path, ": shape mismatch for tensor '", name, "': the model expects ", shape_str(shape),
+         ", the file holds ", shape_str(t.shape()));
+  const Tensor f32 = t.dtype() == DType::f32 ? t : t.to(DType::f32);
+  std::copy_n(f32.data<float>(), shape_numel(shape), dst);
 }
 
 }  // namespace
 
-std::string save_checkpoint(const std::string& run_dir, const Transformer<float>& model, const TrainConfig& config,
-                            const std::string& tokenizer, const TrainerState& state, const std::vector<float>& m,
-                            const std::vector<float>& v) {
+std::string save_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,
+                            const std::string& tokenizer, const TrainerState& state, const Moments& m,
+                            const Moments& v) {
   const fs::path final_dir = fs::path(run_dir) / step_dir_name(state.step);
   const fs::path tmp_dir = fs::path(run_dir) / (step_dir_name(state.step) + ".tmp-" + std::to_string(::getpid()));
   std::error_code ec;
@@ -65,18 +61,18 @@ std::string save_checkpoint(const std::string& run_dir, const Transformer<float>
   fs::create_directories(tmp_dir, ec);
   ESPLAG_CHECK(!ec, "cannot create checkpoint directory '", tmp_dir.string(), "': ", ec.message());
   try {
+    const auto trainable = model.trainable_params();
     std::vector<Tensor> weights;
-    for (const auto& info : model.param_infos()) weights.push_back(model.param(info.name));
+    for (const auto& p : trainable) weights.push_back(view(p));
     const std::map<std::string, std::string> meta = {{"format", kFormat},
                                                      {"config", to_yaml(config)},
                                                      {"tokenizer", tokenizer},
                                                      {"step", std::to_string(state.step)}};
     save_safetensors((tmp_dir / "model.safetensors").string(), weights, meta);
-    if (!m.empty()) {
-      std::vector<Tensor> moments = moment_tensors(model, m, "m.");
-      for (auto& t : moment_tensors(model, v, "v.")) moments.push_back(t);
-      save_safetensors((tmp_dir / "optimizer.safetensors").string(), moments, {{"format", kFormat}});
-    }
+    std::vector<Tensor> moments;
+    for (const auto& p : trainable) moments.push_back(moment_view(m, p, "m."));
+    for (const auto& p : trainable) moments.push_back(moment_view(v, p, "v."));
+    save_safetensors((tmp_dir / "optimizer.safetensors").string(), moments, {{"format", kFormat}});
     nlohmann::json js = {{"format", kFormat},
                          {"step", state.step},
                          {"tokens_seen", state.tokens_seen},
@@ -145,19 +141,32 @@ CheckpointContents read_checkpoint_info(const std::string& checkpoint_dir) {
   return c;
 }
 
-void load_checkpoint_weights(const std::string& checkpoint_dir, Transformer<float>& model, std::vector<float>* m,
-                             std::vector<float>* v) {
+void load_checkpoint_weights(const std::string& checkpoint_dir, Transformer<float>& model, Moments* m, Moments* v) {
   const std::string model_path = (fs::path(checkpoint_dir) / "model.safetensors").string();
-  read_into(load_safetensors(model_path), model_path, model, "", model.params());
+  const SafetensorsFile file = load_safetensors(model_path);
+  const auto trainable = model.trainable_params();
+  for (const auto& p : trainable) read_tensor(file, model_path, p.name, p.shape, p.value);
+  for (const auto& [name, t] : file.tensors) {
+    const bool known = std::any_of(trainable.begin(), trainable.end(), [&](const auto& p) { return p.name == name; });
+    ESPLAG_CHECK(known, model_path, ": tensor '", name, "' does not belong to this model");
+  }
+  model.after_optimizer_step();  // kinds that store another form refresh their dense view
   if (!m) return;
   const std::string opt_path = (fs::path(checkpoint_dir) / "optimizer.safetensors").string();
   ESPLAG_CHECK(fs::exists(opt_path), "checkpoint '", checkpoint_dir,
                "' has no optimizer.safetensors: it cannot be resumed (weights-only export?)");
   const SafetensorsFile opt = load_safetensors(opt_path);
-  m->assign(model.num_params(), 0.0f);
-  v->assign(model.num_params(), 0.0f);
-  read_into(opt, opt_path, model, "m.", m->data());
-  read_into(opt, opt_path, model, "v.", v->data());
+  m->clear();
+  v->clear();
+  for (const auto& p : trainable) {
+    const size_t n = size_t(shape_numel(p.shape));
+    auto& mp = (*m)[p.name];
+    auto& vp = (*v)[p.name];
+    mp.assign(n, 0.0f);
+    vp.assign(n, 0.0f);
+    read_tensor(opt, opt_path, "m." + p.name, p.shape, mp.data());
+    read_tensor(opt, opt_path, "v." + p.name, p.shape, vp.data());
+  }
 }
 
 void prune_checkpoints(const std::string& run_dir, int keep) {

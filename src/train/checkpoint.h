@@ -8,6 +8,7 @@
 //   RUN/latest                             name of the newest complete checkpoint
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -25,17 +26,22 @@ struct TrainerState {
   DataLoader::State data{};
 };
 
+// AdamW moments per trained tensor (see Transformer::trainable_params), by name.
+using Moments = std::map<std::string, std::vector<float>>;
+
 struct CheckpointContents {
   TrainConfig config;
   std::string tokenizer;  // tokenizer spec of the data the model was trained on
   TrainerState state;
 };
 
-// Writes RUN/step-XXXXXX (atomically) and updates RUN/latest. `m` and `v` may be empty
-// (weights-only export). Returns the checkpoint directory.
-std::string save_checkpoint(const std::string& run_dir, const Transformer<float>& model, const TrainConfig& config,
-                            const std::string& tokenizer, const TrainerState& state, const std::vector<float>& m,
-                            const std::vector<float>& v);
+// Writes RUN/step-XXXXXX (atomically) and updates RUN/latest. Returns the checkpoint
+// directory. model.safetensors holds every trained tensor (the flat parameters and what
+// Linear kinds own, e.g. compressed kept values instead of a dense weight) plus the kinds'
+// state; optimizer.safetensors holds "m.<name>" and "v.<name>" for each of them.
+std::string save_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,
+                            const std::string& tokenizer, const TrainerState& state, const Moments& m,
+                            const Moments& v);
 
 // Resolves DIR to a checkpoint directory: DIR itself if it holds model.safetensors,
 // else the checkpoint named by DIR/latest.
@@ -44,10 +50,11 @@ std::string resolve_checkpoint(const std::string& dir);
 // Reads the config and metadata of a checkpoint (no weights).
 CheckpointContents read_checkpoint_info(const std::string& checkpoint_dir);
 
-// Loads weights into `model` (shapes must match exactly: an Error names the tensor),
-// and, when m/v are given, the optimizer moments.
-void load_checkpoint_weights(const std::string& checkpoint_dir, Transformer<float>& model,
-                             std::vector<float>* m = nullptr, std::vector<float>* v = nullptr);
+// Loads the trained tensors into `model`, whose Linear kinds must already be those the
+// checkpoint was saved with (shapes must match exactly: an Error names the tensor), and,
+// when m/v are given, the optimizer moments.
+void load_checkpoint_weights(const std::string& checkpoint_dir, Transformer<float>& model, Moments* m = nullptr,
+                             Moments* v = nullptr);
 
 // Removes all but the newest `keep` step directories of a run (keep == 0 keeps all).
 void prune_checkpoints(const std::string& run_dir, int keep);

@@ -104,8 +104,6 @@ Trainer::Trainer(TrainConfig config, std::string run_dir, LogFn log)
 
   model_ = std::make_unique<Transformer<float>>(cfg_.model);
   model_->init_weights(cfg_.seed);
-  m_.assign(model_->num_params(), 0.0f);
-  v_.assign(model_->num_params(), 0.0f);
   state_.rng = Rng(cfg_.seed).state();
   setup_data();
 }
@@ -161,16 +159,38 @@ EvalResult Trainer::evaluate() {
   return mean_loss(*model_, *val_data_, cfg_.eval_batches, cfg_.batch_size, cfg_.seq_len);
 }
 
+double Trainer::grad_norm() {
+  double sq = 0;
+  for (const auto& p : model_->trainable_params()) sq += cpu::global_grad_norm_squared(p.grad, shape_numel(p.shape));
+  return std::sqrt(sq);
+}
+
+void Trainer::ensure_moments() {
+  // A tensor seen for the first time (a fresh run, or one a Linear kind just created)
+  // starts with zero moments; tensors that no longer exist drop theirs.
+  Moments m, v;
+  for (const auto& p : model_->trainable_params()) {
+    const size_t n = size_t(shape_numel(p.shape));
+    auto& mp = m[p.name] = std::move(m_[p.name]);
+    auto& vp = v[p.name] = std::move(v_[p.name]);
+    if (mp.size() != n) mp.assign(n, 0.0f), vp.assign(n, 0.0f);
+  }
+  m_ = std::move(m);
+  v_ = std::move(v);
+}
+
 void Trainer::step_optimizer(int64_t step, double grad_scale, double lr) {
   const auto& o = cfg_.optimizer;
-  for (const auto& info : model_->param_infos())
-    cpu::adamw_step(model_->params() + info.offset, model_->grads() + info.offset, m_.data() + info.offset,
-                    v_.data() + info.offset, static_cast<int64_t>(info.numel), lr, o.beta1, o.beta2, o.eps,
-                    info.decay ? o.weight_decay : 0.0, step + 1, grad_scale);
+  ensure_moments();
+  for (const auto& p : model_->trainable_params())
+    cpu::adamw_step(p.value, p.grad, m_[p.name].data(), v_[p.name].data(), shape_numel(p.shape), lr, o.beta1,
+                    o.beta2, o.eps, p.decay ? o.weight_decay : 0.0, step + 1, grad_scale);
+  model_->after_optimizer_step();
 }
 
 void Trainer::save() {
   state_.data = train_data_->state();
+  ensure_moments();
   last_checkpoint_ = save_checkpoint(run_dir_, *model_, cfg_, tokenizer_, state_, m_, v_);
   prune_checkpoints(run_dir_, cfg_.keep_checkpoints);
   log_("saved " + last_checkpoint_);
@@ -196,6 +216,7 @@ TrainResult Trainer::run() {
   bool first = true;
   while (state_.step < cfg_.steps) {
     const int64_t step = state_.step;
+    model_->on_step_begin(step);
     model_->zero_grad();
     double loss = 0;
     for (int micro = 0; micro < cfg_.grad_accum; ++micro) {
@@ -206,7 +227,7 @@ TrainResult Trainer::run() {
     if (!std::isfinite(loss))
       fail("training diverged: loss is ", loss, " at step ", step + 1,
            " (try a lower optimizer.lr or a longer schedule.warmup_steps); checkpoints so far are intact");
-    const double norm = std::sqrt(cpu::global_grad_norm_squared(model_->grads(), int64_t(model_->num_params())));
+    const double norm = grad_norm();
     ESPLAG_CHECK(std::isfinite(norm), "training diverged: gradient norm is ", norm, " at step ", step + 1);
     const double lr = cfg_.schedule.at(step);
     step_optimizer(step, cpu::clip_scale(norm, cfg_.optimizer.grad_clip), lr);

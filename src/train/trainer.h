@@ -47,6 +47,9 @@ class Trainer {
   Trainer(LogFn log) : log_(std::move(log)) {}
   void setup_data();
   EvalResult evaluate();
+  // Global L2 norm of every trained gradient (deterministic order).
+  double grad_norm();
+  void ensure_moments();
   void step_optimizer(int64_t step, double grad_scale, double lr);
   void save();
   void append_metrics(const std::string& json_line);
@@ -56,7 +59,7 @@ class Trainer {
   LogFn log_;
   std::unique_ptr<Transformer<float>> model_;
   std::unique_ptr<DataLoader> train_data_, val_data_;
-  std::vector<float> m_, v_;
+  Moments m_, v_;
   TrainerState state_;
   std::string last_checkpoint_;
 };
