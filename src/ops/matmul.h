@@ -1,4 +1,11 @@
 // Linear layer: out = inp · Wᵀ + bias, W stored [OC, C] (PyTorch's nn.Linear layout).
+//
+// All three products run on one cache-blocked, multi-threaded GEMM (cpu/matmul.cpp).
+// Every output element is accumulated in order over the reduction dimension, starting
+// from the bias (forward) or from the gradient's current value (backward), by a single
+// thread: results are bit-identical for any thread count. On x86-64 CPUs with AVX2 and
+// FMA a fused-multiply-add kernel is chosen at run time; elsewhere a portable one, whose
+// results differ from it by rounding only.
 #pragma once
 
 namespace esplag::cpu {
