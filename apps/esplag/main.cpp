@@ -18,6 +18,7 @@
 #include "io/atomic_file.h"
 #include "model/transformer.h"
 #include "ops/adamw.h"
+#include "profile/profiler.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 
@@ -40,6 +41,8 @@ usage:
   esplag eval --checkpoint DIR [--data DIR] [--split val|train] [--batches N] [--json]
   esplag sample --checkpoint DIR [--prompt TEXT] [--tokens 200] [--temperature 0.8]
                 [--top-k 40] [--seed 1]
+  esplag profile --config FILE.yaml [--set key=value]... [--warmup 1] [--out DIR]
+                 [--what-if 'PATTERN=FACTOR']... [--what-if-from bench.csv]...
   esplag bench train --model PRESET [--batch 4] [--seq 256] [--steps 2] [--warmup 1]
                      [--vocab N] [--csv FILE]
   esplag --version
@@ -188,6 +191,33 @@ int cmd_sample(const std::vector<std::string>& argv) {
   return 0;
 }
 
+int cmd_profile(const std::vector<std::string>& argv) {
+  Args a(argv, "profile", {"config", "out", "warmup"}, {}, {"set", "what-if", "what-if-from"});
+  const std::string config_path = a.required("config");
+  TrainConfig cfg = load_train_config(config_path, a.all("set"));
+  const int warmup = static_cast<int>(a.integer("warmup", 1));
+  ESPLAG_CHECK(warmup >= 0, "profile: --warmup must not be negative");
+  // Parse the what-if specs before spending time on the run, so a typo fails at once.
+  const auto specs = Profiler::what_if_specs(a.all("what-if"), a.all("what-if-from"));
+  const std::string out = a.get("out", "runs/" + fs::path(config_path).stem().string() + "-profile");
+  cfg.steps = cfg.schedule.total_steps = std::max<int64_t>(cfg.steps, warmup + 1);
+  Trainer trainer(cfg, out, [](const std::string&) {});
+  for (int i = 0; i < warmup; ++i) trainer.train_step();
+  Profiler profiler;
+  const auto t0 = std::chrono::steady_clock::now();
+  profiler.start();
+  trainer.train_step();
+  auto records = profiler.stop();
+  const double step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const ProfileResult result = Profiler::analyse(std::move(records), specs);
+  const std::string dir = (fs::path(out) / "profile").string();
+  Profiler::write_reports(dir, result);
+  std::cout << Profiler::summary(result);
+  std::printf("step measured outside the profiler: %.2f ms\nreports: %s/{report.html,trace.json,ops.csv}\n", step_ms,
+              dir.c_str());
+  return 0;
+}
+
 int cmd_bench(const std::vector<std::string>& argv) {
   ESPLAG_CHECK(!argv.empty() && argv[0] == "train", "usage: esplag bench train --model PRESET ...");
   Args a({argv.begin() + 1, argv.end()}, "bench train", {"model", "batch", "seq", "steps", "warmup", "vocab", "csv"});
@@ -257,6 +287,7 @@ int main(int argc, char** argv) {
     if (cmd == "eval") return cmd_eval(rest);
     if (cmd == "sample") return cmd_sample(rest);
     if (cmd == "bench") return cmd_bench(rest);
+    if (cmd == "profile") return cmd_profile(rest);
     std::cerr << "esplag: unknown command '" << cmd << "' (see esplag --help)" << std::endl;
     return 2;
   } catch (const Error& e) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/op_trace.h"
 #include "ops/matmul.h"
 
 namespace esplag {
@@ -14,12 +15,18 @@ void Linear<T>::dense_weight(T* out) const {
 template <typename T>
 void DenseLinear<T>::forward(T* out, const T* inp, int N) {
   const auto& p = this->p_;
+  const double M = N, K = p.in_features, O = p.out_features;
+  ScopedOp op({p.module, "fwd"}, OpCategory::dense_gemm, p.layer, 2 * M * K * O, sizeof(T) * (M * K + K * O + M * O),
+              {inp, p.weight}, {out});
   cpu::linear_forward(out, inp, p.weight, p.bias, N, p.in_features, p.out_features);
 }
 
 template <typename T>
 void DenseLinear<T>::backward(T* dinp, const T* dout, const T* inp, int N) {
   const auto& p = this->p_;
+  const double M = N, K = p.in_features, O = p.out_features;
+  ScopedOp op({p.module, "bwd"}, OpCategory::dense_gemm, p.layer, (dinp ? 4 : 2) * M * K * O,
+              sizeof(T) * (2 * M * K + 2 * K * O + M * O), {dout, inp, p.weight}, {dinp, p.dweight});
   cpu::linear_backward(dinp, p.dweight, p.dbias, dout, inp, p.weight, N, p.in_features, p.out_features);
 }
 

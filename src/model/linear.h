@@ -30,7 +30,9 @@ namespace esplag {
 
 template <typename T>
 struct LinearParams {
-  std::string name;  // weight parameter name, e.g. "blocks.0.mlp.fc.weight"
+  std::string name;    // weight parameter name, e.g. "blocks.0.mlp.fc.weight"
+  std::string module;  // the layer's name without ".weight": how profiled ops are named
+  int layer = -1;      // transformer block index
   int in_features = 0;
   int out_features = 0;
   T* weight = nullptr;   // [out, in]

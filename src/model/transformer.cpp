@@ -5,6 +5,7 @@
 #include <map>
 
 #include "core/error.h"
+#include "core/op_trace.h"
 #include "core/rng.h"
 #include "ops/activation.h"
 #include "ops/attention.h"
@@ -23,6 +24,8 @@ constexpr int kHeadChunk = 256;
 
 template <typename T>
 struct Transformer<T>::Block {
+  std::string prefix;  // "blocks.3", the start of every op name in this block
+  Norm norm1, norm2;
   std::unique_ptr<Linear<T>> qkv, attn_proj, fc, mlp_proj;
 };
 
@@ -74,9 +77,27 @@ Transformer<T>::Transformer(const ModelConfig& config) : cfg_(config) {
   params_.assign(total, T(0));
   grads_.assign(total, T(0));
 
+  // Pointers into the flat buffers never move after this point: cache them.
+  auto norm = [&](const std::string& name) {
+    Norm n;
+    n.name = name;
+    n.w = p(name + ".weight");
+    n.dw = g(name + ".weight");
+    if (ln) n.b = p(name + ".bias"), n.db = g(name + ".bias");
+    return n;
+  };
+  wte_ = p("embed.tokens.weight");
+  dwte_ = g("embed.tokens.weight");
+  if (cfg_.pos == PosKind::learned) wpe_ = p("embed.positions.weight"), dwpe_ = g("embed.positions.weight");
+  head_w_ = cfg_.tie_embeddings ? wte_ : p("lm_head.weight");
+  head_dw_ = cfg_.tie_embeddings ? dwte_ : g("lm_head.weight");
+  norm_f_ = norm("norm_f");
   blocks_.resize(L);
   for (int l = 0; l < L; ++l) {
     const std::string b = block_prefix(l);
+    blocks_[l].prefix = b.substr(0, b.size() - 1);
+    blocks_[l].norm1 = norm(b + "norm1");
+    blocks_[l].norm2 = norm(b + "norm2");
     blocks_[l].qkv = std::make_unique<DenseLinear<T>>(linear_params(b + "attn.qkv.weight"));
     blocks_[l].attn_proj = std::make_unique<DenseLinear<T>>(linear_params(b + "attn.proj.weight"));
     blocks_[l].fc = std::make_unique<DenseLinear<T>>(linear_params(b + "mlp.fc.weight"));
@@ -189,6 +210,8 @@ LinearParams<T> Transformer<T>::linear_params(const std::string& weight_name) {
   ESPLAG_CHECK(info.shape.size() == 2, "parameter '", weight_name, "' is not a matrix");
   LinearParams<T> lp;
   lp.name = weight_name;
+  lp.module = weight_name.substr(0, weight_name.size() - 7);  // without ".weight"
+  if (weight_name.rfind("blocks.", 0) == 0) lp.layer = std::stoi(weight_name.substr(7));
   lp.out_features = static_cast<int>(info.shape[0]);
   lp.in_features = static_cast<int>(info.shape[1]);
   lp.weight = params_.data() + info.offset;
@@ -265,69 +288,116 @@ void Transformer<T>::ensure_activations(int B, int Tlen) {
 }
 
 template <typename T>
+void Transformer<T>::norm_forward(const Norm& n, T* out, T* mean, T* rstd, const T* x, int N, int layer) {
+  const int C = cfg_.d_model;
+  ScopedOp op({n.name, "fwd"}, OpCategory::norm, layer, 8.0 * N * C, 2.0 * sizeof(T) * N * C, {x, n.w}, {out});
+  if (cfg_.norm == NormKind::layernorm)
+    cpu::layernorm_forward(out, mean, rstd, x, n.w, n.b, N, C);
+  else
+    cpu::rmsnorm_forward(out, rstd, x, n.w, N, C);
+}
+
+// Adds into dinp, which is the residual-stream gradient itself.
+template <typename T>
+void Transformer<T>::norm_backward(const Norm& n, T* dinp, const T* dout, const T* x, const T* mean, const T* rstd,
+                                   int N, int layer) {
+  const int C = cfg_.d_model;
+  ScopedOp op({n.name, "bwd"}, OpCategory::norm, layer, 16.0 * N * C, 3.0 * sizeof(T) * N * C, {dout, x, n.w},
+              {dinp, n.dw});
+  if (cfg_.norm == NormKind::layernorm)
+    cpu::layernorm_backward(dinp, n.dw, n.db, dout, x, n.w, mean, rstd, N, C);
+  else
+    cpu::rmsnorm_backward(dinp, n.dw, dout, x, n.w, rstd, N, C);
+}
+
+template <typename T>
 void Transformer<T>::forward_body(const int32_t* inputs, int B, int Tlen) {
   ensure_activations(B, Tlen);
   auto& a = *acts_;
-  const int N = B * Tlen, C = cfg_.d_model, V = cfg_.vocab_size;
-  const bool ln = cfg_.norm == NormKind::layernorm;
+  const int N = B * Tlen, C = cfg_.d_model, V = cfg_.vocab_size, NH = cfg_.n_head, KV = cfg_.n_kv_head,
+            HD = cfg_.head_dim();
+  const int64_t NC = int64_t(N) * C, NF = int64_t(N) * cfg_.d_ff;
   for (int i = 0; i < N; ++i)
     ESPLAG_CHECK(inputs[i] >= 0 && inputs[i] < V, "input token ", inputs[i], " at position ", i,
                  " is outside the vocabulary [0, ", V, ")");
-  cpu::embedding_forward(a.embed.data(), inputs, p("embed.tokens.weight"),
-                         cfg_.pos == PosKind::learned ? p("embed.positions.weight") : static_cast<T*>(nullptr), B,
-                         Tlen, C);
-  auto norm = [&](const std::string& name, T* out, T* mean, T* rstd, const T* x) {
-    if (ln)
-      cpu::layernorm_forward(out, mean, rstd, x, p(name + ".weight"), p(name + ".bias"), N, C);
-    else
-      cpu::rmsnorm_forward(out, rstd, x, p(name + ".weight"), N, C);
-  };
+  {
+    ScopedOp op("embed.fwd", OpCategory::elementwise, -1, NC, 3.0 * sizeof(T) * NC, {inputs, wte_}, {a.embed.data()});
+    cpu::embedding_forward(a.embed.data(), inputs, wte_, wpe_, B, Tlen, C);
+  }
   const T* x = a.embed.data();
   for (int l = 0; l < cfg_.n_layer; ++l) {
     auto& L = a.layers[l];
     auto& blk = blocks_[l];
-    const std::string b = block_prefix(l);
-    norm(b + "norm1", L.ln1.data(), L.ln1_mean.data(), L.ln1_rstd.data(), x);
+    norm_forward(blk.norm1, L.ln1.data(), L.ln1_mean.data(), L.ln1_rstd.data(), x, N, l);
     blk.qkv->forward(L.qkv.data(), L.ln1.data(), N);
-    if (cfg_.pos == PosKind::rope)
-      cpu::rope_forward(L.qkv.data(), B, Tlen, cfg_.n_head, cfg_.n_kv_head, cfg_.head_dim(), cfg_.rope_theta);
-    cpu::attention_forward(L.atty.data(), L.att.data(), L.qkv.data(), B, Tlen, cfg_.n_head, cfg_.n_kv_head,
-                           cfg_.head_dim());
+    if (cfg_.pos == PosKind::rope) {
+      ScopedOp op({blk.prefix, "rope.fwd"}, OpCategory::elementwise, l, 3.0 * N * (NH + KV) * HD,
+                  2.0 * sizeof(T) * N * (NH + KV) * HD, {L.qkv.data()}, {L.qkv.data()});
+      cpu::rope_forward(L.qkv.data(), B, Tlen, NH, KV, HD, cfg_.rope_theta);
+    }
+    {
+      ScopedOp op({blk.prefix, "attn.sdpa.fwd"}, OpCategory::attention, l, 2.0 * B * NH * double(Tlen) * Tlen * HD,
+                  sizeof(T) * (double(N) * cfg_.qkv_dim() + double(B) * NH * Tlen * Tlen + double(N) * NH * HD),
+                  {L.qkv.data()}, {L.atty.data(), L.att.data()});
+      cpu::attention_forward(L.atty.data(), L.att.data(), L.qkv.data(), B, Tlen, NH, KV, HD);
+    }
     blk.attn_proj->forward(L.res_mid.data(), L.atty.data(), N);
-    cpu::residual_forward(L.res_mid.data(), L.res_mid.data(), x, int64_t(N) * C);
-    norm(b + "norm2", L.ln2.data(), L.ln2_mean.data(), L.ln2_rstd.data(), L.res_mid.data());
+    {
+      ScopedOp op({blk.prefix, "residual1.fwd"}, OpCategory::elementwise, l, NC, 3.0 * sizeof(T) * NC,
+                  {L.res_mid.data(), x}, {L.res_mid.data()});
+      cpu::residual_forward(L.res_mid.data(), L.res_mid.data(), x, NC);
+    }
+    norm_forward(blk.norm2, L.ln2.data(), L.ln2_mean.data(), L.ln2_rstd.data(), L.res_mid.data(), N, l);
     blk.fc->forward(L.fc.data(), L.ln2.data(), N);
-    switch (cfg_.mlp) {
-      case MlpKind::gelu: cpu::gelu_forward(L.act.data(), L.fc.data(), int64_t(N) * cfg_.d_ff); break;
-      case MlpKind::swiglu: cpu::swiglu_forward(L.act.data(), L.fc.data(), N, cfg_.d_ff); break;
-      case MlpKind::relu2: cpu::relu2_forward(L.act.data(), L.fc.data(), int64_t(N) * cfg_.d_ff); break;
+    {
+      ScopedOp op({blk.prefix, "mlp.act.fwd"}, OpCategory::elementwise, l, 8.0 * NF,
+                  sizeof(T) * double(N) * (cfg_.fc_dim() + cfg_.d_ff), {L.fc.data()}, {L.act.data()});
+      switch (cfg_.mlp) {
+        case MlpKind::gelu: cpu::gelu_forward(L.act.data(), L.fc.data(), NF); break;
+        case MlpKind::swiglu: cpu::swiglu_forward(L.act.data(), L.fc.data(), N, cfg_.d_ff); break;
+        case MlpKind::relu2: cpu::relu2_forward(L.act.data(), L.fc.data(), NF); break;
+      }
     }
     blk.mlp_proj->forward(L.res_out.data(), L.act.data(), N);
-    cpu::residual_forward(L.res_out.data(), L.res_out.data(), L.res_mid.data(), int64_t(N) * C);
+    {
+      ScopedOp op({blk.prefix, "residual2.fwd"}, OpCategory::elementwise, l, NC, 3.0 * sizeof(T) * NC,
+                  {L.res_out.data(), L.res_mid.data()}, {L.res_out.data()});
+      cpu::residual_forward(L.res_out.data(), L.res_out.data(), L.res_mid.data(), NC);
+    }
     x = L.res_out.data();
   }
-  norm("norm_f", a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), x);
+  norm_forward(norm_f_, a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), x, N, -1);
 }
 
 template <typename T>
 double Transformer<T>::head_loss(const int32_t* targets, int N, bool train, double loss_scale) {
   auto& a = *acts_;
   const int C = cfg_.d_model, V = cfg_.vocab_size;
-  const std::string head = cfg_.tie_embeddings ? "embed.tokens.weight" : "lm_head.weight";
-  const T* W = p(head);
-  T* dW = g(head);
   if (train) std::fill(a.dlnf.begin(), a.dlnf.end(), T(0));
   double total = 0;
   for (int r0 = 0; r0 < N; r0 += kHeadChunk) {
     const int rows = std::min(kHeadChunk, N - r0);
     const T* h = a.lnf.data() + size_t(r0) * C;
-    cpu::linear_forward(a.logits.data(), h, W, static_cast<const T*>(nullptr), rows, C, V);
-    cpu::softmax_cross_entropy(a.losses.data(), train ? a.dlogits.data() : static_cast<T*>(nullptr),
-                               a.logits.data(), targets + r0, rows, V, static_cast<T>(loss_scale / N));
+    const double gemm_flops = 2.0 * rows * C * V;
+    {
+      ScopedOp op("lm_head.fwd", OpCategory::dense_gemm, -1, gemm_flops, sizeof(T) * (double(rows) * (C + V) + double(V) * C),
+                  {h, head_w_}, {a.logits.data()});
+      cpu::linear_forward(a.logits.data(), h, head_w_, static_cast<const T*>(nullptr), rows, C, V);
+    }
+    {
+      ScopedOp op("lm_head.cross_entropy", OpCategory::loss, -1, 5.0 * rows * V, 2.0 * sizeof(T) * rows * V,
+                  {a.logits.data(), targets}, {a.losses.data(), a.dlogits.data()});
+      cpu::softmax_cross_entropy(a.losses.data(), train ? a.dlogits.data() : static_cast<T*>(nullptr),
+                                 a.logits.data(), targets + r0, rows, V, static_cast<T>(loss_scale / N));
+    }
     for (int i = 0; i < rows; ++i) total += a.losses[i];
-    if (train)
-      cpu::linear_backward(a.dlnf.data() + size_t(r0) * C, dW, static_cast<T*>(nullptr), a.dlogits.data(), h, W,
-                           rows, C, V);
+    if (train) {
+      ScopedOp op("lm_head.bwd", OpCategory::dense_gemm, -1, 2.0 * gemm_flops,
+                  sizeof(T) * (double(rows) * (2 * C + V) + 2.0 * V * C), {a.dlogits.data(), h, head_w_},
+                  {a.dlnf.data(), head_dw_});
+      cpu::linear_backward(a.dlnf.data() + size_t(r0) * C, head_dw_, static_cast<T*>(nullptr), a.dlogits.data(), h,
+                           head_w_, rows, C, V);
+    }
   }
   return total / N;
 }
@@ -335,52 +405,55 @@ double Transformer<T>::head_loss(const int32_t* targets, int N, bool train, doub
 template <typename T>
 void Transformer<T>::backward_body(const int32_t* inputs, int B, int Tlen) {
   auto& a = *acts_;
-  const int N = B * Tlen, C = cfg_.d_model;
-  const bool ln = cfg_.norm == NormKind::layernorm;
+  const int N = B * Tlen, C = cfg_.d_model, NH = cfg_.n_head, KV = cfg_.n_kv_head, HD = cfg_.head_dim();
+  const int64_t NC = int64_t(N) * C, NF = int64_t(N) * cfg_.d_ff;
   auto zero = [](std::vector<T>& v) { std::fill(v.begin(), v.end(), T(0)); };
-  // Norm backward adds into dinp, which is the residual-stream gradient itself.
-  auto norm_bwd = [&](const std::string& name, T* dinp, const T* dout, const T* x, const T* mean, const T* rstd) {
-    if (ln)
-      cpu::layernorm_backward(dinp, g(name + ".weight"), g(name + ".bias"), dout, x, p(name + ".weight"), mean,
-                              rstd, N, C);
-    else
-      cpu::rmsnorm_backward(dinp, g(name + ".weight"), dout, x, p(name + ".weight"), rstd, N, C);
-  };
   zero(a.dres);
   const T* x_last = cfg_.n_layer ? a.layers.back().res_out.data() : a.embed.data();
-  norm_bwd("norm_f", a.dres.data(), a.dlnf.data(), x_last, a.lnf_mean.data(), a.lnf_rstd.data());
+  norm_backward(norm_f_, a.dres.data(), a.dlnf.data(), x_last, a.lnf_mean.data(), a.lnf_rstd.data(), N, -1);
   for (int l = cfg_.n_layer - 1; l >= 0; --l) {
     auto& L = a.layers[l];
     auto& blk = blocks_[l];
-    const std::string b = block_prefix(l);
     const T* x_in = l ? a.layers[l - 1].res_out.data() : a.embed.data();
     // MLP half: dres holds d(res_out) = d(res_mid) through the residual.
     zero(a.dact);
     blk.mlp_proj->backward(a.dact.data(), a.dres.data(), L.act.data(), N);
     zero(a.dfc);
-    switch (cfg_.mlp) {
-      case MlpKind::gelu: cpu::gelu_backward(a.dfc.data(), L.fc.data(), a.dact.data(), int64_t(N) * cfg_.d_ff); break;
-      case MlpKind::swiglu: cpu::swiglu_backward(a.dfc.data(), L.fc.data(), a.dact.data(), N, cfg_.d_ff); break;
-      case MlpKind::relu2: cpu::relu2_backward(a.dfc.data(), L.fc.data(), a.dact.data(), int64_t(N) * cfg_.d_ff); break;
+    {
+      ScopedOp op({blk.prefix, "mlp.act.bwd"}, OpCategory::elementwise, l, 12.0 * NF,
+                  sizeof(T) * double(N) * (2 * cfg_.fc_dim() + cfg_.d_ff), {L.fc.data(), a.dact.data()},
+                  {a.dfc.data()});
+      switch (cfg_.mlp) {
+        case MlpKind::gelu: cpu::gelu_backward(a.dfc.data(), L.fc.data(), a.dact.data(), NF); break;
+        case MlpKind::swiglu: cpu::swiglu_backward(a.dfc.data(), L.fc.data(), a.dact.data(), N, cfg_.d_ff); break;
+        case MlpKind::relu2: cpu::relu2_backward(a.dfc.data(), L.fc.data(), a.dact.data(), NF); break;
+      }
     }
     zero(a.dln);
     blk.fc->backward(a.dln.data(), a.dfc.data(), L.ln2.data(), N);
-    norm_bwd(b + "norm2", a.dres.data(), a.dln.data(), L.res_mid.data(), L.ln2_mean.data(), L.ln2_rstd.data());
+    norm_backward(blk.norm2, a.dres.data(), a.dln.data(), L.res_mid.data(), L.ln2_mean.data(), L.ln2_rstd.data(), N, l);
     // Attention half: dres now holds d(res_mid) = d(x_in) through the residual.
     zero(a.datty);
     blk.attn_proj->backward(a.datty.data(), a.dres.data(), L.atty.data(), N);
     zero(a.dqkv);
-    cpu::attention_backward(a.dqkv.data(), a.datty.data(), L.qkv.data(), L.att.data(), B, Tlen, cfg_.n_head,
-                            cfg_.n_kv_head, cfg_.head_dim());
-    if (cfg_.pos == PosKind::rope)
-      cpu::rope_backward(a.dqkv.data(), B, Tlen, cfg_.n_head, cfg_.n_kv_head, cfg_.head_dim(), cfg_.rope_theta);
+    {
+      ScopedOp op({blk.prefix, "attn.sdpa.bwd"}, OpCategory::attention, l, 4.0 * B * NH * double(Tlen) * Tlen * HD,
+                  sizeof(T) * (2.0 * N * cfg_.qkv_dim() + double(B) * NH * Tlen * Tlen + double(N) * NH * HD),
+                  {a.datty.data(), L.qkv.data(), L.att.data()}, {a.dqkv.data()});
+      cpu::attention_backward(a.dqkv.data(), a.datty.data(), L.qkv.data(), L.att.data(), B, Tlen, NH, KV, HD);
+    }
+    if (cfg_.pos == PosKind::rope) {
+      ScopedOp op({blk.prefix, "rope.bwd"}, OpCategory::elementwise, l, 3.0 * N * (NH + KV) * HD,
+                  2.0 * sizeof(T) * N * (NH + KV) * HD, {a.dqkv.data()}, {a.dqkv.data()});
+      cpu::rope_backward(a.dqkv.data(), B, Tlen, NH, KV, HD, cfg_.rope_theta);
+    }
     zero(a.dln);
     blk.qkv->backward(a.dln.data(), a.dqkv.data(), L.ln1.data(), N);
-    norm_bwd(b + "norm1", a.dres.data(), a.dln.data(), x_in, L.ln1_mean.data(), L.ln1_rstd.data());
+    norm_backward(blk.norm1, a.dres.data(), a.dln.data(), x_in, L.ln1_mean.data(), L.ln1_rstd.data(), N, l);
   }
-  cpu::embedding_backward(g("embed.tokens.weight"),
-                          cfg_.pos == PosKind::learned ? g("embed.positions.weight") : static_cast<T*>(nullptr),
-                          a.dres.data(), inputs, B, Tlen, C);
+  ScopedOp op("embed.bwd", OpCategory::elementwise, -1, NC, 3.0 * sizeof(T) * NC, {a.dres.data(), inputs},
+              {dwte_, dwpe_});
+  cpu::embedding_backward(dwte_, dwpe_, a.dres.data(), inputs, B, Tlen, C);
 }
 
 template <typename T>
@@ -402,9 +475,8 @@ template <typename T>
 void Transformer<T>::forward_last_logits(const int32_t* inputs, int B, int Tlen, T* out) {
   forward_body(inputs, B, Tlen);
   const int C = cfg_.d_model, V = cfg_.vocab_size;
-  const T* W = p(cfg_.tie_embeddings ? "embed.tokens.weight" : "lm_head.weight");
   for (int b = 0; b < B; ++b)
-    cpu::linear_forward(out + size_t(b) * V, acts_->lnf.data() + (size_t(b) * Tlen + Tlen - 1) * C, W,
+    cpu::linear_forward(out + size_t(b) * V, acts_->lnf.data() + (size_t(b) * Tlen + Tlen - 1) * C, head_w_,
                         static_cast<const T*>(nullptr), 1, C, V);
 }
 

@@ -74,8 +74,15 @@ class Transformer {
   void replace_linear(const std::string& weight_name, std::unique_ptr<Linear<T>> impl);
 
  private:
+  struct Norm {
+    std::string name;  // "blocks.3.norm1"
+    T *w = nullptr, *b = nullptr, *dw = nullptr, *db = nullptr;
+  };
   struct Block;
   struct Activations;
+  void norm_forward(const Norm& n, T* out, T* mean, T* rstd, const T* x, int N, int layer);
+  void norm_backward(const Norm& n, T* dinp, const T* dout, const T* x, const T* mean, const T* rstd, int N,
+                     int layer);
   void add_param(const std::string& name, const Shape& shape, bool decay);
   T* p(const std::string& name);
   T* g(const std::string& name);
@@ -90,6 +97,8 @@ class Transformer {
   std::vector<ParamInfo> infos_;
   std::vector<T> params_, grads_;
   std::vector<Block> blocks_;
+  Norm norm_f_;
+  T *wte_ = nullptr, *dwte_ = nullptr, *wpe_ = nullptr, *dwpe_ = nullptr, *head_w_ = nullptr, *head_dw_ = nullptr;
   std::unique_ptr<Activations> acts_;
 };
 

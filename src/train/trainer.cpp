@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/op_trace.h"
 #include "io/atomic_file.h"
 #include "ops/adamw.h"
 
@@ -161,7 +162,11 @@ EvalResult Trainer::evaluate() {
 
 double Trainer::grad_norm() {
   double sq = 0;
-  for (const auto& p : model_->trainable_params()) sq += cpu::global_grad_norm_squared(p.grad, shape_numel(p.shape));
+  for (const auto& p : model_->trainable_params()) {
+    const int64_t n = shape_numel(p.shape);
+    ScopedOp op({p.name, "grad_norm"}, OpCategory::optimizer, -1, 2.0 * n, sizeof(float) * double(n), {p.grad}, {});
+    sq += cpu::global_grad_norm_squared(p.grad, n);
+  }
   return std::sqrt(sq);
 }
 
@@ -182,9 +187,14 @@ void Trainer::ensure_moments() {
 void Trainer::step_optimizer(int64_t step, double grad_scale, double lr) {
   const auto& o = cfg_.optimizer;
   ensure_moments();
-  for (const auto& p : model_->trainable_params())
+  for (const auto& p : model_->trainable_params()) {
+    const int64_t n = shape_numel(p.shape);
+    ScopedOp op({p.name, "adamw"}, OpCategory::optimizer, -1, 12.0 * n, 7.0 * sizeof(float) * n,
+                {p.value, p.grad, m_[p.name].data(), v_[p.name].data()},
+                {p.value, m_[p.name].data(), v_[p.name].data()});
     cpu::adamw_step(p.value, p.grad, m_[p.name].data(), v_[p.name].data(), shape_numel(p.shape), lr, o.beta1,
                     o.beta2, o.eps, p.decay ? o.weight_decay : 0.0, step + 1, grad_scale);
+  }
   model_->after_optimizer_step();
 }
 
@@ -196,11 +206,35 @@ void Trainer::save() {
   log_("saved " + last_checkpoint_);
 }
 
+Trainer::StepStats Trainer::train_step() {
+  const int B = cfg_.batch_size, T = cfg_.seq_len;
+  batch_x_.resize(size_t(B) * T);
+  batch_y_.resize(size_t(B) * T);
+  const int64_t step = state_.step;
+  model_->on_step_begin(step);
+  model_->zero_grad();
+  StepStats st;
+  for (int micro = 0; micro < cfg_.grad_accum; ++micro) {
+    train_data_->next_batch(batch_x_.data(), batch_y_.data());
+    st.loss += model_->forward_backward(batch_x_.data(), batch_y_.data(), B, T, 1.0 / cfg_.grad_accum);
+  }
+  st.loss /= cfg_.grad_accum;
+  if (!std::isfinite(st.loss))
+    fail("training diverged: loss is ", st.loss, " at step ", step + 1,
+         " (try a lower optimizer.lr or a longer schedule.warmup_steps); checkpoints so far are intact");
+  st.grad_norm = grad_norm();
+  ESPLAG_CHECK(std::isfinite(st.grad_norm), "training diverged: gradient norm is ", st.grad_norm, " at step ",
+               step + 1);
+  st.lr = cfg_.schedule.at(step);
+  step_optimizer(step, cpu::clip_scale(st.grad_norm, cfg_.optimizer.grad_clip), st.lr);
+  state_.step = step + 1;
+  state_.tokens_seen += int64_t(B) * T * cfg_.grad_accum;
+  return st;
+}
+
 TrainResult Trainer::run() {
   using clock = std::chrono::steady_clock;
-  const int B = cfg_.batch_size, T = cfg_.seq_len;
-  const int64_t tokens_per_step = int64_t(B) * T * cfg_.grad_accum;
-  std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
+  const int64_t tokens_per_step = int64_t(cfg_.batch_size) * cfg_.seq_len * cfg_.grad_accum;
   TrainResult result;
   if (state_.step == 0) {
     char buf[256];
@@ -215,24 +249,8 @@ TrainResult Trainer::run() {
   int64_t window_tokens = 0;
   bool first = true;
   while (state_.step < cfg_.steps) {
-    const int64_t step = state_.step;
-    model_->on_step_begin(step);
-    model_->zero_grad();
-    double loss = 0;
-    for (int micro = 0; micro < cfg_.grad_accum; ++micro) {
-      train_data_->next_batch(x.data(), y.data());
-      loss += model_->forward_backward(x.data(), y.data(), B, T, 1.0 / cfg_.grad_accum);
-    }
-    loss /= cfg_.grad_accum;
-    if (!std::isfinite(loss))
-      fail("training diverged: loss is ", loss, " at step ", step + 1,
-           " (try a lower optimizer.lr or a longer schedule.warmup_steps); checkpoints so far are intact");
-    const double norm = grad_norm();
-    ESPLAG_CHECK(std::isfinite(norm), "training diverged: gradient norm is ", norm, " at step ", step + 1);
-    const double lr = cfg_.schedule.at(step);
-    step_optimizer(step, cpu::clip_scale(norm, cfg_.optimizer.grad_clip), lr);
-    state_.step = step + 1;
-    state_.tokens_seen += tokens_per_step;
+    const StepStats st = train_step();
+    const double loss = st.loss, norm = st.grad_norm, lr = st.lr;
     window_tokens += tokens_per_step;
     if (first) result.first_loss = loss;
     first = false;

@@ -40,6 +40,13 @@ class Trainer {
   static std::unique_ptr<Trainer> resume(const std::string& dir, LogFn log, int64_t steps = 0);
 
   TrainResult run();
+
+  // One optimizer step (all micro-batches, clipping, AdamW, the Linear kinds' hooks);
+  // what run() repeats. Public so that the profiler can observe exactly one step.
+  struct StepStats {
+    double loss = 0, grad_norm = 0, lr = 0;
+  };
+  StepStats train_step();
   const TrainConfig& config() const { return cfg_; }
   Transformer<float>& model() { return *model_; }
 
@@ -61,6 +68,7 @@ class Trainer {
   std::unique_ptr<DataLoader> train_data_, val_data_;
   Moments m_, v_;
   TrainerState state_;
+  std::vector<int32_t> batch_x_, batch_y_;
   std::string last_checkpoint_;
 };
 

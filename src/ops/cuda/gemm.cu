@@ -1,0 +1,318 @@
+// Linear layers through cuBLASLt: bf16 operands, fp32 accumulation (CUBLAS_COMPUTE_32F).
+//
+// cuBLASLt is column-major; a row-major [R, K] matrix is the column-major [K, R] matrix
+// with leading dimension K. With W [OC, C], inp [N, C], dout [N, OC] row-major:
+//   out  = inp · Wᵀ     ->  outᵀ (OC×N)  = op_T(W_cm: C×OC) · inp_cm (C×N)      m=OC n=N  k=C
+//   dinp = dout · W     ->  dinpᵀ (C×N)  = W_cm (C×OC) · dout_cm (OC×N)          m=C  n=N  k=OC
+//   dW   = doutᵀ · inp  ->  dWᵀ (C×OC)   = inp_cm (C×N) · op_T(dout_cm: OC×N)    m=C  n=OC k=N
+// The bias of the forward is then per row of D (what the BIAS epilogue adds), and the
+// bias gradient Σ_n dout is the column sum of op(B) in the dW product (BGRADB).
+//
+// A plan (descriptor, four layouts, the heuristic's algorithm) is built on first use of
+// a (shape, operation, epilogue, alignment) combination and cached; a combination the
+// heuristic rejects is cached as unsupported and served by separate kernels.
+#include <cstring>
+#include <unordered_map>
+
+#include "core/device_arena.h"
+#include "core/error.h"
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/reduce.cuh"
+#include "ops/gpu.h"
+
+namespace esplag::gpu {
+
+namespace {
+
+using detail::to_bf;
+using detail::to_f;
+
+constexpr int kThreads = 256;
+
+// out[n, o] = bias[o]: the fallback for the bias epilogue. The GEMM then runs with
+// beta = 1, so the bias is added in fp32 before the single rounding, as the epilogue does.
+__global__ void broadcast_rows_kernel(bf16* out, const bf16* bias, int64_t N, int OC) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i < N * OC) out[i] = bias[i % OC];
+}
+
+__global__ void add_vec_kernel(float* dst, const float* src, int n) {
+  const int i = blockIdx.x * kThreads + threadIdx.x;
+  if (i < n) dst[i] += src[i];
+}
+
+uint32_t alignment_of(const void* p) {
+  if (!p) return 256;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t al = 1;
+  while (al < 256 && (a & al) == 0) al <<= 1;
+  return al;
+}
+
+struct PlanKey {
+  int32_t m, n, k, lda, ldb, ldd;
+  int32_t transa, transb, dtype_d, epilogue;
+  uint32_t align_a, align_b, align_d, align_bias, align_aux;
+  int64_t aux_ld;
+  bool operator==(const PlanKey& o) const { return std::memcmp(this, &o, sizeof(PlanKey)) == 0; }
+};
+
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& k) const {
+    // FNV-1a over the bytes; the key is zero-initialised, so padding is deterministic.
+    const unsigned char* p = reinterpret_cast<const unsigned char*>(&k);
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < sizeof(PlanKey); ++i) h = (h ^ p[i]) * 1099511628211ull;
+    return static_cast<size_t>(h);
+  }
+};
+
+struct Plan {
+  bool ok = false;
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+}  // namespace
+
+struct Gemm::Impl {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  float* scratch = nullptr;
+  size_t scratch_floats = 0;
+  std::unordered_map<PlanKey, Plan, PlanKeyHash> cache;
+
+  ~Impl() {
+    for (auto& [key, plan] : cache) destroy(plan);
+    if (handle) cublasLtDestroy(handle);
+  }
+
+  static void destroy(Plan& p) {
+    if (p.desc) cublasLtMatmulDescDestroy(p.desc);
+    if (p.a) cublasLtMatrixLayoutDestroy(p.a);
+    if (p.b) cublasLtMatrixLayoutDestroy(p.b);
+    if (p.d) cublasLtMatrixLayoutDestroy(p.d);
+    p = Plan{};
+  }
+
+  // D (m×n, column-major, ld ldd) = alpha · op(A) · op(B) + beta · D with the epilogue.
+  // Returns false when cuBLASLt does not support the combination with a non-default
+  // epilogue (the caller falls back); throws for anything else.
+  bool matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const bf16* A, int lda,
+              const bf16* B, int ldb, void* D, int ldd, cudaDataType_t dtype_d, float beta,
+              cublasLtEpilogue_t epi, const void* bias, const void* aux, int64_t aux_ld, cudaStream_t stream) {
+    PlanKey key;
+    std::memset(&key, 0, sizeof key);
+    key.m = m;
+    key.n = n;
+    key.k = k;
+    key.lda = lda;
+    key.ldb = ldb;
+    key.ldd = ldd;
+    key.transa = ta;
+    key.transb = tb;
+    key.dtype_d = dtype_d;
+    key.epilogue = epi;
+    key.align_a = alignment_of(A);
+    key.align_b = alignment_of(B);
+    key.align_d = alignment_of(D);
+    key.align_bias = bias ? alignment_of(bias) : 0;
+    key.align_aux = aux ? alignment_of(aux) : 0;
+    key.aux_ld = aux_ld;
+
+    auto it = cache.find(key);
+    if (it == cache.end()) it = cache.emplace(key, build(key, bias, aux)).first;
+    Plan& plan = it->second;
+    if (!plan.ok) {
+      if (epi == CUBLASLT_EPILOGUE_DEFAULT)
+        fail("cuBLASLt has no algorithm for the bf16 GEMM m=", m, " n=", n, " k=", k, " (lda=", lda, ", ldb=", ldb,
+             ", ldd=", ldd, ", alignments ", key.align_a, "/", key.align_b, "/", key.align_d, " bytes)");
+      return false;
+    }
+    // Pointers are per call; the descriptor is shared by every call of this plan.
+    if (bias)
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+    if (aux)
+      CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux));
+    const float alpha = 1.f;
+    const cublasStatus_t st = cublasLtMatmul(handle, plan.desc, &alpha, A, plan.a, B, plan.b, &beta, D, plan.d, D,
+                                             plan.d, &plan.algo, workspace, workspace_bytes, stream);
+    if ((st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) && epi != CUBLASLT_EPILOGUE_DEFAULT) {
+      plan.ok = false;  // remembered: later calls go straight to the fallback
+      return false;
+    }
+    CUBLAS_CHECK(st);
+    return true;
+  }
+
+  Plan build(const PlanKey& key, const void* bias, const void* aux) {
+    Plan p;
+    const auto ta = static_cast<cublasOperation_t>(key.transa), tb = static_cast<cublasOperation_t>(key.transb);
+    const auto epi = static_cast<cublasLtEpilogue_t>(key.epilogue);
+    const auto dt = static_cast<cudaDataType_t>(key.dtype_d);
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
+    // The heuristic reads the pointers for their alignment.
+    if (bias)
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+    if (aux) {
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux));
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &key.aux_ld,
+                                                  sizeof key.aux_ld));
+    }
+    const bool a_n = ta == CUBLAS_OP_N, b_n = tb == CUBLAS_OP_N;
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, a_n ? key.m : key.k, a_n ? key.k : key.m, key.lda));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, b_n ? key.k : key.n, b_n ? key.n : key.k, key.ldb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.d, dt, key.m, key.n, key.ldd));
+
+    cublasLtMatmulPreference_t pref = nullptr;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t ws = workspace_bytes;
+    const uint32_t al_a = key.align_a, al_b = key.align_b, al_d = key.align_d;
+    cublasLtMatmulHeuristicResult_t res{};
+    int found = 0;
+    cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a);
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b);
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof al_d);
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof al_d);
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref, 1, &res, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    // NOT_SUPPORTED (or no result) means this combination cannot run. With a fused
+    // epilogue any refusal just selects the separate kernels; otherwise it is an error.
+    if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED && epi == CUBLASLT_EPILOGUE_DEFAULT) {
+      destroy(p);
+      CUBLAS_CHECK(st);
+    }
+    if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
+      destroy(p);
+      return p;  // ok = false
+    }
+    p.algo = res.algo;
+    p.ok = true;
+    return p;
+  }
+};
+
+Gemm::Gemm(DeviceArena& arena, size_t workspace_bytes) : impl_(std::make_unique<Impl>()) {
+  CUBLAS_CHECK(cublasLtCreate(&impl_->handle));
+  impl_->workspace_bytes = workspace_bytes;
+  impl_->workspace = workspace_bytes ? arena.allocate("gemm.workspace", workspace_bytes) : nullptr;
+  impl_->scratch_floats = kScratchBytes / sizeof(float);
+  impl_->scratch = arena.allocate_array<float>("gemm.scratch", impl_->scratch_floats);
+}
+
+Gemm::~Gemm() = default;
+
+size_t Gemm::cached_plans() const { return impl_->cache.size(); }
+
+namespace {
+void check_sizes(const char* op, int N, int C, int OC) {
+  ESPLAG_CHECK(N >= 0 && C > 0 && OC > 0, "Gemm::", op, ": bad size N=", N, ", C=", C, ", OC=", OC);
+}
+}  // namespace
+
+void Gemm::forward(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C, int OC,
+                   cudaStream_t stream, Act act, bf16* pre_gelu) {
+  check_sizes("forward", N, C, OC);
+  ESPLAG_CHECK(out && inp && weight, "Gemm::forward: out, inp and weight must not be null");
+  if (N == 0) return;
+  const bool gelu = act == Act::gelu;
+  bf16* aux = gelu ? pre_gelu : nullptr;
+  if (bias || gelu) {
+    if (use_epilogues_ && (!aux || OC % 8 == 0)) {  // the aux matrix needs ld % 8 == 0
+      cublasLtEpilogue_t epi;
+      if (!gelu)
+        epi = CUBLASLT_EPILOGUE_BIAS;
+      else if (aux)
+        epi = bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+      else
+        epi = bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
+      if (impl_->matmul(CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, weight, C, inp, C, out, OC, CUDA_R_16BF, 0.f, epi, bias,
+                        aux, aux ? OC : 0, stream))
+        return;
+    }
+    ++fallbacks_;
+  }
+  // Separate kernels: bias broadcast + GEMM with beta = 1, then GELU.
+  bf16* target = aux ? aux : out;
+  float beta = 0.f;
+  if (bias) {
+    broadcast_rows_kernel<<<detail::blocks_for(int64_t(N) * OC, kThreads), kThreads, 0, stream>>>(target, bias, N, OC);
+    CUDA_CHECK_LAUNCH("Gemm::forward (bias)");
+    beta = 1.f;
+  }
+  impl_->matmul(CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, weight, C, inp, C, target, OC, CUDA_R_16BF, beta,
+                CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0, stream);
+  if (gelu) gelu_forward(out, target, int64_t(N) * OC, stream);
+}
+
+void Gemm::forward(float* out, const bf16* inp, const bf16* weight, int N, int C, int OC, cudaStream_t stream) {
+  check_sizes("forward", N, C, OC);
+  ESPLAG_CHECK(out && inp && weight, "Gemm::forward: out, inp and weight must not be null");
+  if (N == 0) return;
+  impl_->matmul(CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, weight, C, inp, C, out, OC, CUDA_R_32F, 0.f,
+                CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0, stream);
+}
+
+void Gemm::backward_input(bf16* dinp, const bf16* dout, const bf16* weight, int N, int C, int OC, bool accumulate,
+                          cudaStream_t stream, const bf16* pre_gelu) {
+  check_sizes("backward_input", N, C, OC);
+  ESPLAG_CHECK(dinp && dout && weight, "Gemm::backward_input: dinp, dout and weight must not be null");
+  ESPLAG_CHECK(!(pre_gelu && accumulate), "Gemm::backward_input: the fused GELU gradient overwrites dinp; "
+               "accumulate must be false when pre_gelu is given");
+  if (N == 0) return;
+  if (pre_gelu) {
+    if (use_epilogues_ && C % 8 == 0 &&
+        impl_->matmul(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, weight, C, dout, OC, dinp, C, CUDA_R_16BF, 0.f,
+                      CUBLASLT_EPILOGUE_DGELU, nullptr, pre_gelu, C, stream))
+      return;
+    ++fallbacks_;
+    impl_->matmul(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, weight, C, dout, OC, dinp, C, CUDA_R_16BF, 0.f,
+                  CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0, stream);
+    gelu_backward(dinp, pre_gelu, dinp, int64_t(N) * C, false, stream);
+    return;
+  }
+  impl_->matmul(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, weight, C, dout, OC, dinp, C, CUDA_R_16BF,
+                accumulate ? 1.f : 0.f, CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0, stream);
+}
+
+void Gemm::backward_weight(float* dweight, float* dbias, const bf16* dout, const bf16* inp, int N, int C, int OC,
+                           bool accumulate, cudaStream_t stream) {
+  check_sizes("backward_weight", N, C, OC);
+  ESPLAG_CHECK(dout && (inp || !dweight), "Gemm::backward_weight: dout and inp must not be null");
+  if (!dweight && !dbias) return;
+  if (N == 0) {
+    if (dweight && !accumulate) CUDA_CHECK(cudaMemsetAsync(dweight, 0, sizeof(float) * size_t(OC) * C, stream));
+    return;
+  }
+  const float beta = accumulate ? 1.f : 0.f;
+  if (dweight && dbias && use_epilogues_ && size_t(OC) <= impl_->scratch_floats) {
+    // BGRADB writes Σ_n dout into scratch (it cannot accumulate), then it is added.
+    if (impl_->matmul(CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dout, OC, dweight, C, CUDA_R_32F, beta,
+                      CUBLASLT_EPILOGUE_BGRADB, impl_->scratch, nullptr, 0, stream)) {
+      add_vec_kernel<<<detail::blocks_for(OC, kThreads), kThreads, 0, stream>>>(dbias, impl_->scratch, OC);
+      CUDA_CHECK_LAUNCH("Gemm::backward_weight (bias)");
+      return;
+    }
+  }
+  if (dbias && dweight) ++fallbacks_;
+  if (dweight)
+    impl_->matmul(CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dout, OC, dweight, C, CUDA_R_32F, beta,
+                  CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0, stream);
+  if (dbias)
+    detail::column_reduce(detail::ColumnMode::bias, dbias, nullptr, dout, nullptr, nullptr, nullptr, N, OC,
+                          impl_->scratch, impl_->scratch_floats, stream);
+}
+
+}  // namespace esplag::gpu

@@ -1,0 +1,247 @@
+// LayerNorm and RMSNorm, forward fused with the residual add, backward accumulating
+// into the residual-stream gradient.
+//
+// One warp per row: the row is read with 16-byte loads when C is a multiple of 8 and the
+// pointers are aligned (scalar loads otherwise), statistics are warp butterfly sums in
+// fp32, and the row is re-read from L1/L2 for each pass instead of being held in
+// registers, so any C works. The weight / bias gradients are deterministic two-pass
+// column sums (reduce.cuh).
+#include "core/error.h"
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/reduce.cuh"
+#include "ops/gpu.h"
+
+namespace esplag::gpu {
+
+namespace {
+
+using detail::kPack;
+using detail::load8;
+using detail::store8;
+using detail::to_bf;
+using detail::to_f;
+using detail::warp_sum;
+
+constexpr float kEps = 1e-5f;  // cpu::kNormEps
+constexpr int kRowsPerBlock = 8;
+constexpr int kThreads = 32 * kRowsPerBlock;
+
+// Loads the eight elements at column c (vector path) or element c (scalar path) of the
+// row; kVec callers step c by 8 * 32, scalar callers by 32.
+template <bool kVec>
+__device__ __forceinline__ int load_n(float (&f)[kPack], const bf16* row, int c, int C) {
+  if constexpr (kVec) {
+    load8(f, row + c);
+    return kPack;
+  } else {
+    f[0] = to_f(row[c]);
+    return 1;
+  }
+}
+
+template <bool kVec>
+__device__ __forceinline__ void store_n(bf16* row, int c, const float (&f)[kPack]) {
+  if constexpr (kVec)
+    store8(row + c, f);
+  else
+    row[c] = to_bf(f[0]);
+}
+
+// Forward. x = bf16(a + b) (written to res) or a; LayerNorm: y = (x - mean) rstd w + bias,
+// RMSNorm: y = x rstd w.
+template <bool kVec, bool kRms>
+__global__ void __launch_bounds__(kThreads)
+    norm_forward_kernel(bf16* out, float* mean, float* rstd, bf16* res, const bf16* a, const bf16* b,
+                        const bf16* weight, const bf16* bias, int N, int C) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= N) return;  // whole warps leave; no block-wide barrier below
+  const int64_t off = row * C;
+  const int first = kVec ? lane * kPack : lane, step = kVec ? 32 * kPack : 32;
+  const bf16* x = a + off;
+  float s = 0.f;
+  if (b) {
+    bf16* r = res + off;
+    for (int c = first; c < C; c += step) {
+      float va[kPack], vb[kPack];
+      const int n = load_n<kVec>(va, a + off, c, C);
+      load_n<kVec>(vb, b + off, c, C);
+      for (int k = 0; k < n; ++k) {
+        va[k] = to_f(to_bf(va[k] + vb[k]));  // the norm sees exactly what is stored
+        s += kRms ? va[k] * va[k] : va[k];
+      }
+      store_n<kVec>(r, c, va);
+    }
+    x = r;  // each lane re-reads only what it wrote itself
+  } else {
+    for (int c = first; c < C; c += step) {
+      float v[kPack];
+      const int n = load_n<kVec>(v, x, c, C);
+      for (int k = 0; k < n; ++k) s += kRms ? v[k] * v[k] : v[k];
+    }
+  }
+  s = warp_sum(s);
+  float m = 0.f, r;
+  if constexpr (kRms) {
+    r = rsqrtf(s / C + kEps);
+  } else {
+    m = s / C;
+    float var = 0.f;  // two passes: Σ(x - m)² does not cancel like Σx² - C m²
+    for (int c = first; c < C; c += step) {
+      float v[kPack];
+      const int n = load_n<kVec>(v, x, c, C);
+      for (int k = 0; k < n; ++k) {
+        const float d = v[k] - m;
+        var += d * d;
+      }
+    }
+    var = warp_sum(var);
+    r = rsqrtf(var / C + kEps);
+  }
+  bf16* o = out + off;
+  for (int c = first; c < C; c += step) {
+    float v[kPack], w[kPack], bi[kPack];
+    const int n = load_n<kVec>(v, x, c, C);
+    load_n<kVec>(w, weight, c, C);
+    if (!kRms && bias) load_n<kVec>(bi, bias, c, C);
+    for (int k = 0; k < n; ++k) {
+      if constexpr (kRms)
+        v[k] = v[k] * r * w[k];
+      else
+        v[k] = (v[k] - m) * r * w[k] + (bias ? bi[k] : 0.f);
+    }
+    store_n<kVec>(o, c, v);
+  }
+  if (lane == 0) {
+    if (mean && !kRms) mean[row] = m;
+    if (rstd) rstd[row] = r;
+  }
+}
+
+// dinp += d(norm)/d(inp) · dout, per row.
+//   LayerNorm: dx = rstd (g - mean(g) - x̂ mean(g x̂)),  g = dout w, x̂ = (x - mean) rstd
+//   RMSNorm:   dx = rstd g - rstd³ x mean(g x)
+template <bool kVec, bool kRms>
+__global__ void __launch_bounds__(kThreads)
+    norm_backward_kernel(bf16* dinp, const bf16* dout, const bf16* inp, const bf16* weight, const float* mean,
+                         const float* rstd, int N, int C) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= N) return;
+  const int64_t off = row * C;
+  const int first = kVec ? lane * kPack : lane, step = kVec ? 32 * kPack : 32;
+  const float m = kRms ? 0.f : mean[row], r = rstd[row];
+  float sg = 0.f, sgx = 0.f;
+  for (int c = first; c < C; c += step) {
+    float d[kPack], x[kPack], w[kPack];
+    const int n = load_n<kVec>(d, dout + off, c, C);
+    load_n<kVec>(x, inp + off, c, C);
+    load_n<kVec>(w, weight, c, C);
+    for (int k = 0; k < n; ++k) {
+      const float g = d[k] * w[k];
+      if constexpr (kRms) {
+        sgx += g * x[k];
+      } else {
+        sg += g;
+        sgx += g * ((x[k] - m) * r);
+      }
+    }
+  }
+  sgx = warp_sum(sgx);
+  if (!kRms) sg = warp_sum(sg);
+  const float mg = sg / C, mgx = sgx / C;
+  const float kr = r * r * r * mgx;
+  for (int c = first; c < C; c += step) {
+    float d[kPack], x[kPack], w[kPack], o[kPack];
+    const int n = load_n<kVec>(d, dout + off, c, C);
+    load_n<kVec>(x, inp + off, c, C);
+    load_n<kVec>(w, weight, c, C);
+    load_n<kVec>(o, dinp + off, c, C);
+    for (int k = 0; k < n; ++k) {
+      const float g = d[k] * w[k];
+      float dx;
+      if constexpr (kRms)
+        dx = r * g - kr * x[k];
+      else
+        dx = r * (g - mg - ((x[k] - m) * r) * mgx);
+      o[k] += dx;
+    }
+    store_n<kVec>(dinp + off, c, o);
+  }
+}
+
+template <bool kRms>
+void launch_forward(bf16* out, float* mean, float* rstd, bf16* res, const bf16* a, const bf16* b,
+                    const bf16* weight, const bf16* bias, int N, int C, cudaStream_t stream, const char* name) {
+  ESPLAG_CHECK(N >= 0 && C > 0, name, ": bad size N=", N, ", C=", C);
+  ESPLAG_CHECK(out && a && weight, name, ": out, input and weight must not be null");
+  ESPLAG_CHECK(!b || res, name, ": the fused residual add (b given) needs residual_out");
+  if (N == 0) return;
+  const bool vec = C % kPack == 0 && detail::aligned16(out) && detail::aligned16(a) && detail::aligned16(weight) &&
+                   (!b || (detail::aligned16(b) && detail::aligned16(res))) && (!bias || detail::aligned16(bias));
+  const unsigned grid = detail::blocks_for(N, kRowsPerBlock);
+  if (vec)
+    norm_forward_kernel<true, kRms><<<grid, kThreads, 0, stream>>>(out, mean, rstd, res, a, b, weight, bias, N, C);
+  else
+    norm_forward_kernel<false, kRms><<<grid, kThreads, 0, stream>>>(out, mean, rstd, res, a, b, weight, bias, N, C);
+  CUDA_CHECK_LAUNCH(name);
+}
+
+template <bool kRms>
+void launch_backward(bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
+                     const bf16* weight, const float* mean, const float* rstd, int N, int C, void* scratch,
+                     size_t scratch_bytes, cudaStream_t stream, const char* name) {
+  ESPLAG_CHECK(N >= 0 && C > 0, name, ": bad size N=", N, ", C=", C);
+  ESPLAG_CHECK(dout && inp && rstd && (kRms || mean), name, ": dout, inp and the saved statistics must not be null");
+  if (N == 0) return;
+  if (dinp) {
+    ESPLAG_CHECK(weight, name, ": weight must not be null when dinp is wanted");
+    const bool vec = C % kPack == 0 && detail::aligned16(dinp) && detail::aligned16(dout) &&
+                     detail::aligned16(inp) && detail::aligned16(weight);
+    const unsigned grid = detail::blocks_for(N, kRowsPerBlock);
+    if (vec)
+      norm_backward_kernel<true, kRms><<<grid, kThreads, 0, stream>>>(dinp, dout, inp, weight, mean, rstd, N, C);
+    else
+      norm_backward_kernel<false, kRms><<<grid, kThreads, 0, stream>>>(dinp, dout, inp, weight, mean, rstd, N, C);
+    CUDA_CHECK_LAUNCH(name);
+  }
+  if (dweight || dbias) {
+    ESPLAG_CHECK(scratch_bytes >= norm_backward_scratch_bytes(N, C), name, ": scratch of ", scratch_bytes,
+                 " bytes is smaller than norm_backward_scratch_bytes(", N, ", ", C, ") = ",
+                 norm_backward_scratch_bytes(N, C));
+    detail::column_reduce(kRms ? detail::ColumnMode::rmsnorm : detail::ColumnMode::layernorm, dweight, dbias, dout,
+                          inp, mean, rstd, N, C, static_cast<float*>(scratch), scratch_bytes / sizeof(float),
+                          stream);
+  }
+}
+
+}  // namespace
+
+void layernorm_forward(bf16* out, float* mean, float* rstd, bf16* residual_out, const bf16* a, const bf16* b,
+                       const bf16* weight, const bf16* bias, int N, int C, cudaStream_t stream) {
+  launch_forward<false>(out, mean, rstd, residual_out, a, b, weight, bias, N, C, stream, "layernorm_forward");
+}
+
+void rmsnorm_forward(bf16* out, float* rstd, bf16* residual_out, const bf16* a, const bf16* b,
+                     const bf16* weight, int N, int C, cudaStream_t stream) {
+  launch_forward<true>(out, nullptr, rstd, residual_out, a, b, weight, nullptr, N, C, stream, "rmsnorm_forward");
+}
+
+size_t norm_backward_scratch_bytes(int N, int C) {
+  return detail::column_reduce_scratch_floats(N, C, 2) * sizeof(float);
+}
+
+void layernorm_backward(bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
+                        const bf16* weight, const float* mean, const float* rstd, int N, int C, void* scratch,
+                        size_t scratch_bytes, cudaStream_t stream) {
+  launch_backward<false>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, scratch, scratch_bytes, stream,
+                         "layernorm_backward");
+}
+
+void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp, const bf16* weight,
+                      const float* rstd, int N, int C, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+  launch_backward<true>(dinp, dweight, nullptr, dout, inp, weight, nullptr, rstd, N, C, scratch, scratch_bytes,
+                        stream, "rmsnorm_backward");
+}
+
+}  // namespace esplag::gpu

@@ -1,0 +1,70 @@
+// Rotary position embedding on the fused qkv buffer (ops/attention.h convention).
+//
+// One thread per (token, pair i): it computes the pair's angle once, in fp64 (positions
+// reach the thousands, where an fp32 angle is already off in its last bits before the
+// cosine is taken), and rotates pair i of every q and k head of the token. Consecutive
+// threads touch consecutive elements of a head, so the accesses coalesce.
+#include <cmath>
+
+#include "core/error.h"
+#include "ops/cuda/common.cuh"
+#include "ops/gpu.h"
+
+namespace esplag::gpu {
+
+namespace {
+
+using detail::to_bf;
+using detail::to_f;
+
+constexpr int kThreads = 256;
+
+__global__ void __launch_bounds__(kThreads)
+    rope_kernel(bf16* x, int64_t rows, int T, int rotated_heads, int64_t C, int HD, double theta, double sign) {
+  const int half = HD / 2;
+  const int64_t t_id = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (t_id >= rows * half) return;
+  const int64_t r = t_id / half;
+  const int i = static_cast<int>(t_id % half);
+  const double pos = static_cast<double>(r % T);
+  const double angle = pos * pow(theta, -2.0 * i / HD);
+  double sd, cd;
+  sincos(angle, &sd, &cd);
+  const float c = static_cast<float>(cd), s = static_cast<float>(sign * sd);
+  bf16* row = x + r * C;
+  for (int h = 0; h < rotated_heads; ++h) {
+    bf16* x1 = row + static_cast<int64_t>(h) * HD + i;
+    bf16* x2 = x1 + half;
+    const float a = to_f(*x1), b = to_f(*x2);
+    *x1 = to_bf(a * c - b * s);
+    *x2 = to_bf(b * c + a * s);
+  }
+}
+
+void launch(bf16* x, int B, int T, int NH, int NKV, int HD, double theta, double sign, cudaStream_t stream,
+            const char* name) {
+  ESPLAG_CHECK(B >= 0 && T > 0 && NH > 0 && NKV > 0 && HD > 0, name, ": bad shape B=", B, ", T=", T, ", NH=", NH,
+               ", NKV=", NKV, ", HD=", HD);
+  ESPLAG_CHECK(NH % NKV == 0, name, ": NH=", NH, " must be a multiple of NKV=", NKV);
+  ESPLAG_CHECK(HD % 2 == 0, name, ": head size HD must be even to pair rotary dimensions, got HD=", HD);
+  ESPLAG_CHECK(theta > 0 && std::isfinite(theta), name, ": rotary base theta must be positive and finite, got ",
+               theta);
+  const int64_t rows = static_cast<int64_t>(B) * T;
+  if (rows == 0) return;
+  const int64_t C = static_cast<int64_t>(NH + 2 * NKV) * HD;
+  const unsigned grid = detail::blocks_for(rows * (HD / 2), kThreads);
+  rope_kernel<<<grid, kThreads, 0, stream>>>(x, rows, T, NH + NKV, C, HD, theta, sign);
+  CUDA_CHECK_LAUNCH(name);
+}
+
+}  // namespace
+
+void rope_forward(bf16* qkv, int B, int T, int NH, int NKV, int HD, double theta, cudaStream_t stream) {
+  launch(qkv, B, T, NH, NKV, HD, theta, 1.0, stream, "rope_forward");
+}
+
+void rope_backward(bf16* dqkv, int B, int T, int NH, int NKV, int HD, double theta, cudaStream_t stream) {
+  launch(dqkv, B, T, NH, NKV, HD, theta, -1.0, stream, "rope_backward");
+}
+
+}  // namespace esplag::gpu
