@@ -9,6 +9,7 @@
 #include "core/parallel.h"
 #include "data/byte_level.h"
 #include "data/file_util.h"
+#include "io/atomic_file.h"
 
 namespace esplag {
 
@@ -253,7 +254,7 @@ void save_tokenizer_json(const std::string& path, const BpeModel& model) {
                  {"ignore_merges", false},
                  {"vocab", std::move(vocab)},
                  {"merges", std::move(merges)}};
-  data_files::write_replacing(path, js.dump(2) + "\n");
+  write_file_atomic(path, js.dump(2) + "\n");
 }
 
 }  // namespace esplag

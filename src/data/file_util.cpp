@@ -17,6 +17,4 @@ std::string read_all(const std::string& path, const char* what) {
   return read_file(path);
 }
 
-void write_replacing(const std::string& path, std::string_view bytes) { write_file_atomic(path, bytes); }
-
 }  // namespace esplag::data_files

@@ -10,6 +10,7 @@
 #include "core/parallel.h"
 #include "data/byte_level.h"
 #include "data/file_util.h"
+#include "io/atomic_file.h"
 #include "data/shard.h"
 
 namespace esplag {
@@ -154,7 +155,7 @@ PrepareResult prepare_dataset(const std::string& input_text_path, const Tokenize
   if (r.tokenizer != "byte" && fs::is_regular_file(r.tokenizer)) {
     const fs::path copy = fs::path(out_dir) / "tokenizer.json";
     if (!fs::exists(copy) || !fs::equivalent(copy, r.tokenizer))
-      data_files::write_replacing(copy.string(), data_files::read_all(r.tokenizer, "tokenizer file"));
+      write_file_atomic(copy.string(), data_files::read_all(r.tokenizer, "tokenizer file"));
   }
 
   nlohmann::ordered_json meta;
@@ -172,7 +173,7 @@ PrepareResult prepare_dataset(const std::string& input_text_path, const Tokenize
   meta["val_tokens"] = r.val_tokens;
   meta["train_shards"] = std::move(train_list);
   meta["val_shards"] = std::move(val_list);
-  data_files::write_replacing((fs::path(out_dir) / "meta.json").string(), meta.dump(2) + "\n");
+  write_file_atomic((fs::path(out_dir) / "meta.json").string(), meta.dump(2) + "\n");
   report("prepare: wrote " + (fs::path(out_dir) / "meta.json").string());
   return r;
 }
