@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -20,14 +21,23 @@ struct Result {
   std::string out, err;
 };
 
+// One scratch directory per test process (ctest runs the cases of this file as parallel
+// processes), removed when the process ends.
+struct ScratchDir {
+  fs::path path = fs::temp_directory_path() / ("esplag_test_cli_" + std::to_string(::getpid()));
+  ScratchDir() {
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
 fs::path root() {
-  static const fs::path p = [] {
-    const fs::path d = fs::temp_directory_path() / "esplag_test_cli";
-    fs::remove_all(d);
-    fs::create_directories(d);
-    return d;
-  }();
-  return p;
+  static const ScratchDir dir;
+  return dir.path;
 }
 
 Result run(const std::string& args) {

@@ -1,6 +1,7 @@
 // The training loop end to end on small data: the loss falls, checkpoints resume bit for
 // bit, evaluation matches, and bad data stops a run without damaging what was saved.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -16,10 +17,21 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// Scratch directories of this process, removed when it ends.
+struct ScratchDirs {
+  std::vector<fs::path> paths;
+  ~ScratchDirs() {
+    std::error_code ec;
+    for (const auto& p : paths) fs::remove_all(p, ec);
+  }
+};
+
 fs::path scratch(const std::string& name) {
-  const fs::path p = fs::temp_directory_path() / ("esplag_test_train_" + name);
+  static ScratchDirs dirs;
+  const fs::path p = fs::temp_directory_path() / ("esplag_test_train_" + name + "_" + std::to_string(::getpid()));
   fs::remove_all(p);
   fs::create_directories(p);
+  dirs.paths.push_back(p);
   return p;
 }
 
