@@ -88,3 +88,18 @@ TEST(Schedule, WarmupCosineLinearConstant) {
   EXPECT_DOUBLE_EQ(s.at(100), 1.0);
   EXPECT_THROW(decay_kind_from("exp"), Error);
 }
+
+TEST(TrainConfig, RecipeListIsKeptAndRoundTrips) {
+  const TrainConfig c = parse_train_config(R"(
+model: {preset: tiny}
+recipe:
+  - slope: {params: ["re:blocks\\..*\\.mlp\\..*"], mask_change_freq: 50}
+)",
+                                           "r.yaml");
+  ASSERT_FALSE(c.recipe_yaml.empty());
+  EXPECT_NE(c.recipe_yaml.find("mask_change_freq"), std::string::npos);
+  const TrainConfig d = parse_train_config(to_yaml(c), "resolved");
+  EXPECT_EQ(d.recipe_yaml, c.recipe_yaml);
+  EXPECT_NE(error_of([] { parse_train_config("recipe: {slope: 1}", "r.yaml"); }).find("list of modifiers"),
+            std::string::npos);
+}

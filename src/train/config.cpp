@@ -115,12 +115,24 @@ const Field* find_field(const std::string& key) {
   return nullptr;
 }
 
-// Walks a YAML mapping two levels deep (section -> key -> scalar) into dotted keys.
-void collect(const YAML::Node& root, const std::string& source, std::vector<std::pair<std::string, std::string>>& out) {
+// Walks a YAML mapping two levels deep (section -> key -> scalar) into dotted keys; the
+// `recipe` section, a list of modifiers, is kept whole as YAML text.
+void collect(const YAML::Node& root, const std::string& source, std::vector<std::pair<std::string, std::string>>& out,
+             std::string& recipe) {
   if (!root || root.IsNull()) return;
   ESPLAG_CHECK(root.IsMap(), source, ": the config must be a mapping of sections (model, data, train, ...)");
   for (const auto& sec : root) {
     const std::string section = sec.first.as<std::string>();
+    if (section == "recipe") {
+      ESPLAG_CHECK(sec.second.IsSequence() || sec.second.IsNull(), source,
+                   ": `recipe` must be a list of modifiers (see docs/recipes.md)");
+      if (sec.second.IsSequence() && sec.second.size() > 0) {
+        YAML::Emitter e;
+        e << sec.second;
+        recipe = e.c_str();
+      }
+      continue;
+    }
     ESPLAG_CHECK(sec.second.IsMap(), source, ": config section '", section, "' must be a mapping of keys");
     for (const auto& kv : sec.second) {
       const std::string key = section + "." + kv.first.as<std::string>();
@@ -165,7 +177,8 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     fail(source, ": invalid YAML: ", e.what());
   }
   std::vector<std::pair<std::string, std::string>> entries;
-  collect(root, source, entries);
+  std::string recipe;
+  collect(root, source, entries, recipe);
   for (const auto& o : overrides) {
     const auto eq = o.find('=');
     ESPLAG_CHECK(eq != std::string::npos && eq > 0, "--set expects key=value, got '", o, "'");
@@ -174,6 +187,7 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     entries.emplace_back(key, o.substr(eq + 1));
   }
   TrainConfig c;
+  c.recipe_yaml = recipe;
   // The preset (last one given wins) sets the whole model section before any model.* key.
   for (const auto& [k, v] : entries)
     if (k == "model.preset") c.model = model_preset(v);
@@ -220,7 +234,9 @@ std::string to_yaml(const TrainConfig& c) {
     }
     e << YAML::Key << key.substr(dot + 1) << YAML::Value << value;
   }
-  e << YAML::EndMap << YAML::EndMap;
+  e << YAML::EndMap;
+  if (!c.recipe_yaml.empty()) e << YAML::Key << "recipe" << YAML::Value << YAML::Load(c.recipe_yaml);
+  e << YAML::EndMap;
   return std::string(e.c_str()) + "\n";
 }
 

@@ -38,6 +38,9 @@ struct TrainConfig {
   int keep_checkpoints = 2;        // newest N step directories are kept; 0 keeps all
   OptimizerConfig optimizer;
   LrSchedule schedule;  // schedule.lr and total_steps mirror optimizer.lr and steps
+  // The top-level `recipe:` list (sparsity modifiers, see docs/recipes.md) as YAML text;
+  // empty for dense training. Parsed and validated against the model by the trainer.
+  std::string recipe_yaml;
 
   void validate() const;
 };
