@@ -131,7 +131,9 @@ class Dev {
     return h;
   }
   VF get_bf16(const bf16* d, size_t n) { return bits_to_float(get(reinterpret_cast<const uint16_t*>(d), n)); }
-  void* scratch(size_t bytes, const char* name = "scratch") { return arena_.allocate(name, std::max<size_t>(bytes, 1)); }
+  void* scratch(size_t bytes, const char* name = "scratch") {
+    return arena_.allocate(name, std::max<size_t>(bytes, 1));
+  }
 
  private:
   DeviceArena arena_;
@@ -641,7 +643,8 @@ void run_adamw(bool device_clip, uint64_t seed) {
   // Awkward segments: odd offsets (scalar path), one longer than a chunk, a gap that
   // must stay untouched, decay on and off.
   const std::vector<gpu::ParamSegment> segs = {
-      {0, 1000, true}, {1000, 37, false}, {1037, 20000, true}, {21037, 3, false}, {21100, 771, true}, {21871, 4096, false}};
+      {0, 1000, true},    {1000, 37, false},   {1037, 20000, true},
+      {21037, 3, false},  {21100, 771, true},  {21871, 4096, false}};
   const int64_t total = 21871 + 4096;
   VF master = random_f32(total, seed, 0.05), m = random_f32(total, seed + 1, 0.01), g = random_f32(total, seed + 3);
   VF v = random_f32(total, seed + 2, 1e-4);

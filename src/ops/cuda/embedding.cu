@@ -202,7 +202,8 @@ void embedding_forward(bf16* out, const int32_t* tokens, const bf16* wte, const 
   check_shape("embedding_forward", B, T, C, V);
   const int64_t N = int64_t(B) * T;
   if (N == 0) return;
-  const bool vec = C % kPack == 0 && detail::aligned16(out) && detail::aligned16(wte) && (!wpe || detail::aligned16(wpe));
+  const bool vec =
+      C % kPack == 0 && detail::aligned16(out) && detail::aligned16(wte) && (!wpe || detail::aligned16(wpe));
   const int64_t threads = N * (vec ? C / kPack : C);
   const unsigned grid = detail::blocks_for(threads, kThreads);
   if (vec)

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The one command a GPU-machine run executes: configures the `cuda` preset for sm_90
+# against the dependencies carried in .deps/ (made by scripts/fetch-gpu-deps.sh on the
+# development machine, since the GPU machine has no GoogleTest, yaml-cpp or nlohmann-json),
+# builds with every core, runs the tests labelled `gpu`, writes full logs under $OUT (or
+# build/gpu-check-logs) and prints a short table last. Exit status: non-zero if the
+# configure, the build or any test failed.
+#
+#   scripts/gpu-check.sh                    configure + build + ctest -L gpu
+#   scripts/gpu-check.sh --configure-only   stop after configuring (no GPU needed)
+#   scripts/gpu-check.sh --deps-only        also hide the system's /usr packages from
+#                                           CMake, to prove .deps/ suffices
+# Environment: ESPLAG_GPU_BUILD_DIR (default build/cuda), ESPLAG_CUDA_ARCHS (default 90).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+
+configure_only=0
+deps_only=0
+for arg in "$@"; do
+  case "$arg" in
+    --configure-only) configure_only=1 ;;
+    --deps-only) deps_only=1 ;;
+    *) echo "gpu-check: unknown option $arg" >&2; exit 2 ;;
+  esac
+done
+
+build=${ESPLAG_GPU_BUILD_DIR:-$root/build/cuda}
+archs=${ESPLAG_CUDA_ARCHS:-90}
+logs=${OUT:-$root/build/gpu-check-logs}
+mkdir -p "$logs"
+deps=$root/.deps/usr
+jobs=$(nproc)
+[ -d /usr/local/cuda/bin ] && export PATH=/usr/local/cuda/bin:$PATH
+
+if [ ! -d "$deps" ]; then
+  echo "gpu-check: $deps is missing: run scripts/fetch-gpu-deps.sh on the development machine and carry .deps" >&2
+  exit 2
+fi
+
+{
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+  echo "host: $(hostname)  cores: $jobs  date: $(date -u +%FT%TZ)"
+  cmake --version | head -1
+  nvcc --version | tail -2
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+} >"$logs/environment.txt" 2>&1
+
+# CMake before 3.26 knows no CUDA 20 dialect flag for nvcc; giving it the flag explicitly
+# is harmless where CMake knows it.
+cfg=(--preset cuda -B "$build"
+     -DCMAKE_CUDA_ARCHITECTURES="$archs"
+     -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20
+     -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20
+     -DCMAKE_PREFIX_PATH="$deps"
+     -DGTest_ROOT="$deps"
+     -DCMAKE_INCLUDE_PATH="$deps/include"
+     -DCMAKE_LIBRARY_PATH="$deps/lib/x86_64-linux-gnu")
+((deps_only)) && cfg+=(-DCMAKE_IGNORE_PREFIX_PATH=/usr)
+# Ninja when available, unless the folder was already configured with another generator.
+if command -v ninja >/dev/null && [ ! -f "$build/CMakeCache.txt" ]; then cfg+=(-G Ninja); fi
+
+stage=configure
+status=0
+echo "== configure ($build, sm_$archs)"
+cmake "${cfg[@]}" >"$logs/configure.log" 2>&1 || status=$?
+if ((status == 0)) && ((configure_only)); then
+  grep -E "Found (GTest|nlohmann_json)|CUDA compiler identification|Found CUDAToolkit" "$logs/configure.log"
+  grep -E "^(YAML_CPP_STATIC|YAML_CPP_INCLUDE|GTest_DIR|nlohmann_json_DIR)[:=]" "$build/CMakeCache.txt"
+  echo "== configure only: done (logs in $logs)"
+  exit 0
+fi
+if ((status == 0)); then
+  stage=build
+  echo "== build ($jobs jobs)"
+  cmake --build "$build" -j "$jobs" >"$logs/build.log" 2>&1 || status=$?
+fi
+if ((status == 0)); then
+  stage=test
+  echo "== ctest -L gpu"
+  ctest --test-dir "$build" -L gpu --output-on-failure --timeout 300 --output-junit "$logs/ctest-junit.xml" \
+    >"$logs/ctest.log" 2>&1 || status=$?
+  # The GEMM tests print which calls used fused epilogues; keep that (cheap to rerun).
+  if [ -x "$build/tests/gpu_ops" ]; then
+    "$build/tests/gpu_ops" --gtest_filter='GpuOps.Gemm*' >"$logs/gemm.log" 2>&1 || true
+  fi
+fi
+
+echo
+if ((status != 0)) && [ "$stage" != test ]; then
+  echo "gpu-check: $stage FAILED (exit $status); last lines of $logs/$stage.log:"
+  tail -n 40 "$logs/$stage.log"
+  exit "$status"
+fi
+echo "== results (full logs in $logs)"
+grep -E "^\[ gemm" "$logs/gemm.log" 2>/dev/null | sed 's/^/   /'
+printf '%-52s %-8s %s\n' "test" "result" "seconds"
+sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) \.*[ *]*([A-Za-z][A-Za-z: ]*[A-Za-z]) +([0-9.]+) sec.*/\1 \2 \3/p' \
+  "$logs/ctest.log" | awk '{ r = $2; for (i = 3; i < NF; ++i) r = r " " $i; printf "%-52s %-8s %s\n", $1, r, $NF }'
+grep -E "tests passed|tests failed" "$logs/ctest.log" || echo "(no ctest summary: see $logs/ctest.log)"
+exit "$status"
