@@ -1,5 +1,7 @@
 #include "data/byte_level.h"
 
+#include <cstdint>
+
 #include <array>
 
 namespace esplag::byte_level {

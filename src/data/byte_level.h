@@ -16,6 +16,7 @@
 // differs from the Unicode-aware pattern only for non-ASCII digits, punctuation and
 // spaces (for example '—', '“', U+00A0), which here join the neighbouring letters.
 #pragma once
+#include <cstdint>
 #include <cstddef>
 #include <string>
 #include <string_view>

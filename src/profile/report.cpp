@@ -1,5 +1,7 @@
 #include "profile/report.h"
 
+#include <cstdint>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>

@@ -3,6 +3,7 @@
 // metrics.jsonl. Fresh runs and resumed runs go through the same loop, so a resumed run
 // on the CPU reproduces the uninterrupted one bit for bit.
 #pragma once
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>

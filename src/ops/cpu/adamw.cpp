@@ -1,5 +1,7 @@
 #include "ops/adamw.h"
 
+#include <cstdint>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>

@@ -6,6 +6,7 @@
 // column add the G partials in chunk order into the fp32 gradient. The summation order
 // of every element is therefore fixed, whatever the GPU or the launch timing.
 #pragma once
+#include <cstdint>
 #include "ops/cuda/common.cuh"
 
 namespace esplag::gpu::detail {
