@@ -1,10 +1,10 @@
 // esplag: the command-line front end. Parses arguments, calls the library, prints.
 // Every error reaches main() as an esplag::Error and becomes one line on stderr with a
 // non-zero exit code.
-#include <cstdint>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>

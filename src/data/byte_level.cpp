@@ -1,8 +1,7 @@
 #include "data/byte_level.h"
 
-#include <cstdint>
-
 #include <array>
+#include <cstdint>
 
 namespace esplag::byte_level {
 
