@@ -246,7 +246,8 @@ void run_embedding_backward(int B, int T, int C, int V, double skew, uint64_t se
   Rng rng(seed);
   // A skewed distribution: one very frequent token makes runs that cross many segments.
   std::vector<int32_t> tok(N);
-  for (auto& t : tok) t = rng.uniform() < skew ? 3 : static_cast<int32_t>(rng.below(V));
+  const int32_t frequent = std::min(3, V - 1);
+  for (auto& t : tok) t = rng.uniform() < skew ? frequent : static_cast<int32_t>(rng.below(V));
   const Data dout = random_bf16(N * C, seed + 1);
   const VF dwte0 = random_f32(size_t(V) * C, seed + 2), dwpe0 = random_f32(size_t(T) * C, seed + 3);
   float* dwte = dev.put(dwte0, "dwte");
