@@ -35,6 +35,8 @@ cmake --preset cpu >/dev/null
 cmake --build --preset cpu -j "$jobs"
 
 if ((with_cuda)); then
+  command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
+  command -v nvcc >/dev/null || { echo "setup.sh: --cuda needs the CUDA toolkit (nvcc not found)" >&2; exit 1; }
   echo "== building (cuda preset)"
   cmake --preset cuda >/dev/null
   cmake --build --preset cuda -j "$jobs"
