@@ -1,0 +1,617 @@
+#include "train/recipe.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace esplag {
+
+namespace {
+
+constexpr int64_t kForever = std::numeric_limits<int64_t>::max();
+
+const char* const kGmp = "gradual_magnitude";
+const char* const kKernel = "kernel_replacement";
+const char* const kSemi = "semi_sparse";
+const char* const kSemiAct = "semi_sparse_activation";
+const char* const kSlope = "slope";
+
+struct TypeKeys {
+  const char* type;
+  std::vector<std::string> keys;      // every key the type knows, in to_yaml order
+  std::vector<std::string> required;  // (final_sparsity is required only for unstructured masks)
+};
+
+const std::vector<TypeKeys>& type_keys() {
+  static const std::vector<TypeKeys> t = {
+      {kGmp,
+       {"params", "mask_type", "init_sparsity", "final_sparsity", "start", "end", "update_every"},
+       {"params", "start", "end", "update_every"}},
+      {kKernel, {"params", "start"}, {"params", "start"}},
+      {kSemi, {"params", "start", "until"}, {"params"}},
+      {kSemiAct, {"params", "start", "until"}, {"params"}},
+      {kSlope, {"params", "start", "mask_change_freq", "lora_rank", "lora_start"}, {"params"}},
+  };
+  return t;
+}
+
+const TypeKeys* find_type(const std::string& type) {
+  for (const auto& t : type_keys())
+    if (type == t.type) return &t;
+  return nullptr;
+}
+
+std::string join(const std::vector<std::string>& v, const char* sep) {
+  std::string out;
+  for (const auto& s : v) out += (out.empty() ? "" : sep) + s;
+  return out;
+}
+
+// Shortest text that reads back to the same double.
+std::string number_text(double v) {
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
+}
+
+bool is_integer_text(const std::string& s) {
+  size_t i = (!s.empty() && (s[0] == '+' || s[0] == '-')) ? 1 : 0;
+  if (i == s.size()) return false;
+  for (; i < s.size(); ++i)
+    if (s[i] < '0' || s[i] > '9') return false;
+  return true;
+}
+
+bool parse_double(const std::string& s, double& out) {
+  if (s.empty()) return false;
+  char* end = nullptr;
+  out = std::strtod(s.c_str(), &end);
+  return end == s.c_str() + s.size() && std::isfinite(out);
+}
+
+int64_t parse_int(const std::string& where, const std::string& key, const std::string& text, int64_t min) {
+  ESPLAG_CHECK(is_integer_text(text) && text.size() <= 18, where, ": key '", key, "' must be an integer, got '", text,
+               "'");
+  const int64_t v = std::stoll(text);
+  ESPLAG_CHECK(v >= min, where, ": key '", key, "' must be at least ", min, ", got ", v);
+  return v;
+}
+
+double parse_sparsity(const std::string& where, const std::string& key, const std::string& text) {
+  double v = 0;
+  ESPLAG_CHECK(parse_double(text, v), where, ": key '", key, "' must be a number, got '", text, "'");
+  ESPLAG_CHECK(v >= 0.0 && v < 1.0, where, ": key '", key, "' must be in [0, 1), got ", text);
+  return v;
+}
+
+StepValue parse_step(const std::string& where, const std::string& key, const std::string& text) {
+  StepValue s;
+  s.text = text;
+  if (is_integer_text(text)) {
+    ESPLAG_CHECK(text.size() <= 18, where, ": key '", key, "': step '", text, "' is too large");
+    s.steps = std::stoll(text);
+    ESPLAG_CHECK(s.steps >= 0, where, ": key '", key, "' must not be negative, got ", text);
+    s.text = std::to_string(s.steps);
+    return s;
+  }
+  double f = 0;
+  ESPLAG_CHECK(parse_double(text, f), where, ": key '", key,
+               "' must be a step (an integer) or a fraction of train.steps (a number with a '.', in [0, 1]), got '",
+               text, "'");
+  ESPLAG_CHECK(f >= 0.0 && f <= 1.0, where, ": key '", key, "': ", text,
+               " is read as a fraction of train.steps (it is not an integer) and must be in [0, 1]; write a whole "
+               "number for a step index");
+  s.is_fraction = true;
+  s.fraction = f;
+  return s;
+}
+
+StepValue integer_step(int64_t v) {
+  StepValue s;
+  s.steps = v;
+  s.text = std::to_string(v);
+  return s;
+}
+
+StepValue fraction_step(double f) {
+  StepValue s;
+  s.is_fraction = true;
+  s.fraction = f;
+  s.text = number_text(f);
+  return s;
+}
+
+// Sparsity of gradual_magnitude at step t (sparseml's cubic GMP schedule).
+double cubic_sparsity(double si, double sf, int64_t start, int64_t end, int64_t t) {
+  if (t >= end) return sf;  // first, so that start == end prunes to the target at once
+  if (t <= start) return si;
+  const double x = 1.0 - double(t - start) / double(end - start);
+  return sf + (si - sf) * x * x * x;
+}
+
+// The masks a structured gradual_magnitude ramps through, densest first, ending with the
+// target. N:M: dense, (M-1):M, ..., N:M. V:N:M: dense, then V:2:M' for every M' >= 4 that
+// divides M, increasing (so every level fits any shape the target fits).
+std::vector<SparsityPattern> ramp_levels(const SparsityPattern& target) {
+  std::vector<SparsityPattern> out{SparsityPattern::dense()};
+  if (target.kind == SparsityPattern::Kind::nm) {
+    for (int n = target.m - 1; n >= target.n; --n) out.push_back(SparsityPattern::nm(n, target.m));
+  } else if (target.kind == SparsityPattern::Kind::vnm) {
+    for (int mp = SparsityPattern::kVnmSelected; mp <= target.m; ++mp)
+      if (target.m % mp == 0) out.push_back(SparsityPattern::vnm(target.v, SparsityPattern::kVnmN, mp));
+  }
+  return out;
+}
+
+// The level whose density is closest to `density`; ties go to the denser level. Because
+// the schedule's density never rises and the rounding is one fixed function, the chosen
+// level never gets denser from one update to the next.
+const SparsityPattern& closest_level(const std::vector<SparsityPattern>& levels, double density) {
+  size_t best = 0;
+  for (size_t i = 1; i < levels.size(); ++i)
+    if (std::abs(levels[i].density() - density) < std::abs(levels[best].density() - density)) best = i;
+  return levels[best];
+}
+
+bool is_handoff_target(const SparsityPattern& p) {
+  return p.kind == SparsityPattern::Kind::vnm || (p.kind == SparsityPattern::Kind::nm && p.n == 2 && p.m == 4);
+}
+
+std::string range_text(int64_t begin, int64_t end) {
+  if (end == kForever) return detail::concat("from step ", begin, " on");
+  return detail::concat("steps [", begin, ", ", end, ")");
+}
+
+std::string step_text(const StepValue& v, int64_t resolved) {
+  if (!v.is_fraction) return std::to_string(resolved);
+  return detail::concat(resolved, " (", v.text, " of train.steps)");
+}
+
+}  // namespace
+
+bool LayerPlan::same_effect(const LayerPlan& o) const {
+  return kind == o.kind && pattern == o.pattern && sparsity == o.sparsity && mask_change_freq == o.mask_change_freq &&
+         lora_rank == o.lora_rank && lora_enabled == o.lora_enabled;
+}
+
+int64_t StepValue::resolve(int64_t total_steps) const {
+  if (!is_fraction) return steps;
+  return std::llround(fraction * double(total_steps));
+}
+
+std::string Recipe::where(int i) const {
+  return detail::concat(source_, ": recipe[", i, "] (", modifiers_[i].type, ")");
+}
+
+// ---------------------------------------------------------------------------------------
+// parse
+
+Recipe Recipe::parse(const std::string& yaml_list_text, const std::string& source) {
+  YAML::Node n;
+  try {
+    n = YAML::Load(yaml_list_text);
+  } catch (const YAML::Exception& e) {
+    fail(source, ": recipe: invalid YAML: ", e.what());
+  }
+  return parse(n, source);
+}
+
+Recipe Recipe::parse(const YAML::Node& list, const std::string& source) {
+  Recipe r;
+  r.source_ = source;
+  if (!list || list.IsNull()) return r;
+  ESPLAG_CHECK(list.IsSequence(), source,
+               ": `recipe` must be a list of modifiers, e.g. `- gradual_magnitude: {params: [...], ...}` (see "
+               "docs/recipes.md)");
+  try {
+    r.parse_items(list);
+  } catch (const YAML::Exception& e) {
+    fail(source, ": recipe: ", e.what());
+  }
+  return r;
+}
+
+void Recipe::parse_items(const YAML::Node& list) {
+  Recipe& r = *this;
+  const std::string& source = source_;
+  std::vector<std::string> type_names;
+  for (const auto& t : type_keys()) type_names.push_back(t.type);
+
+  for (size_t i = 0; i < list.size(); ++i) {
+    const YAML::Node item = list[i];
+    ESPLAG_CHECK(item.IsMap() && item.size() == 1, source, ": recipe[", i,
+                 "] must be a mapping with one key, the modifier type (", join(type_names, ", "),
+                 "), whose value holds the modifier's keys");
+    const auto entry = item.begin();
+    const std::string type = entry->first.as<std::string>();
+    const TypeKeys* tk = find_type(type);
+    ESPLAG_CHECK(tk, source, ": recipe[", i, "]: unknown modifier type '", type, "' (known: ", join(type_names, ", "),
+                 ")");
+    Modifier m;
+    m.type = type;
+    r.modifiers_.push_back(m);
+    Modifier& mod = r.modifiers_.back();
+    const std::string w = r.where(static_cast<int>(i));
+    const YAML::Node body = entry->second;
+    ESPLAG_CHECK(body.IsMap(), w, ": the modifier's value must be a mapping of keys (", join(tk->keys, ", "), ")");
+
+    std::map<std::string, YAML::Node> kv;
+    for (const auto& k : body) {
+      const std::string key = k.first.as<std::string>();
+      ESPLAG_CHECK(std::find(tk->keys.begin(), tk->keys.end(), key) != tk->keys.end(), w, ": unknown key '", key,
+                   "' (known: ", join(tk->keys, ", "), ")");
+      ESPLAG_CHECK(key == "params" || k.second.IsScalar(), w, ": key '", key, "' must be a single value");
+      kv[key] = k.second;
+    }
+    for (const auto& key : tk->required) ESPLAG_CHECK(kv.count(key), w, ": missing required key '", key, "'");
+    auto text = [&](const std::string& key) { return kv.at(key).Scalar(); };
+
+    // params: a non-empty list of exact names and "re:" patterns.
+    const YAML::Node& params = kv.at("params");
+    ESPLAG_CHECK(params.IsSequence() && params.size() > 0, w,
+                 ": key 'params' must be a non-empty list of weight names or 're:REGEX' patterns");
+    for (const auto& p : params) {
+      ESPLAG_CHECK(p.IsScalar() && !p.Scalar().empty(), w,
+                   ": key 'params': every entry must be a weight name or 're:REGEX' pattern");
+      const std::string s = p.Scalar();
+      if (s.rfind("re:", 0) == 0) {
+        ESPLAG_CHECK(s.size() > 3, w, ": key 'params': empty regex 're:'");
+        try {
+          std::regex rx(s.substr(3), std::regex::ECMAScript);
+        } catch (const std::regex_error& e) {
+          fail(w, ": key 'params': invalid regex '", s.substr(3), "': ", e.what());
+        }
+      }
+      if (std::find(mod.params.begin(), mod.params.end(), s) == mod.params.end()) mod.params.push_back(s);
+    }
+
+    mod.start = kv.count("start") ? parse_step(w, "start", text("start")) : integer_step(0);
+
+    if (type == kGmp) {
+      const std::string mask_text = kv.count("mask_type") ? text("mask_type") : "unstructured";
+      try {
+        mod.mask = SparsityPattern::parse(mask_text);
+      } catch (const Error& e) {
+        fail(w, ": key 'mask_type': ", e.what());
+      }
+      ESPLAG_CHECK(mod.mask.kind != SparsityPattern::Kind::dense, w,
+                   ": key 'mask_type': 'dense' prunes nothing; use unstructured, N:M (e.g. 2:4) or V:N:M (e.g. 64:2:8)");
+      if (kv.count("init_sparsity")) mod.init_sparsity = parse_sparsity(w, "init_sparsity", text("init_sparsity"));
+      mod.final_given = kv.count("final_sparsity") > 0;
+      if (mod.final_given) mod.final_sparsity = parse_sparsity(w, "final_sparsity", text("final_sparsity"));
+      if (mod.mask.kind == SparsityPattern::Kind::unstructured) {
+        ESPLAG_CHECK(mod.final_given, w, ": missing required key 'final_sparsity' (an unstructured mask needs a target)");
+        mod.mask = SparsityPattern::unstructured(mod.final_sparsity);
+      } else {
+        const double implied = 1.0 - mod.mask.density();
+        ESPLAG_CHECK(!mod.final_given || std::abs(mod.final_sparsity - implied) < 1e-9, w, ": key 'final_sparsity': ",
+                     text("final_sparsity"), " conflicts with mask_type ", mod.mask.to_string(), ", which implies ",
+                     number_text(implied), " (leave final_sparsity out for N:M and V:N:M masks)");
+        mod.final_sparsity = implied;
+      }
+      ESPLAG_CHECK(mod.init_sparsity <= mod.final_sparsity, w, ": key 'init_sparsity' (",
+                   number_text(mod.init_sparsity), ") is larger than the final sparsity (",
+                   number_text(mod.final_sparsity), ")");
+      mod.end = parse_step(w, "end", text("end"));
+      mod.update_every = parse_step(w, "update_every", text("update_every"));
+      ESPLAG_CHECK(mod.update_every.is_fraction || mod.update_every.steps > 0, w,
+                   ": key 'update_every' must be positive, got ", text("update_every"));
+    } else if (type == kSemi || type == kSemiAct) {
+      mod.has_until = kv.count("until") > 0;
+      if (mod.has_until) mod.until = parse_step(w, "until", text("until"));
+    } else if (type == kSlope) {
+      if (kv.count("mask_change_freq"))
+        mod.mask_change_freq = static_cast<int>(parse_int(w, "mask_change_freq", text("mask_change_freq"), 1));
+      if (kv.count("lora_rank")) mod.lora_rank = static_cast<int>(parse_int(w, "lora_rank", text("lora_rank"), 0));
+      mod.lora_start = kv.count("lora_start") ? parse_step(w, "lora_start", text("lora_start")) : fraction_step(0.99);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// validate
+
+void Recipe::validate(const LinearShapes& shapes, int64_t total_steps) {
+  validated_ = false;
+  bound_.clear();
+  claims_.clear();
+  if (modifiers_.empty()) {
+    total_steps_ = total_steps;
+    validated_ = true;
+    return;
+  }
+  ESPLAG_CHECK(total_steps > 0, source_, ": recipe: train.steps must be positive to schedule a recipe, got ",
+               total_steps);
+  const std::string example = shapes.empty() ? "blocks.0.attn.qkv.weight" : shapes.begin()->first;
+  std::vector<Bound> bound(modifiers_.size());
+  std::map<std::string, std::vector<Claim>> claims;
+
+  for (size_t i = 0; i < modifiers_.size(); ++i) {
+    const Modifier& m = modifiers_[i];
+    Bound& b = bound[i];
+    const std::string w = where(static_cast<int>(i));
+    auto resolve = [&](const StepValue& v, const char* key) {
+      const int64_t s = v.resolve(total_steps);
+      ESPLAG_CHECK(s <= total_steps, w, ": key '", key, "': step ", s, " is beyond the end of training (train.steps = ",
+                   total_steps, ")");
+      return s;
+    };
+
+    // Weights: exact names must exist, every regex must match something (full match).
+    std::set<std::string> names;
+    for (const auto& p : m.params) {
+      if (p.rfind("re:", 0) == 0) {
+        const std::regex rx(p.substr(3), std::regex::ECMAScript);
+        size_t hits = 0;
+        for (const auto& [name, shape] : shapes)
+          if (std::regex_match(name, rx)) names.insert(name), ++hits;
+        ESPLAG_CHECK(hits > 0, w, ": key 'params': '", p, "' matches no linear weight of the model (names look like '",
+                     example, "'; the regex must match the whole name)");
+      } else {
+        ESPLAG_CHECK(shapes.count(p), w, ": key 'params': '", p, "' is not a linear weight of the model (names look like '",
+                     example, "')");
+        names.insert(p);
+      }
+    }
+    b.names.assign(names.begin(), names.end());
+
+    b.start = resolve(m.start, "start");
+    int64_t claim_end = kForever;
+    auto shape_of = [&](const std::string& n) { return shapes.at(n); };
+    auto shape_text = [&](const std::string& n) {
+      return detail::concat("'", n, "' of shape [", shape_of(n).first, ", ", shape_of(n).second, "]");
+    };
+
+    if (m.type == kGmp) {
+      b.end = resolve(m.end, "end");
+      ESPLAG_CHECK(b.start <= b.end, w, ": start (", step_text(m.start, b.start), ") is after end (",
+                   step_text(m.end, b.end), ")");
+      b.update_every = m.update_every.resolve(total_steps);
+      ESPLAG_CHECK(b.update_every > 0, w, ": key 'update_every': ", m.update_every.text, " of train.steps (",
+                   total_steps, ") is ", b.update_every, " steps; it must be positive");
+      for (const auto& n : b.names) {
+        try {
+          check_divisible(m.mask, shape_of(n).first, shape_of(n).second, n);
+        } catch (const Error& e) {
+          fail(w, ": ", e.what());
+        }
+      }
+    } else if (m.type == kSemi || m.type == kSlope) {
+      for (const auto& n : b.names)
+        ESPLAG_CHECK(shape_of(n).first % 4 == 0 && shape_of(n).second % 4 == 0, w, ": ", shape_text(n), ": ", m.type,
+                     " needs rows and cols that are multiples of 4 (2:4 of W along cols and of Wᵀ along rows)");
+    } else if (m.type == kSemiAct) {
+      for (const auto& n : b.names)
+        ESPLAG_CHECK(shape_of(n).second % 4 == 0, w, ": ", shape_text(n),
+                     ": semi_sparse_activation needs cols (in features) that are a multiple of 4 (2:4 of the input "
+                     "activations along K)");
+    }
+    if (m.type == kSemi || m.type == kSemiAct) {
+      if (m.has_until) {
+        b.until = resolve(m.until, "until");
+        ESPLAG_CHECK(b.until > b.start, w, ": until (", step_text(m.until, b.until), ") must be after start (",
+                     step_text(m.start, b.start), ")");
+        claim_end = b.until;
+      }
+    }
+    if (m.type == kSlope) {
+      b.lora_start = resolve(m.lora_start, "lora_start");
+      ESPLAG_CHECK(m.lora_rank == 0 || b.lora_start >= b.start, w, ": lora_start (", step_text(m.lora_start, b.lora_start),
+                   ") is before start (", step_text(m.start, b.start), ")");
+      for (const auto& n : b.names)
+        ESPLAG_CHECK(m.lora_rank <= std::min(shape_of(n).first, shape_of(n).second), w, ": key 'lora_rank': ",
+                     m.lora_rank, " exceeds min(rows, cols) of ", shape_text(n));
+    }
+    for (const auto& n : b.names) claims[n].push_back({static_cast<int>(i), b.start, claim_end});
+  }
+
+  // No weight may be held by two modifiers at once, except gradual_magnitude handing its
+  // final mask over to kernel_replacement.
+  auto is_handoff_pair = [&](const Claim& a, const Claim& c) {
+    return (modifiers_[a.modifier].type == kGmp && modifiers_[c.modifier].type == kKernel) ||
+           (modifiers_[a.modifier].type == kKernel && modifiers_[c.modifier].type == kGmp);
+  };
+  for (auto& [name, cl] : claims) {
+    for (size_t a = 0; a < cl.size(); ++a)
+      for (size_t c = a + 1; c < cl.size(); ++c) {
+        const Claim& x = cl[a];
+        const Claim& y = cl[c];
+        if (std::max(x.begin, y.begin) >= std::min(x.end, y.end) || is_handoff_pair(x, y)) continue;
+        fail(source_, ": recipe[", x.modifier, "] (", modifiers_[x.modifier].type, ") and recipe[", y.modifier, "] (",
+             modifiers_[y.modifier].type, ") both claim '", name, "' at step ", std::max(x.begin, y.begin), " (",
+             range_text(x.begin, x.end), " and ", range_text(y.begin, y.end), " overlap)");
+      }
+  }
+  for (size_t i = 0; i < modifiers_.size(); ++i) {
+    if (modifiers_[i].type != kKernel) continue;
+    const std::string w = where(static_cast<int>(i));
+    for (const auto& n : bound[i].names) {
+      auto& cl = claims[n];
+      auto gmp = std::find_if(cl.begin(), cl.end(), [&](const Claim& c) { return modifiers_[c.modifier].type == kGmp; });
+      ESPLAG_CHECK(gmp != cl.end(), w, ": '", n, "' is not pruned by any gradual_magnitude modifier; kernel_replacement ",
+                   "needs a V:N:M or 2:4 mask in place by its start (step ", bound[i].start, ")");
+      const Modifier& g = modifiers_[gmp->modifier];
+      const Bound& gb = bound[gmp->modifier];
+      ESPLAG_CHECK(is_handoff_target(g.mask), w, ": '", n, "' is pruned by recipe[", gmp->modifier,
+                   "] (gradual_magnitude) with mask_type ", g.mask.to_string(),
+                   "; kernel_replacement needs a V:N:M or 2:4 mask");
+      ESPLAG_CHECK(gb.end <= bound[i].start, w, ": '", n, "' is still being pruned by recipe[", gmp->modifier,
+                   "] (gradual_magnitude) until step ", gb.end, "; kernel_replacement must start at or after it, not at step ",
+                   bound[i].start);
+      gmp->end = bound[i].start;  // the hand-off
+    }
+  }
+  for (auto& [name, cl] : claims)
+    std::sort(cl.begin(), cl.end(), [](const Claim& a, const Claim& c) { return a.begin < c.begin; });
+
+  bound_ = std::move(bound);
+  claims_ = std::move(claims);
+  total_steps_ = total_steps;
+  validated_ = true;
+}
+
+// ---------------------------------------------------------------------------------------
+// schedule
+
+LayerPlan Recipe::plan_of(int i, int64_t step) const {
+  const Modifier& m = modifiers_[i];
+  const Bound& b = bound_[i];
+  LayerPlan p;
+  p.modifier = i;
+  if (m.type == kGmp) {
+    // Updates at start, start + k·update_every (< end) and end; the plan between two
+    // updates is the one computed at the earlier.
+    const int64_t span = b.end - b.start;
+    const int64_t last = span > 0 ? (span + b.update_every - 1) / b.update_every : 0;
+    const int64_t k = step >= b.end ? last : (step - b.start) / b.update_every;
+    const int64_t u = k == last ? b.end : b.start + k * b.update_every;
+    const double s = cubic_sparsity(m.init_sparsity, m.final_sparsity, b.start, b.end, u);
+    if (m.mask.kind == SparsityPattern::Kind::unstructured) {
+      p.pattern = s > 0.0 ? SparsityPattern::unstructured(s) : SparsityPattern::dense();
+    } else {
+      p.pattern = k == last ? m.mask : closest_level(ramp_levels(m.mask), 1.0 - s);
+    }
+    p.kind = p.pattern.kind == SparsityPattern::Kind::dense ? "dense" : "masked";
+  } else if (m.type == kSemi || m.type == kSemiAct || m.type == kSlope) {
+    p.kind = m.type;
+    p.pattern = SparsityPattern::nm(2, 4);
+    if (m.type == kSlope) {
+      p.mask_change_freq = m.mask_change_freq;
+      p.lora_rank = m.lora_rank;
+      p.lora_enabled = m.lora_rank > 0 && step >= b.lora_start;
+    }
+  }
+  p.sparsity = 1.0 - p.pattern.density();
+  return p;
+}
+
+std::map<std::string, LayerPlan> Recipe::plan_at(int64_t step) const {
+  ESPLAG_CHECK(validated_, source_, ": recipe: plan_at called before validate");
+  ESPLAG_CHECK(step >= 0, source_, ": recipe: plan_at needs a step >= 0, got ", step);
+  std::map<std::string, LayerPlan> out;
+  for (const auto& [name, cl] : claims_) {
+    LayerPlan p;
+    for (const Claim& c : cl) {
+      if (c.begin > step || step >= c.end) continue;
+      if (modifiers_[c.modifier].type == kKernel) {
+        // The mask comes from the gradual_magnitude modifier that handed the weight over.
+        const auto gmp = std::find_if(cl.begin(), cl.end(), [&](const Claim& g) { return modifiers_[g.modifier].type == kGmp; });
+        p.kind = "vnm";
+        p.pattern = modifiers_[gmp->modifier].mask;
+        p.sparsity = 1.0 - p.pattern.density();
+        p.modifier = c.modifier;
+      } else {
+        p = plan_of(c.modifier, step);
+      }
+      break;
+    }
+    out.emplace(name, p);
+  }
+  return out;
+}
+
+std::vector<std::string> Recipe::changed_at(int64_t step) const {
+  const auto now = plan_at(step);
+  std::vector<std::string> out;
+  if (step == 0) {
+    const LayerPlan dense;
+    for (const auto& [name, p] : now)
+      if (!p.same_effect(dense)) out.push_back(name);
+    return out;
+  }
+  const auto before = plan_at(step - 1);
+  for (const auto& [name, p] : now)
+    if (!p.same_effect(before.at(name))) out.push_back(name);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// describe / to_yaml
+
+std::string Recipe::describe() const {
+  std::ostringstream os;
+  if (modifiers_.empty()) return "recipe: none (dense training)\n";
+  os << "recipe (" << source_ << "): " << modifiers_.size() << " modifier" << (modifiers_.size() == 1 ? "" : "s");
+  if (validated_) os << ", train.steps = " << total_steps_;
+  os << "\n";
+  for (size_t i = 0; i < modifiers_.size(); ++i) {
+    const Modifier& m = modifiers_[i];
+    os << "  [" << i << "] " << m.type;
+    if (validated_) {
+      const Bound& b = bound_[i];
+      os << " on " << b.names.size() << " weight" << (b.names.size() == 1 ? "" : "s") << ":";
+      if (m.type == kGmp) {
+        os << " " << (m.mask.kind == SparsityPattern::Kind::unstructured ? "unstructured" : m.mask.to_string())
+           << ", sparsity " << number_text(m.init_sparsity) << " -> " << number_text(m.final_sparsity)
+           << " (cubic), steps " << b.start << ".." << b.end << " updating every " << b.update_every;
+        if (m.mask.is_structured()) {
+          std::vector<std::string> seq;
+          for (int64_t s = b.start;; s = std::min(s + b.update_every, b.end)) {
+            const std::string t = plan_of(static_cast<int>(i), s).pattern.to_string();
+            if (seq.empty() || seq.back() != t) seq.push_back(t);
+            if (s >= b.end) break;
+          }
+          os << ", masks " << join(seq, " -> ");
+        }
+      } else if (m.type == kKernel) {
+        os << " compressed (vnm) from step " << b.start;
+      } else if (m.type == kSlope) {
+        os << " 2:4 from step " << b.start << ", Wᵀ mask refreshed every " << m.mask_change_freq << " steps";
+        if (m.lora_rank > 0)
+          os << ", rank-" << m.lora_rank << " adapters from step " << b.lora_start;
+        else
+          os << ", no adapters";
+      } else {
+        os << " 2:4 " << range_text(b.start, m.has_until ? b.until : kForever);
+        if (m.has_until) os << ", dense after";
+      }
+    } else {
+      os << " params [" << join(m.params, ", ") << "] from step " << m.start.text;
+    }
+    os << "\n";
+  }
+  return os.str();
+}
+
+std::string Recipe::to_yaml() const {
+  if (modifiers_.empty()) return "[]\n";
+  YAML::Emitter e;
+  e << YAML::BeginSeq;
+  for (const Modifier& m : modifiers_) {
+    e << YAML::BeginMap << YAML::Key << m.type << YAML::Value << YAML::BeginMap;
+    e << YAML::Key << "params" << YAML::Value << YAML::Flow << YAML::BeginSeq;
+    for (const auto& p : m.params) e << YAML::SingleQuoted << p;
+    e << YAML::EndSeq;
+    if (m.type == kGmp) {
+      e << YAML::Key << "mask_type" << YAML::Value << YAML::DoubleQuoted
+        << (m.mask.kind == SparsityPattern::Kind::unstructured ? std::string("unstructured") : m.mask.to_string());
+      e << YAML::Key << "init_sparsity" << YAML::Value << number_text(m.init_sparsity);
+      e << YAML::Key << "final_sparsity" << YAML::Value << number_text(m.final_sparsity);
+    }
+    e << YAML::Key << "start" << YAML::Value << m.start.text;
+    if (m.type == kGmp) {
+      e << YAML::Key << "end" << YAML::Value << m.end.text;
+      e << YAML::Key << "update_every" << YAML::Value << m.update_every.text;
+    } else if ((m.type == kSemi || m.type == kSemiAct) && m.has_until) {
+      e << YAML::Key << "until" << YAML::Value << m.until.text;
+    } else if (m.type == kSlope) {
+      e << YAML::Key << "mask_change_freq" << YAML::Value << m.mask_change_freq;
+      e << YAML::Key << "lora_rank" << YAML::Value << m.lora_rank;
+      e << YAML::Key << "lora_start" << YAML::Value << m.lora_start.text;
+    }
+    e << YAML::EndMap << YAML::EndMap;
+  }
+  e << YAML::EndSeq;
+  return std::string(e.c_str()) + "\n";
+}
+
+}  // namespace esplag
