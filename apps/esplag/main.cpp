@@ -19,9 +19,16 @@
 #include "io/atomic_file.h"
 #include "model/transformer.h"
 #include "ops/adamw.h"
+#include "io/safetensors.h"
+#include "model/linear.h"
 #include "profile/profiler.h"
+#include "sparse/masks.h"
+#include "sparse/pattern.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
+#ifdef ESPLAG_HAVE_CUDA
+#include "model/gpu_bench.h"
+#endif
 
 namespace fs = std::filesystem;
 using namespace esplag;
@@ -44,8 +51,10 @@ usage:
                 [--top-k 40] [--seed 1]
   esplag profile --config FILE.yaml [--set key=value]... [--warmup 1] [--out DIR]
                  [--what-if 'PATTERN=FACTOR']... [--what-if-from bench.csv]...
-  esplag bench train --model PRESET [--batch 4] [--seq 256] [--steps 2] [--warmup 1]
-                     [--vocab N] [--csv FILE]
+  esplag sparsity --checkpoint DIR [--json]
+  esplag export --checkpoint DIR --dense --out FILE.safetensors
+  esplag bench train --model PRESET [--device cpu|cuda] [--batch 4] [--seq 256] [--steps N]
+                     [--warmup 1] [--vocab N] [--peak-tflops 989] [--csv FILE]
   esplag --version
 
 Common: --threads N sets the CPU worker threads (default: all cores).
@@ -142,9 +151,9 @@ int cmd_eval(const std::vector<std::string>& argv) {
 int cmd_sample(const std::vector<std::string>& argv) {
   Args a(argv, "sample", {"checkpoint", "prompt", "tokens", "temperature", "top-k", "seed"});
   const std::string ck = resolve_checkpoint(a.required("checkpoint"));
-  const CheckpointContents info = read_checkpoint_info(ck);
-  Transformer<float> model(info.config.model);
-  load_checkpoint_weights(ck, model);
+  CheckpointContents info;
+  const auto model_ptr = load_model(ck, &info);
+  Transformer<float>& model = *model_ptr;
   const auto tok = load_tokenizer(info.tokenizer);
   const int n_new = static_cast<int>(a.integer("tokens", 200));
   const double temperature = a.number("temperature", 0.8);
@@ -192,6 +201,75 @@ int cmd_sample(const std::vector<std::string>& argv) {
   return 0;
 }
 
+// Per layer: kind, pattern, density of the effective weight, and whether the stored
+// weight really satisfies the pattern. Exit code 1 if any layer breaks its pattern.
+int cmd_sparsity(const std::vector<std::string>& argv) {
+  Args a(argv, "sparsity", {"checkpoint"}, {"json"});
+  const std::string ck = resolve_checkpoint(a.required("checkpoint"));
+  const auto model = load_model(ck);
+  nlohmann::json rows = nlohmann::json::array();
+  int broken = 0;
+  if (!a.has("json"))
+    std::printf("%-28s %-24s %-14s %8s  %s\n", "layer", "kind", "pattern", "density", "check");
+  for (const auto& name : model->linear_names()) {
+    const Linear<float>& l = model->linear(name);
+    const auto& p = l.params();
+    std::vector<float> w(size_t(p.out_features) * p.in_features);
+    l.sparse_weight(w.data());
+    int64_t nonzeros = 0;
+    for (float x : w) nonzeros += x != 0.0f;
+    const double density = double(nonzeros) / double(w.size());
+    // Kinds that store a pruned weight are checked; runtime kinds keep a dense master.
+    std::string check = "-";
+    const std::string base_kind = l.kind().substr(0, l.kind().find('+'));
+    const bool stored_sparse = base_kind == "masked" || base_kind == "slope" || base_kind == "vnm";
+    if (stored_sparse && l.pattern().rfind("unstructured", 0) != 0) {
+      const auto r = cpu::check_pattern(w.data(), p.out_features, p.in_features, SparsityPattern::parse(l.pattern()));
+      check = r.ok ? "ok" : "BROKEN: " + r.detail;
+      broken += !r.ok;
+    }
+    if (a.has("json")) {
+      rows.push_back({{"layer", name}, {"kind", l.kind()}, {"pattern", l.pattern()}, {"density", density},
+                      {"check", check}});
+    } else {
+      std::printf("%-28s %-24s %-14s %8.4f  %s\n", name.c_str(), l.kind().c_str(), l.pattern().c_str(), density,
+                  check.c_str());
+    }
+  }
+  if (a.has("json")) std::cout << nlohmann::json{{"checkpoint", ck}, {"layers", rows}}.dump(2) << std::endl;
+  if (broken) std::cerr << "esplag: error: " << broken << " layer(s) do not satisfy their sparsity pattern" << std::endl;
+  return broken ? 1 : 0;
+}
+
+// A plain dense safetensors of the effective weights, for tools that know nothing of
+// compressed layers.
+int cmd_export(const std::vector<std::string>& argv) {
+  Args a(argv, "export", {"checkpoint", "out"}, {"dense"});
+  ESPLAG_CHECK(a.has("dense"), "export: only --dense export exists (a plain dense safetensors)");
+  const std::string ck = resolve_checkpoint(a.required("checkpoint"));
+  const std::string out = a.required("out");
+  CheckpointContents info;
+  const auto model = load_model(ck, &info);
+  std::map<std::string, std::vector<float>> dense;
+  for (const auto& name : model->linear_names()) {
+    const Linear<float>& l = model->linear(name);
+    auto& w = dense[name];
+    w.resize(size_t(l.params().out_features) * l.params().in_features);
+    l.dense_weight(w.data());
+  }
+  std::vector<Tensor> tensors;
+  for (const auto& pi : model->param_infos()) {
+    auto it = dense.find(pi.name);
+    tensors.push_back(it == dense.end() ? model->param(pi.name)
+                                        : Tensor::borrow(it->second.data(), pi.shape, DType::f32, Device::cpu, pi.name));
+  }
+  save_safetensors(out, tensors, {{"format", "esplag-dense-1"}, {"config", to_yaml(info.config)},
+                                  {"tokenizer", info.tokenizer}, {"step", std::to_string(info.state.step)}});
+  std::printf("wrote %s: %zu tensors, %.2fM parameters (dense)\n", out.c_str(), tensors.size(),
+              model->num_params() / 1e6);
+  return 0;
+}
+
 int cmd_profile(const std::vector<std::string>& argv) {
   Args a(argv, "profile", {"config", "out", "warmup"}, {}, {"set", "what-if", "what-if-from"});
   const std::string config_path = a.required("config");
@@ -221,12 +299,30 @@ int cmd_profile(const std::vector<std::string>& argv) {
 
 int cmd_bench(const std::vector<std::string>& argv) {
   ESPLAG_CHECK(!argv.empty() && argv[0] == "train", "usage: esplag bench train --model PRESET ...");
-  Args a({argv.begin() + 1, argv.end()}, "bench train", {"model", "batch", "seq", "steps", "warmup", "vocab", "csv"});
+  Args a({argv.begin() + 1, argv.end()}, "bench train",
+         {"model", "device", "batch", "seq", "steps", "warmup", "vocab", "peak-tflops", "csv"});
+  const std::string device = a.get("device", "cpu");
+  ESPLAG_CHECK(device == "cpu" || device == "cuda", "bench train: --device must be cpu or cuda, got '", device, "'");
   ModelConfig mc = model_preset(a.get("model", "tiny"));
   mc.vocab_size = static_cast<int>(a.integer("vocab", mc.vocab_size ? mc.vocab_size : 257));
   const int B = static_cast<int>(a.integer("batch", 4)), T = static_cast<int>(a.integer("seq", 256));
-  const int steps = static_cast<int>(a.integer("steps", 2)), warmup = static_cast<int>(a.integer("warmup", 1));
+  const int steps = static_cast<int>(a.integer("steps", device == "cuda" ? 10 : 2));
+  const int warmup = static_cast<int>(a.integer("warmup", device == "cuda" ? 3 : 1));
   ESPLAG_CHECK(steps > 0 && warmup >= 0, "bench train: --steps must be positive and --warmup not negative");
+  if (device == "cuda") {
+#ifdef ESPLAG_HAVE_CUDA
+    const GpuBenchResult r = bench_train_gpu(mc, B, T, steps, warmup, a.number("peak-tflops", kH100DenseBf16Tflops));
+    std::cout << gpu_bench_table_header() << gpu_bench_table_row(r);
+    if (a.has("csv")) {  // its own columns: a CUDA CSV is not the CPU one
+      const std::string path = a.get("csv");
+      const bool fresh = !fs::exists(path);
+      write_file_atomic(path, (fresh ? gpu_bench_csv_header() : read_file(path)) + gpu_bench_csv_row(r));
+    }
+    return 0;
+#else
+    fail("bench train: --device cuda needs a build configured with the cuda preset");
+#endif
+  }
   Transformer<float> model(mc);
   model.init_weights(1);
   std::vector<float> m(model.num_params()), v(model.num_params());
@@ -289,6 +385,8 @@ int main(int argc, char** argv) {
     if (cmd == "sample") return cmd_sample(rest);
     if (cmd == "bench") return cmd_bench(rest);
     if (cmd == "profile") return cmd_profile(rest);
+    if (cmd == "sparsity") return cmd_sparsity(rest);
+    if (cmd == "export") return cmd_export(rest);
     std::cerr << "esplag: unknown command '" << cmd << "' (see esplag --help)" << std::endl;
     return 2;
   } catch (const Error& e) {

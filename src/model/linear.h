@@ -16,7 +16,8 @@
 //                               AdamW" for compressed kinds) and checkpoints them
 //   - after_optimizer_step()    after AdamW (re-apply a mask, refresh a compressed copy)
 //   - state() / load_state()    non-trained state (masks, indices, metadata) for checkpoints
-//   - dense_weight(out)         the effective dense weight (for export and `esplag sparsity`)
+//   - dense_weight(out)         the effective dense weight (for export)
+//   - sparse_weight(out)        the stored weight without adapters (for `esplag sparsity`)
 #pragma once
 #include <cstdint>
 #include <map>
@@ -73,8 +74,11 @@ class Linear {
   // Tensors named "<weight name>.<what>" plus string metadata describing the kind.
   virtual std::map<std::string, Tensor> state() const { return {}; }
   virtual void load_state(const std::map<std::string, Tensor>& tensors) {}
-  // Writes the effective dense weight [out, in] (what forward multiplies by).
+  // Writes the effective dense weight [out, in] (what forward multiplies by, adapters
+  // included).
   virtual void dense_weight(T* out) const;
+  // Writes the stored weight without low-rank adapters: what the sparsity pattern holds for.
+  virtual void sparse_weight(T* out) const { dense_weight(out); }
 
   const LinearParams<T>& params() const { return p_; }
 

@@ -5,11 +5,13 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
+#include "train/layer_kinds.h"
 
 namespace esplag {
 
@@ -64,6 +66,13 @@ std::string save_checkpoint(const std::string& run_dir, Transformer<float>& mode
     const auto trainable = model.trainable_params();
     std::vector<Tensor> weights;
     for (const auto& p : trainable) weights.push_back(view(p));
+    // What the Linear kinds need beyond trained values (masks, indices, their kind).
+    for (const auto& name : model.linear_names())
+      for (const auto& [key, t] : model.linear(name).state()) {
+        Tensor named = t;
+        named.set_name(key);
+        weights.push_back(named);
+      }
     const std::map<std::string, std::string> meta = {{"format", kFormat},
                                                      {"config", to_yaml(config)},
                                                      {"tokenizer", tokenizer},
@@ -146,10 +155,25 @@ void load_checkpoint_weights(const std::string& checkpoint_dir, Transformer<floa
   const SafetensorsFile file = load_safetensors(model_path);
   const auto trainable = model.trainable_params();
   for (const auto& p : trainable) read_tensor(file, model_path, p.name, p.shape, p.value);
-  for (const auto& [name, t] : file.tensors) {
-    const bool known = std::any_of(trainable.begin(), trainable.end(), [&](const auto& p) { return p.name == name; });
-    ESPLAG_CHECK(known, model_path, ": tensor '", name, "' does not belong to this model");
+  std::set<std::string> used;
+  for (const auto& p : trainable) used.insert(p.name);
+  for (const auto& name : model.linear_names()) {
+    Linear<float>& l = model.linear(name);
+    const auto expected = l.state();
+    if (expected.empty()) continue;
+    std::map<std::string, Tensor> state;
+    for (const auto& [key, t] : expected) {
+      auto it = file.tensors.find(key);
+      ESPLAG_CHECK(it != file.tensors.end(), model_path, ": tensor '", key, "' of the ", l.kind(),
+                   " layer is missing (was the checkpoint saved with another recipe?)");
+      state[key] = it->second;
+      used.insert(key);
+    }
+    l.load_state(state);
   }
+  for (const auto& [name, t] : file.tensors)
+    ESPLAG_CHECK(used.count(name), model_path, ": tensor '", name,
+                 "' does not belong to this model (another config or recipe?)");
   model.after_optimizer_step();  // kinds that store another form refresh their dense view
   if (!m) return;
   const std::string opt_path = (fs::path(checkpoint_dir) / "optimizer.safetensors").string();
@@ -167,6 +191,19 @@ void load_checkpoint_weights(const std::string& checkpoint_dir, Transformer<floa
     read_tensor(opt, opt_path, "m." + p.name, p.shape, mp.data());
     read_tensor(opt, opt_path, "v." + p.name, p.shape, vp.data());
   }
+}
+
+std::unique_ptr<Transformer<float>> load_model(const std::string& checkpoint_dir, CheckpointContents* info_out) {
+  const CheckpointContents info = read_checkpoint_info(checkpoint_dir);
+  auto model = std::make_unique<Transformer<float>>(info.config.model);
+  if (!info.config.recipe_yaml.empty()) {
+    Recipe recipe = Recipe::parse(info.config.recipe_yaml, checkpoint_dir + " (recipe in the saved config)");
+    recipe.validate(linear_shapes(*model), info.config.steps);
+    build_kinds_after(*model, recipe, info.state.step, info.config.seed);
+  }
+  load_checkpoint_weights(checkpoint_dir, *model);
+  if (info_out) *info_out = info;
+  return model;
 }
 
 void prune_checkpoints(const std::string& run_dir, int keep) {

@@ -9,6 +9,7 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,10 @@ CheckpointContents read_checkpoint_info(const std::string& checkpoint_dir);
 // when m/v are given, the optimizer moments.
 void load_checkpoint_weights(const std::string& checkpoint_dir, Transformer<float>& model, Moments* m = nullptr,
                              Moments* v = nullptr);
+
+// The model of a checkpoint, ready for inference or export: built from the saved config,
+// with every Linear kind the recipe had given it by the saved step, and the saved values.
+std::unique_ptr<Transformer<float>> load_model(const std::string& checkpoint_dir, CheckpointContents* info = nullptr);
 
 // Removes all but the newest `keep` step directories of a run (keep == 0 keeps all).
 void prune_checkpoints(const std::string& run_dir, int keep);

@@ -12,6 +12,7 @@
 #include "core/op_trace.h"
 #include "io/atomic_file.h"
 #include "ops/adamw.h"
+#include "train/layer_kinds.h"
 
 namespace esplag {
 
@@ -106,6 +107,7 @@ Trainer::Trainer(TrainConfig config, std::string run_dir, LogFn log)
   model_ = std::make_unique<Transformer<float>>(cfg_.model);
   model_->init_weights(cfg_.seed);
   state_.rng = Rng(cfg_.seed).state();
+  setup_recipe();
   setup_data();
 }
 
@@ -122,6 +124,8 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, int6
   t->tokenizer_ = info.tokenizer;
   t->state_ = info.state;
   t->model_ = std::make_unique<Transformer<float>>(t->cfg_.model);
+  t->setup_recipe();
+  build_kinds_after(*t->model_, t->recipe_, t->state_.step, t->cfg_.seed);
   load_checkpoint_weights(ck, *t->model_, &t->m_, &t->v_);
   t->setup_data();
   t->train_data_->set_state(t->state_.data);
@@ -143,6 +147,13 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, int6
   }
   t->log_("resuming " + ck + " at step " + std::to_string(t->state_.step) + " of " + std::to_string(t->cfg_.steps));
   return t;
+}
+
+void Trainer::setup_recipe() {
+  if (cfg_.recipe_yaml.empty()) return;
+  recipe_ = Recipe::parse(cfg_.recipe_yaml, "recipe");
+  recipe_.validate(linear_shapes(*model_), cfg_.steps);
+  log_("sparsity recipe:\n" + recipe_.describe());
 }
 
 void Trainer::setup_data() {
@@ -211,6 +222,7 @@ Trainer::StepStats Trainer::train_step() {
   batch_x_.resize(size_t(B) * T);
   batch_y_.resize(size_t(B) * T);
   const int64_t step = state_.step;
+  if (!recipe_.empty()) apply_recipe_step(*model_, recipe_, step, cfg_.seed, log_);
   model_->on_step_begin(step);
   model_->zero_grad();
   StepStats st;
@@ -298,12 +310,11 @@ EvalResult evaluate_checkpoint(const std::string& checkpoint, const std::string&
   const DataMeta meta = read_data_meta(data_dir);
   ESPLAG_CHECK(meta.tokenizer == info.tokenizer, "data '", data_dir, "' was tokenized with '", meta.tokenizer,
                "' but the checkpoint was trained with '", info.tokenizer, "'");
-  Transformer<float> model(info.config.model);
-  load_checkpoint_weights(ck, model);
+  auto model = load_model(ck);
   const int B = batch_size > 0 ? batch_size : info.config.batch_size;
   const int T = seq_len > 0 ? seq_len : info.config.seq_len;
   DataLoader loader(data_dir, split, B, T, info.config.seed);
-  return mean_loss(model, loader, max_batches > 0 ? max_batches : INT32_MAX, B, T);
+  return mean_loss(*model, loader, max_batches > 0 ? max_batches : INT32_MAX, B, T);
 }
 
 }  // namespace esplag

@@ -13,6 +13,7 @@
 #include "model/transformer.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
+#include "train/recipe.h"
 
 namespace esplag {
 
@@ -54,6 +55,8 @@ class Trainer {
  private:
   Trainer(LogFn log) : log_(std::move(log)) {}
   void setup_data();
+  // Parses and validates the config's recipe against the model.
+  void setup_recipe();
   EvalResult evaluate();
   // Global L2 norm of every trained gradient (deterministic order).
   double grad_norm();
@@ -69,6 +72,7 @@ class Trainer {
   std::unique_ptr<DataLoader> train_data_, val_data_;
   Moments m_, v_;
   TrainerState state_;
+  Recipe recipe_;  // empty for dense training
   std::vector<int32_t> batch_x_, batch_y_;
   std::string last_checkpoint_;
 };

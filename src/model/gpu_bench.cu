@@ -1,0 +1,137 @@
+#include "model/gpu_bench.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "core/rng.h"
+#include "ops/gpu.h"
+
+namespace esplag {
+
+namespace {
+
+// Events are destroyed whatever happens between creation and the end of the run.
+struct Events {
+  std::vector<cudaEvent_t> e;
+  explicit Events(size_t n) : e(n, nullptr) {
+    for (auto& x : e) CUDA_CHECK(cudaEventCreate(&x));
+  }
+  ~Events() {
+    for (auto x : e)
+      if (x) cudaEventDestroy(x);
+  }
+};
+
+}  // namespace
+
+GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int steps, int warmup, double peak_tflops,
+                               const GpuModelOptions& options) {
+  ESPLAG_CHECK(steps > 0 && warmup >= 0, "bench_train_gpu: steps must be positive and warmup not negative, got ",
+               steps, " and ", warmup);
+  ESPLAG_CHECK(peak_tflops > 0, "bench_train_gpu: peak TFLOP/s must be positive, got ", peak_tflops);
+  GpuBenchResult r;
+  r.model = config.preset;
+  r.batch = B;
+  r.seq = T;
+  r.steps = steps;
+  r.warmup = warmup;
+  r.peak_tflops = peak_tflops;
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  r.device = prop.name;
+
+  GpuTransformer model(config, B, T, options);
+  r.params = static_cast<int64_t>(model.num_params());
+  model.init_weights(1);
+  std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
+  Rng rng(1);
+  for (auto& t : x) t = static_cast<int32_t>(rng.below(config.vocab_size));
+  for (auto& t : y) t = static_cast<int32_t>(rng.below(config.vocab_size));
+  model.upload_batch(x.data(), y.data(), B, T);
+
+  GpuAdamW hyper;
+  hyper.lr = 1e-4;
+  auto step = [&]() {
+    model.zero_grad();
+    model.forward_backward_device(model.device_tokens(), model.device_targets(), B, T, 1.0);
+    model.step_adamw(hyper);
+  };
+  r.first_loss = std::numeric_limits<double>::quiet_NaN();
+  for (int s = 0; s < warmup; ++s) {
+    step();
+    if (s == 0) r.first_loss = model.read_loss();
+  }
+  model.synchronize();
+
+  Events ev(2 * size_t(steps));
+  for (int s = 0; s < steps; ++s) {
+    CUDA_CHECK(cudaEventRecord(ev.e[2 * s], model.stream()));
+    step();
+    CUDA_CHECK(cudaEventRecord(ev.e[2 * s + 1], model.stream()));
+  }
+  r.last_loss = model.read_loss();  // synchronises
+  for (int s = 0; s < steps; ++s) {
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, ev.e[2 * s], ev.e[2 * s + 1]));
+    r.step_ms.push_back(ms);
+  }
+  std::vector<double> sorted = r.step_ms;
+  std::sort(sorted.begin(), sorted.end());
+  const size_t n = sorted.size();
+  r.median_ms = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+  r.min_ms = sorted.front();
+  r.max_ms = sorted.back();
+  const double tokens = double(B) * T;
+  r.tokens_per_s = tokens / (r.median_ms * 1e-3);
+  r.tflops = config.train_flops_per_token(T) * tokens / (r.median_ms * 1e-3) / 1e12;
+  r.mfu = r.tflops / peak_tflops;
+  r.arena_capacity_bytes = model.arena().capacity();
+  r.arena_peak_bytes = model.arena().peak();
+  r.gemm_workspace_bytes = model.plan().workspace;
+  size_t free_b = 0, total_b = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  r.device_used_bytes = total_b - free_b;
+  return r;
+}
+
+std::string gpu_bench_table_header() {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "%-10s %-6s %6s %6s %10s %9s %11s %8s %6s %10s %10s\n", "model", "device", "batch",
+                "seq", "params(M)", "step_ms", "tok/s", "TFLOP/s", "MFU", "arena_GiB", "loss");
+  return buf;
+}
+
+std::string gpu_bench_table_row(const GpuBenchResult& r) {
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "%-10s %-6s %6d %6d %10.2f %9.2f %11.0f %8.1f %5.1f%% %10.2f %10.4f   (median of %d after %d "
+                "warm-up; min %.2f max %.2f ms; %s; device in use %.2f GiB)\n",
+                r.model.c_str(), "cuda", r.batch, r.seq, r.params / 1e6, r.median_ms, r.tokens_per_s, r.tflops,
+                100.0 * r.mfu, r.arena_peak_bytes / double(1 << 30), r.last_loss, r.steps, r.warmup, r.min_ms,
+                r.max_ms, r.device.c_str(), r.device_used_bytes / double(1 << 30));
+  return buf;
+}
+
+std::string gpu_bench_csv_header() {
+  return "model,device,gpu,batch,seq,params,steps,warmup,step_ms_median,step_ms_min,step_ms_max,tokens_per_s,"
+         "tflops,peak_tflops,mfu,arena_peak_bytes,arena_capacity_bytes,gemm_workspace_bytes,device_used_bytes,"
+         "first_loss,last_loss\n";
+}
+
+std::string gpu_bench_csv_row(const GpuBenchResult& r) {
+  char buf[1024];
+  std::snprintf(buf, sizeof buf, "%s,cuda,\"%s\",%d,%d,%lld,%d,%d,%.4f,%.4f,%.4f,%.1f,%.3f,%.1f,%.5f,%zu,%zu,%zu,%zu,%.6f,%.6f\n",
+                r.model.c_str(), r.device.c_str(), r.batch, r.seq, static_cast<long long>(r.params), r.steps,
+                r.warmup, r.median_ms, r.min_ms, r.max_ms, r.tokens_per_s, r.tflops, r.peak_tflops, r.mfu,
+                r.arena_peak_bytes, r.arena_capacity_bytes, r.gemm_workspace_bytes, r.device_used_bytes,
+                r.first_loss, r.last_loss);
+  return buf;
+}
+
+}  // namespace esplag

@@ -1,0 +1,55 @@
+// Timing of full dense training steps on the GPU (forward + backward + AdamW with
+// clipping), for `esplag bench train --device cuda`.
+//
+// Only for the CUDA build (ESPLAG_CUDA=ON).
+#pragma once
+
+#ifndef ESPLAG_HAVE_CUDA
+#error "model/gpu_bench.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#endif
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "model/gpu_transformer.h"
+
+namespace esplag {
+
+// H100 SXM dense bf16 tensor-core peak, TFLOP/s (the MFU denominator by default).
+constexpr double kH100DenseBf16Tflops = 989.0;
+
+struct GpuBenchResult {
+  std::string model;
+  std::string device;  // the GPU's name
+  int batch = 0, seq = 0, steps = 0, warmup = 0;
+  int64_t params = 0;
+  std::vector<double> step_ms;  // every timed step, in order
+  double median_ms = 0, min_ms = 0, max_ms = 0;
+  double tokens_per_s = 0;
+  double tflops = 0;  // achieved, from ModelConfig::train_flops_per_token
+  double peak_tflops = 0;
+  double mfu = 0;  // tflops / peak_tflops
+  size_t arena_capacity_bytes = 0;
+  size_t arena_peak_bytes = 0;      // everything the model allocates, cuBLASLt workspace included
+  size_t gemm_workspace_bytes = 0;  // the cuBLASLt workspace and bias scratch inside the arena
+  size_t device_used_bytes = 0;     // total - free after the run: arena + CUDA context + library state
+  double first_loss = 0, last_loss = 0;  // first warm-up step (NaN without warm-up) and last step
+};
+
+// Builds a GpuTransformer for micro-batches B x T (init_weights(1)), runs `warmup`
+// untimed and `steps` timed training steps on fixed random tokens, each step timed with
+// CUDA events around zero_grad, forward_backward_device and step_adamw (no host
+// synchronisation inside a step). Throws Error when the model does not fit.
+GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int steps, int warmup,
+                               double peak_tflops = kH100DenseBf16Tflops, const GpuModelOptions& options = {});
+
+// One human-readable line per result, with a header, and a CSV header / row.
+std::string gpu_bench_table_header();
+std::string gpu_bench_table_row(const GpuBenchResult& r);
+std::string gpu_bench_csv_header();
+std::string gpu_bench_csv_row(const GpuBenchResult& r);
+
+}  // namespace esplag

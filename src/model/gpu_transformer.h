@@ -1,0 +1,183 @@
+// The transformer on the GPU, dense training: the CUDA counterpart of Transformer<float>
+// (model/transformer.h) with the same ModelConfig, the same parameter names and the same
+// flat parameter layout, so a CPU model's (or checkpoint's) flat vector loads directly.
+//
+// Device state, all in one DeviceArena sized up front for the largest (B, T) the model
+// will see: fp32 master weights, fp32 gradients, AdamW moments (fp32), the bf16 copy of
+// the weights that forward and backward read (rewritten by the fused AdamW), bf16
+// activations saved for backward, backward scratch, and the GEMM workspace. A step
+// allocates nothing and synchronises with the host only to read the loss back (in the
+// host-pointer forward_backward / forward_loss); forward_backward_device and step_adamw
+// never wait for the device.
+//
+// LM head: when vocab_size is not a multiple of 64 the head runs on the vocabulary padded
+// to a multiple of 128 (a zero-padded bf16 copy of the head weight, refreshed after every
+// weight change, and an fp32 gradient scratch of that size), because cuBLASLt has only
+// slow kernels for rows of odd length; results are those of the unpadded head.
+//
+// Numerics: activations and activation gradients are bf16 (the residual stream too:
+// the fused norm kernels round a + b to bf16), every sum is fp32, parameter gradients
+// accumulate in fp32. Deterministic: every kernel has a fixed summation order and
+// cuBLASLt's algorithm is fixed per shape, so the same inputs give the same bits on the
+// same GPU model and library version.
+//
+// Only for the CUDA build (ESPLAG_CUDA=ON).
+#pragma once
+
+#ifndef ESPLAG_HAVE_CUDA
+#error "model/gpu_transformer.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#endif
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/device_arena.h"
+#include "model/config.h"
+#include "model/transformer.h"
+#include "ops/gpu_attention.h"
+
+namespace esplag {
+
+struct GpuModelOptions {
+  // Rows of the LM head computed at once (logits chunk [rows, vocab] in bf16). 0: the
+  // largest multiple of 128 whose chunk fits in head_chunk_bytes, at least 128.
+  int head_chunk_rows = 0;
+  size_t head_chunk_bytes = size_t(256) << 20;
+  // Fused cuBLASLt epilogues (bias, GELU); off forces the separate kernels.
+  bool gemm_epilogues = true;
+  gpu::AttentionPath attention = gpu::AttentionPath::automatic;
+  // Added to the computed arena size (e.g. for callers that allocate from arena()).
+  size_t extra_arena_bytes = 0;
+};
+
+// One AdamW step's hyper-parameters, as OptimizerConfig plus the learning rate.
+struct GpuAdamW {
+  double lr = 3e-3;
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double weight_decay = 0.1;
+  double grad_clip = 1.0;   // max global gradient norm; <= 0 turns clipping off
+  double grad_scale = 1.0;  // gradients are multiplied by this before clipping's factor
+};
+
+// Memory the model would take for (config, B, T), by part, in bytes.
+struct GpuMemoryPlan {
+  size_t params = 0;       // master + bf16 copy
+  size_t grads = 0;        // fp32
+  size_t optimizer = 0;    // AdamW m and v
+  size_t activations = 0;  // saved for backward
+  size_t scratch = 0;      // backward buffers, LM-head chunk, losses, kernel scratch
+  size_t workspace = 0;    // cuBLASLt workspace and bias scratch
+  size_t total() const { return params + grads + optimizer + activations + scratch + workspace; }
+  std::string describe() const;
+};
+
+class GpuTransformer {
+ public:
+  // Reserves everything for micro-batches of up to max_batch sequences of up to
+  // max_seq_len tokens (at most config.max_seq_len). Throws Error with the memory plan
+  // when the device does not have that much free memory. Parameters start at zero:
+  // call init_weights or set_params.
+  GpuTransformer(const ModelConfig& config, int max_batch, int max_seq_len, const GpuModelOptions& options = {});
+  ~GpuTransformer();
+  GpuTransformer(const GpuTransformer&) = delete;
+  GpuTransformer& operator=(const GpuTransformer&) = delete;
+
+  // The parameter layout of Transformer<T>(config) (names, shapes, offsets, decay), in
+  // the same order, computed without building a CPU model.
+  static std::vector<ParamInfo> param_layout(const ModelConfig& config);
+  static GpuMemoryPlan memory_plan(const ModelConfig& config, int max_batch, int max_seq_len,
+                                   const GpuModelOptions& options = {});
+
+  const ModelConfig& config() const { return cfg_; }
+  const std::vector<ParamInfo>& param_infos() const { return infos_; }
+  size_t num_params() const { return nparams_; }
+  int max_batch() const { return max_b_; }
+  int max_seq_len() const { return max_t_; }
+  int head_chunk_rows() const { return head_chunk_; }
+
+  // --- parameters and state (host copies in the CPU flat layout) ----------------------
+  // Master weights (and their bf16 copy) from a flat host vector of num_params() floats.
+  void set_params(const float* host, size_t n);
+  std::vector<float> params_to_host() const;
+  std::vector<float> grads_to_host() const;
+  // AdamW state: moments in the flat layout and the number of steps taken.
+  void set_optimizer_state(const float* m, const float* v, size_t n, int64_t steps);
+  void optimizer_state_to_host(std::vector<float>& m, std::vector<float>& v) const;
+  int64_t optimizer_steps() const { return step_; }
+  // GPT-2 initialisation with the CPU's rules (N(0, init_std), residual projections
+  // scaled by 1/sqrt(2·n_layer), biases 0, norm weights 1), drawn on the device from a
+  // counter-based generator: deterministic in the seed, but not the same numbers as
+  // Transformer::init_weights (copy a CPU model's parameters with set_params for that).
+  void init_weights(uint64_t seed);
+  // Zeroes the gradients (asynchronous).
+  void zero_grad();
+
+  // --- compute ------------------------------------------------------------------------
+  // One micro-batch from host token arrays ([B·T] each): forward, loss, backward; adds
+  // d(mean loss · loss_scale)/dθ into the gradients and returns the mean loss (one host
+  // synchronisation). Tokens and targets outside [0, vocab) throw before anything runs.
+  double forward_backward(const int32_t* tokens, const int32_t* targets, int B, int T, double loss_scale);
+  // Mean loss without gradients (one host synchronisation).
+  double forward_loss(const int32_t* tokens, const int32_t* targets, int B, int T);
+
+  // The same with tokens and targets already on the device ([B·T] int32 each, e.g. in
+  // device_tokens() / device_targets()); nothing waits for the device. The mean loss is
+  // left in device_loss(); read_loss() waits for it. Bad ids give a NaN loss.
+  void forward_backward_device(const int32_t* tokens, const int32_t* targets, int B, int T, double loss_scale);
+  void forward_loss_device(const int32_t* tokens, const int32_t* targets, int B, int T);
+  const double* device_loss() const { return loss_; }
+  double read_loss();
+  // Device buffers of max_batch·max_seq_len int32 each that callers may fill.
+  int32_t* device_tokens() { return tokens_; }
+  int32_t* device_targets() { return targets_; }
+  // Copies host tokens into device_tokens()/device_targets() (validated, asynchronous
+  // through a pinned staging buffer; it waits only for the previous upload's copies to
+  // leave that buffer). targets may be null.
+  void upload_batch(const int32_t* tokens, const int32_t* targets, int B, int T);
+
+  // Global gradient norm and clipping (computed on the device, no host round trip) and
+  // one AdamW step over every parameter; the bf16 weights are rewritten in the same pass.
+  // Increments optimizer_steps() (the step number for the bias corrections).
+  void step_adamw(const GpuAdamW& hyper);
+  // The gradient norm before clipping of the last step_adamw (waits for the device).
+  double last_grad_norm();
+
+  cudaStream_t stream() const { return stream_; }
+  DeviceArena& arena() { return *arena_; }
+  const DeviceArena& arena() const { return *arena_; }
+  const GpuMemoryPlan& plan() const { return plan_; }
+  // Waits for everything queued on the model's stream.
+  void synchronize();
+
+  struct Impl;
+
+ private:
+  void check_batch(int B, int T) const;
+  void forward_body(const int32_t* tokens, int B, int T);
+  void head(const int32_t* targets, int B, int T, bool train, double loss_scale);
+  void backward_body(const int32_t* tokens, int B, int T);
+  // The padded bf16 head weight follows every change of the weights.
+  void refresh_head_copy();
+
+  ModelConfig cfg_;
+  GpuModelOptions opt_;
+  std::vector<ParamInfo> infos_;
+  size_t nparams_ = 0;
+  int max_b_ = 0, max_t_ = 0, head_chunk_ = 0;
+  int64_t step_ = 0;
+  GpuMemoryPlan plan_;
+  std::unique_ptr<DeviceArena> arena_;
+  cudaStream_t stream_ = nullptr;
+  int32_t* tokens_ = nullptr;
+  int32_t* targets_ = nullptr;
+  double* loss_ = nullptr;
+  float* norm_sq_ = nullptr;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace esplag

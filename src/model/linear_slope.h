@@ -1,0 +1,101 @@
+// slope: SLoPe (Mozaffari et al.), static 2:4 sparse pre-training with double pruning and
+// lazy low-rank adapters.
+//
+//   W1 = W ⊙ forward mask      row-wise 2:4 of W, chosen once at construction, never changed
+//   W2 = W1 ⊙ backward mask    W1 pruned again 2:4 down each column (groups of 4 rows), so
+//                              W2ᵀ is 2:4 along its reduction dimension; recomputed from the
+//                              current W1 every `mask_change_freq` steps
+//   forward  out = X·W1ᵀ + b  (+ (X·Rᵀ)·Lᵀ with the adapter)    sparse: W1 compressed
+//   dX       dY·W2             (+ (dY·L)·R)                      sparse: W2ᵀ compressed
+//   dW       (dYᵀ·X) at W1's kept positions, compressed: the gradient of the kept values
+//
+// The trained parameter is the compressed form itself: the kept values [out, in/2]
+// ("<weight>.values"), so AdamW's moments exist for kept values only (sparse AdamW); the
+// flat-buffer weight is not trained and holds W1, rewritten after every optimizer step so
+// that export, evaluation and sampling that read it see the trained weight.
+//
+// The adapter (enable_lora) adds L [out, r] (random, N(0, 1/r)) and R [r, in] (zero), so
+// enabling it does not change the output; both are owned parameters ("<module>.lora_l",
+// "<module>.lora_r"). merged_forward computes the same output for inference in one pass
+// over [W1 | L] and [X | X·Rᵀ].
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "model/linear.h"
+#include "model/linear_kinds.h"
+#include "sparse/compressed.h"
+
+namespace esplag {
+
+template <typename T>
+class SlopeLinear final : public Linear<T> {
+ public:
+  // Prunes the current weight row-wise 2:4 (in and out features must be multiples of 4),
+  // compresses it, computes the backward copy and writes W1 into the flat weight.
+  SlopeLinear(const LinearParams<T>& p, int mask_change_freq);
+  // Continues `previous` (the same layer): masks, values, refresh step and adapter.
+  SlopeLinear(const LinearParams<T>& p, const SlopeLinear& previous, int mask_change_freq);
+
+  void forward(T* out, const T* inp, int N) override;
+  void backward(T* dinp, const T* dout, const T* inp, int N) override;
+  std::string kind() const override { return "slope"; }
+  std::string pattern() const override { return "2:4"; }
+  // Refreshes the backward mask when `mask_change_freq` steps have passed since the last
+  // refresh (the masks computed at construction count as computed at the first step seen).
+  void on_step_begin(int64_t step) override;
+  bool trains_dense_weight() const override { return false; }
+  std::vector<OwnedParam<T>> owned_params() override;
+  // Writes W1 into the flat weight and refreshes the backward copy's values.
+  void after_optimizer_step() override;
+  // "<name>.kind", "<name>.meta" (u16 [out, ceil(in/16)]: W1's 2:4 metadata, i.e. the
+  // forward mask), "<name>.backward_meta" (u16 [in, ceil(out/16)]: W2ᵀ's), and
+  // "<name>.refresh_step" (f64 [1], -1 before the first step).
+  std::map<std::string, Tensor> state() const override;
+  // Restores masks and refresh step exactly; the values (owned parameters) are kept as
+  // they are, and the flat weight and backward copy are rebuilt from them.
+  void load_state(const std::map<std::string, Tensor>& tensors) override;
+  // W1 + L·R.
+  void dense_weight(T* out) const override;
+  void sparse_weight(T* out) const override;
+
+  // Adds the adapter (rank in [1, min(in, out)]). Enabling it again with the same rank
+  // keeps the trained adapter; another rank throws.
+  void enable_lora(int rank, uint64_t seed);
+  int lora_rank() const { return rank_; }
+  // Inference: the forward's output in one pass per output element over the compressed
+  // W1 and the adapter, equal bit for bit to forward().
+  void merged_forward(T* out, const T* inp, int N) const;
+
+  // Recomputes the backward mask from the current W1 now.
+  void refresh_backward_mask();
+  int64_t refresh_step() const { return refresh_step_; }
+  int mask_change_freq() const { return freq_; }
+  const std::vector<uint8_t>& forward_mask() const { return fwd_mask_; }
+  const std::vector<uint8_t>& backward_mask() const { return bwd_mask_; }  // [out, in]
+  const Compressed24T<T>& forward_weight() const { return w1_; }          // W1, [out, in]
+  const Compressed24T<T>& backward_weight() const { return w2t_; }        // W2ᵀ, [in, out]
+  std::vector<T>& values() { return w1_.values; }
+  std::vector<T>& lora_l() { return l_; }
+  std::vector<T>& lora_r() { return r_; }
+
+ private:
+  void sync();  // flat weight = W1; W2ᵀ values from W1
+  void rebuild_backward_weight();  // W2ᵀ compressed from W1 and the backward mask
+  void adapter_forward_add(T* out, const T* inp, int N);
+  std::string adapter_name(const char* what) const;
+
+  int freq_;
+  int64_t refresh_step_ = -1;
+  std::vector<uint8_t> fwd_mask_, bwd_mask_, bwd_mask_t_;  // bwd_mask_t_: [in, out]
+  Compressed24T<T> w1_, w2t_;
+  linear_detail::SlotIndex s1_, s2t_;
+  std::vector<T> dvalues_;
+  int rank_ = 0;
+  std::vector<T> l_, r_, dl_, dr_;
+  std::vector<T> scratch_, tmp_, t_, dt_;
+};
+
+}  // namespace esplag
