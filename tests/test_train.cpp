@@ -170,3 +170,51 @@ TEST(Trainer, DefaultTinyRunLossFallsBelowBound) {
   EXPECT_LT(r.last_loss, 2.6);
   EXPECT_LT(r.final_val_loss, 2.6);
 }
+
+// A recipe that walks the model through gradual magnitude pruning with a V:N:M mask,
+// kernel replacement to compressed vnm layers, then low-rank adapters; training goes on
+// (loss finite and falling) and a resume from the middle of the walk is bit-identical.
+TEST(Trainer, RecipeWalksGmpThenKernelReplacementThenLora) {
+  const fs::path dir = scratch("walk");
+  const std::string data = make_dataset(dir);
+  TrainConfig cfg = parse_train_config(R"(
+model: {preset: tiny, n_layer: 1, d_model: 64, n_head: 2, n_kv_head: 2, d_ff: 128, max_seq_len: 32}
+train: {batch_size: 4, seq_len: 32, steps: 40, log_every: 1, eval_every: 0, eval_batches: 2,
+        checkpoint_every: 5, keep_checkpoints: 0}
+optimizer: {lr: 1.0e-2}
+recipe:
+  - gradual_magnitude: {params: ['re:blocks\.0\.(attn\.proj|mlp\.fc|mlp\.proj)\.weight'], mask_type: "64:2:8",
+                        start: 5, end: 20, update_every: 5}
+  - kernel_replacement: {params: ['re:blocks\.0\.(attn\.proj|mlp\.fc|mlp\.proj)\.weight'], start: 20,
+                         lora_rank: 4, lora_start: 30}
+)",
+                                       "walk", {"data.path=" + data});
+  std::vector<std::string> log;
+  Trainer full(cfg, (dir / "full").string(), [&](const std::string& s) { log.push_back(s); });
+  const TrainResult r = full.run();
+  EXPECT_TRUE(std::isfinite(r.last_loss));
+  EXPECT_LT(r.last_loss, r.first_loss - 1.0);
+  auto logged = [&](const std::string& needle) {
+    return std::any_of(log.begin(), log.end(), [&](const std::string& s) { return s.find(needle) != std::string::npos; });
+  };
+  EXPECT_TRUE(logged("step 10: blocks.0.mlp.fc.weight -> masked 64:2:4"));  // the ramp: dense, 64:2:4, 64:2:8
+  EXPECT_TRUE(logged("step 15: blocks.0.mlp.fc.weight -> masked 64:2:8"));
+  EXPECT_TRUE(logged("step 20: blocks.0.mlp.fc.weight -> vnm 64:2:8"));
+  EXPECT_TRUE(logged("step 30: blocks.0.mlp.fc.weight -> vnm+lora 64:2:8, low-rank adapter r=4"));
+  EXPECT_EQ(full.model().linear("blocks.0.mlp.fc.weight").kind(), "vnm+lora");
+  EXPECT_EQ(full.model().linear("blocks.0.attn.qkv.weight").kind(), "dense");
+
+  // Resume from step 25 (compressed, before the adapters) and from step 35 (with them).
+  for (const char* ck : {"step-000025", "step-000035"}) {
+    const fs::path part = dir / (std::string("part_") + ck);
+    fs::create_directories(part);
+    fs::copy(dir / "full" / ck, part / ck, fs::copy_options::recursive);
+    std::ofstream(part / "latest") << ck << "\n";
+    auto resumed = Trainer::resume(part.string(), quiet);
+    resumed->run();
+    const auto& a = full.model();
+    const auto& b = resumed->model();
+    for (size_t i = 0; i < a.num_params(); ++i)
+      ASSERT_EQ(std::memcmp(&a.params()[i], &b.params()[i], sizeof(float)), 0) << ck << ": parameter element " << i;
+  }
+}

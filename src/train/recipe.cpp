@@ -36,7 +36,7 @@ const std::vector<TypeKeys>& type_keys() {
       {kGmp,
        {"params", "mask_type", "init_sparsity", "final_sparsity", "start", "end", "update_every"},
        {"params", "start", "end", "update_every"}},
-      {kKernel, {"params", "start"}, {"params", "start"}},
+      {kKernel, {"params", "start", "lora_rank", "lora_start"}, {"params", "start"}},
       {kSemi, {"params", "start", "until"}, {"params"}},
       {kSemiAct, {"params", "start", "until"}, {"params"}},
       {kSlope, {"params", "start", "mask_change_freq", "lora_rank", "lora_start"}, {"params"}},
@@ -308,7 +308,7 @@ void Recipe::parse_items(const YAML::Node& list) {
     } else if (type == kSemi || type == kSemiAct) {
       mod.has_until = kv.count("until") > 0;
       if (mod.has_until) mod.until = parse_step(w, "until", text("until"));
-    } else if (type == kSlope) {
+    } else if (type == kSlope || type == kKernel) {
       if (kv.count("mask_change_freq"))
         mod.mask_change_freq = static_cast<int>(parse_int(w, "mask_change_freq", text("mask_change_freq"), 1));
       if (kv.count("lora_rank")) mod.lora_rank = static_cast<int>(parse_int(w, "lora_rank", text("lora_rank"), 0));
@@ -403,7 +403,7 @@ void Recipe::validate(const LinearShapes& shapes, int64_t total_steps) {
         claim_end = b.until;
       }
     }
-    if (m.type == kSlope) {
+    if (m.type == kSlope || m.type == kKernel) {
       b.lora_start = resolve(m.lora_start, "lora_start");
       ESPLAG_CHECK(m.lora_rank == 0 || b.lora_start >= b.start, w, ": lora_start (", step_text(m.lora_start, b.lora_start),
                    ") is before start (", step_text(m.start, b.start), ")");
@@ -505,9 +505,12 @@ std::map<std::string, LayerPlan> Recipe::plan_at(int64_t step) const {
       if (modifiers_[c.modifier].type == kKernel) {
         // The mask comes from the gradual_magnitude modifier that handed the weight over.
         const auto gmp = std::find_if(cl.begin(), cl.end(), [&](const Claim& g) { return modifiers_[g.modifier].type == kGmp; });
+        const Modifier& k = modifiers_[c.modifier];
         p.kind = "vnm";
         p.pattern = modifiers_[gmp->modifier].mask;
         p.sparsity = 1.0 - p.pattern.density();
+        p.lora_rank = k.lora_rank;
+        p.lora_enabled = k.lora_rank > 0 && step >= bound_[c.modifier].lora_start;
         p.modifier = c.modifier;
       } else {
         p = plan_of(c.modifier, step);
@@ -564,6 +567,7 @@ std::string Recipe::describe() const {
         }
       } else if (m.type == kKernel) {
         os << " compressed (vnm) from step " << b.start;
+        if (m.lora_rank > 0) os << ", rank-" << m.lora_rank << " adapters from step " << b.lora_start;
       } else if (m.type == kSlope) {
         os << " 2:4 from step " << b.start << ", Wᵀ mask refreshed every " << m.mask_change_freq << " steps";
         if (m.lora_rank > 0)
@@ -605,6 +609,9 @@ std::string Recipe::to_yaml() const {
       e << YAML::Key << "until" << YAML::Value << m.until.text;
     } else if (m.type == kSlope) {
       e << YAML::Key << "mask_change_freq" << YAML::Value << m.mask_change_freq;
+      e << YAML::Key << "lora_rank" << YAML::Value << m.lora_rank;
+      e << YAML::Key << "lora_start" << YAML::Value << m.lora_start.text;
+    } else if (m.type == kKernel && m.lora_rank > 0) {
       e << YAML::Key << "lora_rank" << YAML::Value << m.lora_rank;
       e << YAML::Key << "lora_start" << YAML::Value << m.lora_start.text;
     }
