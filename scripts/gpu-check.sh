@@ -7,6 +7,7 @@
 # configure, the build or any test failed.
 #
 #   scripts/gpu-check.sh                    configure + build + ctest -L gpu
+#   scripts/gpu-check.sh --bench            also run the training benchmarks (bench/train-h100.csv)
 #   scripts/gpu-check.sh --configure-only   stop after configuring (no GPU needed)
 #   scripts/gpu-check.sh --deps-only        also hide the system's /usr packages from
 #                                           CMake, to prove .deps/ suffices
@@ -17,8 +18,10 @@ root=$PWD
 
 configure_only=0
 deps_only=0
+bench=0
 for arg in "$@"; do
   case "$arg" in
+    --bench) bench=1 ;;
     --configure-only) configure_only=1 ;;
     --deps-only) deps_only=1 ;;
     *) echo "gpu-check: unknown option $arg" >&2; exit 2 ;;
@@ -86,6 +89,18 @@ if ((status == 0)); then
   fi
 fi
 
+# The benchmark shapes, dense training on the GPU (timings are not tests).
+if ((status == 0)) && ((bench)); then
+  echo "== bench train"
+  for spec in "gpt2-124m 16 1024" "gpt2-350m 8 1024" "llama-1b 4 2048"; do
+    set -- $spec
+    "$build/esplag" bench train --device cuda --model "$1" --batch "$2" --seq "$3" --steps 10 --warmup 3 \
+      --csv "$logs/bench-train.csv" >>"$logs/bench.log" 2>&1 || status=$?
+  done
+  [ -f "$logs/bench-train.csv" ] && sed -i "s/^/$(git rev-parse --short HEAD 2>/dev/null || echo unknown),/; 1s/^[^,]*,/commit,/" \
+    "$logs/bench-train.csv"
+fi
+
 echo
 if ((status != 0)) && [ "$stage" != test ]; then
   echo "gpu-check: $stage FAILED (exit $status); last lines of $logs/$stage.log:"
@@ -98,4 +113,8 @@ printf '%-52s %-8s %s\n' "test" "result" "seconds"
 sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) \.*[ *]*([A-Za-z][A-Za-z: ]*[A-Za-z]) +([0-9.]+) sec.*/\1 \2 \3/p' \
   "$logs/ctest.log" | awk '{ r = $2; for (i = 3; i < NF; ++i) r = r " " $i; printf "%-52s %-8s %s\n", $1, r, $NF }'
 grep -E "tests passed|tests failed" "$logs/ctest.log" || echo "(no ctest summary: see $logs/ctest.log)"
+if ((bench)); then
+  echo "== bench train (H100 peak 989 TFLOP/s dense bf16)"
+  grep -vE "^model" "$logs/bench.log" | sed 's/^/   /'
+fi
 exit "$status"
