@@ -11,7 +11,8 @@
 #   scripts/gpu-check.sh --configure-only   stop after configuring (no GPU needed)
 #   scripts/gpu-check.sh --deps-only        also hide the system's /usr packages from
 #                                           CMake, to prove .deps/ suffices
-# Environment: ESPLAG_GPU_BUILD_DIR (default build/cuda), ESPLAG_CUDA_ARCHS (default 90).
+# Environment: ESPLAG_GPU_BUILD_DIR (default build/cuda), ESPLAG_CUDA_ARCHS (default 90),
+# ESPLAG_COMMIT (recorded with the results where the copy of the tree has no git history).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -97,7 +98,7 @@ if ((status == 0)) && ((bench)); then
     "$build/esplag" bench train --device cuda --model "$1" --batch "$2" --seq "$3" --steps 10 --warmup 3 \
       --csv "$logs/bench-train.csv" >>"$logs/bench.log" 2>&1 || status=$?
   done
-  [ -f "$logs/bench-train.csv" ] && sed -i "s/^/$(git rev-parse --short HEAD 2>/dev/null || echo unknown),/; 1s/^[^,]*,/commit,/" \
+  [ -f "$logs/bench-train.csv" ] && sed -i "s/^/$(git rev-parse --short HEAD 2>/dev/null || echo "${ESPLAG_COMMIT:-unknown}"),/; 1s/^[^,]*,/commit,/" \
     "$logs/bench-train.csv"
 fi
 
