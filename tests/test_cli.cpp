@@ -219,3 +219,34 @@ TEST(Cli, FailedResumeNeverDamagesTheCheckpoint) {
                             esplag::read_file((run_dir / "latest").string());
   EXPECT_EQ(after, before);
 }
+
+TEST(Cli, SparsityReportAndDenseExportOfASparseRun) {
+  const auto& f = fixture();
+  const fs::path cfg = root() / "sparse.yaml";
+  write(cfg, esplag::read_file(f.config.string()) +
+                 "recipe:\n"
+                 "  - slope: {params: ['re:blocks\\.0\\.mlp\\..*'], mask_change_freq: 2}\n"
+                 "  - semi_sparse: {params: [blocks.0.attn.proj.weight], until: 2}\n");
+  const fs::path run_dir = root() / "sparse_run";
+  fs::remove_all(run_dir);
+  Result t = run("train --config " + cfg.string() + " --out " + run_dir.string());
+  ASSERT_EQ(t.code, 0) << t.err;
+  EXPECT_NE(t.out.find("blocks.0.mlp.fc.weight -> slope 2:4"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("step 2: blocks.0.attn.proj.weight -> dense"), std::string::npos) << t.out;
+  Result s = run("sparsity --checkpoint " + run_dir.string());
+  ASSERT_EQ(s.code, 0) << s.err;
+  EXPECT_NE(s.out.find("blocks.0.mlp.proj.weight     slope"), std::string::npos) << s.out;
+  EXPECT_NE(s.out.find("0.5000  ok"), std::string::npos) << s.out;
+  // The compressed layers are stored compressed: kept values, not a dense weight.
+  const std::string model_file = esplag::read_file((run_dir / "step-000004" / "model.safetensors").string());
+  EXPECT_NE(model_file.find("blocks.0.mlp.fc.weight.values"), std::string::npos);
+  EXPECT_EQ(model_file.find("\"blocks.0.mlp.fc.weight\""), std::string::npos);
+  // The dense export holds every parameter as a plain tensor, pruned entries as zeros.
+  const fs::path out = root() / "dense.safetensors";
+  Result e = run("export --checkpoint " + run_dir.string() + " --dense --out " + out.string());
+  ASSERT_EQ(e.code, 0) << e.err;
+  const std::string dense = esplag::read_file(out.string());
+  EXPECT_NE(dense.find("\"blocks.0.mlp.fc.weight\""), std::string::npos);
+  EXPECT_EQ(dense.find(".values"), std::string::npos);
+  expect_error(run("export --checkpoint " + run_dir.string() + " --out " + out.string()), "--dense");
+}

@@ -24,6 +24,7 @@
 #include "profile/profiler.h"
 #include "sparse/masks.h"
 #include "sparse/pattern.h"
+#include "sparse/transposable.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 #ifdef ESPLAG_HAVE_CUDA
@@ -51,7 +52,7 @@ usage:
                 [--top-k 40] [--seed 1]
   esplag profile --config FILE.yaml [--set key=value]... [--warmup 1] [--out DIR]
                  [--what-if 'PATTERN=FACTOR']... [--what-if-from bench.csv]...
-  esplag sparsity --checkpoint DIR [--json]
+  esplag sparsity --checkpoint DIR [--json] [--mask-quality]
   esplag export --checkpoint DIR --dense --out FILE.safetensors
   esplag bench train --model PRESET [--device cpu|cuda] [--batch 4] [--seq 256] [--steps N]
                      [--warmup 1] [--vocab N] [--peak-tflops 989] [--csv FILE]
@@ -201,12 +202,32 @@ int cmd_sample(const std::vector<std::string>& argv) {
   return 0;
 }
 
+// How much weight magnitude each 2:4 mask family would keep on this checkpoint's weights
+// (the effective weight of every block linear whose shape is a multiple of 4).
+int mask_quality(Transformer<float>& model) {
+  std::printf("kept fraction of sum|w| (density in brackets)\n%-28s %16s %16s %16s %16s\n", "layer", "row 2:4",
+              "transp. greedy", "transp. exact", "SLoPe bwd copy");
+  for (const auto& name : model.linear_names()) {
+    const Linear<float>& l = model.linear(name);
+    const int rows = l.params().out_features, cols = l.params().in_features;
+    if (rows % 4 || cols % 4) continue;
+    std::vector<float> w(size_t(rows) * cols);
+    l.dense_weight(w.data());
+    const auto q = cpu::mask_quality_report(w.data(), rows, cols);
+    std::printf("%-28s %7.4f (%.3f) %7.4f (%.3f) %7.4f (%.3f) %7.4f (%.3f)\n", name.c_str(), q.row_24,
+                q.density_row_24, q.transposable_greedy, q.density_transposable_greedy, q.transposable_exact,
+                q.density_transposable_exact, q.double_pruned, q.density_double_pruned);
+  }
+  return 0;
+}
+
 // Per layer: kind, pattern, density of the effective weight, and whether the stored
 // weight really satisfies the pattern. Exit code 1 if any layer breaks its pattern.
 int cmd_sparsity(const std::vector<std::string>& argv) {
-  Args a(argv, "sparsity", {"checkpoint"}, {"json"});
+  Args a(argv, "sparsity", {"checkpoint"}, {"json", "mask-quality"});
   const std::string ck = resolve_checkpoint(a.required("checkpoint"));
   const auto model = load_model(ck);
+  if (a.has("mask-quality")) return mask_quality(*model);
   nlohmann::json rows = nlohmann::json::array();
   int broken = 0;
   if (!a.has("json"))
