@@ -13,27 +13,17 @@
 #include "data/byte_level.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
+#include "test_util.h"
 
 namespace fs = std::filesystem;
 using namespace esplag;
 
+using esplag::testing::contains;
+using esplag::testing::error_of;
+using esplag::testing::TempDir;
+using esplag::testing::write_text;
+
 namespace {
-
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() /
-            ("esplag_test_data_" + std::to_string(::getpid()) + "_" + info->test_suite_name() + "_" + info->name());
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
 
 void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary);
@@ -58,15 +48,6 @@ std::string llmc_shard(int32_t magic, int32_t version, int32_t count, const std:
   for (const uint32_t t : tokens)
     for (int i = 0; i < bytes_per_token; ++i) s += static_cast<char>((t >> (8 * i)) & 0xff);
   return s;
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 }  // namespace

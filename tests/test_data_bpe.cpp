@@ -16,45 +16,17 @@
 #include "data/bpe_trainer.h"
 #include "data/byte_level.h"
 #include "data/tokenizer.h"
+#include "test_util.h"
 
 namespace fs = std::filesystem;
 using namespace esplag;
 
+using esplag::testing::contains;
+using esplag::testing::error_of;
+using esplag::testing::TempDir;
+using esplag::testing::write_text;
+
 namespace {
-
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() /
-            ("esplag_test_bpe_" + std::to_string(::getpid()) + "_" + info->test_suite_name() + "_" + info->name());
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
-
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary);
-  out << text;
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-bool contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
-}
 
 // A GPT-2-style file with a handful of merges. "Ġ" is the stand-in for a space.
 const char* kTinyTokenizer = R"({

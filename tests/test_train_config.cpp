@@ -5,19 +5,10 @@
 #include "core/error.h"
 #include "train/config.h"
 #include "train/schedule.h"
+#include "test_util.h"
 
 using namespace esplag;
-
-namespace {
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-}  // namespace
+using esplag::testing::error_of;
 
 TEST(TrainConfig, PresetThenOverridesThenSet) {
   const TrainConfig c = parse_train_config(R"(

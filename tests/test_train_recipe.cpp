@@ -12,19 +12,12 @@
 #include "model/transformer.h"
 #include "train/config.h"
 #include "train/recipe.h"
+#include "test_util.h"
 
 using namespace esplag;
+using esplag::testing::error_of;
 
 namespace {
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 #define EXPECT_ERROR(stmt, text)                                             \
   do {                                                                       \
