@@ -13,8 +13,8 @@ void Linear<T>::dense_weight(T* out) const {
 }
 
 template <typename T>
-void DenseLinear<T>::forward(T* out, const T* inp, int N) {
-  const auto& p = this->p_;
+void Linear<T>::dense_forward(T* out, const T* inp, int N) const {
+  const auto& p = p_;
   const double M = N, K = p.in_features, O = p.out_features;
   ScopedOp op({p.module, "fwd"}, OpCategory::dense_gemm, p.layer, 2 * M * K * O, sizeof(T) * (M * K + K * O + M * O),
               {inp, p.weight}, {out});
@@ -22,8 +22,8 @@ void DenseLinear<T>::forward(T* out, const T* inp, int N) {
 }
 
 template <typename T>
-void DenseLinear<T>::backward(T* dinp, const T* dout, const T* inp, int N) {
-  const auto& p = this->p_;
+void Linear<T>::dense_backward(T* dinp, const T* dout, const T* inp, int N) const {
+  const auto& p = p_;
   const double M = N, K = p.in_features, O = p.out_features;
   ScopedOp op({p.module, "bwd"}, OpCategory::dense_gemm, p.layer, (dinp ? 4 : 2) * M * K * O,
               sizeof(T) * (2 * M * K + 2 * K * O + M * O), {dout, inp, p.weight}, {dinp, p.dweight});

@@ -43,25 +43,17 @@ std::string MaskedLinear<T>::pattern() const {
 
 template <typename T>
 void MaskedLinear<T>::forward(T* out, const T* inp, int N) {
-  const auto& p = this->p_;
-  const double M = N, K = p.in_features, O = p.out_features;
-  ScopedOp op({p.module, "fwd"}, OpCategory::dense_gemm, p.layer, 2 * M * K * O, sizeof(T) * (M * K + K * O + M * O),
-              {inp, p.weight}, {out});
-  cpu::linear_forward(out, inp, p.weight, p.bias, N, p.in_features, p.out_features);
+  this->dense_forward(out, inp, N);  // the pruned weights are zeros in the flat buffer
 }
 
 template <typename T>
 void MaskedLinear<T>::backward(T* dinp, const T* dout, const T* inp, int N) {
   const auto& p = this->p_;
-  const double M = N, K = p.in_features, O = p.out_features;
-  {
-    ScopedOp op({p.module, "bwd"}, OpCategory::dense_gemm, p.layer, (dinp ? 4 : 2) * M * K * O,
-                sizeof(T) * (2 * M * K + 2 * K * O + M * O), {dout, inp, p.weight}, {dinp, p.dweight});
-    cpu::linear_backward(dinp, p.dweight, p.dbias, dout, inp, p.weight, N, p.in_features, p.out_features);
-  }
+  this->dense_backward(dinp, dout, inp, N);
   // The whole accumulated gradient is masked: its pruned entries only ever held what this
   // and earlier micro-batches added there, all of which must go.
-  ScopedOp op({p.module, "bwd.mask"}, OpCategory::elementwise, p.layer, 0, sizeof(T) * 2 * K * O, {p.dweight},
+  ScopedOp op({p.module, "bwd.mask"}, OpCategory::elementwise, p.layer, 0,
+              sizeof(T) * 2.0 * p.in_features * p.out_features, {p.dweight},
               {p.dweight});
   cpu::apply_mask(p.dweight, mask_.data(), int64_t(p.out_features) * p.in_features);
 }
