@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Unpacks the build-time dependencies the GPU machine lacks (GoogleTest, yaml-cpp,
-# nlohmann-json: headers, static libraries and CMake package files) into .deps/, an
+# nlohmann-json: headers, static libraries and CMake package files; the cuSPARSELt and
+# cuDNN-frontend headers from PyPI) into .deps/, an
 # ignored folder that travels with the working tree to the GPU machine, where
 # scripts/gpu-check.sh points CMake at it. Runs on the development machine (Debian),
 # through apt-get download and dpkg -x: nothing is installed, no root needed.
@@ -39,4 +40,6 @@ for f in usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake \
          usr/include/nlohmann/json.hpp; do
   [ -e ".deps/$f" ] || { echo "fetch-gpu-deps: .deps/$f missing after unpacking" >&2; exit 1; }
 done
+# The cuSPARSELt and cuDNN-frontend headers (from PyPI) go into the same folder.
+scripts/fetch-vendor-headers.sh
 echo "== .deps ready ($(du -sh .deps | cut -f1))"

@@ -37,6 +37,8 @@ cmake --build --preset cpu -j "$jobs"
 if ((with_cuda)); then
   command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
   command -v nvcc >/dev/null || { echo "setup.sh: --cuda needs the CUDA toolkit (nvcc not found)" >&2; exit 1; }
+  # cuSPARSELt and cuDNN-frontend headers (PyPI) into .deps/vendor/include.
+  scripts/fetch-vendor-headers.sh
   echo "== building (cuda preset)"
   cmake --preset cuda >/dev/null
   cmake --build --preset cuda -j "$jobs"
