@@ -16,11 +16,20 @@
 // Generic path (any HD up to kAttentionMaxHeadDim): one warp per row, lanes over the head
 // dimension, fp32 throughout, dot products as butterfly sums.
 //
+// Host side: attention_forward / attention_backward first ask whether the call goes to
+// cuDNN's fused SDPA (attention_cudnn.cu; AttentionPath in ops/gpu_attention.h says when),
+// and run these kernels otherwise.
+//
 // Masking: a key tile row beyond T is loaded as zeros (never garbage, since 0 · NaN would
 // poison a sum), and probabilities above the diagonal or of query rows beyond T are
 // exactly 0.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <mutex>
+#include <set>
+#include <string>
 
 #include "core/error.h"
 #include "ops/cuda/common.cuh"
@@ -708,10 +717,81 @@ void check_shape(const char* op, int B, int T, int NH, int NKV, int HD) {
 }
 
 bool use_tensor_cores(AttentionPath path, int HD, std::initializer_list<const void*> ptrs) {
-  if (path != AttentionPath::automatic || !attention_tensor_core_head_dim(HD)) return false;
+  if (path == AttentionPath::generic || !attention_tensor_core_head_dim(HD)) return false;
   for (const void* p : ptrs)
     if (!aligned16(p)) return false;
   return true;
+}
+
+// ---------------------------------------------------------------------------------------
+// Choosing between cuDNN and our kernels
+
+bool is_cudnn(AttentionPath p) { return p == AttentionPath::cudnn || p == AttentionPath::cudnn_nondeterministic; }
+
+// cuDNN's SDPA wants head sizes that are multiples of 8 (16-byte rows) up to 256; other
+// sizes go to our kernels without a word, like misaligned buffers.
+bool cudnn_head_dim(int HD) { return HD % 8 == 0 && HD <= 256; }
+
+void warn_once(const std::string& message) {
+  static std::mutex mutex;
+  static std::set<std::string> seen;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (seen.insert(message).second) std::fprintf(stderr, "esplag: warning: %s\n", message.c_str());
+}
+
+std::string shape_text(int B, int T, int NH, int NKV, int HD) {
+  return "B=" + std::to_string(B) + " T=" + std::to_string(T) + " NH=" + std::to_string(NH) +
+         " NKV=" + std::to_string(NKV) + " HD=" + std::to_string(HD);
+}
+
+// Whether the call goes to cuDNN. For the cudnn paths anything in the way is an Error; for
+// automatic, reasons a user would want to know about (cuDNN missing or refusing the shape,
+// workspace too small) are warned about once, silent ones (head size, alignment) are not.
+// `backward` picks the plan whose workspace the call needs.
+bool take_cudnn(const char* op, AttentionPath path, int B, int T, int NH, int NKV, int HD,
+                std::initializer_list<const void*> ptrs, size_t workspace_bytes, bool backward) {
+  if (path != AttentionPath::automatic && !is_cudnn(path)) return false;
+  const bool must = is_cudnn(path);
+  const std::string shape = shape_text(B, T, NH, NKV, HD);
+  auto refuse = [&](const std::string& why, bool warn) {
+    ESPLAG_CHECK(!must, op, " (cudnn) ", shape, ": ", why);
+    if (warn) warn_once(std::string(op) + " " + shape + ": " + why + "; running the native kernels instead");
+    return false;
+  };
+  if (!cudnn_head_dim(HD)) return refuse("cuDNN needs a head size that is a multiple of 8 up to 256", false);
+  if (!attention_cudnn_available()) {
+    // One warning for the whole process: it is the same for every shape.
+    ESPLAG_CHECK(!must, op, " (cudnn): ", attention_cudnn_status());
+    warn_once("cuDNN attention unavailable: " + attention_cudnn_status() + "; attention runs on the native kernels");
+    return false;
+  }
+  for (const void* p : ptrs)
+    if (!aligned16(p)) return refuse("cuDNN needs 16-byte aligned buffers", false);
+  size_t fwd_ws = 0, bwd_ws = 0;
+  const bool deterministic = path != AttentionPath::cudnn_nondeterministic;
+  const std::string why = detail::cudnn_attention_support(B, T, NH, NKV, HD, deterministic, &fwd_ws, &bwd_ws);
+  if (!why.empty()) return refuse(why, true);
+  const size_t need = backward ? bwd_ws : fwd_ws;
+  if (workspace_bytes < need)
+    return refuse("cuDNN's plan needs " + std::to_string(need) + " bytes of workspace, " +
+                      std::to_string(workspace_bytes) + " given (size it with attention_workspace_bytes)",
+                  true);
+  return true;
+}
+
+// Run cuDNN; true when it ran. An execution failure under automatic falls back (the
+// native kernels then overwrite every output) with a warning; under cudnn it throws.
+template <typename Run>
+bool run_cudnn(const char* op, AttentionPath path, int B, int T, int NH, int NKV, int HD, Run run) {
+  try {
+    run();
+    return true;
+  } catch (const Error& e) {
+    if (is_cudnn(path)) throw;
+    warn_once(std::string(op) + " " + shape_text(B, T, NH, NKV, HD) + ": " + e.what() +
+              "; running the native kernels instead");
+    return false;
+  }
 }
 
 template <int D>
@@ -745,11 +825,64 @@ void launch_backward_tc(bf16* dqkv, const bf16* dout, const bf16* qkv, const flo
 
 bool attention_tensor_core_head_dim(int HD) { return HD == 32 || HD == 64 || HD == 128; }
 
+const char* attention_path_name(AttentionPath path) {
+  switch (path) {
+    case AttentionPath::automatic: return "automatic";
+    case AttentionPath::generic: return "generic";
+    case AttentionPath::native: return "native";
+    case AttentionPath::cudnn: return "cudnn";
+    case AttentionPath::cudnn_nondeterministic: return "cudnn_nondeterministic";
+  }
+  return "?";
+}
+
+AttentionPath attention_resolve_path(int B, int T, int NH, int NKV, int HD, AttentionPath path) {
+  check_shape("attention_resolve_path", B, T, NH, NKV, HD);
+  if (path == AttentionPath::generic || path == AttentionPath::native) return path;
+  const bool must = is_cudnn(path);
+  if (!cudnn_head_dim(HD) || !attention_cudnn_available()) {
+    ESPLAG_CHECK(!must, "attention (cudnn) ", shape_text(B, T, NH, NKV, HD), ": ",
+                 cudnn_head_dim(HD) ? attention_cudnn_status()
+                                    : std::string("cuDNN needs a head size that is a multiple of 8 up to 256"));
+    return AttentionPath::native;
+  }
+  if (B == 0 || T == 0) return must ? path : AttentionPath::cudnn;  // nothing to run, nothing to build
+  const bool deterministic = path != AttentionPath::cudnn_nondeterministic;
+  const std::string why = detail::cudnn_attention_support(B, T, NH, NKV, HD, deterministic, nullptr, nullptr);
+  ESPLAG_CHECK(why.empty() || !must, "attention (cudnn) ", shape_text(B, T, NH, NKV, HD), ": ", why);
+  if (!why.empty()) return AttentionPath::native;
+  return must ? path : AttentionPath::cudnn;
+}
+
+size_t attention_workspace_bytes(int B, int T, int NH, int NKV, int HD, AttentionPath path) {
+  size_t bytes = attention_backward_scratch_bytes(B, T, NH);
+  const AttentionPath resolved = attention_resolve_path(B, T, NH, NKV, HD, path);
+  if (is_cudnn(resolved) && B > 0 && T > 0) {
+    size_t fwd = 0, bwd = 0;
+    const std::string why = detail::cudnn_attention_support(
+        B, T, NH, NKV, HD, resolved != AttentionPath::cudnn_nondeterministic, &fwd, &bwd);
+    ESPLAG_CHECK(why.empty(), "attention_workspace_bytes: ", why);
+    bytes = std::max(bytes, std::max(fwd, bwd));
+  }
+  return bytes;
+}
+
 void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, int HD,
                        cudaStream_t stream, AttentionPath path) {
+  attention_forward(out, lse, qkv, B, T, NH, NKV, HD, nullptr, 0, stream, path);
+}
+
+void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, int HD, void* workspace,
+                       size_t workspace_bytes, cudaStream_t stream, AttentionPath path) {
   check_shape("attention_forward", B, T, NH, NKV, HD);
   if (B == 0 || T == 0) return;
   ESPLAG_CHECK(out && lse && qkv, "attention_forward: out, lse and qkv must not be null");
+  if (!workspace) workspace_bytes = 0;
+  if (take_cudnn("attention_forward", path, B, T, NH, NKV, HD, {out, lse, qkv}, workspace_bytes, false) &&
+      run_cudnn("attention_forward", path, B, T, NH, NKV, HD, [&] {
+        detail::cudnn_attention_forward(out, lse, qkv, B, T, NH, NKV, HD, workspace, workspace_bytes, stream);
+      }))
+    return;
   const double scale = 1.0 / std::sqrt(static_cast<double>(HD));
   if (use_tensor_cores(path, HD, {out, qkv})) {
     const float sl2 = static_cast<float>(scale * 1.4426950408889634);
@@ -779,6 +912,13 @@ void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf1
   const size_t need = attention_backward_scratch_bytes(B, T, NH);
   ESPLAG_CHECK(scratch && scratch_bytes >= need, "attention_backward: scratch of ", scratch_bytes,
                " bytes is too small, need ", need, " (attention_backward_scratch_bytes)");
+  if (take_cudnn("attention_backward", path, B, T, NH, NKV, HD, {dqkv, dout, qkv, out, lse}, scratch_bytes, true) &&
+      run_cudnn("attention_backward", path, B, T, NH, NKV, HD, [&] {
+        detail::cudnn_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD,
+                                         path != AttentionPath::cudnn_nondeterministic, scratch, scratch_bytes,
+                                         stream);
+      }))
+    return;
   float* delta = static_cast<float*>(scratch);
   const int64_t drows = static_cast<int64_t>(B) * T * NH;
   attn_delta_kernel<<<detail::blocks_for(drows, kRowWarps), kRowThreads, 0, stream>>>(delta, dout, out, B, T, NH, HD);
