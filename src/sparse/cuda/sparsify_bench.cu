@@ -1,0 +1,199 @@
+#include "sparse/cuda/sparsify_bench.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <map>
+
+#include "core/cuda_check.h"
+#include "core/device_arena.h"
+#include "core/error.h"
+#include "sparse/cuda/sparsify.h"
+#include "sparse/mvue.h"
+
+namespace esplag {
+
+namespace {
+
+using gpu::bf16;
+using gpu::Sparse24Out;
+
+// Random bf16 in (-1, 1), never 0, from a counter hash (no host round trip for ~45M values).
+__global__ void fill_random_bf16(uint16_t* out, int64_t n, uint64_t seed) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint64_t h = sparse_detail::mvue_mix(seed ^ sparse_detail::mvue_mix(uint64_t(i)));
+    const float u = (float(h >> 40) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
+    const float x = (h & 1u) ? -u : u;
+    out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  }
+}
+
+struct Events {
+  std::vector<cudaEvent_t> e;
+  explicit Events(size_t n) : e(n, nullptr) {
+    for (auto& x : e) CUDA_CHECK(cudaEventCreate(&x));
+  }
+  ~Events() {
+    for (auto& x : e)
+      if (x) cudaEventDestroy(x);
+  }
+};
+
+// Median of `iters` launches of launch(i), each between its own events, after `warmup`.
+double median_ms(const std::function<void(int)>& launch, int iters, int warmup, cudaStream_t stream) {
+  for (int i = 0; i < warmup; ++i) launch(i);
+  Events ev(2 * size_t(iters));
+  for (int i = 0; i < iters; ++i) {
+    CUDA_CHECK(cudaEventRecord(ev.e[2 * i], stream));
+    launch(i);
+    CUDA_CHECK(cudaEventRecord(ev.e[2 * i + 1], stream));
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> ms(size_t(iters), 0.0);
+  for (int i = 0; i < iters; ++i) {
+    float t = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&t, ev.e[2 * i], ev.e[2 * i + 1]));
+    ms[i] = t;
+  }
+  std::sort(ms.begin(), ms.end());
+  return iters % 2 ? ms[iters / 2] : 0.5 * (ms[iters / 2 - 1] + ms[iters / 2]);
+}
+
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() { CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~Stream() {
+    if (s) cudaStreamDestroy(s);
+  }
+};
+
+}  // namespace
+
+std::vector<SparsifyShape> default_sparsify_shapes() { return {{4096, 11008}, {11008, 4096}, {2048, 8192}}; }
+
+std::vector<SparsifyTiming> bench_sparsify(const std::vector<SparsifyShape>& shapes, int iters, int warmup) {
+  ESPLAG_CHECK(iters > 0 && warmup >= 0, "bench_sparsify: need iters > 0 and warmup >= 0, got ", iters, ", ",
+               warmup);
+  int64_t n_max = 0, meta_max = 0;
+  for (const auto& s : shapes) {
+    ESPLAG_CHECK(s.rows > 0 && s.cols > 0 && s.rows % 4 == 0 && s.cols % 4 == 0,
+                 "bench_sparsify: shapes must be positive multiples of 4, got [", s.rows, ", ", s.cols, "]");
+    n_max = std::max(n_max, s.rows * s.cols);
+    meta_max = std::max({meta_max, s.rows * ((s.cols + 15) / 16), s.cols * ((s.rows + 15) / 16)});
+  }
+  if (shapes.empty()) return {};
+
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+
+  // Two inputs, every output form, and a copy source and destination for the largest
+  // traffic (dense + dense_t: 6 bytes per value, copied as 3 + 3).
+  const size_t n = size_t(n_max), meta_words = size_t(meta_max);
+  DeviceArena arena(2 * 2 * n + 2 * 2 * n + 2 * n + 2 * 2 * meta_words + 2 * 3 * n + (size_t(16) << 20),
+                    "sparsify bench");
+  bf16* in[2] = {arena.allocate_array<bf16>("input 0", n), arena.allocate_array<bf16>("input 1", n)};
+  bf16* dense = arena.allocate_array<bf16>("dense", n);
+  bf16* dense_t = arena.allocate_array<bf16>("dense_t", n);
+  bf16* values = arena.allocate_array<bf16>("values", n / 2);
+  bf16* values_t = arena.allocate_array<bf16>("values_t", n / 2);
+  uint16_t* meta = arena.allocate_array<uint16_t>("meta", meta_words);
+  uint16_t* meta_t = arena.allocate_array<uint16_t>("meta_t", meta_words);
+  void* copy_src = arena.allocate("copy source", 3 * n);
+  void* copy_dst = arena.allocate("copy destination", 3 * n);
+
+  Stream stream;
+  for (int k = 0; k < 2; ++k) {
+    fill_random_bf16<<<1024, 256, 0, stream.s>>>(reinterpret_cast<uint16_t*>(in[k]), int64_t(n), 1234 + k);
+    CUDA_CHECK_LAUNCH("fill_random_bf16");
+  }
+  CUDA_CHECK(cudaMemsetAsync(copy_src, 0x3c, 3 * n, stream.s));
+
+  std::vector<SparsifyTiming> out;
+  std::map<size_t, double> copy_ms;  // by bytes copied
+  for (const auto& s : shapes) {
+    const int64_t R = s.rows, C = s.cols;
+    const double v = double(R) * double(C);
+    const double mb = double(R) * double((C / 4 + 3) / 4) * 2, mb_t = double(C) * double((R / 4 + 3) / 4) * 2;
+    const Sparse24Out none{};
+    const Sparse24Out d{dense, nullptr, nullptr}, dt{dense_t, nullptr, nullptr};
+    const Sparse24Out c{nullptr, values, meta}, ct{nullptr, values_t, meta_t};
+
+    struct Case {
+      const char* kernel;
+      const char* outputs;
+      double bytes;
+      std::function<void(const bf16*)> run;
+    };
+    const std::vector<Case> cases = {
+        {"transposable_24", "dense+dense_t", 6 * v,
+         [&](const bf16* x) { gpu::transposable_24(x, R, C, d, dt, nullptr, stream.s); }},
+        {"transposable_24", "compressed+compressed_t", 2 * v + 2 * v + mb + mb_t,
+         [&](const bf16* x) { gpu::transposable_24(x, R, C, c, ct, nullptr, stream.s); }},
+        {"double_prune_24", "compressed+compressed_t", 2 * v + 2 * v + mb + mb_t,
+         [&](const bf16* x) { gpu::double_prune_24(x, R, C, c, ct, nullptr, nullptr, stream.s); }},
+        {"activation_24_rows", "dense", 4 * v, [&](const bf16* x) { gpu::activation_24_rows(x, R, C, d, stream.s); }},
+        {"activation_24_rows", "compressed", 3 * v + mb,
+         [&](const bf16* x) { gpu::activation_24_rows(x, R, C, c, stream.s); }},
+        {"activation_24_tiles", "dense", 4 * v,
+         [&](const bf16* x) { gpu::activation_24_tiles(x, R, C, d, none, stream.s); }},
+        {"mvue_24", "dense", 4 * v, [&](const bf16* x) { gpu::mvue_24(x, R, C, 7, d, stream.s); }},
+        {"mvue_24", "compressed", 3 * v + mb, [&](const bf16* x) { gpu::mvue_24(x, R, C, 7, c, stream.s); }},
+    };
+    for (const Case& k : cases) {
+      SparsifyTiming t;
+      t.kernel = k.kernel;
+      t.outputs = k.outputs;
+      t.rows = R;
+      t.cols = C;
+      t.bytes = k.bytes;
+      t.device = prop.name;
+      t.median_ms = median_ms([&](int i) { k.run(in[i % 2]); }, iters, warmup, stream.s);
+      const size_t half = (size_t(k.bytes / 2) + 15) / 16 * 16;
+      if (!copy_ms.count(half))
+        copy_ms[half] = median_ms(
+            [&](int) { CUDA_CHECK(cudaMemcpyAsync(copy_dst, copy_src, half, cudaMemcpyDeviceToDevice, stream.s)); },
+            iters, warmup, stream.s);
+      t.copy_median_ms = copy_ms[half];
+      t.gbps = t.bytes / (t.median_ms * 1e6);
+      t.copy_gbps = 2.0 * double(half) / (t.copy_median_ms * 1e6);
+      t.vs_copy = t.copy_median_ms / t.median_ms;
+      out.push_back(t);
+    }
+  }
+  return out;
+}
+
+std::string sparsify_timing_table(const std::vector<SparsifyTiming>& timings) {
+  std::string s;
+  char buf[512];
+  std::snprintf(buf, sizeof buf, "%-20s %-24s %13s %9s %9s %9s %9s %8s\n", "kernel", "outputs", "shape", "ms",
+                "GB/s", "copy ms", "copy GB/s", "vs copy");
+  s += buf;
+  for (const auto& t : timings) {
+    char shape[64];
+    std::snprintf(shape, sizeof shape, "%lldx%lld", static_cast<long long>(t.rows), static_cast<long long>(t.cols));
+    std::snprintf(buf, sizeof buf, "%-20s %-24s %13s %9.4f %9.0f %9.4f %9.0f %7.0f%%\n", t.kernel.c_str(),
+                  t.outputs.c_str(), shape, t.median_ms, t.gbps, t.copy_median_ms, t.copy_gbps, 100.0 * t.vs_copy);
+    s += buf;
+  }
+  if (!timings.empty()) s += "(" + timings.front().device + "; medians of CUDA-event timings after warm-up)\n";
+  return s;
+}
+
+std::string sparsify_timing_csv(const std::vector<SparsifyTiming>& timings) {
+  std::string s = "kernel,outputs,rows,cols,bytes,median_ms,gbps,copy_median_ms,copy_gbps,vs_copy,device\n";
+  char buf[512];
+  for (const auto& t : timings) {
+    std::snprintf(buf, sizeof buf, "%s,%s,%lld,%lld,%.0f,%.6f,%.1f,%.6f,%.1f,%.4f,%s\n", t.kernel.c_str(),
+                  t.outputs.c_str(), static_cast<long long>(t.rows), static_cast<long long>(t.cols), t.bytes,
+                  t.median_ms, t.gbps, t.copy_median_ms, t.copy_gbps, t.vs_copy, t.device.c_str());
+    s += buf;
+  }
+  return s;
+}
+
+}  // namespace esplag
