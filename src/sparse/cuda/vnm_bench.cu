@@ -1,0 +1,233 @@
+#include "sparse/cuda/vnm_bench.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "core/cuda_check.h"
+#include "core/device_arena.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/rng.h"
+#include "ops/gpu.h"
+#include "sparse/cuda/vnm_gemm.h"
+
+namespace esplag::gpu {
+
+namespace {
+
+// Uniform values in [-1, 1) from a counter hash, rounded to bf16; exact zeros (and values
+// that would round to zero) are replaced so that no input is zero.
+__global__ void fill_random_kernel(uint16_t* out, int64_t n, uint64_t seed) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  uint64_t z = seed + uint64_t(i) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  float x = float(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
+  if (fabsf(x) < 1e-3f) x = 1e-3f;
+  out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+
+void fill_random(bf16* p, int64_t n, uint64_t seed, cudaStream_t s) {
+  fill_random_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(reinterpret_cast<uint16_t*>(p), n, seed);
+  CUDA_CHECK_LAUNCH("vnm bench fill_random_kernel");
+}
+
+template <typename Launch>
+double median_ms(Launch launch, int warmup, int iters, cudaStream_t s) {
+  for (int i = 0; i < warmup; ++i) launch();
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  cudaEvent_t start, stop;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<float> ms;
+  for (int i = 0; i < iters; ++i) {
+    CUDA_CHECK(cudaEventRecord(start, s));
+    launch();
+    CUDA_CHECK(cudaEventRecord(stop, s));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float t = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms.empty() ? 0.0 : double(ms[ms.size() / 2]);
+}
+
+// max |gpu - host| / rms(host) over a few token rows of Y = X · Wᵀ.
+double spot_check(const CompressedVNMBf16& w, const bf16* x, const bf16* y, int64_t tokens, cudaStream_t s) {
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  const int64_t blocks = w.cols / w.m;
+  const int samples = int(std::min<int64_t>(tokens, 4));
+  double max_err = 0, ss = 0;
+  int64_t count = 0;
+  std::vector<uint16_t> xr(w.cols), yr(w.rows);
+  for (int k = 0; k < samples; ++k) {
+    const int64_t tok = samples == 1 ? 0 : k * (tokens - 1) / (samples - 1);
+    CUDA_CHECK(cudaMemcpy(xr.data(), x + tok * w.cols, w.cols * 2, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(yr.data(), y + tok * w.rows, w.rows * 2, cudaMemcpyDeviceToHost));
+    for (int64_t r = 0; r < w.rows; ++r) {
+      double ref = 0;
+      for (int64_t b = 0; b < blocks; ++b)
+        for (int j = 0; j < 2; ++j)
+          ref += double(bf16_to_float(w.inner.values[r * blocks * 2 + 2 * b + j])) *
+                 double(bf16_to_float(xr[w.column(r, b, j)]));
+      max_err = std::max(max_err, std::fabs(double(bf16_to_float(yr[r])) - ref));
+      ss += ref * ref;
+      ++count;
+    }
+  }
+  const double rms = count ? std::sqrt(ss / double(count)) : 0.0;
+  return rms > 0 ? max_err / rms : max_err;
+}
+
+}  // namespace
+
+std::vector<VnmBenchShape> vnm_bench_default_shapes() {
+  return {{8192, 2048, 16384}, {2048, 8192, 16384}, {11008, 4096, 8192}, {4096, 11008, 8192}, {4096, 4096, 8192}};
+}
+
+std::vector<VnmBenchPattern> vnm_bench_default_patterns() { return {{64, 8}, {128, 8}, {64, 16}}; }
+
+CompressedVNMBf16 random_vnm_weight(int64_t rows, int64_t cols, int v, int m, uint64_t seed) {
+  ESPLAG_CHECK(v > 0 && m >= 4 && m <= 16 && rows > 0 && cols > 0 && rows % v == 0 && cols % m == 0,
+               "random_vnm_weight: [", rows, ", ", cols, "] does not fit V:2:M = ", v, ":2:", m);
+  Rng rng(seed);
+  CompressedVNMBf16 w;
+  w.v = v;
+  w.m = m;
+  w.rows = rows;
+  w.cols = cols;
+  const int64_t blocks = cols / m;
+  w.columns.resize(size_t(rows / v * blocks * 4));
+  for (int64_t i = 0; i < rows / v * blocks; ++i) {
+    uint8_t perm[16];
+    for (int k = 0; k < m; ++k) perm[k] = uint8_t(k);
+    for (int k = 0; k < 4; ++k) std::swap(perm[k], perm[k + int(rng.below(uint32_t(m - k)))]);
+    std::sort(perm, perm + 4);
+    std::copy(perm, perm + 4, w.columns.begin() + i * 4);
+  }
+  w.inner.rows = rows;
+  w.inner.cols = blocks * 4;
+  w.inner.values.resize(size_t(rows * blocks * 2));
+  w.inner.meta.assign(size_t(rows * w.inner.meta_stride()), 0);
+  static constexpr uint8_t kPairs[6][2] = {{0, 1}, {0, 2}, {0, 3}, {1, 2}, {1, 3}, {2, 3}};
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const auto& pr = kPairs[rng.below(6)];
+      w.inner.meta[r * w.inner.meta_stride() + b / 4] |= uint16_t((pr[0] | pr[1] << 2) << (4 * (b % 4)));
+      for (int j = 0; j < 2; ++j) {
+        double x = rng.normal();
+        if (std::fabs(x) < 1e-3) x = 1e-3;
+        w.inner.values[r * blocks * 2 + 2 * b + j] = float_to_bf16(float(x));
+      }
+    }
+  return w;
+}
+
+std::vector<VnmBenchResult> vnm_bench(const std::vector<VnmBenchShape>& shapes,
+                                      const std::vector<VnmBenchPattern>& patterns, int warmup, int iters,
+                                      uint64_t seed) {
+  ESPLAG_CHECK(warmup >= 0 && iters > 0, "vnm_bench: need warmup >= 0 and iters > 0");
+  std::vector<VnmBenchResult> results;
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreate(&stream));
+  try {
+    for (const VnmBenchShape& sh : shapes) {
+      ESPLAG_CHECK(sh.out > 0 && sh.in > 0 && sh.tokens > 0 && sh.tokens <= INT32_MAX && sh.in <= INT32_MAX &&
+                       sh.out <= INT32_MAX,
+                   "vnm_bench: bad shape out ", sh.out, " in ", sh.in, " tokens ", sh.tokens);
+      size_t vnm_bytes = 0;
+      for (const VnmBenchPattern& p : patterns)
+        vnm_bytes = std::max(vnm_bytes, vnm_device_weight_bytes(sh.out, sh.in, p.v, p.m));
+      const size_t x_bytes = size_t(sh.tokens * sh.in) * 2, y_bytes = size_t(sh.tokens * sh.out) * 2,
+                   w_bytes = size_t(sh.out * sh.in) * 2;
+      // The upload's temporaries: columns, values, metadata of the CPU layout (< 1 B per weight).
+      const size_t capacity = 2 * x_bytes + size_t(16 * sh.in) + y_bytes + w_bytes + vnm_bytes + size_t(sh.out * sh.in) +
+                              Gemm::kDefaultWorkspaceBytes + Gemm::kScratchBytes + (size_t(64) << 20);
+      DeviceArena arena(capacity, "vnm bench");
+      bf16* x = arena.allocate_array<bf16>("X", size_t(sh.tokens * sh.in));
+      bf16* y = arena.allocate_array<bf16>("Y", size_t(sh.tokens * sh.out));
+      bf16* wd = arena.allocate_array<bf16>("W dense", size_t(sh.out * sh.in));
+      const int64_t ldxt = vnm_transposed_ld(sh.tokens);
+      bf16* xt = arena.allocate_array<bf16>("X transposed", size_t(sh.in * ldxt));
+      fill_random(x, sh.tokens * sh.in, seed * 1000003 + 1, stream);
+      fill_random(wd, sh.out * sh.in, seed * 1000003 + 2, stream);
+      Gemm gemm(arena);
+      const int N = int(sh.tokens), C = int(sh.in), OC = int(sh.out);
+      const double dense_ms =
+          median_ms([&] { gemm.forward(y, x, wd, nullptr, N, C, OC, stream); }, warmup, iters, stream);
+      const double flops = 2.0 * double(sh.out) * double(sh.in) * double(sh.tokens);
+      for (const VnmBenchPattern& p : patterns) {
+        const size_t mark = arena.mark();
+        const CompressedVNMBf16 hw = random_vnm_weight(sh.out, sh.in, p.v, p.m, seed * 7919 + uint64_t(p.v * 17 + p.m));
+        const VnmDeviceWeight w = vnm_upload_weight(hw, arena, stream);
+        CUDA_CHECK(cudaMemsetAsync(y, 0xFF, y_bytes, stream));  // NaN: unwritten outputs would show
+        VnmBenchResult r;
+        r.pattern = p;
+        r.shape = sh;
+        r.dense_ms = dense_ms;
+        r.vnm_ms = median_ms([&] { vnm_linear_forward(y, x, w, nullptr, sh.tokens, stream); }, warmup, iters, stream);
+        r.spot_rel_error = spot_check(hw, x, y, sh.tokens, stream);
+        CUDA_CHECK(cudaMemsetAsync(y, 0xFF, y_bytes, stream));
+        r.transpose_ms =
+            median_ms([&] { vnm_transpose_input(xt, x, sh.tokens, sh.in, stream); }, warmup, iters, stream);
+        r.vnm_xt_ms = median_ms([&] { vnm_linear_forward_xt(y, xt, ldxt, w, nullptr, sh.tokens, stream); }, warmup,
+                                iters, stream);
+        r.spot_rel_error = std::max(r.spot_rel_error, spot_check(hw, x, y, sh.tokens, stream));
+        r.speedup = dense_ms / r.vnm_ms;
+        r.speedup_xt = dense_ms / (r.transpose_ms + r.vnm_xt_ms);
+        r.speedup_xt_only = dense_ms / r.vnm_xt_ms;
+        r.dense_tflops = flops / (dense_ms * 1e9);
+        r.best_useful_tflops = flops * 2.0 / p.m / (std::min(r.vnm_ms, r.vnm_xt_ms) * 1e9);
+        results.push_back(r);
+        arena.release_to(mark);
+      }
+    }
+  } catch (...) {
+    cudaStreamDestroy(stream);
+    throw;
+  }
+  CUDA_CHECK(cudaStreamDestroy(stream));
+  return results;
+}
+
+std::string vnm_bench_table(const std::vector<VnmBenchResult>& results) {
+  std::ostringstream os;
+  char line[320];
+  std::snprintf(line, sizeof line, "%-8s %6s %6s %6s | %8s %6s | %8s %7s | %8s %8s %7s %7s | %8s | %8s\n", "pattern",
+                "out", "in", "tokens", "dense ms", "TF/s", "X ms", "speedup", "Xt ms", "T ms", "T+Xt", "Xt only",
+                "kept TF", "spot err");
+  os << line;
+  for (const VnmBenchResult& r : results) {
+    const std::string pat = std::to_string(r.pattern.v) + ":2:" + std::to_string(r.pattern.m);
+    std::snprintf(line, sizeof line,
+                  "%-8s %6lld %6lld %6lld | %8.4f %6.1f | %8.4f %6.2fx | %8.4f %8.4f %6.2fx %6.2fx | %8.1f | %8.2e\n",
+                  pat.c_str(), (long long)r.shape.out, (long long)r.shape.in, (long long)r.shape.tokens, r.dense_ms,
+                  r.dense_tflops, r.vnm_ms, r.speedup, r.vnm_xt_ms, r.transpose_ms, r.speedup_xt, r.speedup_xt_only,
+                  r.best_useful_tflops, r.spot_rel_error);
+    os << line;
+  }
+  os << "X: vnm_linear_forward on X [tokens, in]; Xt: vnm_linear_forward_xt on X transposed; T: the transpose;\n"
+        "speedups are cuBLASLt dense time over ours; kept TF: 2*out*tokens*in*2/M over the faster sparse time\n";
+  return os.str();
+}
+
+std::string vnm_bench_csv(const std::vector<VnmBenchResult>& results) {
+  std::ostringstream os;
+  os << "v,m,out,in,tokens,dense_ms,vnm_ms,vnm_xt_ms,transpose_ms,speedup,speedup_xt,speedup_xt_only,dense_tflops,"
+        "best_useful_tflops,spot_rel_error\n";
+  for (const VnmBenchResult& r : results)
+    os << r.pattern.v << ',' << r.pattern.m << ',' << r.shape.out << ',' << r.shape.in << ',' << r.shape.tokens << ','
+       << r.dense_ms << ',' << r.vnm_ms << ',' << r.vnm_xt_ms << ',' << r.transpose_ms << ',' << r.speedup << ','
+       << r.speedup_xt << ',' << r.speedup_xt_only << ',' << r.dense_tflops << ',' << r.best_useful_tflops << ','
+       << r.spot_rel_error << '\n';
+  return os.str();
+}
+
+}  // namespace esplag::gpu

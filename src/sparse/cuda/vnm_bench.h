@@ -1,0 +1,71 @@
+// Timing of the V:2:M sparse-tensor-core GEMM (sparse/cuda/vnm_gemm.h) against the dense
+// bf16 cuBLASLt GEMM (gpu::Gemm::forward) on the same shapes, both computing the forward
+// of a Linear Y[tokens, out] = X[tokens, in] · Wᵀ with bf16 output.
+//
+// Per shape, fresh random data (never zeros): X on the device, the dense weight fully
+// random for the cuBLASLt baseline, and a random valid V:2:M weight per pattern, converted
+// once (outside the timing). Each GEMM is timed alone with CUDA events after warm-up; the
+// result is the median. A spot check compares a few output rows of the sparse GEMM with a
+// host computation, so a fast but wrong kernel shows in the table.
+//
+// Only for the CUDA build (ESPLAG_CUDA=ON).
+#pragma once
+
+#ifndef ESPLAG_HAVE_CUDA
+#error "sparse/cuda/vnm_bench.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#endif
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "sparse/compressed.h"
+
+namespace esplag::gpu {
+
+struct VnmBenchShape {
+  int64_t out = 0, in = 0, tokens = 0;  // W [out, in], X [tokens, in]
+};
+
+struct VnmBenchPattern {
+  int v = 0, m = 0;  // V:2:M
+};
+
+struct VnmBenchResult {
+  VnmBenchPattern pattern;
+  VnmBenchShape shape;
+  double dense_ms = 0;      // median, cuBLASLt dense bf16
+  double vnm_ms = 0;        // median, vnm_linear_forward (X as given, [tokens, in])
+  double vnm_xt_ms = 0;     // median, vnm_linear_forward_xt (Xᵀ [in, tokens] already there)
+  double transpose_ms = 0;  // median, vnm_transpose_input (what the Xᵀ path adds when X is [tokens, in])
+  double speedup = 0;       // dense_ms / vnm_ms
+  double speedup_xt = 0;    // dense_ms / (transpose_ms + vnm_xt_ms)
+  double speedup_xt_only = 0;         // dense_ms / vnm_xt_ms
+  double dense_tflops = 0;            // 2·out·in·tokens / dense time
+  double best_useful_tflops = 0;      // 2·out·tokens·(in·2/M) (kept weights only) / fastest sparse time
+  double spot_rel_error = 0;          // max |gpu - host| / rms(host) over the checked rows, both paths
+};
+
+// The shapes (out, in, tokens): 8192×2048×16384, 2048×8192×16384,
+// 11008×4096×8192, 4096×11008×8192, 4096×4096×8192 (11008 = 64·172 = 256·43, so every
+// pattern divides it without padding).
+std::vector<VnmBenchShape> vnm_bench_default_shapes();
+// 64:2:8, 128:2:8, 64:2:16.
+std::vector<VnmBenchPattern> vnm_bench_default_patterns();
+
+// Runs every pattern on every shape on the current device (warp tile: VnmTile::automatic).
+// Throws esplag::Error when a shape does not fit a pattern or the device lacks memory.
+std::vector<VnmBenchResult> vnm_bench(const std::vector<VnmBenchShape>& shapes,
+                                      const std::vector<VnmBenchPattern>& patterns, int warmup = 5, int iters = 20,
+                                      uint64_t seed = 1);
+
+// A fixed-width table, one line per result, with a header (what a CLI prints).
+std::string vnm_bench_table(const std::vector<VnmBenchResult>& results);
+// CSV with a header line: v,m,out,in,tokens,dense_ms,vnm_ms,vnm_xt_ms,transpose_ms,...
+std::string vnm_bench_csv(const std::vector<VnmBenchResult>& results);
+
+// A random valid V:2:M weight in the CPU compressed layout (bf16 values, never zero):
+// random selected columns per block, random 2-of-4 choice per row. Fast (no dense pass).
+CompressedVNMBf16 random_vnm_weight(int64_t rows, int64_t cols, int v, int m, uint64_t seed);
+
+}  // namespace esplag::gpu

@@ -1,0 +1,483 @@
+// The V:2:M sparse-tensor-core GEMM (sparse/cuda/vnm_gemm.h) against the CPU reference
+// (sparse/compressed.h: cpu::linear_vnm, cpu::decompress_vnm).
+//
+// Weights go through the CPU path a model uses: random dense values, the V:2:M magnitude
+// mask (cpu::vnm_mask), cpu::compress_vnm, bf16; inputs are fresh seeded random bf16
+// values. Outputs are poisoned with NaN before every launch. Sizes include the smallest
+// legal weights (out = V, in = M), in features that are not a whole K step (8 blocks) or
+// not a multiple of 8 (the element-wise load path), misaligned pointers and 1, 17 and 1000
+// tokens.
+//
+// Accuracy rule (as tests/gpu_ops.cu): against a float64 reference, the GPU's RMS and max
+// errors must be within twice those of the same product computed on the CPU in fp32 from
+// the same bf16 numbers (cpu::linear_vnm, then rounded like the GPU output), with floors
+// of 1e-6 (bf16 output; max: a bf16 ulp at the largest value) or 1e-5 (fp32) relative.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/device_arena.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/rng.h"
+#include "sparse/compressed.h"
+#include "sparse/cuda/vnm_bench.h"
+#include "sparse/cuda/vnm_gemm.h"
+#include "sparse/masks.h"
+
+namespace {
+
+using esplag::CompressedVNMBf16;
+using esplag::DeviceArena;
+using esplag::Rng;
+using esplag::gpu::bf16;
+using esplag::gpu::VnmDeviceWeight;
+namespace cpu = esplag::cpu;
+namespace gpu = esplag::gpu;
+
+using Bits = std::vector<uint16_t>;
+using VF = std::vector<float>;
+using VD = std::vector<double>;
+
+bool has_device() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+float round_bf16(float x) { return esplag::bf16_to_float(esplag::float_to_bf16(x)); }
+
+struct Data {
+  Bits bits;
+  VF f;
+};
+
+Data random_bf16(size_t n, uint64_t seed) {
+  Rng rng(seed);
+  Data d;
+  d.bits.resize(n);
+  d.f.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    d.bits[i] = esplag::float_to_bf16(static_cast<float>(rng.normal()));
+    d.f[i] = esplag::bf16_to_float(d.bits[i]);
+  }
+  return d;
+}
+
+// A V:2:M weight made the way the model makes one.
+CompressedVNMBf16 make_weight(int64_t rows, int64_t cols, int v, int m, uint64_t seed) {
+  Rng rng(seed);
+  VF w(size_t(rows * cols));
+  for (float& x : w) x = static_cast<float>(rng.normal());
+  const cpu::Mask mask = cpu::vnm_mask(w.data(), rows, cols, v, m);
+  cpu::apply_mask(w.data(), mask.data(), rows * cols);
+  return cpu::to_bf16(cpu::compress_vnm(w.data(), rows, cols, v, m, "test weight"));
+}
+
+class Dev {
+ public:
+  Dev() : arena_(size_t(512) << 20, "gpu_vnm test") { CUDA_CHECK(cudaStreamCreate(&stream_)); }
+  ~Dev() { cudaStreamDestroy(stream_); }
+  cudaStream_t stream() const { return stream_; }
+  DeviceArena& arena() { return arena_; }
+
+  // `extra` elements in front, so that the returned pointer can be deliberately misaligned.
+  template <typename T>
+  T* put(const std::vector<T>& h, size_t offset = 0) {
+    T* d = arena_.allocate_array<T>("input", h.size() + offset + 1);
+    CUDA_CHECK(cudaMemcpy(d + offset, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d + offset;
+  }
+  template <typename T>
+  T* poisoned(size_t n, size_t offset = 0) {
+    T* d = arena_.allocate_array<T>("output", n + offset + 1);
+    CUDA_CHECK(cudaMemset(d, 0xFF, (n + offset + 1) * sizeof(T)));  // NaN as bf16 and fp32
+    return d + offset;
+  }
+  template <typename T>
+  std::vector<T> get(const T* d, size_t n) {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::vector<T> h(n);
+    CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+
+ private:
+  DeviceArena arena_;
+  cudaStream_t stream_ = nullptr;
+};
+
+struct Err {
+  double rms = 0, max = 0;
+};
+
+template <typename V>
+Err error_of(const VD& ref, const V& x) {
+  Err e;
+  double ss = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = std::fabs(static_cast<double>(x[i]) - ref[i]);
+    ss += d * d;
+    e.max = std::max(e.max, d);
+  }
+  e.rms = ref.empty() ? 0 : std::sqrt(ss / ref.size());
+  return e;
+}
+
+void expect_matches(const std::string& what, const VD& ref, const VF& low, const VF& got, bool bf16_out) {
+  ASSERT_EQ(ref.size(), got.size()) << what;
+  size_t bad = 0, first_bad = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (!std::isfinite(got[i]) && bad++ == 0) first_bad = i;
+  ASSERT_EQ(bad, 0u) << what << ": " << bad << " non-finite outputs (unwritten or wrong), first at " << first_bad;
+  const Err eg = error_of(ref, got), el = error_of(ref, low), mag = error_of(ref, VD(ref.size(), 0.0));
+  const double floor_rms = (bf16_out ? 1e-6 : 1e-5) * mag.rms;
+  const double floor_max = bf16_out ? mag.max / 256.0 : 1e-5 * mag.max;
+  EXPECT_LE(eg.rms, std::max(2 * el.rms, floor_rms))
+      << what << ": RMS error " << eg.rms << " vs CPU fp32 " << el.rms << " (|ref| rms " << mag.rms << ")";
+  EXPECT_LE(eg.max, std::max(2 * el.max, floor_max))
+      << what << ": max error " << eg.max << " vs CPU fp32 " << el.max << " (|ref| max " << mag.max << ")";
+  if (bf16_out) EXPECT_LE(eg.rms, 1e-2 * mag.rms + 1e-30) << what << ": relative RMS error above 1e-2";
+}
+
+class GpuVnm : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(has_device()) << "no CUDA device visible to the gpu tests"; }
+};
+
+// ---------------------------------------------------------------------------------------
+// The fragment and metadata layout the weight conversion relies on, checked on one
+// mma.sp.m16n8k32 tile: lane (g, t) holds the kept values of rows g / g+8, chunks t / t+4
+// (a0..a7), and metadata lanes 4g+0 / 4g+1 hold chunks 0-3 / 4-7 of rows g (low 16 bits)
+// and g+8 (high 16 bits). Two other plausible layouts are run as well, to say in the log
+// which one the hardware uses if the expected one ever fails.
+
+__global__ void one_tile_kernel(float* d, const uint16_t* vals, const uint8_t* nib, const uint16_t* b, int layout) {
+  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+  // vals [16][8 chunks][2], nib [16][8], b [32][8] (k-major), d [16][8]
+  auto pair = [&](int r, int c) { return uint32_t(vals[(r * 8 + c) * 2]) | uint32_t(vals[(r * 8 + c) * 2 + 1]) << 16; };
+  auto half = [&](int r, int c0) {
+    uint32_t h = 0;
+    for (int j = 0; j < 4; ++j) h |= uint32_t(nib[r * 8 + c0 + j]) << (4 * j);
+    return h;
+  };
+  uint32_t a[4] = {pair(g, t), pair(g + 8, t), pair(g, t + 4), pair(g + 8, t + 4)};
+  uint32_t e = 0;
+  const int w = t & 1;
+  if (layout == 0) e = half(g, 4 * w) | half(g + 8, 4 * w) << 16;
+  if (layout == 1) e = w == 0 ? (half(g, 0) | half(g, 4) << 16) : (half(g + 8, 0) | half(g + 8, 4) << 16);
+  if (layout == 2) e = half(g + 8 * w, 0) | half(g + 8 * w, 4) << 16;
+  uint32_t bb[4];
+  for (int i = 0; i < 4; ++i) {
+    const int k = 2 * t + 8 * i;
+    bb[i] = uint32_t(b[k * 8 + g]) | uint32_t(b[(k + 1) * 8 + g]) << 16;
+  }
+  float c[4] = {0, 0, 0, 0};
+  asm volatile(
+      "mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9, %10, %11}, {%0, %1, %2, %3}, %12, 0x0;\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(bb[0]), "r"(bb[1]), "r"(bb[2]), "r"(bb[3]), "r"(e));
+  d[g * 8 + 2 * t] = c[0];
+  d[g * 8 + 2 * t + 1] = c[1];
+  d[(g + 8) * 8 + 2 * t] = c[2];
+  d[(g + 8) * 8 + 2 * t + 1] = c[3];
+}
+
+TEST_F(GpuVnm, MmaSpFragmentAndMetadataLayout) {
+  Dev dev;
+  Rng rng(3);
+  static constexpr uint8_t kPairs[6][2] = {{0, 1}, {0, 2}, {0, 3}, {1, 2}, {1, 3}, {2, 3}};
+  Bits vals(16 * 8 * 2), bmat(32 * 8);
+  std::vector<uint8_t> nib(16 * 8);
+  VD dense(16 * 32, 0.0);
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < 8; ++c) {
+      const auto& p = kPairs[rng.below(6)];
+      nib[r * 8 + c] = uint8_t(p[0] | p[1] << 2);
+      for (int j = 0; j < 2; ++j) {
+        vals[(r * 8 + c) * 2 + j] = esplag::float_to_bf16(float(rng.normal()));
+        dense[r * 32 + 4 * c + p[j]] = esplag::bf16_to_float(vals[(r * 8 + c) * 2 + j]);
+      }
+    }
+  for (auto& x : bmat) x = esplag::float_to_bf16(float(rng.normal()));
+  VD ref(16 * 8, 0.0);
+  for (int r = 0; r < 16; ++r)
+    for (int n = 0; n < 8; ++n)
+      for (int k = 0; k < 32; ++k) ref[r * 8 + n] += dense[r * 32 + k] * esplag::bf16_to_float(bmat[k * 8 + n]);
+  bool matches[3] = {false, false, false};
+  for (int layout = 0; layout < 3; ++layout) {
+    float* d = dev.poisoned<float>(16 * 8);
+    one_tile_kernel<<<1, 32, 0, dev.stream()>>>(d, dev.put(vals), dev.put(nib), dev.put(bmat), layout);
+    CUDA_CHECK_LAUNCH("one_tile_kernel");
+    const VF got = dev.get(d, 16 * 8);
+    double max_err = 0;
+    for (size_t i = 0; i < ref.size(); ++i) max_err = std::max(max_err, std::fabs(got[i] - ref[i]));
+    matches[layout] = max_err < 1e-3;
+    std::printf("[ mma.sp layout %d ] max error %.3g -> %s\n", layout, max_err, matches[layout] ? "match" : "no match");
+  }
+  EXPECT_TRUE(matches[0]) << "the metadata layout the weight conversion uses does not match the hardware";
+}
+
+// ---------------------------------------------------------------------------------------
+// Forward against the CPU reference.
+
+struct Case {
+  int v, m;
+  int64_t rows, cols, tokens;
+  bool bias = false, f32_out = false;
+  size_t x_offset = 0, out_offset = 0;  // elements; 1 misaligns the pointer
+};
+
+void run_forward(const Case& c, uint64_t seed) {
+  SCOPED_TRACE(std::to_string(c.v) + ":2:" + std::to_string(c.m) + " W [" + std::to_string(c.rows) + ", " +
+               std::to_string(c.cols) + "] tokens " + std::to_string(c.tokens) + (c.bias ? " bias" : "") +
+               (c.f32_out ? " fp32-out" : " bf16-out") + " x+" + std::to_string(c.x_offset) + " out+" +
+               std::to_string(c.out_offset));
+  Dev dev;
+  const CompressedVNMBf16 w = make_weight(c.rows, c.cols, c.v, c.m, seed);
+  const Data x = random_bf16(size_t(c.tokens * c.cols), seed + 1);
+  const Data bias = random_bf16(size_t(c.rows), seed + 2);
+  const VnmDeviceWeight dw = gpu::vnm_upload_weight(w, dev.arena(), dev.stream());
+  const bf16* dx = reinterpret_cast<const bf16*>(dev.put(x.bits, c.x_offset));
+  const bf16* dbias = c.bias ? reinterpret_cast<const bf16*>(dev.put(bias.bits)) : nullptr;
+  const size_t n_out = size_t(c.tokens * c.rows);
+  // Every warp tile the pattern allows.
+  std::vector<gpu::VnmTile> tiles = {gpu::VnmTile::rows64};
+  if (c.v % 128 == 0) tiles.push_back(gpu::VnmTile::rows128);
+  // The transposed input for the Xᵀ kernel, its padding columns poisoned: they must never be read.
+  const int64_t ldxt = gpu::vnm_transposed_ld(c.tokens);
+  uint16_t* xt = dev.poisoned<uint16_t>(size_t(c.cols * ldxt) + 8);
+  gpu::vnm_transpose_input(reinterpret_cast<bf16*>(xt), dx, c.tokens, c.cols, dev.stream());
+  std::vector<VF> results;
+  std::vector<std::string> names;
+  for (const gpu::VnmTile tile : tiles)
+    for (const bool transposed : {false, true}) {
+      VF got;
+      if (c.f32_out) {
+        float* out = dev.poisoned<float>(n_out, c.out_offset);
+        if (transposed)
+          gpu::vnm_linear_forward_xt(out, reinterpret_cast<const bf16*>(xt), ldxt, dw, dbias, c.tokens, dev.stream(),
+                                     tile);
+        else
+          gpu::vnm_linear_forward(out, dx, dw, dbias, c.tokens, dev.stream(), tile);
+        got = dev.get(out, n_out);
+      } else {
+        uint16_t* out = dev.poisoned<uint16_t>(n_out, c.out_offset);
+        if (transposed)
+          gpu::vnm_linear_forward_xt(reinterpret_cast<bf16*>(out), reinterpret_cast<const bf16*>(xt), ldxt, dw, dbias,
+                                     c.tokens, dev.stream(), tile);
+        else
+          gpu::vnm_linear_forward(reinterpret_cast<bf16*>(out), dx, dw, dbias, c.tokens, dev.stream(), tile);
+        const Bits bits = dev.get(out, n_out);
+        got.resize(n_out);
+        for (size_t i = 0; i < n_out; ++i) got[i] = esplag::bf16_to_float(bits[i]);
+      }
+      results.push_back(std::move(got));
+      names.push_back(std::string(transposed ? "vnm forward from X transposed" : "vnm forward") +
+                      (tile == gpu::VnmTile::rows128 ? ", 128-row warp tile" : ", 64-row warp tile"));
+    }
+  // fp64 reference over the kept values, and the CPU's fp32 computation.
+  const int64_t blocks = c.cols / c.m;
+  VD ref(n_out);
+  for (int64_t t = 0; t < c.tokens; ++t)
+    for (int64_t r = 0; r < c.rows; ++r) {
+      double acc = c.bias ? bias.f[r] : 0.0;
+      for (int64_t b = 0; b < blocks; ++b)
+        for (int j = 0; j < 2; ++j)
+          acc += double(esplag::bf16_to_float(w.inner.values[r * blocks * 2 + 2 * b + j])) *
+                 double(x.f[t * c.cols + w.column(r, b, j)]);
+      ref[t * c.rows + r] = acc;
+    }
+  VF low(n_out);
+  cpu::linear_vnm(low.data(), x.f.data(), w, c.bias ? bias.f.data() : nullptr, c.tokens);
+  if (!c.f32_out)
+    for (float& v : low) v = round_bf16(v);
+  for (size_t i = 0; i < results.size(); ++i) expect_matches(names[i], ref, low, results[i], !c.f32_out);
+}
+
+TEST_F(GpuVnm, ForwardSmallestWeights) {
+  // out = V, in = M: one row block, one (padded) K step.
+  for (int m : {4, 5, 8, 16})
+    for (int64_t tokens : {1, 17, 1000}) run_forward({64, m, 64, m, tokens}, 100 + m * 7 + tokens);
+  run_forward({128, 8, 128, 8, 17}, 201);
+  run_forward({128, 13, 128, 13, 1000, true, true}, 202);
+}
+
+TEST_F(GpuVnm, ForwardNonSquare) {
+  // Several row tiles (256 rows) and token tiles (128), partial K steps, every M.
+  run_forward({64, 8, 320, 8 * 25, 1000}, 11);
+  run_forward({128, 8, 384, 8 * 64, 17, true}, 12);
+  run_forward({64, 16, 192, 16 * 9, 1000, false, true}, 13);
+  run_forward({64, 16, 576, 16 * 24, 300, true}, 14);
+  run_forward({128, 12, 256, 12 * 10, 1000}, 15);
+  run_forward({64, 4, 64, 4 * 24, 129}, 16);
+  for (int m = 5; m <= 16; ++m) run_forward({64, m, 128, int64_t(m) * 19, 130, m % 2 == 0, m % 3 == 0}, 20 + m);
+  run_forward({128, 7, 1024, 7 * 24, 200, true}, 40);
+  // V not dividing the 256-row tile: row blocks straddle thread-block tiles.
+  run_forward({192, 8, 576, 8 * 16, 100}, 41);
+  run_forward({256, 6, 768, 6 * 40, 77, true, true}, 42);
+}
+
+TEST_F(GpuVnm, ForwardUnalignedPointersAndWidths) {
+  run_forward({64, 8, 64, 8 * 8, 33, false, false, 1, 0}, 51);   // X misaligned: element-wise loads
+  run_forward({64, 8, 128, 8 * 16, 33, true, false, 0, 1}, 52);  // output misaligned: scalar stores
+  run_forward({64, 8, 128, 8 * 16, 33, false, true, 3, 1}, 53);  // both, fp32 output
+  run_forward({64, 5, 192, 5 * 13, 1000, true}, 54);             // in = 65: not a multiple of 8
+  run_forward({128, 7, 256, 7 * 9, 17, false, true}, 55);        // in = 63
+}
+
+TEST_F(GpuVnm, ForwardIsDeterministicAndLeavesOtherMemoryAlone) {
+  Dev dev;
+  const int64_t rows = 256, cols = 8 * 40, tokens = 300;
+  const CompressedVNMBf16 w = make_weight(rows, cols, 64, 8, 61);
+  const Data x = random_bf16(size_t(tokens * cols), 62);
+  const VnmDeviceWeight dw = gpu::vnm_upload_weight(w, dev.arena(), dev.stream());
+  const bf16* dx = reinterpret_cast<const bf16*>(dev.put(x.bits));
+  // One guard element on each side of the output must keep its poison.
+  uint16_t* out = dev.poisoned<uint16_t>(size_t(tokens * rows) + 1, 8);  // 16-byte aligned
+  gpu::vnm_linear_forward(reinterpret_cast<bf16*>(out), dx, dw, nullptr, tokens, dev.stream());
+  const Bits a = dev.get(out - 1, size_t(tokens * rows) + 2);
+  CUDA_CHECK(cudaMemset(out, 0xFF, size_t(tokens * rows) * 2));
+  gpu::vnm_linear_forward(reinterpret_cast<bf16*>(out), dx, dw, nullptr, tokens, dev.stream());
+  const Bits b = dev.get(out - 1, size_t(tokens * rows) + 2);
+  EXPECT_EQ(a.front(), 0xFFFF);
+  EXPECT_EQ(a.back(), 0xFFFF);
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 2), 0) << "results differ between runs";
+}
+
+// ---------------------------------------------------------------------------------------
+// The converted layout: decompression, value updates.
+
+TEST_F(GpuVnm, DecompressMatchesCpu) {
+  struct S {
+    int v, m;
+    int64_t rows, cols;
+  };
+  for (const S& s : {S{64, 8, 64, 8}, S{64, 5, 320, 5 * 21}, S{128, 16, 384, 16 * 17}, S{192, 11, 384, 11 * 9},
+                     S{64, 4, 128, 4 * 40}}) {
+    SCOPED_TRACE(std::to_string(s.v) + ":2:" + std::to_string(s.m) + " [" + std::to_string(s.rows) + ", " +
+                 std::to_string(s.cols) + "]");
+    Dev dev;
+    const CompressedVNMBf16 w = make_weight(s.rows, s.cols, s.v, s.m, uint64_t(s.rows + s.m));
+    const VnmDeviceWeight dw = gpu::vnm_upload_weight(w, dev.arena(), dev.stream());
+    uint16_t* out = dev.poisoned<uint16_t>(size_t(s.rows * s.cols));
+    gpu::vnm_decompress(reinterpret_cast<bf16*>(out), dw, dev.stream());
+    const Bits got = dev.get(out, size_t(s.rows * s.cols));
+    VF ref(size_t(s.rows * s.cols));
+    cpu::decompress_vnm(w, ref.data());
+    size_t diff = 0;
+    for (size_t i = 0; i < ref.size(); ++i) diff += esplag::bf16_to_float(got[i]) != ref[i];
+    EXPECT_EQ(diff, 0u) << "decompressed weight differs from the CPU's in " << diff << " places";
+  }
+}
+
+TEST_F(GpuVnm, UpdateValuesKeepsIndices) {
+  Dev dev;
+  const int64_t rows = 128, cols = 8 * 20, tokens = 50;
+  CompressedVNMBf16 w = make_weight(rows, cols, 64, 8, 71);
+  const VnmDeviceWeight dw = gpu::vnm_upload_weight(w, dev.arena(), dev.stream());
+  Rng rng(72);
+  for (uint16_t& v : w.inner.values) v = esplag::float_to_bf16(float(rng.normal()));
+  gpu::vnm_update_values(dw, reinterpret_cast<const bf16*>(dev.put(w.inner.values)), dev.stream());
+  const Data x = random_bf16(size_t(tokens * cols), 73);
+  float* out = dev.poisoned<float>(size_t(tokens * rows));
+  gpu::vnm_linear_forward(out, reinterpret_cast<const bf16*>(dev.put(x.bits)), dw, nullptr, tokens, dev.stream());
+  const VF got = dev.get(out, size_t(tokens * rows));
+  VF low(got.size());
+  cpu::linear_vnm(low.data(), x.f.data(), w, nullptr, tokens);
+  VD ref(got.size());
+  VF dense(size_t(rows * cols));
+  cpu::decompress_vnm(w, dense.data());
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t r = 0; r < rows; ++r) {
+      double acc = 0;
+      for (int64_t k = 0; k < cols; ++k) acc += double(dense[r * cols + k]) * double(x.f[t * cols + k]);
+      ref[t * rows + r] = acc;
+    }
+  expect_matches("forward after vnm_update_values", ref, low, got, false);
+}
+
+// ---------------------------------------------------------------------------------------
+// Errors
+
+template <typename F>
+void expect_error(F f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "no esplag::Error thrown (expected one mentioning '" << needle << "')";
+  } catch (const esplag::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message: " << e.what();
+  }
+}
+
+TEST_F(GpuVnm, IllegalShapesThrow) {
+  expect_error([] { gpu::vnm_device_weight_bytes(96, 64, 64, 8); }, "not a multiple of V");
+  expect_error([] { gpu::vnm_device_weight_bytes(128, 60, 64, 8); }, "not a multiple of M");
+  expect_error([] { gpu::vnm_device_weight_bytes(64, 64, 32, 8); }, "multiple of 64");
+  expect_error([] { gpu::vnm_device_weight_bytes(64, 48, 64, 3); }, "4 <= M <= 16");
+  expect_error([] { gpu::vnm_device_weight_bytes(64, 68, 64, 17); }, "4 <= M <= 16");
+  expect_error([] { gpu::vnm_device_weight_bytes(0, 64, 64, 8); }, "empty");
+  Dev dev;
+  CompressedVNMBf16 w = make_weight(128, 64, 64, 8, 81);
+  // Storage too small.
+  void* small = dev.arena().allocate("small", 256);
+  expect_error(
+      [&] {
+        gpu::vnm_prepare_weight(small, 256, reinterpret_cast<const uint8_t*>(small), reinterpret_cast<const bf16*>(small),
+                                reinterpret_cast<const uint16_t*>(small), 128, 64, 64, 8, dev.stream());
+      },
+      "too small");
+  // Inconsistent host arrays.
+  CompressedVNMBf16 bad = w;
+  bad.columns.pop_back();
+  expect_error([&] { gpu::vnm_upload_weight(bad, dev.arena(), dev.stream()); }, "inconsistent");
+  // A column index >= M, and a metadata nibble naming the same position twice.
+  bad = w;
+  bad.columns[5] = 8;
+  expect_error([&] { gpu::vnm_upload_weight(bad, dev.arena(), dev.stream()); }, "invalid indices");
+  bad = w;
+  bad.inner.meta[3] = uint16_t((bad.inner.meta[3] & ~0xFu) | 0x5u);
+  expect_error([&] { gpu::vnm_upload_weight(bad, dev.arena(), dev.stream()); }, "invalid indices");
+  // The forward: an unprepared weight, negative tokens, null pointers.
+  const VnmDeviceWeight dw = gpu::vnm_upload_weight(w, dev.arena(), dev.stream());
+  bf16* buf = reinterpret_cast<bf16*>(dev.arena().allocate("buf", 1 << 20));
+  expect_error([&] { gpu::vnm_linear_forward(buf, buf, VnmDeviceWeight{}, nullptr, 4, dev.stream()); },
+               "not been prepared");
+  expect_error([&] { gpu::vnm_linear_forward(buf, buf, dw, nullptr, -1, dev.stream()); }, "negative");
+  expect_error([&] { gpu::vnm_linear_forward(buf, static_cast<const bf16*>(nullptr), dw, nullptr, 4, dev.stream()); },
+               "null");
+  VnmDeviceWeight tampered = dw;
+  tampered.cols = 128;
+  expect_error([&] { gpu::vnm_linear_forward(buf, buf, tampered, nullptr, 4, dev.stream()); }, "do not match");
+  expect_error([&] { gpu::vnm_linear_forward(buf, buf, dw, nullptr, 4, dev.stream(), gpu::VnmTile::rows128); },
+               "multiple of 128");
+  expect_error([&] { gpu::vnm_linear_forward_xt(buf, buf, 12, dw, nullptr, 4, dev.stream()); }, "multiple of 8");
+  expect_error([&] { gpu::vnm_linear_forward_xt(buf, buf, 8, dw, nullptr, 9, dev.stream()); }, "at least tokens");
+  // Zero tokens is a valid no-op.
+  EXPECT_NO_THROW(gpu::vnm_linear_forward(buf, buf, dw, nullptr, 0, dev.stream()));
+  CUDA_CHECK(cudaStreamSynchronize(dev.stream()));
+}
+
+// ---------------------------------------------------------------------------------------
+// Timing (no assertions on time): the issue's shapes, V:2:M kernel vs cuBLASLt dense bf16.
+
+TEST_F(GpuVnm, VnmGemmTiming) {
+  const auto results = gpu::vnm_bench(gpu::vnm_bench_default_shapes(), gpu::vnm_bench_default_patterns(), 5, 20);
+  std::printf("%s", gpu::vnm_bench_table(results).c_str());
+  std::printf("csv:\n%s", gpu::vnm_bench_csv(results).c_str());
+  for (const auto& r : results) {
+    EXPECT_GT(r.vnm_ms, 0.0);
+    EXPECT_GT(r.vnm_xt_ms, 0.0);
+    EXPECT_LT(r.spot_rel_error, 2e-2) << r.pattern.v << ":2:" << r.pattern.m << " " << r.shape.out << "x"
+                                      << r.shape.in << "x" << r.shape.tokens << ": sparse GEMM output is wrong";
+  }
+}
+
+}  // namespace
