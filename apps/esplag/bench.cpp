@@ -1,9 +1,10 @@
-// esplag bench: benchmarks of the engine (training steps; on the GPU also kernels),
-// printed as a table and optionally appended to a CSV.
+// esplag bench: benchmarks of the engine (training steps; on the GPU also the GEMMs of a
+// Linear, dense against 2:4 sparse), printed as a table and optionally appended to a CSV.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 
@@ -16,14 +17,70 @@
 #include "ops/adamw.h"
 #ifdef ESPLAG_HAVE_CUDA
 #include "model/gpu_bench.h"
+#include "sparse/cuda/gemm_bench.h"
 #endif
 
 namespace fs = std::filesystem;
 
 namespace esplag::cli {
 
+namespace {
+
+const char* kBenchUsage = R"(usage:
+  esplag bench train --model PRESET [--device cpu|cuda] [--batch 4] [--seq 256] [--steps N]
+                     [--warmup 1] [--vocab N] [--peak-tflops 989] [--csv FILE]
+  esplag bench gemm [--shapes default|OUTxINxTOKENS,...] [--products fwd,bwd] [--operand A|B]
+                    [--no-search] [--tuning-cache FILE] [--warmup 10] [--iters 50] [--csv FILE]
+      dense cuBLASLt vs 2:4 cuSPARSELt (default and searched algorithm) for the GEMMs of a
+      Linear W [OUT, IN] over TOKENS rows: fwd Y = X.W^T, bwd dX = dY.W (CUDA build only;
+      the CSV's commit column comes from $ESPLAG_COMMIT))";
+
+// Appends rows to a CSV, writing the header first when the file is new (atomic rewrite).
+void append_csv(const std::string& path, const std::string& header, const std::string& rows) {
+  const bool fresh = !fs::exists(path);
+  write_file_atomic(path, (fresh ? header : read_file(path)) + rows);
+}
+
+int bench_gemm(const std::vector<std::string>& argv) {
+  Args a(argv, "bench gemm", {"shapes", "products", "operand", "tuning-cache", "warmup", "iters", "csv"},
+         {"no-search"});
+#ifdef ESPLAG_HAVE_CUDA
+  GemmBenchOptions o;
+  o.shapes = parse_gemm_bench_shapes(a.get("shapes", "default"));
+  const std::string products = a.get("products", "fwd,bwd");
+  ESPLAG_CHECK(products == "fwd" || products == "bwd" || products == "fwd,bwd" || products == "bwd,fwd",
+               "bench gemm: --products must be fwd, bwd or fwd,bwd, got '", products, "'");
+  o.forward = products.find("fwd") != std::string::npos;
+  o.backward_data = products.find("bwd") != std::string::npos;
+  const std::string operand = a.get("operand", "A");
+  ESPLAG_CHECK(operand == "A" || operand == "B" || operand == "a" || operand == "b",
+               "bench gemm: --operand must be A or B (the cuSPARSELt operand that holds W), got '", operand, "'");
+  o.weight_operand = (operand == "A" || operand == "a") ? gpu::SparseOperand::a : gpu::SparseOperand::b;
+  o.search = !a.has("no-search");
+  o.warmup = static_cast<int>(a.integer("warmup", 10));
+  o.iters = static_cast<int>(a.integer("iters", 50));
+  ESPLAG_CHECK(o.warmup >= 0 && o.iters > 0, "bench gemm: --iters must be positive and --warmup not negative");
+  if (a.has("tuning-cache")) gpu::set_cusparselt_tuning_path(a.get("tuning-cache"));
+  const GemmBenchResult r = run_gemm_bench(o);
+  std::cout << gemm_bench_table(r);
+  if (r.cusparselt_version > 0) std::cout << "tuning cache: " << gpu::cusparselt_tuning_path() << "\n";
+  if (a.has("csv")) {
+    const char* commit = std::getenv("ESPLAG_COMMIT");
+    append_csv(a.get("csv"), gemm_bench_csv_header(), gemm_bench_csv_rows(r, commit && *commit ? commit : "unknown"));
+  }
+  return 0;
+#else
+  (void)a;  // options are checked even where they cannot run
+  fail("bench gemm: needs a build configured with the cuda preset (cuBLASLt and cuSPARSELt run on the GPU)");
+#endif
+}
+
+}  // namespace
+
 int cmd_bench(const std::vector<std::string>& argv) {
-  ESPLAG_CHECK(!argv.empty() && argv[0] == "train", "usage: esplag bench train --model PRESET ...");
+  ESPLAG_CHECK(!argv.empty() && (argv[0] == "train" || argv[0] == "gemm"), "esplag bench: ",
+               argv.empty() ? "missing subcommand" : "unknown subcommand '" + argv[0] + "'", "\n", kBenchUsage);
+  if (argv[0] == "gemm") return bench_gemm({argv.begin() + 1, argv.end()});
   Args a({argv.begin() + 1, argv.end()}, "bench train",
          {"model", "device", "batch", "seq", "steps", "warmup", "vocab", "peak-tflops", "csv"});
   const std::string device = a.get("device", "cpu");
@@ -38,11 +95,8 @@ int cmd_bench(const std::vector<std::string>& argv) {
 #ifdef ESPLAG_HAVE_CUDA
     const GpuBenchResult r = bench_train_gpu(mc, B, T, steps, warmup, a.number("peak-tflops", kH100DenseBf16Tflops));
     std::cout << gpu_bench_table_header() << gpu_bench_table_row(r);
-    if (a.has("csv")) {  // its own columns: a CUDA CSV is not the CPU one
-      const std::string path = a.get("csv");
-      const bool fresh = !fs::exists(path);
-      write_file_atomic(path, (fresh ? gpu_bench_csv_header() : read_file(path)) + gpu_bench_csv_row(r));
-    }
+    if (a.has("csv"))  // its own columns: a CUDA CSV is not the CPU one
+      append_csv(a.get("csv"), gpu_bench_csv_header(), gpu_bench_csv_row(r));
     return 0;
 #else
     fail("bench train: --device cuda needs a build configured with the cuda preset");
@@ -78,13 +132,9 @@ int cmd_bench(const std::vector<std::string>& argv) {
     char row[256];
     std::snprintf(row, sizeof row, "%s,cpu,%d,%d,%lld,%.3f,%.1f,%.2f,%d\n", mc.preset.c_str(), B, T,
                   static_cast<long long>(model.num_params()), med * 1e3, tok_s, gflops, num_threads());
-    const std::string path = a.get("csv");
-    const bool fresh = !fs::exists(path);
-    std::string content = fresh ? header : read_file(path);
-    write_file_atomic(path, content + row);
+    append_csv(a.get("csv"), header, row);
   }
   return 0;
 }
-
 
 }  // namespace esplag::cli

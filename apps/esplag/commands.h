@@ -6,7 +6,7 @@
 
 namespace esplag::cli {
 
-// esplag bench train|...  (apps/esplag/bench.cpp)
+// esplag bench train|gemm  (apps/esplag/bench.cpp)
 int cmd_bench(const std::vector<std::string>& argv);
 
 }  // namespace esplag::cli

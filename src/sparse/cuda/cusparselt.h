@@ -1,0 +1,227 @@
+// 2:4 sparse GEMMs of a Linear layer through cuSPARSELt (namespace esplag::gpu).
+//
+// cuSPARSELt is opened at run time (dlopen of libcusparseLt.so.0, or of the file or folder
+// named by ESPLAG_CUSPARSELT_LIB), so binaries start without it; callers ask
+// cusparselt_available() and fall back to the dense cuBLASLt GEMM (ops/gpu.h), warning once.
+//
+// The products of a Linear with weight W [out, in] (nn.Linear layout, bf16, row-major),
+// tokens N = B·T, all operands bf16, fp32 accumulation:
+//   forward         Y [N, out] = X [N, in] · Wᵀ  (+ bias [out], then ReLU)          K = in
+//   backward_data  dX [N, in]  = dY [N, out] · W                                     K = out
+// cuSPARSELt needs the sparse operand 2:4 along K, so the forward needs W 2:4 along its
+// rows and the backward-data product needs W 2:4 along its columns. prune() uses the 4×4
+// tile mode, whose masks keep exactly 2 values in every row and every column of each
+// tile: one pruned W then serves both products. Each product has its own compressed copy
+// of W (compress(); the layouts differ), made from the same dense pruned W with no
+// transpose kernel: the descriptors read W [out, in] as it lies in memory.
+//
+// Layouts (cuSPARSELt computes D[m,n] = op(A)[m,k] · op(B)[k,n]; see cusparselt.cu):
+//   weight as A (default): the output is described column-major [m = features, n = N],
+//     which is the row-major [N, features] the model uses; the bias then runs along m,
+//     one value per output feature, which is what the BIAS epilogue adds.
+//   weight as B: the output is row-major [N, features] directly, but the bias epilogue
+//     would add one value per token, so bias is refused in this layout. cuSPARSELt 0.8.0
+//     also refuses the layout itself (INVALID_VALUE at descriptor init) at LLM sizes
+//     (4096×4096×8192 and up, measured on an H100); it is kept for comparison.
+//
+// Sizes: out, in and N must be multiples of 16 (cuSPARSELt's rule for 16-bit operands:
+// rows, columns and leading dimensions); anything else throws esplag::Error naming the
+// dimension. Pointers must be 16-byte aligned.
+//
+// Plans: one SparseGemm24 per problem (product, shape, operand, epilogue), built once and
+// kept in a process-wide cache (SparseGemm24::get). With tuning on, the first tune() of a
+// problem runs cusparseLtMatmulSearch once and records the chosen configuration
+// (algorithm id, split-k, split-k mode, split-k buffers) in a JSON tuning cache keyed by
+// GPU name, cuSPARSELt version and problem; later processes read it instead of searching.
+//
+// Only for the CUDA build (ESPLAG_CUDA=ON).
+#pragma once
+
+#ifndef ESPLAG_HAVE_CUDA
+#error "sparse/cuda/cusparselt.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#endif
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+namespace esplag::gpu {
+
+using bf16 = __nv_bfloat16;
+
+// ---------------------------------------------------------------------------------------
+// The library
+
+// True when libcusparseLt was found, every entry point used here resolved, and a handle
+// could be created on the current device. Decided once per process (thread-safe).
+bool cusparselt_available();
+// Why it is not available (empty when it is): the library paths tried and dlerror(), a
+// missing entry point, a failed cusparseLtInit, or a build without cusparseLt.h.
+std::string cusparselt_unavailable_reason();
+// The loaded library's version as major·1000 + minor·100 + patch (800 for 0.8.0); 0 when
+// not available.
+int cusparselt_version();
+// For callers that fall back to dense GEMMs: prints "esplag: warning: <who> runs dense
+// GEMMs: <why>" to stderr the first time a given `who` is passed, nothing afterwards. An
+// empty `why` means cuSPARSELt is not available and prints its reason.
+void warn_cusparselt_fallback_once(std::string_view who, std::string_view why = {});
+
+// ---------------------------------------------------------------------------------------
+// Problems
+
+enum class SparseProduct : uint8_t { forward, backward_data };
+enum class SparseOperand : uint8_t { a, b };  // the cuSPARSELt operand that holds W
+enum class SparseActivation : uint8_t { none, relu, gelu };
+
+struct SparseGemm24Problem {
+  SparseProduct product = SparseProduct::forward;
+  int64_t out = 0, in = 0, tokens = 0;  // W [out, in], N = tokens
+  SparseOperand weight_operand = SparseOperand::a;
+  bool bias = false;                                   // forward, weight as A only; bf16 [out]
+  SparseActivation activation = SparseActivation::none;  // forward only; after the bias
+
+  static SparseGemm24Problem linear_forward(int64_t out, int64_t in, int64_t tokens, bool bias = false,
+                                            SparseActivation act = SparseActivation::none,
+                                            SparseOperand op = SparseOperand::a);
+  static SparseGemm24Problem linear_backward_data(int64_t out, int64_t in, int64_t tokens,
+                                                  SparseOperand op = SparseOperand::a);
+
+  // Stable text naming every field (the key of both caches), e.g.
+  // "fwd out=4096 in=4096 tokens=8192 w=A bias=1 act=gelu bf16".
+  std::string key() const;
+  // The reduction dimension K of the product.
+  int64_t k() const { return product == SparseProduct::forward ? in : out; }
+  double flops() const { return 2.0 * double(out) * double(in) * double(tokens); }
+
+  friend bool operator==(const SparseGemm24Problem&, const SparseGemm24Problem&) = default;
+};
+
+// Whether cuSPARSELt fuses this activation for bf16 operands (ReLU: yes; GELU: cuSPARSELt
+// 0.8 refuses it). Decided once per activation by building a 16×16×16 plan; false when
+// cuSPARSELt is not available. A SparseGemm24 with an unsupported activation throws.
+bool sparse_gemm24_activation_supported(SparseActivation act);
+
+// Throws esplag::Error saying which rule a problem breaks (sizes not positive or not
+// multiples of 16, bias or activation on the backward product, bias with W as B).
+void check_sparse_gemm24_problem(const SparseGemm24Problem& p);
+
+// The algorithm configuration of a plan (what the tuning cache stores).
+struct SparseGemm24Config {
+  int alg_id = 0;
+  int split_k = 1;
+  int split_k_mode = 0;  // cusparseLtSplitKMode_t
+  int split_k_buffers = 1;
+  friend bool operator==(const SparseGemm24Config&, const SparseGemm24Config&) = default;
+};
+
+// ---------------------------------------------------------------------------------------
+// One problem's plan
+
+class SparseGemm24 {
+ public:
+  enum class Algorithm {
+    tuned,         // the tuning cache's configuration for this problem if there is one,
+                   // else cuSPARSELt's default (tune() may then search)
+    library_default  // always cuSPARSELt's default configuration; tune() does nothing
+  };
+
+  // The process-wide cached object of `p` (tuned), built on first use. Thread-safe; the
+  // reference stays valid until clear_sparse_gemm24_cache().
+  static SparseGemm24& get(const SparseGemm24Problem& p);
+
+  // A new object outside the cache (benchmarks compare the default and the searched
+  // configuration side by side). Throws Error if cuSPARSELt is not available or rejects
+  // the problem (with its status and the problem).
+  explicit SparseGemm24(const SparseGemm24Problem& p, Algorithm alg = Algorithm::tuned);
+  ~SparseGemm24();
+  SparseGemm24(const SparseGemm24&) = delete;
+  SparseGemm24& operator=(const SparseGemm24&) = delete;
+
+  const SparseGemm24Problem& problem() const;
+
+  // Device bytes of the compressed weight, of the scratch compress() needs, and of the
+  // workspace matmul() needs with the current configuration (may change after tune()).
+  size_t compressed_bytes() const;
+  size_t compress_scratch_bytes() const;
+  size_t workspace_bytes() const;
+
+  // pruned [out, in] = W with 2 of every 4 values zeroed along this product's K, by the
+  // 4×4 tile rule (2 kept per row and per column of each tile, largest magnitude), so the
+  // result is 2:4 along both dimensions. pruned may equal dense (in place).
+  void prune(bf16* pruned, const bf16* dense, cudaStream_t stream) const;
+  // Whether W [out, in] is 2:4 along this product's K. Synchronises the stream.
+  bool is_pruned(const bf16* w, cudaStream_t stream) const;
+  // compressed (compressed_bytes()) = the compressed form of a pruned W. Throws Error when
+  // scratch_bytes < compress_scratch_bytes(). W must already be 2:4 (is_pruned).
+  void compress(void* compressed, const bf16* pruned, void* scratch, size_t scratch_bytes,
+                cudaStream_t stream) const;
+
+  // forward:        out = Y [N, out],  dense = X [N, in],   bias bf16 [out] when the
+  //                 problem has one (null otherwise; cuSPARSELt reads the bias in the
+  //                 output's type, bf16);
+  // backward_data:  out = dX [N, in],  dense = dY [N, out], bias null.
+  // `out` is overwritten (never read). Throws Error when workspace_bytes <
+  // workspace_bytes(). A plan is kept per bias pointer (see cusparselt.cu), so each
+  // layer's bias costs one plan initialisation, once.
+  void matmul(bf16* out, const void* compressed, const bf16* dense, const bf16* bias, void* workspace,
+              size_t workspace_bytes, cudaStream_t stream) const;
+
+  // Runs cusparseLtMatmulSearch on these operands (it overwrites `out`), adopts the
+  // configuration it finds and records it in the tuning cache (written to disk at once).
+  // Synchronises the stream. Re-query workspace_bytes() afterwards.
+  void search(bf16* out, const void* compressed, const bf16* dense, const bf16* bias, void* workspace,
+              size_t workspace_bytes, cudaStream_t stream);
+  // search() when tuning is on, the algorithm is `tuned` and the problem is not tuned yet
+  // (by an earlier search or by the tuning cache); otherwise nothing. Returns whether it searched.
+  bool tune(bf16* out, const void* compressed, const bf16* dense, const bf16* bias, void* workspace,
+            size_t workspace_bytes, cudaStream_t stream);
+
+  bool tuned() const;                 // configuration from a search or from the tuning cache
+  bool from_tuning_cache() const;     // ... from the tuning cache
+  SparseGemm24Config config() const;  // the configuration in use
+  int max_alg_id() const;             // CUSPARSELT_MATMUL_ALG_CONFIG_MAX_ID of the problem
+  double plan_build_ms() const;       // host time of descriptors + first plan (construction)
+  double search_ms() const;           // host time of the last search (0 if none)
+  size_t plans() const;               // plans held now (one per bias pointer seen)
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Drops every cached SparseGemm24 (references from get() become invalid).
+void clear_sparse_gemm24_cache();
+size_t sparse_gemm24_cached_plans();
+
+// ---------------------------------------------------------------------------------------
+// Tuning cache
+//
+// A JSON file {"format": "esplag-cusparselt-tuning", "version": 1, "entries": [{"gpu",
+// "cusparselt", "problem", "alg_id", "split_k", "split_k_mode", "split_k_buffers",
+// "max_alg_id", "search_ms"}, ...]}. Path: set_cusparselt_tuning_path(), else $ESPLAG_CUSPARSELT_TUNING, else
+// $XDG_CACHE_HOME/esplag/cusparselt-tuning.json, else ~/.cache/esplag/cusparselt-tuning.json.
+// Loaded on first use; every new entry rewrites the file atomically (temporary file +
+// rename), folders created as needed. A file that cannot be read or parsed gives one
+// warning on stderr and is treated as empty (problems are searched again and the file is
+// rewritten); a failed write warns and tuning continues in memory.
+
+std::string cusparselt_tuning_path();
+// Sets the path ("" = the default) and reloads the cache from it.
+void set_cusparselt_tuning_path(const std::string& path);
+// Re-reads the file (dropping entries not written to it).
+void reload_cusparselt_tuning_cache();
+// Tuning on (default) or off ($ESPLAG_CUSPARSELT_SEARCH=0 turns it off at start).
+void set_cusparselt_search(bool on);
+bool cusparselt_search_enabled();
+// Entries in memory (all GPUs and versions).
+size_t cusparselt_tuning_entries();
+// The stored configuration of `p` for the current GPU and library, if any.
+bool cusparselt_tuning_lookup(const SparseGemm24Problem& p, SparseGemm24Config* config);
+
+}  // namespace esplag::gpu

@@ -1,0 +1,392 @@
+#include "sparse/cuda/gemm_bench.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <memory>
+
+#include "core/cuda_check.h"
+#include "core/device_arena.h"
+#include "core/error.h"
+#include "ops/gpu.h"
+
+namespace esplag {
+
+namespace {
+
+using gpu::bf16;
+using gpu::SparseGemm24;
+using gpu::SparseGemm24Problem;
+using gpu::SparseProduct;
+
+// One cudaMalloc'ed buffer, freed on scope exit (the bench sizes buffers as it learns
+// what each plan needs, which a bump arena would not let it give back).
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(size_t bytes, const char* what) : bytes_(bytes) {
+    if (bytes == 0) return;
+    const cudaError_t err = cudaMalloc(&p_, bytes);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      fail("bench gemm: cannot allocate ", DeviceArena::format_bytes(bytes), " for ", what, " (",
+           cudaGetErrorString(err), ")");
+    }
+  }
+  ~DeviceBuffer() {
+    if (p_) cudaFree(p_);
+  }
+  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr; }
+  DeviceBuffer& operator=(DeviceBuffer&&) = delete;
+  void* get() const { return p_; }
+  bf16* bf() const { return static_cast<bf16*>(p_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// |x| uniform in [0.1, 1) times scale, random sign: never zero, so no product is skipped
+// and power draw is that of real data.
+__global__ void fill_nonzero_kernel(bf16* p, int64_t n, uint64_t seed, float scale) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  uint64_t z = seed + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;  // splitmix64
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
+  const float mag = 0.1f + 0.9f * u;
+  p[i] = __float2bfloat16_rn((z & 1ull) ? -mag * scale : mag * scale);
+}
+
+void fill_nonzero(bf16* p, int64_t n, uint64_t seed, float scale, cudaStream_t s) {
+  const int threads = 256;
+  const int64_t blocks = (n + threads - 1) / threads;
+  fill_nonzero_kernel<<<static_cast<unsigned>(blocks), threads, 0, s>>>(p, n, seed, scale);
+  CUDA_CHECK_LAUNCH("fill_nonzero_kernel");
+}
+
+struct Events {
+  std::vector<cudaEvent_t> e;
+  explicit Events(size_t n) : e(n, nullptr) {
+    for (auto& x : e) CUDA_CHECK(cudaEventCreate(&x));
+  }
+  ~Events() {
+    for (auto x : e)
+      if (x) cudaEventDestroy(x);
+  }
+};
+
+// Median of `iters` single-call CUDA-event times after `warmup` calls; call(i) runs the
+// i-th call (the caller rotates input sets with i).
+double median_ms(const std::function<void(int)>& call, int warmup, int iters, cudaStream_t s) {
+  for (int i = 0; i < warmup; ++i) call(i);
+  Events ev(2 * size_t(iters));
+  for (int i = 0; i < iters; ++i) {
+    CUDA_CHECK(cudaEventRecord(ev.e[2 * i], s));
+    call(warmup + i);
+    CUDA_CHECK(cudaEventRecord(ev.e[2 * i + 1], s));
+  }
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  std::vector<double> t(iters);
+  for (int i = 0; i < iters; ++i) {
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, ev.e[2 * i], ev.e[2 * i + 1]));
+    t[i] = ms;
+  }
+  std::sort(t.begin(), t.end());
+  return iters % 2 ? t[iters / 2] : 0.5 * (t[iters / 2 - 1] + t[iters / 2]);
+}
+
+std::string version_text(int v) {
+  if (v <= 0) return "-";
+  return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 100) + "." + std::to_string(v % 100);
+}
+
+std::string shape_text(const GemmBenchShape& s) {
+  return std::to_string(s.out) + "x" + std::to_string(s.in) + "x" + std::to_string(s.tokens);
+}
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+const char* product_text(SparseProduct p) { return p == SparseProduct::forward ? "fwd" : "bwd-data"; }
+
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() { CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~Stream() {
+    if (s) cudaStreamDestroy(s);
+  }
+};
+
+}  // namespace
+
+std::vector<GemmBenchShape> default_gemm_bench_shapes() {
+  return {{8192, 2048, 16384}, {2048, 8192, 16384}, {11008, 4096, 8192}, {4096, 11008, 8192}, {4096, 4096, 8192}};
+}
+
+std::vector<GemmBenchShape> parse_gemm_bench_shapes(const std::string& spec) {
+  if (spec == "default") return default_gemm_bench_shapes();
+  std::vector<GemmBenchShape> shapes;
+  size_t pos = 0;
+  while (pos <= spec.size()) {
+    const size_t comma = spec.find(',', pos);
+    const std::string raw = spec.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    pos = comma == std::string::npos ? spec.size() + 1 : comma + 1;
+    // Accept x, X and the multiplication sign (UTF-8 C3 97) as separators.
+    std::string item;
+    for (size_t i = 0; i < raw.size(); ++i) {
+      if (raw[i] == '\xC3' && i + 1 < raw.size() && raw[i + 1] == '\x97') {
+        item += 'x';
+        ++i;
+      } else {
+        item += raw[i];
+      }
+    }
+    std::vector<int64_t> dims;
+    std::string cur;
+    bool ok = !item.empty();
+    for (size_t i = 0; i <= item.size() && ok; ++i) {
+      const char c = i < item.size() ? item[i] : 'x';
+      if (c == 'x' || c == 'X') {
+        if (cur.empty() || cur.size() > 9) ok = false;
+        else dims.push_back(std::stoll(cur));
+        cur.clear();
+      } else if (std::isdigit(static_cast<unsigned char>(c))) {
+        cur += c;
+      } else if (c != ' ') {
+        ok = false;
+      }
+    }
+    ESPLAG_CHECK(ok && dims.size() == 3 && dims[0] > 0 && dims[1] > 0 && dims[2] > 0,
+                 "bench gemm: --shapes item '", item, "' is not OUTxINxTOKENS (three positive integers, e.g. ",
+                 "4096x4096x8192) or 'default'");
+    shapes.push_back({dims[0], dims[1], dims[2]});
+  }
+  ESPLAG_CHECK(!shapes.empty(), "bench gemm: --shapes is empty");
+  return shapes;
+}
+
+GemmBenchResult run_gemm_bench(const GemmBenchOptions& opt) {
+  ESPLAG_CHECK(opt.warmup >= 0 && opt.iters > 0, "bench gemm: warm-up must not be negative and iterations positive");
+  ESPLAG_CHECK(opt.forward || opt.backward_data, "bench gemm: no product selected");
+  GemmBenchResult r;
+  r.weight_operand = opt.weight_operand;
+  r.warmup = opt.warmup;
+  r.iters = opt.iters;
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  r.gpu = prop.name;
+  const bool have_sparse = gpu::cusparselt_available();
+  r.cusparselt_version = gpu::cusparselt_version();
+  if (!have_sparse) r.cusparselt_unavailable = gpu::cusparselt_unavailable_reason();
+
+  Stream stream;
+  const cudaStream_t s = stream.s;
+  DeviceArena gemm_arena(gpu::Gemm::kDefaultWorkspaceBytes + gpu::Gemm::kScratchBytes + 4096, "bench gemm");
+  gpu::Gemm gemm(gemm_arena);
+  const size_t l2 = prop.l2CacheSize > 0 ? size_t(prop.l2CacheSize) : (size_t(50) << 20);
+
+  uint64_t seed = 1;
+  for (const GemmBenchShape& sh : opt.shapes) {
+    const int64_t out = sh.out, in = sh.in, tok = sh.tokens;
+    ESPLAG_CHECK(out <= INT32_MAX && in <= INT32_MAX && tok <= INT32_MAX, "bench gemm: shape ", shape_text(sh),
+                 " is too large for the dense GEMM's int sizes");
+    const size_t n_w = size_t(out) * in, n_x = size_t(tok) * in, n_y = size_t(tok) * out;
+    const size_t set_bytes = 2 * (n_w + 2 * n_x + 2 * n_y);
+    // Operands that fit in twice the L2 rotate over enough copies to fill four L2s.
+    const int sets =
+        set_bytes >= 2 * l2 ? 1 : static_cast<int>(std::min<size_t>(8, std::max<size_t>(2, (4 * l2) / set_bytes + 1)));
+    std::vector<DeviceBuffer> W, X, dY, Y, dX;
+    for (int k = 0; k < sets; ++k) {
+      W.emplace_back(2 * n_w, "W");
+      X.emplace_back(2 * n_x, "X");
+      dY.emplace_back(2 * n_y, "dY");
+      Y.emplace_back(2 * n_y, "Y");
+      dX.emplace_back(2 * n_x, "dX");
+      fill_nonzero(W[k].bf(), int64_t(n_w), seed++ * 0x1234567ull, 1.0f / std::sqrt(float(in)), s);
+      fill_nonzero(X[k].bf(), int64_t(n_x), seed++ * 0x1234567ull, 1.0f, s);
+      fill_nonzero(dY[k].bf(), int64_t(n_y), seed++ * 0x1234567ull, 1.0f, s);
+    }
+    CUDA_CHECK(cudaStreamSynchronize(s));
+
+    for (const SparseProduct product : {SparseProduct::forward, SparseProduct::backward_data}) {
+      const bool fwd = product == SparseProduct::forward;
+      if ((fwd && !opt.forward) || (!fwd && !opt.backward_data)) continue;
+      GemmBenchRow row;
+      row.shape = sh;
+      row.product = product;
+      row.flops = 2.0 * double(out) * double(in) * double(tok);
+      // The token-side input and the output of this product, per set.
+      auto input = [&](int i) { return fwd ? X[i % sets].bf() : dY[i % sets].bf(); };
+      auto output = [&](int i) { return fwd ? Y[i % sets].bf() : dX[i % sets].bf(); };
+
+      row.dense_ms = median_ms(
+          [&](int i) {
+            const int k = i % sets;
+            if (fwd)
+              gemm.forward(Y[k].bf(), X[k].bf(), W[k].bf(), nullptr, int(tok), int(in), int(out), s);
+            else
+              gemm.backward_input(dX[k].bf(), dY[k].bf(), W[k].bf(), int(tok), int(in), int(out), false, s);
+          },
+          opt.warmup, opt.iters, s);
+
+      if (have_sparse) {
+        try {
+          const SparseGemm24Problem p = fwd ? SparseGemm24Problem::linear_forward(out, in, tok, false,
+                                                                                  gpu::SparseActivation::none,
+                                                                                  opt.weight_operand)
+                                            : SparseGemm24Problem::linear_backward_data(out, in, tok,
+                                                                                        opt.weight_operand);
+          SparseGemm24 def(p, SparseGemm24::Algorithm::library_default);
+          row.plan_ms = def.plan_build_ms();
+          row.default_config = def.config();
+          row.max_alg_id = def.max_alg_id();
+          // Prune every weight copy (tile rule, along this product's K) and compress it.
+          DeviceBuffer pruned(2 * n_w, "pruned W"), scratch(def.compress_scratch_bytes(), "compress scratch");
+          std::vector<DeviceBuffer> C;
+          for (int k = 0; k < sets; ++k) {
+            def.prune(pruned.bf(), W[k].bf(), s);
+            if (k == 0)
+              ESPLAG_CHECK(def.is_pruned(pruned.bf(), s), "cuSPARSELt's pruned weight fails its own 2:4 check");
+            C.emplace_back(def.compressed_bytes(), "compressed W");
+            def.compress(C[k].get(), pruned.bf(), scratch.get(), scratch.bytes(), s);
+          }
+          DeviceBuffer ws(def.workspace_bytes(), "cuSPARSELt workspace");
+          row.default_ms = median_ms(
+              [&](int i) { def.matmul(output(i), C[i % sets].get(), input(i), nullptr, ws.get(), ws.bytes(), s); },
+              opt.warmup, opt.iters, s);
+
+          SparseGemm24 tuned(p, SparseGemm24::Algorithm::tuned);
+          if (opt.search) {
+            DeviceBuffer sws(tuned.workspace_bytes(), "cuSPARSELt search workspace");
+            tuned.search(output(0), C[0].get(), input(0), nullptr, sws.get(), sws.bytes(), s);
+            row.search_ms = tuned.search_ms();
+          }
+          if (tuned.tuned()) {
+            DeviceBuffer tws(tuned.workspace_bytes(), "cuSPARSELt workspace (searched)");
+            row.searched_ms = median_ms(
+                [&](int i) {
+                  tuned.matmul(output(i), C[i % sets].get(), input(i), nullptr, tws.get(), tws.bytes(), s);
+                },
+                opt.warmup, opt.iters, s);
+            row.searched_config = tuned.config();
+            row.searched_from_cache = tuned.from_tuning_cache();
+          }
+          row.sparse = true;
+        } catch (const Error& e) {
+          row.sparse_error = e.what();
+          CUDA_CHECK(cudaStreamSynchronize(s));
+        }
+      }
+      r.rows.push_back(row);
+    }
+  }
+  return r;
+}
+
+std::string gemm_bench_table(const GemmBenchResult& r) {
+  std::string o;
+  char buf[512];
+  const char* operand = r.weight_operand == gpu::SparseOperand::a ? "A" : "B";
+  std::snprintf(buf, sizeof buf,
+                "GEMM bf16 in, fp32 accumulate: cuBLASLt dense vs cuSPARSELt 2:4 (W as operand %s) on %s, "
+                "cuSPARSELt %s; median of %d calls after %d warm-up\n",
+                operand, r.gpu.c_str(), version_text(r.cusparselt_version).c_str(), r.iters, r.warmup);
+  o += buf;
+  if (r.cusparselt_version == 0)
+    o += "cuSPARSELt is not available (" + r.cusparselt_unavailable + "): dense only\n";
+  std::snprintf(buf, sizeof buf, "%-18s %-8s %9s %8s %11s %12s %8s %8s %12s %8s %9s\n", "out x in x tokens",
+                "product", "dense_ms", "TFLOP/s", "2:4_def_ms", "2:4_srch_ms", "x_def", "x_srch", "alg def/srch",
+                "plan_ms", "search_ms");
+  o += buf;
+  std::vector<std::string> meets;
+  size_t with_sparse = 0;
+  for (const GemmBenchRow& w : r.rows) {
+    if (!w.sparse) {
+      std::snprintf(buf, sizeof buf, "%-18s %-8s %9.3f %8.1f %s\n", shape_text(w.shape).c_str(),
+                    product_text(w.product), w.dense_ms, w.dense_tflops(),
+                    w.sparse_error.empty() ? "" : ("  2:4 failed: " + w.sparse_error).c_str());
+      o += buf;
+      continue;
+    }
+    ++with_sparse;
+    char srch[32] = "-", xs[32] = "-", alg[48], sms[32] = "-";
+    if (w.searched_ms > 0) {
+      std::snprintf(srch, sizeof srch, "%.3f", w.searched_ms);
+      std::snprintf(xs, sizeof xs, "%.2fx", w.speedup_searched());
+      std::snprintf(alg, sizeof alg, "%d/%d%s%s", w.default_config.alg_id, w.searched_config.alg_id,
+                    w.searched_config.split_k > 1 ? (" k" + std::to_string(w.searched_config.split_k)).c_str() : "",
+                    w.searched_from_cache ? " (cache)" : "");
+    } else {
+      std::snprintf(alg, sizeof alg, "%d/-", w.default_config.alg_id);
+    }
+    if (w.search_ms > 0) std::snprintf(sms, sizeof sms, "%.0f", w.search_ms);
+    std::snprintf(buf, sizeof buf, "%-18s %-8s %9.3f %8.1f %11.3f %12s %7.2fx %8s %12s %8.2f %9s\n",
+                  shape_text(w.shape).c_str(), product_text(w.product), w.dense_ms, w.dense_tflops(), w.default_ms,
+                  srch, w.speedup_default(), xs, alg, w.plan_ms, sms);
+    o += buf;
+    const double best = w.searched_ms > 0 ? w.speedup_searched() : w.speedup_default();
+    if (best >= 1.5) {
+      std::snprintf(buf, sizeof buf, "%s %s (%.2fx)", shape_text(w.shape).c_str(), product_text(w.product), best);
+      meets.push_back(buf);
+    }
+  }
+  if (with_sparse == 0) {
+    o += "no 2:4 timings: nothing to compare against 1.5x\n";
+  } else if (meets.empty()) {
+    std::snprintf(buf, sizeof buf, "2:4 at >= 1.5x dense: none of %zu problems\n", with_sparse);
+    o += buf;
+  } else {
+    std::snprintf(buf, sizeof buf, "2:4 at >= 1.5x dense (%zu of %zu problems): ", meets.size(), with_sparse);
+    o += buf;
+    for (size_t i = 0; i < meets.size(); ++i) o += (i ? ", " : "") + meets[i];
+    o += "\n";
+  }
+  return o;
+}
+
+std::string gemm_bench_csv_header() {
+  return "commit,gpu,cusparselt,weight_operand,product,out,in,tokens,dense_ms,dense_tflops,sparse_default_ms,"
+         "sparse_searched_ms,speedup_default,speedup_searched,default_alg,searched_alg,searched_split_k,"
+         "searched_split_k_mode,searched_from_cache,max_alg_id,plan_ms,search_ms,warmup,iters\n";
+}
+
+std::string gemm_bench_csv_rows(const GemmBenchResult& r, const std::string& commit) {
+  std::string o;
+  char buf[1024];
+  for (const GemmBenchRow& w : r.rows) {
+    std::snprintf(buf, sizeof buf, "%s,\"%s\",%s,%s,%s,%lld,%lld,%lld,%.4f,%.2f,", commit.c_str(), r.gpu.c_str(),
+                  version_text(r.cusparselt_version).c_str(), r.weight_operand == gpu::SparseOperand::a ? "A" : "B",
+                  product_text(w.product), static_cast<long long>(w.shape.out), static_cast<long long>(w.shape.in),
+                  static_cast<long long>(w.shape.tokens), w.dense_ms, w.dense_tflops());
+    o += buf;
+    if (w.sparse) {
+      const bool s = w.searched_ms > 0;
+      std::snprintf(buf, sizeof buf, "%.4f,%s,%.3f,%s,%d,%s,%s,%s,%s,%d,%.3f,%.1f,", w.default_ms,
+                    s ? fixed(w.searched_ms, 4).c_str() : "", w.speedup_default(),
+                    s ? fixed(w.speedup_searched(), 3).c_str() : "", w.default_config.alg_id,
+                    s ? std::to_string(w.searched_config.alg_id).c_str() : "",
+                    s ? std::to_string(w.searched_config.split_k).c_str() : "",
+                    s ? std::to_string(w.searched_config.split_k_mode).c_str() : "",
+                    s ? (w.searched_from_cache ? "1" : "0") : "", w.max_alg_id, w.plan_ms, w.search_ms);
+      o += buf;
+    } else {
+      o += ",,,,,,,,,,,,";
+    }
+    o += std::to_string(r.warmup) + "," + std::to_string(r.iters) + "\n";
+  }
+  return o;
+}
+
+}  // namespace esplag
