@@ -7,12 +7,17 @@
 # configure, the build or any test failed.
 #
 #   scripts/gpu-check.sh                    configure + build + ctest -L gpu
-#   scripts/gpu-check.sh --bench            also run the training benchmarks (bench/train-h100.csv)
+#   scripts/gpu-check.sh --bench            also run the benchmarks: training steps, GEMMs
+#                                           (dense vs 2:4 and V:N:M), sparse layers,
+#                                           attention, sparsification, sparse AdamW
+#   scripts/gpu-check.sh --bench-only       the benchmarks without the tests
 #   scripts/gpu-check.sh --configure-only   stop after configuring (no GPU needed)
 #   scripts/gpu-check.sh --deps-only        also hide the system's /usr packages from
 #                                           CMake, to prove .deps/ suffices
 # Environment: ESPLAG_GPU_BUILD_DIR (default build/cuda), ESPLAG_CUDA_ARCHS (default 90),
-# ESPLAG_COMMIT (recorded with the results where the copy of the tree has no git history).
+# ESPLAG_COMMIT (recorded with the results where the copy of the tree has no git history),
+# ESPLAG_CUSPARSELT_LIB (where libcusparseLt.so.0 is; default: the GPU machine's Python
+# environment, where cuSPARSELt 0.8.0 lives).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -20,9 +25,11 @@ root=$PWD
 configure_only=0
 deps_only=0
 bench=0
+tests=1
 for arg in "$@"; do
   case "$arg" in
     --bench) bench=1 ;;
+    --bench-only) bench=1; tests=0 ;;
     --configure-only) configure_only=1 ;;
     --deps-only) deps_only=1 ;;
     *) echo "gpu-check: unknown option $arg" >&2; exit 2 ;;
@@ -36,6 +43,10 @@ mkdir -p "$logs"
 deps=$root/.deps/usr
 jobs=$(nproc)
 [ -d /usr/local/cuda/bin ] && export PATH=/usr/local/cuda/bin:$PATH
+export ESPLAG_CUSPARSELT_LIB=${ESPLAG_CUSPARSELT_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cusparselt/lib}
+export ESPLAG_CUSPARSELT_TUNING=${ESPLAG_CUSPARSELT_TUNING:-$logs/cusparselt-tuning.json}
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${ESPLAG_COMMIT:-unknown}")
+export ESPLAG_COMMIT=$commit
 
 if [ ! -d "$deps" ]; then
   echo "gpu-check: $deps is missing: run scripts/fetch-gpu-deps.sh on the development machine and carry .deps" >&2
@@ -79,7 +90,7 @@ if ((status == 0)); then
   echo "== build ($jobs jobs)"
   cmake --build "$build" -j "$jobs" >"$logs/build.log" 2>&1 || status=$?
 fi
-if ((status == 0)); then
+if ((status == 0)) && ((tests)); then
   stage=test
   echo "== ctest -L gpu"
   ctest --test-dir "$build" -L gpu --output-on-failure --timeout 300 --output-junit "$logs/ctest-junit.xml" \
@@ -90,16 +101,27 @@ if ((status == 0)); then
   fi
 fi
 
-# The issue's benchmark shapes, dense training on the GPU (timings are not tests).
+# The benchmarks (timings are not tests), each appending to its CSV under $logs.
 if ((status == 0)) && ((bench)); then
-  echo "== bench train"
+  stage=bench
+  echo "== bench"
+  run_bench() {  # name, then the esplag arguments
+    local name=$1; shift
+    echo "-- esplag bench $*" >>"$logs/bench.log"
+    "$build/esplag" bench "$@" --csv "$logs/bench-$name.csv" >>"$logs/bench.log" 2>&1 || status=$?
+  }
   for spec in "gpt2-124m 16 1024" "gpt2-350m 8 1024" "llama-1b 4 2048"; do
     set -- $spec
-    "$build/esplag" bench train --device cuda --model "$1" --batch "$2" --seq "$3" --steps 10 --warmup 3 \
-      --csv "$logs/bench-train.csv" >>"$logs/bench.log" 2>&1 || status=$?
+    run_bench train train --device cuda --model "$1" --batch "$2" --seq "$3" --steps 10 --warmup 3
   done
-  [ -f "$logs/bench-train.csv" ] && sed -i "s/^/$(git rev-parse --short HEAD 2>/dev/null || echo "${ESPLAG_COMMIT:-unknown}"),/; 1s/^[^,]*,/commit,/" \
-    "$logs/bench-train.csv"
+  run_bench gemm gemm
+  run_bench layer layer
+  run_bench attention attention
+  run_bench sparsify sparsify
+  run_bench sparse-adamw sparse-adamw
+  run_bench vnm vnm
+  # Rows of the training CSV start with the commit (the other CSVs carry it themselves).
+  [ -f "$logs/bench-train.csv" ] && sed -i "s/^/$commit,/; 1s/^[^,]*,/commit,/" "$logs/bench-train.csv"
 fi
 
 echo
@@ -109,13 +131,15 @@ if ((status != 0)) && [ "$stage" != test ]; then
   exit "$status"
 fi
 echo "== results (full logs in $logs)"
-grep -E "^\[ gemm" "$logs/gemm.log" 2>/dev/null | sed 's/^/   /'
-printf '%-52s %-8s %s\n' "test" "result" "seconds"
-sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) \.*[ *]*([A-Za-z][A-Za-z: ]*[A-Za-z]) +([0-9.]+) sec.*/\1 \2 \3/p' \
-  "$logs/ctest.log" | awk '{ r = $2; for (i = 3; i < NF; ++i) r = r " " $i; printf "%-52s %-8s %s\n", $1, r, $NF }'
-grep -E "tests passed|tests failed" "$logs/ctest.log" || echo "(no ctest summary: see $logs/ctest.log)"
+if ((tests)); then
+  grep -E "^\[ gemm" "$logs/gemm.log" 2>/dev/null | sed 's/^/   /'
+  printf '%-52s %-8s %s\n' "test" "result" "seconds"
+  sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) \.*[ *]*([A-Za-z][A-Za-z: ]*[A-Za-z]) +([0-9.]+) sec.*/\1 \2 \3/p' \
+    "$logs/ctest.log" | awk '{ r = $2; for (i = 3; i < NF; ++i) r = r " " $i; printf "%-52s %-8s %s\n", $1, r, $NF }'
+  grep -E "tests passed|tests failed" "$logs/ctest.log" || echo "(no ctest summary: see $logs/ctest.log)"
+fi
 if ((bench)); then
-  echo "== bench train (H100 peak 989 TFLOP/s dense bf16)"
-  grep -vE "^model" "$logs/bench.log" | sed 's/^/   /'
+  echo "== bench (full output in $logs/bench.log)"
+  sed 's/^/   /' "$logs/bench.log"
 fi
 exit "$status"

@@ -16,7 +16,7 @@ for arg in "$@"; do
   esac
 done
 
-packages=(cmake g++ make libgtest-dev libyaml-cpp-dev nlohmann-json3-dev bible-kjv)
+packages=(cmake g++ make libgtest-dev libyaml-cpp-dev nlohmann-json3-dev bible-kjv chromium)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

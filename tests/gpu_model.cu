@@ -14,6 +14,14 @@
 // parameter's gradient within 3e-2 relative L2 error (bf16 activations against fp32).
 // Then 30 training steps of the tiny model on structured tokens, CPU and GPU, whose
 // loss curves must agree within bf16 tolerance.
+//
+// The fused step (ops/gpu_fused.h): split master weights round-trip exactly; the fused
+// SwiGLU / ReLU² match the CPU references and their backward's recomputed activation is
+// the forward's bits, in place or not; AdamW over split master weights matches
+// cpu::adamw_step with its hyper-parameters read from device memory. And the model's
+// options: recompute on and off give the same loss and gradient bits, graph-replayed
+// steps the same bits as eager ones, and the memory plan of llama-1b at 4 x 2048 stays
+// within the budget that leaves the device use under 22 GiB.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -34,6 +42,10 @@
 #include "ops/adamw.h"
 #include "ops/attention.h"
 #include "ops/gpu_attention.h"
+#include "ops/activation.h"
+#include "ops/norm.h"
+#include "ops/gpu_fused.h"
+#include "model/gpu_bench.h"
 
 namespace {
 
@@ -111,6 +123,7 @@ class Dev {
     return v;
   }
   void* scratch(size_t bytes) { return arena_.allocate("scratch", std::max<size_t>(bytes, 1)); }
+  DeviceArena& arena() { return arena_; }
 
  private:
   DeviceArena arena_;
@@ -155,13 +168,13 @@ void expect_bf16_close(const std::string& what, const VD& ref, const VF& low, co
 // ---------------------------------------------------------------------------------------
 // Attention kernels
 
-const char* path_name(AttentionPath p) { return p == AttentionPath::generic ? "generic" : "auto"; }
+const char* path_name(AttentionPath p) { return p == AttentionPath::generic ? "generic" : "native"; }
 
 void run_attention(int B, int T, int NH, int NKV, int HD, AttentionPath path, double qk_scale, uint64_t seed) {
   SCOPED_TRACE(::testing::Message() << "B=" << B << " T=" << T << " NH=" << NH << " NKV=" << NKV << " HD=" << HD
                                     << " path=" << path_name(path) << " scale=" << qk_scale);
   std::printf("attention B=%d T=%d NH=%d NKV=%d HD=%d path=%s%s scale=%.1f\n", B, T, NH, NKV, HD, path_name(path),
-              path == AttentionPath::automatic && gpu::attention_tensor_core_head_dim(HD) ? " (tensor cores)" : "",
+              path == AttentionPath::native && gpu::attention_tensor_core_head_dim(HD) ? " (tensor cores)" : "",
               qk_scale);
   Dev dev;
   const size_t C = size_t(NH + 2 * NKV) * HD, nq = size_t(B) * T * C, no = size_t(B) * T * NH * HD;
@@ -246,19 +259,19 @@ class GpuAttention : public ::testing::Test {
 };
 
 TEST_F(GpuAttention, GenericHeadSizes) {
-  run_attention(2, 37, 6, 2, 24, AttentionPath::automatic, 1.0, 11);  // HD 24: not a tensor-core size
-  run_attention(1, 37, 4, 4, 16, AttentionPath::automatic, 1.0, 12);
-  run_attention(2, 70, 3, 1, 40, AttentionPath::automatic, 2.0, 13);
-  run_attention(1, 1, 2, 1, 24, AttentionPath::automatic, 1.0, 14);  // a single position
+  run_attention(2, 37, 6, 2, 24, AttentionPath::native, 1.0, 11);  // HD 24: not a tensor-core size
+  run_attention(1, 37, 4, 4, 16, AttentionPath::native, 1.0, 12);
+  run_attention(2, 70, 3, 1, 40, AttentionPath::native, 2.0, 13);
+  run_attention(1, 1, 2, 1, 24, AttentionPath::native, 1.0, 14);  // a single position
 }
 
 TEST_F(GpuAttention, TensorCoreHeadSizes) {
-  run_attention(2, 37, 6, 2, 64, AttentionPath::automatic, 1.0, 21);   // one partial tile
-  run_attention(2, 130, 4, 1, 32, AttentionPath::automatic, 1.0, 22);  // three tiles, the last of 2 rows
-  run_attention(1, 130, 4, 2, 128, AttentionPath::automatic, 1.0, 23);
-  run_attention(1, 200, 2, 2, 64, AttentionPath::automatic, 3.0, 24);  // peaked softmax: online rescaling
-  run_attention(1, 1, 2, 2, 64, AttentionPath::automatic, 1.0, 25);
-  run_attention(1, 64, 2, 1, 128, AttentionPath::automatic, 1.0, 26);  // exactly one tile
+  run_attention(2, 37, 6, 2, 64, AttentionPath::native, 1.0, 21);   // one partial tile
+  run_attention(2, 130, 4, 1, 32, AttentionPath::native, 1.0, 22);  // three tiles, the last of 2 rows
+  run_attention(1, 130, 4, 2, 128, AttentionPath::native, 1.0, 23);
+  run_attention(1, 200, 2, 2, 64, AttentionPath::native, 3.0, 24);  // peaked softmax: online rescaling
+  run_attention(1, 1, 2, 2, 64, AttentionPath::native, 1.0, 25);
+  run_attention(1, 64, 2, 1, 128, AttentionPath::native, 1.0, 26);  // exactly one tile
 }
 
 TEST_F(GpuAttention, GenericPathAtTensorCoreHeadSizes) {
@@ -410,6 +423,14 @@ TEST_F(GpuModel, TinyMatchesCpu) {
   GpuModelOptions o;
   o.head_chunk_rows = 100;  // 256 rows: chunks of 100, 100 and 56
   compare_model("tiny (LayerNorm, learned positions, GELU, tied, HD 24)", tiny_config(), 4, 64, 4, 64, o);
+  o.fused_norm_backward = false;  // the op kernels' norm backward, bias gradients in the GEMM epilogue
+  o.recompute = false;
+  compare_model("tiny, separate norm kernels, no recompute", tiny_config(), 4, 64, 4, 64, o);
+  // d_model 100: no 16-byte rows, so the fused norm backward is not used (HD 25, generic attention).
+  ModelConfig odd = tiny_config();
+  odd.d_model = 100;
+  odd.d_ff = 300;
+  compare_model("tiny with d_model 100", odd, 3, 50, 3, 50, {});
 }
 
 TEST_F(GpuModel, LlamaMatchesCpu) {
@@ -417,6 +438,10 @@ TEST_F(GpuModel, LlamaMatchesCpu) {
   GpuModelOptions o;
   o.attention = AttentionPath::generic;
   compare_model("llama, generic attention", llama_config(), 2, 96, 2, 96, o);
+  o = {};
+  o.fused_norm_backward = false;
+  o.cuda_graph = false;
+  compare_model("llama, separate norm kernels, eager", llama_config(), 2, 96, 2, 96, o);
 }
 
 TEST_F(GpuModel, Relu2NoEpiloguesSmallerBatchThanSized) {
@@ -535,6 +560,706 @@ TEST_F(GpuModel, InitWeightsFollowsTheCpuRules) {
   again.init_weights(3);
   const auto p2 = again.params_to_host();
   EXPECT_EQ(std::memcmp(p.data(), p2.data(), p.size() * sizeof(float)), 0) << "init is not deterministic";
+}
+
+// ---------------------------------------------------------------------------------------
+// The fused step's kernels (ops/gpu_fused.h)
+
+uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+template <typename T>
+std::vector<T> get_raw(Dev& dev, const void* d, size_t n) {
+  return dev.get(reinterpret_cast<const T*>(d), n);
+}
+
+// fp32 output against the fp64 reference: no worse than twice the fp32 CPU computation,
+// with a floor of 1e-6 relative.
+void expect_f32_close(const std::string& what, const VD& ref, const VF& low, const VF& got) {
+  ASSERT_EQ(ref.size(), got.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_TRUE(std::isfinite(got[i])) << what << ": non-finite at " << i;
+  const Err eg = error_of(ref, got), el = error_of(ref, low), mag = error_of(ref, VD(ref.size(), 0.0));
+  std::printf("  %-40s rel rms %.2e (fp32 CPU %.2e), max %.2e (CPU %.2e)\n", what.c_str(),
+              eg.rms / (mag.rms + 1e-300), el.rms / (mag.rms + 1e-300), eg.max, el.max);
+  EXPECT_LE(eg.rms, 2 * el.rms + 1e-6 * mag.rms) << what;
+  EXPECT_LE(eg.max, 2 * el.max + 1e-6 * mag.max) << what;
+}
+
+TEST(GpuFused, MasterSplitRoundTripsExactly) {
+  REQUIRE_DEVICE();
+  std::vector<float> w = {0.f, -0.f, 1.f, -1.f, 1e-30f, -3.4e38f, 3.4028235e38f, 1.17549435e-38f, 1e-45f, 0.1f, -0.1f};
+  // Exact ties (low half 0x8000) above even and odd high halves, both signs.
+  for (uint32_t u : {0x3F808000u, 0x3F818000u, 0xBF808000u, 0xBF818000u, 0x7F7F8000u, 0x00008000u}) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    w.push_back(f);
+  }
+  Rng rng(7);
+  for (int i = 0; i < 200000; ++i) w.push_back(static_cast<float>(rng.normal() * std::pow(10.0, 8 * rng.uniform() - 4)));
+  for (float x : w) {
+    const uint16_t hi = gpu::master_hi_bits(x);
+    const int16_t lo = gpu::master_lo_bits(x);
+    ASSERT_EQ(bits_of(gpu::master_join_bits(hi, lo)), bits_of(x)) << x;
+    if ((bits_of(x) & 0xFFFFu) != 0x8000u)
+      ASSERT_EQ(hi, esplag::float_to_bf16(x)) << "not round to nearest: " << x;
+    else
+      ASSERT_EQ(hi, static_cast<uint16_t>((bits_of(x) >> 16) + 1)) << "tie not away from zero: " << x;
+  }
+  Dev dev;
+  const size_t n = w.size();
+  const float* dw = dev.put(w);
+  bf16* hi = reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(n));
+  int16_t* lo = dev.poisoned<int16_t>(n);
+  float* back = dev.poisoned<float>(n);
+  gpu::master_split(hi, lo, dw, int64_t(n), dev.stream());
+  gpu::master_join(back, hi, lo, int64_t(n), dev.stream());
+  const auto h = get_raw<uint16_t>(dev, hi, n);
+  const auto l = get_raw<int16_t>(dev, lo, n);
+  const VF b = dev.get(back, n);
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(h[i], gpu::master_hi_bits(w[i])) << i;
+    ASSERT_EQ(l[i], gpu::master_lo_bits(w[i])) << i;
+    ASSERT_EQ(bits_of(b[i]), bits_of(w[i])) << i;
+  }
+}
+
+void run_fused_swiglu(int64_t N, int H, uint64_t seed) {
+  SCOPED_TRACE("swiglu N=" + std::to_string(N) + " H=" + std::to_string(H));
+  Dev dev;
+  const size_t ni = size_t(N) * 2 * H, no = size_t(N) * H;
+  const Data x = random_bf16(ni, seed, 1.5), d = random_bf16(no, seed + 1, 1.0);
+  const bf16* dx = reinterpret_cast<bf16*>(dev.put(x.bits));
+  const bf16* dd = reinterpret_cast<bf16*>(dev.put(d.bits));
+  bf16* out = reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(no));
+  gpu::fused_swiglu_forward(out, dx, N, H, dev.stream());
+  VD ref(no);
+  VF low(no);
+  cpu::swiglu_forward(ref.data(), x.d.data(), N, H);
+  cpu::swiglu_forward(low.data(), x.f.data(), N, H);
+  expect_bf16_close("fused swiglu forward", ref, low, dev.get_bf16(out, no));
+
+  bf16* dinp = reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(ni));
+  bf16* act = reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(no));
+  gpu::fused_swiglu_backward(dinp, act, dx, dd, N, H, dev.stream());
+  VD refb(ni, 0.0);
+  VF lowb(ni, 0.f);
+  cpu::swiglu_backward(refb.data(), x.d.data(), d.d.data(), N, H);
+  cpu::swiglu_backward(lowb.data(), x.f.data(), d.f.data(), N, H);
+  expect_bf16_close("fused swiglu backward", refb, lowb, dev.get_bf16(dinp, ni));
+  const auto fwd_bits = get_raw<uint16_t>(dev, out, no), grad_bits = get_raw<uint16_t>(dev, dinp, ni);
+  EXPECT_EQ(get_raw<uint16_t>(dev, act, no), fwd_bits) << "recomputed activation differs from the forward";
+  // In place: the gradient over the input, the activation over dout; then no activation.
+  bf16* x2 = reinterpret_cast<bf16*>(dev.put(x.bits));
+  bf16* d2 = reinterpret_cast<bf16*>(dev.put(d.bits));
+  gpu::fused_swiglu_backward(x2, d2, x2, d2, N, H, dev.stream());
+  EXPECT_EQ(get_raw<uint16_t>(dev, x2, ni), grad_bits) << "in-place gradient";
+  EXPECT_EQ(get_raw<uint16_t>(dev, d2, no), fwd_bits) << "in-place activation";
+  bf16* dinp3 = reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(ni));
+  gpu::fused_swiglu_backward(dinp3, nullptr, dx, dd, N, H, dev.stream());
+  EXPECT_EQ(get_raw<uint16_t>(dev, dinp3, ni), grad_bits) << "gradient without the activation";
+}
+
+void run_fused_relu2(int64_t n, uint64_t seed) {
+  SCOPED_TRACE("relu2 n=" + std::to_string(n));
+  Dev dev;
+  const Data x = random_bf16(size_t(n), seed, 1.0), d = random_bf16(size_t(n), seed + 1, 1.0);
+  const bf16* dx = reinterpret_cast<bf16*>(dev.put(x.bits));
+  const bf16* dd = reinterpret_cast<bf16*>(dev.put(d.bits));
+  bf16* out = reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(n));
+  gpu::fused_relu2_forward(out, dx, n, dev.stream());
+  VD ref(n);
+  VF low(n);
+  cpu::relu2_forward(ref.data(), x.d.data(), n);
+  cpu::relu2_forward(low.data(), x.f.data(), n);
+  expect_bf16_close("fused relu2 forward", ref, low, dev.get_bf16(out, n));
+  bf16* dinp = reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(n));
+  bf16* act = reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(n));
+  gpu::fused_relu2_backward(dinp, act, dx, dd, n, dev.stream());
+  VD refb(n, 0.0);
+  VF lowb(n, 0.f);
+  cpu::relu2_backward(refb.data(), x.d.data(), d.d.data(), n);
+  cpu::relu2_backward(lowb.data(), x.f.data(), d.f.data(), n);
+  expect_bf16_close("fused relu2 backward", refb, lowb, dev.get_bf16(dinp, n));
+  const auto fwd_bits = get_raw<uint16_t>(dev, out, n), grad_bits = get_raw<uint16_t>(dev, dinp, n);
+  EXPECT_EQ(get_raw<uint16_t>(dev, act, n), fwd_bits) << "recomputed activation differs from the forward";
+  bf16* x2 = reinterpret_cast<bf16*>(dev.put(x.bits));
+  bf16* d2 = reinterpret_cast<bf16*>(dev.put(d.bits));
+  gpu::fused_relu2_backward(x2, d2, x2, d2, n, dev.stream());
+  EXPECT_EQ(get_raw<uint16_t>(dev, x2, n), grad_bits) << "in-place gradient";
+  EXPECT_EQ(get_raw<uint16_t>(dev, d2, n), fwd_bits) << "in-place activation";
+}
+
+TEST(GpuFused, SwigluAndRelu2RecomputeTheForwardBits) {
+  REQUIRE_DEVICE();
+  run_fused_swiglu(37, 771, 301);  // scalar path
+  run_fused_swiglu(64, 344, 302);  // 16-byte path
+  run_fused_swiglu(1, 8, 303);
+  run_fused_relu2(37 * 771, 311);
+  run_fused_relu2(4096 + 3, 312);  // vector path with a scalar tail
+}
+
+TEST(GpuFused, SplitAdamWMatchesCpuWithDeviceHyperParameters) {
+  REQUIRE_DEVICE();
+  Dev dev;
+  // As in the AdamW op test: odd offsets (scalar path), a segment longer than a chunk, a
+  // gap that must stay untouched, decay on and off; segment 4 mirrored.
+  const std::vector<gpu::ParamSegment> segs = {{0, 1000, true},   {1000, 37, false}, {1037, 20000, true},
+                                               {21037, 3, false}, {21100, 771, true}, {21871, 4096, false}};
+  const int64_t total = 21871 + 4096;
+  Rng rng(401);
+  VF master(total), m(total), v(total), g(total);
+  for (int64_t i = 0; i < total; ++i) {
+    master[i] = static_cast<float>(0.05 * rng.normal());
+    m[i] = static_cast<float>(0.01 * rng.normal());
+    v[i] = static_cast<float>(std::fabs(1e-4 * rng.normal()));
+    g[i] = static_cast<float>(rng.normal());
+  }
+  std::vector<uint16_t> hi(total);
+  std::vector<int16_t> lo(total);
+  for (int64_t i = 0; i < total; ++i) hi[i] = gpu::master_hi_bits(master[i]), lo[i] = gpu::master_lo_bits(master[i]);
+  bf16* dhi = reinterpret_cast<bf16*>(dev.put(hi));
+  int16_t* dlo = dev.put(lo);
+  float* dm = dev.put(m);
+  float* dv = dev.put(v);
+  const float* dg = dev.put(g);
+  float* norm_sq = dev.put(VF{9.0f});  // a norm of 3, as if measured on the device
+  auto* params = reinterpret_cast<gpu::AdamWStepParams*>(dev.scratch(sizeof(gpu::AdamWStepParams)));
+  bf16* mirror = reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(771));
+  gpu::SplitAdamWPlan plan(segs, dev.arena(), 4);
+  EXPECT_EQ(plan.total_numel(), total);
+
+  // Two steps with different hyper-parameters, written to the device before each update;
+  // the second clips.
+  gpu::AdamWConfig c1;
+  c1.lr = 3e-3f;
+  c1.weight_decay = 0.1f;
+  c1.step = 7;
+  c1.grad_scale = 0.5f;
+  gpu::AdamWConfig c2 = c1;
+  c2.lr = 1e-3f;
+  c2.step = 8;
+  c2.max_grad_norm = 1.0f;
+  for (const auto& c : {c1, c2}) {
+    gpu::set_adamw_step_params(params, gpu::make_adamw_step_params(c), dev.stream());
+    gpu::adamw_update_split(plan, dhi, dlo, dm, dv, dg, params, norm_sq, mirror, dev.stream());
+  }
+  const auto ghi = get_raw<uint16_t>(dev, dhi, total);
+  const auto glo = get_raw<int16_t>(dev, dlo, total);
+  const VF gm = dev.get(dm, total), gv = dev.get(dv, total);
+  VF gp(total);
+  for (int64_t i = 0; i < total; ++i) gp[i] = gpu::master_join_bits(ghi[i], glo[i]);
+
+  VD rp(master.begin(), master.end()), rm(m.begin(), m.end()), rv(v.begin(), v.end()), gd(g.begin(), g.end());
+  VF lp = master, lm = m, lv = v;
+  for (const auto& c : {c1, c2}) {
+    const double scale = double(c.grad_scale) * cpu::clip_scale(3.0, c.max_grad_norm);
+    for (const auto& sg : segs) {
+      const double wd = sg.decay ? c.weight_decay : 0.0;
+      cpu::adamw_step(rp.data() + sg.offset, gd.data() + sg.offset, rm.data() + sg.offset, rv.data() + sg.offset,
+                      sg.numel, double(c.lr), double(c.beta1), double(c.beta2), double(c.eps), wd, c.step, scale);
+      cpu::adamw_step(lp.data() + sg.offset, g.data() + sg.offset, lm.data() + sg.offset, lv.data() + sg.offset,
+                      sg.numel, double(c.lr), double(c.beta1), double(c.beta2), double(c.eps), wd, c.step, scale);
+    }
+  }
+  expect_f32_close("split master", rp, lp, gp);
+  expect_f32_close("m", rm, lm, gm);
+  expect_f32_close("v", rv, lv, gv);
+  for (int64_t i = 21040; i < 21100; ++i) {  // the gap
+    ASSERT_EQ(ghi[i], hi[i]) << i;
+    ASSERT_EQ(glo[i], lo[i]) << i;
+  }
+  const auto mir = get_raw<uint16_t>(dev, mirror, 771);
+  for (int i = 0; i < 771; ++i) ASSERT_EQ(mir[i], ghi[21100 + i]) << "mirror at " << i;
+  // Bad hyper-parameters are refused on the host, before anything runs.
+  gpu::AdamWConfig bad = c1;
+  bad.beta2 = 1.0f;
+  EXPECT_THROW(gpu::make_adamw_step_params(bad), esplag::Error);
+  bad = c1;
+  bad.step = 0;
+  EXPECT_THROW(gpu::make_adamw_step_params(bad), esplag::Error);
+}
+
+TEST(GpuFused, ColumnSumsMatchCpu) {
+  REQUIRE_DEVICE();
+  const std::pair<int, int> sizes[] = {{37, 771}, {1000, 2304}, {130, 8}, {1, 16}, {4097, 96}};
+  uint64_t seed = 501;
+  for (const auto& [N, C] : sizes) {
+    SCOPED_TRACE("N=" + std::to_string(N) + " C=" + std::to_string(C));
+    Dev dev;
+    const Data x = random_bf16(size_t(N) * C, seed++, 1.0);
+    Rng rng(seed++);
+    VF pre(C);
+    for (float& v : pre) v = static_cast<float>(rng.normal());
+    VD ref(pre.begin(), pre.end());
+    VF low = pre;
+    for (int n = 0; n < N; ++n)
+      for (int c = 0; c < C; ++c) {
+        ref[c] += x.d[size_t(n) * C + c];
+        low[c] += x.f[size_t(n) * C + c];
+      }
+    const bf16* dx = reinterpret_cast<bf16*>(dev.put(x.bits));
+    const size_t sb = gpu::column_sum_scratch_bytes(N, C);
+    void* scratch = dev.scratch(sb);
+    float* out = dev.put(pre);
+    gpu::column_sum_add(out, dx, N, C, scratch, sb, dev.stream());
+    const VF got = dev.get(out, C);
+    expect_f32_close("column sums", ref, low, got);
+    float* again = dev.put(pre);
+    gpu::column_sum_add(again, dx, N, C, scratch, sb, dev.stream());
+    EXPECT_EQ(dev.get(again, C), got) << "column sums differ between runs";
+    EXPECT_THROW(gpu::column_sum_add(out, dx, N, C, scratch, sb - 4, dev.stream()), esplag::Error);
+  }
+}
+
+void run_fused_norm(bool rms, int N, int C, uint64_t seed) {
+  SCOPED_TRACE(std::string(rms ? "rmsnorm" : "layernorm") + " N=" + std::to_string(N) + " C=" + std::to_string(C));
+  Dev dev;
+  const size_t n = size_t(N) * C;
+  const Data inp = random_bf16(n, seed, 1.0), dout = random_bf16(n, seed + 1, 1.0), pre = random_bf16(n, seed + 2, 0.5);
+  Data w = random_bf16(C, seed + 3, 0.3), b = random_bf16(C, seed + 4, 0.3);
+  for (size_t c = 0; c < size_t(C); ++c) {  // weights around 1
+    w.bits[c] = esplag::float_to_bf16(1.f + w.f[c]);
+    w.f[c] = esplag::bf16_to_float(w.bits[c]);
+    w.d[c] = w.f[c];
+  }
+  // Statistics as forward saves them: fp32 (computed in fp64 here).
+  VD out_d(n), mean_d(N), rstd_d(N);
+  if (rms)
+    cpu::rmsnorm_forward(out_d.data(), rstd_d.data(), inp.d.data(), w.d.data(), N, C);
+  else
+    cpu::layernorm_forward(out_d.data(), mean_d.data(), rstd_d.data(), inp.d.data(), w.d.data(), b.d.data(), N, C);
+  VF mean_f(mean_d.begin(), mean_d.end()), rstd_f(rstd_d.begin(), rstd_d.end());
+  VD mean_r(mean_f.begin(), mean_f.end()), rstd_r(rstd_f.begin(), rstd_f.end());
+  Rng rng(seed + 5);
+  VF dw0(C), db0(C), ds0(C);
+  for (int c = 0; c < C; ++c) {
+    dw0[c] = static_cast<float>(rng.normal());
+    db0[c] = static_cast<float>(rng.normal());
+    ds0[c] = static_cast<float>(rng.normal());
+  }
+  bf16* ddinp = reinterpret_cast<bf16*>(dev.put(pre.bits));
+  float* ddw = dev.put(dw0);
+  float* ddb = dev.put(db0);
+  float* dds = dev.put(ds0);
+  const size_t sb = gpu::fused_norm_backward_scratch_bytes(N, C);
+  void* scratch = dev.scratch(sb);
+  const bf16* ddout = reinterpret_cast<bf16*>(dev.put(dout.bits));
+  const bf16* dinp_in = reinterpret_cast<bf16*>(dev.put(inp.bits));
+  const bf16* dwt = reinterpret_cast<bf16*>(dev.put(w.bits));
+  const float* dmean = dev.put(mean_f);
+  const float* drstd = dev.put(rstd_f);
+  if (rms)
+    gpu::fused_rmsnorm_backward(ddinp, ddw, dds, ddout, dinp_in, dwt, drstd, N, C, scratch, sb, dev.stream());
+  else
+    gpu::fused_layernorm_backward(ddinp, ddw, ddb, dds, ddout, dinp_in, dwt, dmean, drstd, N, C, scratch, sb,
+                                  dev.stream());
+  const VF got_dinp = dev.get_bf16(ddinp, n), got_dw = dev.get(ddw, C), got_db = dev.get(ddb, C),
+           got_ds = dev.get(dds, C);
+
+  VD ref_dinp(pre.d), ref_dw(dw0.begin(), dw0.end()), ref_db(db0.begin(), db0.end());
+  VF low_dinp(pre.f), low_dw = dw0, low_db = db0;
+  if (rms) {
+    cpu::rmsnorm_backward(ref_dinp.data(), ref_dw.data(), dout.d.data(), inp.d.data(), w.d.data(), rstd_r.data(), N, C);
+    cpu::rmsnorm_backward(low_dinp.data(), low_dw.data(), dout.f.data(), inp.f.data(), w.f.data(), rstd_f.data(), N,
+                          C);
+  } else {
+    cpu::layernorm_backward(ref_dinp.data(), ref_dw.data(), ref_db.data(), dout.d.data(), inp.d.data(), w.d.data(),
+                            mean_r.data(), rstd_r.data(), N, C);
+    cpu::layernorm_backward(low_dinp.data(), low_dw.data(), low_db.data(), dout.f.data(), inp.f.data(), w.f.data(),
+                            mean_f.data(), rstd_f.data(), N, C);
+  }
+  expect_bf16_close("fused norm backward dinp", ref_dinp, low_dinp, got_dinp);
+  expect_f32_close("fused norm backward dweight", ref_dw, low_dw, got_dw);
+  if (rms)
+    EXPECT_EQ(got_db, db0) << "RMSNorm has no bias";
+  else
+    expect_f32_close("fused norm backward dbias", ref_db, low_db, got_db);
+  // dsum: the column sums of the dinp just written (as stored).
+  VD ref_ds(ds0.begin(), ds0.end());
+  VF low_ds = ds0;
+  for (int r = 0; r < N; ++r)
+    for (int c = 0; c < C; ++c) {
+      ref_ds[c] += got_dinp[size_t(r) * C + c];
+      low_ds[c] += got_dinp[size_t(r) * C + c];
+    }
+  expect_f32_close("fused norm backward dsum", ref_ds, low_ds, got_ds);
+}
+
+TEST(GpuFused, NormBackwardSumsTheGradientsInOnePass) {
+  REQUIRE_DEVICE();
+  uint64_t seed = 601;
+  for (bool rms : {false, true})
+    for (const auto& [N, C] : std::vector<std::pair<int, int>>{{37, 768}, {300, 128}, {17, 2048}, {33, 8}, {16, 256}})
+      run_fused_norm(rms, N, C, seed += 10);
+  EXPECT_FALSE(gpu::fused_norm_backward_supported(12));
+  EXPECT_FALSE(gpu::fused_norm_backward_supported(4096));
+  EXPECT_TRUE(gpu::fused_norm_backward_supported(768));
+  Dev dev;
+  bf16* x = reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(64 * 12));
+  float* f = dev.poisoned<float>(64);
+  void* scratch = dev.scratch(gpu::fused_norm_backward_scratch_bytes(4, 12));
+  EXPECT_THROW(gpu::fused_rmsnorm_backward(x, f, nullptr, x, x, x, f, 4, 12, scratch,
+                                           gpu::fused_norm_backward_scratch_bytes(4, 12), dev.stream()),
+               esplag::Error);
+}
+
+TEST(GpuFused, SumOfSquaresMatchesCpu) {
+  REQUIRE_DEVICE();
+  for (int64_t n : {int64_t(1234567), int64_t(4097), int64_t(1000), int64_t(3), int64_t(1), int64_t(0)}) {
+    Dev dev;
+    Rng rng(700 + n);
+    VF g(n);
+    for (float& v : g) v = static_cast<float>(0.01 * rng.normal());
+    float* out = dev.poisoned<float>(1);
+    void* scratch = dev.scratch(gpu::sum_squares_scratch_bytes());
+    const float* dg = dev.put(g);
+    gpu::sum_squares(out, dg, n, scratch, dev.stream());
+    const VF got = dev.get(out, 1);
+    const VD gd(g.begin(), g.end());
+    const double ref = cpu::global_grad_norm_squared(gd.data(), n);
+    EXPECT_NEAR(got[0], ref, 1e-5 * ref + 1e-30) << "n=" << n;
+    gpu::sum_squares(out, dg, n, scratch, dev.stream());
+    EXPECT_EQ(dev.get(out, 1), got) << "n=" << n;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Model options: recompute, CUDA graphs, memory, op timing
+
+// Two models with options a and b from the same weights, `steps` training steps on the
+// same batches with a learning rate that changes every step: the loss, the gradients, the
+// weights and the AdamW moments must agree bit for bit after every step.
+void expect_same_bits(const std::string& label, const ModelConfig& cfg, int B, int T, const GpuModelOptions& a,
+                      const GpuModelOptions& b, int steps) {
+  SCOPED_TRACE(label);
+  std::printf("same bits: %s\n", label.c_str());
+  Transformer<float> cm(cfg);
+  cm.init_weights(11);
+  GpuTransformer ga(cfg, B, T, a), gb(cfg, B, T, b);
+  ga.set_params(cm.params(), cm.num_params());
+  gb.set_params(cm.params(), cm.num_params());
+  std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
+  esplag::GpuAdamW hyper;
+  hyper.weight_decay = 0.1;
+  hyper.grad_clip = 1.0;
+  for (int s = 0; s < steps; ++s) {
+    SCOPED_TRACE("step " + std::to_string(s + 1));
+    random_tokens(x, cfg.vocab_size, 500 + s);
+    random_tokens(y, cfg.vocab_size, 600 + s);
+    hyper.lr = 1e-3 * (s + 1);
+    double loss[2];
+    GpuTransformer* models[2] = {&ga, &gb};
+    for (int k = 0; k < 2; ++k) {
+      GpuTransformer& g = *models[k];
+      g.zero_grad();
+      g.upload_batch(x.data(), y.data(), B, T);
+      g.forward_backward_device(g.device_tokens(), g.device_targets(), B, T, 0.5);
+      loss[k] = g.read_loss();
+    }
+    ASSERT_TRUE(std::isfinite(loss[0]));
+    EXPECT_EQ(loss[0], loss[1]) << "loss";
+    const auto g0 = ga.grads_to_host(), g1 = gb.grads_to_host();
+    for (const auto& info : ga.param_infos())
+      EXPECT_EQ(std::memcmp(g0.data() + info.offset, g1.data() + info.offset, info.numel * sizeof(float)), 0)
+          << "gradient of " << info.name;
+    ga.step_adamw(hyper);
+    gb.step_adamw(hyper);
+    EXPECT_EQ(ga.last_grad_norm(), gb.last_grad_norm()) << "gradient norm";
+  }
+  const auto p0 = ga.params_to_host(), p1 = gb.params_to_host();
+  EXPECT_EQ(std::memcmp(p0.data(), p1.data(), p0.size() * sizeof(float)), 0) << "weights";
+  std::vector<float> m0, v0, m1, v1;
+  ga.optimizer_state_to_host(m0, v0);
+  gb.optimizer_state_to_host(m1, v1);
+  EXPECT_EQ(std::memcmp(m0.data(), m1.data(), m0.size() * sizeof(float)), 0) << "first moments";
+  EXPECT_EQ(std::memcmp(v0.data(), v1.data(), v0.size() * sizeof(float)), 0) << "second moments";
+  // The weights moved: the comparison is not between two untouched copies.
+  EXPECT_NE(std::memcmp(p0.data(), cm.params(), p0.size() * sizeof(float)), 0);
+}
+
+TEST_F(GpuModel, RecomputeGivesTheSameBits) {
+  GpuModelOptions on, off;
+  on.cuda_graph = off.cuda_graph = false;
+  on.recompute = true;
+  off.recompute = false;
+  on.head_chunk_rows = off.head_chunk_rows = 100;  // several LM-head chunks
+  expect_same_bits("tiny (LayerNorm, GELU, padded vocabulary): recompute on / off", tiny_config(), 4, 64, on, off, 2);
+  expect_same_bits("llama (RMSNorm, RoPE, SwiGLU): recompute on / off", llama_config(), 2, 96, on, off, 2);
+  expect_same_bits("relu2: recompute on / off", relu2_config(), 3, 77, on, off, 2);
+  on.gemm_epilogues = off.gemm_epilogues = false;
+  expect_same_bits("tiny, separate epilogue kernels: recompute on / off", tiny_config(), 4, 64, on, off, 1);
+}
+
+TEST_F(GpuModel, GraphReplayGivesTheSameBitsAsEagerSteps) {
+  GpuModelOptions graph, eager;
+  graph.cuda_graph = true;
+  eager.cuda_graph = false;
+  graph.head_chunk_rows = eager.head_chunk_rows = 100;
+  const int steps = 5;
+  for (const ModelConfig& c : {tiny_config(), llama_config()}) {
+    expect_same_bits(c.preset + ": graph / eager", c, 4, 64, graph, eager, steps);
+  }
+  // Every call after the first of each graph replays it: steps - 1 forward-backward and
+  // steps - 1 AdamW launches.
+  const ModelConfig c = llama_config();
+  GpuTransformer g(c, 2, 32, graph);
+  g.init_weights(1);
+  std::vector<int32_t> x(64);
+  random_tokens(x, c.vocab_size, 9);
+  esplag::GpuAdamW hyper;
+  for (int s = 0; s < steps; ++s) {
+    g.zero_grad();
+    g.upload_batch(x.data(), x.data(), 2, 32);
+    g.forward_backward_device(g.device_tokens(), g.device_targets(), 2, 32, 1.0);
+    g.step_adamw(hyper);
+  }
+  EXPECT_EQ(g.graph_launches(), 2 * (steps - 1));
+  EXPECT_EQ(g.optimizer_steps(), steps);
+  EXPECT_TRUE(std::isfinite(g.read_loss()));
+}
+
+size_t aligned256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+TEST_F(GpuModel, RecomputeAndSharedBuffersShrinkTheMemoryPlan) {
+  const ModelConfig c = llama_config();
+  GpuModelOptions on, off;
+  off.recompute = false;
+  const int B = 2, T = 96;
+  const size_t N = size_t(B) * T;
+  const auto pr = GpuTransformer::memory_plan(c, B, T, on), pn = GpuTransformer::memory_plan(c, B, T, off);
+  // Both norm outputs and the SwiGLU output per layer are no longer saved.
+  EXPECT_EQ(pn.activations - pr.activations,
+            size_t(c.n_layer) * (2 * aligned256(2 * N * c.d_model) + aligned256(2 * N * c.d_ff)));
+  // Master weights as low halves: 4 bytes per parameter with the bf16 weights.
+  EXPECT_EQ(pr.params, aligned256(2 * size_t(c.num_params())) + aligned256(2 * size_t(c.num_params())));
+  // The issue's budget: llama-1b at 4 x 2048 within 21 GiB of arena, which keeps the
+  // device's use (with the CUDA context and library state, ~0.6 GiB) under 22 GiB.
+  const ModelConfig big = esplag::model_preset("llama-1b");
+  const auto p1b = GpuTransformer::memory_plan(big, 4, 2048);
+  std::printf("  llama-1b 4 x 2048: %.2f GiB (%s)\n", p1b.total() / double(size_t(1) << 30), p1b.describe().c_str());
+  EXPECT_LE(p1b.total(), size_t(21) << 30);
+  const auto p1b_off = GpuTransformer::memory_plan(big, 4, 2048, off);
+  std::printf("  llama-1b 4 x 2048 without recompute: %.2f GiB\n", p1b_off.total() / double(size_t(1) << 30));
+  EXPECT_LT(p1b.total(), p1b_off.total());
+}
+
+TEST_F(GpuModel, OpTimingCoversTheStepAndChangesNoResult) {
+  const ModelConfig c = llama_config();
+  const int B = 2, T = 64;
+  GpuTransformer timed(c, B, T), plain(c, B, T);
+  timed.init_weights(2);
+  plain.init_weights(2);
+  std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
+  random_tokens(x, c.vocab_size, 21);
+  random_tokens(y, c.vocab_size, 22);
+  timed.set_op_timing(true);
+  esplag::GpuAdamW hyper;
+  for (GpuTransformer* g : {&timed, &plain}) {
+    g->zero_grad();
+    g->forward_backward(x.data(), y.data(), B, T, 1.0);
+    g->step_adamw(hyper);
+  }
+  const auto ops = timed.op_times();
+  timed.set_op_timing(false);
+  auto find = [&](const std::string& name) -> const esplag::GpuOpTime* {
+    for (const auto& o : ops)
+      if (o.op == name) return &o;
+    return nullptr;
+  };
+  double total = 0;
+  for (const auto& o : ops) {
+    EXPECT_GE(o.ms, 0.0) << o.op;
+    total += o.ms;
+  }
+  EXPECT_GT(total, 0.0);
+  for (const char* name : {"gemm qkv fwd", "attention fwd", "attention bwd", "gemm fc dW", "swiglu bwd", "rope bwd"}) {
+    const auto* o = find(name);
+    ASSERT_NE(o, nullptr) << name;
+    EXPECT_EQ(o->calls, c.n_layer) << name;
+  }
+  ASSERT_NE(find("adamw"), nullptr);
+  EXPECT_EQ(find("adamw")->calls, 1);
+  ASSERT_NE(find("cross-entropy"), nullptr);
+  EXPECT_GT(find("gemm qkv fwd")->flops, 0.0);
+  EXPECT_EQ(timed.graph_launches(), 0);  // timing runs eagerly
+  const auto a = timed.params_to_host(), b = plain.params_to_host();
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "timing changed the step";
+  // zero_grad leaves the large gradients for the next backward to overwrite; read before
+  // that, every gradient is zero.
+  const auto before = plain.grads_to_host();
+  EXPECT_NE(std::count(before.begin(), before.end(), 0.f), std::ptrdiff_t(before.size()));
+  plain.zero_grad();
+  const auto zeroed = plain.grads_to_host();
+  EXPECT_EQ(std::count(zeroed.begin(), zeroed.end(), 0.f), std::ptrdiff_t(zeroed.size()));
+}
+
+// ---------------------------------------------------------------------------------------
+// Measurement harness, not a test (disabled): the benchmark shapes with per-op timing and
+// the cost of each option, and how far cuBLASLt's first heuristic choice is from the best
+// of its candidates for the step's GEMM shapes. Run with
+//   gpu_model --gtest_also_run_disabled_tests --gtest_filter='GpuModelBench.*'
+
+struct BenchShape {
+  const char* model;
+  int B, T;
+};
+const BenchShape kBenchShapes[] = {{"gpt2-124m", 16, 1024}, {"gpt2-350m", 8, 1024}, {"llama-1b", 4, 2048}};
+
+TEST(GpuModelBench, DISABLED_ProfileBenchShapes) {
+  REQUIRE_DEVICE();
+  for (const auto& sh : kBenchShapes) {
+    const ModelConfig c = esplag::model_preset(sh.model);
+    const auto r = esplag::bench_train_gpu(c, sh.B, sh.T, 10, 3, esplag::kH100DenseBf16Tflops, {}, 2);
+    std::printf("%s%s%s", esplag::gpu_bench_table_header().c_str(), esplag::gpu_bench_table_row(r).c_str(),
+                esplag::gpu_op_profile_table(r).c_str());
+    GpuModelOptions o;
+    o.recompute = false;
+    std::printf("%s", esplag::gpu_bench_table_row(esplag::bench_train_gpu(c, sh.B, sh.T, 10, 3, 989, o)).c_str());
+    o = {};
+    o.cuda_graph = false;
+    std::printf("%s", esplag::gpu_bench_table_row(esplag::bench_train_gpu(c, sh.B, sh.T, 10, 3, 989, o)).c_str());
+    o = {};
+    o.fused_norm_backward = false;
+    std::printf("%s", esplag::gpu_bench_table_row(esplag::bench_train_gpu(c, sh.B, sh.T, 10, 3, 989, o)).c_str());
+    o = {};
+    o.attention = AttentionPath::native;
+    const auto rn = esplag::bench_train_gpu(c, sh.B, sh.T, 10, 3, 989, o, 1);
+    std::printf("%s%s", esplag::gpu_bench_table_row(rn).c_str(), esplag::gpu_op_profile_table(rn).c_str());
+    std::fflush(stdout);
+  }
+}
+
+__global__ void fill_bf16_kernel(bf16* p, size_t n, uint32_t seed) {
+  const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+  h ^= h >> 15;
+  h *= 2246822519u;
+  h ^= h >> 13;
+  p[i] = __float2bfloat16_rn((static_cast<float>(h & 0xFFFF) / 32768.f - 1.f) * 0.5f);
+}
+
+struct SweepGemm {
+  std::string name;
+  bool ta, tb;
+  int m, n, k, lda, ldb, ldd;
+  bool f32_out;
+  float beta;
+};
+
+// Times every heuristic candidate (up to 16) of one GEMM laid out as gpu::Gemm lays it.
+void sweep_one(cublasLtHandle_t handle, void* ws, size_t ws_bytes, const void* A, const void* B, void* D,
+               const SweepGemm& g, cudaStream_t s, double& heur_ms_total, double& best_ms_total) {
+  cublasLtMatmulDesc_t desc;
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = g.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = g.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  cublasLtMatrixLayout_t la, lb, ld;
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, g.ta ? g.k : g.m, g.ta ? g.m : g.k, g.lda));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, g.tb ? g.n : g.k, g.tb ? g.k : g.n, g.ldb));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ld, g.f32_out ? CUDA_R_32F : CUDA_R_16BF, g.m, g.n, g.ldd));
+  cublasLtMatmulPreference_t pref;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t wsb = ws_bytes;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb));
+  cublasLtMatmulHeuristicResult_t res[16];
+  int found = 0;
+  CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc, la, lb, ld, ld, pref, 16, res, &found));
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  const float alpha = 1.f;
+  std::vector<double> med(found, 1e30);
+  for (int a = 0; a < found; ++a) {
+    std::vector<float> t;
+    bool ok = true;
+    for (int rep = 0; rep < 12 && ok; ++rep) {
+      CUDA_CHECK(cudaEventRecord(e0, s));
+      ok = cublasLtMatmul(handle, desc, &alpha, A, la, B, lb, &g.beta, D, ld, D, ld, &res[a].algo, ws, ws_bytes, s) ==
+           CUBLAS_STATUS_SUCCESS;
+      CUDA_CHECK(cudaEventRecord(e1, s));
+      CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (rep >= 2) t.push_back(ms);
+    }
+    if (!ok) continue;
+    std::sort(t.begin(), t.end());
+    med[a] = t[t.size() / 2];
+  }
+  const int best = static_cast<int>(std::min_element(med.begin(), med.end()) - med.begin());
+  const double fl = 2.0 * g.m * g.n * g.k;
+  if (found > 0) {
+    std::printf("  %-22s m=%6d n=%6d k=%6d  heuristic %7.3f ms %4.0f TF/s | best #%-2d %7.3f ms %4.0f TF/s (%+5.1f%%) of %d\n",
+                g.name.c_str(), g.m, g.n, g.k, med[0], fl / med[0] / 1e9, best, med[best], fl / med[best] / 1e9,
+                100.0 * (med[best] - med[0]) / med[0], found);
+    heur_ms_total += med[0];
+    best_ms_total += med[best];
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(ld);
+  cublasLtMatmulDescDestroy(desc);
+}
+
+TEST(GpuModelBench, DISABLED_GemmAlgorithmSweep) {
+  REQUIRE_DEVICE();
+  cublasLtHandle_t handle;
+  CUBLAS_CHECK(cublasLtCreate(&handle));
+  cudaStream_t s;
+  CUDA_CHECK(cudaStreamCreate(&s));
+  const size_t ws_bytes = size_t(32) << 20;
+  void* ws = nullptr;
+  CUDA_CHECK(cudaMalloc(&ws, ws_bytes));
+  for (const auto& sh : kBenchShapes) {
+    const ModelConfig c = esplag::model_preset(sh.model);
+    const int N = sh.B * sh.T, C = c.d_model, Q = c.qkv_dim(), F = c.fc_dim(), H = c.d_ff;
+    const int AC = c.n_head * c.head_dim();
+    const int Vp = c.vocab_size % 64 == 0 ? c.vocab_size : (c.vocab_size + 127) / 128 * 128;
+    const int hr = std::min(N, int((size_t(256) << 20) / (2 * size_t(Vp)) / 128 * 128));
+    struct Lin {
+      const char* name;
+      int rows, in, out;
+    };
+    const Lin lins[] = {{"qkv", N, C, Q}, {"proj", N, AC, C}, {"fc", N, C, F}, {"mproj", N, H, C}, {"head", hr, C, Vp}};
+    std::vector<SweepGemm> gemms;
+    for (const auto& l : lins) {
+      gemms.push_back({std::string(l.name) + " fwd", true, false, l.out, l.rows, l.in, l.in, l.in, l.out, false, 0.f});
+      gemms.push_back({std::string(l.name) + " dX", false, false, l.in, l.rows, l.out, l.in, l.out, l.in, false, 0.f});
+      gemms.push_back({std::string(l.name) + " dW", false, true, l.in, l.out, l.rows, l.in, l.out, l.in, true, 1.f});
+    }
+    size_t maxa = 0, maxd = 0;
+    for (const auto& g : gemms) {
+      maxa = std::max({maxa, size_t(g.m) * g.k, size_t(g.n) * g.k});
+      maxd = std::max(maxd, size_t(g.m) * g.n * (g.f32_out ? 4 : 2));
+    }
+    bf16 *A = nullptr, *B = nullptr;
+    void* D = nullptr;
+    CUDA_CHECK(cudaMalloc(&A, maxa * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&B, maxa * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&D, maxd));
+    fill_bf16_kernel<<<unsigned((maxa + 255) / 256), 256, 0, s>>>(A, maxa, 1);
+    fill_bf16_kernel<<<unsigned((maxa + 255) / 256), 256, 0, s>>>(B, maxa, 2);
+    CUDA_CHECK(cudaMemsetAsync(D, 0, maxd, s));
+    std::printf("%s %dx%d: cuBLASLt candidates per GEMM of the step (median of 10)\n", sh.model, sh.B, sh.T);
+    double heur = 0, best = 0;
+    for (const auto& g : gemms) sweep_one(handle, ws, ws_bytes, A, B, D, g, s, heur, best);
+    std::printf("  one of each: heuristic %.3f ms, best %.3f ms (%+.1f%%)\n", heur, best, 100.0 * (best - heur) / heur);
+    std::fflush(stdout);
+    cudaFree(A);
+    cudaFree(B);
+    cudaFree(D);
+  }
+  cudaFree(ws);
+  cudaStreamDestroy(s);
+  cublasLtDestroy(handle);
 }
 
 }  // namespace

@@ -150,7 +150,12 @@ TEST(ProfileReport, HtmlIsSelfContained) {
   const std::string html = report_html(r);
   EXPECT_NE(html.find("<svg"), std::string::npos);
   EXPECT_NE(html.find("</html>"), std::string::npos);
-  EXPECT_EQ(html.find("<script"), std::string::npos);
+  // One inline script (sorting, the rendered marker), nothing loaded from elsewhere.
+  const size_t script = html.find("<script>");
+  ASSERT_NE(script, std::string::npos);
+  EXPECT_EQ(html.find("<script", script + 1), std::string::npos);
+  EXPECT_NE(html.find("data-rendered", script), std::string::npos);
+  EXPECT_EQ(html.find("src="), std::string::npos);
   EXPECT_EQ(html.find("<link"), std::string::npos);
   EXPECT_EQ(html.find("url("), std::string::npos);
   EXPECT_EQ(html.find("<img"), std::string::npos);
@@ -168,6 +173,33 @@ TEST(ProfileReport, HtmlIsSelfContained) {
   for (const char* s : {"Time by category", "Time by layer", "Timeline", "What-if", "critical path",
                         "comm=inf"})
     EXPECT_NE(html.find(s), std::string::npos) << s;
+}
+
+TEST(ProfileReport, HtmlWithAValidationSection) {
+  // The Window's step as the dense run and a copy where "fc<1>,fwd" (module "fc<1>,")
+  // takes 10 us instead of 30 as the sparse run.
+  Window dense;
+  std::vector<OpRecord> sparse = dense.records;
+  sparse[1].name = "fc<1>,.fwd";
+  dense.records[1].name = "fc<1>,.fwd";
+  sparse[1].end_ns -= 20'000;
+  sparse[1].category = OpCategory::sparse_gemm;
+  const ValidationResult v = validate_prediction(
+      {dense.records}, {sparse}, speedups_from_calibration({dense.records}, {sparse}, {"fc<1>,"}));
+  ASSERT_EQ(v.model.specs.size(), 1u);
+  EXPECT_DOUBLE_EQ(v.model.specs[0].factor, 3);
+  const ProfileResult r = analyse(dense.records, v.model.specs);
+  const std::string html = report_html(r, &v);
+  for (const char* s : {"Validation: predicted vs measured", "By category (op time per step)", "Per step",
+                        "Speed-ups applied to the dense graph", "fc&lt;1&gt;,", "3.000x", "sparse_gemm"})
+    EXPECT_NE(html.find(s), std::string::npos) << s;
+  EXPECT_EQ(html.find("fc<1>"), std::string::npos);
+  // fc is off the critical path (loss waits for the allreduce): faster, it changes nothing.
+  EXPECT_NE(html.find("validation: sparse step predicted / measured"), std::string::npos);
+  EXPECT_DOUBLE_EQ(v.predicted_ns, 100'000);
+  EXPECT_GE(std::count(html.begin(), html.end(), '\n'), 10);
+  // Without a validation the section is absent.
+  EXPECT_EQ(report_html(r).find("Validation: predicted"), std::string::npos);
 }
 
 TEST(ProfileReport, SummaryText) {

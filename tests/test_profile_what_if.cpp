@@ -145,6 +145,39 @@ TEST(WhatIfSpec, MalformedSpecsGivePreciseErrors) {
   EXPECT_EQ(error_of("mlp=2"), "");
 }
 
+// The malformed inputs of the issue, each spelled the way a user would type it, on the
+// command line and in a CSV (where the message also names the file and line).
+TEST(WhatIfSpec, MalformedPatternsAndFactorsFromTheIssue) {
+  // Bad regex.
+  EXPECT_HAS(error_of("re:[a-=2"), "invalid regex '[a-'");
+  EXPECT_HAS(error_of("blocks.(0=2"), "invalid regex 'blocks.(0'");
+  EXPECT_HAS(error_of("re:a{2,1}=2"), "invalid regex");
+  // Bad factor: zero, negative, not a number.
+  for (const char* zero : {"mlp=0", "mlp=0.0", "mlp=-0", "mlp=0e5", "mlp=+0x"})
+    EXPECT_HAS(error_of(zero), "factor must be > 0");
+  for (const char* neg : {"mlp=-1", "mlp=-0.5x", "mlp=-1e3"}) EXPECT_HAS(error_of(neg), "factor must be > 0");
+  EXPECT_HAS(error_of("mlp=-1"), "got '-1'");
+  for (const char* nan : {"mlp=abc", "mlp=1,5", "mlp=2 x 3", "mlp=0x10", "mlp=x2", "mlp=--1"})
+    EXPECT_HAS(error_of(nan), "is not a number");
+  EXPECT_HAS(error_of("mlp=abc"), "factor 'abc' is not a number (expected e.g. 1.5, 1.5x or inf)");
+  // Missing '='.
+  for (const char* no_eq : {"mlp", "category:dense_gemm", "re:^a$ 2", "dense_gemm:2"})
+    EXPECT_HAS(error_of(no_eq), "missing '='");
+  EXPECT_HAS(error_of("="), "empty pattern");
+  // Unknown category (case-insensitive names; the list of valid ones is given).
+  EXPECT_HAS(error_of("category:Gemm=2"), "unknown category 'Gemm'");
+  EXPECT_HAS(error_of("category:dense-gemm=2"), "expected one of dense_gemm, sparse_gemm");
+  EXPECT_EQ(error_of("category:DENSE_GEMM=2"), "");
+  // The same in a CSV.
+  EXPECT_HAS(csv_error_of("pattern,factor\nre:[a-,2\n"), "bench.csv:2: what-if spec 're:[a-=2': invalid regex");
+  EXPECT_HAS(csv_error_of("pattern,factor\nmlp,0\n"), "bench.csv:2:");
+  EXPECT_HAS(csv_error_of("pattern,factor\nmlp,0\n"), "factor must be > 0, got '0'");
+  EXPECT_HAS(csv_error_of("pattern,factor\nmlp,2\nmlp,-3x\n"), "bench.csv:3:");
+  EXPECT_HAS(csv_error_of("pattern,factor\nmlp,abc\n"), "factor 'abc' is not a number");
+  EXPECT_HAS(csv_error_of("pattern,factor\ncategory:nope,2\n"), "bench.csv:2: what-if spec 'category:nope=2': unknown category 'nope'");
+  EXPECT_HAS(csv_error_of("pattern,factor\nmlp,\n"), "missing factor");
+}
+
 TEST(WhatIfCsv, ReadsPatternFactorAndNameSpeedupColumns) {
   auto v = parse_what_if_csv(
       "# kernel benchmark\n"

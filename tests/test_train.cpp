@@ -52,7 +52,7 @@ TrainConfig small_config(const std::string& data) {
   return parse_train_config(R"(
 model: {preset: tiny, n_layer: 2, d_model: 32, n_head: 2, n_kv_head: 2, d_ff: 64, max_seq_len: 32}
 train: {batch_size: 4, seq_len: 32, steps: 6, log_every: 1, eval_every: 3, eval_batches: 2,
-        checkpoint_every: 3, keep_checkpoints: 0}
+        checkpoint_every: 3, keep_checkpoints: 0, device: cpu}
 optimizer: {lr: 1.0e-2}
 schedule: {warmup_steps: 2}
 )",

@@ -43,17 +43,20 @@ usage:
   esplag data prepare --input TEXT --out DIR [--tokenizer byte|TOKENIZER.json]
                       [--val-fraction 0.05] [--shard-tokens 100000000]
   esplag tokenizer train --input TEXT --vocab-size N --out TOKENIZER.json
-  esplag train --config FILE.yaml [--set key=value]... [--out RUN_DIR]
-  esplag train --resume RUN_OR_CHECKPOINT_DIR [--steps N]
+  esplag train --config FILE.yaml [--set key=value]... [--out RUN_DIR] [--device cpu|cuda|auto]
+  esplag train --resume RUN_OR_CHECKPOINT_DIR [--steps N] [--device cpu|cuda|auto]
   esplag eval --checkpoint DIR [--data DIR] [--split val|train] [--batches N] [--json]
   esplag sample --checkpoint DIR [--prompt TEXT] [--tokens 200] [--temperature 0.8]
                 [--top-k 40] [--seed 1]
-  esplag profile --config FILE.yaml [--set key=value]... [--warmup 1] [--out DIR]
+  esplag profile --config FILE.yaml [--set key=value]... [--warmup 1] [--steps 1] [--out DIR]
                  [--what-if 'PATTERN=FACTOR']... [--what-if-from bench.csv]...
+                 [--validate [--steps 5] [--calibration-steps 3]]
   esplag sparsity --checkpoint DIR [--json] [--mask-quality]
   esplag export --checkpoint DIR --dense --out FILE.safetensors
   esplag bench train --model PRESET [--device cpu|cuda] [--batch 4] [--seq 256] [--steps N]
                      [--warmup 1] [--vocab N] [--peak-tflops 989] [--csv FILE]
+  esplag bench gemm|layer|attention|sparsify|sparse-adamw|vnm [--csv FILE] ...
+                     GPU kernels against their dense baselines (esplag bench --help)
   esplag --version
 
 Common: --threads N sets the CPU worker threads (default: all cores).
@@ -106,16 +109,17 @@ int cmd_tokenizer(const std::vector<std::string>& argv) {
 }
 
 int cmd_train(const std::vector<std::string>& argv) {
-  Args a(argv, "train", {"config", "out", "resume", "steps"}, {}, {"set"});
+  Args a(argv, "train", {"config", "out", "resume", "steps", "device"}, {}, {"set"});
   std::unique_ptr<Trainer> trainer;
   if (a.has("resume")) {
     ESPLAG_CHECK(!a.has("config") && a.all("set").empty(),
                  "train --resume continues a run with its saved config; --config and --set do not apply");
-    trainer = Trainer::resume(a.get("resume"), print_line, a.integer("steps", 0));
+    trainer = Trainer::resume(a.get("resume"), print_line, a.integer("steps", 0), a.get("device", ""));
   } else {
     const std::string config_path = a.required("config");
     TrainConfig cfg = load_train_config(config_path, a.all("set"));
     if (a.has("steps")) cfg.steps = cfg.schedule.total_steps = a.integer("steps", cfg.steps);
+    if (a.has("device")) cfg.device = a.get("device");
     const std::string out = a.get("out", "runs/" + fs::path(config_path).stem().string());
     trainer = std::make_unique<Trainer>(cfg, out, print_line);
   }
@@ -289,30 +293,119 @@ int cmd_export(const std::vector<std::string>& argv) {
   return 0;
 }
 
+// Wall time of one profiled window: max end - min start over its records.
+double window_wall_ns(const std::vector<OpRecord>& records) {
+  if (records.empty()) return 0;
+  int64_t t0 = records.front().start_ns, t1 = records.front().end_ns;
+  for (const auto& r : records) {
+    t0 = std::min(t0, r.start_ns);
+    t1 = std::max(t1, r.end_ns);
+  }
+  return static_cast<double>(t1 - t0);
+}
+
+// profile --validate: the dense version of the config (recipe removed, so every Linear is
+// dense) and the config itself are stepped in alternation; calibration steps give each
+// changed module's speed-up (unless --what-if specs give them), the dense steps' graphs
+// give the prediction, the sparse steps the measurement (profile/validate.h).
+int profile_validate(const TrainConfig& cfg, const std::vector<WhatIfSpec>& specs, int warmup, int steps,
+                     int calibration, const std::string& out) {
+  TrainConfig sparse = cfg, dense = cfg;
+  dense.recipe_yaml.clear();
+  const int64_t need = int64_t(warmup) + (specs.empty() ? calibration : 0) + steps;
+  for (TrainConfig* c : {&sparse, &dense}) c->steps = c->schedule.total_steps = std::max<int64_t>(c->steps, need);
+  if (cfg.recipe_yaml.empty())
+    print_line("note: the config has no recipe, so the sparse run is the dense one again: the error shows the "
+               "noise floor of the measurement");
+  Trainer sparse_trainer(sparse, out, [](const std::string&) {});
+  // Both runs on the device the sparse one got (`auto` may put only the dense one on a GPU).
+  dense.device = sparse_trainer.device();
+  Trainer dense_trainer(dense, (fs::path(out) / "dense").string(), [](const std::string&) {});
+  Profiler profiler(sparse_trainer.device() == "cuda" ? make_cuda_op_recorder() : nullptr);
+  const ValidationSteps st = run_validation_steps(
+      profiler, [&] { dense_trainer.train_step(); }, [&] { sparse_trainer.train_step(); },
+      ValidationPlan{warmup, specs.empty() ? calibration : 0, steps});
+  // The modules the recipe changed: Linears whose kind is no longer plain dense.
+  std::vector<std::string> modules;
+  for (const auto& name : sparse_trainer.model().linear_names()) {
+    const Linear<float>& l = sparse_trainer.model().linear(name);
+    if (l.kind() != "dense") modules.push_back(l.params().module);
+  }
+  if (modules.empty() && !cfg.recipe_yaml.empty())
+    print_line("note: every Linear was still dense in the profiled steps (does the recipe start later than step " +
+               std::to_string(need) + "? --set can move it)");
+  SpeedupModel model = specs.empty() ? speedups_from_calibration(st.calibration_dense, st.calibration_sparse, modules)
+                                     : speedups_from_specs(specs);
+  const ValidationResult v = validate_prediction(st.dense, st.sparse, std::move(model));
+
+  // Reports: the median dense step with the prediction as its what-if, and the median
+  // measured sparse step; both carry the validation section.
+  const ProfileResult dense_result = Profiler::analyse(st.dense[v.dense_step], v.model.specs);
+  const ProfileResult sparse_result = Profiler::analyse(st.sparse[v.sparse_step]);
+  const std::string dense_dir = (fs::path(out) / "profile").string();
+  const std::string sparse_dir = (fs::path(out) / "profile-sparse").string();
+  Profiler::write_reports(dense_dir, dense_result, &v);
+  Profiler::write_reports(sparse_dir, sparse_result, &v);
+  const std::string json_path = (fs::path(out) / "validate.json").string();
+  write_text_file(json_path, validation_json(v));
+  std::string files = json_path;
+  if (!v.model.groups.empty()) {
+    const std::string csv_path = (fs::path(out) / "speedups.csv").string();
+    write_text_file(csv_path, speedups_csv(v.model));
+    files += ", " + csv_path;
+  }
+  std::cout << validation_summary(v);
+  std::printf("reports: %s/report.html (dense + prediction), %s/report.html (sparse measured); %s\n",
+              dense_dir.c_str(), sparse_dir.c_str(), files.c_str());
+  return 0;
+}
+
 int cmd_profile(const std::vector<std::string>& argv) {
-  Args a(argv, "profile", {"config", "out", "warmup"}, {}, {"set", "what-if", "what-if-from"});
+  Args a(argv, "profile", {"config", "out", "warmup", "steps", "calibration-steps"}, {"validate"},
+         {"set", "what-if", "what-if-from"});
   const std::string config_path = a.required("config");
   TrainConfig cfg = load_train_config(config_path, a.all("set"));
+  const bool validate = a.has("validate");
   const int warmup = static_cast<int>(a.integer("warmup", 1));
+  const int steps = static_cast<int>(a.integer("steps", validate ? 5 : 1));
+  const int calibration = static_cast<int>(a.integer("calibration-steps", 3));
   ESPLAG_CHECK(warmup >= 0, "profile: --warmup must not be negative");
+  ESPLAG_CHECK(steps >= 1, "profile: --steps must be at least 1, got ", steps);
+  ESPLAG_CHECK(validate || !a.has("calibration-steps"), "profile: --calibration-steps only applies with --validate");
+  ESPLAG_CHECK(calibration >= 1, "profile: --calibration-steps must be at least 1, got ", calibration);
   // Parse the what-if specs before spending time on the run, so a typo fails at once.
   const auto specs = Profiler::what_if_specs(a.all("what-if"), a.all("what-if-from"));
   const std::string out = a.get("out", "runs/" + fs::path(config_path).stem().string() + "-profile");
-  cfg.steps = cfg.schedule.total_steps = std::max<int64_t>(cfg.steps, warmup + 1);
+  if (validate) return profile_validate(cfg, specs, warmup, steps, calibration, out);
+
+  cfg.steps = cfg.schedule.total_steps = std::max<int64_t>(cfg.steps, int64_t(warmup) + steps);
   Trainer trainer(cfg, out, [](const std::string&) {});
   for (int i = 0; i < warmup; ++i) trainer.train_step();
-  Profiler profiler;
-  const auto t0 = std::chrono::steady_clock::now();
-  profiler.start();
-  trainer.train_step();
-  auto records = profiler.stop();
-  const double step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  const ProfileResult result = Profiler::analyse(std::move(records), specs);
+  Profiler profiler(trainer.device() == "cuda" ? make_cuda_op_recorder() : nullptr);
+  std::vector<std::vector<OpRecord>> windows;
+  std::vector<double> walls, step_ms;
+  for (int i = 0; i < steps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    profiler.start();
+    trainer.train_step();
+    windows.push_back(profiler.stop());
+    step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    walls.push_back(window_wall_ns(windows.back()));
+  }
+  // The step with the median wall time stands for the run.
+  std::vector<int> order(steps);
+  for (int i = 0; i < steps; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return walls[x] < walls[y]; });
+  const int chosen = order[(steps - 1) / 2];
+  const ProfileResult result = Profiler::analyse(std::move(windows[chosen]), specs);
   const std::string dir = (fs::path(out) / "profile").string();
   Profiler::write_reports(dir, result);
   std::cout << Profiler::summary(result);
-  std::printf("step measured outside the profiler: %.2f ms\nreports: %s/{report.html,trace.json,ops.csv}\n", step_ms,
-              dir.c_str());
+  if (steps > 1)
+    std::printf("profiled %d steps: wall %.3f ms median (min %.3f, max %.3f); the reports show step %d\n", steps,
+                walls[chosen] / 1e6, walls[order.front()] / 1e6, walls[order.back()] / 1e6, chosen);
+  std::printf("step measured outside the profiler: %.2f ms\nreports: %s/{report.html,trace.json,ops.csv}\n",
+              step_ms[chosen], dir.c_str());
   return 0;
 }
 

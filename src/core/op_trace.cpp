@@ -1,5 +1,6 @@
 #include "core/op_trace.h"
 
+#include <algorithm>
 #include <array>
 #include <cctype>
 #include <chrono>
@@ -90,12 +91,25 @@ OpRecorder::ThreadStack& OpRecorder::stack_for_this_thread(int* index) {
   return stacks_.back();
 }
 
+int OpRecorder::device_stream_label(const OpStream& s) {
+  if (s.id >= 0) return s.id;
+  for (size_t k = 0; k < device_streams_.size(); ++k)
+    if (device_streams_[k] == s.handle) return static_cast<int>(k) + 1;
+  device_streams_.push_back(s.handle);
+  return static_cast<int>(device_streams_.size());
+}
+
+bool OpRecorder::begin_device_op(const OpDesc&, size_t) { return false; }
+void OpRecorder::end_device_op(size_t) {}
+void OpRecorder::resolve_device_ops(std::vector<OpRecord>&) const {}
+void OpRecorder::reset_device_ops() {}
+
 uint64_t OpRecorder::begin_op(const OpDesc& op) {
   OpRecord r;
   r.name = op.name.str();
   r.category = op.category;
   r.layer = op.layer;
-  r.stream = op.stream;
+  r.device = op.stream.device;
   r.flops = op.flops;
   r.bytes = op.bytes;
   r.inputs.reserve(op.inputs.size());
@@ -106,6 +120,7 @@ uint64_t OpRecorder::begin_op(const OpDesc& op) {
     if (p != nullptr) r.outputs.push_back(p);
 
   std::lock_guard<std::mutex> lock(mutex_);
+  r.stream = op.stream.device ? device_stream_label(op.stream) : op.stream.id;
   ThreadStack& stack = stack_for_this_thread(&r.thread);
   const uint64_t index = records_.size();
   if (!stack.open.empty()) {
@@ -117,8 +132,10 @@ uint64_t OpRecorder::begin_op(const OpDesc& op) {
   stack.open.push_back(index);
   ++open_;
   records_.push_back(std::move(r));
-  // The clock is read last so that the bookkeeping above is not charged to the op.
   OpRecord& rec = records_.back();
+  if (rec.device && begin_device_op(op, index)) rec.thread = -1;
+  // The clock is read last so that the bookkeeping above is not charged to the op. A
+  // device op keeps this host time until its device timestamps are resolved.
   rec.start_ns = now_ns();
   rec.end_ns = rec.start_ns - 1;
   return (generation_ << kIndexBits) | index;
@@ -130,7 +147,10 @@ void OpRecorder::end_op(uint64_t token) {
   if ((token >> kIndexBits) != generation_) return;  // opened before clear()
   const uint64_t index = token & kIndexMask;
   if (index >= records_.size()) return;
-  records_[index].end_ns = t;
+  OpRecord& rec = records_[index];
+  if (rec.end_ns >= rec.start_ns) return;  // already closed
+  rec.end_ns = std::max(t, rec.start_ns);
+  if (rec.device && rec.thread < 0) end_device_op(index);
   ThreadStack& stack = stack_for_this_thread();
   // RAII closes scopes innermost first, so the op is normally on top of the stack; the
   // search only matters if a tracer is shared with code that closes out of order.
@@ -150,7 +170,9 @@ int OpRecorder::open_ops() const {
 
 std::vector<OpRecord> OpRecorder::records() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return records_;
+  std::vector<OpRecord> out = records_;
+  resolve_device_ops(out);
+  return out;
 }
 
 std::vector<OpRecord> OpRecorder::take() {
@@ -163,9 +185,12 @@ std::vector<OpRecord> OpRecorder::take() {
          " op(s) are still open (innermost: '", innermost,
          "'); stop profiling outside every ScopedOp");
   }
+  resolve_device_ops(records_);
   std::vector<OpRecord> out = std::move(records_);
   records_.clear();
   stacks_.clear();
+  device_streams_.clear();
+  reset_device_ops();
   ++generation_;
   return out;
 }
@@ -174,8 +199,18 @@ void OpRecorder::clear() {
   std::lock_guard<std::mutex> lock(mutex_);
   records_.clear();
   stacks_.clear();
+  device_streams_.clear();
+  reset_device_ops();
   open_ = 0;
   ++generation_;
 }
+
+#ifndef ESPLAG_HAVE_CUDA
+std::unique_ptr<OpRecorder> make_cuda_op_recorder() {
+  fail("the CUDA op tracer is not available: this build has no CUDA (configure with "
+       "-DESPLAG_CUDA=ON)");
+}
+bool have_cuda_op_recorder() { return false; }
+#endif
 
 }  // namespace esplag

@@ -1,25 +1,29 @@
 // The profiler's one hook into the engine. Model code wraps every op call in a ScopedOp:
 //
 //   ScopedOp op(name_, OpCategory::dense_gemm, layer_, 2.0 * M * N * K, bytes,
-//               {x, w}, {y});
+//               {x, w}, {y});                       // a host op (the CPU backend)
+//   ScopedOp op(name_, OpCategory::dense_gemm, layer_, flops, bytes,
+//               {x, w}, {y}, stream);               // a kernel on a cudaStream_t
 //
 // When no tracer is installed (the normal case) a ScopedOp costs one atomic load and a
 // branch in its constructor and one branch in its destructor: nothing is allocated,
 // copied or formatted. Names are taken as std::string_view and only copied by a tracer,
 // so callers should build per-layer names once (e.g. in a layer's constructor) or pass
-// them in two parts (OpName), not format them per call. inputs/outputs are buffer identities (any pointer into the buffer's storage; the
-// same buffer must be named by the same pointer every time) from which the profiler
-// derives data dependencies; null pointers are ignored, so optional gradient buffers can
-// be passed as they are.
+// them in two parts (OpName), not format them per call. inputs/outputs are buffer
+// identities (any pointer into the buffer's storage; the same buffer must be named by the
+// same pointer every time) from which the profiler derives data dependencies; null
+// pointers are ignored, so optional gradient buffers can be passed as they are.
 //
 // A tracer observes ops through two virtual calls (begin_op / end_op). OpRecorder is the
-// CPU implementation with host timestamps; a GPU tracer records CUDA events on the op's
-// stream in the same two calls and resolves them after a synchronisation.
+// CPU implementation with host timestamps; the CUDA tracer (make_cuda_op_recorder, in the
+// CUDA build) records CUDA events on the op's stream in the same two calls and resolves
+// them after a synchronisation, so the same ScopedOps serve both backends.
 #pragma once
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -27,6 +31,10 @@
 #include <string_view>
 #include <thread>
 #include <vector>
+
+// The CUDA runtime's stream type (cudaStream_t is CUstream_st*), declared here so that a
+// ScopedOp takes a cudaStream_t without this header including the CUDA headers.
+struct CUstream_st;
 
 namespace esplag {
 
@@ -95,12 +103,30 @@ struct OpName {
   std::string_view name;
 };
 
+// Where an op runs. The default is the host: the calling thread runs the op synchronously
+// and its stream label is 0. An int gives a host op another label (a model of overlapping
+// host work, or a hand-made trace). A cudaStream_t (nullptr included: the legacy default
+// stream) marks a device op: the kernel runs asynchronously on that stream; a device
+// tracer times it there, and numbers device streams 1, 2, ... in order of first
+// appearance unless `id` is set (>= 0).
+struct OpStream {
+  constexpr OpStream() = default;
+  constexpr OpStream(int label) : id(label) {}
+  constexpr OpStream(CUstream_st* stream) : handle(stream), device(true), id(-1) {}
+  constexpr OpStream(CUstream_st* stream, int label) : handle(stream), device(true), id(label) {}
+  friend constexpr bool operator==(const OpStream&, const OpStream&) = default;
+
+  CUstream_st* handle = nullptr;  // the cudaStream_t of a device op
+  bool device = false;
+  int id = 0;  // label; -1 for a device stream the tracer numbers
+};
+
 // What a ScopedOp tells its tracer when it opens. Everything is borrowed for the call.
 struct OpDesc {
   OpName name{std::string_view()};
   OpCategory category = OpCategory::other;
   int layer = -1;  // -1: not part of a numbered layer
-  int stream = 0;
+  OpStream stream;
   double flops = 0;
   double bytes = 0;
   BufferList inputs;
@@ -113,7 +139,8 @@ struct OpRecord {
   std::string name;
   OpCategory category = OpCategory::other;
   int layer = -1;
-  int stream = 0;
+  int stream = 0;       // the stream's label (OpStream::id, or the number a tracer gave it)
+  bool device = false;  // the op was issued on a device stream
   int64_t start_ns = 0;
   int64_t end_ns = 0;
   double flops = 0;
@@ -158,7 +185,8 @@ inline OpTracer* current_op_tracer() noexcept {
 class ScopedOp {
  public:
   ScopedOp(OpName name, OpCategory category, int layer = -1, double flops = 0,
-           double bytes = 0, BufferList inputs = {}, BufferList outputs = {}, int stream = 0)
+           double bytes = 0, BufferList inputs = {}, BufferList outputs = {},
+           OpStream stream = {})
       : tracer_(current_op_tracer()) {
     if (tracer_ != nullptr) [[unlikely]]
       token_ = tracer_->begin_op(
@@ -181,6 +209,9 @@ class ScopedOp {
 // CPU tracer: records every op with std::chrono::steady_clock timestamps, tracks nesting
 // per thread, and marks each op with its thread since CPU ops run synchronously on it.
 // Thread-safe (one mutex; the cost is only paid while tracing).
+//
+// A device tracer derives from it and overrides the four device hooks: the recorder keeps
+// the records, nesting and stream numbering, the hooks time the device ops.
 class OpRecorder : public OpTracer {
  public:
   uint64_t begin_op(const OpDesc& op) override;
@@ -188,19 +219,32 @@ class OpRecorder : public OpTracer {
 
   // Number of ops opened and not yet closed (over all threads).
   int open_ops() const;
-  // Ops recorded so far, in the order they were opened. An op still open has
-  // end_ns < start_ns.
-  virtual std::vector<OpRecord> records() const;
+  // Ops recorded so far, in the order they were opened, device timestamps resolved (which
+  // waits for the device ops that have closed). An op still open has end_ns < start_ns.
+  std::vector<OpRecord> records() const;
   // Moves the records out and starts afresh. Throws Error if an op is still open, naming
-  // the innermost one, since its record would be incomplete. (Virtual so that a tracer
-  // with deferred timestamps, such as device events, can resolve them here.)
-  virtual std::vector<OpRecord> take();
+  // the innermost one, since its record would be incomplete.
+  std::vector<OpRecord> take();
   // Drops everything, open ops included (their later end_op calls are ignored).
-  virtual void clear();
+  void clear();
 
  protected:
-  // The clock; a tracer with another time source overrides it.
+  // The host clock; a tracer with another time source for host ops overrides it.
   virtual int64_t now_ns() const;
+
+  // Device hooks, called with the recorder's lock held.
+  // An op on a device stream opens as record `index` (its stream label already set).
+  // Return true to time it on the device: the record is then marked asynchronous
+  // (thread -1) and resolve_device_ops must fill in its timestamps. The default returns
+  // false: the op is timed with now_ns() like a host op (what a host clock can see of it).
+  virtual bool begin_device_op(const OpDesc& op, size_t index);
+  // The device op at `index` (one begin_device_op accepted) closes.
+  virtual void end_device_op(size_t index);
+  // Writes start_ns/end_ns of the closed device ops into `records` (the recorder's list or
+  // a copy of it, indexed alike); ops still open are left alone.
+  virtual void resolve_device_ops(std::vector<OpRecord>& records) const;
+  // The records are being dropped (take or clear): forget every device op.
+  virtual void reset_device_ops();
 
  private:
   struct ThreadStack {
@@ -209,12 +253,23 @@ class OpRecorder : public OpTracer {
   };
   // The calling thread's stack and its index in stacks_ (its thread number).
   ThreadStack& stack_for_this_thread(int* index = nullptr);
+  // The label of a device stream: its explicit id, or 1 + its order of first appearance.
+  int device_stream_label(const OpStream& s);
 
   mutable std::mutex mutex_;
   std::vector<OpRecord> records_;
   std::vector<ThreadStack> stacks_;
+  std::vector<CUstream_st*> device_streams_;  // in order of first appearance
   int open_ = 0;
   uint64_t generation_ = 0;
 };
+
+// The CUDA tracer (src/core/op_trace_cuda.cu): host ops are timed as by OpRecorder, ops
+// on a device stream with two CUDA events recorded on their stream, resolved when the
+// records are read. The first device op of a window synchronises its stream once to tie
+// the device clock to the host clock. Throws Error in a build without CUDA.
+std::unique_ptr<OpRecorder> make_cuda_op_recorder();
+// Whether this build has the CUDA tracer.
+bool have_cuda_op_recorder();
 
 }  // namespace esplag

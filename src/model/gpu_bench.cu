@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "ops/gpu.h"
+#include "ops/gpu_attention.h"
 
 namespace esplag {
 
@@ -29,9 +30,10 @@ struct Events {
 }  // namespace
 
 GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int steps, int warmup, double peak_tflops,
-                               const GpuModelOptions& options) {
+                               const GpuModelOptions& options, int op_profile_steps) {
   ESPLAG_CHECK(steps > 0 && warmup >= 0, "bench_train_gpu: steps must be positive and warmup not negative, got ",
                steps, " and ", warmup);
+  ESPLAG_CHECK(op_profile_steps >= 0, "bench_train_gpu: negative op_profile_steps ", op_profile_steps);
   ESPLAG_CHECK(peak_tflops > 0, "bench_train_gpu: peak TFLOP/s must be positive, got ", peak_tflops);
   GpuBenchResult r;
   r.model = config.preset;
@@ -45,6 +47,10 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
   r.device = prop.name;
+  r.cuda_graph = options.cuda_graph;
+  r.recompute = options.recompute;
+  r.attention = gpu::attention_path_name(
+      gpu::attention_resolve_path(B, T, config.n_head, config.n_kv_head, config.head_dim(), options.attention));
 
   GpuTransformer model(config, B, T, options);
   r.params = static_cast<int64_t>(model.num_params());
@@ -97,7 +103,40 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   r.device_used_bytes = total_b - free_b;
+
+  if (op_profile_steps > 0) {
+    model.set_op_timing(true);
+    for (int s = 0; s < op_profile_steps; ++s) step();
+    model.synchronize();
+    r.op_times = model.op_times();
+    r.op_profile_steps = op_profile_steps;
+    model.set_op_timing(false);
+  }
   return r;
+}
+
+std::string gpu_op_profile_table(const GpuBenchResult& r) {
+  if (r.op_times.empty() || r.op_profile_steps <= 0) return "";
+  std::vector<GpuOpTime> ops = r.op_times;
+  std::stable_sort(ops.begin(), ops.end(), [](const GpuOpTime& a, const GpuOpTime& b) { return a.ms > b.ms; });
+  double total = 0;
+  for (const auto& o : ops) total += o.ms;
+  const double k = 1.0 / r.op_profile_steps;
+  std::string out;
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "%s %dx%d: %.2f ms per step in ops (eager, per-op events; timed step %.2f ms)\n",
+                r.model.c_str(), r.batch, r.seq, total * k, r.median_ms);
+  out += buf;
+  std::snprintf(buf, sizeof buf, "  %-26s %8s %9s %7s %9s\n", "op", "calls", "ms/step", "share", "TFLOP/s");
+  out += buf;
+  for (const auto& o : ops) {
+    char tf[32] = "";
+    if (o.flops > 0 && o.ms > 0) std::snprintf(tf, sizeof tf, "%.0f", o.flops / (o.ms * 1e-3) / 1e12);
+    std::snprintf(buf, sizeof buf, "  %-26s %8.0f %9.3f %6.1f%% %9s\n", o.op.c_str(), o.calls * k, o.ms * k,
+                  100.0 * o.ms / total, tf);
+    out += buf;
+  }
+  return out;
 }
 
 std::string gpu_bench_table_header() {
@@ -111,26 +150,29 @@ std::string gpu_bench_table_row(const GpuBenchResult& r) {
   char buf[512];
   std::snprintf(buf, sizeof buf,
                 "%-10s %-6s %6d %6d %10.2f %9.2f %11.0f %8.1f %5.1f%% %10.2f %10.4f   (median of %d after %d "
-                "warm-up; min %.2f max %.2f ms; %s; device in use %.2f GiB)\n",
+                "warm-up; min %.2f max %.2f ms; %s; device in use %.2f GiB; graph %s, recompute %s, "
+                "attention %s)\n",
                 r.model.c_str(), "cuda", r.batch, r.seq, r.params / 1e6, r.median_ms, r.tokens_per_s, r.tflops,
                 100.0 * r.mfu, r.arena_peak_bytes / double(1 << 30), r.last_loss, r.steps, r.warmup, r.min_ms,
-                r.max_ms, r.device.c_str(), r.device_used_bytes / double(1 << 30));
+                r.max_ms, r.device.c_str(), r.device_used_bytes / double(1 << 30), r.cuda_graph ? "on" : "off",
+                r.recompute ? "on" : "off", r.attention.c_str());
   return buf;
 }
 
 std::string gpu_bench_csv_header() {
   return "model,device,gpu,batch,seq,params,steps,warmup,step_ms_median,step_ms_min,step_ms_max,tokens_per_s,"
          "tflops,peak_tflops,mfu,arena_peak_bytes,arena_capacity_bytes,gemm_workspace_bytes,device_used_bytes,"
-         "first_loss,last_loss\n";
+         "first_loss,last_loss,cuda_graph,recompute,attention\n";
 }
 
 std::string gpu_bench_csv_row(const GpuBenchResult& r) {
   char buf[1024];
-  std::snprintf(buf, sizeof buf, "%s,cuda,\"%s\",%d,%d,%lld,%d,%d,%.4f,%.4f,%.4f,%.1f,%.3f,%.1f,%.5f,%zu,%zu,%zu,%zu,%.6f,%.6f\n",
+  std::snprintf(buf, sizeof buf,
+                "%s,cuda,\"%s\",%d,%d,%lld,%d,%d,%.4f,%.4f,%.4f,%.1f,%.3f,%.1f,%.5f,%zu,%zu,%zu,%zu,%.6f,%.6f,%d,%d,%s\n",
                 r.model.c_str(), r.device.c_str(), r.batch, r.seq, static_cast<long long>(r.params), r.steps,
                 r.warmup, r.median_ms, r.min_ms, r.max_ms, r.tokens_per_s, r.tflops, r.peak_tflops, r.mfu,
                 r.arena_peak_bytes, r.arena_capacity_bytes, r.gemm_workspace_bytes, r.device_used_bytes,
-                r.first_loss, r.last_loss);
+                r.first_loss, r.last_loss, r.cuda_graph ? 1 : 0, r.recompute ? 1 : 0, r.attention.c_str());
   return buf;
 }
 

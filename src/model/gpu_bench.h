@@ -1,5 +1,5 @@
 // Timing of full dense training steps on the GPU (forward + backward + AdamW with
-// clipping), for `esplag bench train --device cuda`.
+// clipping), for `esplag bench train --device cuda`, and where a step's time goes.
 //
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once
@@ -37,19 +37,32 @@ struct GpuBenchResult {
   size_t gemm_workspace_bytes = 0;  // the cuBLASLt workspace and bias scratch inside the arena
   size_t device_used_bytes = 0;     // total - free after the run: arena + CUDA context + library state
   double first_loss = 0, last_loss = 0;  // first warm-up step (NaN without warm-up) and last step
+  bool cuda_graph = false, recompute = false;  // the GpuModelOptions the run used
+  std::string attention;                       // the attention path the step ran
+  // With op_profile_steps > 0: per-op times summed over that many extra eager steps
+  // (GpuTransformer::set_op_timing), run after the timed ones.
+  int op_profile_steps = 0;
+  std::vector<GpuOpTime> op_times;
 };
 
 // Builds a GpuTransformer for micro-batches B x T (init_weights(1)), runs `warmup`
 // untimed and `steps` timed training steps on fixed random tokens, each step timed with
 // CUDA events around zero_grad, forward_backward_device and step_adamw (no host
-// synchronisation inside a step). Throws Error when the model does not fit.
+// synchronisation inside a step; with options.cuda_graph, the default, the step replays
+// its graphs once warm-up has captured them: give warmup >= 2 to time replays only).
+// Then, if op_profile_steps > 0, that many more steps with per-op timing. Throws Error
+// when the model does not fit.
 GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int steps, int warmup,
-                               double peak_tflops = kH100DenseBf16Tflops, const GpuModelOptions& options = {});
+                               double peak_tflops = kH100DenseBf16Tflops, const GpuModelOptions& options = {},
+                               int op_profile_steps = 0);
 
 // One human-readable line per result, with a header, and a CSV header / row.
 std::string gpu_bench_table_header();
 std::string gpu_bench_table_row(const GpuBenchResult& r);
 std::string gpu_bench_csv_header();
 std::string gpu_bench_csv_row(const GpuBenchResult& r);
+// The per-op table of a result with op times: per step, by time, with each op kind's
+// share of the profiled step and the TFLOP/s of the matrix products and attention.
+std::string gpu_op_profile_table(const GpuBenchResult& r);
 
 }  // namespace esplag

@@ -14,15 +14,32 @@
 //   dlogits -> dlnf (chunk rows) and dWhead (accumulated); full logits never exist.
 // Backward mirrors it, the residual-stream gradient living in one buffer (dres) that the
 // norm backwards add into.
+//
+// Buffers shared across the step (the header's memory section says what is saved):
+//   s0 [N, C]: lnf at the end of forward and in the head; dres in backward
+//   s1 [N, C]: the branch output in forward; dlnf in the head; dln in backward
+//   U (the shared region), in turn:
+//     forward    ln1 / ln2 / the SwiGLU or ReLU² output (with recompute) at offset 0,
+//                the attention forward's workspace at offset 0 (ln1 is dead by then)
+//     head       the logits chunk
+//     MLP bwd    GELU: dfc, then ln2 (recomputed) after it;
+//                SwiGLU / ReLU²: dact, overwritten by the recomputed act, then by ln2
+//                (dfc goes over the layer's saved fc)
+//     attn bwd   the attention workspace; dqkv and datty (then the recomputed ln1) too
+//                unless they fit in the layer's dead fc storage
 #include "model/gpu_transformer.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
 #include <map>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "ops/gpu.h"
+#include "ops/gpu_fused.h"
 
 namespace esplag {
 
@@ -35,14 +52,19 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__global__ void f32_to_bf16_kernel(bf16* out, const float* in, int64_t n) {
+__global__ void add_kernel(float* dst, const float* src, int64_t n, bool accumulate) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i < n) out[i] = __float2bfloat16_rn(in[i]);
+  if (i < n) dst[i] = accumulate ? dst[i] + src[i] : src[i];
 }
 
-__global__ void add_kernel(float* dst, const float* src, int64_t n) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i < n) dst[i] += src[i];
+// Zeroes the gradient ranges of a table (what zero_grad writes), one block per entry.
+struct ZeroChunk {
+  int64_t offset, n;
+};
+constexpr int64_t kZeroChunk = 16384;
+__global__ void zero_chunks_kernel(const ZeroChunk* table, float* grad) {
+  const ZeroChunk c = table[blockIdx.x];
+  for (int64_t i = threadIdx.x; i < c.n; i += kThreads) grad[c.offset + i] = 0.f;
 }
 
 __global__ void fill_kernel(float* p, int64_t n, float value) {
@@ -58,11 +80,12 @@ __host__ __device__ inline uint64_t splitmix64(uint64_t x) {
 }
 
 // Counter-based normals: element i of a tensor draws one 64-bit hash of (key, i), split
-// into two 24-bit uniforms for Box-Muller, so the values do not depend on the launch.
-__global__ void normal_kernel(float* p, int64_t n, uint64_t key, float stddev) {
+// into two 24-bit uniforms for Box-Muller, so the values do not depend on the launch (nor
+// on the chunks the tensor is generated in: p holds elements [base, base + n)).
+__global__ void normal_kernel(float* p, int64_t n, int64_t base, uint64_t key, float stddev) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= n) return;
-  const uint64_t h = splitmix64(key ^ splitmix64(static_cast<uint64_t>(i)));
+  const uint64_t h = splitmix64(key ^ splitmix64(static_cast<uint64_t>(base + i)));
   const float u1 = (static_cast<float>(h >> 40) + 1.f) * (1.f / 16777216.f);  // (0, 1]
   const float u2 = static_cast<float>(h & 0xFFFFFFull) * (1.f / 16777216.f);  // [0, 1)
   p[i] = stddev * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
@@ -86,6 +109,7 @@ __global__ void __launch_bounds__(kLossThreads) mean_loss_kernel(double* out, co
 unsigned blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
 
 size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+size_t aligned(size_t bytes) { return round_up(bytes, DeviceArena::kDefaultAlignment); }
 
 // Either counts what an allocation sequence needs (arena == null) or performs it, so the
 // memory plan and the real layout can never disagree.
@@ -95,7 +119,7 @@ struct Take {
   template <typename T>
   T* arr(const std::string& name, size_t count) {
     const size_t bytes = std::max<size_t>(count, 1) * sizeof(T);
-    if (bucket) *bucket += round_up(bytes, DeviceArena::kDefaultAlignment);
+    if (bucket) *bucket += aligned(bytes);
     return arena ? arena->allocate_array<T>(name, std::max<size_t>(count, 1)) : nullptr;
   }
 };
@@ -112,22 +136,92 @@ int padded_vocab(const ModelConfig& c) {
   return c.vocab_size % 64 == 0 ? c.vocab_size : static_cast<int>(round_up(size_t(c.vocab_size), 128));
 }
 
-int choose_head_chunk(const ModelConfig& c, int N, const GpuModelOptions& o) {
-  ESPLAG_CHECK(o.head_chunk_rows >= 0, "GpuModelOptions.head_chunk_rows must be >= 0, got ", o.head_chunk_rows);
-  int rows = o.head_chunk_rows;
-  if (rows == 0) {
-    const size_t fit = o.head_chunk_bytes / (sizeof(bf16) * static_cast<size_t>(padded_vocab(c)));
-    rows = static_cast<int>(std::max<size_t>(128, std::min<size_t>(fit, size_t(1) << 20) / 128 * 128));
-  }
-  return std::max(1, std::min(rows, N));
+// The flat-layout segments AdamW updates, and the index of the head weight's segment.
+std::vector<gpu::ParamSegment> segments_of(const std::vector<ParamInfo>& infos) {
+  std::vector<gpu::ParamSegment> segs;
+  for (const auto& i : infos) segs.push_back({int64_t(i.offset), int64_t(i.numel), i.decay});
+  return segs;
 }
 
-// AdamWPlan's device table: one 16-byte entry per chunk of at most 16384 elements of a
-// segment; counted here with chunks of 4096 so the plan stays an upper bound.
-size_t adamw_table_bound(const std::vector<ParamInfo>& infos) {
-  size_t chunks = 0;
-  for (const auto& i : infos) chunks += i.numel / 4096 + 1;
-  return round_up(chunks * 16, DeviceArena::kDefaultAlignment);
+// The gradient ranges zero_grad writes: every tensor but the Linear weights of the blocks
+// and the LM head's weight, which the next backward's GEMMs (or the padded head's
+// gradient copy) overwrite. Cut into chunks of at most kZeroChunk, adjacent tensors merged.
+std::vector<ZeroChunk> zero_table(const ModelConfig& c, const std::vector<ParamInfo>& infos) {
+  const std::string head = c.tie_embeddings ? "embed.tokens.weight" : "lm_head.weight";
+  auto overwritten = [&](const std::string& n) {
+    if (n == head) return true;
+    if (n.rfind("blocks.", 0) != 0 || !ends_with(n, ".weight")) return false;
+    return n.find(".attn.") != std::string::npos || n.find(".mlp.") != std::string::npos;
+  };
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (const auto& i : infos) {
+    if (overwritten(i.name) || i.numel == 0) continue;
+    const int64_t o = int64_t(i.offset), n = int64_t(i.numel);
+    if (!ranges.empty() && ranges.back().first + ranges.back().second == o)
+      ranges.back().second += n;
+    else
+      ranges.push_back({o, n});
+  }
+  std::vector<ZeroChunk> table;
+  for (const auto& [o, n] : ranges)
+    for (int64_t k = 0; k < n; k += kZeroChunk) table.push_back({o + k, std::min(kZeroChunk, n - k)});
+  return table;
+}
+
+int head_segment(const ModelConfig& c, const std::vector<ParamInfo>& infos) {
+  const std::string name = c.tie_embeddings ? "embed.tokens.weight" : "lm_head.weight";
+  for (size_t i = 0; i < infos.size(); ++i)
+    if (infos[i].name == name) return static_cast<int>(i);
+  fail("GpuTransformer: no tensor named ", name);
+}
+
+// Sizes of the shared scratch region's uses for micro-batches of up to B x T.
+struct SharedSizes {
+  size_t attn_ws = 0;       // the attention workspace (forward and backward)
+  size_t dqkv = 0;          // dqkv in the attention backward
+  size_t datty_slot = 0;    // datty, then (with recompute) ln1
+  bool attn_in_fc = false;  // dqkv + datty slot fit in a layer's fc storage
+  size_t gelu_dfc = 0;      // GELU: dfc in the MLP backward (ln2 follows it)
+  size_t other = 0;         // the region's size without the LM head
+  int head_rows = 0;
+  size_t total = 0;
+};
+
+SharedSizes shared_sizes(const ModelConfig& c, int B, int T, const GpuModelOptions& o) {
+  const size_t N = size_t(B) * T, C = c.d_model, Q = c.qkv_dim(), F = c.fc_dim(), H = c.d_ff;
+  const size_t AC = size_t(c.n_head) * c.head_dim(), b = sizeof(bf16);
+  const bool rc = o.recompute, gelu = c.mlp == MlpKind::gelu;
+  SharedSizes z;
+  z.attn_ws =
+      aligned(gpu::attention_workspace_bytes(B, T, c.n_head, c.n_kv_head, c.head_dim(), o.attention));
+  const size_t fwd_tmp = rc ? aligned(b * N * (gelu ? C : std::max(C, H))) : 0;
+  const size_t fwd = std::max(fwd_tmp, z.attn_ws);
+  size_t mlp;
+  if (gelu) {
+    z.gelu_dfc = aligned(b * N * F);
+    mlp = z.gelu_dfc + (rc ? aligned(b * N * C) : 0);
+  } else {
+    mlp = aligned(b * N * (rc ? std::max(H, C) : H));
+  }
+  z.dqkv = aligned(b * N * Q);
+  z.datty_slot = aligned(b * N * (rc ? std::max(AC, C) : AC));
+  z.attn_in_fc = z.dqkv + z.datty_slot <= aligned(b * N * F);
+  const size_t attn = z.attn_in_fc ? z.attn_ws : z.dqkv + z.datty_slot + z.attn_ws;
+  z.other = std::max({fwd, mlp, attn, size_t(1) << 20});  // >= 1 MiB: also the staging of parameter copies
+
+  ESPLAG_CHECK(o.head_chunk_rows >= 0, "GpuModelOptions.head_chunk_rows must be >= 0, got ", o.head_chunk_rows);
+  const size_t row_bytes = b * static_cast<size_t>(padded_vocab(c));
+  int rows = o.head_chunk_rows;
+  if (rows == 0) {
+    // A workspace the attention needs anyway may hold a larger chunk (fewer passes over the
+    // head's weight gradient). Not the other phases' sizes: the rows, and with them the
+    // gradient's summation order, must not depend on `recompute`.
+    const size_t fit = std::max(o.head_chunk_bytes, z.attn_ws) / row_bytes;
+    rows = static_cast<int>(std::max<size_t>(128, std::min<size_t>(fit, size_t(1) << 20) / 128 * 128));
+  }
+  z.head_rows = std::max(1, std::min<int>(rows, static_cast<int>(N)));
+  z.total = std::max(z.other, aligned(row_bytes * z.head_rows));
+  return z;
 }
 
 }  // namespace
@@ -147,18 +241,94 @@ struct GpuTransformer::Impl {
     Norm n1, n2;
     Lin qkv, proj, fc, mproj;
   };
-  // Saved for backward, per layer.
+  // Saved for backward, per layer (ln1, ln2, act null when recomputed).
   struct Layer {
     bf16 *res_in = nullptr, *ln1 = nullptr, *qkv = nullptr, *atty = nullptr, *res_mid = nullptr, *ln2 = nullptr,
          *fc = nullptr, *act = nullptr;
     float *ln1_mean = nullptr, *ln1_rstd = nullptr, *lse = nullptr, *ln2_mean = nullptr, *ln2_rstd = nullptr;
   };
 
-  std::unique_ptr<gpu::Gemm> gemm;
-  std::unique_ptr<gpu::AdamWPlan> adamw;
+  // Per-op CUDA-event timing (set_op_timing): mark(name) ends the previous op's interval
+  // and starts name's; collect() ends the last one and adds the intervals up.
+  struct Timer {
+    bool on = false;
+    std::vector<cudaEvent_t> events;
+    std::vector<int> kinds;  // the op kind of the interval starting at events[i]
+    std::vector<double> flops;
+    size_t used = 0;
+    std::vector<GpuOpTime> totals;
+    std::map<std::string, int> index;
 
-  float *master = nullptr, *grad = nullptr, *m = nullptr, *v = nullptr;
-  bf16* w = nullptr;
+    void mark(cudaStream_t s, const char* name, double fl = 0) {
+      if (!on) return;
+      auto it = index.find(name);
+      if (it == index.end()) {
+        it = index.emplace(name, static_cast<int>(totals.size())).first;
+        totals.push_back(GpuOpTime{name, 0, 0, 0});
+      }
+      record(s);
+      kinds.push_back(it->second);
+      flops.push_back(fl);
+    }
+    void record(cudaStream_t s) {
+      if (used == events.size()) {
+        cudaEvent_t e = nullptr;
+        CUDA_CHECK(cudaEventCreate(&e));
+        events.push_back(e);
+      }
+      CUDA_CHECK(cudaEventRecord(events[used++], s));
+    }
+    void collect(cudaStream_t s) {
+      if (!on || kinds.empty()) return;
+      record(s);
+      CUDA_CHECK(cudaEventSynchronize(events[used - 1]));
+      for (size_t i = 0; i < kinds.size(); ++i) {
+        float ms = 0;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, events[i], events[i + 1]));
+        GpuOpTime& t = totals[static_cast<size_t>(kinds[i])];
+        ++t.calls;
+        t.ms += ms;
+        t.flops += flops[i];
+      }
+      kinds.clear();
+      flops.clear();
+      used = 0;
+    }
+    ~Timer() {
+      for (auto e : events) cudaEventDestroy(e);
+    }
+  };
+
+  // One captured graph and the state of its capture.
+  struct Graph {
+    bool seen = false;    // ran once eagerly
+    bool failed = false;  // capture refused: stays eager
+    cudaGraphExec_t exec = nullptr;
+    ~Graph() {
+      if (exec) cudaGraphExecDestroy(exec);
+    }
+  };
+  struct StepGraph {
+    const int32_t* tokens = nullptr;
+    const int32_t* targets = nullptr;
+    int B = 0, T = 0;
+    double loss_scale = 0;
+    bool overwrite = false;
+    std::unique_ptr<Graph> graph;
+    uint64_t last_use = 0;
+  };
+
+  std::unique_ptr<gpu::Gemm> gemm;
+  std::unique_ptr<gpu::SplitAdamWPlan> adamw;
+  gpu::AdamWStepParams* adam_params = nullptr;  // device
+
+  ZeroChunk* zero_chunks = nullptr;  // zero_grad's table (device)
+  int64_t num_zero_chunks = 0;
+  bool zero_pending = false;  // zero_grad ran; the backward is to overwrite the rest
+
+  bf16* w = nullptr;         // bf16 weights (the high halves of the master weights)
+  int16_t* w_lo = nullptr;   // low halves
+  float *grad = nullptr, *m = nullptr, *v = nullptr;
 
   std::vector<Block> blocks;
   Norm nf;
@@ -169,18 +339,28 @@ struct GpuTransformer::Impl {
   float *dwte = nullptr, *dwpe = nullptr, *head_dw = nullptr;
 
   std::vector<Layer> layers;
-  bf16 *res_f = nullptr, *lnf = nullptr;
+  bf16* res_f = nullptr;
   float *lnf_mean = nullptr, *lnf_rstd = nullptr;
-  bf16 *branch = nullptr, *dres = nullptr, *dln = nullptr, *datty = nullptr, *dqkv = nullptr, *dact = nullptr,
-       *dfc = nullptr, *logits = nullptr;
+  bf16 *s0 = nullptr, *s1 = nullptr;
+  unsigned char* shared = nullptr;
+  SharedSizes sizes;
   float* losses = nullptr;
-  void *norm_scratch = nullptr, *gnorm_scratch = nullptr, *emb_ws = nullptr, *attn_scratch = nullptr;
-  size_t norm_scratch_bytes = 0, emb_ws_bytes = 0, attn_scratch_bytes = 0;
+  void *norm_scratch = nullptr, *gnorm_scratch = nullptr, *emb_ws = nullptr;
+  size_t norm_scratch_bytes = 0, emb_ws_bytes = 0;
+  bool fused_norm = false;  // GpuModelOptions::fused_norm_backward, where d_model allows it
+  void *fnorm_scratch = nullptr, *colsum_scratch = nullptr;
+  size_t fnorm_scratch_bytes = 0, colsum_scratch_bytes = 0;
 
   int32_t* staging = nullptr;  // pinned host, 2 · max N
   double* host_loss = nullptr;
   float* host_norm = nullptr;
   cudaEvent_t staged = nullptr;
+
+  Timer timer;
+  std::vector<StepGraph> step_graphs;
+  Graph adam_graph;
+  uint64_t graph_uses = 0;
+  int64_t graph_launches = 0;
 
   ~Impl() {
     if (staging) cudaFreeHost(staging);
@@ -194,15 +374,15 @@ namespace {
 
 // Every device allocation of the model, in one order, for counting and for real.
 // Returns the buffers in `im` when take.arena is set.
-void lay_out(const ModelConfig& c, int B, int T, int head_chunk, size_t nparams, GpuTransformer::Impl& im,
+void lay_out(const ModelConfig& c, int B, int T, const GpuModelOptions& o, size_t nparams, GpuTransformer::Impl& im,
              GpuMemoryPlan& plan, Take take, int32_t** tokens, int32_t** targets, double** loss, float** norm_sq) {
   const size_t N = size_t(B) * T, C = c.d_model, Q = c.qkv_dim(), F = c.fc_dim(), H = c.d_ff;
   const size_t AC = size_t(c.n_head) * c.head_dim(), S = size_t(B) * c.n_head * T;
-  const bool ln = c.norm == NormKind::layernorm;
+  const bool ln = c.norm == NormKind::layernorm, rc = o.recompute, gelu = c.mlp == MlpKind::gelu;
 
   take.bucket = &plan.params;
-  im.master = take.arr<float>("params.master", nparams);
   im.w = take.arr<bf16>("params.bf16", nparams);
+  im.w_lo = take.arr<int16_t>("params.master_low", nparams);
   im.Vp = padded_vocab(c);
   const bool pad = im.Vp != c.vocab_size;
   if (pad) im.head_pad = take.arr<bf16>("params.head_padded", size_t(im.Vp) * C);
@@ -212,6 +392,7 @@ void lay_out(const ModelConfig& c, int B, int T, int head_chunk, size_t nparams,
   take.bucket = &plan.optimizer;
   im.m = take.arr<float>("adamw.m", nparams);
   im.v = take.arr<float>("adamw.v", nparams);
+  im.adam_params = take.arr<gpu::AdamWStepParams>("adamw.step_params", 1);
 
   take.bucket = &plan.activations;
   im.layers.assign(c.n_layer, {});
@@ -219,45 +400,86 @@ void lay_out(const ModelConfig& c, int B, int T, int head_chunk, size_t nparams,
     auto& L = im.layers[l];
     const std::string p = "act." + std::to_string(l) + ".";
     L.res_in = take.arr<bf16>(p + "res_in", N * C);
-    L.ln1 = take.arr<bf16>(p + "ln1", N * C);
+    if (!rc) L.ln1 = take.arr<bf16>(p + "ln1", N * C);
     if (ln) L.ln1_mean = take.arr<float>(p + "ln1_mean", N);
     L.ln1_rstd = take.arr<float>(p + "ln1_rstd", N);
     L.qkv = take.arr<bf16>(p + "qkv", N * Q);
     L.atty = take.arr<bf16>(p + "atty", N * AC);
     L.lse = take.arr<float>(p + "lse", S);
     L.res_mid = take.arr<bf16>(p + "res_mid", N * C);
-    L.ln2 = take.arr<bf16>(p + "ln2", N * C);
+    if (!rc) L.ln2 = take.arr<bf16>(p + "ln2", N * C);
     if (ln) L.ln2_mean = take.arr<float>(p + "ln2_mean", N);
     L.ln2_rstd = take.arr<float>(p + "ln2_rstd", N);
     L.fc = take.arr<bf16>(p + "fc", N * F);
-    L.act = take.arr<bf16>(p + "act", N * H);
+    if (gelu || !rc) L.act = take.arr<bf16>(p + "act", N * H);
   }
   im.res_f = take.arr<bf16>("act.res_f", N * C);
-  im.lnf = take.arr<bf16>("act.lnf", N * C);
   if (ln) im.lnf_mean = take.arr<float>("act.lnf_mean", N);
   im.lnf_rstd = take.arr<float>("act.lnf_rstd", N);
 
   take.bucket = &plan.scratch;
-  im.branch = take.arr<bf16>("scratch.branch", N * C);
-  im.dres = take.arr<bf16>("grad.res", N * C);
-  im.dln = take.arr<bf16>("grad.ln", N * C);
-  im.datty = take.arr<bf16>("grad.atty", N * AC);
-  im.dqkv = take.arr<bf16>("grad.qkv", N * Q);
-  if (c.mlp != MlpKind::gelu) im.dact = take.arr<bf16>("grad.act", N * H);  // GELU's is fused into the GEMM
-  im.dfc = take.arr<bf16>("grad.fc", N * F);
-  im.logits = take.arr<bf16>("head.logits", size_t(head_chunk) * im.Vp);
+  im.s0 = take.arr<bf16>("step.s0", N * C);
+  im.s1 = take.arr<bf16>("step.s1", N * C);
+  im.sizes = shared_sizes(c, B, T, o);
+  im.shared = take.arr<unsigned char>("step.shared", im.sizes.total);
   im.losses = take.arr<float>("head.losses", N);
   *tokens = take.arr<int32_t>("batch.tokens", N);
   *targets = take.arr<int32_t>("batch.targets", N);
   *loss = take.arr<double>("loss", 1);
   *norm_sq = take.arr<float>("grad_norm_sq", 1);
-  im.norm_scratch_bytes = gpu::norm_backward_scratch_bytes(static_cast<int>(N), c.d_model);
-  im.norm_scratch = take.arr<unsigned char>("scratch.norm", im.norm_scratch_bytes);
-  im.gnorm_scratch = take.arr<unsigned char>("scratch.grad_norm", gpu::global_norm_scratch_bytes());
+  im.fused_norm = o.fused_norm_backward && gpu::fused_norm_backward_supported(c.d_model);
+  if (im.fused_norm) {
+    im.fnorm_scratch_bytes = gpu::fused_norm_backward_scratch_bytes(static_cast<int>(N), c.d_model);
+    im.fnorm_scratch = take.arr<unsigned char>("scratch.norm_fused", im.fnorm_scratch_bytes);
+    if (c.bias) {
+      im.colsum_scratch_bytes = gpu::column_sum_scratch_bytes(int64_t(N), static_cast<int>(std::max({Q, F, C})));
+      im.colsum_scratch = take.arr<unsigned char>("scratch.bias_grad", im.colsum_scratch_bytes);
+    }
+  } else {
+    im.norm_scratch_bytes = gpu::norm_backward_scratch_bytes(static_cast<int>(N), c.d_model);
+    im.norm_scratch = take.arr<unsigned char>("scratch.norm", im.norm_scratch_bytes);
+  }
+  im.gnorm_scratch = take.arr<unsigned char>("scratch.grad_norm", gpu::sum_squares_scratch_bytes());
   im.emb_ws_bytes = gpu::embedding_backward_workspace_bytes(B, T, c.d_model, c.vocab_size);
   im.emb_ws = take.arr<unsigned char>("scratch.embedding", im.emb_ws_bytes);
-  im.attn_scratch_bytes = gpu::attention_backward_scratch_bytes(B, T, c.n_head);
-  im.attn_scratch = take.arr<unsigned char>("scratch.attention", im.attn_scratch_bytes);
+}
+
+// Runs `body` on stream s as the graph g: eagerly the first time, captured the second,
+// replayed from then on (see the header). A capture the libraries refuse leaves g eager.
+void run_as_graph(GpuTransformer::Impl::Graph& g, cudaStream_t s, int64_t& launches,
+                  const std::function<void()>& body) {
+  if (g.failed) return body();
+  if (!g.exec) {
+    if (!g.seen) {
+      g.seen = true;
+      return body();
+    }
+    auto give_up = [&](const std::string& why) {
+      g.failed = true;
+      (void)cudaGetLastError();  // capture errors are not sticky; leave none behind
+      std::fprintf(stderr, "esplag: warning: GpuTransformer: CUDA graph capture failed (%s); running eagerly\n",
+                   why.c_str());
+      body();
+    };
+    cudaGraph_t graph = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    try {
+      body();
+    } catch (const std::exception& e) {
+      if (cudaStreamEndCapture(s, &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
+      return give_up(e.what());
+    }
+    const cudaError_t end = cudaStreamEndCapture(s, &graph);
+    if (end != cudaSuccess || !graph) return give_up(cudaGetErrorString(end));
+    const cudaError_t inst = cudaGraphInstantiateWithFlags(&g.exec, graph, 0);
+    cudaGraphDestroy(graph);
+    if (inst != cudaSuccess) {
+      g.exec = nullptr;
+      return give_up(cudaGetErrorString(inst));
+    }
+  }
+  CUDA_CHECK(cudaGraphLaunch(g.exec, s));
+  ++launches;
 }
 
 }  // namespace
@@ -309,17 +531,20 @@ std::vector<ParamInfo> GpuTransformer::param_layout(const ModelConfig& cfg) {
 GpuMemoryPlan GpuTransformer::memory_plan(const ModelConfig& config, int max_batch, int max_seq_len,
                                           const GpuModelOptions& options) {
   const auto infos = param_layout(config);
+  ESPLAG_CHECK(max_batch > 0 && max_seq_len > 0, "GpuTransformer::memory_plan: bad micro-batch ", max_batch, " x ",
+               max_seq_len);
+  ESPLAG_CHECK(config.head_dim() <= gpu::kAttentionMaxHeadDim, "GpuTransformer: head dimension ", config.head_dim(),
+               " exceeds the GPU attention's maximum ", gpu::kAttentionMaxHeadDim);
   const size_t P = infos.empty() ? 0 : infos.back().offset + infos.back().numel;
-  const int head_chunk = choose_head_chunk(config, max_batch * max_seq_len, options);
   GpuMemoryPlan plan;
   Impl dummy;
   int32_t *tok = nullptr, *tgt = nullptr;
   double* loss = nullptr;
   float* nsq = nullptr;
-  lay_out(config, max_batch, max_seq_len, head_chunk, P, dummy, plan, Take{}, &tok, &tgt, &loss, &nsq);
-  plan.optimizer += adamw_table_bound(infos);
-  plan.workspace = round_up(gpu::Gemm::kDefaultWorkspaceBytes, DeviceArena::kDefaultAlignment) +
-                   round_up(gpu::Gemm::kScratchBytes, DeviceArena::kDefaultAlignment);
+  lay_out(config, max_batch, max_seq_len, options, P, dummy, plan, Take{}, &tok, &tgt, &loss, &nsq);
+  plan.optimizer += gpu::SplitAdamWPlan::table_bytes_bound(segments_of(infos));
+  plan.grads += aligned(std::max<size_t>(zero_table(config, infos).size(), 1) * sizeof(ZeroChunk));
+  plan.workspace = aligned(gpu::Gemm::kDefaultWorkspaceBytes) + aligned(gpu::Gemm::kScratchBytes);
   return plan;
 }
 
@@ -339,7 +564,6 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
   max_b_ = max_batch;
   max_t_ = max_seq_len;
   const int N = max_b_ * max_t_;
-  head_chunk_ = choose_head_chunk(cfg_, N, opt_);
   plan_ = memory_plan(cfg_, max_b_, max_t_, opt_);
 
   const size_t need = plan_.total() + opt_.extra_arena_bytes;
@@ -355,13 +579,20 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
 
   Impl& im = *impl_;
   GpuMemoryPlan counted;
-  lay_out(cfg_, max_b_, max_t_, head_chunk_, nparams_, im, counted, Take{arena_.get(), nullptr}, &tokens_, &targets_,
-          &loss_, &norm_sq_);
+  lay_out(cfg_, max_b_, max_t_, opt_, nparams_, im, counted, Take{arena_.get(), nullptr}, &tokens_, &targets_, &loss_,
+          &norm_sq_);
+  head_chunk_ = im.sizes.head_rows;
   im.gemm = std::make_unique<gpu::Gemm>(*arena_);
   im.gemm->set_use_epilogues(opt_.gemm_epilogues);
-  std::vector<gpu::ParamSegment> segs;
-  for (const auto& i : infos_) segs.push_back({int64_t(i.offset), int64_t(i.numel), i.decay});
-  im.adamw = std::make_unique<gpu::AdamWPlan>(segs, *arena_);
+  const bool pad = im.head_pad != nullptr;
+  im.adamw = std::make_unique<gpu::SplitAdamWPlan>(segments_of(infos_), *arena_, pad ? head_segment(cfg_, infos_) : -1);
+  {
+    const auto table = zero_table(cfg_, infos_);
+    im.num_zero_chunks = static_cast<int64_t>(table.size());
+    im.zero_chunks = arena_->allocate_array<ZeroChunk>("grad.zero_table", std::max<size_t>(table.size(), 1));
+    if (!table.empty())
+      CUDA_CHECK(cudaMemcpy(im.zero_chunks, table.data(), table.size() * sizeof(ZeroChunk), cudaMemcpyHostToDevice));
+  }
 
   CUDA_CHECK(cudaMallocHost(&im.staging, sizeof(int32_t) * 2 * size_t(N)));
   CUDA_CHECK(cudaMallocHost(&im.host_loss, sizeof(double)));
@@ -405,8 +636,8 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
   }
 
   // A defined start: zero parameters, gradients and moments.
-  CUDA_CHECK(cudaMemsetAsync(im.master, 0, sizeof(float) * nparams_, stream_));
   CUDA_CHECK(cudaMemsetAsync(im.w, 0, sizeof(bf16) * nparams_, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.w_lo, 0, sizeof(int16_t) * nparams_, stream_));
   CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * nparams_, stream_));
   CUDA_CHECK(cudaMemsetAsync(im.m, 0, sizeof(float) * nparams_, stream_));
   CUDA_CHECK(cudaMemsetAsync(im.v, 0, sizeof(float) * nparams_, stream_));
@@ -426,26 +657,41 @@ GpuTransformer::~GpuTransformer() {
 void GpuTransformer::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
 // --- parameters ---------------------------------------------------------------------------
+//
+// Host copies of the master weights go through the shared scratch region in fp32 chunks
+// (it is idle between steps, and stream order keeps it so).
 
 void GpuTransformer::set_params(const float* host, size_t n) {
   ESPLAG_CHECK(n == nparams_, "GpuTransformer::set_params: got ", n, " values, the model has ", nparams_,
                " parameters");
   Impl& im = *impl_;
-  CUDA_CHECK(cudaMemcpyAsync(im.master, host, sizeof(float) * n, cudaMemcpyHostToDevice, stream_));
-  f32_to_bf16_kernel<<<blocks(int64_t(n)), kThreads, 0, stream_>>>(im.w, im.master, int64_t(n));
-  CUDA_CHECK_LAUNCH("GpuTransformer::set_params (bf16 copy)");
+  float* stage = reinterpret_cast<float*>(im.shared);
+  const size_t chunk = im.sizes.total / sizeof(float);
+  for (size_t o = 0; o < n; o += chunk) {
+    const size_t k = std::min(chunk, n - o);
+    CUDA_CHECK(cudaMemcpyAsync(stage, host + o, sizeof(float) * k, cudaMemcpyHostToDevice, stream_));
+    gpu::master_split(im.w + o, im.w_lo + o, stage, int64_t(k), stream_);
+  }
   refresh_head_copy();
   synchronize();
 }
 
 std::vector<float> GpuTransformer::params_to_host() const {
+  const Impl& im = *impl_;
   std::vector<float> h(nparams_);
-  CUDA_CHECK(cudaMemcpyAsync(h.data(), impl_->master, sizeof(float) * nparams_, cudaMemcpyDeviceToHost, stream_));
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  float* stage = reinterpret_cast<float*>(im.shared);
+  const size_t chunk = im.sizes.total / sizeof(float);
+  for (size_t o = 0; o < nparams_; o += chunk) {
+    const size_t k = std::min(chunk, nparams_ - o);
+    gpu::master_join(stage, im.w + o, im.w_lo + o, int64_t(k), stream_);
+    CUDA_CHECK(cudaMemcpyAsync(h.data() + o, stage, sizeof(float) * k, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
   return h;
 }
 
 std::vector<float> GpuTransformer::grads_to_host() const {
+  settle_zero_grad();
   std::vector<float> h(nparams_);
   CUDA_CHECK(cudaMemcpyAsync(h.data(), impl_->grad, sizeof(float) * nparams_, cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -473,24 +719,26 @@ void GpuTransformer::optimizer_state_to_host(std::vector<float>& m, std::vector<
 void GpuTransformer::init_weights(uint64_t seed) {
   Impl& im = *impl_;
   const double residual_scale = 1.0 / std::sqrt(2.0 * cfg_.n_layer);
+  float* stage = reinterpret_cast<float*>(im.shared);
+  const size_t chunk = im.sizes.total / sizeof(float);
   for (size_t k = 0; k < infos_.size(); ++k) {
     const ParamInfo& info = infos_[k];
-    float* p = im.master + info.offset;
-    const int64_t n = static_cast<int64_t>(info.numel);
     const bool is_norm = info.name.find("norm") != std::string::npos;
-    if (ends_with(info.name, ".bias") || is_norm) {
-      fill_kernel<<<blocks(n), kThreads, 0, stream_>>>(p, n, ends_with(info.name, ".bias") ? 0.f : 1.f);
-    } else {
-      const bool residual_out = info.name.find("attn.proj.weight") != std::string::npos ||
-                                info.name.find("mlp.proj.weight") != std::string::npos;
-      const double stddev = cfg_.init_std * (residual_out ? residual_scale : 1.0);
-      normal_kernel<<<blocks(n), kThreads, 0, stream_>>>(p, n, splitmix64(seed) ^ splitmix64(k + 1),
-                                                           static_cast<float>(stddev));
+    const bool bias = ends_with(info.name, ".bias");
+    const bool residual_out = info.name.find("attn.proj.weight") != std::string::npos ||
+                              info.name.find("mlp.proj.weight") != std::string::npos;
+    const double stddev = cfg_.init_std * (residual_out ? residual_scale : 1.0);
+    const uint64_t key = splitmix64(seed) ^ splitmix64(k + 1);
+    for (size_t o = 0; o < info.numel; o += chunk) {
+      const int64_t n = static_cast<int64_t>(std::min(chunk, info.numel - o));
+      if (bias || is_norm)
+        fill_kernel<<<blocks(n), kThreads, 0, stream_>>>(stage, n, bias ? 0.f : 1.f);
+      else
+        normal_kernel<<<blocks(n), kThreads, 0, stream_>>>(stage, n, int64_t(o), key, static_cast<float>(stddev));
+      CUDA_CHECK_LAUNCH("GpuTransformer::init_weights");
+      gpu::master_split(im.w + info.offset + o, im.w_lo + info.offset + o, stage, n, stream_);
     }
-    CUDA_CHECK_LAUNCH("GpuTransformer::init_weights");
   }
-  f32_to_bf16_kernel<<<blocks(int64_t(nparams_)), kThreads, 0, stream_>>>(im.w, im.master, int64_t(nparams_));
-  CUDA_CHECK_LAUNCH("GpuTransformer::init_weights (bf16 copy)");
   refresh_head_copy();
   synchronize();
 }
@@ -503,8 +751,36 @@ void GpuTransformer::refresh_head_copy() {
 }
 
 void GpuTransformer::zero_grad() {
-  CUDA_CHECK(cudaMemsetAsync(impl_->grad, 0, sizeof(float) * nparams_, stream_));
+  Impl& im = *impl_;
+  if (im.zero_pending) return;
+  if (im.num_zero_chunks > 0) {
+    zero_chunks_kernel<<<static_cast<unsigned>(im.num_zero_chunks), kThreads, 0, stream_>>>(im.zero_chunks, im.grad);
+    CUDA_CHECK_LAUNCH("GpuTransformer::zero_grad");
+  }
+  im.zero_pending = true;
 }
+
+void GpuTransformer::settle_zero_grad() const {
+  Impl& im = *impl_;
+  if (!im.zero_pending) return;
+  CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * nparams_, stream_));
+  im.zero_pending = false;
+}
+
+// --- timing and graphs ----------------------------------------------------------------------
+
+void GpuTransformer::set_op_timing(bool on) {
+  Impl::Timer& t = impl_->timer;
+  if (on && !t.on) {
+    t.totals.clear();
+    t.index.clear();
+  }
+  t.on = on;
+}
+
+std::vector<GpuOpTime> GpuTransformer::op_times() const { return impl_->timer.totals; }
+
+int64_t GpuTransformer::graph_launches() const { return impl_->graph_launches; }
 
 // --- compute --------------------------------------------------------------------------------
 
@@ -557,18 +833,50 @@ double GpuTransformer::forward_loss(const int32_t* tokens, const int32_t* target
   return read_loss();
 }
 
+void GpuTransformer::forward_backward_body(const int32_t* tokens, const int32_t* targets, int B, int T,
+                                           double loss_scale, bool overwrite) {
+  forward_body(tokens, B, T);
+  head(targets, B, T, true, loss_scale, overwrite);
+  backward_body(tokens, B, T, overwrite);
+}
+
 void GpuTransformer::forward_backward_device(const int32_t* tokens, const int32_t* targets, int B, int T,
                                              double loss_scale) {
   check_batch(B, T);
-  forward_body(tokens, B, T);
-  head(targets, B, T, true, loss_scale);
-  backward_body(tokens, B, T);
+  ESPLAG_CHECK(tokens && targets, "GpuTransformer::forward_backward_device: null tokens or targets");
+  Impl& im = *impl_;
+  // After zero_grad the weight GEMMs write their gradients instead of adding to them.
+  const bool overwrite = im.zero_pending;
+  im.zero_pending = false;
+  if (!opt_.cuda_graph || im.timer.on) {
+    forward_backward_body(tokens, targets, B, T, loss_scale, overwrite);
+    im.timer.collect(stream_);
+    return;
+  }
+  auto it = std::find_if(im.step_graphs.begin(), im.step_graphs.end(), [&](const Impl::StepGraph& g) {
+    return g.tokens == tokens && g.targets == targets && g.B == B && g.T == T && g.loss_scale == loss_scale &&
+           g.overwrite == overwrite;
+  });
+  if (it == im.step_graphs.end()) {
+    constexpr size_t kMaxGraphs = 8;
+    if (im.step_graphs.size() == kMaxGraphs) {  // forget the least recently used
+      auto lru = std::min_element(im.step_graphs.begin(), im.step_graphs.end(),
+                                  [](const auto& a, const auto& b) { return a.last_use < b.last_use; });
+      im.step_graphs.erase(lru);
+    }
+    im.step_graphs.push_back({tokens, targets, B, T, loss_scale, overwrite, std::make_unique<Impl::Graph>(), 0});
+    it = im.step_graphs.end() - 1;
+  }
+  it->last_use = ++im.graph_uses;
+  run_as_graph(*it->graph, stream_, im.graph_launches,
+               [&] { forward_backward_body(tokens, targets, B, T, loss_scale, overwrite); });
 }
 
 void GpuTransformer::forward_loss_device(const int32_t* tokens, const int32_t* targets, int B, int T) {
   check_batch(B, T);
   forward_body(tokens, B, T);
   head(targets, B, T, false, 1.0);
+  impl_->timer.collect(stream_);
 }
 
 void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
@@ -576,47 +884,71 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
   cudaStream_t s = stream_;
   const int N = B * T, C = cfg_.d_model, V = cfg_.vocab_size, NH = cfg_.n_head, KV = cfg_.n_kv_head,
             HD = cfg_.head_dim(), Q = cfg_.qkv_dim(), F = cfg_.fc_dim(), H = cfg_.d_ff, AC = NH * HD;
-  const bool ln = cfg_.norm == NormKind::layernorm;
+  const bool ln = cfg_.norm == NormKind::layernorm, rc = opt_.recompute;
   auto norm = [&](const Impl::Norm& n, bf16* out, float* mean, float* rstd, bf16* res, const bf16* a, const bf16* b) {
+    im.timer.mark(s, "norm fwd");
     if (ln)
       gpu::layernorm_forward(out, mean, rstd, res, a, b, n.w, n.b, N, C, s);
     else
       gpu::rmsnorm_forward(out, rstd, res, a, b, n.w, N, C, s);
   };
+  auto mark = [&](const char* name, double flops = 0) { im.timer.mark(s, name, flops); };
+  const double n2 = 2.0 * N;
+  const double attn_flops = 2.0 * B * NH * double(T) * T * HD;  // causal: QKᵀ and PV on half the square
   gpu::Gemm& gemm = *im.gemm;
+  bf16* tmp = reinterpret_cast<bf16*>(im.shared);  // ln1 / ln2 / act with recompute
+  bf16* branch = im.s1;
 
+  mark("embedding fwd");
   gpu::embedding_forward(im.layers.front().res_in, tokens, im.wte, im.wpe, B, T, C, V, s);
   for (int l = 0; l < cfg_.n_layer; ++l) {
     auto& L = im.layers[l];
     const auto& blk = im.blocks[l];
+    bf16* ln1 = rc ? tmp : L.ln1;
     if (l == 0)
-      norm(blk.n1, L.ln1, L.ln1_mean, L.ln1_rstd, nullptr, L.res_in, nullptr);
+      norm(blk.n1, ln1, L.ln1_mean, L.ln1_rstd, nullptr, L.res_in, nullptr);
     else
-      norm(blk.n1, L.ln1, L.ln1_mean, L.ln1_rstd, L.res_in, im.layers[l - 1].res_mid, im.branch);
-    gemm.forward(L.qkv, L.ln1, blk.qkv.w, blk.qkv.b, N, C, Q, s);
-    if (cfg_.pos == PosKind::rope) gpu::rope_forward(L.qkv, B, T, NH, KV, HD, cfg_.rope_theta, s);
-    gpu::attention_forward(L.atty, L.lse, L.qkv, B, T, NH, KV, HD, s, opt_.attention);
-    gemm.forward(im.branch, L.atty, blk.proj.w, blk.proj.b, N, AC, C, s);
-    norm(blk.n2, L.ln2, L.ln2_mean, L.ln2_rstd, L.res_mid, L.res_in, im.branch);
+      norm(blk.n1, ln1, L.ln1_mean, L.ln1_rstd, L.res_in, im.layers[l - 1].res_mid, branch);
+    mark("gemm qkv fwd", n2 * C * Q);
+    gemm.forward(L.qkv, ln1, blk.qkv.w, blk.qkv.b, N, C, Q, s);
+    if (cfg_.pos == PosKind::rope) {
+      mark("rope fwd");
+      gpu::rope_forward(L.qkv, B, T, NH, KV, HD, cfg_.rope_theta, s);
+    }
+    mark("attention fwd", attn_flops);
+    gpu::attention_forward(L.atty, L.lse, L.qkv, B, T, NH, KV, HD, im.shared, im.sizes.attn_ws, s, opt_.attention);
+    mark("gemm proj fwd", n2 * AC * C);
+    gemm.forward(branch, L.atty, blk.proj.w, blk.proj.b, N, AC, C, s);
+    bf16* ln2 = rc ? tmp : L.ln2;
+    norm(blk.n2, ln2, L.ln2_mean, L.ln2_rstd, L.res_mid, L.res_in, branch);
+    bf16* act = L.act;
     switch (cfg_.mlp) {
       case MlpKind::gelu:
-        gemm.forward(L.act, L.ln2, blk.fc.w, blk.fc.b, N, C, F, s, gpu::Gemm::Act::gelu, L.fc);
+        mark("gemm fc fwd (+gelu)", n2 * C * F);
+        gemm.forward(L.act, ln2, blk.fc.w, blk.fc.b, N, C, F, s, gpu::Gemm::Act::gelu, L.fc);
         break;
       case MlpKind::swiglu:
-        gemm.forward(L.fc, L.ln2, blk.fc.w, blk.fc.b, N, C, F, s);
-        gpu::swiglu_forward(L.act, L.fc, N, H, s);
+        mark("gemm fc fwd", n2 * C * F);
+        gemm.forward(L.fc, ln2, blk.fc.w, blk.fc.b, N, C, F, s);
+        mark("swiglu fwd");
+        act = rc ? tmp : L.act;
+        gpu::fused_swiglu_forward(act, L.fc, N, H, s);
         break;
       case MlpKind::relu2:
-        gemm.forward(L.fc, L.ln2, blk.fc.w, blk.fc.b, N, C, F, s);
-        gpu::relu2_forward(L.act, L.fc, int64_t(N) * H, s);
+        mark("gemm fc fwd", n2 * C * F);
+        gemm.forward(L.fc, ln2, blk.fc.w, blk.fc.b, N, C, F, s);
+        mark("relu2 fwd");
+        act = rc ? tmp : L.act;
+        gpu::fused_relu2_forward(act, L.fc, int64_t(N) * H, s);
         break;
     }
-    gemm.forward(im.branch, L.act, blk.mproj.w, blk.mproj.b, N, H, C, s);
+    mark("gemm mproj fwd", n2 * H * C);
+    gemm.forward(branch, act, blk.mproj.w, blk.mproj.b, N, H, C, s);
   }
-  norm(im.nf, im.lnf, im.lnf_mean, im.lnf_rstd, im.res_f, im.layers.back().res_mid, im.branch);
+  norm(im.nf, im.s0, im.lnf_mean, im.lnf_rstd, im.res_f, im.layers.back().res_mid, branch);
 }
 
-void GpuTransformer::head(const int32_t* targets, int B, int T, bool train, double loss_scale) {
+void GpuTransformer::head(const int32_t* targets, int B, int T, bool train, double loss_scale, bool overwrite) {
   Impl& im = *impl_;
   cudaStream_t s = stream_;
   const int N = B * T, C = cfg_.d_model, V = cfg_.vocab_size, Vp = im.Vp;
@@ -624,85 +956,187 @@ void GpuTransformer::head(const int32_t* targets, int B, int T, bool train, doub
   const bool pad = im.head_pad != nullptr;
   const bf16* W = pad ? im.head_pad : im.head_w;
   float* dW = pad ? im.head_dw_pad : im.head_dw;
+  const bf16* lnf = im.s0;
+  bf16* dlnf = im.s1;
+  bf16* logits = reinterpret_cast<bf16*>(im.shared);
   for (int r0 = 0; r0 < N; r0 += head_chunk_) {
     const int rows = std::min(head_chunk_, N - r0);
-    const bf16* h = im.lnf + size_t(r0) * C;
-    im.gemm->forward(im.logits, h, W, nullptr, rows, C, Vp, s);
-    gpu::softmax_cross_entropy(im.losses + r0, im.logits, targets + r0, rows, V, Vp, dloss, train, s);
+    const double fl = 2.0 * rows * C * Vp;
+    const bf16* h = lnf + size_t(r0) * C;
+    im.timer.mark(s, "head gemm fwd", fl);
+    im.gemm->forward(logits, h, W, nullptr, rows, C, Vp, s);
+    im.timer.mark(s, "cross-entropy");
+    gpu::softmax_cross_entropy(im.losses + r0, logits, targets + r0, rows, V, Vp, dloss, train, s);
     if (train) {
-      // The chunk's dlogits (now in im.logits, zero in the padding) give its rows of dlnf
-      // (kept in dln) and add into the head's weight gradient; the padded gradient
-      // starts over with each micro-batch.
-      im.gemm->backward_input(im.dln + size_t(r0) * C, im.logits, W, rows, C, Vp, false, s);
-      im.gemm->backward_weight(dW, nullptr, im.logits, h, rows, C, Vp, !(pad && r0 == 0), s);
+      // The chunk's dlogits (now in logits, zero in the padding) give its rows of dlnf and
+      // add into the head's weight gradient; the padded gradient starts over with each
+      // micro-batch, the real one after zero_grad (overwrite).
+      im.timer.mark(s, "head gemm dX", fl);
+      im.gemm->backward_input(dlnf + size_t(r0) * C, logits, W, rows, C, Vp, false, s);
+      im.timer.mark(s, "head gemm dW", fl);
+      im.gemm->backward_weight(dW, nullptr, logits, h, rows, C, Vp, !((pad || overwrite) && r0 == 0), s);
     }
   }
   if (train && pad) {
+    im.timer.mark(s, "head grad unpad");
     const int64_t n = int64_t(V) * C;
-    add_kernel<<<blocks(n), kThreads, 0, s>>>(im.head_dw, im.head_dw_pad, n);
+    add_kernel<<<blocks(n), kThreads, 0, s>>>(im.head_dw, im.head_dw_pad, n, !overwrite);
     CUDA_CHECK_LAUNCH("GpuTransformer (LM head gradient)");
   }
+  im.timer.mark(s, "mean loss");
   mean_loss_kernel<<<1, kLossThreads, 0, s>>>(loss_, im.losses, N);
   CUDA_CHECK_LAUNCH("GpuTransformer (mean loss)");
 }
 
-void GpuTransformer::backward_body(const int32_t* tokens, int B, int T) {
+void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool overwrite) {
   Impl& im = *impl_;
   cudaStream_t s = stream_;
   const int N = B * T, C = cfg_.d_model, V = cfg_.vocab_size, NH = cfg_.n_head, KV = cfg_.n_kv_head,
             HD = cfg_.head_dim(), Q = cfg_.qkv_dim(), F = cfg_.fc_dim(), H = cfg_.d_ff, AC = NH * HD;
-  const bool ln = cfg_.norm == NormKind::layernorm;
+  const bool ln = cfg_.norm == NormKind::layernorm, rc = opt_.recompute;
   gpu::Gemm& gemm = *im.gemm;
-  // dinp += the norm's input gradient; dinp is the residual-stream gradient.
-  auto norm_bwd = [&](const Impl::Norm& n, const bf16* dout, const bf16* inp, const float* mean, const float* rstd) {
-    if (ln)
-      gpu::layernorm_backward(im.dres, n.dw, n.db, dout, inp, n.w, mean, rstd, N, C, im.norm_scratch,
-                              im.norm_scratch_bytes, s);
-    else
-      gpu::rmsnorm_backward(im.dres, n.dw, dout, inp, n.w, rstd, N, C, im.norm_scratch, im.norm_scratch_bytes, s);
+  bf16* dres = im.s0;  // the residual-stream gradient
+  bf16* dln = im.s1;   // the gradient w.r.t. a norm's output
+  auto mark = [&](const char* name, double flops = 0) { im.timer.mark(s, name, flops); };
+  const double n2 = 2.0 * N;
+  // Bias gradients: with the fused norm backward, those of attn.proj and mlp.proj (whose
+  // output gradient is dres right after a norm backward) come out of that norm backward
+  // (next_bias), those of qkv and fc from column sums; otherwise from the GEMM epilogue.
+  const bool fz = im.fused_norm;
+  auto gemm_bias = [&](float* db) { return fz ? nullptr : db; };
+  auto bias_sum = [&](float* db, const bf16* dout, int OC) {
+    if (!fz || !db) return;
+    mark("bias grad");
+    gpu::column_sum_add(db, dout, N, OC, im.colsum_scratch, im.colsum_scratch_bytes, s);
   };
+  // dres += the norm's input gradient.
+  auto norm_bwd = [&](const Impl::Norm& n, const bf16* inp, const float* mean, const float* rstd, float* next_bias) {
+    mark("norm bwd");
+    if (fz) {
+      if (ln)
+        gpu::fused_layernorm_backward(dres, n.dw, n.db, next_bias, dln, inp, n.w, mean, rstd, N, C, im.fnorm_scratch,
+                                      im.fnorm_scratch_bytes, s);
+      else
+        gpu::fused_rmsnorm_backward(dres, n.dw, next_bias, dln, inp, n.w, rstd, N, C, im.fnorm_scratch,
+                                    im.fnorm_scratch_bytes, s);
+    } else if (ln) {
+      gpu::layernorm_backward(dres, n.dw, n.db, dln, inp, n.w, mean, rstd, N, C, im.norm_scratch,
+                              im.norm_scratch_bytes, s);
+    } else {
+      gpu::rmsnorm_backward(dres, n.dw, dln, inp, n.w, rstd, N, C, im.norm_scratch, im.norm_scratch_bytes, s);
+    }
+  };
+  // The norm's output again, from its saved input, with the forward's kernel: the same
+  // bits as the forward wrote (the statistics are recomputed the same way too).
+  auto norm_again = [&](const Impl::Norm& n, bf16* out, const bf16* inp) {
+    mark("norm recompute");
+    if (ln)
+      gpu::layernorm_forward(out, nullptr, nullptr, nullptr, inp, nullptr, n.w, n.b, N, C, s);
+    else
+      gpu::rmsnorm_forward(out, nullptr, nullptr, inp, nullptr, n.w, N, C, s);
+  };
+  unsigned char* const shared = im.shared;
+  const SharedSizes& z = im.sizes;
+  const bool acc = !overwrite;  // the Linear weight gradients: add, or write after zero_grad
 
-  CUDA_CHECK(cudaMemsetAsync(im.dres, 0, sizeof(bf16) * size_t(N) * C, s));
-  norm_bwd(im.nf, im.dln, im.res_f, im.lnf_mean, im.lnf_rstd);  // dln holds dlnf from the head
+  mark("memset dres");
+  CUDA_CHECK(cudaMemsetAsync(dres, 0, sizeof(bf16) * size_t(N) * C, s));
+  norm_bwd(im.nf, im.res_f, im.lnf_mean, im.lnf_rstd, im.blocks.back().mproj.db);  // dln holds dlnf from the head
   for (int l = cfg_.n_layer - 1; l >= 0; --l) {
     auto& L = im.layers[l];
     const auto& blk = im.blocks[l];
     // MLP half: dres = d(res_out) = d(res_mid) through the residual.
-    gemm.backward_weight(blk.mproj.dw, blk.mproj.db, im.dres, L.act, N, H, C, true, s);
-    switch (cfg_.mlp) {
-      case MlpKind::gelu:  // dfc = (dres · Wmproj) ∘ gelu'(fc), in the GEMM's epilogue
-        gemm.backward_input(im.dfc, im.dres, blk.mproj.w, N, H, C, false, s, L.fc);
-        break;
-      case MlpKind::swiglu:
-        gemm.backward_input(im.dact, im.dres, blk.mproj.w, N, H, C, false, s);
-        gpu::swiglu_backward(im.dfc, L.fc, im.dact, N, H, false, s);
-        break;
-      case MlpKind::relu2:
-        gemm.backward_input(im.dact, im.dres, blk.mproj.w, N, H, C, false, s);
-        gpu::relu2_backward(im.dfc, L.fc, im.dact, int64_t(N) * H, false, s);
-        break;
+    const bf16* ln2 = L.ln2;
+    if (cfg_.mlp == MlpKind::gelu) {
+      bf16* dfc = reinterpret_cast<bf16*>(shared);
+      mark("gemm mproj dW", n2 * H * C);
+      gemm.backward_weight(blk.mproj.dw, gemm_bias(blk.mproj.db), dres, L.act, N, H, C, acc, s);
+      mark("gemm mproj dX (+dgelu)", n2 * H * C);  // dfc = (dres · Wmproj) ∘ gelu'(fc)
+      gemm.backward_input(dfc, dres, blk.mproj.w, N, H, C, false, s, L.fc);
+      if (rc) {
+        bf16* t = reinterpret_cast<bf16*>(shared + z.gelu_dfc);
+        norm_again(blk.n2, t, L.res_mid);
+        ln2 = t;
+      }
+      mark("gemm fc dW", n2 * C * F);
+      gemm.backward_weight(blk.fc.dw, gemm_bias(blk.fc.db), dfc, ln2, N, C, F, acc, s);
+      bias_sum(blk.fc.db, dfc, F);
+      mark("gemm fc dX", n2 * C * F);
+      gemm.backward_input(dln, dfc, blk.fc.w, N, C, F, false, s);
+    } else {
+      // dact, then (recompute) the activation over it, then ln2; dfc replaces fc.
+      bf16* dact = reinterpret_cast<bf16*>(shared);
+      mark("gemm mproj dX", n2 * H * C);
+      gemm.backward_input(dact, dres, blk.mproj.w, N, H, C, false, s);
+      bf16* act_out = rc ? dact : nullptr;
+      if (cfg_.mlp == MlpKind::swiglu) {
+        mark("swiglu bwd");
+        gpu::fused_swiglu_backward(L.fc, act_out, L.fc, dact, N, H, s);
+      } else {
+        mark("relu2 bwd");
+        gpu::fused_relu2_backward(L.fc, act_out, L.fc, dact, int64_t(N) * H, s);
+      }
+      mark("gemm mproj dW", n2 * H * C);
+      gemm.backward_weight(blk.mproj.dw, gemm_bias(blk.mproj.db), dres, rc ? act_out : L.act, N, H, C, acc, s);
+      if (rc) {
+        bf16* t = reinterpret_cast<bf16*>(shared);
+        norm_again(blk.n2, t, L.res_mid);
+        ln2 = t;
+      }
+      const bf16* dfc = L.fc;
+      mark("gemm fc dW", n2 * C * F);
+      gemm.backward_weight(blk.fc.dw, gemm_bias(blk.fc.db), dfc, ln2, N, C, F, acc, s);
+      bias_sum(blk.fc.db, dfc, F);
+      mark("gemm fc dX", n2 * C * F);
+      gemm.backward_input(dln, dfc, blk.fc.w, N, C, F, false, s);
     }
-    gemm.backward_weight(blk.fc.dw, blk.fc.db, im.dfc, L.ln2, N, C, F, true, s);
-    gemm.backward_input(im.dln, im.dfc, blk.fc.w, N, C, F, false, s);
-    norm_bwd(blk.n2, im.dln, L.res_mid, L.ln2_mean, L.ln2_rstd);
-    // Attention half: dres = d(res_mid) = d(res_in) through the residual.
-    gemm.backward_weight(blk.proj.dw, blk.proj.db, im.dres, L.atty, N, AC, C, true, s);
-    gemm.backward_input(im.datty, im.dres, blk.proj.w, N, AC, C, false, s);
-    gpu::attention_backward(im.dqkv, im.datty, L.qkv, L.atty, L.lse, B, T, NH, KV, HD, im.attn_scratch,
-                            im.attn_scratch_bytes, s, opt_.attention);
-    if (cfg_.pos == PosKind::rope) gpu::rope_backward(im.dqkv, B, T, NH, KV, HD, cfg_.rope_theta, s);
-    gemm.backward_weight(blk.qkv.dw, blk.qkv.db, im.dqkv, L.ln1, N, C, Q, true, s);
-    gemm.backward_input(im.dln, im.dqkv, blk.qkv.w, N, C, Q, false, s);
-    norm_bwd(blk.n1, im.dln, L.res_in, L.ln1_mean, L.ln1_rstd);
+    norm_bwd(blk.n2, L.res_mid, L.ln2_mean, L.ln2_rstd, blk.proj.db);
+    // Attention half: dres = d(res_mid) = d(res_in) through the residual. dqkv and datty
+    // go into the layer's fc storage (dead now) when they fit, else into the shared region.
+    unsigned char* region = z.attn_in_fc ? reinterpret_cast<unsigned char*>(L.fc) : shared;
+    bf16* dqkv = reinterpret_cast<bf16*>(region);
+    bf16* datty = reinterpret_cast<bf16*>(region + z.dqkv);
+    void* ws = z.attn_in_fc ? shared : shared + z.dqkv + z.datty_slot;
+    mark("gemm proj dW", n2 * AC * C);
+    gemm.backward_weight(blk.proj.dw, gemm_bias(blk.proj.db), dres, L.atty, N, AC, C, acc, s);
+    mark("gemm proj dX", n2 * AC * C);
+    gemm.backward_input(datty, dres, blk.proj.w, N, AC, C, false, s);
+    mark("attention bwd", 5.0 * B * NH * double(T) * T * HD);
+    gpu::attention_backward(dqkv, datty, L.qkv, L.atty, L.lse, B, T, NH, KV, HD, ws, z.attn_ws, s, opt_.attention);
+    if (cfg_.pos == PosKind::rope) {
+      mark("rope bwd");
+      gpu::rope_backward(dqkv, B, T, NH, KV, HD, cfg_.rope_theta, s);
+    }
+    const bf16* ln1 = L.ln1;
+    if (rc) {
+      norm_again(blk.n1, datty, L.res_in);  // datty is dead after the attention backward
+      ln1 = datty;
+    }
+    mark("gemm qkv dW", n2 * C * Q);
+    gemm.backward_weight(blk.qkv.dw, gemm_bias(blk.qkv.db), dqkv, ln1, N, C, Q, acc, s);
+    bias_sum(blk.qkv.db, dqkv, Q);
+    mark("gemm qkv dX", n2 * C * Q);
+    gemm.backward_input(dln, dqkv, blk.qkv.w, N, C, Q, false, s);
+    norm_bwd(blk.n1, L.res_in, L.ln1_mean, L.ln1_rstd, l > 0 ? im.blocks[l - 1].mproj.db : nullptr);
   }
-  gpu::embedding_backward(im.dwte, im.dwpe, im.dres, tokens, B, T, C, V, im.emb_ws, im.emb_ws_bytes, s);
+  mark("embedding bwd");
+  gpu::embedding_backward(im.dwte, im.dwpe, dres, tokens, B, T, C, V, im.emb_ws, im.emb_ws_bytes, s);
 }
 
 // --- optimizer ------------------------------------------------------------------------------
 
+void GpuTransformer::adamw_body() {
+  Impl& im = *impl_;
+  im.timer.mark(stream_, "grad norm");
+  gpu::sum_squares(norm_sq_, im.grad, int64_t(nparams_), im.gnorm_scratch, stream_);
+  im.timer.mark(stream_, "adamw");
+  gpu::adamw_update_split(*im.adamw, im.w, im.w_lo, im.m, im.v, im.grad, im.adam_params, norm_sq_, im.head_pad,
+                          stream_);
+}
+
 void GpuTransformer::step_adamw(const GpuAdamW& hyper) {
   Impl& im = *impl_;
-  gpu::global_norm_squared(norm_sq_, im.grad, int64_t(nparams_), im.gnorm_scratch, stream_);
+  settle_zero_grad();
   gpu::AdamWConfig c;
   c.lr = static_cast<float>(hyper.lr);
   c.beta1 = static_cast<float>(hyper.beta1);
@@ -711,12 +1145,15 @@ void GpuTransformer::step_adamw(const GpuAdamW& hyper) {
   c.weight_decay = static_cast<float>(hyper.weight_decay);
   c.step = step_ + 1;
   c.grad_scale = static_cast<float>(hyper.grad_scale);
-  if (hyper.grad_clip > 0) {
-    c.clip_norm_sq = norm_sq_;
-    c.max_grad_norm = static_cast<float>(hyper.grad_clip);
+  c.max_grad_norm = hyper.grad_clip > 0 ? static_cast<float>(hyper.grad_clip) : 0.f;
+  // Validated and written to device memory, ahead of the update (eager or replayed).
+  gpu::set_adamw_step_params(im.adam_params, gpu::make_adamw_step_params(c), stream_);
+  if (!opt_.cuda_graph || im.timer.on) {
+    adamw_body();
+    im.timer.collect(stream_);
+  } else {
+    run_as_graph(im.adam_graph, stream_, im.graph_launches, [&] { adamw_body(); });
   }
-  gpu::adamw_update(*im.adamw, im.master, im.m, im.v, im.grad, im.w, c, stream_);
-  refresh_head_copy();
   ++step_;
 }
 

@@ -3,23 +3,54 @@
 // flat parameter layout, so a CPU model's (or checkpoint's) flat vector loads directly.
 //
 // Device state, all in one DeviceArena sized up front for the largest (B, T) the model
-// will see: fp32 master weights, fp32 gradients, AdamW moments (fp32), the bf16 copy of
-// the weights that forward and backward read (rewritten by the fused AdamW), bf16
-// activations saved for backward, backward scratch, and the GEMM workspace. A step
-// allocates nothing and synchronises with the host only to read the loss back (in the
-// host-pointer forward_backward / forward_loss); forward_backward_device and step_adamw
-// never wait for the device.
+// will see: the bf16 weights that forward and backward read together with the low 16
+// bits of the fp32 master weights (ops/gpu_fused.h: the master is recovered exactly from
+// the two halves, so weights cost 4 bytes per parameter, not 6), fp32 gradients, AdamW
+// moments (fp32), the activations saved for backward, one scratch region shared by the
+// phases of the step, and the GEMM workspace. A step allocates nothing and synchronises
+// with the host only to read the loss back (in the host-pointer forward_backward /
+// forward_loss); forward_backward_device and step_adamw never wait for the device.
+//
+// Memory of a step (N = B·T rows, C model width, Q qkv width, F fc width, H MLP hidden):
+// - saved per layer: the residual stream before each half (2·N·C), qkv after RoPE (N·Q),
+//   the attention output (N·C) and its log-sum-exp, the fc output (N·F: the MLP's
+//   pre-activation) and the norms' statistics; without `recompute` also both norm outputs
+//   (2·N·C) and the MLP activation (N·H); with GELU the activation always (it comes out of
+//   the fc GEMM's epilogue);
+// - shared: two N·C buffers (the residual-stream gradient and the norm-input gradient in
+//   backward, which hold the branch output and the final norm's output in forward and in
+//   the LM head) and one scratch region used in turn by the forward's temporaries, the LM
+//   head's logits chunk, the MLP backward and the attention backward (and its workspace).
+//   The SwiGLU / ReLU² backward writes the pre-activation gradient over the layer's saved
+//   fc output, and the attention backward then takes its dqkv and dout buffers from that
+//   same dead fc storage when they fit, so backward needs no per-layer gradient buffers.
+// - zero_grad is lazy for the weight gradients of the Linear layers and the LM head: the
+//   next backward's GEMMs write them instead of adding (see zero_grad).
 //
 // LM head: when vocab_size is not a multiple of 64 the head runs on the vocabulary padded
-// to a multiple of 128 (a zero-padded bf16 copy of the head weight, refreshed after every
-// weight change, and an fp32 gradient scratch of that size), because cuBLASLt has only
-// slow kernels for rows of odd length; results are those of the unpadded head.
+// to a multiple of 128 (a zero-padded bf16 copy of the head weight, rewritten by AdamW in
+// the same pass as the weight, and an fp32 gradient scratch of that size), because
+// cuBLASLt has only slow kernels for rows of odd length; results are those of the
+// unpadded head.
+//
+// CUDA graphs (GpuModelOptions::cuda_graph): forward_backward_device and step_adamw are
+// each captured once and replayed. A forward_backward_device graph belongs to one
+// (tokens, targets, B, T, loss_scale, whether it is the first micro-batch after
+// zero_grad); the first call with such a key runs eagerly (it builds the cuBLASLt and
+// attention plans and loads the kernels outside any capture), the second captures and
+// replays, later ones replay; up to 8 keys are kept. step_adamw
+// writes the step's hyper-parameters (learning rate, bias corrections, clipping, scale)
+// into device memory before it replays, so nothing that changes from step to step is
+// baked into the graph. Results are bit-identical to eager execution: the same kernels
+// run on the same buffers. A capture that fails (a library refusing stream capture)
+// leaves that call eager, with one warning on stderr.
 //
 // Numerics: activations and activation gradients are bf16 (the residual stream too:
 // the fused norm kernels round a + b to bf16), every sum is fp32, parameter gradients
 // accumulate in fp32. Deterministic: every kernel has a fixed summation order and
 // cuBLASLt's algorithm is fixed per shape, so the same inputs give the same bits on the
-// same GPU model and library version.
+// same GPU model and library version, with or without `recompute` or `cuda_graph`
+// (`fused_norm_backward` sums the norm and bias gradients in another fixed order).
 //
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once
@@ -45,9 +76,24 @@ namespace esplag {
 
 struct GpuModelOptions {
   // Rows of the LM head computed at once (logits chunk [rows, vocab] in bf16). 0: the
-  // largest multiple of 128 whose chunk fits in head_chunk_bytes, at least 128.
+  // largest multiple of 128 whose chunk fits in head_chunk_bytes (or in the shared
+  // scratch region, when the backward makes that larger), at least 128.
   int head_chunk_rows = 0;
-  size_t head_chunk_bytes = size_t(256) << 20;
+  size_t head_chunk_bytes = size_t(1) << 30;  // fewer chunks: fewer passes over the head's fp32 gradient
+  // Recompute in backward what is cheap to recompute instead of saving it: both norm
+  // outputs of every layer (from the saved input and statistics, with the forward's own
+  // kernel) and the SwiGLU / ReLU² output (in the pass that computes its gradient). The
+  // gradients are bit-identical to recompute = false; it costs about one extra pass over
+  // 2·N·C per layer and saves 2·N·C + N·H bf16 per layer.
+  bool recompute = true;
+  // Replay forward_backward_device and step_adamw as CUDA graphs (see the top of the file).
+  bool cuda_graph = true;
+  // Norm backwards in one pass that also sums the norm's weight (and bias) gradients and
+  // the bias gradient of the Linear layer before the norm's input (ops/gpu_fused.h), and
+  // the other bias gradients as column sums, instead of the op kernels' separate
+  // reduction passes and cuBLASLt's bias-gradient epilogue. Used where d_model % 8 == 0
+  // and d_model <= 2048. Another summation order for those gradients, not other results.
+  bool fused_norm_backward = true;
   // Fused cuBLASLt epilogues (bias, GELU); off forces the separate kernels.
   bool gemm_epilogues = true;
   gpu::AttentionPath attention = gpu::AttentionPath::automatic;
@@ -66,14 +112,22 @@ struct GpuAdamW {
 
 // Memory the model would take for (config, B, T), by part, in bytes.
 struct GpuMemoryPlan {
-  size_t params = 0;       // master + bf16 copy
+  size_t params = 0;       // bf16 weights + the low halves of the fp32 master weights
   size_t grads = 0;        // fp32
   size_t optimizer = 0;    // AdamW m and v
   size_t activations = 0;  // saved for backward
-  size_t scratch = 0;      // backward buffers, LM-head chunk, losses, kernel scratch
+  size_t scratch = 0;      // shared step buffers, LM-head chunk, attention workspace, losses
   size_t workspace = 0;    // cuBLASLt workspace and bias scratch
   size_t total() const { return params + grads + optimizer + activations + scratch + workspace; }
   std::string describe() const;
+};
+
+// Time spent in one kind of op (see GpuTransformer::set_op_timing).
+struct GpuOpTime {
+  std::string op;
+  int64_t calls = 0;
+  double ms = 0;     // summed over the calls
+  double flops = 0;  // summed, for the matrix products and attention (0 for the others)
 };
 
 class GpuTransformer {
@@ -114,7 +168,11 @@ class GpuTransformer {
   // counter-based generator: deterministic in the seed, but not the same numbers as
   // Transformer::init_weights (copy a CPU model's parameters with set_params for that).
   void init_weights(uint64_t seed);
-  // Zeroes the gradients (asynchronous).
+  // Zeroes the gradients (asynchronous). Lazily for the large ones: the weight gradients
+  // of the Linear layers and the LM head are not written here but overwritten (not added
+  // to) by the next micro-batch's backward, which saves a pass over most of the gradient
+  // memory and the GEMMs' reads of it; whatever reads the gradients before a backward
+  // (step_adamw, grads_to_host) zeroes them first.
   void zero_grad();
 
   // --- compute ------------------------------------------------------------------------
@@ -147,6 +205,16 @@ class GpuTransformer {
   // The gradient norm before clipping of the last step_adamw (waits for the device).
   double last_grad_norm();
 
+  // --- where the time goes ------------------------------------------------------------
+  // While on, every op of forward_backward_device and step_adamw is bracketed by CUDA
+  // events and the calls wait for the device at their end; the step runs eagerly (no
+  // graph). op_times() sums the times by op kind since timing was switched on, in the
+  // order the kinds first ran; switching on clears the sums.
+  void set_op_timing(bool on);
+  std::vector<GpuOpTime> op_times() const;
+  // Graph launches so far (0 without cuda_graph).
+  int64_t graph_launches() const;
+
   cudaStream_t stream() const { return stream_; }
   DeviceArena& arena() { return *arena_; }
   const DeviceArena& arena() const { return *arena_; }
@@ -159,9 +227,14 @@ class GpuTransformer {
  private:
   void check_batch(int B, int T) const;
   void forward_body(const int32_t* tokens, int B, int T);
-  void head(const int32_t* targets, int B, int T, bool train, double loss_scale);
-  void backward_body(const int32_t* tokens, int B, int T);
-  // The padded bf16 head weight follows every change of the weights.
+  void head(const int32_t* targets, int B, int T, bool train, double loss_scale, bool overwrite = false);
+  void backward_body(const int32_t* tokens, int B, int T, bool overwrite);
+  void forward_backward_body(const int32_t* tokens, const int32_t* targets, int B, int T, double loss_scale,
+                             bool overwrite);
+  // Finishes a zero_grad whose zeros the backward was to write.
+  void settle_zero_grad() const;
+  void adamw_body();
+  // The padded bf16 head weight follows set_params and init_weights (AdamW writes it too).
   void refresh_head_copy();
 
   ModelConfig cfg_;

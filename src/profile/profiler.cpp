@@ -47,8 +47,9 @@ ProfileResult Profiler::analyse(std::vector<OpRecord> records,
   return esplag::analyse(std::move(records), specs, options);
 }
 
-void Profiler::write_reports(const std::string& dir, const ProfileResult& result) {
-  esplag::write_reports(dir, result);
+void Profiler::write_reports(const std::string& dir, const ProfileResult& result,
+                             const ValidationResult* validation) {
+  esplag::write_reports(dir, result, validation);
 }
 
 std::string Profiler::summary(const ProfileResult& result) { return summary_text(result); }

@@ -16,6 +16,7 @@
 #include "core/op_trace.h"
 #include "profile/analysis.h"
 #include "profile/report.h"
+#include "profile/validate.h"
 #include "profile/what_if.h"
 
 namespace esplag {
@@ -44,7 +45,8 @@ class Profiler {
   static ProfileResult analyse(std::vector<OpRecord> records,
                                const std::vector<WhatIfSpec>& specs = {},
                                const GraphOptions& options = {});
-  static void write_reports(const std::string& dir, const ProfileResult& result);
+  static void write_reports(const std::string& dir, const ProfileResult& result,
+                            const ValidationResult* validation = nullptr);
   static std::string summary(const ProfileResult& result);
 
  private:

@@ -296,6 +296,7 @@ struct Bar {
 constexpr const char* kSvgOpen = "<svg xmlns=\"http://www.w3.org/2000/svg\" ";
 
 std::string bar_chart(const std::vector<Bar>& bars, int label_w = 260) {
+  if (bars.empty()) return "<p>(nothing to show)</p>\n";
   const int bar_w = 520, row_h = 22, text_w = 300;
   const int width = label_w + bar_w + text_w;
   const int height = static_cast<int>(bars.size()) * row_h + 8;
@@ -304,12 +305,20 @@ std::string bar_chart(const std::vector<Bar>& bars, int label_w = 260) {
   std::ostringstream os;
   os << kSvgOpen << "width=\"" << width << "\" height=\"" << height << "\" viewBox=\"0 0 "
      << width << " " << height << "\" class=\"chart\">\n";
+  // Labels longer than the label column are cut in the middle; the bar's tooltip keeps
+  // the whole text.
+  const size_t max_chars = static_cast<size_t>(label_w / 7);
+  auto short_label = [&](const std::string& l) {
+    if (l.size() <= max_chars) return l;
+    const size_t keep = max_chars / 2 - 1;
+    return l.substr(0, keep) + "\u2026" + l.substr(l.size() - keep);
+  };
   for (size_t k = 0; k < bars.size(); ++k) {
     const Bar& b = bars[k];
     const double y = 4 + static_cast<double>(k) * row_h;
     const double w = max_v > 0 ? bar_w * b.value / max_v : 0;
     os << "<text x=\"" << label_w - 6 << "\" y=\"" << fmt("%.1f", y + 15)
-       << "\" text-anchor=\"end\">" << html_escape(b.label) << "</text>";
+       << "\" text-anchor=\"end\">" << html_escape(short_label(b.label)) << "</text>";
     os << "<rect x=\"" << label_w << "\" y=\"" << fmt("%.1f", y + 3) << "\" width=\""
        << fmt("%.2f", w) << "\" height=\"" << row_h - 6 << "\" fill=\"" << b.color
        << "\" fill-opacity=\"0.45\"><title>" << html_escape(b.label) << ": "
@@ -400,9 +409,178 @@ std::string legend_html() {
   return os.str();
 }
 
+// A numeric table cell that sorts by its value.
+std::string num_td(double sort_value, const std::string& text) {
+  return "<td class=\"n\" data-v=\"" + fmt("%.6g", sort_value) + "\">" + html_escape(text) + "</td>";
+}
+
+std::string fmt_error_pct(double pct) {
+  if (!std::isfinite(pct)) return "n/a";
+  return fmt("%+.1f%%", pct);
+}
+
+std::string validation_html(const ValidationResult& v) {
+  std::ostringstream os;
+  os << "<h2 id=\"validation\">Validation: predicted vs measured</h2>\n<p>The sparse configuration's step time "
+        "predicted from the dense run's op graph with per-op speed-ups (from "
+     << html_escape(v.model.source);
+  if (v.model.calibration_steps > 0)
+    os << ", " << v.model.calibration_steps << " calibration step"
+       << (v.model.calibration_steps == 1 ? "" : "s");
+  os << "), against the sparse configuration measured; medians over " << v.steps << " step"
+     << (v.steps == 1 ? "" : "s") << " per run.</p>\n";
+  os << "<table>\n";
+  auto row = [&](const std::string& k, const std::string& val) {
+    os << "<tr><th>" << html_escape(k) << "</th><td class=\"n\">" << html_escape(val)
+       << "</td></tr>\n";
+  };
+  row("dense step (measured)", fmt_time(v.dense_ns));
+  row("sparse step predicted", fmt_time(v.predicted_ns) + " (" +
+                                   fmt_speedup(v.dense_ns, v.predicted_ns) + " vs dense)");
+  row("sparse step measured", fmt_time(v.measured_ns) + " (" +
+                                  fmt_speedup(v.dense_ns, v.measured_ns) + " vs dense)");
+  row("error of the prediction", fmt_error_pct(v.error_pct()));
+  row("spread of the measured steps (max - min)", fmt("%.1f%%", v.measured_spread_pct()));
+  const double op_err = v.measured_op_ns > 0
+                            ? 100.0 * (v.predicted_op_ns - v.measured_op_ns) / v.measured_op_ns
+                            : std::nan("");
+  row("op time predicted / measured", fmt_time(v.predicted_op_ns) + " / " +
+                                          fmt_time(v.measured_op_ns) + " (" +
+                                          fmt_error_pct(op_err) + ")");
+  os << "</table>\n";
+  os << bar_chart({Bar{"dense (measured)", v.dense_ns, -1, "#8c8c8c", fmt_time(v.dense_ns)},
+                   Bar{"sparse predicted", v.predicted_ns, -1, "#4e79a7",
+                       fmt_time(v.predicted_ns) + " (" + fmt_error_pct(v.error_pct()) + ")"},
+                   Bar{"sparse measured", v.measured_ns, -1, kCriticalColor, fmt_time(v.measured_ns)}});
+
+  os << "<h3>By category (op time per step)</h3>\n";
+  {
+    std::vector<Bar> bars;
+    for (const auto& c : v.by_category) {
+      const std::string name(op_category_name(c.category));
+      bars.push_back(Bar{name + " predicted", c.predicted_ns, -1, category_color(c.category),
+                         fmt_time(c.predicted_ns)});
+      bars.push_back(Bar{name + " measured", c.measured_ns, c.measured_ns, category_color(c.category),
+                         fmt_time(c.measured_ns) + " (error " + fmt_error_pct(c.error_pct()) + ")"});
+    }
+    os << bar_chart(bars, 200);
+  }
+  os << "<p>Light bar: predicted; dark bar: measured.</p>\n";
+  os << "<table class=\"sortable\">\n<tr><th>category</th><th>predicted</th><th>measured</th>"
+        "<th>error</th></tr>\n";
+  for (const auto& c : v.by_category)
+    os << "<tr><td>" << op_category_name(c.category) << "</td>" << num_td(c.predicted_ns, fmt_time(c.predicted_ns))
+       << num_td(c.measured_ns, fmt_time(c.measured_ns))
+       << num_td(std::isfinite(c.error_pct()) ? c.error_pct() : 0, fmt_error_pct(c.error_pct())) << "</tr>\n";
+  os << "</table>\n";
+
+  os << "<h3>Per step</h3>\n<table class=\"sortable\">\n<tr><th>step</th><th>dense measured</th>"
+        "<th>sparse predicted</th><th>sparse measured</th></tr>\n";
+  const size_t n = std::max({v.dense_wall_ns.size(), v.predicted_ns_list.size(), v.sparse_wall_ns.size()});
+  auto cell = [&](const std::vector<double>& list, size_t i) {
+    return i < list.size() ? num_td(list[i], fmt_time(list[i])) : std::string("<td></td>");
+  };
+  for (size_t i = 0; i < n; ++i)
+    os << "<tr>" << num_td(double(i), std::to_string(i)) << cell(v.dense_wall_ns, i)
+       << cell(v.predicted_ns_list, i) << cell(v.sparse_wall_ns, i) << "</tr>\n";
+  os << "</table>\n";
+
+  os << "<h3>Speed-ups applied to the dense graph</h3>\n";
+  if (!v.model.groups.empty()) {
+    os << "<table class=\"sortable\">\n<tr><th>module</th><th>phase</th><th>dense ops</th>"
+          "<th>sparse ops</th><th>dense</th><th>sparse</th><th>speed-up</th></tr>\n";
+    auto join = [](const std::vector<std::string>& names, const std::string& module) {
+      std::string out;
+      for (const auto& nm : names) {
+        if (!out.empty()) out += ", ";
+        out += nm.rfind(module + ".", 0) == 0 ? nm.substr(module.size() + 1) : nm;
+      }
+      return out;
+    };
+    for (const auto& g : v.model.groups) {
+      const double f = g.factor();
+      os << "<tr><td>" << html_escape(g.module) << "</td><td>" << html_escape(g.phase) << "</td><td>"
+         << html_escape(join(g.dense_ops, g.module)) << "</td><td>"
+         << html_escape(join(g.sparse_ops, g.module)) << "</td>" << num_td(g.dense_ns, fmt_time(g.dense_ns))
+         << num_td(g.sparse_ns, fmt_time(g.sparse_ns))
+         << num_td(g.identical ? 1.0 : std::isfinite(f) ? f : 1e300,
+                   g.identical   ? std::string("unchanged (1x)")
+                   : g.spec < 0  ? std::string("(no dense twin)")
+                   : std::isinf(f) ? std::string("free")
+                                   : fmt("%.3fx", f))
+         << "</tr>\n";
+    }
+    os << "</table>\n";
+  } else if (!v.model.specs.empty()) {
+    os << "<ul>\n";
+    for (const auto& sp : v.model.specs) os << "<li>" << html_escape(sp.text) << "</li>\n";
+    os << "</ul>\n";
+  } else {
+    os << "<p>None: the prediction is the dense step itself.</p>\n";
+  }
+  auto named_list = [&](const char* title, const std::vector<NamedTime>& list) {
+    if (list.empty()) return;
+    os << "<h3>" << title << "</h3>\n<table>\n<tr><th>op</th><th>time per step</th></tr>\n";
+    for (size_t i = 0; i < list.size() && i < 20; ++i)
+      os << "<tr><td>" << html_escape(list[i].name) << "</td>" << num_td(list[i].ns, fmt_time(list[i].ns))
+         << "</tr>\n";
+    if (list.size() > 20) os << "<tr><td>... " << list.size() - 20 << " more</td><td></td></tr>\n";
+    os << "</table>\n";
+  };
+  named_list("Sparse ops the prediction does not cover", v.uncovered_sparse_ops);
+  named_list("Dense ops the sparse run does not have", v.dense_only_ops);
+  return os.str();
+}
+
+// Sortable tables, and the rendered marker (see report.h).
+constexpr const char* kScript = R"JS(
+(function () {
+  'use strict';
+  function key(td) {
+    if (!td) return '';
+    var v = td.getAttribute('data-v');
+    return v !== null ? parseFloat(v) : td.textContent;
+  }
+  document.querySelectorAll('table.sortable').forEach(function (table) {
+    var headers = table.querySelectorAll('tr:first-child th');
+    headers.forEach(function (th, col) {
+      th.style.cursor = 'pointer';
+      th.title = 'click to sort';
+      th.addEventListener('click', function () {
+        var rows = Array.prototype.slice.call(table.querySelectorAll('tr'), 1);
+        var desc = th.getAttribute('data-sort') !== 'desc';
+        headers.forEach(function (h) { h.removeAttribute('data-sort'); });
+        th.setAttribute('data-sort', desc ? 'desc' : 'asc');
+        rows.sort(function (a, b) {
+          var x = key(a.children[col]), y = key(b.children[col]);
+          var r = (typeof x === 'number' && typeof y === 'number') ? x - y
+                                                                   : String(x).localeCompare(String(y));
+          return desc ? -r : r;
+        });
+        rows.forEach(function (r) { r.parentNode.appendChild(r); });
+      });
+    });
+  });
+  var charts = document.querySelectorAll('svg.chart');
+  var drawn = 0;
+  charts.forEach(function (svg) {
+    var box = svg.getBoundingClientRect();
+    var visible = 0;
+    svg.querySelectorAll('rect').forEach(function (m) {
+      var b = m.getBoundingClientRect();
+      if (b.width > 0 && b.height > 0) visible++;
+    });
+    if (box.width > 0 && box.height > 0 && visible > 0) drawn++;
+  });
+  document.body.setAttribute('data-charts', String(charts.length));
+  document.body.setAttribute('data-charts-drawn', String(drawn));
+  document.body.setAttribute('data-rendered', charts.length > 0 && drawn === charts.length ? '1' : '0');
+})();
+)JS";
+
 }  // namespace
 
-std::string report_html(const ProfileResult& r) {
+std::string report_html(const ProfileResult& r, const ValidationResult* validation) {
   const Schedule& s = r.schedule;
   const WhatIfResult& w = r.what_if;
   std::ostringstream os;
@@ -414,12 +592,13 @@ std::string report_html(const ProfileResult& r) {
      << "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}\n"
      << "td.n{text-align:right;font-variant-numeric:tabular-nums}\n"
      << "svg.chart{font-size:12px;display:block}\n"
+     << "h3{font-size:15px;margin-top:18px}th[data-sort]{background:#eef}\n"
      << ".legend{font-size:12px}.sw{display:inline-block;width:10px;height:10px;"
         "margin:0 4px 0 10px}\n"
      << "</style>\n</head>\n<body>\n<h1>esplag profile</h1>\n";
 
   // Summary.
-  os << "<h2>Summary</h2>\n<table>\n";
+  os << "<h2 id=\"summary\">Summary</h2>\n<table>\n";
   auto row = [&](const std::string& k, const std::string& v) {
     os << "<tr><th>" << html_escape(k) << "</th><td class=\"n\">" << html_escape(v)
        << "</td></tr>\n";
@@ -436,10 +615,15 @@ std::string report_html(const ProfileResult& r) {
   if (!w.specs.empty())
     row("what-if predicted step time",
         fmt_time(w.predicted_ns) + " (" + fmt_speedup(w.baseline_ns, w.predicted_ns) + ")");
+  if (validation != nullptr)
+    row("validation: sparse step predicted / measured",
+        fmt_time(validation->predicted_ns) + " / " + fmt_time(validation->measured_ns) + " (" +
+            fmt_error_pct(validation->error_pct()) + ")");
   os << "</table>\n";
+  if (validation != nullptr) os << validation_html(*validation);
 
   // Time by category.
-  os << "<h2>Time by category</h2>\n<p>Light bar: summed op time; dark part: time on the "
+  os << "<h2 id=\"categories\">Time by category</h2>\n<p>Light bar: summed op time; dark part: time on the "
         "critical path.</p>\n";
   {
     std::vector<Bar> bars;
@@ -452,7 +636,7 @@ std::string report_html(const ProfileResult& r) {
   }
 
   // Time by layer.
-  os << "<h2>Time by layer</h2>\n";
+  os << "<h2 id=\"layers\">Time by layer</h2>\n";
   {
     std::vector<Bar> bars;
     for (const auto& l : r.by_layer)
@@ -463,10 +647,10 @@ std::string report_html(const ProfileResult& r) {
   }
 
   // Timeline.
-  os << "<h2>Timeline</h2>\n" << legend_html() << timeline_svg(r);
+  os << "<h2 id=\"timeline\">Timeline</h2>\n" << legend_html() << timeline_svg(r);
 
   // What-if.
-  os << "<h2>What-if</h2>\n";
+  os << "<h2 id=\"what-if\">What-if</h2>\n";
   if (w.specs.empty()) {
     os << "<p>No what-if specs were given.</p>\n";
   } else {
@@ -502,7 +686,7 @@ std::string report_html(const ProfileResult& r) {
   }
 
   // Top ops.
-  os << "<h2>Longest ops</h2>\n<table>\n<tr><th>op</th><th>category</th><th>layer</th>"
+  os << "<h2 id=\"ops\">Longest ops</h2>\n<table class=\"sortable\">\n<tr><th>op</th><th>category</th><th>layer</th>"
         "<th>stream</th><th>duration</th><th>slack</th><th>critical</th></tr>\n";
   std::vector<int> ids(r.graph.size());
   std::iota(ids.begin(), ids.end(), 0);
@@ -513,33 +697,47 @@ std::string report_html(const ProfileResult& r) {
   for (int i : ids) {
     const GraphNode& n = r.graph.nodes()[i];
     os << "<tr><td>" << html_escape(n.name) << "</td><td>" << op_category_name(n.category)
-       << "</td><td class=\"n\">" << n.layer << "</td><td class=\"n\">" << n.stream
-       << "</td><td class=\"n\">" << fmt_time(n.duration_ns) << "</td><td class=\"n\">"
-       << fmt_time(s.slack[i]) << "</td><td>" << (s.on_critical_path[i] ? "yes" : "")
-       << "</td></tr>\n";
+       << "</td>" << num_td(n.layer, std::to_string(n.layer)) << num_td(n.stream, std::to_string(n.stream))
+       << num_td(n.duration_ns, fmt_time(n.duration_ns)) << num_td(s.slack[i], fmt_time(s.slack[i]))
+       << "<td>" << (s.on_critical_path[i] ? "yes" : "") << "</td></tr>\n";
   }
-  os << "</table>\n</body>\n</html>\n";
+  os << "</table>\n<script>" << kScript << "</script>\n</body>\n</html>\n";
   return os.str();
 }
 
 // ---------------------------------------------------------------------------------------
 
-void write_reports(const std::string& dir, const ProfileResult& result) {
+void write_text_file(const std::string& path, const std::string& text) {
+  namespace fs = std::filesystem;
+  const fs::path p(path);
+  std::error_code ec;
+  if (p.has_parent_path()) {
+    fs::create_directories(p.parent_path(), ec);
+    if (ec) fail("cannot create directory '", p.parent_path().string(), "': ", ec.message());
+  }
+  std::ofstream out(p, std::ios::binary | std::ios::trunc);
+  if (!out) fail("cannot open '", p.string(), "' for writing");
+  out << text;
+  out.close();
+  if (!out) fail("error writing '", p.string(), "'");
+}
+
+void write_reports(const std::string& dir, const ProfileResult& result,
+                   const ValidationResult* validation) {
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) fail("write_reports: cannot create directory '", dir, "': ", ec.message());
   auto write = [&](const char* file, const std::string& text) {
-    const fs::path p = fs::path(dir) / file;
-    std::ofstream out(p, std::ios::binary | std::ios::trunc);
-    if (!out) fail("write_reports: cannot open '", p.string(), "' for writing");
-    out << text;
-    out.close();
-    if (!out) fail("write_reports: error writing '", p.string(), "'");
+    try {
+      write_text_file((fs::path(dir) / file).string(), text);
+    } catch (const Error& e) {
+      fail("write_reports: ", e.what());
+    }
   };
   write("trace.json", trace_json(result));
   write("ops.csv", ops_csv(result));
-  write("report.html", report_html(result));
+  write("report.html", report_html(result, validation));
 }
 
 }  // namespace esplag

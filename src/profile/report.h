@@ -1,12 +1,14 @@
 // Reports of a ProfileResult:
 //   trace.json   Chrome trace event format (loads in Perfetto / chrome://tracing)
 //   ops.csv      one row per (leaf) op
-//   report.html  self-contained page (inline SVG and CSS, no scripts, no network)
-// and a short plain-text summary for the terminal.
+//   report.html  self-contained page (inline SVG, CSS and one small script; no network)
+// and a short plain-text summary for the terminal. With a validation (validate.h) the page
+// gains a section comparing the predicted and the measured sparse step.
 #pragma once
 #include <string>
 
 #include "profile/analysis.h"
+#include "profile/validate.h"
 
 namespace esplag {
 
@@ -22,12 +24,19 @@ std::string trace_json(const ProfileResult& result);
 // record, or the scheduled start for a hand-built graph).
 std::string ops_csv(const ProfileResult& result);
 
-std::string report_html(const ProfileResult& result);
+// The page's script makes tables sortable and, once it has checked that every chart drew
+// at least one visible mark, sets data-rendered="1" on <body> ("0" if a chart is empty):
+// a headless browser can tell from the DOM that the page rendered and its script ran.
+std::string report_html(const ProfileResult& result, const ValidationResult* validation = nullptr);
 
 // A few lines: step time, critical path, top categories with their share, what-if.
 std::string summary_text(const ProfileResult& result, int top_categories = 5);
 
 // Creates `dir` (and parents) and writes trace.json, ops.csv and report.html into it.
-void write_reports(const std::string& dir, const ProfileResult& result);
+void write_reports(const std::string& dir, const ProfileResult& result,
+                   const ValidationResult* validation = nullptr);
+
+// Writes `text` to `path` (creating its directory), throwing Error on failure.
+void write_text_file(const std::string& path, const std::string& text);
 
 }  // namespace esplag

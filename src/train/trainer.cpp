@@ -1,10 +1,12 @@
 #include "train/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -13,6 +15,9 @@
 #include "io/atomic_file.h"
 #include "ops/adamw.h"
 #include "train/layer_kinds.h"
+#ifdef ESPLAG_HAVE_CUDA
+#include "train/gpu_step.h"
+#endif
 
 namespace esplag {
 
@@ -57,24 +62,26 @@ std::string format_rate(double tokens_per_s) {
   return buf;
 }
 
-std::string resolve_device(const std::string& requested) {
-#ifdef ESPLAG_HAVE_CUDA
-  if (requested == "cuda") fail("train.device=cuda: GPU training is not implemented yet; use device: cpu");
-#else
-  if (requested == "cuda") fail("train.device=cuda: this build has no CUDA backend (configure with the cuda preset)");
-#endif
-  return "cpu";  // "auto" runs where training is implemented: the CPU reference backend
+constexpr const char* kDivergedHint =
+    " (try a lower optimizer.lr or a longer schedule.warmup_steps); checkpoints so far are intact";
+
+std::string join(const std::vector<std::string>& parts, const std::string& sep) {
+  std::string out;
+  for (size_t i = 0; i < parts.size(); ++i) out += (i ? sep : "") + parts[i];
+  return out;
 }
 
 // Mean loss over the first `max_batches` batches of `loader` (from its start).
-EvalResult mean_loss(Transformer<float>& model, DataLoader& loader, int max_batches, int B, int T) {
+using BatchLoss = std::function<double(const int32_t* inputs, const int32_t* targets, int B, int T)>;
+
+EvalResult mean_loss(const BatchLoss& batch_loss, DataLoader& loader, int max_batches, int B, int T) {
   loader.reset();
   const int n = static_cast<int>(std::min<int64_t>(max_batches, loader.num_batches()));
   std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
   double sum = 0;
   for (int i = 0; i < n; ++i) {
     loader.next_batch(x.data(), y.data());
-    sum += model.forward_loss(x.data(), y.data(), B, T);
+    sum += batch_loss(x.data(), y.data(), B, T);
   }
   EvalResult r;
   r.batches = n;
@@ -84,7 +91,137 @@ EvalResult mean_loss(Transformer<float>& model, DataLoader& loader, int max_batc
   return r;
 }
 
+// The CPU reference step, on the host model itself: every Linear kind, every recipe.
+class CpuStep final : public StepBackend {
+ public:
+  CpuStep(Transformer<float>& model, const TrainConfig& cfg, Moments m, Moments v)
+      : model_(model), cfg_(cfg), m_(std::move(m)), v_(std::move(v)) {
+    x_.resize(size_t(cfg_.batch_size) * cfg_.seq_len);
+    y_.resize(x_.size());
+  }
+  std::string device() const override { return "cpu"; }
+  std::string describe() const override { return "cpu"; }
+
+  void step(int64_t step, double lr, DataLoader& data) override {
+    model_.on_step_begin(step);
+    model_.zero_grad();
+    Stats st;
+    for (int micro = 0; micro < cfg_.grad_accum; ++micro) {
+      data.next_batch(x_.data(), y_.data());
+      st.loss += model_.forward_backward(x_.data(), y_.data(), cfg_.batch_size, cfg_.seq_len, 1.0 / cfg_.grad_accum);
+    }
+    st.loss /= cfg_.grad_accum;
+    if (!std::isfinite(st.loss)) diverged("loss", st.loss, step + 1);
+    st.grad_norm = grad_norm();
+    if (!std::isfinite(st.grad_norm)) diverged("gradient norm", st.grad_norm, step + 1);
+    step_optimizer(step, cpu::clip_scale(st.grad_norm, cfg_.optimizer.grad_clip), lr);
+    last_ = st;
+  }
+  Stats last_stats() override { return last_; }
+  double eval_loss(const int32_t* inputs, const int32_t* targets, int B, int T) override {
+    return model_.forward_loss(inputs, targets, B, T);
+  }
+  HostMoments state_to_host() override {
+    ensure_moments();
+    return {m_, v_};
+  }
+
+ private:
+  // Global L2 norm of every trained gradient (deterministic order).
+  double grad_norm() {
+    double sq = 0;
+    for (const auto& p : model_.trainable_params()) {
+      const int64_t n = shape_numel(p.shape);
+      ScopedOp op({p.name, "grad_norm"}, OpCategory::optimizer, -1, 2.0 * n, sizeof(float) * double(n), {p.grad}, {});
+      sq += cpu::global_grad_norm_squared(p.grad, n);
+    }
+    return std::sqrt(sq);
+  }
+
+  void ensure_moments() {
+    // A tensor seen for the first time (a fresh run, or one a Linear kind just created)
+    // starts with zero moments; tensors that no longer exist drop theirs.
+    Moments m, v;
+    for (const auto& p : model_.trainable_params()) {
+      const size_t n = size_t(shape_numel(p.shape));
+      auto& mp = m[p.name] = std::move(m_[p.name]);
+      auto& vp = v[p.name] = std::move(v_[p.name]);
+      if (mp.size() != n) mp.assign(n, 0.0f), vp.assign(n, 0.0f);
+    }
+    m_ = std::move(m);
+    v_ = std::move(v);
+  }
+
+  void step_optimizer(int64_t step, double grad_scale, double lr) {
+    const auto& o = cfg_.optimizer;
+    ensure_moments();
+    for (const auto& p : model_.trainable_params()) {
+      const int64_t n = shape_numel(p.shape);
+      ScopedOp op({p.name, "adamw"}, OpCategory::optimizer, -1, 12.0 * n, 7.0 * sizeof(float) * n,
+                  {p.value, p.grad, m_[p.name].data(), v_[p.name].data()},
+                  {p.value, m_[p.name].data(), v_[p.name].data()});
+      cpu::adamw_step(p.value, p.grad, m_[p.name].data(), v_[p.name].data(), n, lr, o.beta1, o.beta2, o.eps,
+                      p.decay ? o.weight_decay : 0.0, step + 1, grad_scale);
+    }
+    model_.after_optimizer_step();
+  }
+
+  Transformer<float>& model_;
+  const TrainConfig cfg_;
+  Moments m_, v_;
+  std::vector<int32_t> x_, y_;
+  Stats last_;
+};
+
 }  // namespace
+
+void StepBackend::diverged(const char* what, double value, int64_t step) {
+  fail("training diverged: ", what, " is ", value, " at step ", step, kDivergedHint);
+}
+
+DeviceProbe probe_devices() {
+  DeviceProbe p;
+#ifdef ESPLAG_HAVE_CUDA
+  p.cuda_build = true;
+  p.gpus = cuda_device_count(&p.why_none);
+#endif
+  return p;
+}
+
+std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* model) {
+  std::vector<std::string> parts;
+  if (!config.recipe_yaml.empty()) {
+    const Recipe recipe = Recipe::parse(config.recipe_yaml, "recipe");
+    for (const auto& m : recipe.modifiers())
+      parts.push_back("modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") + " on " +
+                      join(m.params, ", "));
+  }
+  if (model)
+    for (const auto& name : model->linear_names())
+      if (model->linear(name).kind() != "dense") parts.push_back(name + " of kind " + model->linear(name).kind());
+  if (parts.empty()) return "";
+  return "the run needs sparse Linear kinds (" + join(parts, "; ") + ")";
+}
+
+DeviceChoice choose_train_device(const std::string& requested, const DeviceProbe& probe,
+                                 const std::string& gpu_blocker) {
+  ESPLAG_CHECK(requested == "auto" || requested == "cpu" || requested == "cuda",
+               "train.device must be auto, cpu or cuda, got '", requested, "'");
+  if (requested == "cpu") return {"cpu", ""};
+  const std::string none = probe.why_none.empty() ? "" : " (" + probe.why_none + ")";
+  if (requested == "cuda") {
+    ESPLAG_CHECK(probe.cuda_build, "train.device=cuda: this esplag was built without the CUDA backend (configure with "
+                                   "-DESPLAG_CUDA=ON, the cuda preset); use train.device=cpu");
+    ESPLAG_CHECK(probe.gpus > 0, "train.device=cuda: no CUDA device is visible", none, "; use train.device=cpu");
+    ESPLAG_CHECK(gpu_blocker.empty(), "train.device=cuda: ", gpu_blocker,
+                 ", and sparse GPU training is not available yet; use train.device=cpu");
+    return {"cuda", ""};
+  }
+  if (!probe.cuda_build) return {"cpu", ""};
+  if (probe.gpus == 0) return {"cpu", "auto: no CUDA device is visible" + none};
+  if (!gpu_blocker.empty()) return {"cpu", "auto: " + gpu_blocker + "; sparse GPU training is not available yet"};
+  return {"cuda", ""};
+}
 
 Trainer::Trainer(TrainConfig config, std::string run_dir, LogFn log)
     : cfg_(std::move(config)), run_dir_(std::move(run_dir)), log_(std::move(log)) {
@@ -94,7 +231,7 @@ Trainer::Trainer(TrainConfig config, std::string run_dir, LogFn log)
   ESPLAG_CHECK(cfg_.model.vocab_size >= meta.vocab_size, "model.vocab_size (", cfg_.model.vocab_size,
                ") is smaller than the dataset's vocabulary (", meta.vocab_size, ")");
   cfg_.validate();
-  resolve_device(cfg_.device);
+  resolve_device();
 
   std::error_code ec;
   fs::create_directories(run_dir_, ec);
@@ -104,14 +241,17 @@ Trainer::Trainer(TrainConfig config, std::string run_dir, LogFn log)
   write_file_atomic((fs::path(run_dir_) / "config.yaml").string(), to_yaml(cfg_));
   fs::remove(fs::path(run_dir_) / "metrics.jsonl", ec);
 
+  // Initialised on the host whatever the device, so a CPU and a GPU run of one config
+  // start from the same weights.
   model_ = std::make_unique<Transformer<float>>(cfg_.model);
   model_->init_weights(cfg_.seed);
   state_.rng = Rng(cfg_.seed).state();
   setup_recipe();
   setup_data();
+  make_backend({}, {});
 }
 
-std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, int64_t steps) {
+std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, int64_t steps, const std::string& device) {
   const std::string ck = resolve_checkpoint(dir);
   CheckpointContents info = read_checkpoint_info(ck);
   std::unique_ptr<Trainer> t(new Trainer(std::move(log)));
@@ -120,15 +260,19 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, int6
     t->cfg_.steps = steps;
     t->cfg_.schedule.total_steps = steps;
   }
+  if (!device.empty()) t->cfg_.device = device;
   t->run_dir_ = fs::path(ck).parent_path().string();
   t->tokenizer_ = info.tokenizer;
   t->state_ = info.state;
   t->model_ = std::make_unique<Transformer<float>>(t->cfg_.model);
   t->setup_recipe();
   build_kinds_after(*t->model_, t->recipe_, t->state_.step, t->cfg_.seed);
-  load_checkpoint_weights(ck, *t->model_, &t->m_, &t->v_);
+  Moments m, v;
+  load_checkpoint_weights(ck, *t->model_, &m, &v);
+  t->resolve_device();
   t->setup_data();
   t->train_data_->set_state(t->state_.data);
+  t->make_backend(std::move(m), std::move(v));
   t->last_checkpoint_ = ck;
   // Metrics logged after this checkpoint belong to a timeline that is being replaced.
   const fs::path metrics = fs::path(t->run_dir_) / "metrics.jsonl";
@@ -145,8 +289,29 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, int6
     }
     write_file_atomic(metrics.string(), kept);
   }
-  t->log_("resuming " + ck + " at step " + std::to_string(t->state_.step) + " of " + std::to_string(t->cfg_.steps));
+  t->log_("resuming " + ck + " at step " + std::to_string(t->state_.step) + " of " + std::to_string(t->cfg_.steps) +
+          " | device " + t->backend_->describe() + (t->device_note_.empty() ? "" : " (" + t->device_note_ + ")"));
   return t;
+}
+
+void Trainer::resolve_device() {
+  // Only `auto` and `cuda` look for a GPU (starting the CUDA runtime takes a moment).
+  const DeviceProbe probe = cfg_.device == "cpu" ? DeviceProbe{} : probe_devices();
+  const DeviceChoice choice = choose_train_device(cfg_.device, probe, gpu_training_blocker(cfg_, model_.get()));
+  device_ = choice.device;
+  device_note_ = choice.note;
+}
+
+void Trainer::make_backend(Moments m, Moments v) {
+  if (device_ == "cuda") {
+#ifdef ESPLAG_HAVE_CUDA
+    backend_ = make_gpu_step(cfg_, *model_, std::move(m), std::move(v), state_.step);
+    return;
+#else
+    fail("train.device=cuda: this esplag was built without the CUDA backend");  // choose_train_device refuses first
+#endif
+  }
+  backend_ = std::make_unique<CpuStep>(*model_, cfg_, std::move(m), std::move(v));
 }
 
 void Trainer::setup_recipe() {
@@ -168,80 +333,43 @@ void Trainer::append_metrics(const std::string& json_line) {
 }
 
 EvalResult Trainer::evaluate() {
-  return mean_loss(*model_, *val_data_, cfg_.eval_batches, cfg_.batch_size, cfg_.seq_len);
-}
-
-double Trainer::grad_norm() {
-  double sq = 0;
-  for (const auto& p : model_->trainable_params()) {
-    const int64_t n = shape_numel(p.shape);
-    ScopedOp op({p.name, "grad_norm"}, OpCategory::optimizer, -1, 2.0 * n, sizeof(float) * double(n), {p.grad}, {});
-    sq += cpu::global_grad_norm_squared(p.grad, n);
-  }
-  return std::sqrt(sq);
-}
-
-void Trainer::ensure_moments() {
-  // A tensor seen for the first time (a fresh run, or one a Linear kind just created)
-  // starts with zero moments; tensors that no longer exist drop theirs.
-  Moments m, v;
-  for (const auto& p : model_->trainable_params()) {
-    const size_t n = size_t(shape_numel(p.shape));
-    auto& mp = m[p.name] = std::move(m_[p.name]);
-    auto& vp = v[p.name] = std::move(v_[p.name]);
-    if (mp.size() != n) mp.assign(n, 0.0f), vp.assign(n, 0.0f);
-  }
-  m_ = std::move(m);
-  v_ = std::move(v);
-}
-
-void Trainer::step_optimizer(int64_t step, double grad_scale, double lr) {
-  const auto& o = cfg_.optimizer;
-  ensure_moments();
-  for (const auto& p : model_->trainable_params()) {
-    const int64_t n = shape_numel(p.shape);
-    ScopedOp op({p.name, "adamw"}, OpCategory::optimizer, -1, 12.0 * n, 7.0 * sizeof(float) * n,
-                {p.value, p.grad, m_[p.name].data(), v_[p.name].data()},
-                {p.value, m_[p.name].data(), v_[p.name].data()});
-    cpu::adamw_step(p.value, p.grad, m_[p.name].data(), v_[p.name].data(), shape_numel(p.shape), lr, o.beta1,
-                    o.beta2, o.eps, p.decay ? o.weight_decay : 0.0, step + 1, grad_scale);
-  }
-  model_->after_optimizer_step();
+  const BatchLoss loss = [this](const int32_t* x, const int32_t* y, int B, int T) {
+    return backend_->eval_loss(x, y, B, T);
+  };
+  return mean_loss(loss, *val_data_, cfg_.eval_batches, cfg_.batch_size, cfg_.seq_len);
 }
 
 void Trainer::save() {
   state_.data = train_data_->state();
-  ensure_moments();
-  last_checkpoint_ = save_checkpoint(run_dir_, *model_, cfg_, tokenizer_, state_, m_, v_);
+  const StepBackend::HostMoments moments = backend_->state_to_host();
+  // A step can leave non-finite weights behind a finite loss (a huge learning rate):
+  // they never become a checkpoint.
+  for (const auto& p : model_->trainable_params()) {
+    const int64_t n = shape_numel(p.shape);
+    for (int64_t i = 0; i < n; ++i)
+      if (!std::isfinite(p.value[i]))
+        fail("training diverged: parameter '", p.name, "' holds ", p.value[i], " after step ", state_.step,
+             kDivergedHint);
+  }
+  last_checkpoint_ = save_checkpoint(run_dir_, *model_, cfg_, tokenizer_, state_, moments.m, moments.v);
   prune_checkpoints(run_dir_, cfg_.keep_checkpoints);
   log_("saved " + last_checkpoint_);
 }
 
-Trainer::StepStats Trainer::train_step() {
-  const int B = cfg_.batch_size, T = cfg_.seq_len;
-  batch_x_.resize(size_t(B) * T);
-  batch_y_.resize(size_t(B) * T);
+double Trainer::advance() {
   const int64_t step = state_.step;
   if (!recipe_.empty()) apply_recipe_step(*model_, recipe_, step, cfg_.seed, log_);
-  model_->on_step_begin(step);
-  model_->zero_grad();
-  StepStats st;
-  for (int micro = 0; micro < cfg_.grad_accum; ++micro) {
-    train_data_->next_batch(batch_x_.data(), batch_y_.data());
-    st.loss += model_->forward_backward(batch_x_.data(), batch_y_.data(), B, T, 1.0 / cfg_.grad_accum);
-  }
-  st.loss /= cfg_.grad_accum;
-  if (!std::isfinite(st.loss))
-    fail("training diverged: loss is ", st.loss, " at step ", step + 1,
-         " (try a lower optimizer.lr or a longer schedule.warmup_steps); checkpoints so far are intact");
-  st.grad_norm = grad_norm();
-  ESPLAG_CHECK(std::isfinite(st.grad_norm), "training diverged: gradient norm is ", st.grad_norm, " at step ",
-               step + 1);
-  st.lr = cfg_.schedule.at(step);
-  step_optimizer(step, cpu::clip_scale(st.grad_norm, cfg_.optimizer.grad_clip), st.lr);
+  const double lr = cfg_.schedule.at(step);
+  backend_->step(step, lr, *train_data_);
   state_.step = step + 1;
-  state_.tokens_seen += int64_t(B) * T * cfg_.grad_accum;
-  return st;
+  state_.tokens_seen += int64_t(cfg_.batch_size) * cfg_.seq_len * cfg_.grad_accum;
+  return lr;
+}
+
+Trainer::StepStats Trainer::train_step() {
+  const double lr = advance();
+  const StepBackend::Stats st = backend_->last_stats();
+  return {st.loss, st.grad_norm, lr};
 }
 
 TrainResult Trainer::run() {
@@ -250,10 +378,10 @@ TrainResult Trainer::run() {
   TrainResult result;
   if (state_.step == 0) {
     char buf[256];
-    std::snprintf(buf, sizeof buf, "model %s: %.2fM parameters | %d layers, d=%d, %d heads | %lld tokens/step | device cpu",
+    std::snprintf(buf, sizeof buf, "model %s: %.2fM parameters | %d layers, d=%d, %d heads | %lld tokens/step | device ",
                   cfg_.model.preset.c_str(), model_->num_params() / 1e6, cfg_.model.n_layer, cfg_.model.d_model,
                   cfg_.model.n_head, static_cast<long long>(tokens_per_step));
-    log_(buf);
+    log_(std::string(buf) + backend_->describe() + (device_note_.empty() ? "" : " (" + device_note_ + ")"));
   }
   const int64_t first_step = state_.step;
   const auto t_start = clock::now();
@@ -261,15 +389,23 @@ TrainResult Trainer::run() {
   int64_t window_tokens = 0;
   bool first = true;
   while (state_.step < cfg_.steps) {
-    const StepStats st = train_step();
-    const double loss = st.loss, norm = st.grad_norm, lr = st.lr;
+    const double lr = advance();
     window_tokens += tokens_per_step;
-    if (first) result.first_loss = loss;
+    const bool last = state_.step == cfg_.steps;
+    const bool log_now = state_.step % cfg_.log_every == 0 || last || state_.step == first_step + 1;
+    const bool eval_now = (cfg_.eval_every > 0 && state_.step % cfg_.eval_every == 0) || last;
+    const bool save_now = (cfg_.checkpoint_every > 0 && state_.step % cfg_.checkpoint_every == 0) || last;
+    if (!log_now && !eval_now && !save_now) continue;
+    // The loop waits for a device only here: the step's loss and norm are read (and every
+    // step since the last read checked for divergence) before anything is reported,
+    // evaluated or saved.
+    const StepBackend::Stats st = backend_->last_stats();
+    const double loss = st.loss, norm = st.grad_norm;
+    if (first) result.first_loss = loss;  // the first step is always logged
     first = false;
     result.last_loss = loss;
 
-    const bool last = state_.step == cfg_.steps;
-    if (state_.step % cfg_.log_every == 0 || last || state_.step == first_step + 1) {
+    if (log_now) {
       const auto now = clock::now();
       const double window_s = std::chrono::duration<double>(now - t_window).count();
       const double elapsed = std::chrono::duration<double>(now - t_start).count();
@@ -287,7 +423,7 @@ TrainResult Trainer::run() {
       t_window = now;
       window_tokens = 0;
     }
-    if ((cfg_.eval_every > 0 && state_.step % cfg_.eval_every == 0) || last) {
+    if (eval_now) {
       const EvalResult ev = evaluate();
       char buf[160];
       std::snprintf(buf, sizeof buf, "eval step %lld | val loss %.4f | ppl %.2f (%d batches)",
@@ -296,7 +432,7 @@ TrainResult Trainer::run() {
       append_metrics(nlohmann::json{{"step", state_.step}, {"val_loss", ev.loss}, {"val_ppl", ev.perplexity}}.dump());
       result.final_val_loss = ev.loss;
     }
-    if ((cfg_.checkpoint_every > 0 && state_.step % cfg_.checkpoint_every == 0) || last) save();
+    if (save_now) save();
   }
   result.steps = state_.step;
   result.last_checkpoint = last_checkpoint_;
@@ -314,7 +450,10 @@ EvalResult evaluate_checkpoint(const std::string& checkpoint, const std::string&
   const int B = batch_size > 0 ? batch_size : info.config.batch_size;
   const int T = seq_len > 0 ? seq_len : info.config.seq_len;
   DataLoader loader(data_dir, split, B, T, info.config.seed);
-  return mean_loss(*model, loader, max_batches > 0 ? max_batches : INT32_MAX, B, T);
+  const BatchLoss loss = [&](const int32_t* x, const int32_t* y, int b, int t) {
+    return model->forward_loss(x, y, b, t);
+  };
+  return mean_loss(loss, loader, max_batches > 0 ? max_batches : INT32_MAX, B, T);
 }
 
 }  // namespace esplag

@@ -2,6 +2,12 @@
 // AdamW, the LR schedule, periodic evaluation and checkpoints, a progress line and
 // metrics.jsonl. Fresh runs and resumed runs go through the same loop, so a resumed run
 // on the CPU reproduces the uninterrupted one bit for bit.
+//
+// Where the arithmetic of a step runs is one seam, StepBackend: the CPU reference on the
+// host model itself, or (train.device=cuda, CUDA build) the dense GPU model of
+// train/gpu_step.h working on a device copy that is written back to the host model for
+// checkpoints. Data, schedule, recipe, logging and checkpoints are the trainer's and the
+// same for both, so a checkpoint of either device resumes on the other.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -33,23 +39,91 @@ struct TrainResult {
 
 using LogFn = std::function<void(const std::string&)>;
 
+// --- where a run trains ---------------------------------------------------------------
+
+// What this process can train on.
+struct DeviceProbe {
+  bool cuda_build = false;  // built with the CUDA backend (ESPLAG_CUDA=ON)
+  int gpus = 0;             // CUDA devices visible
+  std::string why_none;     // when gpus == 0 in a CUDA build: the runtime's reason
+};
+DeviceProbe probe_devices();
+
+// What the dense GPU path cannot train of this run, "" when nothing: the recipe's
+// modifiers (every one needs a sparse Linear kind or LoRA adapters) and, when `model` is
+// given, its Linear kinds other than dense.
+std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* model = nullptr);
+
+struct DeviceChoice {
+  std::string device;  // "cpu" or "cuda"
+  std::string note;    // why `auto` stayed on the CPU although a GPU is visible ("" otherwise)
+};
+// train.device resolved: `cpu` is the CPU; `cuda` is the GPU, or an Error when the build
+// has no CUDA backend, no GPU is visible, or `gpu_blocker` is not empty; `auto` is the GPU
+// when `cuda` would succeed and the CPU otherwise (with a note when a GPU was there).
+DeviceChoice choose_train_device(const std::string& requested, const DeviceProbe& probe,
+                                 const std::string& gpu_blocker);
+
+// --- the step seam ---------------------------------------------------------------------
+
+// The arithmetic of training steps. A backend owns the optimizer state and the working
+// copy of the weights (on the CPU: the host model itself).
+class StepBackend {
+ public:
+  struct Stats {
+    double loss = 0, grad_norm = 0;
+  };
+  virtual ~StepBackend() = default;
+  virtual std::string device() const = 0;  // "cpu" or "cuda"
+  // For the run's first log line, e.g. "cuda (NVIDIA H100 80GB HBM3, 1.2 GiB for the model)".
+  virtual std::string describe() const = 0;
+  // Optimizer step `step` (0-based): train.grad_accum micro-batches from `data`, each
+  // adding d(loss / grad_accum)/dθ, then global-norm clipping and AdamW at `lr`. A device
+  // backend may return before the device has finished.
+  virtual void step(int64_t step, double lr, DataLoader& data) = 0;
+  // Mean loss (over the micro-batches) and gradient norm (before clipping) of the last
+  // step; waits for it. Throws the "training diverged" Error when a step since the last
+  // call had a non-finite loss or this one a non-finite norm (the CPU throws from step()).
+  virtual Stats last_stats() = 0;
+  // Mean loss of one batch, no gradients.
+  virtual double eval_loss(const int32_t* inputs, const int32_t* targets, int B, int T) = 0;
+  // What a checkpoint holds: writes the current weights into the host model and returns
+  // the AdamW moments by trained tensor (valid until the next step).
+  struct HostMoments {
+    const Moments& m;
+    const Moments& v;
+  };
+  virtual HostMoments state_to_host() = 0;
+
+ protected:
+  // The divergence Error, worded the same on every device.
+  [[noreturn]] static void diverged(const char* what, double value, int64_t step);
+};
+
 class Trainer {
  public:
   // A new run in `run_dir` (created; it must not already hold checkpoints).
   Trainer(TrainConfig config, std::string run_dir, LogFn log);
   // Continues the run whose checkpoint (or run directory) is `dir`; `steps` > 0 extends
-  // or shortens the total.
-  static std::unique_ptr<Trainer> resume(const std::string& dir, LogFn log, int64_t steps = 0);
+  // or shortens the total; `device` (auto | cpu | cuda) replaces the saved train.device
+  // when not empty.
+  static std::unique_ptr<Trainer> resume(const std::string& dir, LogFn log, int64_t steps = 0,
+                                         const std::string& device = "");
 
   TrainResult run();
 
   // One optimizer step (all micro-batches, clipping, AdamW, the Linear kinds' hooks);
-  // what run() repeats. Public so that the profiler can observe exactly one step.
+  // what run() repeats. Public so that the profiler can observe exactly one step. Waits
+  // for the step's loss (run() does so only when it logs, evaluates or saves).
   struct StepStats {
     double loss = 0, grad_norm = 0, lr = 0;
   };
   StepStats train_step();
   const TrainConfig& config() const { return cfg_; }
+  // "cpu" or "cuda": where the steps run.
+  const std::string& device() const { return device_; }
+  // The host model. With a GPU backend it holds the weights of the last checkpoint (and
+  // after run(), those of the last step, which is always saved).
   Transformer<float>& model() { return *model_; }
 
  private:
@@ -57,11 +131,13 @@ class Trainer {
   void setup_data();
   // Parses and validates the config's recipe against the model.
   void setup_recipe();
+  // Resolves cfg_.device into device_ (throws before anything is written).
+  void resolve_device();
+  // The backend for device_, taking over the optimizer moments.
+  void make_backend(Moments m, Moments v);
+  // The recipe's changes, the backend's step, the counters; returns the learning rate.
+  double advance();
   EvalResult evaluate();
-  // Global L2 norm of every trained gradient (deterministic order).
-  double grad_norm();
-  void ensure_moments();
-  void step_optimizer(int64_t step, double grad_scale, double lr);
   void save();
   void append_metrics(const std::string& json_line);
 
@@ -70,10 +146,11 @@ class Trainer {
   LogFn log_;
   std::unique_ptr<Transformer<float>> model_;
   std::unique_ptr<DataLoader> train_data_, val_data_;
-  Moments m_, v_;
+  std::unique_ptr<StepBackend> backend_;
+  std::string device_ = "cpu";
+  std::string device_note_;  // why `auto` chose the CPU, when a GPU was visible
   TrainerState state_;
   Recipe recipe_;  // empty for dense training
-  std::vector<int32_t> batch_x_, batch_y_;
   std::string last_checkpoint_;
 };
 

@@ -1,0 +1,192 @@
+// GpuStep: train.device=cuda (see train/gpu_step.h).
+#include "train/gpu_step.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "model/gpu_transformer.h"
+
+namespace esplag {
+
+namespace {
+
+// What the device keeps of the steps between two reads by the host.
+struct StepHealth {
+  double loss_sum;     // Σ of the running step's micro-batch losses
+  double loss;         // mean loss of the last finished step
+  long long bad_step;  // first step (1-based) whose loss was not finite; 0: none
+  double bad_loss;     // its loss
+};
+
+// One thread each: the bookkeeping of a step costs two tiny launches per micro-batch
+// instead of a host round trip.
+__global__ void add_micro_loss_kernel(StepHealth* h, const double* micro_loss, int first) {
+  h->loss_sum = (first ? 0.0 : h->loss_sum) + *micro_loss;
+}
+
+__global__ void finish_step_kernel(StepHealth* h, int micro_batches, long long step) {
+  const double loss = h->loss_sum / micro_batches;  // as the CPU: the sum in order, then one division
+  h->loss = loss;
+  if (!isfinite(loss) && h->bad_step == 0) {
+    h->bad_step = step;
+    h->bad_loss = loss;
+  }
+}
+
+GpuModelOptions model_options() {
+  GpuModelOptions o;
+  o.extra_arena_bytes = 2 * DeviceArena::kDefaultAlignment;  // the StepHealth record
+  return o;
+}
+
+class GpuStep final : public StepBackend {
+ public:
+  GpuStep(const TrainConfig& cfg, Transformer<float>& host, Moments m, Moments v, int64_t steps_done)
+      : cfg_(cfg), host_(host), model_(cfg.model, cfg.batch_size, cfg.seq_len, model_options()) {
+    check_layout();
+    model_.set_params(host_.params(), host_.num_params());
+    if (!m.empty() || !v.empty()) {
+      std::vector<float> mf(host_.num_params()), vf(host_.num_params());
+      for (const auto& info : host_.param_infos()) {
+        auto mi = m.find(info.name), vi = v.find(info.name);
+        ESPLAG_CHECK(mi != m.end() && vi != v.end() && mi->second.size() == info.numel &&
+                         vi->second.size() == info.numel,
+                     "GPU training: the optimizer state for '", info.name, "' is missing or has the wrong size");
+        std::copy(mi->second.begin(), mi->second.end(), mf.begin() + info.offset);
+        std::copy(vi->second.begin(), vi->second.end(), vf.begin() + info.offset);
+      }
+      model_.set_optimizer_state(mf.data(), vf.data(), mf.size(), steps_done);
+    } else {
+      ESPLAG_CHECK(steps_done == 0, "GPU training: no optimizer state given after ", steps_done, " steps");
+    }
+    health_ = model_.arena().allocate_array<StepHealth>("train.step_health", 1);
+    CUDA_CHECK(cudaMemsetAsync(health_, 0, sizeof(StepHealth), model_.stream()));
+    x_.resize(size_t(cfg_.batch_size) * cfg_.seq_len);
+    y_.resize(x_.size());
+    int dev = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    cudaDeviceProp prop{};
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    gpu_name_ = prop.name;
+    model_.synchronize();
+    CUDA_CHECK(cudaMallocHost(&host_health_, sizeof(StepHealth)));  // last: nothing throws after it
+  }
+  ~GpuStep() override {
+    if (host_health_) cudaFreeHost(host_health_);
+  }
+
+  std::string device() const override { return "cuda"; }
+  std::string describe() const override {
+    const double gib = double(model_.plan().total()) / double(size_t(1) << 30);
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.2f GiB", gib);
+    return "cuda (" + gpu_name_ + ", " + buf + " of device memory for the model)";
+  }
+
+  void step(int64_t step, double lr, DataLoader& data) override {
+    ESPLAG_CHECK(model_.optimizer_steps() == step, "GPU training: the optimizer has taken ", model_.optimizer_steps(),
+                 " steps but the trainer is at step ", step);
+    const int B = cfg_.batch_size, T = cfg_.seq_len, accum = cfg_.grad_accum;
+    cudaStream_t s = model_.stream();
+    model_.zero_grad();
+    for (int micro = 0; micro < accum; ++micro) {
+      data.next_batch(x_.data(), y_.data());
+      model_.upload_batch(x_.data(), y_.data(), B, T);
+      model_.forward_backward_device(model_.device_tokens(), model_.device_targets(), B, T, 1.0 / accum);
+      add_micro_loss_kernel<<<1, 1, 0, s>>>(health_, model_.device_loss(), micro == 0);
+      CUDA_CHECK_LAUNCH("GPU training (loss accumulation)");
+    }
+    finish_step_kernel<<<1, 1, 0, s>>>(health_, accum, static_cast<long long>(step + 1));
+    CUDA_CHECK_LAUNCH("GPU training (step loss)");
+    const auto& o = cfg_.optimizer;
+    GpuAdamW hyper;
+    hyper.lr = lr;
+    hyper.beta1 = o.beta1;
+    hyper.beta2 = o.beta2;
+    hyper.eps = o.eps;
+    hyper.weight_decay = o.weight_decay;  // the model applies it to decaying tensors only
+    hyper.grad_clip = o.grad_clip;
+    hyper.grad_scale = 1.0;  // the micro-batches already scaled their losses by 1/grad_accum
+    model_.step_adamw(hyper);
+  }
+
+  Stats last_stats() override {
+    CUDA_CHECK(cudaMemcpyAsync(host_health_, health_, sizeof(StepHealth), cudaMemcpyDeviceToHost, model_.stream()));
+    const double norm = model_.last_grad_norm();  // waits for the stream, so for the copy too
+    const StepHealth h = *host_health_;
+    if (h.bad_step != 0) diverged("loss", h.bad_loss, h.bad_step);
+    if (!std::isfinite(norm)) diverged("gradient norm", norm, model_.optimizer_steps());
+    return {h.loss, norm};
+  }
+
+  double eval_loss(const int32_t* inputs, const int32_t* targets, int B, int T) override {
+    return model_.forward_loss(inputs, targets, B, T);
+  }
+
+  HostMoments state_to_host() override {
+    const std::vector<float> p = model_.params_to_host();
+    std::copy(p.begin(), p.end(), host_.params());
+    std::vector<float> mf, vf;
+    model_.optimizer_state_to_host(mf, vf);
+    for (const auto& info : host_.param_infos()) {
+      m_[info.name].assign(mf.begin() + info.offset, mf.begin() + info.offset + info.numel);
+      v_[info.name].assign(vf.begin() + info.offset, vf.begin() + info.offset + info.numel);
+    }
+    return {m_, v_};
+  }
+
+ private:
+  // The GPU model promises the CPU model's flat layout; the copies in both directions
+  // rely on it, so a difference is an Error here rather than scrambled weights later.
+  void check_layout() const {
+    const auto& a = host_.param_infos();
+    const auto& b = model_.param_infos();
+    ESPLAG_CHECK(a.size() == b.size() && host_.num_params() == model_.num_params(),
+                 "GPU training: the GPU model has ", b.size(), " tensors (", model_.num_params(),
+                 " parameters), the host model ", a.size(), " (", host_.num_params(), ")");
+    for (size_t i = 0; i < a.size(); ++i)
+      ESPLAG_CHECK(a[i].name == b[i].name && a[i].offset == b[i].offset && a[i].numel == b[i].numel &&
+                       a[i].decay == b[i].decay,
+                   "GPU training: parameter ", i, " is '", a[i].name, "' on the host but '", b[i].name,
+                   "' on the GPU (or differs in offset, size or decay)");
+    for (const auto& name : host_.linear_names())
+      ESPLAG_CHECK(host_.linear(name).kind() == "dense", "GPU training: ", name, " is of kind ",
+                   host_.linear(name).kind(), "; sparse GPU training is not available yet (use train.device=cpu)");
+  }
+
+  const TrainConfig cfg_;
+  Transformer<float>& host_;
+  GpuTransformer model_;
+  StepHealth* health_ = nullptr;
+  StepHealth* host_health_ = nullptr;  // pinned
+  std::vector<int32_t> x_, y_;
+  Moments m_, v_;  // host copies of the moments, filled by state_to_host
+  std::string gpu_name_;
+};
+
+}  // namespace
+
+int cuda_device_count(std::string* why) {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // not sticky: leave no error behind for later checks
+    if (why) *why = std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
+    return 0;
+  }
+  if (n == 0 && why) *why = "the CUDA runtime reports no device";
+  return n;
+}
+
+std::unique_ptr<StepBackend> make_gpu_step(const TrainConfig& config, Transformer<float>& host_model, Moments m,
+                                           Moments v, int64_t steps_done) {
+  return std::make_unique<GpuStep>(config, host_model, std::move(m), std::move(v), steps_done);
+}
+
+}  // namespace esplag

@@ -1,0 +1,42 @@
+// Dense training steps on the GPU: the StepBackend of train.device=cuda (train/trainer.h)
+// over GpuTransformer (model/gpu_transformer.h).
+//
+// The trainer keeps the host model, the data, the schedule and the checkpoints; this
+// backend holds the device copy of the weights, the gradients and the AdamW moments.
+// It starts from the host model's weights (so a GPU run starts where the CPU run of the
+// same config starts, and a CPU checkpoint continues on the GPU) and writes weights and
+// moments back in the CPU layout when the trainer saves.
+//
+// A step queues its work and returns: the micro-batches' tokens go up through the
+// model's pinned staging buffer, each micro-batch adds its mean loss into a device
+// accumulator, and a one-thread kernel keeps the first step whose loss is not finite.
+// The host waits only in last_stats() (when the trainer logs, evaluates or saves), which
+// reports that step as the CPU would have at once.
+//
+// Only for the CUDA build (ESPLAG_CUDA=ON).
+#pragma once
+
+#ifndef ESPLAG_HAVE_CUDA
+#error "train/gpu_step.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#endif
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "train/trainer.h"
+
+namespace esplag {
+
+// CUDA devices this process sees. 0 when there are none, with the runtime's reason in
+// *why (no driver, no device) when why is given.
+int cuda_device_count(std::string* why = nullptr);
+
+// The GPU step for `config` on CUDA device 0, starting from `host_model`'s weights (a
+// dense model: every Linear of kind dense) and the moments m, v by tensor name (empty:
+// zero, for a fresh run) after `steps_done` optimizer steps. Sized for micro-batches of
+// train.batch_size x train.seq_len; throws with the memory plan when that does not fit.
+std::unique_ptr<StepBackend> make_gpu_step(const TrainConfig& config, Transformer<float>& host_model, Moments m,
+                                           Moments v, int64_t steps_done);
+
+}  // namespace esplag

@@ -1,0 +1,178 @@
+// train.device: how auto / cpu / cuda resolve, and the errors a run gets when the GPU path
+// cannot be used (a build without CUDA, no GPU visible, a sparse recipe), checked without
+// a GPU. The GPU runs themselves are tests/gpu_train.cu.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "data/prepare.h"
+#include "data/tokenizer.h"
+#include "test_util.h"
+#include "train/layer_kinds.h"
+#include "train/trainer.h"
+
+using namespace esplag;
+using esplag::testing::contains;
+using esplag::testing::error_of;
+using esplag::testing::TempDir;
+namespace fs = std::filesystem;
+
+namespace {
+
+const DeviceProbe kCpuBuild{false, 0, ""};
+const DeviceProbe kNoGpu{true, 0, "cudaErrorNoDevice: no CUDA-capable device is detected"};
+const DeviceProbe kOneGpu{true, 1, ""};
+const std::string kBlocker = "the run needs sparse Linear kinds (modifier slope on re:.*mlp.*)";
+
+std::string make_dataset(const TempDir& dir) {
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "In the beginning God created the heaven and the earth. " + std::to_string(i) + "\n";
+  esplag::testing::write_text(dir.file("corpus.txt"), text);
+  prepare_dataset(dir.file("corpus.txt"), ByteTokenizer(), dir.file("data"), 0.1, 1 << 20);
+  return dir.file("data");
+}
+
+TrainConfig small_config(const std::string& data, const std::string& device) {
+  return parse_train_config(R"(
+model: {preset: tiny, n_layer: 1, d_model: 32, n_head: 2, n_kv_head: 2, d_ff: 64, max_seq_len: 16}
+train: {batch_size: 2, seq_len: 16, steps: 2, log_every: 1, eval_every: 0, eval_batches: 1, checkpoint_every: 0}
+)",
+                            "test", {"data.path=" + data, "train.device=" + device});
+}
+
+const char* kRecipe = R"(
+model: {preset: tiny, n_layer: 1, d_model: 32, n_head: 2, n_kv_head: 2, d_ff: 64, max_seq_len: 16}
+train: {batch_size: 2, seq_len: 16, steps: 10}
+recipe:
+  - gradual_magnitude: {params: ['blocks.0.mlp.fc.weight'], mask_type: "2:4", start: 2, end: 6, update_every: 2}
+  - slope: {params: ['blocks.0.attn.qkv.weight'], lora_rank: 2, lora_start: 0.5}
+)";
+
+void quiet(const std::string&) {}
+
+}  // namespace
+
+TEST(TrainDevice, CpuIsAlwaysTheCpu) {
+  for (const DeviceProbe& p : {kCpuBuild, kNoGpu, kOneGpu}) {
+    const DeviceChoice c = choose_train_device("cpu", p, kBlocker);
+    EXPECT_EQ(c.device, "cpu");
+    EXPECT_EQ(c.note, "");
+  }
+}
+
+TEST(TrainDevice, CudaNeedsACudaBuildAGpuAndADenseRun) {
+  const std::string no_build = error_of([] { choose_train_device("cuda", kCpuBuild, ""); });
+  EXPECT_TRUE(contains(no_build, "train.device=cuda")) << no_build;
+  EXPECT_TRUE(contains(no_build, "built without the CUDA backend")) << no_build;
+  EXPECT_TRUE(contains(no_build, "use train.device=cpu")) << no_build;
+
+  const std::string no_gpu = error_of([] { choose_train_device("cuda", kNoGpu, ""); });
+  EXPECT_TRUE(contains(no_gpu, "no CUDA device is visible")) << no_gpu;
+  EXPECT_TRUE(contains(no_gpu, "cudaErrorNoDevice")) << no_gpu;  // the runtime's reason is passed on
+
+  const std::string sparse = error_of([] { choose_train_device("cuda", kOneGpu, kBlocker); });
+  EXPECT_TRUE(contains(sparse, "modifier slope on re:.*mlp.*")) << sparse;
+  EXPECT_TRUE(contains(sparse, "sparse GPU training is not available yet")) << sparse;
+  EXPECT_TRUE(contains(sparse, "use train.device=cpu")) << sparse;
+
+  const DeviceChoice ok = choose_train_device("cuda", kOneGpu, "");
+  EXPECT_EQ(ok.device, "cuda");
+  EXPECT_EQ(ok.note, "");
+}
+
+TEST(TrainDevice, AutoTakesTheGpuOnlyWhenCudaWould) {
+  DeviceChoice c = choose_train_device("auto", kCpuBuild, "");
+  EXPECT_EQ(c.device, "cpu");
+  EXPECT_EQ(c.note, "");  // nothing to explain: a CPU build has one device
+
+  c = choose_train_device("auto", kNoGpu, "");
+  EXPECT_EQ(c.device, "cpu");
+  EXPECT_TRUE(contains(c.note, "no CUDA device is visible")) << c.note;
+
+  c = choose_train_device("auto", kOneGpu, kBlocker);
+  EXPECT_EQ(c.device, "cpu");  // said in the run's first log line, not silent
+  EXPECT_TRUE(contains(c.note, "modifier slope")) << c.note;
+  EXPECT_TRUE(contains(c.note, "sparse GPU training is not available yet")) << c.note;
+
+  c = choose_train_device("auto", kOneGpu, "");
+  EXPECT_EQ(c.device, "cuda");
+  EXPECT_EQ(c.note, "");
+
+  EXPECT_TRUE(contains(error_of([] { choose_train_device("gpu", kOneGpu, ""); }), "must be auto, cpu or cuda"));
+}
+
+TEST(TrainDevice, BlockerNamesEveryModifierAndSparseKind) {
+  TempDir dir;
+  const std::string data = make_dataset(dir);
+  EXPECT_EQ(gpu_training_blocker(small_config(data, "auto")), "");
+
+  const TrainConfig cfg = parse_train_config(kRecipe, "recipe.yaml", {"data.path=" + data});
+  const std::string b = gpu_training_blocker(cfg);
+  EXPECT_TRUE(contains(b, "modifier gradual_magnitude on blocks.0.mlp.fc.weight")) << b;
+  EXPECT_TRUE(contains(b, "modifier slope with LoRA adapters on blocks.0.attn.qkv.weight")) << b;
+
+  // A model whose layer has another kind (as a checkpoint of a sparse run is rebuilt).
+  TrainConfig dense = small_config(data, "auto");
+  dense.model.vocab_size = 257;
+  Transformer<float> model(dense.model);
+  EXPECT_EQ(gpu_training_blocker(dense, &model), "");
+  LayerPlan plan;
+  plan.kind = "masked";
+  plan.pattern = SparsityPattern::nm(2, 4);
+  plan.sparsity = 0.5;
+  apply_layer_plan(model, "blocks.0.mlp.proj.weight", plan, 1);
+  const std::string k = gpu_training_blocker(dense, &model);
+  EXPECT_TRUE(contains(k, "blocks.0.mlp.proj.weight of kind masked")) << k;
+}
+
+// The real probe of this process: where no GPU can be used (a CPU build, or a CUDA build
+// on a machine without a GPU) `cuda` fails before the run directory is created, and
+// `auto` trains on the CPU.
+TEST(TrainDevice, TrainerRefusesCudaWhereThereIsNone) {
+  const DeviceProbe probe = probe_devices();
+  if (probe.cuda_build && probe.gpus > 0) GTEST_SKIP() << "a GPU is visible: tests/gpu_train.cu covers this machine";
+  TempDir dir;
+  const std::string data = make_dataset(dir);
+  const std::string run = dir.file("run_cuda");
+  const std::string e = error_of([&] { Trainer(small_config(data, "cuda"), run, quiet); });
+  EXPECT_TRUE(contains(e, "train.device=cuda")) << e;
+  EXPECT_TRUE(contains(e, probe.cuda_build ? "no CUDA device is visible" : "built without the CUDA backend")) << e;
+  EXPECT_FALSE(fs::exists(run)) << "nothing is written before the device is resolved";
+
+  std::vector<std::string> log;
+  Trainer t(small_config(data, "auto"), dir.file("run_auto"), [&](const std::string& s) { log.push_back(s); });
+  EXPECT_EQ(t.device(), "cpu");
+  const TrainResult r = t.run();
+  EXPECT_EQ(r.steps, 2);
+  EXPECT_TRUE(std::isfinite(r.last_loss));
+  ASSERT_FALSE(log.empty());
+  EXPECT_TRUE(contains(log.front(), "| device cpu")) << log.front();
+
+  // --resume with another device: cuda is refused the same way, cpu continues.
+  const std::string re = error_of([&] { Trainer::resume(dir.file("run_auto"), quiet, 3, "cuda"); });
+  EXPECT_TRUE(contains(re, "train.device=cuda")) << re;
+  auto resumed = Trainer::resume(dir.file("run_auto"), quiet, 3, "cpu");
+  EXPECT_EQ(resumed->device(), "cpu");
+  EXPECT_EQ(resumed->run().steps, 3);
+  EXPECT_TRUE(contains(error_of([&] { Trainer::resume(dir.file("run_auto"), quiet, 4, "tpu"); }),
+                       "must be auto, cpu or cuda"));
+}
+
+// A sparse recipe asks for the GPU: one error naming the modifiers, whatever the machine
+// (without a GPU the missing device is named instead).
+TEST(TrainDevice, SparseRecipeOnCudaIsAnError) {
+  TempDir dir;
+  const std::string data = make_dataset(dir);
+  const TrainConfig cfg = parse_train_config(kRecipe, "recipe.yaml", {"data.path=" + data, "train.device=cuda"});
+  const std::string e = error_of([&] { Trainer(cfg, dir.file("run"), quiet); });
+  const DeviceProbe probe = probe_devices();
+  if (probe.cuda_build && probe.gpus > 0) {
+    EXPECT_TRUE(contains(e, "modifier gradual_magnitude")) << e;
+    EXPECT_TRUE(contains(e, "sparse GPU training is not available yet")) << e;
+  } else {
+    EXPECT_TRUE(contains(e, "train.device=cuda")) << e;
+  }
+  EXPECT_FALSE(fs::exists(dir.file("run")));
+}
