@@ -1,12 +1,18 @@
 // esplag bench: benchmarks of the engine (training steps; on the GPU also the GEMMs of a
-// Linear, dense against 2:4 sparse), printed as a table and optionally appended to a CSV.
+// Linear, one sparse Linear's training step, the 2:4 sparsification kernels, attention,
+// the V:N:M GEMM and SLoPe's sparse AdamW), printed as a table and optionally appended to
+// a CSV. Every subcommand parses and checks its options first, so a CPU build reports bad
+// options the same way before saying that the benchmark needs the GPU.
 #include <algorithm>
+#include <array>
+#include <cctype>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <map>
 
 #include "args.h"
 #include "commands.h"
@@ -17,7 +23,12 @@
 #include "ops/adamw.h"
 #ifdef ESPLAG_HAVE_CUDA
 #include "model/gpu_bench.h"
+#include "ops/attention_bench.h"
 #include "sparse/cuda/gemm_bench.h"
+#include "sparse/cuda/layer_bench.h"
+#include "sparse/cuda/sparse_adamw_bench.h"
+#include "sparse/cuda/sparsify_bench.h"
+#include "sparse/cuda/vnm_bench.h"
 #endif
 
 namespace fs = std::filesystem;
@@ -32,57 +43,205 @@ const char* kBenchUsage = R"(usage:
   esplag bench gemm [--shapes default|OUTxINxTOKENS,...] [--products fwd,bwd] [--operand A|B]
                     [--no-search] [--tuning-cache FILE] [--warmup 10] [--iters 50] [--csv FILE]
       dense cuBLASLt vs 2:4 cuSPARSELt (default and searched algorithm) for the GEMMs of a
-      Linear W [OUT, IN] over TOKENS rows: fwd Y = X.W^T, bwd dX = dY.W (CUDA build only;
-      the CSV's commit column comes from $ESPLAG_COMMIT))";
+      Linear W [OUT, IN] over TOKENS rows: fwd Y = X.W^T, bwd dX = dY.W
+  esplag bench layer [--kinds dense,semi_sparse,slope] [--shapes default|OUTxINxTOKENS,...]
+                     [--sparse-dw] [--tuning-cache FILE] [--warmup 5] [--iters 20] [--csv FILE]
+      one Linear's training step (weight preparation, forward, backward dX and dW) of each
+      kind against dense; default shapes: the llama-1b and llama-7b MLP at 8192 tokens
+  esplag bench sparsify [--csv FILE]       2:4 sparsification kernels against a copy
+  esplag bench attention [--csv FILE]      attention paths, forward and backward
+  esplag bench vnm [--csv FILE]            V:2:M sparse GEMM against dense cuBLASLt
+  esplag bench sparse-adamw [--csv FILE]   SLoPe's sparse AdamW against dense AdamW
+All but `train --device cpu` need the CUDA build. CSV files get the header when new and
+the rows appended (rewritten atomically); the gemm and layer CSVs' commit column comes
+from $ESPLAG_COMMIT.)";
+
+[[maybe_unused]] std::string commit_id() {
+  const char* c = std::getenv("ESPLAG_COMMIT");
+  return c && *c ? c : "unknown";
+}
 
 // Appends rows to a CSV, writing the header first when the file is new (atomic rewrite).
-void append_csv(const std::string& path, const std::string& header, const std::string& rows) {
+[[maybe_unused]] void append_csv(const std::string& path, const std::string& header, const std::string& rows) {
   const bool fresh = !fs::exists(path);
   write_file_atomic(path, (fresh ? header : read_file(path)) + rows);
+}
+
+// The same for a CSV text whose first line is its header.
+[[maybe_unused]] void append_csv(const std::string& path, const std::string& csv) {
+  const size_t eol = csv.find('\n');
+  if (eol == std::string::npos) return append_csv(path, csv + "\n", "");
+  append_csv(path, csv.substr(0, eol + 1), csv.substr(eol + 1));
+}
+
+[[noreturn]] [[maybe_unused]] void needs_cuda(const std::string& what) {
+  fail("bench ", what, ": needs a build configured with the cuda preset (it runs on the GPU)");
+}
+
+// A comma-separated list of OUTxINxTOKENS (x, X or the multiplication sign). Throws Error
+// naming the bad item.
+std::vector<std::array<int64_t, 3>> parse_shapes(const std::string& cmd, const std::string& spec) {
+  std::vector<std::array<int64_t, 3>> shapes;
+  size_t pos = 0;
+  while (pos <= spec.size()) {
+    const size_t comma = spec.find(',', pos);
+    std::string item = spec.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    pos = comma == std::string::npos ? spec.size() + 1 : comma + 1;
+    for (size_t i; (i = item.find("\xC3\x97")) != std::string::npos;) item.replace(i, 2, "x");
+    std::vector<int64_t> dims;
+    std::string cur;
+    bool ok = !item.empty();
+    for (size_t i = 0; i <= item.size() && ok; ++i) {
+      const char c = i < item.size() ? item[i] : 'x';
+      if (c == 'x' || c == 'X') {
+        ok = !cur.empty() && cur.size() <= 9;
+        if (ok) dims.push_back(std::stoll(cur));
+        cur.clear();
+      } else if (std::isdigit(static_cast<unsigned char>(c))) {
+        cur += c;
+      } else {
+        ok = false;
+      }
+    }
+    ESPLAG_CHECK(ok && dims.size() == 3 && dims[0] > 0 && dims[1] > 0 && dims[2] > 0, "bench ", cmd,
+                 ": --shapes item '", item, "' is not OUTxINxTOKENS (three positive integers, e.g. 4096x4096x8192) ",
+                 "or 'default'");
+    shapes.push_back({dims[0], dims[1], dims[2]});
+  }
+  return shapes;
+}
+
+// A comma-separated list of Linear kinds for bench layer, each at most once.
+std::vector<std::string> parse_kinds(const std::string& spec) {
+  std::vector<std::string> kinds;
+  size_t pos = 0;
+  while (pos <= spec.size()) {
+    const size_t comma = spec.find(',', pos);
+    const std::string k = spec.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    pos = comma == std::string::npos ? spec.size() + 1 : comma + 1;
+    ESPLAG_CHECK(k == "dense" || k == "semi_sparse" || k == "slope", "bench layer: --kinds item '", k,
+                 "' is not a kind (expected dense, semi_sparse or slope)");
+    ESPLAG_CHECK(std::find(kinds.begin(), kinds.end(), k) == kinds.end(), "bench layer: --kinds lists '", k,
+                 "' twice");
+    kinds.push_back(k);
+  }
+  return kinds;
 }
 
 int bench_gemm(const std::vector<std::string>& argv) {
   Args a(argv, "bench gemm", {"shapes", "products", "operand", "tuning-cache", "warmup", "iters", "csv"},
          {"no-search"});
-#ifdef ESPLAG_HAVE_CUDA
-  GemmBenchOptions o;
-  o.shapes = parse_gemm_bench_shapes(a.get("shapes", "default"));
   const std::string products = a.get("products", "fwd,bwd");
   ESPLAG_CHECK(products == "fwd" || products == "bwd" || products == "fwd,bwd" || products == "bwd,fwd",
                "bench gemm: --products must be fwd, bwd or fwd,bwd, got '", products, "'");
-  o.forward = products.find("fwd") != std::string::npos;
-  o.backward_data = products.find("bwd") != std::string::npos;
   const std::string operand = a.get("operand", "A");
   ESPLAG_CHECK(operand == "A" || operand == "B" || operand == "a" || operand == "b",
                "bench gemm: --operand must be A or B (the cuSPARSELt operand that holds W), got '", operand, "'");
+  const int warmup = static_cast<int>(a.integer("warmup", 10)), iters = static_cast<int>(a.integer("iters", 50));
+  ESPLAG_CHECK(warmup >= 0 && iters > 0, "bench gemm: --iters must be positive and --warmup not negative");
+#ifdef ESPLAG_HAVE_CUDA
+  GemmBenchOptions o;
+  o.shapes = parse_gemm_bench_shapes(a.get("shapes", "default"));
+  o.forward = products.find("fwd") != std::string::npos;
+  o.backward_data = products.find("bwd") != std::string::npos;
   o.weight_operand = (operand == "A" || operand == "a") ? gpu::SparseOperand::a : gpu::SparseOperand::b;
   o.search = !a.has("no-search");
-  o.warmup = static_cast<int>(a.integer("warmup", 10));
-  o.iters = static_cast<int>(a.integer("iters", 50));
-  ESPLAG_CHECK(o.warmup >= 0 && o.iters > 0, "bench gemm: --iters must be positive and --warmup not negative");
+  o.warmup = warmup;
+  o.iters = iters;
   if (a.has("tuning-cache")) gpu::set_cusparselt_tuning_path(a.get("tuning-cache"));
   const GemmBenchResult r = run_gemm_bench(o);
   std::cout << gemm_bench_table(r);
   if (r.cusparselt_version > 0) std::cout << "tuning cache: " << gpu::cusparselt_tuning_path() << "\n";
-  if (a.has("csv")) {
-    const char* commit = std::getenv("ESPLAG_COMMIT");
-    append_csv(a.get("csv"), gemm_bench_csv_header(), gemm_bench_csv_rows(r, commit && *commit ? commit : "unknown"));
-  }
+  if (a.has("csv")) append_csv(a.get("csv"), gemm_bench_csv_header(), gemm_bench_csv_rows(r, commit_id()));
   return 0;
 #else
-  (void)a;  // options are checked even where they cannot run
-  fail("bench gemm: needs a build configured with the cuda preset (cuBLASLt and cuSPARSELt run on the GPU)");
+  needs_cuda("gemm");
 #endif
 }
 
-}  // namespace
+int bench_layer(const std::vector<std::string>& argv) {
+  Args a(argv, "bench layer", {"kinds", "shapes", "tuning-cache", "warmup", "iters", "csv"}, {"sparse-dw"});
+  const std::vector<std::string> kinds = parse_kinds(a.get("kinds", "dense,semi_sparse,slope"));
+  const std::string shape_spec = a.get("shapes", "default");
+  const auto shapes = shape_spec == "default" ? std::vector<std::array<int64_t, 3>>{} : parse_shapes("layer", shape_spec);
+  const int warmup = static_cast<int>(a.integer("warmup", 5)), iters = static_cast<int>(a.integer("iters", 20));
+  ESPLAG_CHECK(warmup >= 0 && iters > 0, "bench layer: --iters must be positive and --warmup not negative");
+#ifdef ESPLAG_HAVE_CUDA
+  LayerBenchOptions o;
+  if (!shapes.empty()) {
+    o.shapes.clear();
+    for (const auto& s : shapes) o.shapes.push_back({s[0], s[1], s[2]});
+  }
+  o.kinds.clear();
+  for (const std::string& k : kinds) o.kinds.push_back(gpu::parse_sparse_linear_kind(k));
+  o.sparse_dw = a.has("sparse-dw");
+  o.warmup = warmup;
+  o.iters = iters;
+  if (a.has("tuning-cache")) gpu::set_cusparselt_tuning_path(a.get("tuning-cache"));
+  const LayerBenchResult r = run_layer_bench(o);
+  std::cout << layer_bench_table(r);
+  if (r.cusparselt_version > 0) std::cout << "tuning cache: " << gpu::cusparselt_tuning_path() << "\n";
+  if (a.has("csv")) append_csv(a.get("csv"), layer_bench_csv_header(), layer_bench_csv_rows(r, commit_id()));
+  return 0;
+#else
+  needs_cuda("layer");
+#endif
+}
 
-int cmd_bench(const std::vector<std::string>& argv) {
-  ESPLAG_CHECK(!argv.empty() && (argv[0] == "train" || argv[0] == "gemm"), "esplag bench: ",
-               argv.empty() ? "missing subcommand" : "unknown subcommand '" + argv[0] + "'", "\n", kBenchUsage);
-  if (argv[0] == "gemm") return bench_gemm({argv.begin() + 1, argv.end()});
-  Args a({argv.begin() + 1, argv.end()}, "bench train",
-         {"model", "device", "batch", "seq", "steps", "warmup", "vocab", "peak-tflops", "csv"});
+int bench_sparsify(const std::vector<std::string>& argv) {
+  Args a(argv, "bench sparsify", {"csv"}, {});
+#ifdef ESPLAG_HAVE_CUDA
+  const std::vector<SparsifyTiming> t = esplag::bench_sparsify(default_sparsify_shapes(), 50, 10);
+  std::cout << sparsify_timing_table(t);
+  if (a.has("csv")) append_csv(a.get("csv"), sparsify_timing_csv(t));
+  return 0;
+#else
+  needs_cuda("sparsify");
+#endif
+}
+
+int bench_attention(const std::vector<std::string>& argv) {
+  Args a(argv, "bench attention", {"csv"}, {});
+#ifdef ESPLAG_HAVE_CUDA
+  const auto rows = gpu::bench_attention(gpu::attention_bench_shapes(), gpu::AttentionBenchOptions{});
+  std::cout << gpu::format_attention_bench(rows);
+  if (a.has("csv")) append_csv(a.get("csv"), gpu::attention_bench_csv(rows));
+  return 0;
+#else
+  needs_cuda("attention");
+#endif
+}
+
+int bench_vnm(const std::vector<std::string>& argv) {
+  Args a(argv, "bench vnm", {"csv"}, {});
+#ifdef ESPLAG_HAVE_CUDA
+  const auto results = gpu::vnm_bench(gpu::vnm_bench_default_shapes(), gpu::vnm_bench_default_patterns(), 5, 20);
+  std::cout << gpu::vnm_bench_table(results);
+  if (a.has("csv")) append_csv(a.get("csv"), gpu::vnm_bench_csv(results));
+  return 0;
+#else
+  needs_cuda("vnm");
+#endif
+}
+
+int bench_sparse_adamw(const std::vector<std::string>& argv) {
+  Args a(argv, "bench sparse-adamw", {"csv"}, {});
+#ifdef ESPLAG_HAVE_CUDA
+  const gpu::SparseAdamWBenchResult r = gpu::bench_sparse_adamw({{4096, 11008}, {2048, 5632}}, 5, 50);
+  std::cout << gpu::sparse_adamw_bench_table(r);
+  if (a.has("csv")) {
+    std::string rows;
+    for (const auto& row : r.rows) rows += gpu::sparse_adamw_bench_csv_row(r, row);
+    append_csv(a.get("csv"), gpu::sparse_adamw_bench_csv_header(), rows);
+  }
+  return 0;
+#else
+  needs_cuda("sparse-adamw");
+#endif
+}
+
+int bench_train(const std::vector<std::string>& argv) {
+  Args a(argv, "bench train", {"model", "device", "batch", "seq", "steps", "warmup", "vocab", "peak-tflops", "csv"});
   const std::string device = a.get("device", "cpu");
   ESPLAG_CHECK(device == "cpu" || device == "cuda", "bench train: --device must be cpu or cuda, got '", device, "'");
   ModelConfig mc = model_preset(a.get("model", "tiny"));
@@ -135,6 +294,20 @@ int cmd_bench(const std::vector<std::string>& argv) {
     append_csv(a.get("csv"), header, row);
   }
   return 0;
+}
+
+}  // namespace
+
+int cmd_bench(const std::vector<std::string>& argv) {
+  using Sub = int (*)(const std::vector<std::string>&);
+  static const std::map<std::string, Sub> subs = {
+      {"train", bench_train},         {"gemm", bench_gemm}, {"layer", bench_layer},
+      {"sparsify", bench_sparsify},   {"attention", bench_attention}, {"vnm", bench_vnm},
+      {"sparse-adamw", bench_sparse_adamw}};
+  const auto it = argv.empty() ? subs.end() : subs.find(argv[0]);
+  ESPLAG_CHECK(it != subs.end(), "esplag bench: ",
+               argv.empty() ? "missing subcommand" : "unknown subcommand '" + argv[0] + "'", "\n", kBenchUsage);
+  return it->second({argv.begin() + 1, argv.end()});
 }
 
 }  // namespace esplag::cli

@@ -6,7 +6,7 @@
 
 namespace esplag::cli {
 
-// esplag bench train|gemm  (apps/esplag/bench.cpp)
+// esplag bench train|gemm|layer|sparsify|attention|vnm|sparse-adamw  (apps/esplag/bench.cpp)
 int cmd_bench(const std::vector<std::string>& argv);
 
 }  // namespace esplag::cli

@@ -1,0 +1,252 @@
+#include "sparse/cuda/sparse_linear.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "core/cuda_check.h"
+#include "core/device_arena.h"
+#include "core/error.h"
+#include "ops/gpu.h"
+#include "sparse/cuda/cusparselt.h"
+#include "sparse/cuda/sparsify.h"
+
+namespace esplag::gpu {
+
+namespace {
+
+// One cudaMalloc'ed buffer. Owned buffers rather than an arena: the cuSPARSELt workspace
+// may have to grow once, after the first tuning.
+class Buffer {
+ public:
+  Buffer() = default;
+  ~Buffer() { reset(); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  void allocate(size_t bytes, const char* what, const std::string& layer) {
+    reset();
+    if (bytes == 0) return;
+    const cudaError_t err = cudaMalloc(&p_, bytes);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      p_ = nullptr;
+      fail("SparseLinear ", layer, ": cannot allocate ", DeviceArena::format_bytes(bytes), " for ", what, " (",
+           cudaGetErrorString(err), ")");
+    }
+    bytes_ = bytes;
+  }
+  void reset() {
+    if (p_) cudaFree(p_);
+    p_ = nullptr;
+    bytes_ = 0;
+  }
+  void* get() const { return p_; }
+  bf16* bf() const { return static_cast<bf16*>(p_); }
+  uint16_t* u16() const { return static_cast<uint16_t*>(p_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// w1[r, 4g..4g+3] = w where the static tile mask keeps the value, 0 elsewhere; one thread
+// per group of 4 (8-byte loads and stores: rows of in % 16 == 0 values keep that aligned).
+__global__ void apply_tile_mask_kernel(bf16* __restrict__ w1, const bf16* __restrict__ w,
+                                       const uint16_t* __restrict__ tile_mask, int64_t rows, int64_t groups) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * groups) return;
+  const int64_t r = i / groups, g = i % groups;
+  const unsigned nibble = (tile_mask[(r / 4) * groups + g] >> ((r % 4) * 4)) & 0xFu;
+  const uint2 in = reinterpret_cast<const uint2*>(w)[i];
+  uint2 o;
+  o.x = ((nibble & 1u) ? (in.x & 0xFFFFu) : 0u) | ((nibble & 2u) ? (in.x & 0xFFFF0000u) : 0u);
+  o.y = ((nibble & 4u) ? (in.y & 0xFFFFu) : 0u) | ((nibble & 8u) ? (in.y & 0xFFFF0000u) : 0u);
+  reinterpret_cast<uint2*>(w1)[i] = o;
+}
+
+std::string shape_text(int64_t out, int64_t in, int64_t tokens) {
+  return "[out " + std::to_string(out) + ", in " + std::to_string(in) + "] over " + std::to_string(tokens) +
+         " tokens";
+}
+
+}  // namespace
+
+std::string sparse_linear_kind_name(SparseLinearKind k) {
+  switch (k) {
+    case SparseLinearKind::dense: return "dense";
+    case SparseLinearKind::semi_sparse: return "semi_sparse";
+    case SparseLinearKind::slope: return "slope";
+  }
+  return "?";
+}
+
+SparseLinearKind parse_sparse_linear_kind(const std::string& name) {
+  if (name == "dense") return SparseLinearKind::dense;
+  if (name == "semi_sparse") return SparseLinearKind::semi_sparse;
+  if (name == "slope") return SparseLinearKind::slope;
+  fail("unknown sparse Linear kind '", name, "' (expected dense, semi_sparse or slope)");
+}
+
+struct SparseLinear::Impl {
+  SparseLinearKind kind = SparseLinearKind::dense;
+  bool sparse = false;
+  int64_t out = 0, in = 0, tokens = 0;
+  const bf16* weight = nullptr;
+  std::string name;  // kind and shape, for messages
+
+  DeviceArena gemm_arena;
+  std::unique_ptr<Gemm> gemm;
+
+  // cuSPARSELt products (process-wide cached plans): the forward (W as A, K = in) and the
+  // input gradient: semi_sparse's backward_data of Ws (K = out), slope's forward-form
+  // product of W2ᵀ [in, out] (K = out).
+  SparseGemm24* fwd = nullptr;
+  SparseGemm24* bwd = nullptr;
+  bool fwd_tuned = false, bwd_tuned = false;
+
+  Buffer pruned;      // Ws or W1 [out, in]
+  Buffer pruned_t;    // slope: W2ᵀ [in, out]
+  Buffer tile_mask;   // slope: [out/4, in/4]
+  Buffer c_fwd, c_bwd, scratch, workspace;
+
+  void ensure_workspace() {
+    const size_t need = std::max(fwd->workspace_bytes(), bwd->workspace_bytes());
+    if (need > workspace.bytes()) workspace.allocate(need, "the cuSPARSELt workspace", name);
+  }
+  // The first use of a product tunes it (a search once per problem and process, or the
+  // tuning cache's configuration), which may ask for a larger workspace.
+  void tune(SparseGemm24& g, bool& done, bf16* out, const void* compressed, const bf16* dense, cudaStream_t s) {
+    if (done) return;
+    ensure_workspace();
+    g.tune(out, compressed, dense, nullptr, workspace.get(), workspace.bytes(), s);
+    ensure_workspace();
+    done = true;
+  }
+};
+
+SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in, int64_t tokens, const bf16* weight,
+                           cudaStream_t stream)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.kind = o.kind;
+  m.out = out;
+  m.in = in;
+  m.tokens = tokens;
+  m.weight = weight;
+  m.name = sparse_linear_kind_name(o.kind) + " " + shape_text(out, in, tokens);
+  ESPLAG_CHECK(out > 0 && in > 0 && tokens > 0, "SparseLinear ", m.name, ": sizes must be positive");
+  ESPLAG_CHECK(out <= INT_MAX && in <= INT_MAX && tokens <= INT_MAX, "SparseLinear ", m.name,
+               ": sizes must fit the dense GEMM's int arguments");
+  ESPLAG_CHECK(weight != nullptr, "SparseLinear ", m.name, ": the weight pointer is null");
+  ESPLAG_CHECK(!o.sparse_dw, "SparseLinear ", m.name,
+               ": sparse_dw (a 2:4 dW GEMM from the MVUE of dY) is not implemented: its structured operand is dY^T "
+               "[out, tokens], 2:4 along the tokens, which cuSPARSELt allows as operand A, but the wrapper only "
+               "describes the weight's products, and the step would need a transpose of dY before the MVUE, a "
+               "transposed copy of X, a per-step compression of the gradient and a transposed bf16-to-fp32 dW");
+  if (o.kind != SparseLinearKind::dense) {
+    ESPLAG_CHECK(out % 16 == 0 && in % 16 == 0 && tokens % 16 == 0, "SparseLinear ", m.name,
+                 ": the 2:4 kinds need out, in and tokens to be multiples of 16 (cuSPARSELt)");
+    ESPLAG_CHECK(reinterpret_cast<uintptr_t>(weight) % 16 == 0, "SparseLinear ", m.name,
+                 ": the weight must be 16-byte aligned");
+  }
+  m.gemm_arena = DeviceArena(Gemm::kDefaultWorkspaceBytes + Gemm::kScratchBytes + 4096, "sparse linear gemm");
+  m.gemm = std::make_unique<Gemm>(m.gemm_arena);
+  if (o.kind == SparseLinearKind::dense) return;
+  if (!cusparselt_available()) {
+    warn_cusparselt_fallback_once("SparseLinear (" + sparse_linear_kind_name(o.kind) + ")");
+    return;
+  }
+  const bool slope = o.kind == SparseLinearKind::slope;
+  m.fwd = &SparseGemm24::get(SparseGemm24Problem::linear_forward(out, in, tokens));
+  m.bwd = &SparseGemm24::get(slope ? SparseGemm24Problem::linear_forward(in, out, tokens)
+                                   : SparseGemm24Problem::linear_backward_data(out, in, tokens));
+  const size_t n_w = size_t(out) * size_t(in);
+  m.pruned.allocate(2 * n_w, slope ? "W1" : "the pruned weight", m.name);
+  if (slope) {
+    m.pruned_t.allocate(2 * n_w, "W2^T", m.name);
+    m.tile_mask.allocate(size_t(out / 4) * size_t(in / 4) * 2, "the forward tile mask", m.name);
+  }
+  m.c_fwd.allocate(m.fwd->compressed_bytes(), "the forward's compressed weight", m.name);
+  m.c_bwd.allocate(m.bwd->compressed_bytes(), "the input gradient's compressed weight", m.name);
+  m.scratch.allocate(std::max(m.fwd->compress_scratch_bytes(), m.bwd->compress_scratch_bytes()),
+                     "the compression scratch", m.name);
+  m.ensure_workspace();
+  if (slope)  // the static forward mask: row-wise 2:4 of the weight as it is now
+    double_prune_24(weight, out, in, Sparse24Out{}, Sparse24Out{}, m.tile_mask.u16(), nullptr, stream);
+  m.sparse = true;
+}
+
+SparseLinear::~SparseLinear() = default;
+
+SparseLinearKind SparseLinear::kind() const { return impl_->kind; }
+bool SparseLinear::sparse() const { return impl_->sparse; }
+int64_t SparseLinear::out_features() const { return impl_->out; }
+int64_t SparseLinear::in_features() const { return impl_->in; }
+int64_t SparseLinear::tokens() const { return impl_->tokens; }
+const bf16* SparseLinear::pruned_weight() const { return impl_->pruned.bf(); }
+const bf16* SparseLinear::backward_weight_t() const { return impl_->pruned_t.bf(); }
+const uint16_t* SparseLinear::forward_tile_mask() const { return impl_->tile_mask.u16(); }
+
+size_t SparseLinear::device_bytes() const {
+  const Impl& m = *impl_;
+  return m.gemm_arena.capacity() + m.pruned.bytes() + m.pruned_t.bytes() + m.tile_mask.bytes() + m.c_fwd.bytes() +
+         m.c_bwd.bytes() + m.scratch.bytes() + m.workspace.bytes();
+}
+
+void SparseLinear::prepare(cudaStream_t s) {
+  Impl& m = *impl_;
+  if (!m.sparse) return;
+  if (m.kind == SparseLinearKind::semi_sparse) {
+    // One transposable mask serves both products: Ws is 2:4 along its rows (the forward's
+    // K) and along its columns (the input gradient's K).
+    transposable_24(m.weight, m.out, m.in, Sparse24Out{m.pruned.bf()}, Sparse24Out{}, nullptr, s);
+    m.fwd->compress(m.c_fwd.get(), m.pruned.bf(), m.scratch.get(), m.scratch.bytes(), s);
+    m.bwd->compress(m.c_bwd.get(), m.pruned.bf(), m.scratch.get(), m.scratch.bytes(), s);
+    return;
+  }
+  // slope. W1 = W ⊙ static mask; W1 already holds at most 2 non-zeros in every group of 4,
+  // so double_prune_24's row-wise step keeps W1's values and its column step gives W2ᵀ.
+  const int64_t groups = m.in / 4, n = m.out * groups;
+  const int threads = 256;
+  apply_tile_mask_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, s>>>(
+      m.pruned.bf(), m.weight, m.tile_mask.u16(), m.out, groups);
+  CUDA_CHECK_LAUNCH("apply_tile_mask_kernel");
+  double_prune_24(m.pruned.bf(), m.out, m.in, Sparse24Out{}, Sparse24Out{m.pruned_t.bf()}, nullptr, nullptr, s);
+  m.fwd->compress(m.c_fwd.get(), m.pruned.bf(), m.scratch.get(), m.scratch.bytes(), s);
+  m.bwd->compress(m.c_bwd.get(), m.pruned_t.bf(), m.scratch.get(), m.scratch.bytes(), s);
+}
+
+void SparseLinear::forward(bf16* y, const bf16* x, cudaStream_t s) {
+  Impl& m = *impl_;
+  ESPLAG_CHECK(y && x, "SparseLinear ", m.name, ": forward needs x and y");
+  if (!m.sparse) {
+    m.gemm->forward(y, x, m.weight, nullptr, int(m.tokens), int(m.in), int(m.out), s);
+    return;
+  }
+  m.tune(*m.fwd, m.fwd_tuned, y, m.c_fwd.get(), x, s);
+  m.ensure_workspace();  // a plan shared with another layer may have been tuned since
+  m.fwd->matmul(y, m.c_fwd.get(), x, nullptr, m.workspace.get(), m.workspace.bytes(), s);
+}
+
+void SparseLinear::backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, bool accumulate_dw, cudaStream_t s) {
+  Impl& m = *impl_;
+  ESPLAG_CHECK(dy, "SparseLinear ", m.name, ": backward needs dy");
+  if (dx) {
+    if (!m.sparse) {
+      m.gemm->backward_input(dx, dy, m.weight, int(m.tokens), int(m.in), int(m.out), false, s);
+    } else {
+      m.tune(*m.bwd, m.bwd_tuned, dx, m.c_bwd.get(), dy, s);
+      m.ensure_workspace();
+      m.bwd->matmul(dx, m.c_bwd.get(), dy, nullptr, m.workspace.get(), m.workspace.bytes(), s);
+    }
+  }
+  if (dw) {
+    ESPLAG_CHECK(x, "SparseLinear ", m.name, ": the weight gradient needs x");
+    // Straight through the pruning (semi_sparse) / the optimizer keeps the kept slots
+    // (slope): dW = dYᵀ · X, dense.
+    m.gemm->backward_weight(dw, nullptr, dy, x, int(m.tokens), int(m.in), int(m.out), accumulate_dw, s);
+  }
+}
+
+}  // namespace esplag::gpu

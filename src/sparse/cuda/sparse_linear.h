@@ -1,0 +1,120 @@
+// One Linear layer's training step on the GPU with explicit forward and backward, for the
+// kinds whose 2:4 GEMMs run through cuSPARSELt (sparse/cuda/cusparselt.h). The CPU
+// references are model/linear_semi_sparse.h and model/linear_slope.h.
+//
+// The layer reads the caller's weight W [out, in] (bf16, row-major, device memory; the
+// copy the caller's optimizer rewrites after each step) and computes, over N = tokens rows:
+//   forward   Y [N, out] = X [N, in] · Weffᵀ
+//   backward  dX [N, in] = dY [N, out] · Wbwd        dW [out, in] (fp32) = dYᵀ · X (dense)
+//
+//   dense        Weff = Wbwd = W (cuBLASLt, gpu::Gemm).
+//   semi_sparse  per step: the transposable greedy 2:4 of the current W (gpu::transposable_24,
+//                one pass), Ws, 2:4 along rows and along columns; Ws compressed twice
+//                (the forward's and the input-gradient product's cuSPARSELt layouts);
+//                Weff = Wbwd = Ws; dW straight through (dense, unmasked).
+//   slope        the row-wise 2:4 mask of W is taken once, at construction (the static
+//                forward mask of SLoPe). Per step: W1 = W ⊙ mask; the double pruning of W1
+//                (gpu::double_prune_24) gives W2ᵀ, W1 pruned again 2:4 down every column;
+//                W1 compressed for the forward, W2ᵀ for the input gradient, which is then
+//                the forward-form product dY · (W2ᵀ)ᵀ; Weff = W1, Wbwd = W2; dW dense (the
+//                optimizer keeps what it needs of it). The backward mask is recomputed from
+//                W1 at every step (the CPU reference with mask_change_freq = 1).
+//
+// prepare() does the per-step weight work (nothing for dense): call it after every
+// optimizer step and before the next forward; the benchmark counts it in the step's time.
+//
+// Without cuSPARSELt (cusparselt_available() false) the sparse kinds run the dense
+// products of the unpruned W, after one warning on stderr (warn_cusparselt_fallback_once);
+// sparse() then says false.
+//
+// Sizes: the sparse kinds need out, in and tokens to be multiples of 16 (cuSPARSELt), the
+// dense one positive sizes that fit the dense GEMM's int arguments; anything else throws
+// esplag::Error naming the layer's shape. tokens is fixed at construction (the cuSPARSELt
+// plans are per problem). Every device buffer is allocated at construction, except that the
+// first forward and the first backward tune their cuSPARSELt product
+// (SparseGemm24::tune: a search, once per problem and process, or the tuning cache's
+// entry) and may then enlarge the workspace once. All calls are asynchronous on the given
+// stream apart from that first tuning, which synchronises. The layer holds references
+// to the process-wide cached plans (SparseGemm24::get), so clear_sparse_gemm24_cache()
+// must not be called while a sparse SparseLinear exists.
+//
+// sparse_dw (a 2:4 dW GEMM from the MVUE of dY along the tokens) is not provided: the
+// product dW = dYᵀ · X reduces over the tokens, so its structured operand is dYᵀ [out, N]
+// as cuSPARSELt's A, 2:4 along K = N, which cuSPARSELt allows. But SparseGemm24 only
+// describes the two products of a weight (the forward and the input gradient of W [out, in]);
+// the dW product would need a transpose of dY before gpu::mvue_24 (which groups along a
+// row), a transposed copy of X as the dense operand, a cuSPARSELt compression of the new
+// gradient at every step, and a bf16 output transposed and widened into the fp32 dW. The
+// constructor refuses sparse_dw with that explanation (docs/sparse-gpu.md).
+//
+// Only for the CUDA build (ESPLAG_CUDA=ON).
+#pragma once
+
+#ifndef ESPLAG_HAVE_CUDA
+#error "sparse/cuda/sparse_linear.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#endif
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace esplag::gpu {
+
+using bf16 = __nv_bfloat16;
+
+enum class SparseLinearKind : uint8_t { dense, semi_sparse, slope };
+std::string sparse_linear_kind_name(SparseLinearKind k);  // "dense", "semi_sparse", "slope"
+// Throws Error naming the accepted kinds.
+SparseLinearKind parse_sparse_linear_kind(const std::string& name);
+
+struct SparseLinearOptions {
+  SparseLinearKind kind = SparseLinearKind::dense;
+  bool sparse_dw = false;  // refused (see above)
+};
+
+class SparseLinear {
+ public:
+  // weight: device bf16 [out, in], owned by the caller, read by every prepare() (and by
+  // every product for the dense kind and the fallback). slope reads it here for its mask,
+  // on `stream`. Throws Error for shapes the kind cannot run.
+  SparseLinear(const SparseLinearOptions& options, int64_t out, int64_t in, int64_t tokens, const bf16* weight,
+               cudaStream_t stream);
+  ~SparseLinear();
+  SparseLinear(const SparseLinear&) = delete;
+  SparseLinear& operator=(const SparseLinear&) = delete;
+
+  SparseLinearKind kind() const;
+  bool sparse() const;  // 2:4 products (false for dense and for the fallback)
+  int64_t out_features() const;
+  int64_t in_features() const;
+  int64_t tokens() const;
+
+  // The per-step weight preparation from the current weight (see above).
+  void prepare(cudaStream_t stream);
+  // y [tokens, out] (overwritten) = x [tokens, in] · Weffᵀ.
+  void forward(bf16* y, const bf16* x, cudaStream_t stream);
+  // dx [tokens, in] (overwritten; may be null) = dy · Wbwd;
+  // dw [out, in] fp32 (= or += when accumulate_dw; may be null) = dyᵀ · x.
+  void backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, bool accumulate_dw, cudaStream_t stream);
+
+  // What the last prepare() produced, for tests (device pointers, null when the kind has
+  // none): Weff pruned dense [out, in] (semi_sparse: Ws; slope: W1), W2ᵀ pruned dense
+  // [in, out] (slope), and slope's static forward mask as 4×4 tile bits ([out/4, in/4]
+  // uint16, bit 4·r + c = element (r, c) of the tile, 1 = kept).
+  const bf16* pruned_weight() const;
+  const bf16* backward_weight_t() const;
+  const uint16_t* forward_tile_mask() const;
+  // Device bytes the layer holds (its buffers and its GEMM workspace).
+  size_t device_bytes() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace esplag::gpu

@@ -1,0 +1,286 @@
+// One sparse Linear's training step on the GPU (sparse/cuda/sparse_linear.h) against the
+// CPU: for each kind, the forward output, dX and the fp32 dW of several steps, with the
+// weight changed between steps as an optimizer would, against fp64 products of the masked
+// weights the CPU references define:
+//   dense        W
+//   semi_sparse  W ⊙ cpu::transposable_mask_greedy(W) of the current W (model/linear_semi_sparse.h)
+//   slope        W1 = W ⊙ forward mask, the mask cpu::double_prune_masks chose from the
+//                first W (static); dX through W2 = W1 ⊙ cpu::double_prune_backward_mask(W1)
+//                (model/linear_slope.h with mask_change_freq = 1)
+// dW is dYᵀ·X, unmasked, for every kind. The pruned weights the layer builds (Ws, W1, W2ᵀ)
+// must equal the CPU's bit for bit; the products agree within bf16 tolerance. Outputs are
+// poisoned (all bits set: NaN) before every step. Sizes are multiples of 16 (cuSPARSELt's
+// rule), not all of 32, square and not.
+//
+// The sparse kinds skip (with the reason) when cuSPARSELt cannot be loaded.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/rng.h"
+#include "sparse/cuda/cusparselt.h"
+#include "sparse/cuda/sparse_linear.h"
+#include "sparse/double_prune.h"
+#include "sparse/transposable.h"
+
+namespace {
+
+using esplag::Rng;
+using esplag::gpu::bf16;
+using esplag::gpu::SparseLinear;
+using esplag::gpu::SparseLinearKind;
+using esplag::gpu::SparseLinearOptions;
+namespace cpu = esplag::cpu;
+namespace gpu = esplag::gpu;
+
+using Bits = std::vector<uint16_t>;
+using VF = std::vector<float>;
+using VD = std::vector<double>;
+
+bool has_device() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+// A device buffer freed on scope exit.
+struct Dev {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit Dev(size_t b) : bytes(b) { CUDA_CHECK(cudaMalloc(&p, b)); }
+  ~Dev() { cudaFree(p); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  bf16* bf() const { return static_cast<bf16*>(p); }
+  float* f32() const { return static_cast<float*>(p); }
+  void poison() const { CUDA_CHECK(cudaMemset(p, 0xFF, bytes)); }
+};
+
+Bits random_bf16(size_t n, double scale, Rng& rng) {
+  Bits b(n);
+  for (auto& x : b) x = esplag::float_to_bf16(static_cast<float>(scale * rng.normal()));
+  return b;
+}
+
+VF to_float(const Bits& b) {
+  VF f(b.size());
+  for (size_t i = 0; i < b.size(); ++i) f[i] = esplag::bf16_to_float(b[i]);
+  return f;
+}
+
+void upload(const Dev& d, const Bits& b) {
+  CUDA_CHECK(cudaMemcpy(d.p, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
+}
+Bits download_bits(const void* p, size_t n) {
+  Bits b(n);
+  CUDA_CHECK(cudaMemcpy(b.data(), p, n * 2, cudaMemcpyDeviceToHost));
+  return b;
+}
+VF download_f32(const float* p, size_t n) {
+  VF f(n);
+  CUDA_CHECK(cudaMemcpy(f.data(), p, n * 4, cudaMemcpyDeviceToHost));
+  return f;
+}
+
+// C [M, Nn] = A [M, K] · B, with B given as [Nn, K] (transposed) when bt, else [K, Nn]; fp64.
+VD matmul(const VF& a, const VF& b, int64_t M, int64_t K, int64_t Nn, bool bt) {
+  VD c(size_t(M * Nn), 0.0);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < Nn; ++j) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += double(a[i * K + k]) * double(bt ? b[j * K + k] : b[k * Nn + j]);
+      c[i * Nn + j] = s;
+    }
+  return c;
+}
+VF transpose(const VF& a, int64_t rows, int64_t cols) {
+  VF t(a.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) t[c * rows + r] = a[r * cols + c];
+  return t;
+}
+
+// Every element within rel·|ref| + abs_frac·max|ref| (NaN fails).
+void expect_close(const VF& got, const VD& ref, double rel, double abs_frac, const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size());
+  double mx = 0;
+  for (double r : ref) mx = std::max(mx, std::fabs(r));
+  int bad = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double tol = rel * std::fabs(ref[i]) + abs_frac * mx;
+    if (!(std::fabs(double(got[i]) - ref[i]) <= tol)) {
+      if (++bad <= 3) ADD_FAILURE() << what << "[" << i << "]: " << got[i] << " vs " << ref[i] << " (tol " << tol << ")";
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << ref.size() << " outside tolerance";
+  EXPECT_GT(mx, 0) << what << ": the reference is all zero, the check would be vacuous";
+}
+
+VF masked(const VF& w, const cpu::Mask& m) {
+  VF o(w.size());
+  for (size_t i = 0; i < w.size(); ++i) o[i] = m[i] ? w[i] : 0.f;
+  return o;
+}
+
+struct Shape {
+  int64_t out, in, tokens;
+};
+const Shape kShapes[] = {{32, 64, 48}, {48, 16, 32}, {80, 48, 112}, {64, 64, 64}};
+
+// Several steps of one kind on one shape. Between steps the weight moves by a random
+// amount comparable to itself (an optimizer step, exaggerated so that the greedy and
+// row-wise masks of the new weight differ from the old ones).
+void run_kind(SparseLinearKind kind, const Shape& sh, uint64_t seed) {
+  SCOPED_TRACE(gpu::sparse_linear_kind_name(kind) + " out=" + std::to_string(sh.out) + " in=" + std::to_string(sh.in) +
+               " tokens=" + std::to_string(sh.tokens));
+  const int64_t O = sh.out, I = sh.in, N = sh.tokens;
+  Rng rng(seed);
+  Bits w = random_bf16(size_t(O * I), 0.5, rng);
+  Dev dw_w(size_t(O * I) * 2), dx_(size_t(N * I) * 2), ddy(size_t(N * O) * 2), dy_(size_t(N * O) * 2),
+      ddx(size_t(N * I) * 2), ddw(size_t(O * I) * 4);
+  upload(dw_w, w);
+  cudaStream_t s = nullptr;
+  CUDA_CHECK(cudaStreamCreate(&s));
+  SparseLinearOptions o;
+  o.kind = kind;
+  SparseLinear layer(o, O, I, N, dw_w.bf(), s);
+  EXPECT_EQ(layer.sparse(), kind != SparseLinearKind::dense);
+  // slope's static forward mask comes from the weight at construction.
+  const VF w0 = to_float(w);
+  const cpu::Mask slope_fwd = cpu::double_prune_masks(w0.data(), O, I).forward;
+
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const Bits x = random_bf16(size_t(N * I), 1.0, rng), dy = random_bf16(size_t(N * O), 1.0, rng);
+    upload(dx_, x);
+    upload(dy_, dy);
+    ddy.poison();
+    ddx.poison();
+    const bool accumulate = step == 2;
+    if (accumulate) {
+      const VF ones(size_t(O * I), 1.0f);
+      CUDA_CHECK(cudaMemcpy(ddw.p, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+    } else {
+      ddw.poison();
+    }
+    layer.prepare(s);
+    layer.forward(ddy.bf(), dx_.bf(), s);
+    layer.backward(ddx.bf(), ddw.f32(), dy_.bf(), dx_.bf(), accumulate, s);
+    CUDA_CHECK(cudaStreamSynchronize(s));
+
+    const VF wf = to_float(w), xf = to_float(x), dyf = to_float(dy);
+    VF w_fwd = wf, w_bwd = wf;
+    if (kind == SparseLinearKind::semi_sparse) {
+      w_fwd = w_bwd = masked(wf, cpu::transposable_mask_greedy(wf.data(), O, I));
+    } else if (kind == SparseLinearKind::slope) {
+      w_fwd = masked(wf, slope_fwd);
+      w_bwd = masked(w_fwd, cpu::double_prune_backward_mask(w_fwd.data(), slope_fwd.data(), O, I));
+    }
+    if (kind != SparseLinearKind::dense) {
+      // The pruned weights the layer built are the CPU's, bit for bit (values are bf16 of
+      // the weight or 0; -0 and +0 both count as 0).
+      const VF pw = to_float(download_bits(layer.pruned_weight(), size_t(O * I)));
+      EXPECT_EQ(pw, w_fwd) << "pruned forward weight";
+      if (kind == SparseLinearKind::slope) {
+        const VF pt = to_float(download_bits(layer.backward_weight_t(), size_t(O * I)));
+        EXPECT_EQ(pt, transpose(w_bwd, O, I)) << "W2^T";
+      }
+    }
+    const VD y_ref = matmul(xf, w_fwd, N, I, O, true);     // X · Wfᵀ
+    const VD dx_ref = matmul(dyf, w_bwd, N, O, I, false);  // dY · Wb
+    VD dw_ref = matmul(transpose(dyf, N, O), xf, O, N, I, false);  // dYᵀ · X
+    if (accumulate)
+      for (double& v : dw_ref) v += 1.0;
+    // bf16 outputs: one rounding (2^-9 relative) plus fp32 accumulation; dW is fp32.
+    expect_close(to_float(download_bits(ddy.p, size_t(N * O))), y_ref, 8e-3, 2e-3, "Y");
+    expect_close(to_float(download_bits(ddx.p, size_t(N * I))), dx_ref, 8e-3, 2e-3, "dX");
+    expect_close(download_f32(ddw.f32(), size_t(O * I)), dw_ref, 1e-4, 1e-5, "dW");
+
+    // The optimizer step: W moves; the next prepare() must follow it.
+    const Bits delta = random_bf16(w.size(), 0.5, rng);
+    for (size_t i = 0; i < w.size(); ++i)
+      w[i] = esplag::float_to_bf16(esplag::bf16_to_float(w[i]) + esplag::bf16_to_float(delta[i]));
+    upload(dw_w, w);
+  }
+  CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+TEST(GpuSparseLinear, Dense) {
+  if (!has_device()) GTEST_SKIP() << "no CUDA device";
+  uint64_t seed = 11;
+  for (const Shape& sh : kShapes) run_kind(SparseLinearKind::dense, sh, seed++);
+}
+
+TEST(GpuSparseLinear, SemiSparse) {
+  if (!has_device()) GTEST_SKIP() << "no CUDA device";
+  if (!gpu::cusparselt_available()) GTEST_SKIP() << "cuSPARSELt not available: " << gpu::cusparselt_unavailable_reason();
+  uint64_t seed = 21;
+  for (const Shape& sh : kShapes) run_kind(SparseLinearKind::semi_sparse, sh, seed++);
+}
+
+TEST(GpuSparseLinear, Slope) {
+  if (!has_device()) GTEST_SKIP() << "no CUDA device";
+  if (!gpu::cusparselt_available()) GTEST_SKIP() << "cuSPARSELt not available: " << gpu::cusparselt_unavailable_reason();
+  uint64_t seed = 31;
+  for (const Shape& sh : kShapes) run_kind(SparseLinearKind::slope, sh, seed++);
+}
+
+// The slope forward mask is static: after the weight changes completely, W1 still keeps
+// the positions chosen at construction (a row-wise 2:4 of the new weight would differ).
+TEST(GpuSparseLinear, SlopeMaskIsStatic) {
+  if (!has_device()) GTEST_SKIP() << "no CUDA device";
+  if (!gpu::cusparselt_available()) GTEST_SKIP() << "cuSPARSELt not available: " << gpu::cusparselt_unavailable_reason();
+  const int64_t O = 32, I = 32, N = 16;
+  Rng rng(5);
+  const Bits w0 = random_bf16(size_t(O * I), 1.0, rng), w1 = random_bf16(size_t(O * I), 1.0, rng);
+  Dev dw(size_t(O * I) * 2);
+  upload(dw, w0);
+  SparseLinearOptions o;
+  o.kind = SparseLinearKind::slope;
+  SparseLinear layer(o, O, I, N, dw.bf(), nullptr);
+  upload(dw, w1);
+  layer.prepare(nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const VF f0 = to_float(w0), f1 = to_float(w1);
+  const cpu::Mask m0 = cpu::double_prune_masks(f0.data(), O, I).forward;
+  const cpu::Mask m1 = cpu::double_prune_masks(f1.data(), O, I).forward;
+  ASSERT_NE(m0, m1) << "the test needs weights whose row-wise masks differ";
+  EXPECT_EQ(to_float(download_bits(layer.pruned_weight(), size_t(O * I))), masked(f1, m0));
+}
+
+TEST(GpuSparseLinear, RefusedShapesAndOptions) {
+  if (!has_device()) GTEST_SKIP() << "no CUDA device";
+  Dev w(64 * 64 * 2);
+  auto make = [&](SparseLinearKind k, int64_t out, int64_t in, int64_t tokens, bool sparse_dw = false) {
+    SparseLinearOptions o;
+    o.kind = k;
+    o.sparse_dw = sparse_dw;
+    SparseLinear l(o, out, in, tokens, w.bf(), nullptr);
+  };
+  auto expect_error = [](const std::function<void()>& f, const std::string& needle) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; expected one containing '" << needle << "'";
+    } catch (const esplag::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error([&] { make(SparseLinearKind::semi_sparse, 24, 32, 32); }, "multiples of 16");
+  expect_error([&] { make(SparseLinearKind::slope, 32, 32, 40); }, "multiples of 16");
+  expect_error([&] { make(SparseLinearKind::dense, 0, 32, 32); }, "sizes must be positive");
+  expect_error([&] { make(SparseLinearKind::slope, 32, 32, 32, true); }, "sparse_dw");
+  expect_error([&] { gpu::parse_sparse_linear_kind("sparse"); }, "unknown sparse Linear kind 'sparse'");
+  EXPECT_EQ(gpu::parse_sparse_linear_kind("slope"), SparseLinearKind::slope);
+  // The dense kind takes sizes that are not multiples of 16.
+  make(SparseLinearKind::dense, 24, 20, 7);
+}
+
+}  // namespace

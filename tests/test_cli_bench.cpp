@@ -1,0 +1,127 @@
+// `esplag bench` subcommands end to end (the esplag binary of this build): the option
+// errors of every GPU benchmark, which are checked before any GPU work and so behave the
+// same in both builds, and, in a CPU build, the clear refusal of the GPU benchmarks. CSV
+// appending is exercised through `bench train --device cpu` (a tiny model).
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "io/atomic_file.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Result {
+  int code = -1;
+  std::string out, err;
+};
+
+// One scratch directory per test process, removed when the process ends.
+struct ScratchDir {
+  fs::path path = fs::temp_directory_path() / ("esplag_test_cli_bench_" + std::to_string(::getpid()));
+  ScratchDir() {
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+fs::path root() {
+  static const ScratchDir dir;
+  return dir.path;
+}
+
+Result run(const std::string& args) {
+  const fs::path out = root() / "stdout.txt", err = root() / "stderr.txt";
+  const std::string cmd = std::string(ESPLAG_BINARY) + " --threads 2 " + args + " >" + out.string() + " 2>" +
+                          err.string() + " </dev/null";
+  const int status = std::system(cmd.c_str());
+  Result r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = esplag::read_file(out.string());
+  r.err = esplag::read_file(err.string());
+  return r;
+}
+
+// Expects failure with exactly one line on stderr that contains `needle`.
+void expect_error(const Result& r, const std::string& needle) {
+  EXPECT_NE(r.code, 0) << "stdout: " << r.out;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << "stderr: " << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "stderr: " << r.err;
+}
+
+TEST(CliBench, UnknownOrMissingSubcommandPrintsUsage) {
+  for (const std::string args : {"bench nope", "bench"}) {
+    const Result r = run(args);
+    EXPECT_NE(r.code, 0) << args;
+    EXPECT_NE(r.err.find(args == "bench" ? "missing subcommand" : "unknown subcommand 'nope'"), std::string::npos)
+        << r.err;
+    for (const char* sub : {"bench train", "bench gemm", "bench layer", "bench sparsify", "bench attention",
+                            "bench vnm", "bench sparse-adamw"})
+      EXPECT_NE(r.err.find(sub), std::string::npos) << "usage lacks " << sub << ":\n" << r.err;
+  }
+}
+
+TEST(CliBench, LayerOptionErrors) {
+  expect_error(run("bench layer --kinds dense,bogus"), "--kinds item 'bogus' is not a kind");
+  expect_error(run("bench layer --kinds slope,slope"), "--kinds lists 'slope' twice");
+  expect_error(run("bench layer --kinds ''"), "--kinds item '' is not a kind");
+  expect_error(run("bench layer --shapes 16x16"), "--shapes item '16x16' is not OUTxINxTOKENS");
+  expect_error(run("bench layer --shapes 16x16x16,0x16x16"), "--shapes item '0x16x16'");
+  expect_error(run("bench layer --shapes 16x16x16,"), "--shapes item ''");
+  expect_error(run("bench layer --shapes 16xAx16"), "--shapes item '16xAx16'");
+  expect_error(run("bench layer --iters 0"), "--iters must be positive");
+  expect_error(run("bench layer --warmup -1"), "--warmup not negative");
+  expect_error(run("bench layer --iters many"), "--iters must be a number");
+  expect_error(run("bench layer --iters 2.5"), "--iters must be an integer");
+  expect_error(run("bench layer --bogus 1"), "bench layer: unknown option --bogus");
+  expect_error(run("bench layer --sparse-dw=1"), "--sparse-dw takes no value");
+  expect_error(run("bench layer --csv"), "--csv needs a value");
+}
+
+TEST(CliBench, OtherGpuBenchOptionErrors) {
+  for (const std::string sub : {"sparsify", "attention", "vnm", "sparse-adamw"}) {
+    expect_error(run("bench " + sub + " --iters 3"), "bench " + sub + ": unknown option --iters");
+    expect_error(run("bench " + sub + " --csv"), "bench " + sub + ": --csv needs a value");
+  }
+  expect_error(run("bench gemm --products sideways"), "--products must be fwd, bwd or fwd,bwd");
+  expect_error(run("bench gemm --operand C"), "--operand must be A or B");
+}
+
+#ifndef ESPLAG_HAVE_CUDA
+TEST(CliBench, GpuBenchesRefuseInACpuBuild) {
+  for (const std::string sub : {"gemm", "layer", "sparsify", "attention", "vnm", "sparse-adamw"}) {
+    const fs::path csv = root() / ("refused_" + sub + ".csv");
+    expect_error(run("bench " + sub + " --csv " + csv.string()),
+                 "bench " + sub + ": needs a build configured with the cuda preset");
+    EXPECT_FALSE(fs::exists(csv)) << sub;
+  }
+  expect_error(run("bench layer --kinds slope --shapes 32x32x32 --sparse-dw"),
+               "bench layer: needs a build configured with the cuda preset");
+}
+#endif
+
+TEST(CliBench, TrainCsvGetsOneHeaderAndAppendedRows) {
+  const fs::path csv = root() / "train.csv";
+  const std::string args = "bench train --model tiny --batch 1 --seq 8 --steps 1 --warmup 0 --csv " + csv.string();
+  for (int i = 0; i < 2; ++i) {
+    const Result r = run(args);
+    ASSERT_EQ(r.code, 0) << r.err;
+  }
+  const std::string text = esplag::read_file(csv.string());
+  EXPECT_EQ(text.rfind("model,device,batch,seq,", 0), 0u) << text;
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 3) << text;
+  EXPECT_EQ(text.find("model,device", 1), std::string::npos) << text;
+}
+
+}  // namespace
