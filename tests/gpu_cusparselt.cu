@@ -36,6 +36,9 @@
 #include "sparse/transposable.h"
 #include "sparse/cuda/cusparselt.h"
 
+#include "gpu_test_util.h"
+#include "test_util.h"
+
 namespace {
 
 using esplag::DeviceArena;
@@ -50,27 +53,15 @@ using esplag::gpu::SparseProduct;
 namespace cpu = esplag::cpu;
 namespace gpu = esplag::gpu;
 
-using Bits = std::vector<uint16_t>;
-using VF = std::vector<float>;
-using VD = std::vector<double>;
+using esplag::gpu_test::Bits;
+using esplag::gpu_test::has_device;
+using esplag::gpu_test::round_bf16;
+using esplag::gpu_test::VD;
+using esplag::gpu_test::VF;
+using esplag::testing::contains;
+using esplag::testing::error_of;
 
-bool has_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const esplag::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-bool contains(const std::string& s, const std::string& what) { return s.find(what) != std::string::npos; }
-
-float round_bf16(float x) { return esplag::bf16_to_float(esplag::float_to_bf16(x)); }
+VF to_float(const Bits& b) { return esplag::gpu_test::bits_to_float(b); }
 
 // bf16-representable random values, never zero (|x| >= 0.05·scale), so the tile pruning
 // keeps exactly 2 of 4 everywhere.
@@ -84,77 +75,20 @@ Bits random_bits(size_t n, uint64_t seed, double scale = 1.0) {
   }
   return b;
 }
-VF to_float(const Bits& b) {
-  VF v(b.size());
-  for (size_t i = 0; i < b.size(); ++i) v[i] = esplag::bf16_to_float(b[i]);
-  return v;
-}
 
 // Device buffers from one arena per test.
-class Dev {
+class Dev : public esplag::gpu_test::DeviceBuffers {
  public:
-  Dev() : arena_(size_t(64) << 20, "test") { CUDA_CHECK(cudaStreamCreate(&stream_)); }
-  ~Dev() { cudaStreamDestroy(stream_); }
-  cudaStream_t stream() const { return stream_; }
-
-  template <typename T>
-  T* put(const std::vector<T>& h, const char* name = "input") {
-    T* d = arena_.allocate_array<T>(name, std::max<size_t>(h.size(), 1));
-    CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-  }
-  bf16* put_bf16(const Bits& h, const char* name = "input") { return reinterpret_cast<bf16*>(put(h, name)); }
-  bf16* poisoned_bf16(size_t n, const char* name = "output") {
-    bf16* d = arena_.allocate_array<bf16>(name, std::max<size_t>(n, 1));
-    CUDA_CHECK(cudaMemset(d, 0xFF, n * sizeof(bf16)));  // NaN in bf16
-    return d;
-  }
-  void poison(bf16* d, size_t n) { CUDA_CHECK(cudaMemsetAsync(d, 0xFF, n * sizeof(bf16), stream_)); }
-  void* bytes(size_t n, const char* name) { return arena_.allocate(name, std::max<size_t>(n, 1)); }
-  Bits get_bits(const bf16* d, size_t n) {
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-    Bits h(n);
-    CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(uint16_t), cudaMemcpyDeviceToHost));
-    return h;
-  }
-  VF get_bf16(const bf16* d, size_t n) { return to_float(get_bits(d, n)); }
-
- private:
-  DeviceArena arena_;
-  cudaStream_t stream_ = nullptr;
+  Dev() : DeviceBuffers(size_t(64) << 20) {}
+  void poison(bf16* d, size_t n) { CUDA_CHECK(cudaMemsetAsync(d, 0xFF, n * sizeof(bf16), stream())); }
+  void* bytes(size_t n, const char* name) { return scratch(n, name); }
 };
 
 // ---------------------------------------------------------------------------------------
 // Comparison (the rule of gpu_ops.cu)
 
-struct Err {
-  double rms = 0, max = 0;
-};
-
-Err error_of(const VD& ref, const VF& x) {
-  Err e;
-  double ss = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double d = std::fabs(double(x[i]) - ref[i]);
-    ss += d * d;
-    e.max = std::max(e.max, d);
-  }
-  e.rms = ref.empty() ? 0 : std::sqrt(ss / ref.size());
-  return e;
-}
-
 void expect_matches(const std::string& what, const VD& ref, const VF& low, const VF& got) {
-  ASSERT_EQ(ref.size(), got.size()) << what;
-  size_t bad = 0, first_bad = 0;
-  for (size_t i = 0; i < got.size(); ++i)
-    if (!std::isfinite(got[i]) && bad++ == 0) first_bad = i;
-  ASSERT_EQ(bad, 0u) << what << ": " << bad << " non-finite outputs (poison left in place?), first at " << first_bad;
-  const Err eg = error_of(ref, got), el = error_of(ref, low), mag = error_of(ref, VF(ref.size(), 0.f));
-  EXPECT_LE(eg.rms, std::max(2 * el.rms, 1e-6 * mag.rms))
-      << what << ": RMS error " << eg.rms << " vs CPU low-precision " << el.rms << " (|ref| rms " << mag.rms << ")";
-  EXPECT_LE(eg.max, std::max(2 * el.max, mag.max / 256.0))
-      << what << ": max error " << eg.max << " vs CPU low-precision " << el.max << " (|ref| max " << mag.max << ")";
-  EXPECT_LE(eg.rms, 1e-2 * mag.rms + 1e-30) << what << ": relative RMS error above 1e-2";
+  esplag::gpu_test::expect_within_low_precision(what, ref, low, got, /*bf16_out=*/true);
 }
 
 // ---------------------------------------------------------------------------------------

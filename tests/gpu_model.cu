@@ -47,6 +47,8 @@
 #include "ops/gpu_fused.h"
 #include "model/gpu_bench.h"
 
+#include "gpu_test_util.h"
+
 namespace {
 
 using esplag::DeviceArena;
@@ -60,109 +62,25 @@ using esplag::gpu::bf16;
 namespace cpu = esplag::cpu;
 namespace gpu = esplag::gpu;
 
-using Bits = std::vector<uint16_t>;
-using VF = std::vector<float>;
-using VD = std::vector<double>;
-
-bool has_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
+using esplag::gpu_test::Bits;
+using esplag::gpu_test::Data;
+using esplag::gpu_test::Err;
+using esplag::gpu_test::error_of;
+using esplag::gpu_test::has_device;
+using esplag::gpu_test::random_bf16;
+using esplag::gpu_test::round_bf16;
+using esplag::gpu_test::VD;
+using esplag::gpu_test::VF;
 #define REQUIRE_DEVICE() ASSERT_TRUE(has_device()) << "no CUDA device visible to the gpu tests"
 
-float round_bf16(float x) { return esplag::bf16_to_float(esplag::float_to_bf16(x)); }
-
-struct Data {
-  Bits bits;
-  VF f;
-  VD d;
-};
-
-Data random_bf16(size_t n, uint64_t seed, double scale) {
-  Rng rng(seed);
-  Data out;
-  out.bits.resize(n);
-  out.f.resize(n);
-  out.d.resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    out.bits[i] = esplag::float_to_bf16(static_cast<float>(scale * rng.normal()));
-    out.f[i] = esplag::bf16_to_float(out.bits[i]);
-    out.d[i] = out.f[i];
-  }
-  return out;
-}
-
-class Dev {
+class Dev : public esplag::gpu_test::DeviceBuffers {
  public:
-  Dev() : arena_(size_t(64) << 20, "test") { CUDA_CHECK(cudaStreamCreate(&stream_)); }
-  ~Dev() { cudaStreamDestroy(stream_); }
-  cudaStream_t stream() const { return stream_; }
-  template <typename T>
-  T* put(const std::vector<T>& h) {
-    T* d = arena_.allocate_array<T>("input", std::max<size_t>(h.size(), 1));
-    CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-  }
-  template <typename T>
-  T* poisoned(size_t n) {
-    T* d = arena_.allocate_array<T>("output", std::max<size_t>(n, 1));
-    CUDA_CHECK(cudaMemset(d, 0xFF, n * sizeof(T)));  // NaN as bf16 and as fp32
-    return d;
-  }
-  template <typename T>
-  std::vector<T> get(const T* d, size_t n) {
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-    std::vector<T> h(n);
-    CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-  VF get_bf16(const bf16* d, size_t n) {
-    const auto b = get(reinterpret_cast<const uint16_t*>(d), n);
-    VF v(n);
-    for (size_t i = 0; i < n; ++i) v[i] = esplag::bf16_to_float(b[i]);
-    return v;
-  }
-  void* scratch(size_t bytes) { return arena_.allocate("scratch", std::max<size_t>(bytes, 1)); }
-  DeviceArena& arena() { return arena_; }
-
- private:
-  DeviceArena arena_;
-  cudaStream_t stream_ = nullptr;
+  Dev() : DeviceBuffers(size_t(64) << 20) {}
 };
-
-struct Err {
-  double rms = 0, max = 0;
-};
-
-template <typename V>
-Err error_of(const VD& ref, const V& x) {
-  Err e;
-  double ss = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double d = std::fabs(static_cast<double>(x[i]) - ref[i]);
-    ss += d * d;
-    e.max = std::max(e.max, d);
-  }
-  e.rms = ref.empty() ? 0 : std::sqrt(ss / ref.size());
-  return e;
-}
 
 // bf16 output `got` against the fp64 reference; `low` is the fp32 CPU result.
 void expect_bf16_close(const std::string& what, const VD& ref, const VF& low, const VF& got) {
-  ASSERT_EQ(ref.size(), got.size()) << what;
-  size_t bad = 0, first_bad = 0;
-  for (size_t i = 0; i < got.size(); ++i)
-    if (!std::isfinite(got[i]) && bad++ == 0) first_bad = i;
-  ASSERT_EQ(bad, 0u) << what << ": " << bad << " non-finite outputs (unwritten or NaN), first at " << first_bad;
-  VF low_bf(low.size());
-  for (size_t i = 0; i < low.size(); ++i) low_bf[i] = round_bf16(low[i]);
-  const Err eg = error_of(ref, got), el = error_of(ref, low_bf), mag = error_of(ref, VD(ref.size(), 0.0));
-  std::printf("  %-40s rel rms %.2e (bf16-rounded CPU %.2e), max %.2e (CPU %.2e, |ref| max %.2e)\n", what.c_str(),
-              eg.rms / (mag.rms + 1e-300), el.rms / (mag.rms + 1e-300), eg.max, el.max, mag.max);
-  // The absolute floor covers gradients that are exactly 0 (a single position), which
-  // the kernels reproduce up to fp32 rounding of dP - delta.
-  EXPECT_LE(eg.rms, 1e-2 * mag.rms + 1e-6) << what << ": relative RMS error above 1e-2";
-  EXPECT_LE(eg.max, 3 * el.max + 2e-2 * mag.max + 1e-6) << what << ": max error " << eg.max;
+  esplag::gpu_test::expect_bf16_close(what, ref, low, got, 40);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -40,6 +40,8 @@
 #include "sparse/double_prune.h"
 #include "sparse/masks.h"
 
+#include "gpu_test_util.h"
+
 namespace {
 
 using esplag::Compressed24;
@@ -50,14 +52,12 @@ namespace cpu = esplag::cpu;
 namespace gpu = esplag::gpu;
 namespace ld = esplag::linear_detail;
 
-using Bits = std::vector<uint16_t>;
-using VF = std::vector<float>;
-using VD = std::vector<double>;
-
-bool has_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
+using esplag::gpu_test::Bits;
+using esplag::gpu_test::has_device;
+using esplag::gpu_test::round_bf16;
+using esplag::gpu_test::to_double;
+using esplag::gpu_test::VD;
+using esplag::gpu_test::VF;
 
 class GpuSparseAdamW : public ::testing::Test {
  protected:
@@ -67,70 +67,28 @@ class GpuSparseAdamW : public ::testing::Test {
 // ---------------------------------------------------------------------------------------
 // Device buffers, all from one arena per test
 
-class Dev {
+class Dev : public esplag::gpu_test::DeviceBuffers {
  public:
-  Dev() : arena_(size_t(256) << 20, "test") { CUDA_CHECK(cudaStreamCreate(&stream_)); }
-  ~Dev() { cudaStreamDestroy(stream_); }
-  cudaStream_t stream() const { return stream_; }
-
-  template <typename T>
-  T* put(const std::vector<T>& h, const char* name = "input") {
-    T* d = arena_.allocate_array<T>(name, std::max<size_t>(h.size(), 1));
-    CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-  }
+  Dev() : DeviceBuffers(size_t(256) << 20) {}
+  // Overwrites a buffer once the stream's work is done. (Poisoned outputs are all bytes
+  // 0xFF: NaN as bf16 and fp32, 0xFFFF as metadata, not a valid nibble anywhere.)
   template <typename T>
   void set(T* d, const std::vector<T>& h) {
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream()));
     CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
   }
-  // All bytes 0xFF: NaN as bf16 and fp32, 0xFFFF as metadata (not a valid nibble anywhere).
-  template <typename T>
-  T* poisoned(size_t n, const char* name = "output") {
-    T* d = arena_.allocate_array<T>(name, std::max<size_t>(n, 1));
-    CUDA_CHECK(cudaMemset(d, 0xFF, n * sizeof(T)));
-    return d;
-  }
-  bf16* poisoned_bf16(size_t n, const char* name = "output") {
-    return reinterpret_cast<bf16*>(poisoned<uint16_t>(n, name));
-  }
-  template <typename T>
-  std::vector<T> get(const T* d, size_t n) {
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-    std::vector<T> h(n);
-    CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-  Bits get_bits(const bf16* d, size_t n) { return get(reinterpret_cast<const uint16_t*>(d), n); }
-  void* scratch(size_t bytes) { return arena_.allocate("scratch", std::max<size_t>(bytes, 1)); }
-
- private:
-  DeviceArena arena_;
-  cudaStream_t stream_ = nullptr;
 };
 
 // ---------------------------------------------------------------------------------------
 // Host data
 
-VF normal(size_t n, uint64_t seed, double scale) {
-  Rng rng(seed);
-  VF v(n);
-  for (float& x : v) x = static_cast<float>(scale * rng.normal());
-  return v;
-}
-
-VF round_bf16(VF v) {
-  for (float& x : v) x = esplag::bf16_to_float(esplag::float_to_bf16(x));
-  return v;
-}
+VF normal(size_t n, uint64_t seed, double scale) { return esplag::gpu_test::random_f32(n, seed, scale); }
 
 Bits to_bits(const VF& v) {
   Bits b(v.size());
   for (size_t i = 0; i < v.size(); ++i) b[i] = esplag::float_to_bf16(v[i]);
   return b;
 }
-
-VD to_double(const VF& v) { return VD(v.begin(), v.end()); }
 
 // A SLoPe forward weight: W pruned row-wise 2:4 and compressed as SlopeLinear does.
 struct Forward {

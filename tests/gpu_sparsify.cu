@@ -38,6 +38,8 @@
 #include "sparse/mvue.h"
 #include "sparse/transposable.h"
 
+#include "gpu_test_util.h"
+
 namespace {
 
 using esplag::DeviceArena;
@@ -50,10 +52,7 @@ namespace gpu = esplag::gpu;
 using Bits = std::vector<uint16_t>;
 using Mask = std::vector<uint8_t>;
 
-bool has_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
+using esplag::gpu_test::has_device;
 
 // ---------------------------------------------------------------------------------------
 // Host data
@@ -80,11 +79,7 @@ Bits random_bits(int64_t n, Kind kind, uint64_t seed) {
   return b;
 }
 
-std::vector<float> to_float(const Bits& b) {
-  std::vector<float> f(b.size());
-  for (size_t i = 0; i < b.size(); ++i) f[i] = esplag::bf16_to_float(b[i]);
-  return f;
-}
+std::vector<float> to_float(const Bits& b) { return esplag::gpu_test::bits_to_float(b); }
 
 template <typename T>
 std::vector<T> transpose(const std::vector<T>& a, int64_t rows, int64_t cols) {
@@ -132,15 +127,14 @@ std::vector<uint16_t> tile_bits(const Mask& m, int64_t rows, int64_t cols) {
 // ---------------------------------------------------------------------------------------
 // Device buffers
 
-class Dev {
+// Every buffer has one poisoned element past its end, which get() checks is untouched.
+class Dev : public esplag::gpu_test::DeviceBuffers {
  public:
-  Dev() : arena_(size_t(512) << 20, "test") { CUDA_CHECK(cudaStreamCreate(&stream_)); }
-  ~Dev() { cudaStreamDestroy(stream_); }
-  cudaStream_t stream() const { return stream_; }
+  Dev() : DeviceBuffers(size_t(512) << 20) {}
 
   template <typename T>
   T* put(const std::vector<T>& h, size_t offset_elems = 0) {
-    T* d = arena_.allocate_array<T>("input", h.size() + offset_elems + 1) + offset_elems;
+    T* d = arena().allocate_array<T>("input", h.size() + offset_elems + 1) + offset_elems;
     CUDA_CHECK(cudaMemset(d + h.size(), 0xFF, sizeof(T)));  // poisoned, for in-place checks
     CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
     return d;
@@ -148,7 +142,7 @@ class Dev {
   bf16* put_bf16(const Bits& h, size_t offset_elems = 0) { return reinterpret_cast<bf16*>(put(h, offset_elems)); }
   template <typename T>
   T* poisoned(size_t n, size_t offset_elems = 0) {
-    T* d = arena_.allocate_array<T>("output", n + offset_elems + 1) + offset_elems;
+    T* d = arena().allocate_array<T>("output", n + offset_elems + 1) + offset_elems;
     CUDA_CHECK(cudaMemset(d, 0xFF, (n + 1) * sizeof(T)));
     return d;
   }
@@ -158,7 +152,7 @@ class Dev {
   // Reads n values, and checks the one past the end was not written.
   template <typename T>
   std::vector<T> get(const T* d, size_t n) {
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream()));
     CUDA_CHECK(cudaGetLastError());
     std::vector<T> h(n + 1);
     CUDA_CHECK(cudaMemcpy(h.data(), d, (n + 1) * sizeof(T), cudaMemcpyDeviceToHost));
@@ -169,10 +163,6 @@ class Dev {
     return h;
   }
   Bits get_bits(const bf16* d, size_t n) { return get(reinterpret_cast<const uint16_t*>(d), n); }
-
- private:
-  DeviceArena arena_;
-  cudaStream_t stream_ = nullptr;
 };
 
 // Every form of one 2:4 result, poisoned.

@@ -32,6 +32,8 @@
 #include "sparse/cuda/vnm_gemm.h"
 #include "sparse/masks.h"
 
+#include "gpu_test_util.h"
+
 namespace {
 
 using esplag::CompressedVNMBf16;
@@ -42,33 +44,13 @@ using esplag::gpu::VnmDeviceWeight;
 namespace cpu = esplag::cpu;
 namespace gpu = esplag::gpu;
 
-using Bits = std::vector<uint16_t>;
-using VF = std::vector<float>;
-using VD = std::vector<double>;
-
-bool has_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-float round_bf16(float x) { return esplag::bf16_to_float(esplag::float_to_bf16(x)); }
-
-struct Data {
-  Bits bits;
-  VF f;
-};
-
-Data random_bf16(size_t n, uint64_t seed) {
-  Rng rng(seed);
-  Data d;
-  d.bits.resize(n);
-  d.f.resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    d.bits[i] = esplag::float_to_bf16(static_cast<float>(rng.normal()));
-    d.f[i] = esplag::bf16_to_float(d.bits[i]);
-  }
-  return d;
-}
+using esplag::gpu_test::Bits;
+using esplag::gpu_test::Data;
+using esplag::gpu_test::has_device;
+using esplag::gpu_test::random_bf16;
+using esplag::gpu_test::round_bf16;
+using esplag::gpu_test::VD;
+using esplag::gpu_test::VF;
 
 // A V:2:M weight made the way the model makes one.
 CompressedVNMBf16 make_weight(int64_t rows, int64_t cols, int v, int m, uint64_t seed) {
@@ -80,70 +62,27 @@ CompressedVNMBf16 make_weight(int64_t rows, int64_t cols, int v, int m, uint64_t
   return cpu::to_bf16(cpu::compress_vnm(w.data(), rows, cols, v, m, "test weight"));
 }
 
-class Dev {
+class Dev : public esplag::gpu_test::DeviceBuffers {
  public:
-  Dev() : arena_(size_t(512) << 20, "gpu_vnm test") { CUDA_CHECK(cudaStreamCreate(&stream_)); }
-  ~Dev() { cudaStreamDestroy(stream_); }
-  cudaStream_t stream() const { return stream_; }
-  DeviceArena& arena() { return arena_; }
+  Dev() : DeviceBuffers(size_t(512) << 20, "gpu_vnm test") {}
 
-  // `extra` elements in front, so that the returned pointer can be deliberately misaligned.
+  // `offset` elements in front, so that the returned pointer can be deliberately misaligned.
   template <typename T>
   T* put(const std::vector<T>& h, size_t offset = 0) {
-    T* d = arena_.allocate_array<T>("input", h.size() + offset + 1);
+    T* d = arena().allocate_array<T>("input", h.size() + offset + 1);
     CUDA_CHECK(cudaMemcpy(d + offset, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
     return d + offset;
   }
   template <typename T>
   T* poisoned(size_t n, size_t offset = 0) {
-    T* d = arena_.allocate_array<T>("output", n + offset + 1);
+    T* d = arena().allocate_array<T>("output", n + offset + 1);
     CUDA_CHECK(cudaMemset(d, 0xFF, (n + offset + 1) * sizeof(T)));  // NaN as bf16 and fp32
     return d + offset;
   }
-  template <typename T>
-  std::vector<T> get(const T* d, size_t n) {
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-    std::vector<T> h(n);
-    CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-
- private:
-  DeviceArena arena_;
-  cudaStream_t stream_ = nullptr;
 };
-
-struct Err {
-  double rms = 0, max = 0;
-};
-
-template <typename V>
-Err error_of(const VD& ref, const V& x) {
-  Err e;
-  double ss = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double d = std::fabs(static_cast<double>(x[i]) - ref[i]);
-    ss += d * d;
-    e.max = std::max(e.max, d);
-  }
-  e.rms = ref.empty() ? 0 : std::sqrt(ss / ref.size());
-  return e;
-}
 
 void expect_matches(const std::string& what, const VD& ref, const VF& low, const VF& got, bool bf16_out) {
-  ASSERT_EQ(ref.size(), got.size()) << what;
-  size_t bad = 0, first_bad = 0;
-  for (size_t i = 0; i < got.size(); ++i)
-    if (!std::isfinite(got[i]) && bad++ == 0) first_bad = i;
-  ASSERT_EQ(bad, 0u) << what << ": " << bad << " non-finite outputs (unwritten or wrong), first at " << first_bad;
-  const Err eg = error_of(ref, got), el = error_of(ref, low), mag = error_of(ref, VD(ref.size(), 0.0));
-  const double floor_rms = (bf16_out ? 1e-6 : 1e-5) * mag.rms;
-  const double floor_max = bf16_out ? mag.max / 256.0 : 1e-5 * mag.max;
-  EXPECT_LE(eg.rms, std::max(2 * el.rms, floor_rms))
-      << what << ": RMS error " << eg.rms << " vs CPU fp32 " << el.rms << " (|ref| rms " << mag.rms << ")";
-  EXPECT_LE(eg.max, std::max(2 * el.max, floor_max))
-      << what << ": max error " << eg.max << " vs CPU fp32 " << el.max << " (|ref| max " << mag.max << ")";
-  if (bf16_out) EXPECT_LE(eg.rms, 1e-2 * mag.rms + 1e-30) << what << ": relative RMS error above 1e-2";
+  esplag::gpu_test::expect_within_low_precision(what, ref, low, got, bf16_out, "CPU fp32");
 }
 
 class GpuVnm : public ::testing::Test {

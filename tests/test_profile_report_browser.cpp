@@ -18,6 +18,7 @@
 #include <sstream>
 #include <thread>
 
+#include "cli_util.h"
 #include "profile/profiler.h"
 #include "profile/validate.h"
 
@@ -26,31 +27,10 @@ using namespace esplag;
 
 namespace {
 
-struct ScratchDir {
-  fs::path path = fs::temp_directory_path() / ("esplag_test_browser_" + std::to_string(::getpid()));
-  ScratchDir() {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+using esplag::testing::read_text;
+using esplag::testing::write_text;
 
-const fs::path& scratch() {
-  static const ScratchDir dir;
-  return dir.path;
-}
-
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_text(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
+const fs::path& scratch() { return esplag::testing::scratch_root("test_browser"); }
 
 bool executable(const fs::path& p) { return ::access(p.c_str(), X_OK) == 0 && fs::is_regular_file(p); }
 
@@ -91,13 +71,12 @@ BrowserRun browse(const std::string& chromium, const fs::path& page, const std::
                           "' --headless --disable-gpu --no-sandbox --hide-scrollbars --no-first-run "
                           "--user-data-dir='" + profile.string() +
                           "' --window-size=1400,2000 --enable-logging=stderr --v=0 " + mode + " 'file://" +
-                          fs::absolute(page).string() + "' >'" + out.string() + "' 2>'" + err.string() +
-                          "' </dev/null";
-  const int status = std::system(cmd.c_str());
+                          fs::absolute(page).string() + "'";
+  const esplag::testing::CommandResult c = esplag::testing::run_command(cmd, out, err);
   BrowserRun r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = read_text(out);
-  r.log = read_text(err);
+  r.code = c.code;
+  r.out = c.out;
+  r.log = c.err;
   return r;
 }
 

@@ -185,14 +185,36 @@ void global_norm_squared(float* out, const float* x, int64_t n, void* scratch, c
 // Linear layers through cuBLASLt (ops/matmul.h): bf16 operands, fp32 accumulation.
 // W is [OC, C] (nn.Linear layout), inp [N, C], out [N, OC].
 //
-// Matmul descriptors, layouts and the heuristic's algorithm are cached per shape and
-// operation; the workspace is allocated once from the arena. Fused epilogues (bias,
-// GELU with its pre-activation saved, GELU gradient, bias gradient) are used where
-// cuBLASLt offers them for the shape; otherwise separate kernels do the same work.
+// Matmul descriptors, layouts and the algorithm are cached per shape and operation; the
+// workspace is allocated once from the arena. Fused epilogues (bias, GELU with its
+// pre-activation saved, GELU gradient, bias gradient) are used where cuBLASLt offers
+// them for the shape; otherwise separate kernels do the same work.
+//
+// Algorithm choice (autotuning, on by default): the first call of a shape asks the
+// heuristic for up to kTuneCandidates algorithms, times each on the caller's stream (one
+// warm-up and kTuneReps timed runs, median) and keeps the fastest unless it beats the
+// heuristic's first pick by less than kTuneMinGain. The first call therefore
+// synchronises the stream; later calls of the shape are asynchronous and use the same
+// algorithm for the rest of the process (a choice is shared by every Gemm of the process
+// with the same workspace size on the same device, so it is timed once). Tuning never
+// writes a caller's buffer that the call would not write anyway: accumulating calls
+// (beta = 1) and outputs that overlap an input are timed into a device buffer owned by
+// the Gemm, grown (cudaMalloc) only when a shape needs more than it holds. A shape first
+// seen while the stream is being captured into a CUDA graph runs the heuristic's first
+// pick in that graph and is tuned at its first call outside a capture. With autotuning
+// off every shape uses the heuristic's first pick (bitwise reproducible across
+// processes; a tuned choice depends on timings). A plan built while autotuning is off
+// keeps the first pick when it is switched on later.
+void set_gemm_autotune(bool on);  // process-wide; initial value: ESPLAG_GEMM_AUTOTUNE (0/off/false: off)
+bool gemm_autotune();
+
 class Gemm {
  public:
   static constexpr size_t kDefaultWorkspaceBytes = size_t(32) << 20;  // cuBLAS's advice for Hopper
   static constexpr size_t kScratchBytes = size_t(4) << 20;           // bias-gradient partials
+  static constexpr int kTuneCandidates = 8;
+  static constexpr int kTuneReps = 3;
+  static constexpr float kTuneMinGain = 0.02f;  // keeps the heuristic's pick within timing noise
 
   explicit Gemm(DeviceArena& arena, size_t workspace_bytes = kDefaultWorkspaceBytes);
   ~Gemm();
@@ -224,6 +246,25 @@ class Gemm {
   size_t cached_plans() const;
   // How many calls fell back to separate kernels since construction.
   size_t epilogue_fallbacks() const { return fallbacks_; }
+
+  // The algorithm of each cached plan that cuBLASLt supports (for tests and reports).
+  struct PlanInfo {
+    int m = 0, n = 0, k = 0;  // cuBLASLt's column-major problem (see gemm.cu)
+    cublasOperation_t transa = CUBLAS_OP_N, transb = CUBLAS_OP_N;
+    cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+    bool f32_out = false;
+    int candidates = 0;  // heuristic results considered (1 when not tuned)
+    int chosen = 0;      // index of the algorithm in the heuristic's order; 0 = its first pick
+    bool tuned = false;  // chosen by timing
+    bool pending = false;  // autotuning on but not tuned yet (first seen inside a capture)
+    float first_ms = 0, chosen_ms = 0;  // median times of the first pick and the chosen one, when tuned
+    cublasLtMatmulAlgo_t algo{};
+  };
+  std::vector<PlanInfo> plans() const;
+  // The tuning output buffer: its size, and freeing it (synchronises the device; not
+  // while capturing). A later tuning that needs it allocates it again.
+  size_t tuning_scratch_bytes() const;
+  void release_tuning_scratch();
 
   struct Impl;
 

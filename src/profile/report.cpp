@@ -22,44 +22,19 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-std::string fmt(const char* format, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, format, v);
-  return buf;
-}
-
-// A duration with a unit that keeps 3-4 significant digits.
-std::string fmt_time(double ns) {
-  const double a = std::abs(ns);
-  if (a >= 1e9) return fmt("%.3f s", ns / 1e9);
-  if (a >= 1e6) return fmt("%.3f ms", ns / 1e6);
-  if (a >= 1e3) return fmt("%.3f us", ns / 1e3);
-  return fmt("%.0f ns", ns);
-}
-
 std::string fmt_pct(double part, double whole) {
-  return fmt("%.1f%%", whole > 0 ? 100.0 * part / whole : 0.0);
+  return format_value("%.1f%%", whole > 0 ? 100.0 * part / whole : 0.0);
 }
 
 std::string fmt_speedup(double baseline, double predicted) {
   if (predicted <= 0) return baseline > 0 ? "inf" : "1.00x";
-  return fmt("%.2fx", baseline / predicted);
+  return format_value("%.2fx", baseline / predicted);
 }
 
 // Integers print exactly, other values with enough digits to read back.
 std::string fmt_number(double v) {
-  if (std::abs(v) < 9e15 && v == std::floor(v)) return fmt("%.0f", v);
-  return fmt("%.17g", v);
-}
-
-std::string csv_field(const std::string& s) {
-  if (s.find_first_of(",\"\n\r") == std::string::npos) return s;
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"') out += '"';
-    out += c;
-  }
-  return out + "\"";
+  if (std::abs(v) < 9e15 && v == std::floor(v)) return format_value("%.0f", v);
+  return format_value("%.17g", v);
 }
 
 std::string html_escape(std::string_view s) {
@@ -229,10 +204,10 @@ std::string ops_csv(const ProfileResult& r) {
   for (int i = 0; i < r.graph.size(); ++i) {
     const GraphNode& n = r.graph.nodes()[i];
     os << csv_field(n.name) << ',' << op_category_name(n.category) << ',' << n.layer << ','
-       << n.stream << ',' << fmt("%.3f", node_start(r, i) / 1e3) << ','
-       << fmt("%.3f", n.duration_ns / 1e3) << ',' << fmt_number(n.flops) << ','
+       << n.stream << ',' << format_value("%.3f", node_start(r, i) / 1e3) << ','
+       << format_value("%.3f", n.duration_ns / 1e3) << ',' << fmt_number(n.flops) << ','
        << fmt_number(n.bytes) << ',' << (r.schedule.on_critical_path[i] ? 1 : 0) << ','
-       << fmt("%.3f", r.schedule.slack[i] / 1e3) << '\n';
+       << format_value("%.3f", r.schedule.slack[i] / 1e3) << '\n';
   }
   return os.str();
 }
@@ -243,13 +218,13 @@ std::string ops_csv(const ProfileResult& r) {
 std::string summary_text(const ProfileResult& r, int top_categories) {
   std::ostringstream os;
   const Schedule& s = r.schedule;
-  os << "step time: " << fmt_time(r.measured_wall_ns) << " measured, "
-     << fmt_time(s.makespan_ns) << " modelled (" << r.graph.size() << " ops on " << r.streams
+  os << "step time: " << format_ns(r.measured_wall_ns) << " measured, "
+     << format_ns(s.makespan_ns) << " modelled (" << r.graph.size() << " ops on " << r.streams
      << (r.streams == 1 ? " stream)\n" : " streams)\n");
-  os << "critical path: " << fmt_time(s.makespan_ns) << " over " << s.critical_path.size()
-     << " ops (in ops " << fmt_time(s.critical_op_ns) << ", untraced "
-     << fmt_time(s.makespan_ns - s.critical_op_ns) << "); op time summed over all ops "
-     << fmt_time(r.op_time_ns) << "\n";
+  os << "critical path: " << format_ns(s.makespan_ns) << " over " << s.critical_path.size()
+     << " ops (in ops " << format_ns(s.critical_op_ns) << ", untraced "
+     << format_ns(s.makespan_ns - s.critical_op_ns) << "); op time summed over all ops "
+     << format_ns(r.op_time_ns) << "\n";
   if (!r.by_category.empty()) {
     os << "time by category (share of op time / of critical path):\n";
     int shown = 0;
@@ -258,23 +233,23 @@ std::string summary_text(const ProfileResult& r, int top_categories) {
       char line[160];
       std::snprintf(line, sizeof line, "  %-12s %12s  %6s / %6s\n",
                     std::string(op_category_name(c.category)).c_str(),
-                    fmt_time(c.total_ns).c_str(), fmt_pct(c.total_ns, r.op_time_ns).c_str(),
+                    format_ns(c.total_ns).c_str(), fmt_pct(c.total_ns, r.op_time_ns).c_str(),
                     fmt_pct(c.critical_ns, s.makespan_ns).c_str());
       os << line;
     }
   }
   const WhatIfResult& w = r.what_if;
   if (!w.specs.empty()) {
-    os << "what-if (modelled baseline " << fmt_time(w.baseline_ns) << "):\n";
+    os << "what-if (modelled baseline " << format_ns(w.baseline_ns) << "):\n";
     for (const auto& p : w.per_spec) {
-      os << "  " << p.spec << ": " << p.matched_ops << " ops, " << fmt_time(p.matched_ns)
-         << " -> " << fmt_time(p.predicted_alone_ns) << " ("
+      os << "  " << p.spec << ": " << p.matched_ops << " ops, " << format_ns(p.matched_ns)
+         << " -> " << format_ns(p.predicted_alone_ns) << " ("
          << fmt_speedup(w.baseline_ns, p.predicted_alone_ns) << "); if free "
-         << fmt_time(p.amdahl_bound_ns) << " (" << fmt_speedup(w.baseline_ns, p.amdahl_bound_ns)
+         << format_ns(p.amdahl_bound_ns) << " (" << fmt_speedup(w.baseline_ns, p.amdahl_bound_ns)
          << ")\n";
     }
     if (w.specs.size() > 1)
-      os << "  all specs: " << fmt_time(w.predicted_ns) << " ("
+      os << "  all specs: " << format_ns(w.predicted_ns) << " ("
          << fmt_speedup(w.baseline_ns, w.predicted_ns) << ")\n";
   }
   return os.str();
@@ -317,17 +292,17 @@ std::string bar_chart(const std::vector<Bar>& bars, int label_w = 260) {
     const Bar& b = bars[k];
     const double y = 4 + static_cast<double>(k) * row_h;
     const double w = max_v > 0 ? bar_w * b.value / max_v : 0;
-    os << "<text x=\"" << label_w - 6 << "\" y=\"" << fmt("%.1f", y + 15)
+    os << "<text x=\"" << label_w - 6 << "\" y=\"" << format_value("%.1f", y + 15)
        << "\" text-anchor=\"end\">" << html_escape(short_label(b.label)) << "</text>";
-    os << "<rect x=\"" << label_w << "\" y=\"" << fmt("%.1f", y + 3) << "\" width=\""
-       << fmt("%.2f", w) << "\" height=\"" << row_h - 6 << "\" fill=\"" << b.color
+    os << "<rect x=\"" << label_w << "\" y=\"" << format_value("%.1f", y + 3) << "\" width=\""
+       << format_value("%.2f", w) << "\" height=\"" << row_h - 6 << "\" fill=\"" << b.color
        << "\" fill-opacity=\"0.45\"><title>" << html_escape(b.label) << ": "
        << html_escape(b.text) << "</title></rect>";
     if (b.highlight >= 0 && max_v > 0)
-      os << "<rect x=\"" << label_w << "\" y=\"" << fmt("%.1f", y + 3) << "\" width=\""
-         << fmt("%.2f", bar_w * b.highlight / max_v) << "\" height=\"" << row_h - 6
+      os << "<rect x=\"" << label_w << "\" y=\"" << format_value("%.1f", y + 3) << "\" width=\""
+         << format_value("%.2f", bar_w * b.highlight / max_v) << "\" height=\"" << row_h - 6
          << "\" fill=\"" << b.color << "\"/>";
-    os << "<text x=\"" << fmt("%.1f", label_w + w + 6) << "\" y=\"" << fmt("%.1f", y + 15)
+    os << "<text x=\"" << format_value("%.1f", label_w + w + 6) << "\" y=\"" << format_value("%.1f", y + 15)
        << "\">" << html_escape(b.text) << "</text>\n";
   }
   os << "</svg>\n";
@@ -368,13 +343,13 @@ std::string timeline_svg(const ProfileResult& r) {
     const bool crit = r.schedule.on_critical_path[i] != 0;
     const double x = x_of(node_start(r, i));
     const double w = std::max(0.5, plot_w * n.duration_ns / total);
-    os << "<rect x=\"" << fmt("%.2f", x) << "\" y=\"" << lane_y(lane) + 2 << "\" width=\""
-       << fmt("%.2f", w) << "\" height=\"" << lane_h - 8 << "\" fill=\""
+    os << "<rect x=\"" << format_value("%.2f", x) << "\" y=\"" << lane_y(lane) + 2 << "\" width=\""
+       << format_value("%.2f", w) << "\" height=\"" << lane_h - 8 << "\" fill=\""
        << (crit_lane ? kCriticalColor : category_color(n.category)) << "\"";
     if (crit && !crit_lane) os << " stroke=\"" << kCriticalColor << "\" stroke-width=\"1.5\"";
     os << "><title>" << html_escape(n.name) << " (" << op_category_name(n.category) << ", "
-       << layer_label(n.layer) << "): " << fmt_time(n.duration_ns) << ", slack "
-       << fmt_time(r.schedule.slack[i]) << (crit ? ", on the critical path" : "")
+       << layer_label(n.layer) << "): " << format_ns(n.duration_ns) << ", slack "
+       << format_ns(r.schedule.slack[i]) << (crit ? ", on the critical path" : "")
        << "</title></rect>\n";
   };
   for (int i = 0; i < r.graph.size(); ++i) {
@@ -389,10 +364,10 @@ std::string timeline_svg(const ProfileResult& r) {
   for (int k = 0; k <= 5; ++k) {
     const double t = total * k / 5;
     const double x = x_of(t);
-    os << "<line x1=\"" << fmt("%.1f", x) << "\" y1=\"" << axis_y << "\" x2=\""
-       << fmt("%.1f", x) << "\" y2=\"" << axis_y + 4 << "\" stroke=\"#444\"/>";
-    os << "<text x=\"" << fmt("%.1f", x) << "\" y=\"" << axis_y + 18
-       << "\" text-anchor=\"middle\">" << fmt_time(t) << "</text>";
+    os << "<line x1=\"" << format_value("%.1f", x) << "\" y1=\"" << axis_y << "\" x2=\""
+       << format_value("%.1f", x) << "\" y2=\"" << axis_y + 4 << "\" stroke=\"#444\"/>";
+    os << "<text x=\"" << format_value("%.1f", x) << "\" y=\"" << axis_y + 18
+       << "\" text-anchor=\"middle\">" << format_ns(t) << "</text>";
   }
   os << "\n</svg>\n";
   return os.str();
@@ -411,12 +386,12 @@ std::string legend_html() {
 
 // A numeric table cell that sorts by its value.
 std::string num_td(double sort_value, const std::string& text) {
-  return "<td class=\"n\" data-v=\"" + fmt("%.6g", sort_value) + "\">" + html_escape(text) + "</td>";
+  return "<td class=\"n\" data-v=\"" + format_value("%.6g", sort_value) + "\">" + html_escape(text) + "</td>";
 }
 
 std::string fmt_error_pct(double pct) {
   if (!std::isfinite(pct)) return "n/a";
-  return fmt("%+.1f%%", pct);
+  return format_value("%+.1f%%", pct);
 }
 
 std::string validation_html(const ValidationResult& v) {
@@ -434,24 +409,24 @@ std::string validation_html(const ValidationResult& v) {
     os << "<tr><th>" << html_escape(k) << "</th><td class=\"n\">" << html_escape(val)
        << "</td></tr>\n";
   };
-  row("dense step (measured)", fmt_time(v.dense_ns));
-  row("sparse step predicted", fmt_time(v.predicted_ns) + " (" +
+  row("dense step (measured)", format_ns(v.dense_ns));
+  row("sparse step predicted", format_ns(v.predicted_ns) + " (" +
                                    fmt_speedup(v.dense_ns, v.predicted_ns) + " vs dense)");
-  row("sparse step measured", fmt_time(v.measured_ns) + " (" +
+  row("sparse step measured", format_ns(v.measured_ns) + " (" +
                                   fmt_speedup(v.dense_ns, v.measured_ns) + " vs dense)");
   row("error of the prediction", fmt_error_pct(v.error_pct()));
-  row("spread of the measured steps (max - min)", fmt("%.1f%%", v.measured_spread_pct()));
+  row("spread of the measured steps (max - min)", format_value("%.1f%%", v.measured_spread_pct()));
   const double op_err = v.measured_op_ns > 0
                             ? 100.0 * (v.predicted_op_ns - v.measured_op_ns) / v.measured_op_ns
                             : std::nan("");
-  row("op time predicted / measured", fmt_time(v.predicted_op_ns) + " / " +
-                                          fmt_time(v.measured_op_ns) + " (" +
+  row("op time predicted / measured", format_ns(v.predicted_op_ns) + " / " +
+                                          format_ns(v.measured_op_ns) + " (" +
                                           fmt_error_pct(op_err) + ")");
   os << "</table>\n";
-  os << bar_chart({Bar{"dense (measured)", v.dense_ns, -1, "#8c8c8c", fmt_time(v.dense_ns)},
+  os << bar_chart({Bar{"dense (measured)", v.dense_ns, -1, "#8c8c8c", format_ns(v.dense_ns)},
                    Bar{"sparse predicted", v.predicted_ns, -1, "#4e79a7",
-                       fmt_time(v.predicted_ns) + " (" + fmt_error_pct(v.error_pct()) + ")"},
-                   Bar{"sparse measured", v.measured_ns, -1, kCriticalColor, fmt_time(v.measured_ns)}});
+                       format_ns(v.predicted_ns) + " (" + fmt_error_pct(v.error_pct()) + ")"},
+                   Bar{"sparse measured", v.measured_ns, -1, kCriticalColor, format_ns(v.measured_ns)}});
 
   os << "<h3>By category (op time per step)</h3>\n";
   {
@@ -459,9 +434,9 @@ std::string validation_html(const ValidationResult& v) {
     for (const auto& c : v.by_category) {
       const std::string name(op_category_name(c.category));
       bars.push_back(Bar{name + " predicted", c.predicted_ns, -1, category_color(c.category),
-                         fmt_time(c.predicted_ns)});
+                         format_ns(c.predicted_ns)});
       bars.push_back(Bar{name + " measured", c.measured_ns, c.measured_ns, category_color(c.category),
-                         fmt_time(c.measured_ns) + " (error " + fmt_error_pct(c.error_pct()) + ")"});
+                         format_ns(c.measured_ns) + " (error " + fmt_error_pct(c.error_pct()) + ")"});
     }
     os << bar_chart(bars, 200);
   }
@@ -469,8 +444,8 @@ std::string validation_html(const ValidationResult& v) {
   os << "<table class=\"sortable\">\n<tr><th>category</th><th>predicted</th><th>measured</th>"
         "<th>error</th></tr>\n";
   for (const auto& c : v.by_category)
-    os << "<tr><td>" << op_category_name(c.category) << "</td>" << num_td(c.predicted_ns, fmt_time(c.predicted_ns))
-       << num_td(c.measured_ns, fmt_time(c.measured_ns))
+    os << "<tr><td>" << op_category_name(c.category) << "</td>" << num_td(c.predicted_ns, format_ns(c.predicted_ns))
+       << num_td(c.measured_ns, format_ns(c.measured_ns))
        << num_td(std::isfinite(c.error_pct()) ? c.error_pct() : 0, fmt_error_pct(c.error_pct())) << "</tr>\n";
   os << "</table>\n";
 
@@ -478,7 +453,7 @@ std::string validation_html(const ValidationResult& v) {
         "<th>sparse predicted</th><th>sparse measured</th></tr>\n";
   const size_t n = std::max({v.dense_wall_ns.size(), v.predicted_ns_list.size(), v.sparse_wall_ns.size()});
   auto cell = [&](const std::vector<double>& list, size_t i) {
-    return i < list.size() ? num_td(list[i], fmt_time(list[i])) : std::string("<td></td>");
+    return i < list.size() ? num_td(list[i], format_ns(list[i])) : std::string("<td></td>");
   };
   for (size_t i = 0; i < n; ++i)
     os << "<tr>" << num_td(double(i), std::to_string(i)) << cell(v.dense_wall_ns, i)
@@ -501,13 +476,13 @@ std::string validation_html(const ValidationResult& v) {
       const double f = g.factor();
       os << "<tr><td>" << html_escape(g.module) << "</td><td>" << html_escape(g.phase) << "</td><td>"
          << html_escape(join(g.dense_ops, g.module)) << "</td><td>"
-         << html_escape(join(g.sparse_ops, g.module)) << "</td>" << num_td(g.dense_ns, fmt_time(g.dense_ns))
-         << num_td(g.sparse_ns, fmt_time(g.sparse_ns))
+         << html_escape(join(g.sparse_ops, g.module)) << "</td>" << num_td(g.dense_ns, format_ns(g.dense_ns))
+         << num_td(g.sparse_ns, format_ns(g.sparse_ns))
          << num_td(g.identical ? 1.0 : std::isfinite(f) ? f : 1e300,
                    g.identical   ? std::string("unchanged (1x)")
                    : g.spec < 0  ? std::string("(no dense twin)")
                    : std::isinf(f) ? std::string("free")
-                                   : fmt("%.3fx", f))
+                                   : format_value("%.3fx", f))
          << "</tr>\n";
     }
     os << "</table>\n";
@@ -522,7 +497,7 @@ std::string validation_html(const ValidationResult& v) {
     if (list.empty()) return;
     os << "<h3>" << title << "</h3>\n<table>\n<tr><th>op</th><th>time per step</th></tr>\n";
     for (size_t i = 0; i < list.size() && i < 20; ++i)
-      os << "<tr><td>" << html_escape(list[i].name) << "</td>" << num_td(list[i].ns, fmt_time(list[i].ns))
+      os << "<tr><td>" << html_escape(list[i].name) << "</td>" << num_td(list[i].ns, format_ns(list[i].ns))
          << "</tr>\n";
     if (list.size() > 20) os << "<tr><td>... " << list.size() - 20 << " more</td><td></td></tr>\n";
     os << "</table>\n";
@@ -603,21 +578,21 @@ std::string report_html(const ProfileResult& r, const ValidationResult* validati
     os << "<tr><th>" << html_escape(k) << "</th><td class=\"n\">" << html_escape(v)
        << "</td></tr>\n";
   };
-  row("measured step time (wall)", fmt_time(r.measured_wall_ns));
-  row("modelled step time (critical path)", fmt_time(s.makespan_ns));
+  row("measured step time (wall)", format_ns(r.measured_wall_ns));
+  row("modelled step time (critical path)", format_ns(s.makespan_ns));
   row("ops on the critical path", std::to_string(s.critical_path.size()) + " of " +
                                       std::to_string(r.graph.size()));
-  row("time in ops on the critical path", fmt_time(s.critical_op_ns));
-  row("untraced time on the critical path", fmt_time(s.makespan_ns - s.critical_op_ns));
-  row("op time summed over all ops", fmt_time(r.op_time_ns));
+  row("time in ops on the critical path", format_ns(s.critical_op_ns));
+  row("untraced time on the critical path", format_ns(s.makespan_ns - s.critical_op_ns));
+  row("op time summed over all ops", format_ns(r.op_time_ns));
   row("streams", std::to_string(r.streams));
   if (!r.records.empty()) row("recorded ops (incl. enclosing)", std::to_string(r.records.size()));
   if (!w.specs.empty())
     row("what-if predicted step time",
-        fmt_time(w.predicted_ns) + " (" + fmt_speedup(w.baseline_ns, w.predicted_ns) + ")");
+        format_ns(w.predicted_ns) + " (" + fmt_speedup(w.baseline_ns, w.predicted_ns) + ")");
   if (validation != nullptr)
     row("validation: sparse step predicted / measured",
-        fmt_time(validation->predicted_ns) + " / " + fmt_time(validation->measured_ns) + " (" +
+        format_ns(validation->predicted_ns) + " / " + format_ns(validation->measured_ns) + " (" +
             fmt_error_pct(validation->error_pct()) + ")");
   os << "</table>\n";
   if (validation != nullptr) os << validation_html(*validation);
@@ -630,7 +605,7 @@ std::string report_html(const ProfileResult& r, const ValidationResult* validati
     for (const auto& c : r.by_category)
       bars.push_back(Bar{std::string(op_category_name(c.category)), c.total_ns, c.critical_ns,
                          category_color(c.category),
-                         fmt_time(c.total_ns) + " (" + fmt_pct(c.total_ns, r.op_time_ns) +
+                         format_ns(c.total_ns) + " (" + fmt_pct(c.total_ns, r.op_time_ns) +
                              "), critical path " + fmt_pct(c.critical_ns, s.makespan_ns)});
     os << bar_chart(bars, 140);
   }
@@ -641,7 +616,7 @@ std::string report_html(const ProfileResult& r, const ValidationResult* validati
     std::vector<Bar> bars;
     for (const auto& l : r.by_layer)
       bars.push_back(Bar{layer_label(l.layer), l.total_ns, l.critical_ns, "#4e79a7",
-                         fmt_time(l.total_ns) + " (" + fmt_pct(l.total_ns, r.op_time_ns) +
+                         format_ns(l.total_ns) + " (" + fmt_pct(l.total_ns, r.op_time_ns) +
                              "), " + std::to_string(l.ops) + " ops"});
     os << bar_chart(bars, 140);
   }
@@ -656,19 +631,19 @@ std::string report_html(const ProfileResult& r, const ValidationResult* validati
   } else {
     std::vector<Bar> bars;
     bars.push_back(Bar{"baseline (modelled)", w.baseline_ns, -1, "#8c8c8c",
-                       fmt_time(w.baseline_ns)});
+                       format_ns(w.baseline_ns)});
     for (const auto& p : w.per_spec) {
       const std::string pattern = p.spec.substr(0, p.spec.rfind('='));
       bars.push_back(Bar{p.spec, p.predicted_alone_ns, -1, "#4e79a7",
-                         fmt_time(p.predicted_alone_ns) + " (" +
+                         format_ns(p.predicted_alone_ns) + " (" +
                              fmt_speedup(w.baseline_ns, p.predicted_alone_ns) + ")"});
       bars.push_back(Bar{pattern + " free", p.amdahl_bound_ns, -1, "#59a14f",
-                         fmt_time(p.amdahl_bound_ns) + " (" +
+                         format_ns(p.amdahl_bound_ns) + " (" +
                              fmt_speedup(w.baseline_ns, p.amdahl_bound_ns) +
                              ", Amdahl bound)"});
     }
     bars.push_back(Bar{"all specs", w.predicted_ns, -1, kCriticalColor,
-                       fmt_time(w.predicted_ns) + " (" +
+                       format_ns(w.predicted_ns) + " (" +
                            fmt_speedup(w.baseline_ns, w.predicted_ns) + ")"});
     os << bar_chart(bars);
     os << "<table>\n<tr><th>spec</th><th>ops matched</th><th>ops decided</th><th>matched "
@@ -676,10 +651,10 @@ std::string report_html(const ProfileResult& r, const ValidationResult* validati
     for (const auto& p : w.per_spec)
       os << "<tr><td>" << html_escape(p.spec) << "</td><td class=\"n\">" << p.matched_ops
          << "</td><td class=\"n\">" << p.applied_ops << "</td><td class=\"n\">"
-         << fmt_time(p.matched_ns) << "</td><td class=\"n\">" << fmt_time(p.matched_critical_ns)
-         << "</td><td class=\"n\">" << fmt_time(p.predicted_alone_ns) << " ("
+         << format_ns(p.matched_ns) << "</td><td class=\"n\">" << format_ns(p.matched_critical_ns)
+         << "</td><td class=\"n\">" << format_ns(p.predicted_alone_ns) << " ("
          << fmt_speedup(w.baseline_ns, p.predicted_alone_ns) << ")</td><td class=\"n\">"
-         << fmt_time(p.amdahl_bound_ns) << " (" << fmt_speedup(w.baseline_ns, p.amdahl_bound_ns)
+         << format_ns(p.amdahl_bound_ns) << " (" << fmt_speedup(w.baseline_ns, p.amdahl_bound_ns)
          << ")</td></tr>\n";
     os << "</table>\n<p>With several specs, the first that matches an op decides its "
           "factor (ops decided).</p>\n";
@@ -698,7 +673,7 @@ std::string report_html(const ProfileResult& r, const ValidationResult* validati
     const GraphNode& n = r.graph.nodes()[i];
     os << "<tr><td>" << html_escape(n.name) << "</td><td>" << op_category_name(n.category)
        << "</td>" << num_td(n.layer, std::to_string(n.layer)) << num_td(n.stream, std::to_string(n.stream))
-       << num_td(n.duration_ns, fmt_time(n.duration_ns)) << num_td(s.slack[i], fmt_time(s.slack[i]))
+       << num_td(n.duration_ns, format_ns(n.duration_ns)) << num_td(s.slack[i], format_ns(s.slack[i]))
        << "<td>" << (s.on_critical_path[i] ? "yes" : "") << "</td></tr>\n";
   }
   os << "</table>\n<script>" << kScript << "</script>\n</body>\n</html>\n";

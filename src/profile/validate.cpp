@@ -21,23 +21,9 @@ namespace {
 using Json = nlohmann::ordered_json;
 using Categories = std::array<double, kNumOpCategories>;
 
-std::string fmt(const char* format, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, format, v);
-  return buf;
-}
-
-std::string fmt_time(double ns) {
-  const double a = std::abs(ns);
-  if (a >= 1e9) return fmt("%.3f s", ns / 1e9);
-  if (a >= 1e6) return fmt("%.3f ms", ns / 1e6);
-  if (a >= 1e3) return fmt("%.3f us", ns / 1e3);
-  return fmt("%.0f ns", ns);
-}
-
 std::string fmt_error(double pct) {
   if (!std::isfinite(pct)) return "n/a";
-  return fmt("%+.1f%%", pct);
+  return format_value("%+.1f%%", pct);
 }
 
 // Escapes the characters that ECMAScript regexes treat specially.
@@ -276,7 +262,7 @@ SpeedupModel speedups_from_calibration(const std::vector<std::vector<OpRecord>>&
       }
       pattern += ")$";
       const double f = t.factor();
-      const std::string factor = std::isinf(f) ? std::string("inf") : fmt("%.9g", std::max(f, 1e-9));
+      const std::string factor = std::isinf(f) ? std::string("inf") : format_value("%.9g", std::max(f, 1e-9));
       t.spec = static_cast<int>(model.specs.size());
       model.specs.push_back(parse_what_if_spec(pattern + "=" + factor));
       if (total > 0)
@@ -298,15 +284,6 @@ SpeedupModel speedups_from_specs(std::vector<WhatIfSpec> specs) {
 }
 
 std::string speedups_csv(const SpeedupModel& model) {
-  auto field = [](const std::string& s) {
-    if (s.find_first_of(",\"\n\r") == std::string::npos) return s;
-    std::string out = "\"";
-    for (char c : s) {
-      if (c == '"') out += '"';
-      out += c;
-    }
-    return out + "\"";
-  };
   std::ostringstream os;
   os << "pattern,factor,module,phase,dense_us,sparse_us\n";
   auto pattern_of = [](const WhatIfSpec& s) { return s.text.substr(0, s.text.rfind('=')); };
@@ -315,12 +292,12 @@ std::string speedups_csv(const SpeedupModel& model) {
     for (const auto& g : model.groups) {
       if (g.spec < 0) continue;
       const WhatIfSpec& s = model.specs[g.spec];
-      os << field(pattern_of(s)) << ',' << factor_of(s) << ',' << field(g.module) << ','
-         << g.phase << ',' << fmt("%.3f", g.dense_ns / 1e3) << ',' << fmt("%.3f", g.sparse_ns / 1e3)
+      os << csv_field(pattern_of(s)) << ',' << factor_of(s) << ',' << csv_field(g.module) << ','
+         << g.phase << ',' << format_value("%.3f", g.dense_ns / 1e3) << ',' << format_value("%.3f", g.sparse_ns / 1e3)
          << '\n';
     }
   } else {
-    for (const auto& s : model.specs) os << field(pattern_of(s)) << ',' << factor_of(s) << ",,,,\n";
+    for (const auto& s : model.specs) os << csv_field(pattern_of(s)) << ',' << factor_of(s) << ",,,,\n";
   }
   return os.str();
 }
@@ -497,18 +474,18 @@ std::string validation_summary(const ValidationResult& v) {
   os << "validation (" << v.steps << " steps per run, medians; speed-ups from " << v.model.source;
   if (v.model.calibration_steps > 0) os << " over " << v.model.calibration_steps << " steps";
   os << "):\n";
-  os << "  dense measured     " << fmt_time(v.dense_ns) << "\n";
-  os << "  sparse predicted   " << fmt_time(v.predicted_ns) << "\n";
-  os << "  sparse measured    " << fmt_time(v.measured_ns) << " (spread "
-     << fmt("%.1f%%", v.measured_spread_pct()) << ")\n";
+  os << "  dense measured     " << format_ns(v.dense_ns) << "\n";
+  os << "  sparse predicted   " << format_ns(v.predicted_ns) << "\n";
+  os << "  sparse measured    " << format_ns(v.measured_ns) << " (spread "
+     << format_value("%.1f%%", v.measured_spread_pct()) << ")\n";
   os << "  error              " << fmt_error(v.error_pct()) << "\n";
   if (!v.by_category.empty()) {
     os << "  by category (op time, predicted / measured / error):\n";
     for (const auto& c : v.by_category) {
       char line[200];
       std::snprintf(line, sizeof line, "    %-12s %12s %12s %8s\n",
-                    std::string(op_category_name(c.category)).c_str(), fmt_time(c.predicted_ns).c_str(),
-                    fmt_time(c.measured_ns).c_str(), fmt_error(c.error_pct()).c_str());
+                    std::string(op_category_name(c.category)).c_str(), format_ns(c.predicted_ns).c_str(),
+                    format_ns(c.measured_ns).c_str(), fmt_error(c.error_pct()).c_str());
       os << line;
     }
   }
@@ -525,8 +502,8 @@ std::string validation_summary(const ValidationResult& v) {
       const double f = g.factor();
       char line[240];
       std::snprintf(line, sizeof line, "    %-28s %-9s %12s -> %12s  %s\n", g.module.c_str(), g.phase.c_str(),
-                    fmt_time(g.dense_ns).c_str(), fmt_time(g.sparse_ns).c_str(),
-                    g.spec < 0 ? "(no dense twin)" : std::isinf(f) ? "free" : fmt("%.2fx", f).c_str());
+                    format_ns(g.dense_ns).c_str(), format_ns(g.sparse_ns).c_str(),
+                    g.spec < 0 ? "(no dense twin)" : std::isinf(f) ? "free" : format_value("%.2fx", f).c_str());
       os << line;
     }
     if (changed.size() > shown) os << "    ... " << changed.size() - shown << " more\n";
@@ -535,12 +512,36 @@ std::string validation_summary(const ValidationResult& v) {
     double t = 0;
     for (const auto& n : v.uncovered_sparse_ops) t += n.ns;
     os << "  not covered by the prediction: " << v.uncovered_sparse_ops.size() << " sparse op(s), "
-       << fmt_time(t) << " per step (e.g. " << v.uncovered_sparse_ops.front().name << ")\n";
+       << format_ns(t) << " per step (e.g. " << v.uncovered_sparse_ops.front().name << ")\n";
   }
   if (!v.dense_only_ops.empty())
     os << "  dense ops the sparse run does not have: " << v.dense_only_ops.size() << " (e.g. "
        << v.dense_only_ops.front().name << ")\n";
   return os.str();
+}
+
+std::string format_value(const char* format, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, v);
+  return buf;
+}
+
+std::string format_ns(double ns) {
+  const double a = std::abs(ns);
+  if (a >= 1e9) return format_value("%.3f s", ns / 1e9);
+  if (a >= 1e6) return format_value("%.3f ms", ns / 1e6);
+  if (a >= 1e3) return format_value("%.3f us", ns / 1e3);
+  return format_value("%.0f ns", ns);
+}
+
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\n\r") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"') out += '"';
+    out += c;
+  }
+  return out + "\"";
 }
 
 }  // namespace esplag

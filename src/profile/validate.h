@@ -165,4 +165,13 @@ std::string validation_summary(const ValidationResult& v);
 // The median of `values` (the mean of the middle two for an even count); 0 when empty.
 double median(std::vector<double> values);
 
+// One number through a printf format holding a single double conversion ("%.3f"), and a
+// duration in nanoseconds with a unit that keeps 3-4 significant digits ("1.234 ms"): the
+// formatting of the validation tables and of the reports (profile/report.h).
+std::string format_value(const char* format, double v);
+std::string format_ns(double ns);
+// A CSV field: as is, or quoted (inner quotes doubled) when it holds a comma, quote or
+// line break.
+std::string csv_field(const std::string& s);
+
 }  // namespace esplag

@@ -15,6 +15,7 @@
 
 #include "core/device_arena.h"
 #include "core/error.h"
+#include "ops/cuda/adamw_math.cuh"
 #include "ops/cuda/common.cuh"
 #include "ops/gpu.h"
 
@@ -39,10 +40,7 @@ struct Hyper {
 };
 
 __device__ __forceinline__ void adam_one(float& p, float& m, float& v, float g, const Hyper& h, float wd) {
-  m = h.beta1 * m + (1.f - h.beta1) * g;
-  v = h.beta2 * v + (1.f - h.beta2) * g * g;
-  const float mhat = m * h.inv_bc1, vhat = v * h.inv_bc2;
-  p -= h.lr * (mhat / (sqrtf(vhat) + h.eps) + wd * p);
+  detail::adamw_element(p, m, v, g, h.lr, h.beta1, h.beta2, h.eps, h.inv_bc1, h.inv_bc2, wd);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -50,10 +48,7 @@ __global__ void __launch_bounds__(kThreads)
                  Hyper h) {
   const Chunk ch = chunks[blockIdx.x];
   float scale = h.grad_scale;
-  if (h.norm_sq && h.max_norm > 0.f) {
-    const float norm = sqrtf(*h.norm_sq);
-    scale *= fminf(1.f, h.max_norm / (norm + 1e-6f));  // cpu::clip_scale
-  }
+  if (h.norm_sq && h.max_norm > 0.f) scale *= detail::clip_factor(*h.norm_sq, h.max_norm);
   const float wd = ch.decay ? h.wd : 0.f;
   float* p = master + ch.offset;
   float* m = mom1 + ch.offset;
@@ -118,15 +113,8 @@ __global__ void __launch_bounds__(kThreads)
 
 __global__ void __launch_bounds__(kThreads) sum_partials_kernel(float* out, const float* partial, int G) {
   __shared__ double sh[kThreads];
-  double acc = 0.0;
-  for (int i = threadIdx.x; i < G; i += kThreads) acc += partial[i];
-  sh[threadIdx.x] = acc;
-  __syncthreads();
-  for (int s = kThreads / 2; s > 0; s >>= 1) {  // fixed tree
-    if (threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) *out = static_cast<float>(sh[0]);
+  const double sum = detail::sum_partials_fp64<kThreads>(partial, G, sh);
+  if (threadIdx.x == 0) *out = static_cast<float>(sum);
 }
 
 }  // namespace

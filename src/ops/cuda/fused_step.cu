@@ -10,6 +10,7 @@
 
 #include "core/device_arena.h"
 #include "core/error.h"
+#include "ops/cuda/adamw_math.cuh"
 #include "ops/cuda/common.cuh"
 #include "ops/gpu_fused.h"
 
@@ -64,10 +65,8 @@ __global__ void set_params_kernel(AdamWStepParams* dst, AdamWStepParams p) { *ds
 
 // cpu::adamw_step's update, as adamw.cu's kernel computes it.
 __device__ __forceinline__ void adam_one(float& p, float& m, float& v, float g, const AdamWStepParams& h, float wd) {
-  m = h.beta1 * m + (1.f - h.beta1) * g;
-  v = h.beta2 * v + (1.f - h.beta2) * g * g;
-  const float mhat = m * h.inv_bias_correction1, vhat = v * h.inv_bias_correction2;
-  p -= h.lr * (mhat / (sqrtf(vhat) + h.eps) + wd * p);
+  detail::adamw_element(p, m, v, g, h.lr, h.beta1, h.beta2, h.eps, h.inv_bias_correction1, h.inv_bias_correction2,
+                        wd);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -77,7 +76,7 @@ __global__ void __launch_bounds__(kThreads)
   const Chunk ch = chunks[blockIdx.x];
   const AdamWStepParams h = *params;
   float scale = h.grad_scale;
-  if (norm_sq && h.max_grad_norm > 0.f) scale *= fminf(1.f, h.max_grad_norm / (sqrtf(*norm_sq) + 1e-6f));
+  if (norm_sq && h.max_grad_norm > 0.f) scale *= detail::clip_factor(*norm_sq, h.max_grad_norm);
   const float wd = ch.decay ? h.weight_decay : 0.f;
   uint16_t* hi = hi_all + ch.offset;
   int16_t* lo = lo_all + ch.offset;
@@ -463,15 +462,8 @@ __global__ void __launch_bounds__(kThreads)
 
 __global__ void __launch_bounds__(kThreads) sq_final_kernel(float* out, const float* partial, int G) {
   __shared__ double sh[kThreads];
-  double acc = 0.0;
-  for (int i = threadIdx.x; i < G; i += kThreads) acc += partial[i];
-  sh[threadIdx.x] = acc;
-  __syncthreads();
-  for (int s = kThreads / 2; s > 0; s >>= 1) {  // fixed tree
-    if (threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) *out = static_cast<float>(sh[0]);
+  const double sum = detail::sum_partials_fp64<kThreads>(partial, G, sh);
+  if (threadIdx.x == 0) *out = static_cast<float>(sum);
 }
 
 }  // namespace

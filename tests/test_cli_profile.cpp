@@ -3,12 +3,8 @@
 // both reports; --steps reports the median step; malformed what-if specs and options fail
 // with one clear line before any training step runs.
 //
-// The binary is $ESPLAG_BINARY, or `esplag` in the build directory that holds this test
-// (build/<dir>/tests/ -> build/<dir>/esplag).
+// The binary is ESPLAG_BINARY, the esplag target of this build (tests/CMakeLists.txt).
 #include <gtest/gtest.h>
-
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -20,58 +16,22 @@
 #include <sstream>
 #include <vector>
 
+#include "cli_util.h"
+
 namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
 
-struct Result {
-  int code = -1;
-  std::string out, err;
-};
+using esplag::testing::read_text;
+using esplag::testing::write_text;
+using Result = esplag::testing::CommandResult;
 
-struct ScratchDir {
-  fs::path path = fs::temp_directory_path() / ("esplag_test_profile_cli_" + std::to_string(::getpid()));
-  ScratchDir() {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+const fs::path& root() { return esplag::testing::scratch_root("test_profile_cli"); }
 
-const fs::path& root() {
-  static const ScratchDir dir;
-  return dir.path;
-}
+fs::path binary() { return ESPLAG_BINARY; }
 
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_text(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
-
-fs::path binary() {
-  if (const char* env = std::getenv("ESPLAG_BINARY"); env && *env) return env;
-  return fs::read_symlink("/proc/self/exe").parent_path().parent_path() / "esplag";
-}
-
-Result run(const std::string& args) {
-  const fs::path out = root() / "stdout.txt", err = root() / "stderr.txt";
-  const std::string cmd = binary().string() + " --threads 2 " + args + " >" + out.string() + " 2>" + err.string() +
-                          " </dev/null";
-  const int status = std::system(cmd.c_str());
-  Result r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = read_text(out);
-  r.err = read_text(err);
-  return r;
-}
+Result run(const std::string& args) { return esplag::testing::run_esplag(args, root()); }
 
 // A byte-level dataset and two configs of a one-block model: dense, and with SLoPe on the
 // MLP plus runtime 2:4 on the attention projection.
@@ -80,7 +40,7 @@ struct Fixture {
   Fixture() {
     const fs::path& d = root();
     EXPECT_TRUE(fs::exists(binary())) << "the esplag binary was not found at " << binary()
-                                      << " (build the esplag target, or set ESPLAG_BINARY)";
+                                      << " (build the esplag target)";
     std::string text;
     for (int i = 0; i < 300; ++i) text += "And the evening and the morning were day " + std::to_string(i) + ".\n";
     write_text(d / "corpus.txt", text);
@@ -107,11 +67,7 @@ const Fixture& fixture() {
 }
 
 // Expects failure with exactly one line on stderr that contains `needle`.
-void expect_error(const Result& r, const std::string& needle) {
-  EXPECT_NE(r.code, 0) << "stdout: " << r.out;
-  EXPECT_NE(r.err.find(needle), std::string::npos) << "stderr: " << r.err;
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "stderr: " << r.err;
-}
+void expect_error(const Result& r, const std::string& needle) { esplag::testing::expect_one_line_error(r, needle); }
 
 }  // namespace
 

@@ -1,0 +1,87 @@
+// Helpers of the tests that run programs end to end (the esplag binary, a browser): one
+// scratch directory per test process, a shell command with its exit code, stdout and
+// stderr captured, whole-file reads and writes (test_util.h's write_text for paths), and the
+// one-line-error expectation.
+//
+// ctest runs the cases of a file as parallel processes, so the scratch directory is named
+// by the process. run_esplag needs ESPLAG_BINARY, which tests/CMakeLists.txt defines for
+// the tests named test_cli*.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "test_util.h"
+
+namespace esplag::testing {
+
+namespace cli_fs = std::filesystem;
+
+// The directory esplag_<tag>_<pid> under the system temp directory, created on first use
+// and removed when the process ends.
+inline const cli_fs::path& scratch_root(const std::string& tag) {
+  struct ScratchDir {
+    cli_fs::path path;
+    explicit ScratchDir(const std::string& t)
+        : path(cli_fs::temp_directory_path() / ("esplag_" + t + "_" + std::to_string(::getpid()))) {
+      cli_fs::remove_all(path);
+      cli_fs::create_directories(path);
+    }
+    ~ScratchDir() {
+      std::error_code ec;
+      cli_fs::remove_all(path, ec);
+    }
+  };
+  static const ScratchDir dir(tag);
+  return dir.path;
+}
+
+inline std::string read_text(const cli_fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+inline void write_text(const cli_fs::path& p, const std::string& text) { write_text(p.string(), text); }
+
+struct CommandResult {
+  int code = -1;  // the exit status, -1 when the command did not exit normally
+  std::string out, err;
+};
+
+// Runs `cmd` through the shell with stdin from /dev/null, stdout and stderr going to
+// out_file and err_file, and returns the exit status and both texts.
+inline CommandResult run_command(const std::string& cmd, const cli_fs::path& out_file, const cli_fs::path& err_file) {
+  const std::string full = cmd + " >'" + out_file.string() + "' 2>'" + err_file.string() + "' </dev/null";
+  const int status = std::system(full.c_str());
+  CommandResult r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = read_text(out_file);
+  r.err = read_text(err_file);
+  return r;
+}
+
+// Expects failure with exactly one line on stderr that contains `needle`.
+inline void expect_one_line_error(const CommandResult& r, const std::string& needle) {
+  EXPECT_NE(r.code, 0) << "stdout: " << r.out;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << "stderr: " << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "stderr: " << r.err;
+}
+
+#ifdef ESPLAG_BINARY
+// `esplag --threads 2 <args>`, its output captured in files under `dir`.
+inline CommandResult run_esplag(const std::string& args, const cli_fs::path& dir) {
+  return run_command(std::string(ESPLAG_BINARY) + " --threads 2 " + args, dir / "stdout.txt", dir / "stderr.txt");
+}
+#endif
+
+}  // namespace esplag::testing

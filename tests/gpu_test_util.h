@@ -1,0 +1,205 @@
+// Helpers shared by the GPU tests (tests/gpu_*.cu): the device check, seeded
+// bf16-representable inputs, bf16 conversions, device buffers from one arena per test
+// (uploads, outputs poisoned with NaN, downloads) and the error metrics of the accuracy
+// rule (DESIGN.md): the GPU's error against an fp64 CPU reference next to the error of
+// the same computation done on the CPU in low precision.
+#pragma once
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/device_arena.h"
+#include "core/dtype.h"
+#include "core/rng.h"
+#include "ops/gpu.h"
+
+namespace esplag::gpu_test {
+
+using Bits = std::vector<uint16_t>;
+using VF = std::vector<float>;
+using VD = std::vector<double>;
+using esplag::gpu::bf16;
+
+inline bool has_device() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+// ---------------------------------------------------------------------------------------
+// Host data
+
+inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+inline VF round_bf16(VF v) {
+  for (float& x : v) x = round_bf16(x);
+  return v;
+}
+
+inline VF bits_to_float(const Bits& b) {
+  VF v(b.size());
+  for (size_t i = 0; i < b.size(); ++i) v[i] = bf16_to_float(b[i]);
+  return v;
+}
+
+inline VD to_double(const VF& v) { return VD(v.begin(), v.end()); }
+
+// bf16-representable random values, in the three forms the tests need.
+struct Data {
+  Bits bits;
+  VF f;
+  VD d;
+};
+
+// One normal draw per element, in order: mean + scale * N(0, 1), rounded to bf16.
+// (Rng::normal is never exactly zero, so mean 0 and scale 1 leave the draw unchanged.)
+inline Data random_bf16(size_t n, uint64_t seed, double scale = 1.0, double mean = 0.0) {
+  Rng rng(seed);
+  Data out;
+  out.bits.resize(n);
+  out.f.resize(n);
+  out.d.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    out.bits[i] = float_to_bf16(static_cast<float>(mean + scale * rng.normal()));
+    out.f[i] = bf16_to_float(out.bits[i]);
+    out.d[i] = out.f[i];
+  }
+  return out;
+}
+
+inline VF random_f32(size_t n, uint64_t seed, double scale = 1.0, double mean = 0.0) {
+  Rng rng(seed);
+  VF v(n);
+  for (float& x : v) x = static_cast<float>(mean + scale * rng.normal());
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------
+// Device buffers, all from one arena per test, and the test's stream. Tests with other
+// layouts (guard elements, misaligned pointers) derive and replace put / poisoned / get.
+
+class DeviceBuffers {
+ public:
+  explicit DeviceBuffers(size_t bytes, const char* name = "test") : arena_(bytes, name) {
+    CUDA_CHECK(cudaStreamCreate(&stream_));
+  }
+  ~DeviceBuffers() { cudaStreamDestroy(stream_); }
+  DeviceBuffers(const DeviceBuffers&) = delete;
+  DeviceBuffers& operator=(const DeviceBuffers&) = delete;
+  cudaStream_t stream() const { return stream_; }
+  DeviceArena& arena() { return arena_; }
+
+  template <typename T>
+  T* put(const std::vector<T>& h, const char* name = "input") {
+    T* d = arena_.allocate_array<T>(name, std::max<size_t>(h.size(), 1));
+    CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+  }
+  bf16* put_bf16(const Bits& h, const char* name = "input") { return reinterpret_cast<bf16*>(put(h, name)); }
+  // All bytes 0xFF: NaN as bf16 and as fp32.
+  template <typename T>
+  T* poisoned(size_t n, const char* name = "output") {
+    T* d = arena_.allocate_array<T>(name, std::max<size_t>(n, 1));
+    CUDA_CHECK(cudaMemset(d, 0xFF, n * sizeof(T)));
+    return d;
+  }
+  bf16* poisoned_bf16(size_t n, const char* name = "output") {
+    return reinterpret_cast<bf16*>(poisoned<uint16_t>(n, name));
+  }
+  // Waits for the stream, then copies n values back.
+  template <typename T>
+  std::vector<T> get(const T* d, size_t n) {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::vector<T> h(n);
+    CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+  Bits get_bits(const bf16* d, size_t n) { return get(reinterpret_cast<const uint16_t*>(d), n); }
+  VF get_bf16(const bf16* d, size_t n) { return bits_to_float(get_bits(d, n)); }
+  void* scratch(size_t bytes, const char* name = "scratch") {
+    return arena_.allocate(name, std::max<size_t>(bytes, 1));
+  }
+
+ private:
+  DeviceArena arena_;
+  cudaStream_t stream_ = nullptr;
+};
+
+// ---------------------------------------------------------------------------------------
+// Error metrics
+
+struct Err {
+  double rms = 0, max = 0;
+};
+
+// RMS and max of |x - ref| over ref's elements.
+template <typename V>
+Err error_of(const VD& ref, const V& x) {
+  Err e;
+  double ss = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = std::fabs(static_cast<double>(x[i]) - ref[i]);
+    ss += d * d;
+    e.max = std::max(e.max, d);
+  }
+  e.rms = ref.empty() ? 0 : std::sqrt(ss / ref.size());
+  return e;
+}
+
+inline Err magnitude(const VD& ref) { return error_of(ref, VD(ref.size(), 0.0)); }
+
+// The number of non-finite values in got (unwritten poison or NaN), and the first one's index.
+inline size_t count_non_finite(const VF& got, size_t* first) {
+  size_t bad = 0;
+  *first = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (!std::isfinite(got[i]) && bad++ == 0) *first = i;
+  return bad;
+}
+
+// The accuracy rule of the op tests: against the fp64 reference, the GPU's RMS and max
+// errors are within twice those of the CPU low-precision result `low`, with floors of 1e-6
+// relative RMS (bf16 outputs; max: one bf16 ulp at the largest value) or 1e-5 (fp32
+// outputs); bf16 outputs must also be within 1e-2 relative RMS.
+inline void expect_within_low_precision(const std::string& what, const VD& ref, const VF& low, const VF& got,
+                                        bool bf16_out, const char* low_name = "CPU low-precision") {
+  ASSERT_EQ(ref.size(), got.size()) << what;
+  ASSERT_EQ(ref.size(), low.size()) << what;
+  size_t first_bad = 0;
+  const size_t bad = count_non_finite(got, &first_bad);
+  ASSERT_EQ(bad, 0u) << what << ": " << bad << " non-finite outputs (unwritten or NaN), first at " << first_bad;
+  const Err eg = error_of(ref, got), el = error_of(ref, low), mag = magnitude(ref);
+  const double floor_rms = (bf16_out ? 1e-6 : 1e-5) * mag.rms;
+  const double floor_max = bf16_out ? mag.max / 256.0 : 1e-5 * mag.max;
+  EXPECT_LE(eg.rms, std::max(2 * el.rms, floor_rms))
+      << what << ": RMS error " << eg.rms << " vs " << low_name << " " << el.rms << " (|ref| rms " << mag.rms << ")";
+  EXPECT_LE(eg.max, std::max(2 * el.max, floor_max))
+      << what << ": max error " << eg.max << " vs " << low_name << " " << el.max << " (|ref| max " << mag.max << ")";
+  if (bf16_out) EXPECT_LE(eg.rms, 1e-2 * mag.rms + 1e-30) << what << ": relative RMS error above 1e-2";
+}
+
+// The attention rule: bf16 output `got` against the fp64 reference, `low` the fp32 CPU
+// result (rounded to bf16 here): relative RMS error at most 1e-2, max error at most 3x that
+// of the rounded CPU result plus 2% of the largest value. The absolute floor covers
+// gradients that are exactly 0 (a single position), which the kernels reproduce up to
+// fp32 rounding of dP - delta. `width` pads the label in the printed line.
+inline void expect_bf16_close(const std::string& what, const VD& ref, const VF& low, const VF& got, int width) {
+  ASSERT_EQ(ref.size(), got.size()) << what;
+  size_t first_bad = 0;
+  const size_t bad = count_non_finite(got, &first_bad);
+  ASSERT_EQ(bad, 0u) << what << ": " << bad << " non-finite outputs (unwritten or NaN), first at " << first_bad;
+  VF low_bf(low.size());
+  for (size_t i = 0; i < low.size(); ++i) low_bf[i] = round_bf16(low[i]);
+  const Err eg = error_of(ref, got), el = error_of(ref, low_bf), mag = magnitude(ref);
+  std::printf("  %-*s rel rms %.2e (bf16-rounded CPU %.2e), max %.2e (CPU %.2e, |ref| max %.2e)\n", width,
+              what.c_str(), eg.rms / (mag.rms + 1e-300), el.rms / (mag.rms + 1e-300), eg.max, el.max, mag.max);
+  EXPECT_LE(eg.rms, 1e-2 * mag.rms + 1e-6) << what << ": relative RMS error above 1e-2";
+  EXPECT_LE(eg.max, 3 * el.max + 2e-2 * mag.max + 1e-6) << what << ": max error " << eg.max;
+}
+
+}  // namespace esplag::gpu_test
