@@ -2,7 +2,6 @@
 // exit, and never damages a checkpoint that already exists.
 #include <gtest/gtest.h>
 
-
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>

@@ -3,62 +3,23 @@
 // same in both builds, and, in a CPU build, the clear refusal of the GPU benchmarks. CSV
 // appending is exercised through `bench train --device cpu` (a tiny model).
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <string>
 
+#include "cli_util.h"
 #include "io/atomic_file.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-struct Result {
-  int code = -1;
-  std::string out, err;
-};
+using Result = esplag::testing::CommandResult;
 
-// One scratch directory per test process, removed when the process ends.
-struct ScratchDir {
-  fs::path path = fs::temp_directory_path() / ("esplag_test_cli_bench_" + std::to_string(::getpid()));
-  ScratchDir() {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
-fs::path root() {
-  static const ScratchDir dir;
-  return dir.path;
-}
-
-Result run(const std::string& args) {
-  const fs::path out = root() / "stdout.txt", err = root() / "stderr.txt";
-  const std::string cmd = std::string(ESPLAG_BINARY) + " --threads 2 " + args + " >" + out.string() + " 2>" +
-                          err.string() + " </dev/null";
-  const int status = std::system(cmd.c_str());
-  Result r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = esplag::read_file(out.string());
-  r.err = esplag::read_file(err.string());
-  return r;
-}
-
-// Expects failure with exactly one line on stderr that contains `needle`.
-void expect_error(const Result& r, const std::string& needle) {
-  EXPECT_NE(r.code, 0) << "stdout: " << r.out;
-  EXPECT_NE(r.err.find(needle), std::string::npos) << "stderr: " << r.err;
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "stderr: " << r.err;
-}
+fs::path root() { return esplag::testing::scratch_root("test_cli_bench"); }
+Result run(const std::string& args) { return esplag::testing::run_esplag(args, root()); }
+void expect_error(const Result& r, const std::string& needle) { esplag::testing::expect_one_line_error(r, needle); }
 
 TEST(CliBench, UnknownOrMissingSubcommandPrintsUsage) {
   for (const std::string args : {"bench nope", "bench"}) {
