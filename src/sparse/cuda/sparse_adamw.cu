@@ -16,6 +16,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "ops/cuda/adamw_math.cuh"
 #include "ops/cuda/common.cuh"
 #include "sparse/cuda/sparse_adamw.h"
 
@@ -62,7 +63,7 @@ __device__ __forceinline__ void derive_scalars(const Hyper& h, float* s) {
   const float lr = h.lr_dev ? *h.lr_dev : h.lr;
   const int64_t t = h.step_dev ? *h.step_dev : h.step;
   float scale = h.grad_scale;
-  if (h.norm_sq && h.max_norm > 0.f) scale *= fminf(1.f, h.max_norm / (sqrtf(*h.norm_sq) + 1e-6f));  // clip_scale
+  if (h.norm_sq && h.max_norm > 0.f) scale *= detail::clip_factor(*h.norm_sq, h.max_norm);  // clip_scale
   float ibc1 = __int_as_float(0x7fffffff), ibc2 = ibc1;  // NaN for a step below 1
   if (t >= 1) {
     ibc1 = static_cast<float>(1.0 / (1.0 - pow(static_cast<double>(h.beta1), static_cast<double>(t))));
@@ -77,10 +78,7 @@ __device__ __forceinline__ void derive_scalars(const Hyper& h, float* s) {
 // The same per-element arithmetic as gpu::adamw_update.
 __device__ __forceinline__ void adam_one(float& p, float& m, float& v, float g, const Hyper& h, float lr, float ibc1,
                                          float ibc2) {
-  m = h.beta1 * m + (1.f - h.beta1) * g;
-  v = h.beta2 * v + (1.f - h.beta2) * g * g;
-  const float mhat = m * ibc1, vhat = v * ibc2;
-  p -= lr * (mhat / (sqrtf(vhat) + h.eps) + h.wd * p);
+  detail::adamw_element(p, m, v, g, lr, h.beta1, h.beta2, h.eps, ibc1, ibc2, h.wd);
 }
 
 template <typename G, bool kDense>
@@ -174,15 +172,8 @@ __global__ void __launch_bounds__(kThreads)
 
 __global__ void __launch_bounds__(kThreads) add_partials_kernel(float* norm_sq, const float* partial, int count) {
   __shared__ double sh[kThreads];
-  double acc = 0.0;
-  for (int i = threadIdx.x; i < count; i += kThreads) acc += partial[i];
-  sh[threadIdx.x] = acc;
-  __syncthreads();
-  for (int s = kThreads / 2; s > 0; s >>= 1) {  // fixed tree
-    if (threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) *norm_sq = static_cast<float>(static_cast<double>(*norm_sq) + sh[0]);
+  const double sum = detail::sum_partials_fp64<kThreads>(partial, count, sh);
+  if (threadIdx.x == 0) *norm_sq = static_cast<float>(static_cast<double>(*norm_sq) + sum);
 }
 
 // ---------------------------------------------------------------------------------------
