@@ -16,8 +16,8 @@
 #                                           CMake, to prove .deps/ suffices
 # Environment: ESPLAG_GPU_BUILD_DIR (default build/cuda), ESPLAG_CUDA_ARCHS (default 90),
 # ESPLAG_COMMIT (recorded with the results where the copy of the tree has no git history),
-# ESPLAG_CUSPARSELT_LIB (where libcusparseLt.so.0 is; default: the GPU machine's Python
-# environment, where cuSPARSELt 0.8.0 lives).
+# ESPLAG_CUSPARSELT_LIB (where libcusparseLt.so.0 is; default: the loader's search, or the
+# nvidia-cusparselt wheel of python3's environment).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -43,13 +43,17 @@ mkdir -p "$logs"
 deps=$root/.deps/usr
 jobs=$(nproc)
 [ -d /usr/local/cuda/bin ] && export PATH=/usr/local/cuda/bin:$PATH
-export ESPLAG_CUSPARSELT_LIB=${ESPLAG_CUSPARSELT_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cusparselt/lib}
+# cuSPARSELt from a pip wheel, when the loader's normal search would not find it.
+if [ -z "${ESPLAG_CUSPARSELT_LIB:-}" ] && command -v python3 >/dev/null; then
+  wheel_lib=$(python3 -c 'import nvidia.cusparselt as m, os; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null || true)
+  [ -n "$wheel_lib" ] && [ -d "$wheel_lib" ] && export ESPLAG_CUSPARSELT_LIB=$wheel_lib
+fi
 export ESPLAG_CUSPARSELT_TUNING=${ESPLAG_CUSPARSELT_TUNING:-$logs/cusparselt-tuning.json}
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${ESPLAG_COMMIT:-unknown}")
 export ESPLAG_COMMIT=$commit
 
 if [ ! -d "$deps" ]; then
-  echo "gpu-check: $deps is missing: run scripts/fetch-gpu-deps.sh on the development machine and carry .deps" >&2
+  echo "gpu-check: $deps is missing: run scripts/fetch-gpu-deps.sh on a machine with Debian packages and copy .deps along" >&2
   exit 2
 fi
 

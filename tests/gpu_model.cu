@@ -953,7 +953,7 @@ TEST_F(GpuModel, RecomputeAndSharedBuffersShrinkTheMemoryPlan) {
             size_t(c.n_layer) * (2 * aligned256(2 * N * c.d_model) + aligned256(2 * N * c.d_ff)));
   // Master weights as low halves: 4 bytes per parameter with the bf16 weights.
   EXPECT_EQ(pr.params, aligned256(2 * size_t(c.num_params())) + aligned256(2 * size_t(c.num_params())));
-  // The issue's budget: llama-1b at 4 x 2048 within 21 GiB of arena, which keeps the
+  // The memory target: llama-1b at 4 x 2048 within 21 GiB of arena, which keeps the
   // device's use (with the CUDA context and library state, ~0.6 GiB) under 22 GiB.
   const ModelConfig big = esplag::model_preset("llama-1b");
   const auto p1b = GpuTransformer::memory_plan(big, 4, 2048);

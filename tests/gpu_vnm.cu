@@ -405,7 +405,7 @@ TEST_F(GpuVnm, IllegalShapesThrow) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Timing (no assertions on time): the issue's shapes, V:2:M kernel vs cuBLASLt dense bf16.
+// Timing (no assertions on time): llama-1b/7b GEMM shapes, V:2:M kernel vs cuBLASLt dense bf16.
 
 TEST_F(GpuVnm, VnmGemmTiming) {
   const auto results = gpu::vnm_bench(gpu::vnm_bench_default_shapes(), gpu::vnm_bench_default_patterns(), 5, 20);

@@ -67,10 +67,13 @@ TEST(CliBench, GpuBenchesRefuseInACpuBuild) {
                  "bench " + sub + ": needs a build configured with the cuda preset");
     EXPECT_FALSE(fs::exists(csv)) << sub;
   }
-  expect_error(run("bench layer --kinds slope --shapes 32x32x32 --sparse-dw"),
-               "bench layer: needs a build configured with the cuda preset");
 }
 #endif
+
+// Refused before any GPU work, in both builds.
+TEST(CliBench, SparseDwIsRefused) {
+  expect_error(run("bench layer --kinds slope --shapes 32x32x32 --sparse-dw"), "--sparse-dw");
+}
 
 TEST(CliBench, TrainCsvGetsOneHeaderAndAppendedRows) {
   const fs::path csv = root() / "train.csv";

@@ -145,9 +145,9 @@ TEST(WhatIfSpec, MalformedSpecsGivePreciseErrors) {
   EXPECT_EQ(error_of("mlp=2"), "");
 }
 
-// The malformed inputs of the issue, each spelled the way a user would type it, on the
+// The malformed inputs a user is likely to give, each spelled the way it would be typed, on the
 // command line and in a CSV (where the message also names the file and line).
-TEST(WhatIfSpec, MalformedPatternsAndFactorsFromTheIssue) {
+TEST(WhatIfSpec, MalformedPatternsAndFactorsAsTyped) {
   // Bad regex.
   EXPECT_HAS(error_of("re:[a-=2"), "invalid regex '[a-'");
   EXPECT_HAS(error_of("blocks.(0=2"), "invalid regex 'blocks.(0'");

@@ -45,7 +45,7 @@ const char* kBenchUsage = R"(usage:
       dense cuBLASLt vs 2:4 cuSPARSELt (default and searched algorithm) for the GEMMs of a
       Linear W [OUT, IN] over TOKENS rows: fwd Y = X.W^T, bwd dX = dY.W
   esplag bench layer [--kinds dense,semi_sparse,slope] [--shapes default|OUTxINxTOKENS,...]
-                     [--sparse-dw] [--tuning-cache FILE] [--warmup 5] [--iters 20] [--csv FILE]
+                     [--tuning-cache FILE] [--warmup 5] [--iters 20] [--csv FILE]
       one Linear's training step (weight preparation, forward, backward dX and dW) of each
       kind against dense; default shapes: the llama-1b and llama-7b MLP at 8192 tokens
   esplag bench sparsify [--csv FILE]       2:4 sparsification kernels against a copy
@@ -166,6 +166,8 @@ int bench_layer(const std::vector<std::string>& argv) {
   const auto shapes = shape_spec == "default" ? std::vector<std::array<int64_t, 3>>{} : parse_shapes("layer", shape_spec);
   const int warmup = static_cast<int>(a.integer("warmup", 5)), iters = static_cast<int>(a.integer("iters", 20));
   ESPLAG_CHECK(warmup >= 0 && iters > 0, "bench layer: --iters must be positive and --warmup not negative");
+  ESPLAG_CHECK(!a.has("sparse-dw"),
+               "bench layer: --sparse-dw (a 2:4 output gradient for the dW GEMM) is not implemented yet");
 #ifdef ESPLAG_HAVE_CUDA
   LayerBenchOptions o;
   if (!shapes.empty()) {
@@ -174,7 +176,6 @@ int bench_layer(const std::vector<std::string>& argv) {
   }
   o.kinds.clear();
   for (const std::string& k : kinds) o.kinds.push_back(gpu::parse_sparse_linear_kind(k));
-  o.sparse_dw = a.has("sparse-dw");
   o.warmup = warmup;
   o.iters = iters;
   if (a.has("tuning-cache")) gpu::set_cusparselt_tuning_path(a.get("tuning-cache"));
@@ -304,6 +305,10 @@ int cmd_bench(const std::vector<std::string>& argv) {
       {"train", bench_train},         {"gemm", bench_gemm}, {"layer", bench_layer},
       {"sparsify", bench_sparsify},   {"attention", bench_attention}, {"vnm", bench_vnm},
       {"sparse-adamw", bench_sparse_adamw}};
+  if (!argv.empty() && (argv[0] == "--help" || argv[0] == "-h" || argv[0] == "help")) {
+    std::cout << kBenchUsage;
+    return 0;
+  }
   const auto it = argv.empty() ? subs.end() : subs.find(argv[0]);
   ESPLAG_CHECK(it != subs.end(), "esplag bench: ",
                argv.empty() ? "missing subcommand" : "unknown subcommand '" + argv[0] + "'", "\n", kBenchUsage);

@@ -375,6 +375,8 @@ int cmd_profile(const std::vector<std::string>& argv) {
   ESPLAG_CHECK(calibration >= 1, "profile: --calibration-steps must be at least 1, got ", calibration);
   // Parse the what-if specs before spending time on the run, so a typo fails at once.
   const auto specs = Profiler::what_if_specs(a.all("what-if"), a.all("what-if-from"));
+  ESPLAG_CHECK(specs.empty() || !a.has("calibration-steps"),
+               "profile: --calibration-steps does not apply with --what-if/--what-if-from (the given speed-ups are used)");
   const std::string out = a.get("out", "runs/" + fs::path(config_path).stem().string() + "-profile");
   if (validate) return profile_validate(cfg, specs, warmup, steps, calibration, out);
 

@@ -46,7 +46,7 @@ struct VnmBenchResult {
   double spot_rel_error = 0;          // max |gpu - host| / rms(host) over the checked rows, both paths
 };
 
-// The shapes (out, in, tokens): 8192×2048×16384, 2048×8192×16384,
+// The benchmark shapes of llama-1b/7b GEMMs (out, in, tokens): 8192×2048×16384, 2048×8192×16384,
 // 11008×4096×8192, 4096×11008×8192, 4096×4096×8192 (11008 = 64·172 = 256·43, so every
 // pattern divides it without padding).
 std::vector<VnmBenchShape> vnm_bench_default_shapes();
