@@ -19,141 +19,28 @@
 #include <vector>
 
 #include "core/cuda_check.h"
-#include "core/device_arena.h"
-#include "core/dtype.h"
-#include "core/rng.h"
+#include "gpu_test_util.h"
 #include "ops/activation.h"
 #include "ops/gpu.h"
 #include "ops/matmul.h"
 
 namespace {
 
-using esplag::DeviceArena;
-using esplag::Rng;
 using esplag::gpu::bf16;
 namespace cpu = esplag::cpu;
 namespace gpu = esplag::gpu;
 
-using Bits = std::vector<uint16_t>;
-using VF = std::vector<float>;
-using VD = std::vector<double>;
+using namespace esplag::gpu_test;
 
-bool has_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-float round_bf16(float x) { return esplag::bf16_to_float(esplag::float_to_bf16(x)); }
-VF round_bf16(VF v) {
-  for (float& x : v) x = round_bf16(x);
-  return v;
-}
-
-struct Data {
-  Bits bits;
-  VF f;
-  VD d;
+// One arena of 256 MiB and a stream per test.
+struct Dev : DeviceBuffers {
+  Dev() : DeviceBuffers(size_t(256) << 20) {}
 };
-
-Data random_bf16(size_t n, uint64_t seed, double scale = 1.0) {
-  Rng rng(seed);
-  Data out;
-  out.bits.resize(n);
-  out.f.resize(n);
-  out.d.resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    out.bits[i] = esplag::float_to_bf16(static_cast<float>(scale * rng.normal()));
-    out.f[i] = esplag::bf16_to_float(out.bits[i]);
-    out.d[i] = out.f[i];
-  }
-  return out;
-}
-
-VF random_f32(size_t n, uint64_t seed) {
-  Rng rng(seed);
-  VF v(n);
-  for (float& x : v) x = static_cast<float>(rng.normal());
-  return v;
-}
-
-VD to_double(const VF& v) { return VD(v.begin(), v.end()); }
-
-class Dev {
- public:
-  Dev() : arena_(size_t(256) << 20, "test") { CUDA_CHECK(cudaStreamCreate(&stream_)); }
-  ~Dev() { cudaStreamDestroy(stream_); }
-  cudaStream_t stream() const { return stream_; }
-  DeviceArena& arena() { return arena_; }
-
-  template <typename T>
-  T* put(const std::vector<T>& h, const char* name = "input") {
-    T* d = arena_.allocate_array<T>(name, std::max<size_t>(h.size(), 1));
-    CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-  }
-  bf16* put_bf16(const Bits& h, const char* name = "input") { return reinterpret_cast<bf16*>(put(h, name)); }
-  // All bytes 0xFF: NaN as bf16 and as fp32.
-  template <typename T>
-  T* poisoned(size_t n, const char* name = "output") {
-    T* d = arena_.allocate_array<T>(name, std::max<size_t>(n, 1));
-    CUDA_CHECK(cudaMemset(d, 0xFF, n * sizeof(T)));
-    return d;
-  }
-  bf16* poisoned_bf16(size_t n, const char* name = "output") {
-    return reinterpret_cast<bf16*>(poisoned<uint16_t>(n, name));
-  }
-  template <typename T>
-  std::vector<T> get(const T* d, size_t n) {
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-    std::vector<T> h(n);
-    CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-  VF get_bf16(const bf16* d, size_t n) {
-    const Bits b = get(reinterpret_cast<const uint16_t*>(d), n);
-    VF v(n);
-    for (size_t i = 0; i < n; ++i) v[i] = esplag::bf16_to_float(b[i]);
-    return v;
-  }
-
- private:
-  DeviceArena arena_;
-  cudaStream_t stream_ = nullptr;
-};
-
-struct Err {
-  double rms = 0, max = 0;
-};
-
-template <typename V>
-Err error_of(const VD& ref, const V& x) {
-  Err e;
-  double ss = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double d = std::fabs(static_cast<double>(x[i]) - ref[i]);
-    ss += d * d;
-    e.max = std::max(e.max, d);
-  }
-  e.rms = ref.empty() ? 0 : std::sqrt(ss / ref.size());
-  return e;
-}
 
 enum class Out { bf16, f32 };
 
 void expect_matches(const std::string& what, const VD& ref, const VF& low, const VF& got, Out kind) {
-  ASSERT_EQ(ref.size(), got.size()) << what;
-  ASSERT_EQ(ref.size(), low.size()) << what;
-  size_t bad = 0;
-  for (float x : got) bad += !std::isfinite(x);
-  ASSERT_EQ(bad, 0u) << what << ": " << bad << " non-finite outputs";
-  const Err eg = error_of(ref, got), el = error_of(ref, low), mag = error_of(ref, VD(ref.size(), 0.0));
-  const double floor_rms = (kind == Out::bf16 ? 1e-6 : 1e-5) * mag.rms;
-  const double floor_max = kind == Out::bf16 ? mag.max / 256.0 : 1e-5 * mag.max;
-  EXPECT_LE(eg.rms, std::max(2 * el.rms, floor_rms))
-      << what << ": RMS error " << eg.rms << " vs CPU low-precision " << el.rms << " (|ref| rms " << mag.rms << ")";
-  EXPECT_LE(eg.max, std::max(2 * el.max, floor_max))
-      << what << ": max error " << eg.max << " vs CPU low-precision " << el.max << " (|ref| max " << mag.max << ")";
-  if (kind == Out::bf16) EXPECT_LE(eg.rms, 1e-2 * mag.rms + 1e-30) << what << ": relative RMS error above 1e-2";
+  expect_within_low_precision(what, ref, low, got, kind == Out::bf16);
 }
 
 template <typename T>
