@@ -1,0 +1,234 @@
+#include "sparse/cuda/cusparselt_layout.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/env.h"
+#include "core/error.h"
+#include "sparse/cuda/cusparselt.h"
+
+namespace esplag::gpu {
+
+namespace {
+
+constexpr int kTile = 64;  // the metadata's row band and the kernel's tile (both orientations)
+
+// One group of 4 (bf16 bits): the nibble idx0 | idx1 << 2 and the two stored values. The
+// first two non-zeros (±0 counts as zero), padded by the lowest positions not taken.
+__host__ __device__ inline unsigned pick_group(const uint16_t v[4], uint16_t* out0, uint16_t* out1) {
+  int idx[2] = {-1, -1};
+  int n = 0;
+  for (int j = 0; j < 4 && n < 2; ++j)
+    if (v[j] & 0x7FFFu) idx[n++] = j;
+  for (int j = 0; j < 4 && n < 2; ++j)
+    if (j != idx[0] && (v[j] & 0x7FFFu) == 0) idx[n++] = j;
+  if (idx[0] > idx[1]) {
+    const int s = idx[0];
+    idx[0] = idx[1];
+    idx[1] = s;
+  }
+  *out0 = v[idx[0]];
+  *out1 = v[idx[1]];
+  return unsigned(idx[0]) | (unsigned(idx[1]) << 2);
+}
+
+// Byte offset of row r's group g in the metadata (from the metadata's start), and whether
+// it is the high nibble; the block formula of the header.
+__host__ __device__ inline int64_t meta_offset(int64_t r, int64_t g, int64_t k, bool* high) {
+  const int64_t ar = r % 16, j = g % 8;
+  const int64_t a = ar % 8, h = j % 2, c = j / 2, q = c % 2, t = c / 2;
+  *high = ar >= 8;
+  return (r / 64) * 8 * k + (g / 8) * 256 + ((r % 64) / 16) * 64 + a * 8 + q * 4 + h * 2 + t;
+}
+
+// One 64×64 tile of W per block, staged in shared memory; warps 0-1 write the layout of W
+// (op N), warps 2-3 that of Wᵀ (op T). A work item is two rows of op(W) (a and a + 8 of a
+// 16-row block, which share the metadata bytes) over 32 columns: 2×16 values (two 32-byte
+// runs) and one 8-byte metadata store.
+__global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t rows, int64_t cols,
+                                       uint8_t* __restrict__ dst_n, uint8_t* __restrict__ dst_t) {
+  constexpr int kStride = kTile + 2;  // odd word stride: column reads hit distinct banks
+  __shared__ uint16_t tile[kTile * kStride];
+  const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
+  for (int i = threadIdx.x; i < kTile * kTile / 8; i += blockDim.x) {
+    const int r = i / (kTile / 8), c8 = i % (kTile / 8);
+    const uint4 v = *reinterpret_cast<const uint4*>(w + (r0 + r) * cols + c0 + c8 * 8);
+    const uint32_t p[4] = {v.x, v.y, v.z, v.w};
+    for (int e = 0; e < 4; ++e) {
+      tile[r * kStride + c8 * 8 + 2 * e] = uint16_t(p[e] & 0xFFFFu);
+      tile[r * kStride + c8 * 8 + 2 * e + 1] = uint16_t(p[e] >> 16);
+    }
+  }
+  __syncthreads();
+  const bool transposed = threadIdx.x >= 64;
+  uint8_t* dst = transposed ? dst_t : dst_n;
+  if (!dst) return;
+  const int item = threadIdx.x % 64;  // (sub-block s, 32-column chunk ch, row a)
+  const int a = item % 8, ch = (item / 8) % 2, s = item / 16;
+  const int64_t M = transposed ? cols : rows, K = transposed ? rows : cols;
+  const int64_t op_r0 = transposed ? c0 : r0, op_c0 = transposed ? r0 : c0;
+  uint8_t nib[2][8];
+  for (int half = 0; half < 2; ++half) {
+    const int lr = s * 16 + half * 8 + a;  // tile-local row of op(W)
+    uint32_t packed[16];
+    for (int g = 0; g < 8; ++g) {
+      uint16_t v[4];
+      for (int j = 0; j < 4; ++j) {
+        const int lk = ch * 32 + g * 4 + j;  // tile-local column of op(W)
+        v[j] = transposed ? tile[lk * kStride + lr] : tile[lr * kStride + lk];
+      }
+      uint16_t x0, x1;
+      nib[half][g] = uint8_t(pick_group(v, &x0, &x1));
+      packed[g] = uint32_t(x0) | (uint32_t(x1) << 16);
+    }
+    uint4* out = reinterpret_cast<uint4*>(dst + ((op_r0 + lr) * (K / 2) + (op_c0 + ch * 32) / 2) * 2);
+    out[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+  }
+  // byte a·8 + q·4 + h·2 + t holds group j = 2(q + 2t) + h: low nibble row a, high row a + 8
+  uint8_t bytes[8];
+  for (int b = 0; b < 8; ++b) {
+    const int q = b / 4, h = (b / 2) % 2, t = b % 2;
+    const int j = 2 * (q + 2 * t) + h;
+    bytes[b] = uint8_t(nib[0][j] | (nib[1][j] << 4));
+  }
+  const int64_t R = op_r0 + s * 16;  // first row of the 16-row block
+  const int64_t g0 = (op_c0 + ch * 32) / 4;
+  const int64_t off = M * K + (R / 64) * 8 * K + (g0 / 8) * 256 + ((R % 64) / 16) * 64 + a * 8;
+  uint2 m;
+  std::memcpy(&m.x, bytes, 4);
+  std::memcpy(&m.y, bytes + 4, 4);
+  *reinterpret_cast<uint2*>(dst + off) = m;
+}
+
+void check_shape(const char* who, int64_t rows, int64_t cols) {
+  ESPLAG_CHECK(rows > 0 && cols > 0 && rows % kTile == 0 && cols % kTile == 0, who, ": W [", rows, ", ", cols,
+               "]: the cuSPARSELt layout writer needs both dimensions positive multiples of ", kTile);
+}
+
+}  // namespace
+
+size_t cusparselt24_layout_bytes(int64_t m, int64_t k) {
+  if (m <= 0 || k <= 0 || m % kTile || k % kTile) return 0;
+  return size_t(m) * size_t(k) + size_t(m) * size_t(k) / 8;
+}
+
+void cusparselt24_compress_host(const uint16_t* w, int64_t rows, int64_t cols, bool transposed, uint8_t* dst) {
+  check_shape("cusparselt24_compress_host", rows, cols);
+  const int64_t M = transposed ? cols : rows, K = transposed ? rows : cols;
+  std::memset(dst, 0, cusparselt24_layout_bytes(M, K));
+  uint16_t* values = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < K / 4; ++g) {
+      uint16_t v[4];
+      for (int j = 0; j < 4; ++j) {
+        const int64_t kk = 4 * g + j;
+        v[j] = transposed ? w[kk * cols + r] : w[r * cols + kk];
+      }
+      uint16_t x0, x1;
+      const unsigned nib = pick_group(v, &x0, &x1);
+      values[r * (K / 2) + 2 * g] = x0;
+      values[r * (K / 2) + 2 * g + 1] = x1;
+      bool high = false;
+      const int64_t off = meta_offset(r, g, K, &high);
+      dst[M * K + off] |= uint8_t(high ? nib << 4 : nib);
+    }
+}
+
+void cusparselt24_compress(const bf16* w, int64_t rows, int64_t cols, void* dst_n, void* dst_t, cudaStream_t stream) {
+  check_shape("cusparselt24_compress", rows, cols);
+  if (!dst_n && !dst_t) return;
+  ESPLAG_CHECK(w != nullptr, "cusparselt24_compress: null W");
+  for (const void* p : {static_cast<const void*>(w), static_cast<const void*>(dst_n), static_cast<const void*>(dst_t)})
+    ESPLAG_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "cusparselt24_compress: pointers must be 16-byte aligned");
+  const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
+  compress_layout_kernel<<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols,
+                                                    static_cast<uint8_t*>(dst_n), static_cast<uint8_t*>(dst_t));
+  CUDA_CHECK_LAUNCH("compress_layout_kernel");
+}
+
+namespace {
+
+// A random W [rows, cols], 2:4 along both dimensions (each 4×4 tile keeps columns s + r and
+// s + r + 1 mod 4 of its row r, s random per tile), kept values non-zero and distinct in
+// their group, so that the library has a single choice of positions.
+std::vector<uint16_t> random_transposable(int64_t rows, int64_t cols, uint64_t seed) {
+  std::vector<uint16_t> w(size_t(rows * cols), 0);
+  uint64_t s = seed;
+  auto next = [&]() {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    return uint32_t(s >> 33);
+  };
+  for (int64_t tr = 0; tr < rows / 4; ++tr)
+    for (int64_t tc = 0; tc < cols / 4; ++tc) {
+      const int shift = int(next() % 4);
+      for (int r = 0; r < 4; ++r)
+        for (int e = 0; e < 2; ++e) {
+          const int c = (shift + r + e) % 4;
+          // sign, exponent 120..134, random mantissa: a normal bf16, never zero
+          const uint32_t x = next();
+          const uint16_t bits = uint16_t(((x & 1u) << 15) | ((120u + (x >> 1) % 15u) << 7) | ((x >> 8) & 0x7Fu));
+          w[size_t((tr * 4 + r) * cols + tc * 4 + c)] = bits;
+        }
+    }
+  return w;
+}
+
+bool check_problem(const SparseGemm24& g) {
+  const SparseGemm24Problem& p = g.problem();
+  if (p.weight_operand != SparseOperand::a) return false;
+  if (!env_flag("ESPLAG_CUSPARSELT_OWN_LAYOUT", true)) return false;
+  const bool transposed = p.product == SparseProduct::backward_data;
+  const int64_t M = transposed ? p.in : p.out, K = transposed ? p.out : p.in;
+  const size_t bytes = cusparselt24_layout_bytes(M, K);
+  if (bytes == 0 || bytes != g.compressed_bytes()) return false;
+  const std::vector<uint16_t> w = random_transposable(p.out, p.in, 0x5eed24ull + uint64_t(p.out * 131 + p.in));
+  void *dw = nullptr, *dlib = nullptr, *down = nullptr, *dscratch = nullptr;
+  bool same = false;
+  const size_t n = w.size() * 2;
+  const size_t scratch = std::max<size_t>(g.compress_scratch_bytes(), 16);
+  if (cudaMalloc(&dw, n) == cudaSuccess && cudaMalloc(&dlib, bytes) == cudaSuccess &&
+      cudaMalloc(&down, bytes) == cudaSuccess && cudaMalloc(&dscratch, scratch) == cudaSuccess) {
+    CUDA_CHECK(cudaMemcpy(dw, w.data(), n, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemset(dlib, 0x5A, bytes));
+    CUDA_CHECK(cudaMemset(down, 0xA5, bytes));
+    g.compress(dlib, static_cast<const bf16*>(dw), dscratch, scratch, nullptr);
+    cusparselt24_compress(static_cast<const bf16*>(dw), p.out, p.in, transposed ? nullptr : down,
+                          transposed ? down : nullptr, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<uint8_t> a(bytes), b(bytes);
+    CUDA_CHECK(cudaMemcpy(a.data(), dlib, bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(b.data(), down, bytes, cudaMemcpyDeviceToHost));
+    same = a == b;
+  } else {
+    cudaGetLastError();  // out of memory: keep the library's compression
+  }
+  for (void* q : {dw, dlib, down, dscratch})
+    if (q) cudaFree(q);
+  return same;
+}
+
+}  // namespace
+
+bool cusparselt24_layout_matches(const SparseGemm24& g) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, int64_t, int64_t, int>, bool> decided;
+  if (!cusparselt_available()) return false;
+  const SparseGemm24Problem& p = g.problem();
+  const auto key = std::make_tuple(int(p.product), p.out, p.in, int(p.weight_operand));
+  std::lock_guard<std::mutex> lock(mu);
+  const auto it = decided.find(key);
+  if (it != decided.end()) return it->second;
+  const bool ok = check_problem(g);
+  decided[key] = ok;
+  return ok;
+}
+
+}  // namespace esplag::gpu

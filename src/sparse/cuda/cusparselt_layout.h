@@ -1,0 +1,80 @@
+// cuSPARSELt's compressed 2:4 buffer written directly (namespace esplag::gpu), so that the
+// per-step weight preparation of the 2:4 Linear kinds (sparse/cuda/sparse_linear.h) does
+// not pay cusparseLtSpMMACompress (1.7 ms of semi_sparse's 1.8 ms preparation of an
+// 11008×4096 bf16 W on an H100, for two compressions) but one memory-bound pass over W.
+//
+// cuSPARSELt does not document the layout. The one written here is the expected format of
+// 16-bit operands on SM90; it is NOT trusted blindly: cusparselt24_layout_matches()
+// compresses a random 2:4 matrix of the real problem through the library and through this
+// code once per problem (and per process, hence per loaded library version) and compares
+// the buffers byte for byte. Callers use this writer only when that check passes and keep
+// cusparseLtSpMMACompress otherwise, so a library whose layout differs (another version,
+// another GPU, op T) can never be fed a wrong buffer.
+//
+// Status: the host reference and the device writer agree (a CPU emulation of the kernel),
+// but tests/gpu_cusparselt_layout.cu, which compares them with the library's own
+// compression, has not run on a GPU yet; SparseLinear does not use this writer until it has.
+//
+// The layout, for the structured operand op(W) seen as a logical row-major M×K matrix,
+// 2:4 along K (forward: op(W) = W [out, in], M = out, K = in; input gradient with W as A
+// and op T: op(W) = Wᵀ, M = in, K = out), bf16, M and K multiples of 64:
+//   bytes [0, M·K)        the kept values, row-major [M, K/2]: per group of 4 along K the
+//                         two kept values in ascending position.
+//   bytes [M·K, M·K·9/8)  the metadata, 4 bits per group: idx0 | idx1 << 2 (the positions
+//                         0..3 in the group, idx0 < idx1), arranged by blocks:
+//     offset(r, g) = M·K + (r / 64)·8·K + (g / 8)·256 + ((r % 64) / 16)·64 + byte(r % 16, g % 8)
+//     where r is the row of op(W), g the group along K (g / 8: the 32-column chunk), and
+//     within a 16-row × 32-column block (64 bytes), row a' = r % 16, group j = g % 8:
+//       a = a' % 8, half = a' / 8 (rows a and a + 8 share a byte: low / high nibble),
+//       h = j % 2, c = j / 2 (the 8-column chunk), q = c % 2, t = c / 2,
+//       byte = a·8 + q·4 + h·2 + t.
+//   Total M·K·9/8 bytes; cusparseLtSpMMACompressedSize must agree (checked).
+// Groups of the input holding fewer than two non-zeros (the transposable greedy can leave
+// such groups) are stored with the non-zero positions padded by the lowest zero positions
+// (their stored value is the zero that is there); the product is the same whatever
+// positions the library would have chosen. A group with more than two non-zeros is not 2:4:
+// the input must be pruned (only the first two non-zeros would be stored).
+//
+// Only for the CUDA build (ESPLAG_CUDA=ON).
+#pragma once
+
+#ifndef ESPLAG_HAVE_CUDA
+#error "sparse/cuda/cusparselt_layout.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#endif
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace esplag::gpu {
+
+using bf16 = __nv_bfloat16;
+class SparseGemm24;
+
+// Bytes of the layout for a structured operand op(W) of M×K; 0 when this writer does not
+// handle the shape (M or K not a positive multiple of 64).
+size_t cusparselt24_layout_bytes(int64_t m, int64_t k);
+
+// The CPU reference: dst (cusparselt24_layout_bytes) = the layout of op(W), W [rows, cols]
+// bf16 bits, row-major; transposed = false: op(W) = W (M = rows, K = cols); true:
+// op(W) = Wᵀ (M = cols, K = rows). Throws Error for shapes the layout does not handle.
+void cusparselt24_compress_host(const uint16_t* w, int64_t rows, int64_t cols, bool transposed, uint8_t* dst);
+
+// The device writer, one pass over W [rows, cols] (bf16, row-major, 16-byte aligned):
+// dst_n (may be null) = the layout of W (2:4 along rows), dst_t (may be null) = the layout
+// of Wᵀ (2:4 along columns); each 16-byte aligned. A transposable W (2:4 both ways) gives
+// the forward's and the input gradient's buffers of one Linear in the same pass.
+// rows, cols multiples of 64 (else Error). Asynchronous on `stream`.
+void cusparselt24_compress(const bf16* w, int64_t rows, int64_t cols, void* dst_n, void* dst_t, cudaStream_t stream);
+
+// Whether this layout is the one the loaded cuSPARSELt produces for g's weight operand:
+// W as operand A (the forward's op N, backward_data's op T), the compressed size equal to
+// cusparselt24_layout_bytes, and a random 2:4 (along both dimensions) matrix of the
+// problem's shape compressed both ways giving identical bytes. Decided once per
+// (product, out, in) and process (thread-safe); synchronises the device the first time.
+// False when cuSPARSELt is not available.
+bool cusparselt24_layout_matches(const SparseGemm24& g);
+
+}  // namespace esplag::gpu

@@ -1,0 +1,294 @@
+// cuSPARSELt's compressed 2:4 layout written directly (sparse/cuda/cusparselt_layout.h)
+// against the library.
+//
+// Dump: compresses crafted 2:4 matrices through SparseGemm24::compress for the two products
+// of a weight (forward: W [out, in] as A, op N, 2:4 along rows; backward_data: op T, 2:4
+// along columns) and, when $ESPLAG_PROBE_DIR is set, writes the dense inputs and the
+// compressed buffers there (raw little-endian) with the compressed sizes, so that the
+// layout can be read off them (every kept value is a distinct positive bf16 bit pattern;
+// patterns 0-5 keep the same pair in every group). It checks the sizes against
+// cusparselt24_layout_bytes.
+// HostMatchesLibrary: the CPU reference's buffer is byte-identical to the library's for
+// random 2:4 matrices (non-zero kept values) of several sizes, both products.
+// DeviceMatchesHost: the GPU writer against the CPU reference (both orientations in one
+// pass, outputs poisoned, groups with fewer than two non-zeros included); needs no library.
+// MatmulWithOwnBuffers: the writer's buffers in SparseGemm24::matmul (forward and
+// backward_data) against the fp64 product of the masked W, with degenerate groups.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/dtype.h"
+#include "sparse/cuda/cusparselt.h"
+#include "sparse/cuda/cusparselt_layout.h"
+
+#include "gpu_test_util.h"
+
+namespace {
+
+using esplag::gpu::SparseGemm24;
+using esplag::gpu::SparseGemm24Problem;
+using esplag::gpu::SparseProduct;
+namespace gpu = esplag::gpu;
+
+constexpr int kPairs[6][2] = {{0, 1}, {0, 2}, {0, 3}, {1, 2}, {1, 3}, {2, 3}};
+
+uint32_t lcg(uint64_t& s) {
+  s = s * 6364136223846793005ull + 1442695040888963407ull;
+  return static_cast<uint32_t>(s >> 33);
+}
+
+// W [rows, cols] with 2 non-zeros per group of 4 along the product's K (columns for the
+// forward, rows for backward_data). pattern 0..5: every group keeps kPairs[pattern];
+// -1: random pair per group; -2: random, with some groups holding one or no non-zero.
+std::vector<uint16_t> craft(int64_t rows, int64_t cols, bool along_rows, int pattern, uint64_t seed) {
+  std::vector<uint16_t> w(size_t(rows * cols), 0);
+  uint64_t s = seed;
+  uint32_t id = 0;
+  auto next_id = [&]() { return static_cast<uint16_t>(0x0100 + (id++ % 0x3E00)); };
+  const int64_t groups_r = along_rows ? rows : rows / 4, groups_c = along_rows ? cols / 4 : cols;
+  // ids in row-major order of the kept elements: visit elements row-major, keep-test each
+  std::vector<uint8_t> keep(size_t(rows * cols), 0);
+  for (int64_t gr = 0; gr < groups_r; ++gr)
+    for (int64_t gc = 0; gc < groups_c; ++gc) {
+      int p = pattern >= 0 ? pattern : int(lcg(s) % 6);
+      int a = kPairs[p][0], b = kPairs[p][1];
+      bool ka = true, kb = true;
+      if (pattern == -2) {
+        const uint32_t r = lcg(s) % 8;
+        if (r == 0) ka = false;
+        if (r == 1) kb = false;
+        if (r == 2) ka = kb = false;
+      }
+      auto at = [&](int j) -> uint8_t& {
+        return along_rows ? keep[size_t(gr * cols + gc * 4 + j)] : keep[size_t((gr * 4 + j) * cols + gc)];
+      };
+      if (ka) at(a) = 1;
+      if (kb) at(b) = 1;
+    }
+  for (size_t i = 0; i < w.size(); ++i)
+    if (keep[i]) w[i] = next_id();
+  return w;
+}
+
+void write_file(const std::string& path, const void* p, size_t bytes) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(static_cast<const char*>(p), std::streamsize(bytes));
+  ASSERT_TRUE(bool(f)) << path;
+}
+
+TEST(CusparseltLayout, Dump) {
+  if (!esplag::gpu_test::has_device()) GTEST_SKIP() << "no CUDA device";
+  if (!gpu::cusparselt_available()) GTEST_SKIP() << gpu::cusparselt_unavailable_reason();
+  const char* dir_env = std::getenv("ESPLAG_PROBE_DIR");
+  const std::string dir = dir_env ? dir_env : "";
+  std::string sizes = "version " + std::to_string(gpu::cusparselt_version()) + "\n";
+  auto problem = [](bool fwd, int64_t out, int64_t in) {
+    return fwd ? SparseGemm24Problem::linear_forward(out, in, 16)
+               : SparseGemm24Problem::linear_backward_data(out, in, 16);
+  };
+  for (bool fwd : {true, false})
+    for (auto [out, in] : {std::pair<int64_t, int64_t>{16, 16}, {16, 32}, {32, 16}, {32, 32}, {64, 64}, {80, 48},
+                           {48, 80}, {128, 256}, {256, 128}, {512, 1024}, {1024, 512}, {4096, 4096},
+                           {11008, 4096}, {4096, 11008}}) {
+      SparseGemm24 g(problem(fwd, out, in), SparseGemm24::Algorithm::library_default);
+      const int64_t M = fwd ? out : in, K = fwd ? in : out;
+      if (M % 64 == 0 && K % 64 == 0)
+        EXPECT_EQ(g.compressed_bytes(), gpu::cusparselt24_layout_bytes(M, K)) << (fwd ? "fwd " : "bwd ") << out << "x" << in;
+      sizes += std::string(fwd ? "fwd" : "bwd") + " " + std::to_string(out) + " " + std::to_string(in) + " " +
+               std::to_string(g.compressed_bytes()) + " " + std::to_string(g.compress_scratch_bytes()) + "\n";
+    }
+  std::printf("%s", sizes.c_str());
+  if (!dir.empty()) write_file(dir + "/sizes.txt", sizes.data(), sizes.size());
+
+  cudaStream_t st = nullptr;
+  for (bool fwd : {true, false})
+    for (auto [out, in] : {std::pair<int64_t, int64_t>{64, 64}, {128, 256}, {256, 128}, {80, 48}, {48, 80},
+                           {512, 1024}, {1024, 512}, {16, 16}, {32, 32}}) {
+      SparseGemm24 g(problem(fwd, out, in), SparseGemm24::Algorithm::library_default);
+      const size_t n = size_t(out * in), cb = g.compressed_bytes();
+      void *dw = nullptr, *dc = nullptr, *ds = nullptr;
+      CUDA_CHECK(cudaMalloc(&dw, n * 2));
+      CUDA_CHECK(cudaMalloc(&dc, cb));
+      CUDA_CHECK(cudaMalloc(&ds, std::max<size_t>(g.compress_scratch_bytes(), 16)));
+      std::vector<int> patterns = {-1};
+      if (out <= 256 && in <= 256) patterns = {0, 1, 2, 3, 4, 5, -1, -2};
+      for (int pat : patterns) {
+        const auto w = craft(out, in, fwd, pat, 1234 + uint64_t(out * 7 + in) + uint64_t(pat + 10));
+        CUDA_CHECK(cudaMemcpy(dw, w.data(), n * 2, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemset(dc, 0xA5, cb));
+        g.compress(dc, static_cast<const gpu::bf16*>(dw), ds, g.compress_scratch_bytes(), st);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        std::vector<uint8_t> c(cb);
+        CUDA_CHECK(cudaMemcpy(c.data(), dc, cb, cudaMemcpyDeviceToHost));
+        const std::string name = std::string(fwd ? "fwd" : "bwd") + "_" + std::to_string(out) + "x" +
+                                 std::to_string(in) + "_p" + std::to_string(pat);
+        if (!dir.empty()) {
+          write_file(dir + "/" + name + ".in", w.data(), n * 2);
+          write_file(dir + "/" + name + ".c", c.data(), cb);
+        }
+      }
+      cudaFree(dw);
+      cudaFree(dc);
+      cudaFree(ds);
+    }
+}
+
+// W [rows, cols], 2:4 along both dimensions (each 4×4 tile keeps columns s + r, s + r + 1
+// mod 4 of its row r), kept values uniform in [-1, 1] rounded to bf16 and non-zero;
+// with `holes`, one kept value in 8 is set to zero (groups with fewer than two non-zeros).
+std::vector<uint16_t> random_transposable(int64_t rows, int64_t cols, uint64_t seed, bool holes) {
+  std::vector<uint16_t> w(size_t(rows * cols), 0);
+  uint64_t s = seed;
+  for (int64_t tr = 0; tr < rows / 4; ++tr)
+    for (int64_t tc = 0; tc < cols / 4; ++tc) {
+      const int shift = int(lcg(s) % 4);
+      for (int r = 0; r < 4; ++r)
+        for (int e = 0; e < 2; ++e) {
+          float x = (float(lcg(s) % 2000001u) - 1000000.0f) / 1000000.0f;
+          uint16_t b = esplag::float_to_bf16(x);
+          if ((b & 0x7FFF) == 0) b = 0x3F80;
+          if (holes && lcg(s) % 8 == 0) b = 0;
+          w[size_t((tr * 4 + r) * cols + tc * 4 + (shift + r + e) % 4)] = b;
+        }
+    }
+  return w;
+}
+
+struct Dev {
+  void* p = nullptr;
+  explicit Dev(size_t bytes) { CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 16))); }
+  ~Dev() { cudaFree(p); }
+  template <class T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+std::vector<uint8_t> download(const Dev& d, size_t bytes) {
+  std::vector<uint8_t> h(bytes);
+  CUDA_CHECK(cudaMemcpy(h.data(), d.p, bytes, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// Where two buffers first differ, and whether the values part (the first m·k bytes) agrees.
+std::string diff_text(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, size_t values_bytes) {
+  size_t first = a.size(), count = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) {
+      if (first == a.size()) first = i;
+      ++count;
+    }
+  return "differ in " + std::to_string(count) + " of " + std::to_string(a.size()) + " bytes, first at " +
+         std::to_string(first) + (first < values_bytes ? " (values)" : " (metadata)");
+}
+
+TEST(CusparseltLayout, HostMatchesLibrary) {
+  if (!esplag::gpu_test::has_device()) GTEST_SKIP() << "no CUDA device";
+  if (!gpu::cusparselt_available()) GTEST_SKIP() << gpu::cusparselt_unavailable_reason();
+  for (bool fwd : {true, false})
+    for (auto [out, in] : {std::pair<int64_t, int64_t>{64, 64}, {128, 256}, {256, 128}, {192, 320}, {1024, 512}}) {
+      const auto p = fwd ? SparseGemm24Problem::linear_forward(out, in, 16)
+                         : SparseGemm24Problem::linear_backward_data(out, in, 16);
+      SparseGemm24 g(p, SparseGemm24::Algorithm::library_default);
+      const size_t bytes = gpu::cusparselt24_layout_bytes(fwd ? out : in, fwd ? in : out);
+      ASSERT_EQ(g.compressed_bytes(), bytes) << p.key();
+      const auto w = random_transposable(out, in, 77 + uint64_t(out + in), false);
+      Dev dw(w.size() * 2), dc(bytes), ds(g.compress_scratch_bytes());
+      CUDA_CHECK(cudaMemcpy(dw.p, w.data(), w.size() * 2, cudaMemcpyHostToDevice));
+      g.compress(dc.p, dw.as<gpu::bf16>(), ds.p, g.compress_scratch_bytes(), nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      const auto lib = download(dc, bytes);
+      std::vector<uint8_t> host(bytes);
+      gpu::cusparselt24_compress_host(w.data(), out, in, !fwd, host.data());
+      EXPECT_TRUE(lib == host) << p.key() << ": " << diff_text(lib, host, size_t(out * in));
+      EXPECT_EQ(gpu::cusparselt24_layout_matches(g), lib == host) << p.key();
+    }
+}
+
+TEST(CusparseltLayout, DeviceMatchesHost) {
+  if (!esplag::gpu_test::has_device()) GTEST_SKIP() << "no CUDA device";
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{64, 64}, {128, 320}, {320, 128}, {448, 192}}) {
+    const auto w = random_transposable(rows, cols, 991 + uint64_t(rows * 3 + cols), true);
+    const size_t bytes = gpu::cusparselt24_layout_bytes(rows, cols);
+    Dev dw(w.size() * 2), dn(bytes), dt(bytes);
+    CUDA_CHECK(cudaMemcpy(dw.p, w.data(), w.size() * 2, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemset(dn.p, 0xFF, bytes));  // NaN bits in the values, 0xF nibbles
+    CUDA_CHECK(cudaMemset(dt.p, 0xFF, bytes));
+    gpu::cusparselt24_compress(dw.as<gpu::bf16>(), rows, cols, dn.p, dt.p, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<uint8_t> hn(bytes), ht(bytes);
+    gpu::cusparselt24_compress_host(w.data(), rows, cols, false, hn.data());
+    gpu::cusparselt24_compress_host(w.data(), rows, cols, true, ht.data());
+    const auto gn = download(dn, bytes), gt = download(dt, bytes);
+    EXPECT_TRUE(gn == hn) << rows << "x" << cols << " op N: " << diff_text(gn, hn, size_t(rows * cols));
+    EXPECT_TRUE(gt == ht) << rows << "x" << cols << " op T: " << diff_text(gt, ht, size_t(rows * cols));
+    // one orientation alone writes the same bytes
+    CUDA_CHECK(cudaMemset(dt.p, 0xFF, bytes));
+    gpu::cusparselt24_compress(dw.as<gpu::bf16>(), rows, cols, nullptr, dt.p, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_TRUE(download(dt, bytes) == ht) << rows << "x" << cols << " op T alone";
+  }
+  EXPECT_THROW(gpu::cusparselt24_compress(nullptr, 48, 64, nullptr, nullptr, nullptr), esplag::Error);
+  EXPECT_EQ(gpu::cusparselt24_layout_bytes(80, 64), 0u);
+}
+
+TEST(CusparseltLayout, MatmulWithOwnBuffers) {
+  if (!esplag::gpu_test::has_device()) GTEST_SKIP() << "no CUDA device";
+  if (!gpu::cusparselt_available()) GTEST_SKIP() << gpu::cusparselt_unavailable_reason();
+  const int64_t out = 192, in = 320, tok = 48;
+  const auto w = random_transposable(out, in, 4242, true);
+  uint64_t s = 99;
+  auto rnd = [&](size_t n) {
+    std::vector<uint16_t> v(n);
+    for (auto& x : v) x = esplag::float_to_bf16((float(lcg(s) % 2001u) - 1000.0f) / 1000.0f);
+    return v;
+  };
+  const auto x = rnd(size_t(tok * in)), dy = rnd(size_t(tok * out));
+  auto f = [](uint16_t b) { return double(esplag::bf16_to_float(b)); };
+  // 0: forward (W's layout), 1: the forward-form input gradient of Wᵀ [in, out] (Wᵀ's
+  // layout, written from W: what SparseLinear uses), 2: backward_data (op T of W), only
+  // where the layout check accepts it for that problem.
+  for (int c = 0; c < 3; ++c) {
+    const bool fwd = c == 0;
+    const auto p = c == 0   ? SparseGemm24Problem::linear_forward(out, in, tok)
+                   : c == 1 ? SparseGemm24Problem::linear_forward(in, out, tok)
+                            : SparseGemm24Problem::linear_backward_data(out, in, tok);
+    SparseGemm24 g(p, SparseGemm24::Algorithm::library_default);
+    if (c == 2 && !gpu::cusparselt24_layout_matches(g)) {
+      std::printf("backward_data (op T) layout differs from the writer's: not used, not checked\n");
+      continue;
+    }
+    const int64_t feat_in = fwd ? in : out, feat_out = fwd ? out : in;
+    const auto& a = fwd ? x : dy;
+    Dev dw(w.size() * 2), dc(g.compressed_bytes()), da(a.size() * 2), dy_out(size_t(tok * feat_out) * 2),
+        ws(g.workspace_bytes());
+    CUDA_CHECK(cudaMemcpy(dw.p, w.data(), w.size() * 2, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(da.p, a.data(), a.size() * 2, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemset(dy_out.p, 0xFF, size_t(tok * feat_out) * 2));
+    gpu::cusparselt24_compress(dw.as<gpu::bf16>(), out, in, fwd ? dc.p : nullptr, fwd ? nullptr : dc.p, nullptr);
+    g.matmul(dy_out.as<gpu::bf16>(), dc.p, da.as<gpu::bf16>(), nullptr, ws.p, g.workspace_bytes(), nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const auto got = download(dy_out, size_t(tok * feat_out) * 2);
+    const uint16_t* gb = reinterpret_cast<const uint16_t*>(got.data());
+    double err = 0, ref2 = 0;
+    for (int64_t n = 0; n < tok; ++n)
+      for (int64_t o = 0; o < feat_out; ++o) {
+        double acc = 0;
+        for (int64_t i = 0; i < feat_in; ++i)
+          acc += f(a[size_t(n * feat_in + i)]) * (fwd ? f(w[size_t(o * in + i)]) : f(w[size_t(i * in + o)]));
+        const double d = f(gb[size_t(n * feat_out + o)]) - acc;
+        err += d * d;
+        ref2 += acc * acc;
+      }
+    EXPECT_LT(std::sqrt(err / ref2), 1e-2) << p.key();
+  }
+}
+
+}  // namespace
