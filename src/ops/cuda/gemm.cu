@@ -21,7 +21,6 @@
 // of its shapes are tuned before any graph is recorded.
 #include <algorithm>
 #include <atomic>
-#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -31,6 +30,7 @@
 #include <vector>
 
 #include "core/device_arena.h"
+#include "core/env.h"
 #include "core/error.h"
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/reduce.cuh"
@@ -153,11 +153,7 @@ bool adopt_tuned(Plan& p, const TuneKey& key) {
 }
 
 bool autotune_from_env() {
-  const char* e = std::getenv("ESPLAG_GEMM_AUTOTUNE");
-  if (!e || !*e) return true;
-  std::string v(e);
-  for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return !(v == "0" || v == "off" || v == "false" || v == "no");
+  return env_flag("ESPLAG_GEMM_AUTOTUNE", true);
 }
 
 // Capturing (or unable to tell, e.g. the legacy stream while another stream captures):

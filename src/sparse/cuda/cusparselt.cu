@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "core/env.h"
 #include "core/error.h"
 
 #ifdef ESPLAG_HAVE_CUSPARSELT
@@ -472,12 +473,7 @@ class TuningCache {
 };
 
 std::atomic<bool>& search_flag() {
-  static std::atomic<bool> on([] {
-    const char* e = std::getenv("ESPLAG_CUSPARSELT_SEARCH");
-    if (!e) return true;
-    const std::string v = e;
-    return !(v == "0" || v == "off" || v == "false" || v == "no");
-  }());
+  static std::atomic<bool> on(env_flag("ESPLAG_CUSPARSELT_SEARCH", true));
   return on;
 }
 

@@ -11,6 +11,7 @@
 #include "core/device_arena.h"
 #include "core/error.h"
 #include "ops/gpu.h"
+#include "sparse/cuda/bench_summary.h"
 
 namespace esplag {
 
@@ -342,17 +343,7 @@ std::string gemm_bench_table(const GemmBenchResult& r) {
       meets.push_back(buf);
     }
   }
-  if (with_sparse == 0) {
-    o += "no 2:4 timings: nothing to compare against 1.5x\n";
-  } else if (meets.empty()) {
-    std::snprintf(buf, sizeof buf, "2:4 at >= 1.5x dense: none of %zu problems\n", with_sparse);
-    o += buf;
-  } else {
-    std::snprintf(buf, sizeof buf, "2:4 at >= 1.5x dense (%zu of %zu problems): ", meets.size(), with_sparse);
-    o += buf;
-    for (size_t i = 0; i < meets.size(); ++i) o += (i ? ", " : "") + meets[i];
-    o += "\n";
-  }
+  o += gpu::target_summary(meets, with_sparse, 1.5, "2:4", " problems", "no 2:4 timings");
   return o;
 }
 

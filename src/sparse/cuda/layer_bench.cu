@@ -9,6 +9,7 @@
 #include "core/device_arena.h"
 #include "core/error.h"
 #include "sparse/cuda/cusparselt.h"
+#include "sparse/cuda/bench_summary.h"
 
 namespace esplag {
 
@@ -234,17 +235,7 @@ std::string layer_bench_table(const LayerBenchResult& r) {
         return w.ran && !w.sparse && w.kind != gpu::SparseLinearKind::dense;
       }))
     o += "* ran dense (no cuSPARSELt)\n";
-  if (compared == 0) {
-    o += "no 2:4 steps timed: nothing to compare against 1.3x\n";
-  } else if (meets.empty()) {
-    std::snprintf(buf, sizeof buf, "2:4 steps at >= 1.3x dense: none of %zu\n", compared);
-    o += buf;
-  } else {
-    std::snprintf(buf, sizeof buf, "2:4 steps at >= 1.3x dense (%zu of %zu): ", meets.size(), compared);
-    o += buf;
-    for (size_t i = 0; i < meets.size(); ++i) o += (i ? ", " : "") + meets[i];
-    o += "\n";
-  }
+  o += gpu::target_summary(meets, compared, 1.3, "2:4 steps", "", "no 2:4 steps timed");
   return o;
 }
 
