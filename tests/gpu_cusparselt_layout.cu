@@ -9,7 +9,8 @@
 // patterns 0-5 keep the same pair in every group). It checks the sizes against
 // cusparselt24_layout_bytes.
 // HostMatchesLibrary: the CPU reference's buffer is byte-identical to the library's for
-// random 2:4 matrices (non-zero kept values) of several sizes, both products.
+// random 2:4 matrices (non-zero kept values) of several sizes, forward-form products; for
+// backward_data (op T, a layout the writer does not claim) the self-check must agree.
 // DeviceMatchesHost: the GPU writer against the CPU reference (both orientations in one
 // pass, outputs poisoned, groups with fewer than two non-zeros included); needs no library.
 // MatmulWithOwnBuffers: the writer's buffers in SparseGemm24::matmul (forward and
@@ -207,7 +208,14 @@ TEST(CusparseltLayout, HostMatchesLibrary) {
       const auto lib = download(dc, bytes);
       std::vector<uint8_t> host(bytes);
       gpu::cusparselt24_compress_host(w.data(), out, in, !fwd, host.data());
-      EXPECT_TRUE(lib == host) << p.key() << ": " << diff_text(lib, host, size_t(out * in));
+      // The forward-form (op N) layout is the one the writer implements and SparseLinear
+      // uses; cuSPARSELt 0.8 lays out op T differently (seen on an H100), which the
+      // library self-check must then report so that the library's compression is kept.
+      if (fwd)
+        EXPECT_TRUE(lib == host) << p.key() << ": " << diff_text(lib, host, size_t(out * in));
+      else if (lib != host)
+        std::printf("%s: op T layout is not the writer's (%s); library compression kept\n", p.key().c_str(),
+                    diff_text(lib, host, size_t(out * in)).c_str());
       EXPECT_EQ(gpu::cusparselt24_layout_matches(g), lib == host) << p.key();
     }
 }

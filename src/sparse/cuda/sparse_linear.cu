@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "ops/gpu.h"
 #include "sparse/cuda/cusparselt.h"
+#include "sparse/cuda/cusparselt_layout.h"
 #include "sparse/cuda/sparsify.h"
 
 namespace esplag::gpu {
@@ -99,11 +100,14 @@ struct SparseLinear::Impl {
   std::unique_ptr<Gemm> gemm;
 
   // cuSPARSELt products (process-wide cached plans): the forward (W as A, K = in) and the
-  // input gradient: semi_sparse's backward_data of Ws (K = out), slope's forward-form
-  // product of W2ᵀ [in, out] (K = out).
+  // input gradient (K = out): the forward-form product of W2ᵀ (slope) or Wsᵀ (semi_sparse
+  // with the own layout) [in, out], else semi_sparse's backward_data of Ws.
   SparseGemm24* fwd = nullptr;
   SparseGemm24* bwd = nullptr;
   bool fwd_tuned = false, bwd_tuned = false;
+  // Whether cusparselt_layout's writer replaces cusparseLtSpMMACompress for each product
+  // (decided once per problem by comparing both on a random matrix of the layer's shape).
+  bool own_fwd = false, own_bwd = false;
 
   Buffer pruned;      // Ws or W1 [out, in]
   Buffer pruned_t;    // slope: W2ᵀ [in, out]
@@ -159,8 +163,14 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
   }
   const bool slope = o.kind == SparseLinearKind::slope;
   m.fwd = &SparseGemm24::get(SparseGemm24Problem::linear_forward(out, in, tokens));
-  m.bwd = &SparseGemm24::get(slope ? SparseGemm24Problem::linear_forward(in, out, tokens)
-                                   : SparseGemm24Problem::linear_backward_data(out, in, tokens));
+  m.own_fwd = cusparselt24_layout_matches(*m.fwd);
+  // The input gradient as the forward-form product of Wᵀ [in, out] (op N): slope holds W2ᵀ;
+  // semi_sparse takes it too when the writer's layout is checked for it, since the writer
+  // gives Wsᵀ's buffer straight from Ws. Otherwise semi_sparse keeps backward_data (op T
+  // of Ws) compressed by the library.
+  m.bwd = &SparseGemm24::get(SparseGemm24Problem::linear_forward(in, out, tokens));
+  m.own_bwd = cusparselt24_layout_matches(*m.bwd);
+  if (!slope && !m.own_bwd) m.bwd = &SparseGemm24::get(SparseGemm24Problem::linear_backward_data(out, in, tokens));
   const size_t n_w = size_t(out) * size_t(in);
   m.pruned.allocate(2 * n_w, slope ? "W1" : "the pruned weight", m.name);
   if (slope) {
@@ -187,6 +197,8 @@ int64_t SparseLinear::tokens() const { return impl_->tokens; }
 const bf16* SparseLinear::pruned_weight() const { return impl_->pruned.bf(); }
 const bf16* SparseLinear::backward_weight_t() const { return impl_->pruned_t.bf(); }
 const uint16_t* SparseLinear::forward_tile_mask() const { return impl_->tile_mask.u16(); }
+bool SparseLinear::own_layout_forward() const { return impl_->own_fwd; }
+bool SparseLinear::own_layout_backward() const { return impl_->own_bwd; }
 
 size_t SparseLinear::device_bytes() const {
   const Impl& m = *impl_;
@@ -201,8 +213,14 @@ void SparseLinear::prepare(cudaStream_t s) {
     // One transposable mask serves both products: Ws is 2:4 along its rows (the forward's
     // K) and along its columns (the input gradient's K).
     transposable_24(m.weight, m.out, m.in, Sparse24Out{m.pruned.bf()}, Sparse24Out{}, nullptr, s);
-    m.fwd->compress(m.c_fwd.get(), m.pruned.bf(), m.scratch.get(), m.scratch.bytes(), s);
-    m.bwd->compress(m.c_bwd.get(), m.pruned.bf(), m.scratch.get(), m.scratch.bytes(), s);
+    // Both compressed buffers in one pass over Ws where the layout check passed: the
+    // forward's is Ws's layout, the input gradient's (the forward-form product of Wsᵀ)
+    // that of Wsᵀ, read down Ws's columns.
+    if (m.own_fwd || m.own_bwd)
+      cusparselt24_compress(m.pruned.bf(), m.out, m.in, m.own_fwd ? m.c_fwd.get() : nullptr,
+                            m.own_bwd ? m.c_bwd.get() : nullptr, s);
+    if (!m.own_fwd) m.fwd->compress(m.c_fwd.get(), m.pruned.bf(), m.scratch.get(), m.scratch.bytes(), s);
+    if (!m.own_bwd) m.bwd->compress(m.c_bwd.get(), m.pruned.bf(), m.scratch.get(), m.scratch.bytes(), s);
     return;
   }
   // slope. W1 = W ⊙ static mask; W1 already holds at most 2 non-zeros in every group of 4,
@@ -213,8 +231,15 @@ void SparseLinear::prepare(cudaStream_t s) {
       m.pruned.bf(), m.weight, m.tile_mask.u16(), m.out, groups);
   CUDA_CHECK_LAUNCH("apply_tile_mask_kernel");
   double_prune_24(m.pruned.bf(), m.out, m.in, Sparse24Out{}, Sparse24Out{m.pruned_t.bf()}, nullptr, nullptr, s);
-  m.fwd->compress(m.c_fwd.get(), m.pruned.bf(), m.scratch.get(), m.scratch.bytes(), s);
-  m.bwd->compress(m.c_bwd.get(), m.pruned_t.bf(), m.scratch.get(), m.scratch.bytes(), s);
+  // Both products are op N of a row-major operand: W1 [out, in] and W2ᵀ [in, out].
+  if (m.own_fwd)
+    cusparselt24_compress(m.pruned.bf(), m.out, m.in, m.c_fwd.get(), nullptr, s);
+  else
+    m.fwd->compress(m.c_fwd.get(), m.pruned.bf(), m.scratch.get(), m.scratch.bytes(), s);
+  if (m.own_bwd)
+    cusparselt24_compress(m.pruned_t.bf(), m.in, m.out, m.c_bwd.get(), nullptr, s);
+  else
+    m.bwd->compress(m.c_bwd.get(), m.pruned_t.bf(), m.scratch.get(), m.scratch.bytes(), s);
 }
 
 void SparseLinear::forward(bf16* y, const bf16* x, cudaStream_t s) {

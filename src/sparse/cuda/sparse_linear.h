@@ -22,6 +22,13 @@
 //
 // prepare() does the per-step weight work (nothing for dense): call it after every
 // optimizer step and before the next forward; the benchmark counts it in the step's time.
+// The compressed copies are written by sparse/cuda/cusparselt_layout.h's one-pass writer
+// (semi_sparse: both copies from one read of Ws) wherever its layout was checked equal to
+// cusparseLtSpMMACompress's for the layer's problem (once per problem and process, at
+// construction, which then synchronises the device); elsewhere, and when
+// $ESPLAG_CUSPARSELT_OWN_LAYOUT=0, cusparseLtSpMMACompress itself. With the own layout,
+// semi_sparse's input gradient is the forward-form product dY · (Wsᵀ)ᵀ, as slope's (the
+// writer produces Wsᵀ's buffer from Ws without a transpose); without it, backward_data.
 //
 // Without cuSPARSELt (cusparselt_available() false) the sparse kinds run the dense
 // products of the unpruned W, after one warning on stderr (warn_cusparselt_fallback_once);
@@ -108,6 +115,10 @@ class SparseLinear {
   const bf16* pruned_weight() const;
   const bf16* backward_weight_t() const;
   const uint16_t* forward_tile_mask() const;
+  // Whether prepare() writes the forward's / the input gradient's compressed weight itself
+  // (cusparselt_layout.h) rather than through cusparseLtSpMMACompress.
+  bool own_layout_forward() const;
+  bool own_layout_backward() const;
   // Device bytes the layer holds (its buffers and its GEMM workspace).
   size_t device_bytes() const;
 
