@@ -30,6 +30,7 @@
 #include "core/dtype.h"
 #include "sparse/cuda/cusparselt.h"
 #include "sparse/cuda/cusparselt_layout.h"
+#include "sparse/cuda/sparsify.h"
 
 #include "gpu_test_util.h"
 
@@ -245,6 +246,44 @@ TEST(CusparseltLayout, DeviceMatchesHost) {
   }
   EXPECT_THROW(gpu::cusparselt24_compress(nullptr, 48, 64, nullptr, nullptr, nullptr), esplag::Error);
   EXPECT_EQ(gpu::cusparselt24_layout_bytes(80, 64), 0u);
+}
+
+// The fused pruning (semi_sparse's preparation) against its two passes: gpu::transposable_24
+// then the writer, on dense random W with ties (few distinct magnitudes), zeros and both
+// signs; outputs poisoned.
+TEST(CusparseltLayout, PruneCompressMatchesTheTwoPasses) {
+  if (!esplag::gpu_test::has_device()) GTEST_SKIP() << "no CUDA device";
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{64, 64}, {128, 320}, {320, 192}}) {
+    SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols));
+    std::vector<uint16_t> w(size_t(rows * cols));
+    uint64_t seed = 4242 + uint64_t(rows * 7 + cols);
+    for (auto& x : w) {
+      const uint32_t r = lcg(seed);
+      // 1 in 8 zero (of either sign), else one of 12 magnitudes: ties are common
+      x = r % 8 == 0 ? uint16_t((r >> 3 & 1u) << 15) : uint16_t(((r >> 3 & 1u) << 15) | (0x3C00u + (r >> 4) % 12u * 8u));
+    }
+    const size_t n = w.size() * 2, bytes = gpu::cusparselt24_layout_bytes(rows, cols);
+    Dev dw(n), p_ref(n), n_ref(bytes), t_ref(bytes), p_got(n), n_got(bytes), t_got(bytes);
+    CUDA_CHECK(cudaMemcpy(dw.p, w.data(), n, cudaMemcpyHostToDevice));
+    for (const Dev* d : {&p_ref, &p_got}) CUDA_CHECK(cudaMemset(d->p, 0xFF, n));
+    for (const Dev* d : {&n_ref, &t_ref, &n_got, &t_got}) CUDA_CHECK(cudaMemset(d->p, 0xFF, bytes));
+    gpu::transposable_24(dw.as<gpu::bf16>(), rows, cols, gpu::Sparse24Out{p_ref.as<gpu::bf16>()}, gpu::Sparse24Out{},
+                         nullptr, nullptr);
+    gpu::cusparselt24_compress(p_ref.as<gpu::bf16>(), rows, cols, n_ref.p, t_ref.p, nullptr);
+    gpu::cusparselt24_prune_compress(dw.as<gpu::bf16>(), rows, cols, p_got.as<gpu::bf16>(), n_got.p, t_got.p,
+                                     nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_TRUE(download(p_got, n) == download(p_ref, n)) << "pruned W";
+    EXPECT_TRUE(download(n_got, bytes) == download(n_ref, bytes))
+        << "op N: " << diff_text(download(n_got, bytes), download(n_ref, bytes), n);
+    EXPECT_TRUE(download(t_got, bytes) == download(t_ref, bytes))
+        << "op T: " << diff_text(download(t_got, bytes), download(t_ref, bytes), n);
+    // Without the pruned copy: the same layouts.
+    CUDA_CHECK(cudaMemset(n_got.p, 0xFF, bytes));
+    gpu::cusparselt24_prune_compress(dw.as<gpu::bf16>(), rows, cols, nullptr, n_got.p, nullptr, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_TRUE(download(n_got, bytes) == download(n_ref, bytes)) << "op N without the pruned copy";
+  }
 }
 
 TEST(CusparseltLayout, MatmulWithOwnBuffers) {

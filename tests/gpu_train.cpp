@@ -33,6 +33,7 @@
 #include "data/prepare.h"
 #include "data/tokenizer.h"
 #include "io/atomic_file.h"
+#include "sparse/cuda/cusparselt.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 
@@ -301,7 +302,7 @@ TEST_F(GpuTrain, AutoPicksTheGpuAndSparseRecipesAreRefused) {
   } catch (const Error& e) {
     const std::string m = e.what();
     EXPECT_NE(m.find("modifier slope with LoRA adapters"), std::string::npos) << m;
-    EXPECT_NE(m.find("sparse GPU training is not available yet"), std::string::npos) << m;
+    EXPECT_NE(m.find("the GPU trains dense and semi_sparse Linear layers only so far"), std::string::npos) << m;
   }
   EXPECT_FALSE(fs::exists(*dir_ / "slope_cuda"));
   // auto keeps such a run on the CPU and says why in the first line.
@@ -313,6 +314,30 @@ TEST_F(GpuTrain, AutoPicksTheGpuAndSparseRecipesAreRefused) {
   const auto first = std::find_if(log2.begin(), log2.end(), [](const std::string& l) { return l.rfind("model ", 0) == 0; });
   ASSERT_NE(first, log2.end());
   EXPECT_NE(first->find("device cpu (auto: the run needs sparse Linear kinds"), std::string::npos) << *first;
+}
+
+// The torchao recipe on the GPU: the MLP linears semi_sparse (runtime transposable 2:4 on
+// cuSPARSELt) for the first 6 steps, then dense; the curve follows the CPU run's, and the
+// log names the layers that change kind.
+TEST_F(GpuTrain, SemiSparseRecipeTracksTheCpu) {
+  if (!esplag::gpu::cusparselt_available()) GTEST_SKIP() << esplag::gpu::cusparselt_unavailable_reason();
+  const fs::path yaml = *dir_ / "semi.yaml";
+  std::ofstream(yaml) << read_file(tiny_yaml())
+                      << "recipe:\n  - semi_sparse: {params: ['re:blocks\\..*\\.mlp\\..*\\.weight'], until: 6}\n";
+  auto cfg = [&](const std::string& device) {
+    return load_train_config(yaml.string(), {"data.path=" + *data_, "train.device=" + device, "train.steps=10",
+                                             "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0"});
+  };
+  const RunLog c = train(cfg("cpu"), *dir_ / "semi_cpu");
+  const RunLog g = train(cfg("cuda"), *dir_ / "semi_gpu");
+  for (int64_t s = 1; s <= 10; ++s)
+    std::printf("  semi_sparse step %2lld loss cpu %.5f gpu %.5f\n", static_cast<long long>(s), c.loss.at(s),
+                g.loss.at(s));
+  expect_curve(g, c, 1, 10, kLossTol, "semi_sparse until step 6");
+  const auto dense_again = std::count_if(g.log.begin(), g.log.end(), [](const std::string& l) {
+    return l.find("mlp") != std::string::npos && l.find("dense") != std::string::npos;
+  });
+  EXPECT_GT(dense_again, 0) << "the log does not say that the MLP linears went back to dense";
 }
 
 // A learning rate of 1e30 diverges at once. Read only at the end (no logging, no

@@ -74,7 +74,7 @@ TEST(TrainDevice, CudaNeedsACudaBuildAGpuAndADenseRun) {
 
   const std::string sparse = error_of([] { choose_train_device("cuda", kOneGpu, kBlocker); });
   EXPECT_TRUE(contains(sparse, "modifier slope on re:.*mlp.*")) << sparse;
-  EXPECT_TRUE(contains(sparse, "sparse GPU training is not available yet")) << sparse;
+  EXPECT_TRUE(contains(sparse, "the GPU trains dense and semi_sparse Linear layers only so far")) << sparse;
   EXPECT_TRUE(contains(sparse, "use train.device=cpu")) << sparse;
 
   const DeviceChoice ok = choose_train_device("cuda", kOneGpu, "");
@@ -94,7 +94,7 @@ TEST(TrainDevice, AutoTakesTheGpuOnlyWhenCudaWould) {
   c = choose_train_device("auto", kOneGpu, kBlocker);
   EXPECT_EQ(c.device, "cpu");  // said in the run's first log line, not silent
   EXPECT_TRUE(contains(c.note, "modifier slope")) << c.note;
-  EXPECT_TRUE(contains(c.note, "sparse GPU training is not available yet")) << c.note;
+  EXPECT_TRUE(contains(c.note, "the GPU trains dense and semi_sparse Linear layers only so far")) << c.note;
 
   c = choose_train_device("auto", kOneGpu, "");
   EXPECT_EQ(c.device, "cuda");
@@ -113,6 +113,16 @@ TEST(TrainDevice, BlockerNamesEveryModifierAndSparseKind) {
   EXPECT_TRUE(contains(b, "modifier gradual_magnitude on blocks.0.mlp.fc.weight")) << b;
   EXPECT_TRUE(contains(b, "modifier slope with LoRA adapters on blocks.0.attn.qkv.weight")) << b;
 
+  // semi_sparse trains on the GPU: neither its modifier nor its layers block.
+  const TrainConfig semi = parse_train_config(R"(
+model: {preset: tiny, n_layer: 1, d_model: 32, n_head: 2, n_kv_head: 2, d_ff: 64, max_seq_len: 16}
+train: {batch_size: 2, seq_len: 16, steps: 10}
+recipe:
+  - semi_sparse: {params: ['blocks.0.mlp.fc.weight'], until: 5}
+)",
+                                              "semi.yaml", {"data.path=" + data});
+  EXPECT_EQ(gpu_training_blocker(semi), "");
+
   // A model whose layer has another kind (as a checkpoint of a sparse run is rebuilt).
   TrainConfig dense = small_config(data, "auto");
   dense.model.vocab_size = 257;
@@ -125,6 +135,9 @@ TEST(TrainDevice, BlockerNamesEveryModifierAndSparseKind) {
   apply_layer_plan(model, "blocks.0.mlp.proj.weight", plan, 1);
   const std::string k = gpu_training_blocker(dense, &model);
   EXPECT_TRUE(contains(k, "blocks.0.mlp.proj.weight of kind masked")) << k;
+  plan.kind = "semi_sparse";
+  apply_layer_plan(model, "blocks.0.mlp.proj.weight", plan, 1);
+  EXPECT_EQ(gpu_training_blocker(dense, &model), "");
 }
 
 // The real probe of this process: where no GPU can be used (a CPU build, or a CUDA build
@@ -170,7 +183,7 @@ TEST(TrainDevice, SparseRecipeOnCudaIsAnError) {
   const DeviceProbe probe = probe_devices();
   if (probe.cuda_build && probe.gpus > 0) {
     EXPECT_TRUE(contains(e, "modifier gradual_magnitude")) << e;
-    EXPECT_TRUE(contains(e, "sparse GPU training is not available yet")) << e;
+    EXPECT_TRUE(contains(e, "the GPU trains dense and semi_sparse Linear layers only so far")) << e;
   } else {
     EXPECT_TRUE(contains(e, "train.device=cuda")) << e;
   }

@@ -12,6 +12,7 @@
 #include "model/transformer.h"
 #include "train/config.h"
 #include "train/recipe.h"
+#include "train/trainer.h"
 #include "test_util.h"
 
 using namespace esplag;
@@ -61,6 +62,40 @@ std::string slurp(const std::filesystem::path& p) {
 const std::string kFc0 = "blocks.0.mlp.fc.weight";
 
 }  // namespace
+
+// ---------------------------------------------------------------------------------------
+// The GPU configs (configs/gpu): their models are too large to build here, so the block
+// linears' shapes come from the config (Transformer's layout: qkv [Q, C], proj [C, H·D],
+// fc [F, C], mlp.proj [C, d_ff]).
+
+TEST(Recipe, GpuConfigsParseAndTheirRecipesValidate) {
+  const std::filesystem::path dir = std::filesystem::path(ESPLAG_SOURCE_DIR) / "configs" / "gpu";
+  int files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    SCOPED_TRACE(entry.path().string());
+    ++files;
+    const TrainConfig c = load_train_config(entry.path().string());
+    EXPECT_EQ(c.device, "cuda");
+    if (c.recipe_yaml.empty()) continue;
+    const ModelConfig& m = c.model;
+    LinearShapes shapes;
+    for (int l = 0; l < m.n_layer; ++l) {
+      const std::string b = "blocks." + std::to_string(l) + ".";
+      shapes[b + "attn.qkv.weight"] = {m.qkv_dim(), m.d_model};
+      shapes[b + "attn.proj.weight"] = {m.d_model, m.n_head * m.head_dim()};
+      shapes[b + "mlp.fc.weight"] = {m.fc_dim(), m.d_model};
+      shapes[b + "mlp.proj.weight"] = {m.d_model, m.d_ff};
+    }
+    Recipe r = Recipe::parse(c.recipe_yaml, entry.path().string());
+    r.validate(shapes, c.steps);
+    for (int64_t step : {int64_t(0), c.steps - 1}) {
+      const auto plan = r.plan_at(step);
+      EXPECT_EQ(plan.size(), shapes.size()) << "step " << step;
+      for (const auto& [name, p] : plan) EXPECT_TRUE(gpu_trains_kind(p.kind)) << name << ": " << p.kind;
+    }
+  }
+  EXPECT_GE(files, 2);
+}
 
 // ---------------------------------------------------------------------------------------
 // The shipped recipes, validated against the real model their config builds.

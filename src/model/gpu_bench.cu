@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <regex>
+#include <string>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
@@ -30,7 +32,8 @@ struct Events {
 }  // namespace
 
 GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int steps, int warmup, double peak_tflops,
-                               const GpuModelOptions& options, int op_profile_steps) {
+                               const GpuModelOptions& options, int op_profile_steps,
+                               const std::string& semi_sparse_regex) {
   ESPLAG_CHECK(steps > 0 && warmup >= 0, "bench_train_gpu: steps must be positive and warmup not negative, got ",
                steps, " and ", warmup);
   ESPLAG_CHECK(op_profile_steps >= 0, "bench_train_gpu: negative op_profile_steps ", op_profile_steps);
@@ -55,6 +58,25 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   GpuTransformer model(config, B, T, options);
   r.params = static_cast<int64_t>(model.num_params());
   model.init_weights(1);
+  if (!semi_sparse_regex.empty()) {
+    std::regex re;
+    try {
+      re = std::regex(semi_sparse_regex);
+    } catch (const std::regex_error& e) {
+      fail("bench train: malformed regex '", semi_sparse_regex, "' for the semi_sparse layers: ", e.what());
+    }
+    int linears = 0, sparse = 0;
+    for (const auto& info : model.param_infos()) {
+      if (info.shape.size() != 2 || info.name.rfind("blocks.", 0) != 0) continue;
+      ++linears;
+      if (!std::regex_match(info.name, re)) continue;
+      model.set_linear_kind(info.name, "semi_sparse");
+      ++sparse;
+    }
+    ESPLAG_CHECK(sparse > 0, "bench train: the regex '", semi_sparse_regex, "' matches none of the ", linears,
+                 " block linear weights (e.g. blocks.0.mlp.fc.weight)");
+    r.linears = "semi_sparse " + std::to_string(sparse) + "/" + std::to_string(linears);
+  }
   std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
   Rng rng(1);
   for (auto& t : x) t = static_cast<int32_t>(rng.below(config.vocab_size));
@@ -103,6 +125,7 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   r.device_used_bytes = total_b - free_b;
+  r.sparse_bytes = model.sparse_device_bytes();
 
   if (op_profile_steps > 0) {
     model.set_op_timing(true);
@@ -151,28 +174,30 @@ std::string gpu_bench_table_row(const GpuBenchResult& r) {
   std::snprintf(buf, sizeof buf,
                 "%-10s %-6s %6d %6d %10.2f %9.2f %11.0f %8.1f %5.1f%% %10.2f %10.4f   (median of %d after %d "
                 "warm-up; min %.2f max %.2f ms; %s; device in use %.2f GiB; graph %s, recompute %s, "
-                "attention %s)\n",
+                "attention %s; linears %s%s)\n",
                 r.model.c_str(), "cuda", r.batch, r.seq, r.params / 1e6, r.median_ms, r.tokens_per_s, r.tflops,
                 100.0 * r.mfu, r.arena_peak_bytes / double(1 << 30), r.last_loss, r.steps, r.warmup, r.min_ms,
                 r.max_ms, r.device.c_str(), r.device_used_bytes / double(1 << 30), r.cuda_graph ? "on" : "off",
-                r.recompute ? "on" : "off", r.attention.c_str());
+                r.recompute ? "on" : "off", r.attention.c_str(), r.linears.c_str(),
+                r.sparse_bytes ? (", " + DeviceArena::format_bytes(r.sparse_bytes) + " in 2:4 copies").c_str() : "");
   return buf;
 }
 
 std::string gpu_bench_csv_header() {
   return "model,device,gpu,batch,seq,params,steps,warmup,step_ms_median,step_ms_min,step_ms_max,tokens_per_s,"
          "tflops,peak_tflops,mfu,arena_peak_bytes,arena_capacity_bytes,gemm_workspace_bytes,device_used_bytes,"
-         "first_loss,last_loss,cuda_graph,recompute,attention\n";
+         "first_loss,last_loss,cuda_graph,recompute,attention,linears,sparse_bytes\n";
 }
 
 std::string gpu_bench_csv_row(const GpuBenchResult& r) {
   char buf[1024];
   std::snprintf(buf, sizeof buf,
-                "%s,cuda,\"%s\",%d,%d,%lld,%d,%d,%.4f,%.4f,%.4f,%.1f,%.3f,%.1f,%.5f,%zu,%zu,%zu,%zu,%.6f,%.6f,%d,%d,%s\n",
+                "%s,cuda,\"%s\",%d,%d,%lld,%d,%d,%.4f,%.4f,%.4f,%.1f,%.3f,%.1f,%.5f,%zu,%zu,%zu,%zu,%.6f,%.6f,%d,%d,%s,%s,%zu\n",
                 r.model.c_str(), r.device.c_str(), r.batch, r.seq, static_cast<long long>(r.params), r.steps,
                 r.warmup, r.median_ms, r.min_ms, r.max_ms, r.tokens_per_s, r.tflops, r.peak_tflops, r.mfu,
                 r.arena_peak_bytes, r.arena_capacity_bytes, r.gemm_workspace_bytes, r.device_used_bytes,
-                r.first_loss, r.last_loss, r.cuda_graph ? 1 : 0, r.recompute ? 1 : 0, r.attention.c_str());
+                r.first_loss, r.last_loss, r.cuda_graph ? 1 : 0, r.recompute ? 1 : 0, r.attention.c_str(),
+                r.linears.c_str(), r.sparse_bytes);
   return buf;
 }
 

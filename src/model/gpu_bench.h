@@ -43,6 +43,10 @@ struct GpuBenchResult {
   // (GpuTransformer::set_op_timing), run after the timed ones.
   int op_profile_steps = 0;
   std::vector<GpuOpTime> op_times;
+  // The block Linear layers' kinds: "dense", or "semi_sparse N/M" (N of the M block
+  // linears), and the device bytes the semi_sparse layers hold outside the arena.
+  std::string linears = "dense";
+  size_t sparse_bytes = 0;
 };
 
 // Builds a GpuTransformer for micro-batches B x T (init_weights(1)), runs `warmup`
@@ -50,11 +54,13 @@ struct GpuBenchResult {
 // CUDA events around zero_grad, forward_backward_device and step_adamw (no host
 // synchronisation inside a step; with options.cuda_graph, the default, the step replays
 // its graphs once warm-up has captured them: give warmup >= 2 to time replays only).
-// Then, if op_profile_steps > 0, that many more steps with per-op timing. Throws Error
-// when the model does not fit.
+// Then, if op_profile_steps > 0, that many more steps with per-op timing. The block
+// linears whose weight name fully matches semi_sparse_regex (ECMAScript; empty: none) are
+// semi_sparse (GpuTransformer::set_linear_kind) from the start. Throws Error when the
+// model does not fit or the regex is malformed or matches no block linear.
 GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int steps, int warmup,
                                double peak_tflops = kH100DenseBf16Tflops, const GpuModelOptions& options = {},
-                               int op_profile_steps = 0);
+                               int op_profile_steps = 0, const std::string& semi_sparse_regex = "");
 
 // One human-readable line per result, with a header, and a CSV header / row.
 std::string gpu_bench_table_header();

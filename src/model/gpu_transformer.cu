@@ -35,11 +35,16 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <optional>
+#include <string_view>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "core/op_trace.h"
 #include "ops/gpu.h"
 #include "ops/gpu_fused.h"
+#include "sparse/cuda/cusparselt.h"
+#include "sparse/cuda/sparse_linear.h"
 
 namespace esplag {
 
@@ -55,6 +60,64 @@ constexpr int kThreads = 256;
 __global__ void add_kernel(float* dst, const float* src, int64_t n, bool accumulate) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i < n) dst[i] = accumulate ? dst[i] + src[i] : src[i];
+}
+
+// ---------------------------------------------------------------------------------------
+// Op names for the profiler (core/op_trace.h), from the op-timing names of the marks.
+
+// The block Linear behind a GEMM's short name.
+const char* linear_module(std::string_view short_name) {
+  if (short_name == "qkv") return "attn.qkv";
+  if (short_name == "proj") return "attn.proj";
+  if (short_name == "fc") return "mlp.fc";
+  if (short_name == "mproj") return "mlp.proj";
+  return nullptr;
+}
+
+// The CPU model's naming: "blocks.3.mlp.fc.fwd", ".bwd.dx", ".bwd.dw" for a Linear's
+// products (dense or 2:4: the category tells them apart), "lm_head.fwd" and so on for the
+// head; any other op "blocks.3." + its timing name with '.' for ' ' ("blocks.3.attention.bwd"),
+// without the prefix outside the blocks ("adamw", "embedding.fwd").
+std::string op_trace_name(const std::string& kind, int layer) {
+  std::string_view k = kind;
+  if (k.rfind("sparse ", 0) == 0) k.remove_prefix(7);
+  const std::string block = layer >= 0 ? "blocks." + std::to_string(layer) + "." : "";
+  auto phase = [](std::string_view p) -> std::string {
+    if (p.rfind("fwd", 0) == 0) return "fwd";
+    if (p.rfind("dX", 0) == 0) return "bwd.dx";
+    if (p.rfind("dW", 0) == 0) return "bwd.dw";
+    return std::string(p);
+  };
+  if (k.rfind("gemm ", 0) == 0) {
+    const std::string_view rest = k.substr(5);
+    const size_t sp = rest.find(' ');
+    if (const char* module = linear_module(rest.substr(0, sp)); module && sp != std::string_view::npos)
+      return block + module + "." + phase(rest.substr(sp + 1));
+  }
+  if (k.rfind("head gemm ", 0) == 0) return "lm_head." + phase(k.substr(10));
+  std::string name(k.substr(0, k.find(" (")));
+  std::replace(name.begin(), name.end(), ' ', '.');
+  return block + name;
+}
+
+OpCategory op_trace_category(const std::string& kind) {
+  auto starts = [&](const char* p) { return kind.rfind(p, 0) == 0; };
+  if (starts("sparse gemm")) return OpCategory::sparse_gemm;
+  if (kind.find("gemm") != std::string::npos) return OpCategory::dense_gemm;
+  if (starts("attention")) return OpCategory::attention;
+  if (starts("norm")) return OpCategory::norm;
+  if (starts("cross-entropy") || starts("mean loss")) return OpCategory::loss;
+  if (starts("adamw") || starts("grad norm")) return OpCategory::optimizer;
+  if (starts("memset")) return OpCategory::memcpy;
+  if (starts("sparse prepare")) return OpCategory::other;
+  return OpCategory::elementwise;
+}
+
+// y [rows, cols] += bias [cols] (bf16, rounded once more): the bias of a 2:4 product,
+// which cuSPARSELt runs without an epilogue here.
+__global__ void add_bias_kernel(bf16* y, const bf16* bias, int64_t rows, int cols) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i < rows * cols) y[i] = __float2bfloat16(__bfloat162float(y[i]) + __bfloat162float(bias[i % cols]));
 }
 
 // Zeroes the gradient ranges of a table (what zero_grad writes), one block per entry.
@@ -236,6 +299,12 @@ struct GpuTransformer::Impl {
   struct Lin {
     const bf16 *w = nullptr, *b = nullptr;
     float *dw = nullptr, *db = nullptr;
+    // semi_sparse (set_linear_kind): the layer's 2:4 products; null for dense.
+    gpu::SparseLinear* sp = nullptr;
+    // The weight the dense products read: W, or the pruned Ws of a semi_sparse layer
+    // (its products run dense when the tokens differ from the layer's plans).
+    const bf16* product_weight() const { return sp ? sp->pruned_weight() : w; }
+    bool sparse_for(int N) const { return sp && sp->tokens() == N; }
   };
   struct Block {
     Norm n1, n2;
@@ -259,7 +328,7 @@ struct GpuTransformer::Impl {
     std::vector<GpuOpTime> totals;
     std::map<std::string, int> index;
 
-    void mark(cudaStream_t s, const char* name, double fl = 0) {
+    void mark(cudaStream_t s, const std::string& name, double fl = 0) {
       if (!on) return;
       auto it = index.find(name);
       if (it == index.end()) {
@@ -304,9 +373,12 @@ struct GpuTransformer::Impl {
     bool seen = false;    // ran once eagerly
     bool failed = false;  // capture refused: stays eager
     cudaGraphExec_t exec = nullptr;
-    ~Graph() {
+    void reset() {
       if (exec) cudaGraphExecDestroy(exec);
+      exec = nullptr;
+      seen = failed = false;
     }
+    ~Graph() { reset(); }
   };
   struct StepGraph {
     const int32_t* tokens = nullptr;
@@ -320,6 +392,8 @@ struct GpuTransformer::Impl {
 
   std::unique_ptr<gpu::Gemm> gemm;
   std::unique_ptr<gpu::SplitAdamWPlan> adamw;
+  // The semi_sparse layers by weight name (Lin::sp points into it).
+  std::map<std::string, std::unique_ptr<gpu::SparseLinear>> sparse;
   gpu::AdamWStepParams* adam_params = nullptr;  // device
 
   ZeroChunk* zero_chunks = nullptr;  // zero_grad's table (device)
@@ -357,6 +431,26 @@ struct GpuTransformer::Impl {
   cudaEvent_t staged = nullptr;
 
   Timer timer;
+  // The profiler's view (core/op_trace.h), while a tracer is installed: each mark closes
+  // the open op and opens the next one on the stream, named after the module it belongs
+  // to as the CPU model names its ops (op_trace_name), so that profiles of both backends
+  // read alike and `esplag profile --validate` can match a dense and a sparse GPU step.
+  std::optional<ScopedOp> trace_op;
+  int layer = -1;  // the block the ops being marked belong to; -1 outside the blocks
+
+  // Starts the op `kind` (the op-timing table's name) on stream s; `trace_name` overrides
+  // the derived name in the trace.
+  void mark(cudaStream_t s, const std::string& kind, double flops = 0, const std::string& trace_name = "") {
+    timer.mark(s, kind, flops);
+    trace_op.reset();
+    if (current_op_tracer() != nullptr) [[unlikely]]
+      trace_op.emplace(trace_name.empty() ? op_trace_name(kind, layer) : trace_name, op_trace_category(kind), layer,
+                       flops, 0, BufferList{}, BufferList{}, OpStream(s));
+  }
+  // Closes the last op of a call (the timer's intervals are collected separately).
+  void end_ops() { trace_op.reset(); }
+  bool tracing() const { return current_op_tracer() != nullptr; }
+
   std::vector<StepGraph> step_graphs;
   Graph adam_graph;
   uint64_t graph_uses = 0;
@@ -673,6 +767,7 @@ void GpuTransformer::set_params(const float* host, size_t n) {
     gpu::master_split(im.w + o, im.w_lo + o, stage, int64_t(k), stream_);
   }
   refresh_head_copy();
+  prepare_sparse();
   synchronize();
 }
 
@@ -740,6 +835,7 @@ void GpuTransformer::init_weights(uint64_t seed) {
     }
   }
   refresh_head_copy();
+  prepare_sparse();
   synchronize();
 }
 
@@ -848,8 +944,9 @@ void GpuTransformer::forward_backward_device(const int32_t* tokens, const int32_
   // After zero_grad the weight GEMMs write their gradients instead of adding to them.
   const bool overwrite = im.zero_pending;
   im.zero_pending = false;
-  if (!opt_.cuda_graph || im.timer.on) {
+  if (!opt_.cuda_graph || im.timer.on || im.tracing()) {
     forward_backward_body(tokens, targets, B, T, loss_scale, overwrite);
+    im.end_ops();
     im.timer.collect(stream_);
     return;
   }
@@ -876,6 +973,7 @@ void GpuTransformer::forward_loss_device(const int32_t* tokens, const int32_t* t
   check_batch(B, T);
   forward_body(tokens, B, T);
   head(targets, B, T, false, 1.0);
+  impl_->end_ops();
   impl_->timer.collect(stream_);
 }
 
@@ -886,22 +984,47 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
             HD = cfg_.head_dim(), Q = cfg_.qkv_dim(), F = cfg_.fc_dim(), H = cfg_.d_ff, AC = NH * HD;
   const bool ln = cfg_.norm == NormKind::layernorm, rc = opt_.recompute;
   auto norm = [&](const Impl::Norm& n, bf16* out, float* mean, float* rstd, bf16* res, const bf16* a, const bf16* b) {
-    im.timer.mark(s, "norm fwd");
+    im.mark(s, "norm fwd");
     if (ln)
       gpu::layernorm_forward(out, mean, rstd, res, a, b, n.w, n.b, N, C, s);
     else
       gpu::rmsnorm_forward(out, rstd, res, a, b, n.w, N, C, s);
   };
-  auto mark = [&](const char* name, double flops = 0) { im.timer.mark(s, name, flops); };
+  auto mark = [&](const std::string& name, double flops = 0) { im.mark(s, name, flops); };
   const double n2 = 2.0 * N;
   const double attn_flops = 2.0 * B * NH * double(T) * T * HD;  // causal: QKᵀ and PV on half the square
   gpu::Gemm& gemm = *im.gemm;
+  // out = act(in · Wᵀ + b) [N, OC] from in [N, K]: the 2:4 product of a semi_sparse layer
+  // with the bias and GELU as separate passes, else cuBLASLt with its epilogues.
+  auto linear = [&](const Impl::Lin& lin, const char* name, bf16* out, const bf16* in, int K, int OC,
+                    gpu::Gemm::Act act = gpu::Gemm::Act::none, bf16* pre_gelu = nullptr) {
+    const double fl = n2 * K * OC;
+    if (!lin.sparse_for(N)) {
+      mark(name, fl);
+      gemm.forward(out, in, lin.product_weight(), lin.b, N, K, OC, s, act, pre_gelu);
+      return;
+    }
+    const bool gelu = act == gpu::Gemm::Act::gelu;
+    bf16* y = gelu ? pre_gelu : out;
+    mark(std::string("sparse ") + name, fl);
+    lin.sp->forward(y, in, s);
+    if (lin.b) {
+      mark("bias add");
+      add_bias_kernel<<<blocks(int64_t(N) * OC), kThreads, 0, s>>>(y, lin.b, N, OC);
+      CUDA_CHECK_LAUNCH("GpuTransformer (bias of a 2:4 product)");
+    }
+    if (gelu) {
+      mark("gelu fwd");
+      gpu::gelu_forward(out, y, int64_t(N) * OC, s);
+    }
+  };
   bf16* tmp = reinterpret_cast<bf16*>(im.shared);  // ln1 / ln2 / act with recompute
   bf16* branch = im.s1;
 
   mark("embedding fwd");
   gpu::embedding_forward(im.layers.front().res_in, tokens, im.wte, im.wpe, B, T, C, V, s);
   for (int l = 0; l < cfg_.n_layer; ++l) {
+    im.layer = l;
     auto& L = im.layers[l];
     const auto& blk = im.blocks[l];
     bf16* ln1 = rc ? tmp : L.ln1;
@@ -909,42 +1032,37 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
       norm(blk.n1, ln1, L.ln1_mean, L.ln1_rstd, nullptr, L.res_in, nullptr);
     else
       norm(blk.n1, ln1, L.ln1_mean, L.ln1_rstd, L.res_in, im.layers[l - 1].res_mid, branch);
-    mark("gemm qkv fwd", n2 * C * Q);
-    gemm.forward(L.qkv, ln1, blk.qkv.w, blk.qkv.b, N, C, Q, s);
+    linear(blk.qkv, "gemm qkv fwd", L.qkv, ln1, C, Q);
     if (cfg_.pos == PosKind::rope) {
       mark("rope fwd");
       gpu::rope_forward(L.qkv, B, T, NH, KV, HD, cfg_.rope_theta, s);
     }
     mark("attention fwd", attn_flops);
     gpu::attention_forward(L.atty, L.lse, L.qkv, B, T, NH, KV, HD, im.shared, im.sizes.attn_ws, s, opt_.attention);
-    mark("gemm proj fwd", n2 * AC * C);
-    gemm.forward(branch, L.atty, blk.proj.w, blk.proj.b, N, AC, C, s);
+    linear(blk.proj, "gemm proj fwd", branch, L.atty, AC, C);
     bf16* ln2 = rc ? tmp : L.ln2;
     norm(blk.n2, ln2, L.ln2_mean, L.ln2_rstd, L.res_mid, L.res_in, branch);
     bf16* act = L.act;
     switch (cfg_.mlp) {
       case MlpKind::gelu:
-        mark("gemm fc fwd (+gelu)", n2 * C * F);
-        gemm.forward(L.act, ln2, blk.fc.w, blk.fc.b, N, C, F, s, gpu::Gemm::Act::gelu, L.fc);
+        linear(blk.fc, "gemm fc fwd (+gelu)", L.act, ln2, C, F, gpu::Gemm::Act::gelu, L.fc);
         break;
       case MlpKind::swiglu:
-        mark("gemm fc fwd", n2 * C * F);
-        gemm.forward(L.fc, ln2, blk.fc.w, blk.fc.b, N, C, F, s);
+        linear(blk.fc, "gemm fc fwd", L.fc, ln2, C, F);
         mark("swiglu fwd");
         act = rc ? tmp : L.act;
         gpu::fused_swiglu_forward(act, L.fc, N, H, s);
         break;
       case MlpKind::relu2:
-        mark("gemm fc fwd", n2 * C * F);
-        gemm.forward(L.fc, ln2, blk.fc.w, blk.fc.b, N, C, F, s);
+        linear(blk.fc, "gemm fc fwd", L.fc, ln2, C, F);
         mark("relu2 fwd");
         act = rc ? tmp : L.act;
         gpu::fused_relu2_forward(act, L.fc, int64_t(N) * H, s);
         break;
     }
-    mark("gemm mproj fwd", n2 * H * C);
-    gemm.forward(branch, act, blk.mproj.w, blk.mproj.b, N, H, C, s);
+    linear(blk.mproj, "gemm mproj fwd", branch, act, H, C);
   }
+  im.layer = -1;
   norm(im.nf, im.s0, im.lnf_mean, im.lnf_rstd, im.res_f, im.layers.back().res_mid, branch);
 }
 
@@ -963,27 +1081,27 @@ void GpuTransformer::head(const int32_t* targets, int B, int T, bool train, doub
     const int rows = std::min(head_chunk_, N - r0);
     const double fl = 2.0 * rows * C * Vp;
     const bf16* h = lnf + size_t(r0) * C;
-    im.timer.mark(s, "head gemm fwd", fl);
+    im.mark(s, "head gemm fwd", fl);
     im.gemm->forward(logits, h, W, nullptr, rows, C, Vp, s);
-    im.timer.mark(s, "cross-entropy");
+    im.mark(s, "cross-entropy");
     gpu::softmax_cross_entropy(im.losses + r0, logits, targets + r0, rows, V, Vp, dloss, train, s);
     if (train) {
       // The chunk's dlogits (now in logits, zero in the padding) give its rows of dlnf and
       // add into the head's weight gradient; the padded gradient starts over with each
       // micro-batch, the real one after zero_grad (overwrite).
-      im.timer.mark(s, "head gemm dX", fl);
+      im.mark(s, "head gemm dX", fl);
       im.gemm->backward_input(dlnf + size_t(r0) * C, logits, W, rows, C, Vp, false, s);
-      im.timer.mark(s, "head gemm dW", fl);
+      im.mark(s, "head gemm dW", fl);
       im.gemm->backward_weight(dW, nullptr, logits, h, rows, C, Vp, !((pad || overwrite) && r0 == 0), s);
     }
   }
   if (train && pad) {
-    im.timer.mark(s, "head grad unpad");
+    im.mark(s, "head grad unpad");
     const int64_t n = int64_t(V) * C;
     add_kernel<<<blocks(n), kThreads, 0, s>>>(im.head_dw, im.head_dw_pad, n, !overwrite);
     CUDA_CHECK_LAUNCH("GpuTransformer (LM head gradient)");
   }
-  im.timer.mark(s, "mean loss");
+  im.mark(s, "mean loss");
   mean_loss_kernel<<<1, kLossThreads, 0, s>>>(loss_, im.losses, N);
   CUDA_CHECK_LAUNCH("GpuTransformer (mean loss)");
 }
@@ -997,8 +1115,26 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   gpu::Gemm& gemm = *im.gemm;
   bf16* dres = im.s0;  // the residual-stream gradient
   bf16* dln = im.s1;   // the gradient w.r.t. a norm's output
-  auto mark = [&](const char* name, double flops = 0) { im.timer.mark(s, name, flops); };
+  auto mark = [&](const std::string& name, double flops = 0) { im.mark(s, name, flops); };
   const double n2 = 2.0 * N;
+  // dinp [N, K] = dout [N, OC] · W (times gelu'(pre_gelu) when given): the 2:4 product of
+  // a semi_sparse layer (then the GELU gradient as a separate pass), else cuBLASLt. The
+  // weight gradients stay dense GEMMs (straight through the pruning).
+  auto linear_dx = [&](const Impl::Lin& lin, const char* name, bf16* dinp, const bf16* dout, int K, int OC,
+                       const bf16* pre_gelu = nullptr) {
+    const double fl = n2 * K * OC;
+    if (!lin.sparse_for(N)) {
+      mark(name, fl);
+      gemm.backward_input(dinp, dout, lin.product_weight(), N, K, OC, false, s, pre_gelu);
+      return;
+    }
+    mark(std::string("sparse ") + name, fl);
+    lin.sp->backward(dinp, nullptr, dout, nullptr, false, s);
+    if (pre_gelu) {
+      mark("gelu bwd");
+      gpu::gelu_backward(dinp, pre_gelu, dinp, int64_t(N) * K, false, s);
+    }
+  };
   // Bias gradients: with the fused norm backward, those of attn.proj and mlp.proj (whose
   // output gradient is dres right after a norm backward) come out of that norm backward
   // (next_bias), those of qkv and fc from column sums; otherwise from the GEMM epilogue.
@@ -1043,6 +1179,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   CUDA_CHECK(cudaMemsetAsync(dres, 0, sizeof(bf16) * size_t(N) * C, s));
   norm_bwd(im.nf, im.res_f, im.lnf_mean, im.lnf_rstd, im.blocks.back().mproj.db);  // dln holds dlnf from the head
   for (int l = cfg_.n_layer - 1; l >= 0; --l) {
+    im.layer = l;
     auto& L = im.layers[l];
     const auto& blk = im.blocks[l];
     // MLP half: dres = d(res_out) = d(res_mid) through the residual.
@@ -1051,8 +1188,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       bf16* dfc = reinterpret_cast<bf16*>(shared);
       mark("gemm mproj dW", n2 * H * C);
       gemm.backward_weight(blk.mproj.dw, gemm_bias(blk.mproj.db), dres, L.act, N, H, C, acc, s);
-      mark("gemm mproj dX (+dgelu)", n2 * H * C);  // dfc = (dres · Wmproj) ∘ gelu'(fc)
-      gemm.backward_input(dfc, dres, blk.mproj.w, N, H, C, false, s, L.fc);
+      linear_dx(blk.mproj, "gemm mproj dX (+dgelu)", dfc, dres, H, C, L.fc);  // dfc = (dres · Wmproj) ∘ gelu'(fc)
       if (rc) {
         bf16* t = reinterpret_cast<bf16*>(shared + z.gelu_dfc);
         norm_again(blk.n2, t, L.res_mid);
@@ -1061,13 +1197,11 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       mark("gemm fc dW", n2 * C * F);
       gemm.backward_weight(blk.fc.dw, gemm_bias(blk.fc.db), dfc, ln2, N, C, F, acc, s);
       bias_sum(blk.fc.db, dfc, F);
-      mark("gemm fc dX", n2 * C * F);
-      gemm.backward_input(dln, dfc, blk.fc.w, N, C, F, false, s);
+      linear_dx(blk.fc, "gemm fc dX", dln, dfc, C, F);
     } else {
       // dact, then (recompute) the activation over it, then ln2; dfc replaces fc.
       bf16* dact = reinterpret_cast<bf16*>(shared);
-      mark("gemm mproj dX", n2 * H * C);
-      gemm.backward_input(dact, dres, blk.mproj.w, N, H, C, false, s);
+      linear_dx(blk.mproj, "gemm mproj dX", dact, dres, H, C);
       bf16* act_out = rc ? dact : nullptr;
       if (cfg_.mlp == MlpKind::swiglu) {
         mark("swiglu bwd");
@@ -1087,8 +1221,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       mark("gemm fc dW", n2 * C * F);
       gemm.backward_weight(blk.fc.dw, gemm_bias(blk.fc.db), dfc, ln2, N, C, F, acc, s);
       bias_sum(blk.fc.db, dfc, F);
-      mark("gemm fc dX", n2 * C * F);
-      gemm.backward_input(dln, dfc, blk.fc.w, N, C, F, false, s);
+      linear_dx(blk.fc, "gemm fc dX", dln, dfc, C, F);
     }
     norm_bwd(blk.n2, L.res_mid, L.ln2_mean, L.ln2_rstd, blk.proj.db);
     // Attention half: dres = d(res_mid) = d(res_in) through the residual. dqkv and datty
@@ -1099,8 +1232,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     void* ws = z.attn_in_fc ? shared : shared + z.dqkv + z.datty_slot;
     mark("gemm proj dW", n2 * AC * C);
     gemm.backward_weight(blk.proj.dw, gemm_bias(blk.proj.db), dres, L.atty, N, AC, C, acc, s);
-    mark("gemm proj dX", n2 * AC * C);
-    gemm.backward_input(datty, dres, blk.proj.w, N, AC, C, false, s);
+    linear_dx(blk.proj, "gemm proj dX", datty, dres, AC, C);
     mark("attention bwd", 5.0 * B * NH * double(T) * T * HD);
     gpu::attention_backward(dqkv, datty, L.qkv, L.atty, L.lse, B, T, NH, KV, HD, ws, z.attn_ws, s, opt_.attention);
     if (cfg_.pos == PosKind::rope) {
@@ -1115,10 +1247,10 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     mark("gemm qkv dW", n2 * C * Q);
     gemm.backward_weight(blk.qkv.dw, gemm_bias(blk.qkv.db), dqkv, ln1, N, C, Q, acc, s);
     bias_sum(blk.qkv.db, dqkv, Q);
-    mark("gemm qkv dX", n2 * C * Q);
-    gemm.backward_input(dln, dqkv, blk.qkv.w, N, C, Q, false, s);
+    linear_dx(blk.qkv, "gemm qkv dX", dln, dqkv, C, Q);
     norm_bwd(blk.n1, L.res_in, L.ln1_mean, L.ln1_rstd, l > 0 ? im.blocks[l - 1].mproj.db : nullptr);
   }
+  im.layer = -1;
   mark("embedding bwd");
   gpu::embedding_backward(im.dwte, im.dwpe, dres, tokens, B, T, C, V, im.emb_ws, im.emb_ws_bytes, s);
 }
@@ -1127,11 +1259,92 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
 
 void GpuTransformer::adamw_body() {
   Impl& im = *impl_;
-  im.timer.mark(stream_, "grad norm");
+  im.mark(stream_, "grad norm");
   gpu::sum_squares(norm_sq_, im.grad, int64_t(nparams_), im.gnorm_scratch, stream_);
-  im.timer.mark(stream_, "adamw");
+  im.mark(stream_, "adamw");
   gpu::adamw_update_split(*im.adamw, im.w, im.w_lo, im.m, im.v, im.grad, im.adam_params, norm_sq_, im.head_pad,
                           stream_);
+  prepare_sparse();
+}
+
+void GpuTransformer::prepare_sparse() {
+  Impl& im = *impl_;
+  if (im.sparse.empty()) return;
+  for (auto& [name, sp] : im.sparse) {
+    im.layer = std::stoi(name.substr(std::string("blocks.").size()));  // set_linear_kind checked the name
+    im.mark(stream_, "sparse prepare (2:4 prune + compress)", 0,
+            im.tracing() ? name.substr(0, name.size() - std::string(".weight").size()) + ".sparsify" : "");
+    sp->prepare(stream_);
+  }
+  im.layer = -1;
+}
+
+// --- Linear kinds ---------------------------------------------------------------------------
+
+namespace {
+
+// The block Linear named by its weight ("blocks.3.mlp.fc.weight"), or null.
+GpuTransformer::Impl::Lin* find_linear(GpuTransformer::Impl& im, const std::string& weight_name) {
+  static const std::pair<const char*, GpuTransformer::Impl::Lin GpuTransformer::Impl::Block::*> kSuffixes[] = {
+      {".attn.qkv.weight", &GpuTransformer::Impl::Block::qkv},
+      {".attn.proj.weight", &GpuTransformer::Impl::Block::proj},
+      {".mlp.fc.weight", &GpuTransformer::Impl::Block::fc},
+      {".mlp.proj.weight", &GpuTransformer::Impl::Block::mproj}};
+  if (weight_name.rfind("blocks.", 0) != 0) return nullptr;
+  const size_t dot = weight_name.find('.', 7);
+  if (dot == std::string::npos || dot == 7) return nullptr;
+  const std::string index = weight_name.substr(7, dot - 7);
+  if (index.find_first_not_of("0123456789") != std::string::npos || index.size() > 6) return nullptr;
+  const size_t l = std::stoul(index);
+  if (l >= im.blocks.size()) return nullptr;
+  for (const auto& [suffix, member] : kSuffixes)
+    if (weight_name.compare(dot, std::string::npos, suffix) == 0) return &(im.blocks[l].*member);
+  return nullptr;
+}
+
+}  // namespace
+
+void GpuTransformer::set_linear_kind(const std::string& weight_name, const std::string& kind) {
+  Impl& im = *impl_;
+  Impl::Lin* lin = find_linear(im, weight_name);
+  ESPLAG_CHECK(lin, "GpuTransformer: '", weight_name, "' is not the weight of a block Linear layer");
+  ESPLAG_CHECK(kind == "dense" || kind == "semi_sparse", "GpuTransformer: ", weight_name, ": Linear kind '", kind,
+               "' is not available on the GPU (dense and semi_sparse are)");
+  if (kind == linear_kind(weight_name)) return;
+  synchronize();  // nothing queued may still use a layer that goes away
+  if (kind == "dense") {
+    lin->sp = nullptr;
+    im.sparse.erase(weight_name);
+  } else {
+    ESPLAG_CHECK(gpu::cusparselt_available(), "GpuTransformer: ", weight_name,
+                 ": semi_sparse on the GPU needs cuSPARSELt: ", gpu::cusparselt_unavailable_reason());
+    const ParamInfo* info = nullptr;
+    for (const auto& i : infos_)
+      if (i.name == weight_name) info = &i;
+    const int64_t out = info->shape.at(0), in = info->shape.at(1);
+    gpu::SparseLinearOptions o;
+    o.kind = gpu::SparseLinearKind::semi_sparse;
+    auto sp = std::make_unique<gpu::SparseLinear>(o, out, in, int64_t(max_b_) * max_t_, lin->w, stream_);
+    sp->prepare(stream_);
+    lin->sp = sp.get();
+    im.sparse[weight_name] = std::move(sp);
+  }
+  // The captured steps baked the old products in.
+  im.step_graphs.clear();
+  im.adam_graph.reset();
+  synchronize();
+}
+
+std::string GpuTransformer::linear_kind(const std::string& weight_name) const {
+  Impl::Lin* lin = find_linear(*impl_, weight_name);
+  ESPLAG_CHECK(lin, "GpuTransformer: '", weight_name, "' is not the weight of a block Linear layer");
+  return lin->sp ? "semi_sparse" : "dense";
+}
+
+size_t GpuTransformer::sparse_device_bytes() const {
+  size_t n = 0;
+  for (const auto& [name, sp] : impl_->sparse) n += sp->device_bytes();
+  return n;
 }
 
 void GpuTransformer::step_adamw(const GpuAdamW& hyper) {
@@ -1148,8 +1361,9 @@ void GpuTransformer::step_adamw(const GpuAdamW& hyper) {
   c.max_grad_norm = hyper.grad_clip > 0 ? static_cast<float>(hyper.grad_clip) : 0.f;
   // Validated and written to device memory, ahead of the update (eager or replayed).
   gpu::set_adamw_step_params(im.adam_params, gpu::make_adamw_step_params(c), stream_);
-  if (!opt_.cuda_graph || im.timer.on) {
+  if (!opt_.cuda_graph || im.timer.on || im.tracing()) {
     adamw_body();
+    im.end_ops();
     im.timer.collect(stream_);
   } else {
     run_as_graph(im.adam_graph, stream_, im.graph_launches, [&] { adamw_body(); });

@@ -1,6 +1,7 @@
-// The transformer on the GPU, dense training: the CUDA counterpart of Transformer<float>
-// (model/transformer.h) with the same ModelConfig, the same parameter names and the same
-// flat parameter layout, so a CPU model's (or checkpoint's) flat vector loads directly.
+// The transformer on the GPU: the CUDA counterpart of Transformer<float>
+// (model/transformer.h) for dense training and semi_sparse Linear layers, with the same
+// ModelConfig, the same parameter names and the same flat parameter layout, so a CPU
+// model's (or checkpoint's) flat vector loads directly.
 //
 // Device state, all in one DeviceArena sized up front for the largest (B, T) the model
 // will see: the bf16 weights that forward and backward read together with the low 16
@@ -205,6 +206,22 @@ class GpuTransformer {
   // The gradient norm before clipping of the last step_adamw (waits for the device).
   double last_grad_norm();
 
+  // --- Linear kinds ---------------------------------------------------------------------
+  // The kind of a block Linear layer, by its weight's name ("blocks.3.mlp.fc.weight"):
+  // "dense" (the default) or "semi_sparse" (model/linear_semi_sparse.h's runtime 2:4:
+  // after every AdamW step, and after set_params / init_weights, the transposable 4×4-tile
+  // 2:4 of the current W is taken (Ws) and compressed for cuSPARSELt; the forward and dX
+  // products are 2:4 GEMMs of Ws, dW stays the dense dYᵀ·X, the master weight stays dense).
+  // Micro-batches of another size than max_batch × max_seq_len run the dense products of
+  // Ws (the 2:4 plans are per token count). Each semi_sparse layer holds Ws and its two
+  // compressed copies (about 4.25 bytes per weight, outside the arena: sparse_device_bytes)
+  // and is tuned at its first forward (one cuSPARSELt search per shape and process, or the
+  // tuning cache's entry). Other kinds, or semi_sparse without cuSPARSELt, throw Error.
+  // Changing a kind waits for the device and drops the captured graphs.
+  void set_linear_kind(const std::string& weight_name, const std::string& kind);
+  std::string linear_kind(const std::string& weight_name) const;
+  size_t sparse_device_bytes() const;
+
   // --- where the time goes ------------------------------------------------------------
   // While on, every op of forward_backward_device and step_adamw is bracketed by CUDA
   // events and the calls wait for the device at their end; the step runs eagerly (no
@@ -234,6 +251,8 @@ class GpuTransformer {
   // Finishes a zero_grad whose zeros the backward was to write.
   void settle_zero_grad() const;
   void adamw_body();
+  // The semi_sparse layers' per-step weight work, from the current weights.
+  void prepare_sparse();
   // The padded bf16 head weight follows set_params and init_weights (AdamW writes it too).
   void refresh_head_copy();
 

@@ -51,6 +51,7 @@ class GpuStep final : public StepBackend {
       : cfg_(cfg), host_(host), model_(cfg.model, cfg.batch_size, cfg.seq_len, model_options()) {
     check_layout();
     model_.set_params(host_.params(), host_.num_params());
+    follow_host_kinds();
     if (!m.empty() || !v.empty()) {
       std::vector<float> mf(host_.num_params()), vf(host_.num_params());
       for (const auto& info : host_.param_infos()) {
@@ -94,6 +95,7 @@ class GpuStep final : public StepBackend {
                  " steps but the trainer is at step ", step);
     const int B = cfg_.batch_size, T = cfg_.seq_len, accum = cfg_.grad_accum;
     cudaStream_t s = model_.stream();
+    follow_host_kinds();  // the trainer applied the recipe's plan for this step to the host model
     model_.zero_grad();
     for (int micro = 0; micro < accum; ++micro) {
       data.next_batch(x_.data(), y_.data());
@@ -156,8 +158,17 @@ class GpuStep final : public StepBackend {
                    "GPU training: parameter ", i, " is '", a[i].name, "' on the host but '", b[i].name,
                    "' on the GPU (or differs in offset, size or decay)");
     for (const auto& name : host_.linear_names())
-      ESPLAG_CHECK(host_.linear(name).kind() == "dense", "GPU training: ", name, " is of kind ",
-                   host_.linear(name).kind(), "; sparse GPU training is not available yet (use train.device=cpu)");
+      ESPLAG_CHECK(gpu_trains_kind(host_.linear(name).kind()), "GPU training: ", name, " is of kind ",
+                   host_.linear(name).kind(), "; ", kGpuKindsNote, " (use train.device=cpu)");
+  }
+  // Gives every block Linear of the GPU model the kind of its host twin (a no-op when
+  // nothing changed; a change is rare: the recipe's start and end steps).
+  void follow_host_kinds() {
+    for (const auto& name : host_.linear_names()) {
+      const std::string kind = host_.linear(name).kind();
+      ESPLAG_CHECK(gpu_trains_kind(kind), "GPU training: ", name, " became of kind ", kind, "; ", kGpuKindsNote);
+      model_.set_linear_kind(name, kind);
+    }
   }
 
   const TrainConfig cfg_;

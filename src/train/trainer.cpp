@@ -188,19 +188,22 @@ DeviceProbe probe_devices() {
   return p;
 }
 
+bool gpu_trains_kind(const std::string& kind) { return kind == "dense" || kind == "semi_sparse"; }
+
 std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* model) {
   std::vector<std::string> parts;
   if (!config.recipe_yaml.empty()) {
     const Recipe recipe = Recipe::parse(config.recipe_yaml, "recipe");
     for (const auto& m : recipe.modifiers())
-      parts.push_back("modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") + " on " +
+      if (m.type != "semi_sparse")
+        parts.push_back("modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") + " on " +
                       join(m.params, ", "));
   }
   if (model)
     for (const auto& name : model->linear_names())
-      if (model->linear(name).kind() != "dense") parts.push_back(name + " of kind " + model->linear(name).kind());
+      if (!gpu_trains_kind(model->linear(name).kind())) parts.push_back(name + " of kind " + model->linear(name).kind());
   if (parts.empty()) return "";
-  return "the run needs sparse Linear kinds (" + join(parts, "; ") + ")";
+  return "the run needs sparse Linear kinds that the GPU does not train yet (" + join(parts, "; ") + ")";
 }
 
 DeviceChoice choose_train_device(const std::string& requested, const DeviceProbe& probe,
@@ -213,13 +216,13 @@ DeviceChoice choose_train_device(const std::string& requested, const DeviceProbe
     ESPLAG_CHECK(probe.cuda_build, "train.device=cuda: this esplag was built without the CUDA backend (configure with "
                                    "-DESPLAG_CUDA=ON, the cuda preset); use train.device=cpu");
     ESPLAG_CHECK(probe.gpus > 0, "train.device=cuda: no CUDA device is visible", none, "; use train.device=cpu");
-    ESPLAG_CHECK(gpu_blocker.empty(), "train.device=cuda: ", gpu_blocker,
-                 ", and sparse GPU training is not available yet; use train.device=cpu");
+    ESPLAG_CHECK(gpu_blocker.empty(), "train.device=cuda: ", gpu_blocker, "; ", kGpuKindsNote,
+                 "; use train.device=cpu");
     return {"cuda", ""};
   }
   if (!probe.cuda_build) return {"cpu", ""};
   if (probe.gpus == 0) return {"cpu", "auto: no CUDA device is visible" + none};
-  if (!gpu_blocker.empty()) return {"cpu", "auto: " + gpu_blocker + "; sparse GPU training is not available yet"};
+  if (!gpu_blocker.empty()) return {"cpu", "auto: " + gpu_blocker + "; " + kGpuKindsNote};
   return {"cuda", ""};
 }
 

@@ -49,9 +49,13 @@ struct DeviceProbe {
 };
 DeviceProbe probe_devices();
 
-// What the dense GPU path cannot train of this run, "" when nothing: the recipe's
-// modifiers (every one needs a sparse Linear kind or LoRA adapters) and, when `model` is
-// given, its Linear kinds other than dense.
+// Linear kinds the GPU model trains (model/gpu_transformer.h): dense and semi_sparse.
+bool gpu_trains_kind(const std::string& kind);
+inline constexpr const char* kGpuKindsNote = "the GPU trains dense and semi_sparse Linear layers only so far";
+
+// What the GPU path cannot train of this run, "" when nothing: the recipe's modifiers
+// other than semi_sparse (each needs a Linear kind the GPU lacks, or LoRA adapters) and,
+// when `model` is given, its Linear kinds other than dense and semi_sparse.
 std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* model = nullptr);
 
 struct DeviceChoice {

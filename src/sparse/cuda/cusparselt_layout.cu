@@ -13,6 +13,7 @@
 #include "core/env.h"
 #include "core/error.h"
 #include "sparse/cuda/cusparselt.h"
+#include "sparse/cuda/sparsify_device.h"
 
 namespace esplag::gpu {
 
@@ -52,8 +53,15 @@ __host__ __device__ inline int64_t meta_offset(int64_t r, int64_t g, int64_t k, 
 // (op N), warps 2-3 that of Wᵀ (op T). A work item is two rows of op(W) (a and a + 8 of a
 // 16-row block, which share the metadata bytes) over 32 columns: 2×16 values (two 32-byte
 // runs) and one 8-byte metadata store.
+//
+// With Prune, the staged tile is first pruned in place with the transposable greedy mask
+// of each of its 4×4 tiles (gpu::transposable_24's rule and bits: sparsify_device.h), and
+// the pruned tile is written to `pruned` when that is not null: the runtime 2:4 of a
+// weight and both its compressed copies in one read of W.
+template <bool Prune>
 __global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t rows, int64_t cols,
-                                       uint8_t* __restrict__ dst_n, uint8_t* __restrict__ dst_t) {
+                                       uint8_t* __restrict__ dst_n, uint8_t* __restrict__ dst_t,
+                                       uint16_t* __restrict__ pruned) {
   constexpr int kStride = kTile + 2;  // odd word stride: column reads hit distinct banks
   __shared__ uint16_t tile[kTile * kStride];
   const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
@@ -67,6 +75,28 @@ __global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t r
     }
   }
   __syncthreads();
+  if constexpr (Prune) {
+    using namespace sparsify_detail;
+    for (int t = threadIdx.x; t < (kTile / 4) * (kTile / 4); t += blockDim.x) {
+      const int tr = t / (kTile / 4), tc = t % (kTile / 4);
+      uint16_t* at = tile + 4 * tr * kStride + 4 * tc;
+      PackedTile pt;
+      for (int r = 0; r < 4; ++r) {
+        pt.lo[r] = uint32_t(at[r * kStride]) | (uint32_t(at[r * kStride + 1]) << 16);
+        pt.hi[r] = uint32_t(at[r * kStride + 2]) | (uint32_t(at[r * kStride + 3]) << 16);
+      }
+      pt = prune_tile(pt, greedy_mask(pt));
+      for (int r = 0; r < 4; ++r) {
+        at[r * kStride] = uint16_t(pt.lo[r]);
+        at[r * kStride + 1] = uint16_t(pt.lo[r] >> 16);
+        at[r * kStride + 2] = uint16_t(pt.hi[r]);
+        at[r * kStride + 3] = uint16_t(pt.hi[r] >> 16);
+        if (pruned)
+          *reinterpret_cast<uint2*>(pruned + (r0 + 4 * tr + r) * cols + c0 + 4 * tc) = make_uint2(pt.lo[r], pt.hi[r]);
+      }
+    }
+    __syncthreads();
+  }
   const bool transposed = threadIdx.x >= 64;
   uint8_t* dst = transposed ? dst_t : dst_n;
   if (!dst) return;
@@ -149,9 +179,25 @@ void cusparselt24_compress(const bf16* w, int64_t rows, int64_t cols, void* dst_
   for (const void* p : {static_cast<const void*>(w), static_cast<const void*>(dst_n), static_cast<const void*>(dst_t)})
     ESPLAG_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "cusparselt24_compress: pointers must be 16-byte aligned");
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
-  compress_layout_kernel<<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols,
-                                                    static_cast<uint8_t*>(dst_n), static_cast<uint8_t*>(dst_t));
+  compress_layout_kernel<false><<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols,
+                                                           static_cast<uint8_t*>(dst_n), static_cast<uint8_t*>(dst_t),
+                                                           nullptr);
   CUDA_CHECK_LAUNCH("compress_layout_kernel");
+}
+
+void cusparselt24_prune_compress(const bf16* w, int64_t rows, int64_t cols, bf16* pruned, void* dst_n, void* dst_t,
+                                 cudaStream_t stream) {
+  check_shape("cusparselt24_prune_compress", rows, cols);
+  ESPLAG_CHECK(w != nullptr, "cusparselt24_prune_compress: null W");
+  for (const void* p : {static_cast<const void*>(w), static_cast<const void*>(pruned),
+                        static_cast<const void*>(dst_n), static_cast<const void*>(dst_t)})
+    ESPLAG_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0,
+                 "cusparselt24_prune_compress: pointers must be 16-byte aligned");
+  const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
+  compress_layout_kernel<true><<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols,
+                                                          static_cast<uint8_t*>(dst_n), static_cast<uint8_t*>(dst_t),
+                                                          reinterpret_cast<uint16_t*>(pruned));
+  CUDA_CHECK_LAUNCH("compress_layout_kernel (pruning)");
 }
 
 namespace {

@@ -72,6 +72,13 @@ void cusparselt24_compress_host(const uint16_t* w, int64_t rows, int64_t cols, b
 // rows, cols multiples of 64 (else Error). Asynchronous on `stream`.
 void cusparselt24_compress(const bf16* w, int64_t rows, int64_t cols, void* dst_n, void* dst_t, cudaStream_t stream);
 
+// The same from a dense W, pruned on the way with the transposable greedy 4×4-tile 2:4 mask
+// (gpu::transposable_24's, bit for bit): pruned (may be null) = that pruned W [rows, cols],
+// dst_n / dst_t (may be null) = its layouts. One read of W instead of a pruning pass and a
+// compression pass over the pruned copy (semi_sparse's per-step preparation).
+void cusparselt24_prune_compress(const bf16* w, int64_t rows, int64_t cols, bf16* pruned, void* dst_n, void* dst_t,
+                                 cudaStream_t stream);
+
 // Whether this layout is the one the loaded cuSPARSELt produces for g's weight operand:
 // W as operand A (the forward's op N, backward_data's op T), the compressed size equal to
 // cusparselt24_layout_bytes, and a random 2:4 (along both dimensions) matrix of the

@@ -96,8 +96,17 @@ struct SparseLinear::Impl {
   const bf16* weight = nullptr;
   std::string name;  // kind and shape, for messages
 
+  // The dense products (dense kind, fallback, dW), made at their first use: a layer whose
+  // owner computes dW itself never pays the GEMM workspace (36 MB).
   DeviceArena gemm_arena;
-  std::unique_ptr<Gemm> gemm;
+  std::unique_ptr<Gemm> gemm_;
+  Gemm& gemm() {
+    if (!gemm_) {
+      gemm_arena = DeviceArena(Gemm::kDefaultWorkspaceBytes + Gemm::kScratchBytes + 4096, "sparse linear gemm");
+      gemm_ = std::make_unique<Gemm>(gemm_arena);
+    }
+    return *gemm_;
+  }
 
   // cuSPARSELt products (process-wide cached plans): the forward (W as A, K = in) and the
   // input gradient (K = out): the forward-form product of W2ᵀ (slope) or Wsᵀ (semi_sparse
@@ -154,8 +163,6 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
     ESPLAG_CHECK(reinterpret_cast<uintptr_t>(weight) % 16 == 0, "SparseLinear ", m.name,
                  ": the weight must be 16-byte aligned");
   }
-  m.gemm_arena = DeviceArena(Gemm::kDefaultWorkspaceBytes + Gemm::kScratchBytes + 4096, "sparse linear gemm");
-  m.gemm = std::make_unique<Gemm>(m.gemm_arena);
   if (o.kind == SparseLinearKind::dense) return;
   if (!cusparselt_available()) {
     warn_cusparselt_fallback_once("SparseLinear (" + sparse_linear_kind_name(o.kind) + ")");
@@ -212,10 +219,14 @@ void SparseLinear::prepare(cudaStream_t s) {
   if (m.kind == SparseLinearKind::semi_sparse) {
     // One transposable mask serves both products: Ws is 2:4 along its rows (the forward's
     // K) and along its columns (the input gradient's K).
+    // Where the layout check passed for both products: the pruning and both compressed
+    // buffers (the forward's: Ws's layout; the input gradient's, the forward-form product
+    // of Wsᵀ: that of Wsᵀ, read down Ws's columns) in one pass over W.
+    if (m.own_fwd && m.own_bwd) {
+      cusparselt24_prune_compress(m.weight, m.out, m.in, m.pruned.bf(), m.c_fwd.get(), m.c_bwd.get(), s);
+      return;
+    }
     transposable_24(m.weight, m.out, m.in, Sparse24Out{m.pruned.bf()}, Sparse24Out{}, nullptr, s);
-    // Both compressed buffers in one pass over Ws where the layout check passed: the
-    // forward's is Ws's layout, the input gradient's (the forward-form product of Wsᵀ)
-    // that of Wsᵀ, read down Ws's columns.
     if (m.own_fwd || m.own_bwd)
       cusparselt24_compress(m.pruned.bf(), m.out, m.in, m.own_fwd ? m.c_fwd.get() : nullptr,
                             m.own_bwd ? m.c_bwd.get() : nullptr, s);
@@ -246,7 +257,7 @@ void SparseLinear::forward(bf16* y, const bf16* x, cudaStream_t s) {
   Impl& m = *impl_;
   ESPLAG_CHECK(y && x, "SparseLinear ", m.name, ": forward needs x and y");
   if (!m.sparse) {
-    m.gemm->forward(y, x, m.weight, nullptr, int(m.tokens), int(m.in), int(m.out), s);
+    m.gemm().forward(y, x, m.weight, nullptr, int(m.tokens), int(m.in), int(m.out), s);
     return;
   }
   m.tune(*m.fwd, m.fwd_tuned, y, m.c_fwd.get(), x, s);
@@ -259,7 +270,7 @@ void SparseLinear::backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, 
   ESPLAG_CHECK(dy, "SparseLinear ", m.name, ": backward needs dy");
   if (dx) {
     if (!m.sparse) {
-      m.gemm->backward_input(dx, dy, m.weight, int(m.tokens), int(m.in), int(m.out), false, s);
+      m.gemm().backward_input(dx, dy, m.weight, int(m.tokens), int(m.in), int(m.out), false, s);
     } else {
       m.tune(*m.bwd, m.bwd_tuned, dx, m.c_bwd.get(), dy, s);
       m.ensure_workspace();
@@ -270,7 +281,7 @@ void SparseLinear::backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, 
     ESPLAG_CHECK(x, "SparseLinear ", m.name, ": the weight gradient needs x");
     // Straight through the pruning (semi_sparse) / the optimizer keeps the kept slots
     // (slope): dW = dYᵀ · X, dense.
-    m.gemm->backward_weight(dw, nullptr, dy, x, int(m.tokens), int(m.in), int(m.out), accumulate_dw, s);
+    m.gemm().backward_weight(dw, nullptr, dy, x, int(m.tokens), int(m.in), int(m.out), accumulate_dw, s);
   }
 }
 
