@@ -94,9 +94,17 @@ class GpuModelSparse : public ::testing::Test {
   }
 };
 
-// One micro-batch on both models; B x T may be smaller than the GPU model's size.
+GpuModelOptions always_sparse() {
+  GpuModelOptions o;
+  o.sparse_dispatch = false;
+  return o;
+}
+
+// One micro-batch on both models; B x T may be smaller than the GPU model's size (then
+// every product is the dense one of Ws). With `dispatch`, each layer shape runs the
+// products it measured faster.
 void compare_step(const std::string& label, const ModelConfig& cfg, int maxB, int maxT, int B, int T,
-                  bool expect_sparse_ops) {
+                  bool dispatch = false) {
   SCOPED_TRACE(label);
   Transformer<float> cm(cfg);
   cm.init_weights(5);
@@ -104,7 +112,9 @@ void compare_step(const std::string& label, const ModelConfig& cfg, int maxB, in
   // and a weight that rounds into a tie with its neighbour (or out of one) would change
   // the kept set, and with it a few per cent of every gradient.
   for (size_t i = 0; i < cm.num_params(); ++i) cm.params()[i] = esplag::gpu_test::round_bf16(cm.params()[i]);
-  GpuTransformer gm(cfg, maxB, maxT);
+  GpuModelOptions o;
+  o.sparse_dispatch = dispatch;
+  GpuTransformer gm(cfg, maxB, maxT, o);
   gm.set_params(cm.params(), cm.num_params());
   make_semi_sparse(cm, gm);
 
@@ -133,18 +143,34 @@ void compare_step(const std::string& label, const ModelConfig& cfg, int maxB, in
     if (op.op.rfind("sparse gemm", 0) == 0) ++sparse_ops;
     if (op.op.rfind("gemm ", 0) == 0 && op.op.find("dW") == std::string::npos) ++dense_block_gemms;
   }
-  if (expect_sparse_ops) {
-    EXPECT_EQ(sparse_ops, 8) << "every block linear's forward and dX on the 2:4 path";
-    EXPECT_EQ(dense_block_gemms, 0);
+  // Op kinds are per Linear role (qkv, proj, fc, mproj), each with a forward and a dX.
+  int sparse_roles = 4;
+  if (dispatch) {
+    ASSERT_EQ(gm.sparse_dispatch().size(), 4u) << "one decision per layer shape";
+    sparse_roles = 0;
+    for (const auto& d : gm.sparse_dispatch()) {
+      EXPECT_GT(d.sparse_ms, 0);
+      EXPECT_GT(d.dense_ms, 0);
+      EXPECT_EQ(d.sparse, d.sparse_ms < d.dense_ms);
+      sparse_roles += d.sparse;
+    }
+    std::printf("  %s\n", gm.sparse_dispatch_summary().c_str());
   } else {
-    EXPECT_EQ(sparse_ops, 0) << "another token count than sized runs the dense products of Ws";
+    EXPECT_TRUE(gm.sparse_dispatch().empty());
   }
+  if (B * T != maxB * maxT) sparse_roles = 0;  // another token count: the dense products of Ws
+  EXPECT_EQ(sparse_ops, 2 * sparse_roles) << "forward and dX of the layers on the 2:4 path";
+  EXPECT_EQ(dense_block_gemms, 8 - 2 * sparse_roles);
 }
 
 TEST_F(GpuModelSparse, SemiSparseMatchesCpu) {
-  compare_step("gpt (bias + GELU around the 2:4 products)", gpt_config(), 4, 64, 4, 64, true);
-  compare_step("llama (SwiGLU, RoPE, GQA)", llama_config(), 2, 96, 2, 96, true);
-  compare_step("gpt, smaller micro-batch than sized", gpt_config(), 4, 64, 2, 48, false);
+  compare_step("gpt (bias + GELU around the 2:4 products)", gpt_config(), 4, 64, 4, 64);
+  compare_step("llama (SwiGLU, RoPE, GQA)", llama_config(), 2, 96, 2, 96);
+  compare_step("gpt, smaller micro-batch than sized", gpt_config(), 4, 64, 2, 48);
+}
+
+TEST_F(GpuModelSparse, DispatchByMeasurementMatchesCpu) {
+  compare_step("llama, products chosen per layer shape", llama_config(), 2, 96, 2, 96, true);
 }
 
 TEST_F(GpuModelSparse, TrainingCurveMatchesCpu) {
@@ -152,7 +178,7 @@ TEST_F(GpuModelSparse, TrainingCurveMatchesCpu) {
   const int B = 4, T = 32, steps = 20;
   Transformer<float> cm(c);
   cm.init_weights(9);
-  GpuTransformer gm(c, B, T);
+  GpuTransformer gm(c, B, T, always_sparse());
   gm.set_params(cm.params(), cm.num_params());
   make_semi_sparse(cm, gm);
   esplag::GpuAdamW hyper;
@@ -197,7 +223,7 @@ TEST_F(GpuModelSparse, GraphReplayGivesTheSameBitsAsEagerSteps) {
   std::vector<std::vector<float>> params;
   std::vector<std::vector<double>> losses;
   for (bool graph : {false, true}) {
-    GpuModelOptions o;
+    GpuModelOptions o = always_sparse();
     o.cuda_graph = graph;
     GpuTransformer gm(c, B, T, o);
     gm.set_params(cm.params(), cm.num_params());
@@ -270,7 +296,7 @@ TEST_F(GpuModelSparse, ProfilerSeesEveryOpWithTheCpuNames) {
   std::vector<int32_t> x(B * T), y(B * T);
   random_tokens(x, c.vocab_size, 41);
   random_tokens(y, c.vocab_size, 42);
-  GpuTransformer traced(c, B, T), plain(c, B, T);
+  GpuTransformer traced(c, B, T, always_sparse()), plain(c, B, T, always_sparse());
   for (GpuTransformer* m : {&traced, &plain}) {
     m->set_params(cm.params(), cm.num_params());
     m->set_linear_kind("blocks.1.mlp.fc.weight", "semi_sparse");

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -138,7 +139,9 @@ const Shape kShapes[] = {{32, 64, 48}, {48, 16, 32}, {80, 48, 112}, {64, 64, 64}
 // Several steps of one kind on one shape. Between steps the weight moves by a random
 // amount comparable to itself (an optimizer step, exaggerated so that the greedy and
 // row-wise masks of the new weight differ from the old ones).
-void run_kind(SparseLinearKind kind, const Shape& sh, uint64_t seed) {
+// dense_products: semi_sparse through use_dense_products (the same function on cuBLASLt);
+// bias: the forward adds a bias (cuSPARSELt's or cuBLASLt's epilogue).
+void run_kind(SparseLinearKind kind, const Shape& sh, uint64_t seed, bool dense_products = false, bool bias = false) {
   SCOPED_TRACE(gpu::sparse_linear_kind_name(kind) + " out=" + std::to_string(sh.out) + " in=" + std::to_string(sh.in) +
                " tokens=" + std::to_string(sh.tokens));
   const int64_t O = sh.out, I = sh.in, N = sh.tokens;
@@ -151,8 +154,14 @@ void run_kind(SparseLinearKind kind, const Shape& sh, uint64_t seed) {
   CUDA_CHECK(cudaStreamCreate(&s));
   SparseLinearOptions o;
   o.kind = kind;
+  o.bias = bias;
+  const Bits b = random_bf16(size_t(O), 1.0, rng);
+  Dev db(size_t(O) * 2);
+  upload(db, b);
   SparseLinear layer(o, O, I, N, dw_w.bf(), s);
   EXPECT_EQ(layer.sparse(), kind != SparseLinearKind::dense);
+  if (dense_products) layer.use_dense_products(true);
+  EXPECT_EQ(layer.sparse_products(), kind != SparseLinearKind::dense && !dense_products);
   // slope's static forward mask comes from the weight at construction.
   const VF w0 = to_float(w);
   const cpu::Mask slope_fwd = cpu::double_prune_masks(w0.data(), O, I).forward;
@@ -172,7 +181,7 @@ void run_kind(SparseLinearKind kind, const Shape& sh, uint64_t seed) {
       ddw.poison();
     }
     layer.prepare(s);
-    layer.forward(ddy.bf(), dx_.bf(), s);
+    layer.forward(ddy.bf(), dx_.bf(), s, bias ? db.bf() : nullptr);
     layer.backward(ddx.bf(), ddw.f32(), dy_.bf(), dx_.bf(), accumulate, s);
     CUDA_CHECK(cudaStreamSynchronize(s));
 
@@ -194,7 +203,10 @@ void run_kind(SparseLinearKind kind, const Shape& sh, uint64_t seed) {
         EXPECT_EQ(pt, transpose(w_bwd, O, I)) << "W2^T";
       }
     }
-    const VD y_ref = matmul(xf, w_fwd, N, I, O, true);     // X · Wfᵀ
+    VD y_ref = matmul(xf, w_fwd, N, I, O, true);  // X · Wfᵀ (+ b)
+    if (bias)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t j = 0; j < O; ++j) y_ref[size_t(n * O + j)] += esplag::bf16_to_float(b[size_t(j)]);
     const VD dx_ref = matmul(dyf, w_bwd, N, O, I, false);  // dY · Wb
     VD dw_ref = matmul(transpose(dyf, N, O), xf, O, N, I, false);  // dYᵀ · X
     if (accumulate)
@@ -224,6 +236,39 @@ TEST(GpuSparseLinear, SemiSparse) {
   if (!gpu::cusparselt_available()) GTEST_SKIP() << "cuSPARSELt not available: " << gpu::cusparselt_unavailable_reason();
   uint64_t seed = 21;
   for (const Shape& sh : kShapes) run_kind(SparseLinearKind::semi_sparse, sh, seed++);
+}
+
+// Per-layer dispatch: the dense products of Ws give the CPU reference's results too, and
+// timing both ways keeps the layer's mode and leaves its buffers prepared.
+TEST(GpuSparseLinear, SemiSparseDenseProductsAndTiming) {
+  if (!has_device()) GTEST_SKIP() << "no CUDA device";
+  if (!gpu::cusparselt_available()) GTEST_SKIP() << "cuSPARSELt not available: " << gpu::cusparselt_unavailable_reason();
+  uint64_t seed = 71;
+  for (const Shape& sh : kShapes) run_kind(SparseLinearKind::semi_sparse, sh, seed++, true);
+  for (bool dense : {false, true}) run_kind(SparseLinearKind::semi_sparse, kShapes[0], seed++, dense, true);
+
+  const int64_t O = 256, I = 512, N = 128;
+  Rng rng(5);
+  Dev w(size_t(O * I) * 2);
+  upload(w, random_bf16(size_t(O * I), 0.5, rng));
+  SparseLinearOptions o;
+  o.kind = SparseLinearKind::semi_sparse;
+  SparseLinear layer(o, O, I, N, w.bf(), nullptr);
+  layer.prepare(nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const Bits before = download_bits(layer.pruned_weight(), size_t(O * I));
+  const SparseLinear::ProductTimes t = layer.time_products(nullptr, 3);
+  EXPECT_GT(t.sparse_ms, 0);
+  EXPECT_GT(t.dense_ms, 0);
+  EXPECT_TRUE(layer.sparse_products()) << "the mode before the timing is kept";
+  EXPECT_EQ(download_bits(layer.pruned_weight(), size_t(O * I)), before);
+  std::printf("  %lldx%lldx%lld: 2:4 %.3f ms, dense %.3f ms\n", static_cast<long long>(O), static_cast<long long>(I),
+              static_cast<long long>(N), t.sparse_ms, t.dense_ms);
+
+  SparseLinearOptions d;
+  SparseLinear dense(d, O, I, N, w.bf(), nullptr);
+  EXPECT_THROW(dense.use_dense_products(true), esplag::Error);
+  EXPECT_THROW(dense.time_products(nullptr), esplag::Error);
 }
 
 TEST(GpuSparseLinear, Slope) {

@@ -338,6 +338,10 @@ TEST_F(GpuTrain, SemiSparseRecipeTracksTheCpu) {
     return l.find("mlp") != std::string::npos && l.find("dense") != std::string::npos;
   });
   EXPECT_GT(dense_again, 0) << "the log does not say that the MLP linears went back to dense";
+  const auto dispatch = std::count_if(g.log.begin(), g.log.end(), [](const std::string& l) {
+    return l.find("semi_sparse products by layer shape") != std::string::npos;
+  });
+  EXPECT_EQ(dispatch, 1) << "the log does not say which products each layer shape runs";
 }
 
 // A learning rate of 1e30 diverges at once. Read only at the end (no logging, no

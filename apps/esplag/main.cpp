@@ -55,6 +55,7 @@ usage:
   esplag export --checkpoint DIR --dense --out FILE.safetensors
   esplag bench train --model PRESET [--device cpu|cuda] [--batch 4] [--seq 256] [--steps N]
                      [--warmup 1] [--vocab N] [--peak-tflops 989] [--csv FILE]
+                     [--semi-sparse all|REGEX [--always-sparse]] [--op-profile STEPS]
   esplag bench gemm|layer|attention|sparsify|sparse-adamw|vnm [--csv FILE] ...
                      GPU kernels against their dense baselines (esplag bench --help)
   esplag --version

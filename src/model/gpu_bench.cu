@@ -126,6 +126,7 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   r.device_used_bytes = total_b - free_b;
   r.sparse_bytes = model.sparse_device_bytes();
+  r.dispatch = model.sparse_dispatch_summary();
 
   if (op_profile_steps > 0) {
     model.set_op_timing(true);
@@ -180,7 +181,7 @@ std::string gpu_bench_table_row(const GpuBenchResult& r) {
                 r.max_ms, r.device.c_str(), r.device_used_bytes / double(1 << 30), r.cuda_graph ? "on" : "off",
                 r.recompute ? "on" : "off", r.attention.c_str(), r.linears.c_str(),
                 r.sparse_bytes ? (", " + DeviceArena::format_bytes(r.sparse_bytes) + " in 2:4 copies").c_str() : "");
-  return buf;
+  return r.dispatch.empty() ? std::string(buf) : buf + ("  " + r.dispatch + "\n");
 }
 
 std::string gpu_bench_csv_header() {

@@ -47,6 +47,7 @@ struct GpuBenchResult {
   // linears), and the device bytes the semi_sparse layers hold outside the arena.
   std::string linears = "dense";
   size_t sparse_bytes = 0;
+  std::string dispatch;  // GpuTransformer::sparse_dispatch_summary()
 };
 
 // Builds a GpuTransformer for micro-batches B x T (init_weights(1)), runs `warmup`

@@ -113,13 +113,6 @@ OpCategory op_trace_category(const std::string& kind) {
   return OpCategory::elementwise;
 }
 
-// y [rows, cols] += bias [cols] (bf16, rounded once more): the bias of a 2:4 product,
-// which cuSPARSELt runs without an epilogue here.
-__global__ void add_bias_kernel(bf16* y, const bf16* bias, int64_t rows, int cols) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i < rows * cols) y[i] = __float2bfloat16(__bfloat162float(y[i]) + __bfloat162float(bias[i % cols]));
-}
-
 // Zeroes the gradient ranges of a table (what zero_grad writes), one block per entry.
 struct ZeroChunk {
   int64_t offset, n;
@@ -304,7 +297,7 @@ struct GpuTransformer::Impl {
     // The weight the dense products read: W, or the pruned Ws of a semi_sparse layer
     // (its products run dense when the tokens differ from the layer's plans).
     const bf16* product_weight() const { return sp ? sp->pruned_weight() : w; }
-    bool sparse_for(int N) const { return sp && sp->tokens() == N; }
+    bool sparse_for(int N) const { return sp && sp->sparse_products() && sp->tokens() == N; }
   };
   struct Block {
     Norm n1, n2;
@@ -392,8 +385,10 @@ struct GpuTransformer::Impl {
 
   std::unique_ptr<gpu::Gemm> gemm;
   std::unique_ptr<gpu::SplitAdamWPlan> adamw;
-  // The semi_sparse layers by weight name (Lin::sp points into it).
+  // The semi_sparse layers by weight name (Lin::sp points into it) and the dispatch
+  // decisions by layer shape.
   std::map<std::string, std::unique_ptr<gpu::SparseLinear>> sparse;
+  std::vector<GpuTransformer::SparseDispatch> dispatch;
   gpu::AdamWStepParams* adam_params = nullptr;  // device
 
   ZeroChunk* zero_chunks = nullptr;  // zero_grad's table (device)
@@ -995,7 +990,7 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
   const double attn_flops = 2.0 * B * NH * double(T) * T * HD;  // causal: QKᵀ and PV on half the square
   gpu::Gemm& gemm = *im.gemm;
   // out = act(in · Wᵀ + b) [N, OC] from in [N, K]: the 2:4 product of a semi_sparse layer
-  // with the bias and GELU as separate passes, else cuBLASLt with its epilogues.
+  // with the bias in its epilogue and GELU as a separate pass, else cuBLASLt with its epilogues.
   auto linear = [&](const Impl::Lin& lin, const char* name, bf16* out, const bf16* in, int K, int OC,
                     gpu::Gemm::Act act = gpu::Gemm::Act::none, bf16* pre_gelu = nullptr) {
     const double fl = n2 * K * OC;
@@ -1007,12 +1002,7 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
     const bool gelu = act == gpu::Gemm::Act::gelu;
     bf16* y = gelu ? pre_gelu : out;
     mark(std::string("sparse ") + name, fl);
-    lin.sp->forward(y, in, s);
-    if (lin.b) {
-      mark("bias add");
-      add_bias_kernel<<<blocks(int64_t(N) * OC), kThreads, 0, s>>>(y, lin.b, N, OC);
-      CUDA_CHECK_LAUNCH("GpuTransformer (bias of a 2:4 product)");
-    }
+    lin.sp->forward(y, in, s, lin.b);  // the bias in cuSPARSELt's epilogue
     if (gelu) {
       mark("gelu fwd");
       gpu::gelu_forward(out, y, int64_t(N) * OC, s);
@@ -1324,7 +1314,19 @@ void GpuTransformer::set_linear_kind(const std::string& weight_name, const std::
     const int64_t out = info->shape.at(0), in = info->shape.at(1);
     gpu::SparseLinearOptions o;
     o.kind = gpu::SparseLinearKind::semi_sparse;
-    auto sp = std::make_unique<gpu::SparseLinear>(o, out, in, int64_t(max_b_) * max_t_, lin->w, stream_);
+    o.bias = lin->b != nullptr;
+    const int64_t tokens = int64_t(max_b_) * max_t_;
+    auto sp = std::make_unique<gpu::SparseLinear>(o, out, in, tokens, lin->w, stream_);
+    if (opt_.sparse_dispatch) {
+      auto same = [&](const SparseDispatch& d) { return d.out == out && d.in == in && d.tokens == tokens; };
+      auto it = std::find_if(im.dispatch.begin(), im.dispatch.end(), same);
+      if (it == im.dispatch.end()) {
+        const gpu::SparseLinear::ProductTimes t = sp->time_products(stream_);
+        im.dispatch.push_back({out, in, tokens, t.sparse_ms, t.dense_ms, t.sparse_ms < t.dense_ms});
+        it = im.dispatch.end() - 1;
+      }
+      sp->use_dense_products(!it->sparse);
+    }
     sp->prepare(stream_);
     lin->sp = sp.get();
     im.sparse[weight_name] = std::move(sp);
@@ -1339,6 +1341,20 @@ std::string GpuTransformer::linear_kind(const std::string& weight_name) const {
   Impl::Lin* lin = find_linear(*impl_, weight_name);
   ESPLAG_CHECK(lin, "GpuTransformer: '", weight_name, "' is not the weight of a block Linear layer");
   return lin->sp ? "semi_sparse" : "dense";
+}
+
+const std::vector<GpuTransformer::SparseDispatch>& GpuTransformer::sparse_dispatch() const { return impl_->dispatch; }
+
+std::string GpuTransformer::sparse_dispatch_summary() const {
+  std::string s;
+  for (const auto& d : impl_->dispatch) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "%s%lldx%lld: %s (2:4 %.3f ms, dense %.3f ms)", s.empty() ? "" : "; ",
+                  static_cast<long long>(d.out), static_cast<long long>(d.in), d.sparse ? "2:4" : "dense",
+                  d.sparse_ms, d.dense_ms);
+    s += buf;
+  }
+  return s.empty() ? s : "semi_sparse products by layer shape (prepare + forward + dX per step): " + s;
 }
 
 size_t GpuTransformer::sparse_device_bytes() const {

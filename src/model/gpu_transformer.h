@@ -98,6 +98,11 @@ struct GpuModelOptions {
   // Fused cuBLASLt epilogues (bias, GELU); off forces the separate kernels.
   bool gemm_epilogues = true;
   gpu::AttentionPath attention = gpu::AttentionPath::automatic;
+  // Per-layer dispatch of semi_sparse layers: the first layer of each shape times its 2:4
+  // products (with their per-step compression) against cuBLASLt's products of the same
+  // pruned weight and every layer of that shape takes the faster (sparse_dispatch()).
+  // Off: the 2:4 products everywhere.
+  bool sparse_dispatch = true;
   // Added to the computed arena size (e.g. for callers that allocate from arena()).
   size_t extra_arena_bytes = 0;
 };
@@ -221,6 +226,15 @@ class GpuTransformer {
   void set_linear_kind(const std::string& weight_name, const std::string& kind);
   std::string linear_kind(const std::string& weight_name) const;
   size_t sparse_device_bytes() const;
+  // The dispatch decisions so far (GpuModelOptions::sparse_dispatch), one per layer shape
+  // in the order they were made, and a one-line summary of them ("" when none).
+  struct SparseDispatch {
+    int64_t out = 0, in = 0, tokens = 0;
+    double sparse_ms = 0, dense_ms = 0;  // prepare + forward + input gradient, median
+    bool sparse = true;                  // the 2:4 products were faster
+  };
+  const std::vector<SparseDispatch>& sparse_dispatch() const;
+  std::string sparse_dispatch_summary() const;
 
   // --- where the time goes ------------------------------------------------------------
   // While on, every op of forward_backward_device and step_adamw is bracketed by CUDA

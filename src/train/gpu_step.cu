@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <utility>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -169,11 +170,18 @@ class GpuStep final : public StepBackend {
       ESPLAG_CHECK(gpu_trains_kind(kind), "GPU training: ", name, " became of kind ", kind, "; ", kGpuKindsNote);
       model_.set_linear_kind(name, kind);
     }
+    if (model_.sparse_dispatch().size() != dispatch_seen_) {
+      dispatch_seen_ = model_.sparse_dispatch().size();
+      notes_.push_back(model_.sparse_dispatch_summary());
+    }
   }
+  std::vector<std::string> take_notes() override { return std::exchange(notes_, {}); }
 
   const TrainConfig cfg_;
   Transformer<float>& host_;
   GpuTransformer model_;
+  size_t dispatch_seen_ = 0;        // dispatch decisions already reported
+  std::vector<std::string> notes_;  // for take_notes
   StepHealth* health_ = nullptr;
   StepHealth* host_health_ = nullptr;  // pinned
   std::vector<int32_t> x_, y_;

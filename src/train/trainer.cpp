@@ -364,6 +364,7 @@ double Trainer::advance() {
   if (!recipe_.empty()) apply_recipe_step(*model_, recipe_, step, cfg_.seed, log_);
   const double lr = cfg_.schedule.at(step);
   backend_->step(step, lr, *train_data_);
+  for (const auto& note : backend_->take_notes()) log_("step " + std::to_string(step) + ": " + note);
   state_.step = step + 1;
   state_.tokens_seen += int64_t(cfg_.batch_size) * cfg_.seq_len * cfg_.grad_accum;
   return lr;

@@ -98,6 +98,9 @@ class StepBackend {
     const Moments& v;
   };
   virtual HostMoments state_to_host() = 0;
+  // Lines for the run log that the last step produced (e.g. the GPU's per-layer choice of
+  // products when a layer became semi_sparse); empty by default.
+  virtual std::vector<std::string> take_notes() { return {}; }
 
  protected:
   // The divergence Error, worded the same on every device.

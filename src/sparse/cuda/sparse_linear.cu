@@ -1,6 +1,7 @@
 #include "sparse/cuda/sparse_linear.h"
 
 #include <algorithm>
+#include <vector>
 #include <climits>
 #include <cstdint>
 
@@ -92,6 +93,8 @@ SparseLinearKind parse_sparse_linear_kind(const std::string& name) {
 struct SparseLinear::Impl {
   SparseLinearKind kind = SparseLinearKind::dense;
   bool sparse = false;
+  bool dense_products = false;  // use_dense_products: semi_sparse's Ws through cuBLASLt
+  bool bias = false;            // SparseLinearOptions::bias
   int64_t out = 0, in = 0, tokens = 0;
   const bf16* weight = nullptr;
   std::string name;  // kind and shape, for messages
@@ -129,10 +132,11 @@ struct SparseLinear::Impl {
   }
   // The first use of a product tunes it (a search once per problem and process, or the
   // tuning cache's configuration), which may ask for a larger workspace.
-  void tune(SparseGemm24& g, bool& done, bf16* out, const void* compressed, const bf16* dense, cudaStream_t s) {
+  void tune(SparseGemm24& g, bool& done, bf16* out, const void* compressed, const bf16* dense, const bf16* b,
+            cudaStream_t s) {
     if (done) return;
     ensure_workspace();
-    g.tune(out, compressed, dense, nullptr, workspace.get(), workspace.bytes(), s);
+    g.tune(out, compressed, dense, b, workspace.get(), workspace.bytes(), s);
     ensure_workspace();
     done = true;
   }
@@ -147,6 +151,7 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
   m.in = in;
   m.tokens = tokens;
   m.weight = weight;
+  m.bias = o.bias;
   m.name = sparse_linear_kind_name(o.kind) + " " + shape_text(out, in, tokens);
   ESPLAG_CHECK(out > 0 && in > 0 && tokens > 0, "SparseLinear ", m.name, ": sizes must be positive");
   ESPLAG_CHECK(out <= INT_MAX && in <= INT_MAX && tokens <= INT_MAX, "SparseLinear ", m.name,
@@ -169,7 +174,7 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
     return;
   }
   const bool slope = o.kind == SparseLinearKind::slope;
-  m.fwd = &SparseGemm24::get(SparseGemm24Problem::linear_forward(out, in, tokens));
+  m.fwd = &SparseGemm24::get(SparseGemm24Problem::linear_forward(out, in, tokens, o.bias));
   m.own_fwd = cusparselt24_layout_matches(*m.fwd);
   // The input gradient as the forward-form product of Wᵀ [in, out] (op N): slope holds W2ᵀ;
   // semi_sparse takes it too when the writer's layout is checked for it, since the writer
@@ -213,9 +218,79 @@ size_t SparseLinear::device_bytes() const {
          m.c_bwd.bytes() + m.scratch.bytes() + m.workspace.bytes();
 }
 
+void SparseLinear::use_dense_products(bool on) {
+  Impl& m = *impl_;
+  ESPLAG_CHECK(!on || (m.sparse && m.kind == SparseLinearKind::semi_sparse), "SparseLinear ", m.name,
+               ": dense products of the pruned weight are for semi_sparse layers with cuSPARSELt");
+  m.dense_products = on;
+}
+
+bool SparseLinear::sparse_products() const { return impl_->sparse && !impl_->dense_products; }
+
+SparseLinear::ProductTimes SparseLinear::time_products(cudaStream_t s, int iters) {
+  Impl& m = *impl_;
+  ESPLAG_CHECK(m.sparse && m.kind == SparseLinearKind::semi_sparse && iters > 0, "SparseLinear ", m.name,
+               ": time_products is for semi_sparse layers with cuSPARSELt");
+  const bool was_dense = m.dense_products;
+  Buffer x, y, dy, dx, b;
+  const size_t nx = size_t(m.tokens) * size_t(m.in), ny = size_t(m.tokens) * size_t(m.out);
+  if (m.bias) {
+    b.allocate(2 * size_t(m.out), "the timing bias", m.name);
+    CUDA_CHECK(cudaMemsetAsync(b.get(), 0, 2 * size_t(m.out), s));
+  }
+  x.allocate(2 * nx, "the timing input", m.name);
+  dx.allocate(2 * nx, "the timing input gradient", m.name);
+  y.allocate(2 * ny, "the timing output", m.name);
+  dy.allocate(2 * ny, "the timing output gradient", m.name);
+  // Non-zero inputs (0x3C00 = 1.0 with varying low mantissa bits): the products' speed
+  // does not depend on the values, but all-zero inputs could take shortcuts.
+  CUDA_CHECK(cudaMemsetAsync(x.get(), 0x3C, 2 * nx, s));
+  CUDA_CHECK(cudaMemsetAsync(dy.get(), 0x3B, 2 * ny, s));
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  auto median_ms = [&](bool dense) {
+    use_dense_products(dense);
+    auto once = [&] {
+      prepare(s);
+      forward(y.bf(), x.bf(), s, b.bf());
+      backward(dx.bf(), nullptr, dy.bf(), nullptr, false, s);
+    };
+    once();  // tunes the products (a cuSPARSELt search or cuBLASLt's autotuning) outside the timing
+    once();
+    std::vector<float> t;
+    for (int i = 0; i < iters; ++i) {
+      CUDA_CHECK(cudaEventRecord(e0, s));
+      once();
+      CUDA_CHECK(cudaEventRecord(e1, s));
+      CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      t.push_back(ms);
+    }
+    std::sort(t.begin(), t.end());
+    return double(t[t.size() / 2]);
+  };
+  ProductTimes r;
+  r.sparse_ms = median_ms(false);
+  r.dense_ms = median_ms(true);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  use_dense_products(was_dense);
+  prepare(s);  // the layer's own buffers again, from its weight
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  m.gemm_.reset();  // the dense timing's GEMM workspace: not the layer's to keep
+  m.gemm_arena = DeviceArena();
+  return r;
+}
+
 void SparseLinear::prepare(cudaStream_t s) {
   Impl& m = *impl_;
   if (!m.sparse) return;
+  if (m.kind == SparseLinearKind::semi_sparse && m.dense_products) {
+    transposable_24(m.weight, m.out, m.in, Sparse24Out{m.pruned.bf()}, Sparse24Out{}, nullptr, s);
+    return;
+  }
   if (m.kind == SparseLinearKind::semi_sparse) {
     // One transposable mask serves both products: Ws is 2:4 along its rows (the forward's
     // K) and along its columns (the input gradient's K).
@@ -253,26 +328,29 @@ void SparseLinear::prepare(cudaStream_t s) {
     m.bwd->compress(m.c_bwd.get(), m.pruned_t.bf(), m.scratch.get(), m.scratch.bytes(), s);
 }
 
-void SparseLinear::forward(bf16* y, const bf16* x, cudaStream_t s) {
+void SparseLinear::forward(bf16* y, const bf16* x, cudaStream_t s, const bf16* bias) {
   Impl& m = *impl_;
   ESPLAG_CHECK(y && x, "SparseLinear ", m.name, ": forward needs x and y");
-  if (!m.sparse) {
-    m.gemm().forward(y, x, m.weight, nullptr, int(m.tokens), int(m.in), int(m.out), s);
+  ESPLAG_CHECK((bias != nullptr) == m.bias, "SparseLinear ", m.name, ": the layer was built ",
+               m.bias ? "with" : "without", " a bias, and forward got ", bias ? "one" : "none");
+  if (!m.sparse || m.dense_products) {
+    m.gemm().forward(y, x, m.sparse ? m.pruned.bf() : m.weight, bias, int(m.tokens), int(m.in), int(m.out), s);
     return;
   }
-  m.tune(*m.fwd, m.fwd_tuned, y, m.c_fwd.get(), x, s);
+  m.tune(*m.fwd, m.fwd_tuned, y, m.c_fwd.get(), x, bias, s);
   m.ensure_workspace();  // a plan shared with another layer may have been tuned since
-  m.fwd->matmul(y, m.c_fwd.get(), x, nullptr, m.workspace.get(), m.workspace.bytes(), s);
+  m.fwd->matmul(y, m.c_fwd.get(), x, bias, m.workspace.get(), m.workspace.bytes(), s);
 }
 
 void SparseLinear::backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, bool accumulate_dw, cudaStream_t s) {
   Impl& m = *impl_;
   ESPLAG_CHECK(dy, "SparseLinear ", m.name, ": backward needs dy");
   if (dx) {
-    if (!m.sparse) {
-      m.gemm().backward_input(dx, dy, m.weight, int(m.tokens), int(m.in), int(m.out), false, s);
+    if (!m.sparse || m.dense_products) {
+      m.gemm().backward_input(dx, dy, m.sparse ? m.pruned.bf() : m.weight, int(m.tokens), int(m.in), int(m.out),
+                              false, s);
     } else {
-      m.tune(*m.bwd, m.bwd_tuned, dx, m.c_bwd.get(), dy, s);
+      m.tune(*m.bwd, m.bwd_tuned, dx, m.c_bwd.get(), dy, nullptr, s);
       m.ensure_workspace();
       m.bwd->matmul(dx, m.c_bwd.get(), dy, nullptr, m.workspace.get(), m.workspace.bytes(), s);
     }

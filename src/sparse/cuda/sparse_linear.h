@@ -81,6 +81,9 @@ SparseLinearKind parse_sparse_linear_kind(const std::string& name);
 struct SparseLinearOptions {
   SparseLinearKind kind = SparseLinearKind::dense;
   bool sparse_dw = false;  // refused (see above)
+  // The forward adds a bias [out] (bf16): cuSPARSELt's bias epilogue on the 2:4 product
+  // (one plan per bias address), cuBLASLt's on the dense one.
+  bool bias = false;
 };
 
 class SparseLinear {
@@ -102,8 +105,24 @@ class SparseLinear {
 
   // The per-step weight preparation from the current weight (see above).
   void prepare(cudaStream_t stream);
-  // y [tokens, out] (overwritten) = x [tokens, in] · Weffᵀ.
-  void forward(bf16* y, const bf16* x, cudaStream_t stream);
+
+  // Per-layer dispatch (semi_sparse with cuSPARSELt only, else Error): with dense products
+  // on, prepare() only prunes (Ws, one pass) and the forward and input-gradient products
+  // multiply Ws on cuBLASLt: the same function, for shapes where the 2:4 products and
+  // their compression cost more than they save. sparse_products(): the 2:4 products run.
+  void use_dense_products(bool on);
+  bool sparse_products() const;
+  // Both ways timed on this layer's shape (median of `iters` of prepare + forward +
+  // input gradient after two untimed rounds that tune the products), on scratch inputs
+  // allocated for the call; the layer's mode is kept and its buffers are prepared again
+  // from its weight. Synchronises the stream.
+  struct ProductTimes {
+    double sparse_ms = 0, dense_ms = 0;
+  };
+  ProductTimes time_products(cudaStream_t stream, int iters = 10);
+  // y [tokens, out] (overwritten) = x [tokens, in] · Weffᵀ (+ bias, which must be given
+  // exactly when the options ask for one).
+  void forward(bf16* y, const bf16* x, cudaStream_t stream, const bf16* bias = nullptr);
   // dx [tokens, in] (overwritten; may be null) = dy · Wbwd;
   // dw [out, in] fp32 (= or += when accumulate_dw; may be null) = dyᵀ · x.
   void backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, bool accumulate_dw, cudaStream_t stream);
