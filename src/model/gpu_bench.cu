@@ -127,6 +127,13 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   r.device_used_bytes = total_b - free_b;
   r.sparse_bytes = model.sparse_device_bytes();
   r.dispatch = model.sparse_dispatch_summary();
+  if (!semi_sparse_regex.empty()) {
+    int sparse_shapes = 0;
+    for (const auto& d : model.sparse_dispatch()) sparse_shapes += d.sparse;
+    r.linears += options.sparse_dispatch ? " (2:4 products for " + std::to_string(sparse_shapes) + " of " +
+                                               std::to_string(model.sparse_dispatch().size()) + " shapes)"
+                                         : " (2:4 products everywhere)";
+  }
 
   if (op_profile_steps > 0) {
     model.set_op_timing(true);

@@ -43,8 +43,10 @@ struct GpuBenchResult {
   // (GpuTransformer::set_op_timing), run after the timed ones.
   int op_profile_steps = 0;
   std::vector<GpuOpTime> op_times;
-  // The block Linear layers' kinds: "dense", or "semi_sparse N/M" (N of the M block
-  // linears), and the device bytes the semi_sparse layers hold outside the arena.
+  // The block Linear layers' kinds: "dense", or "semi_sparse N/M (2:4 products for S of
+  // D shapes)" (N of the M block linears semi_sparse; how many of their D distinct shapes
+  // dispatch chose the 2:4 products for, or "everywhere" without dispatch), and the device
+  // bytes the semi_sparse layers hold outside the arena.
   std::string linears = "dense";
   size_t sparse_bytes = 0;
   std::string dispatch;  // GpuTransformer::sparse_dispatch_summary()
