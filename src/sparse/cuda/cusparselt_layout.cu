@@ -21,23 +21,24 @@ namespace {
 
 constexpr int kTile = 64;  // the metadata's row band and the kernel's tile (both orientations)
 
-// One group of 4 (bf16 bits): the nibble idx0 | idx1 << 2 and the two stored values. The
-// first two non-zeros (±0 counts as zero), padded by the lowest positions not taken.
-__host__ __device__ inline unsigned pick_group(const uint16_t v[4], uint16_t* out0, uint16_t* out1) {
-  int idx[2] = {-1, -1};
-  int n = 0;
-  for (int j = 0; j < 4 && n < 2; ++j)
-    if (v[j] & 0x7FFFu) idx[n++] = j;
-  for (int j = 0; j < 4 && n < 2; ++j)
-    if (j != idx[0] && (v[j] & 0x7FFFu) == 0) idx[n++] = j;
-  if (idx[0] > idx[1]) {
-    const int s = idx[0];
-    idx[0] = idx[1];
-    idx[1] = s;
-  }
-  *out0 = v[idx[0]];
-  *out1 = v[idx[1]];
-  return unsigned(idx[0]) | (unsigned(idx[1]) << 2);
+// One group of 4 (bf16 bits, element j in bits 16j..16j+15 of g): the nibble
+// idx0 | idx1 << 2 and the two stored values. The first two non-zeros (±0 counts as zero),
+// padded by the lowest positions not taken. Bit operations only: no array is indexed by a
+// value, so the device code keeps everything in registers.
+__host__ __device__ inline unsigned pick_group(uint64_t g, uint16_t* out0, uint16_t* out1) {
+  unsigned keep = 0;
+  for (int j = 0; j < 4; ++j) keep |= ((g >> (16 * j)) & 0x7FFFu) ? 1u << j : 0u;
+  const unsigned low = keep & (0u - keep);  // the lowest non-zero
+  const unsigned rest = keep & ~low;
+  keep = low | (rest & (0u - rest));       // at most the two lowest
+  for (int pad = 0; pad < 2; ++pad)
+    if ((keep & (keep - 1)) == 0) keep |= ~keep & (keep + 1) & 15u;  // fewer than 2: the lowest position not taken
+  // keep has exactly two bits: idx0 the lower, idx1 the higher
+  const unsigned idx0 = (keep & 1u) ? 0u : (keep & 2u) ? 1u : 2u;
+  const unsigned idx1 = (keep & 8u) ? 3u : (keep & 4u) ? 2u : 1u;
+  *out0 = uint16_t(g >> (16 * idx0));
+  *out1 = uint16_t(g >> (16 * idx1));
+  return idx0 | (idx1 << 2);
 }
 
 // Byte offset of row r's group g in the metadata (from the metadata's start), and whether
@@ -63,34 +64,37 @@ __global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t r
                                        uint8_t* __restrict__ dst_n, uint8_t* __restrict__ dst_t,
                                        uint16_t* __restrict__ pruned) {
   constexpr int kStride = kTile + 2;  // odd word stride: column reads hit distinct banks
-  __shared__ uint16_t tile[kTile * kStride];
+  constexpr int kWordStride = kStride / 2;
+  __shared__ __align__(16) uint16_t tile[kTile * kStride];
+  // Pairs of columns as words (every even column starts a 4-byte aligned word).
+  uint32_t* const words = reinterpret_cast<uint32_t*>(tile);
   const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
   for (int i = threadIdx.x; i < kTile * kTile / 8; i += blockDim.x) {
     const int r = i / (kTile / 8), c8 = i % (kTile / 8);
     const uint4 v = *reinterpret_cast<const uint4*>(w + (r0 + r) * cols + c0 + c8 * 8);
-    const uint32_t p[4] = {v.x, v.y, v.z, v.w};
-    for (int e = 0; e < 4; ++e) {
-      tile[r * kStride + c8 * 8 + 2 * e] = uint16_t(p[e] & 0xFFFFu);
-      tile[r * kStride + c8 * 8 + 2 * e + 1] = uint16_t(p[e] >> 16);
-    }
+    uint32_t* row = words + r * kWordStride + c8 * 4;  // a warp's 32 stores hit 32 banks
+    row[0] = v.x;
+    row[1] = v.y;
+    row[2] = v.z;
+    row[3] = v.w;
   }
   __syncthreads();
   if constexpr (Prune) {
     using namespace sparsify_detail;
     for (int t = threadIdx.x; t < (kTile / 4) * (kTile / 4); t += blockDim.x) {
       const int tr = t / (kTile / 4), tc = t % (kTile / 4);
-      uint16_t* at = tile + 4 * tr * kStride + 4 * tc;
+      uint32_t* at = words + 4 * tr * kWordStride + 2 * tc;
       PackedTile pt;
+#pragma unroll
       for (int r = 0; r < 4; ++r) {
-        pt.lo[r] = uint32_t(at[r * kStride]) | (uint32_t(at[r * kStride + 1]) << 16);
-        pt.hi[r] = uint32_t(at[r * kStride + 2]) | (uint32_t(at[r * kStride + 3]) << 16);
+        pt.lo[r] = at[r * kWordStride];
+        pt.hi[r] = at[r * kWordStride + 1];
       }
       pt = prune_tile(pt, greedy_mask(pt));
+#pragma unroll
       for (int r = 0; r < 4; ++r) {
-        at[r * kStride] = uint16_t(pt.lo[r]);
-        at[r * kStride + 1] = uint16_t(pt.lo[r] >> 16);
-        at[r * kStride + 2] = uint16_t(pt.hi[r]);
-        at[r * kStride + 3] = uint16_t(pt.hi[r] >> 16);
+        at[r * kWordStride] = pt.lo[r];
+        at[r * kWordStride + 1] = pt.hi[r];
         if (pruned)
           *reinterpret_cast<uint2*>(pruned + (r0 + 4 * tr + r) * cols + c0 + 4 * tc) = make_uint2(pt.lo[r], pt.hi[r]);
       }
@@ -104,18 +108,23 @@ __global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t r
   const int a = item % 8, ch = (item / 8) % 2, s = item / 16;
   const int64_t M = transposed ? cols : rows, K = transposed ? rows : cols;
   const int64_t op_r0 = transposed ? c0 : r0, op_c0 = transposed ? r0 : c0;
-  uint8_t nib[2][8];
+  // The 16 nibbles, row a's at bits 4g and row a + 8's at bits 32 + 4g: a register, not an
+  // array (a value-indexed array would live in local memory).
+  uint64_t nibs = 0;
+#pragma unroll 1
   for (int half = 0; half < 2; ++half) {
     const int lr = s * 16 + half * 8 + a;  // tile-local row of op(W)
-    uint32_t packed[16];
+    uint32_t packed[8];
+#pragma unroll
     for (int g = 0; g < 8; ++g) {
-      uint16_t v[4];
+      uint64_t v = 0;
+#pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int lk = ch * 32 + g * 4 + j;  // tile-local column of op(W)
-        v[j] = transposed ? tile[lk * kStride + lr] : tile[lr * kStride + lk];
+        v |= uint64_t(transposed ? tile[lk * kStride + lr] : tile[lr * kStride + lk]) << (16 * j);
       }
       uint16_t x0, x1;
-      nib[half][g] = uint8_t(pick_group(v, &x0, &x1));
+      nibs |= uint64_t(pick_group(v, &x0, &x1)) << (32 * half + 4 * g);
       packed[g] = uint32_t(x0) | (uint32_t(x1) << 16);
     }
     uint4* out = reinterpret_cast<uint4*>(dst + ((op_r0 + lr) * (K / 2) + (op_c0 + ch * 32) / 2) * 2);
@@ -123,18 +132,20 @@ __global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t r
     out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
   }
   // byte a·8 + q·4 + h·2 + t holds group j = 2(q + 2t) + h: low nibble row a, high row a + 8
-  uint8_t bytes[8];
+  uint2 m = make_uint2(0u, 0u);
+#pragma unroll
   for (int b = 0; b < 8; ++b) {
     const int q = b / 4, h = (b / 2) % 2, t = b % 2;
     const int j = 2 * (q + 2 * t) + h;
-    bytes[b] = uint8_t(nib[0][j] | (nib[1][j] << 4));
+    const uint32_t byte = uint32_t(((nibs >> (4 * j)) & 15u) | (((nibs >> (32 + 4 * j)) & 15u) << 4)) << (8 * (b % 4));
+    if (b < 4)
+      m.x |= byte;
+    else
+      m.y |= byte;
   }
   const int64_t R = op_r0 + s * 16;  // first row of the 16-row block
   const int64_t g0 = (op_c0 + ch * 32) / 4;
   const int64_t off = M * K + (R / 64) * 8 * K + (g0 / 8) * 256 + ((R % 64) / 16) * 64 + a * 8;
-  uint2 m;
-  std::memcpy(&m.x, bytes, 4);
-  std::memcpy(&m.y, bytes + 4, 4);
   *reinterpret_cast<uint2*>(dst + off) = m;
 }
 
@@ -157,10 +168,10 @@ void cusparselt24_compress_host(const uint16_t* w, int64_t rows, int64_t cols, b
   uint16_t* values = reinterpret_cast<uint16_t*>(dst);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t g = 0; g < K / 4; ++g) {
-      uint16_t v[4];
+      uint64_t v = 0;
       for (int j = 0; j < 4; ++j) {
         const int64_t kk = 4 * g + j;
-        v[j] = transposed ? w[kk * cols + r] : w[r * cols + kk];
+        v |= uint64_t(transposed ? w[kk * cols + r] : w[r * cols + kk]) << (16 * j);
       }
       uint16_t x0, x1;
       const unsigned nib = pick_group(v, &x0, &x1);
