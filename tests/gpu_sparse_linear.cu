@@ -265,6 +265,27 @@ TEST(GpuSparseLinear, SemiSparseDenseProductsAndTiming) {
   std::printf("  %lldx%lldx%lld: 2:4 %.3f ms, dense %.3f ms\n", static_cast<long long>(O), static_cast<long long>(I),
               static_cast<long long>(N), t.sparse_ms, t.dense_ms);
 
+  // Without a kept Ws (the one-pass preparation writes only the compressed copies): the
+  // same products; dense products bring Ws back.
+  SparseLinearOptions lean_o = o;
+  lean_o.keep_pruned = false;
+  SparseLinear lean(lean_o, O, I, N, w.bf(), nullptr);
+  lean.prepare(nullptr);
+  EXPECT_EQ(lean.pruned_weight(), nullptr);
+  Dev x(size_t(N * I) * 2), y_full(size_t(N * O) * 2), y_lean(size_t(N * O) * 2);
+  upload(x, random_bf16(size_t(N * I), 1.0, rng));
+  layer.forward(y_full.bf(), x.bf(), nullptr);
+  lean.forward(y_lean.bf(), x.bf(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(download_bits(y_lean.p, size_t(N * O)), download_bits(y_full.p, size_t(N * O)));
+  lean.time_products(nullptr, 2);
+  EXPECT_EQ(lean.pruned_weight(), nullptr);
+  lean.use_dense_products(true);
+  lean.prepare(nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  ASSERT_NE(lean.pruned_weight(), nullptr);
+  EXPECT_EQ(download_bits(lean.pruned_weight(), size_t(O * I)), before);
+
   SparseLinearOptions d;
   SparseLinear dense(d, O, I, N, w.bf(), nullptr);
   EXPECT_THROW(dense.use_dense_products(true), esplag::Error);

@@ -45,6 +45,7 @@
 #include "ops/gpu_fused.h"
 #include "sparse/cuda/cusparselt.h"
 #include "sparse/cuda/sparse_linear.h"
+#include "sparse/cuda/sparsify.h"
 
 namespace esplag {
 
@@ -294,9 +295,6 @@ struct GpuTransformer::Impl {
     float *dw = nullptr, *db = nullptr;
     // semi_sparse (set_linear_kind): the layer's 2:4 products; null for dense.
     gpu::SparseLinear* sp = nullptr;
-    // The weight the dense products read: W, or the pruned Ws of a semi_sparse layer
-    // (its products run dense when the tokens differ from the layer's plans).
-    const bf16* product_weight() const { return sp ? sp->pruned_weight() : w; }
     bool sparse_for(int N) const { return sp && sp->sparse_products() && sp->tokens() == N; }
   };
   struct Block {
@@ -389,6 +387,20 @@ struct GpuTransformer::Impl {
   // decisions by layer shape.
   std::map<std::string, std::unique_ptr<gpu::SparseLinear>> sparse;
   std::vector<GpuTransformer::SparseDispatch> dispatch;
+  // Ws of a semi_sparse layer whose 2:4 layers keep no pruned copy, made when a product
+  // has to run dense (a micro-batch of another size): as large as the largest such layer.
+  DeviceArena prune_scratch;
+
+  // The weight a dense product of `lin` reads: W, the pruned Ws the layer keeps (dense
+  // dispatch), or Ws pruned now into prune_scratch (stream order keeps it until the
+  // product has read it).
+  const bf16* dense_weight(const Lin& lin, int out, int in, cudaStream_t s) {
+    if (!lin.sp) return lin.w;
+    if (const bf16* p = lin.sp->pruned_weight()) return p;
+    bf16* ws = reinterpret_cast<bf16*>(prune_scratch.base());
+    gpu::transposable_24(lin.w, out, in, gpu::Sparse24Out{ws}, gpu::Sparse24Out{}, nullptr, s);
+    return ws;
+  }
   gpu::AdamWStepParams* adam_params = nullptr;  // device
 
   ZeroChunk* zero_chunks = nullptr;  // zero_grad's table (device)
@@ -996,7 +1008,7 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
     const double fl = n2 * K * OC;
     if (!lin.sparse_for(N)) {
       mark(name, fl);
-      gemm.forward(out, in, lin.product_weight(), lin.b, N, K, OC, s, act, pre_gelu);
+      gemm.forward(out, in, im.dense_weight(lin, OC, K, s), lin.b, N, K, OC, s, act, pre_gelu);
       return;
     }
     const bool gelu = act == gpu::Gemm::Act::gelu;
@@ -1115,7 +1127,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     const double fl = n2 * K * OC;
     if (!lin.sparse_for(N)) {
       mark(name, fl);
-      gemm.backward_input(dinp, dout, lin.product_weight(), N, K, OC, false, s, pre_gelu);
+      gemm.backward_input(dinp, dout, im.dense_weight(lin, OC, K, s), N, K, OC, false, s, pre_gelu);
       return;
     }
     mark(std::string("sparse ") + name, fl);
@@ -1305,6 +1317,7 @@ void GpuTransformer::set_linear_kind(const std::string& weight_name, const std::
   if (kind == "dense") {
     lin->sp = nullptr;
     im.sparse.erase(weight_name);
+    if (im.sparse.empty()) im.prune_scratch = DeviceArena();
   } else {
     ESPLAG_CHECK(gpu::cusparselt_available(), "GpuTransformer: ", weight_name,
                  ": semi_sparse on the GPU needs cuSPARSELt: ", gpu::cusparselt_unavailable_reason());
@@ -1315,6 +1328,7 @@ void GpuTransformer::set_linear_kind(const std::string& weight_name, const std::
     gpu::SparseLinearOptions o;
     o.kind = gpu::SparseLinearKind::semi_sparse;
     o.bias = lin->b != nullptr;
+    o.keep_pruned = false;  // dense_weight prunes on demand
     const int64_t tokens = int64_t(max_b_) * max_t_;
     auto sp = std::make_unique<gpu::SparseLinear>(o, out, in, tokens, lin->w, stream_);
     if (opt_.sparse_dispatch) {
@@ -1328,6 +1342,9 @@ void GpuTransformer::set_linear_kind(const std::string& weight_name, const std::
       sp->use_dense_products(!it->sparse);
     }
     sp->prepare(stream_);
+    const size_t ws_bytes = sizeof(bf16) * size_t(out) * size_t(in) + DeviceArena::kDefaultAlignment;
+    if (!sp->pruned_weight() && im.prune_scratch.capacity() < ws_bytes)
+      im.prune_scratch = DeviceArena(ws_bytes, "semi_sparse pruning scratch");
     lin->sp = sp.get();
     im.sparse[weight_name] = std::move(sp);
   }
@@ -1358,7 +1375,7 @@ std::string GpuTransformer::sparse_dispatch_summary() const {
 }
 
 size_t GpuTransformer::sparse_device_bytes() const {
-  size_t n = 0;
+  size_t n = impl_->prune_scratch.capacity();
   for (const auto& [name, sp] : impl_->sparse) n += sp->device_bytes();
   return n;
 }

@@ -218,8 +218,10 @@ class GpuTransformer {
   // 2:4 of the current W is taken (Ws) and compressed for cuSPARSELt; the forward and dX
   // products are 2:4 GEMMs of Ws, dW stays the dense dYᵀ·X, the master weight stays dense).
   // Micro-batches of another size than max_batch × max_seq_len run the dense products of
-  // Ws (the 2:4 plans are per token count). Each semi_sparse layer holds Ws and its two
-  // compressed copies (about 4.25 bytes per weight, outside the arena: sparse_device_bytes)
+  // Ws (the 2:4 plans are per token count; Ws is then pruned again into a scratch as large
+  // as the largest layer). Each semi_sparse layer holds its two compressed copies (2.25
+  // bytes per weight), and Ws (2 more) where dispatch chose the dense products or
+  // cuSPARSELt's layout is not the writer's, all outside the arena (sparse_device_bytes),
   // and is tuned at its first forward (one cuSPARSELt search per shape and process, or the
   // tuning cache's entry). Other kinds, or semi_sparse without cuSPARSELt, throw Error.
   // Changing a kind waits for the device and drops the captured graphs.

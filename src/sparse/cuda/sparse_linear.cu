@@ -95,6 +95,7 @@ struct SparseLinear::Impl {
   bool sparse = false;
   bool dense_products = false;  // use_dense_products: semi_sparse's Ws through cuBLASLt
   bool bias = false;            // SparseLinearOptions::bias
+  bool keep_pruned = true;      // SparseLinearOptions::keep_pruned
   int64_t out = 0, in = 0, tokens = 0;
   const bf16* weight = nullptr;
   std::string name;  // kind and shape, for messages
@@ -152,6 +153,7 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
   m.tokens = tokens;
   m.weight = weight;
   m.bias = o.bias;
+  m.keep_pruned = o.keep_pruned;
   m.name = sparse_linear_kind_name(o.kind) + " " + shape_text(out, in, tokens);
   ESPLAG_CHECK(out > 0 && in > 0 && tokens > 0, "SparseLinear ", m.name, ": sizes must be positive");
   ESPLAG_CHECK(out <= INT_MAX && in <= INT_MAX && tokens <= INT_MAX, "SparseLinear ", m.name,
@@ -184,7 +186,8 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
   m.own_bwd = cusparselt24_layout_matches(*m.bwd);
   if (!slope && !m.own_bwd) m.bwd = &SparseGemm24::get(SparseGemm24Problem::linear_backward_data(out, in, tokens));
   const size_t n_w = size_t(out) * size_t(in);
-  m.pruned.allocate(2 * n_w, slope ? "W1" : "the pruned weight", m.name);
+  if (slope || m.keep_pruned || !(m.own_fwd && m.own_bwd))
+    m.pruned.allocate(2 * n_w, slope ? "W1" : "the pruned weight", m.name);
   if (slope) {
     m.pruned_t.allocate(2 * n_w, "W2^T", m.name);
     m.tile_mask.allocate(size_t(out / 4) * size_t(in / 4) * 2, "the forward tile mask", m.name);
@@ -223,6 +226,8 @@ void SparseLinear::use_dense_products(bool on) {
   ESPLAG_CHECK(!on || (m.sparse && m.kind == SparseLinearKind::semi_sparse), "SparseLinear ", m.name,
                ": dense products of the pruned weight are for semi_sparse layers with cuSPARSELt");
   m.dense_products = on;
+  if (on && !m.pruned.get()) m.pruned.allocate(2 * size_t(m.out) * size_t(m.in), "the pruned weight", m.name);
+  if (!on && !m.keep_pruned && m.own_fwd && m.own_bwd) m.pruned.reset();
 }
 
 bool SparseLinear::sparse_products() const { return impl_->sparse && !impl_->dense_products; }

@@ -84,6 +84,11 @@ struct SparseLinearOptions {
   // The forward adds a bias [out] (bf16): cuSPARSELt's bias epilogue on the 2:4 product
   // (one plan per bias address), cuBLASLt's on the dense one.
   bool bias = false;
+  // semi_sparse: false lets prepare() skip the pruned dense Ws where the one-pass
+  // preparation runs (cuSPARSELt's layout checked for both products): a third less
+  // traffic and no Ws buffer (2 bytes per weight). pruned_weight() is then null, except
+  // with use_dense_products, which needs Ws and allocates it.
+  bool keep_pruned = true;
 };
 
 class SparseLinear {
