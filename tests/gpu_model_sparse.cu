@@ -152,6 +152,9 @@ void compare_step(const std::string& label, const ModelConfig& cfg, int maxB, in
       EXPECT_GT(d.sparse_ms, 0);
       EXPECT_GT(d.dense_ms, 0);
       EXPECT_EQ(d.sparse, d.sparse_ms < d.dense_ms);
+      // the MLP's layers of a GELU model carry the GELU pass the 2:4 path adds
+      const bool mlp = (d.out == cfg.fc_dim() && d.in == cfg.d_model) || (d.out == cfg.d_model && d.in == cfg.d_ff);
+      EXPECT_EQ(d.gelu_pass, mlp && cfg.mlp == esplag::MlpKind::gelu) << d.out << "x" << d.in;
       sparse_roles += d.sparse;
     }
     std::printf("  %s\n", gm.sparse_dispatch_summary().c_str());
@@ -174,6 +177,7 @@ TEST_F(GpuModelSparse, SemiSparseMatchesCpu) {
 
 TEST_F(GpuModelSparse, DispatchByMeasurementMatchesCpu) {
   compare_step("llama, products chosen per layer shape", llama_config(), 2, 96, 2, 96, true);
+  compare_step("gpt, GELU passes counted against the 2:4 path", gpt_config(), 4, 64, 4, 64, true);
 }
 
 TEST_F(GpuModelSparse, TrainingCurveMatchesCpu) {

@@ -1304,6 +1304,36 @@ GpuTransformer::Impl::Lin* find_linear(GpuTransformer::Impl& im, const std::stri
   return nullptr;
 }
 
+// Median time of the separate GELU pass over n values (forward, or the gradient given the
+// pre-activation), on scratch buffers; synchronises the stream.
+double time_gelu_pass(int64_t n, bool forward, cudaStream_t s) {
+  DeviceArena scratch(2 * sizeof(bf16) * size_t(n) + 2 * DeviceArena::kDefaultAlignment, "GELU timing");
+  bf16* a = scratch.allocate_array<bf16>("a", size_t(n));
+  bf16* b = scratch.allocate_array<bf16>("b", size_t(n));
+  CUDA_CHECK(cudaMemsetAsync(a, 0x3C, sizeof(bf16) * size_t(n), s));
+  CUDA_CHECK(cudaMemsetAsync(b, 0x3B, sizeof(bf16) * size_t(n), s));
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<float> t;
+  for (int i = 0; i < 7; ++i) {
+    CUDA_CHECK(cudaEventRecord(e0, s));
+    if (forward)
+      gpu::gelu_forward(b, a, n, s);
+    else
+      gpu::gelu_backward(b, a, b, n, false, s);
+    CUDA_CHECK(cudaEventRecord(e1, s));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (i >= 2) t.push_back(ms);  // two warm-up runs
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
 }  // namespace
 
 void GpuTransformer::set_linear_kind(const std::string& weight_name, const std::string& kind) {
@@ -1332,11 +1362,19 @@ void GpuTransformer::set_linear_kind(const std::string& weight_name, const std::
     const int64_t tokens = int64_t(max_b_) * max_t_;
     auto sp = std::make_unique<gpu::SparseLinear>(o, out, in, tokens, lin->w, stream_);
     if (opt_.sparse_dispatch) {
-      auto same = [&](const SparseDispatch& d) { return d.out == out && d.in == in && d.tokens == tokens; };
+      // GELU MLP: fc's forward and mproj's dX carry a GELU pass on the 2:4 path (over
+      // fc's output, [tokens, out] of fc = [tokens, in] of mproj).
+      const bool gelu_pass = cfg_.mlp == MlpKind::gelu && weight_name.find(".mlp.") != std::string::npos;
+      auto same = [&](const SparseDispatch& d) {
+        return d.out == out && d.in == in && d.tokens == tokens && d.gelu_pass == gelu_pass;
+      };
       auto it = std::find_if(im.dispatch.begin(), im.dispatch.end(), same);
       if (it == im.dispatch.end()) {
         const gpu::SparseLinear::ProductTimes t = sp->time_products(stream_);
-        im.dispatch.push_back({out, in, tokens, t.sparse_ms, t.dense_ms, t.sparse_ms < t.dense_ms});
+        const bool is_fc = weight_name.find(".mlp.fc.") != std::string::npos;
+        const double extra = gelu_pass ? time_gelu_pass(tokens * (is_fc ? out : in), is_fc, stream_) : 0.0;
+        im.dispatch.push_back(
+            {out, in, tokens, gelu_pass, t.sparse_ms + extra, t.dense_ms, t.sparse_ms + extra < t.dense_ms});
         it = im.dispatch.end() - 1;
       }
       sp->use_dense_products(!it->sparse);
@@ -1366,9 +1404,9 @@ std::string GpuTransformer::sparse_dispatch_summary() const {
   std::string s;
   for (const auto& d : impl_->dispatch) {
     char buf[160];
-    std::snprintf(buf, sizeof buf, "%s%lldx%lld: %s (2:4 %.3f ms, dense %.3f ms)", s.empty() ? "" : "; ",
+    std::snprintf(buf, sizeof buf, "%s%lldx%lld: %s (2:4 %.3f ms%s, dense %.3f ms)", s.empty() ? "" : "; ",
                   static_cast<long long>(d.out), static_cast<long long>(d.in), d.sparse ? "2:4" : "dense",
-                  d.sparse_ms, d.dense_ms);
+                  d.sparse_ms, d.gelu_pass ? " with its GELU pass" : "", d.dense_ms);
     s += buf;
   }
   return s.empty() ? s : "semi_sparse products by layer shape (prepare + forward + dX per step): " + s;

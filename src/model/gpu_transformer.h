@@ -230,10 +230,15 @@ class GpuTransformer {
   size_t sparse_device_bytes() const;
   // The dispatch decisions so far (GpuModelOptions::sparse_dispatch), one per layer shape
   // in the order they were made, and a one-line summary of them ("" when none).
+  // With a GELU MLP, the 2:4 path runs the GELU of mlp.fc's output (forward) and its
+  // gradient before mlp.proj's dX (backward) as separate passes where cuBLASLt fuses them
+  // into the dense products' epilogues: that pass is timed too and counted against the
+  // 2:4 products of those layers (`gelu_pass`).
   struct SparseDispatch {
     int64_t out = 0, in = 0, tokens = 0;
-    double sparse_ms = 0, dense_ms = 0;  // prepare + forward + input gradient, median
-    bool sparse = true;                  // the 2:4 products were faster
+    bool gelu_pass = false;              // the layer's 2:4 path adds a GELU pass
+    double sparse_ms = 0, dense_ms = 0;  // prepare + forward + input gradient (+ that pass), median
+    bool sparse = true;                  // the 2:4 path was faster
   };
   const std::vector<SparseDispatch>& sparse_dispatch() const;
   std::string sparse_dispatch_summary() const;
