@@ -66,9 +66,13 @@ using esplag::gpu_test::Bits;
 using esplag::gpu_test::Data;
 using esplag::gpu_test::Err;
 using esplag::gpu_test::error_of;
+using esplag::gpu_test::cpu_adamw_step;
 using esplag::gpu_test::has_device;
 using esplag::gpu_test::random_bf16;
+using esplag::gpu_test::random_tokens;
+using esplag::gpu_test::rel_l2;
 using esplag::gpu_test::round_bf16;
+using esplag::gpu_test::structured_batch;
 using esplag::gpu_test::VD;
 using esplag::gpu_test::VF;
 #define REQUIRE_DEVICE() ASSERT_TRUE(has_device()) << "no CUDA device visible to the gpu tests"
@@ -242,21 +246,6 @@ ModelConfig relu2_config() {
   return c;
 }
 
-double rel_l2(const float* a, const float* ref, size_t n) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const double d = double(a[i]) - double(ref[i]);
-    num += d * d;
-    den += double(ref[i]) * double(ref[i]);
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
-
-void random_tokens(std::vector<int32_t>& v, int V, uint64_t seed) {
-  Rng rng(seed);
-  for (auto& t : v) t = static_cast<int32_t>(rng.below(V));
-}
-
 void compare_model(const std::string& label, const ModelConfig& cfg, int maxB, int maxT, int B, int T,
                    const GpuModelOptions& opt) {
   SCOPED_TRACE(label);
@@ -395,19 +384,6 @@ TEST_F(GpuModel, MemoryPlanAndOutOfMemory) {
   EXPECT_THROW(m.forward_loss(x.data(), x.data(), 4, 64), esplag::Error);
 }
 
-// Sequences that follow x[t+1] = (a · x[t] + c) mod V from a random start: learnable, so
-// the loss falls quickly and the two curves are compared where they move.
-void structured_batch(std::vector<int32_t>& x, std::vector<int32_t>& y, int B, int T, int V, Rng& rng) {
-  for (int b = 0; b < B; ++b) {
-    int32_t tok = static_cast<int32_t>(rng.below(V));
-    for (int t = 0; t < T; ++t) {
-      x[size_t(b) * T + t] = tok;
-      tok = static_cast<int32_t>((5 * tok + 3) % V);
-      y[size_t(b) * T + t] = tok;
-    }
-  }
-}
-
 TEST_F(GpuModel, TrainingCurveMatchesCpu) {
   const ModelConfig c = tiny_config();
   const int B = 4, T = 32, steps = 30;
@@ -427,12 +403,7 @@ TEST_F(GpuModel, TrainingCurveMatchesCpu) {
     structured_batch(x, y, B, T, c.vocab_size, rng);
     cm.zero_grad();
     lc.push_back(cm.forward_backward(x.data(), y.data(), B, T, 1.0));
-    const double norm = std::sqrt(cpu::global_grad_norm_squared(cm.grads(), int64_t(cm.num_params())));
-    const double clip = cpu::clip_scale(norm, hyper.grad_clip);
-    for (const auto& info : cm.param_infos())
-      cpu::adamw_step(cm.params() + info.offset, cm.grads() + info.offset, m.data() + info.offset,
-                      v.data() + info.offset, int64_t(info.numel), hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
-                      info.decay ? hyper.weight_decay : 0.0, s + 1, clip);
+    const double norm = cpu_adamw_step(cm, m, v, hyper, s + 1);
     gm.zero_grad();
     lg.push_back(gm.forward_backward(x.data(), y.data(), B, T, 1.0));
     gm.step_adamw(hyper);

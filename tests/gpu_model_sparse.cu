@@ -20,7 +20,6 @@
 #include "core/rng.h"
 #include "model/gpu_transformer.h"
 #include "model/transformer.h"
-#include "ops/adamw.h"
 #include "profile/profiler.h"
 #include "sparse/cuda/cusparselt.h"
 #include "train/layer_kinds.h"
@@ -34,7 +33,10 @@ using esplag::GpuTransformer;
 using esplag::ModelConfig;
 using esplag::Rng;
 using esplag::Transformer;
-namespace cpu = esplag::cpu;
+using esplag::gpu_test::cpu_adamw_step;
+using esplag::gpu_test::random_tokens;
+using esplag::gpu_test::rel_l2;
+using esplag::gpu_test::structured_batch;
 namespace gpu = esplag::gpu;
 
 // tiny: LayerNorm, learned positions, GELU, biases, tied head; every Linear dimension a
@@ -56,21 +58,6 @@ ModelConfig llama_config() {
   c.n_kv_head = 2;
   c.d_ff = 352;
   return c;
-}
-
-double rel_l2(const float* a, const float* ref, size_t n) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const double d = double(a[i]) - double(ref[i]);
-    num += d * d;
-    den += double(ref[i]) * double(ref[i]);
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
-
-void random_tokens(std::vector<int32_t>& v, int V, uint64_t seed) {
-  Rng rng(seed);
-  for (auto& t : v) t = static_cast<int32_t>(rng.below(V));
 }
 
 // Every block linear of both models semi_sparse.
@@ -195,19 +182,10 @@ TEST_F(GpuModelSparse, TrainingCurveMatchesCpu) {
   Rng rng(77);
   std::vector<double> lc, lg;
   for (int s = 0; s < steps; ++s) {
-    // A learnable batch: the target is the next token of a repeating pattern.
-    for (int i = 0; i < B * T; ++i) {
-      x[i] = static_cast<int32_t>((i % T + s % 3 + rng.below(2)) % c.vocab_size);
-      y[i] = static_cast<int32_t>((x[i] + 1) % c.vocab_size);
-    }
+    structured_batch(x, y, B, T, c.vocab_size, rng);
     cm.zero_grad();
     lc.push_back(cm.forward_backward(x.data(), y.data(), B, T, 1.0));
-    const double norm = std::sqrt(cpu::global_grad_norm_squared(cm.grads(), int64_t(cm.num_params())));
-    const double clip = cpu::clip_scale(norm, hyper.grad_clip);
-    for (const auto& info : cm.param_infos())
-      cpu::adamw_step(cm.params() + info.offset, cm.grads() + info.offset, m.data() + info.offset,
-                      v.data() + info.offset, int64_t(info.numel), hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
-                      info.decay ? hyper.weight_decay : 0.0, s + 1, clip);
+    cpu_adamw_step(cm, m, v, hyper, s + 1);
     gm.zero_grad();
     lg.push_back(gm.forward_backward(x.data(), y.data(), B, T, 1.0));
     gm.step_adamw(hyper);

@@ -18,6 +18,7 @@
 #include "core/device_arena.h"
 #include "core/dtype.h"
 #include "core/rng.h"
+#include "ops/adamw.h"
 #include "ops/gpu.h"
 
 namespace esplag::gpu_test {
@@ -200,6 +201,53 @@ inline void expect_bf16_close(const std::string& what, const VD& ref, const VF& 
               what.c_str(), eg.rms / (mag.rms + 1e-300), el.rms / (mag.rms + 1e-300), eg.max, el.max, mag.max);
   EXPECT_LE(eg.rms, 1e-2 * mag.rms + 1e-6) << what << ": relative RMS error above 1e-2";
   EXPECT_LE(eg.max, 3 * el.max + 2e-2 * mag.max + 1e-6) << what << ": max error " << eg.max;
+}
+
+// ---------------------------------------------------------------------------------------
+// Model tests
+
+// ‖a − ref‖₂ / ‖ref‖₂ over n values (fp64 sums).
+inline double rel_l2(const float* a, const float* ref, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double d = double(a[i]) - double(ref[i]);
+    num += d * d;
+    den += double(ref[i]) * double(ref[i]);
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// Token ids uniform in [0, V), seeded.
+inline void random_tokens(std::vector<int32_t>& v, int V, uint64_t seed) {
+  Rng rng(seed);
+  for (auto& t : v) t = static_cast<int32_t>(rng.below(V));
+}
+
+// Sequences that follow x[t+1] = (a · x[t] + c) mod V from a random start: learnable, so
+// the loss falls quickly and the two curves are compared where they move.
+inline void structured_batch(std::vector<int32_t>& x, std::vector<int32_t>& y, int B, int T, int V, Rng& rng) {
+  for (int b = 0; b < B; ++b) {
+    int32_t tok = static_cast<int32_t>(rng.below(V));
+    for (int t = 0; t < T; ++t) {
+      x[size_t(b) * T + t] = tok;
+      tok = static_cast<int32_t>((5 * tok + 3) % V);
+      y[size_t(b) * T + t] = tok;
+    }
+  }
+}
+
+// The CPU reference of GpuTransformer::step_adamw on a CPU model (Transformer<float>):
+// global-norm clipping and AdamW at step `step` (1-based) with the moments m, v; returns
+// the gradient norm before clipping.
+template <class Model, class Hyper>
+double cpu_adamw_step(Model& cm, std::vector<float>& m, std::vector<float>& v, const Hyper& hyper, int64_t step) {
+  const double norm = std::sqrt(cpu::global_grad_norm_squared(cm.grads(), int64_t(cm.num_params())));
+  const double clip = cpu::clip_scale(norm, hyper.grad_clip);
+  for (const auto& info : cm.param_infos())
+    cpu::adamw_step(cm.params() + info.offset, cm.grads() + info.offset, m.data() + info.offset,
+                    v.data() + info.offset, int64_t(info.numel), hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+                    info.decay ? hyper.weight_decay : 0.0, step, clip);
+  return norm;
 }
 
 }  // namespace esplag::gpu_test
