@@ -6,10 +6,12 @@
 #include <cstdio>
 #include <functional>
 #include <map>
+#include <string>
 
 #include "core/cuda_check.h"
 #include "core/device_arena.h"
 #include "core/error.h"
+#include "sparse/cuda/cusparselt_layout.h"
 #include "sparse/cuda/sparsify.h"
 #include "sparse/mvue.h"
 
@@ -93,7 +95,9 @@ std::vector<SparsifyTiming> bench_sparsify(const std::vector<SparsifyShape>& sha
   // Two inputs, every output form, and a copy source and destination for the largest
   // traffic (dense + dense_t: 6 bytes per value, copied as 3 + 3).
   const size_t n = size_t(n_max), meta_words = size_t(meta_max);
-  DeviceArena arena(2 * 2 * n + 2 * 2 * n + 2 * n + 2 * 2 * meta_words + 2 * 3 * n + (size_t(16) << 20),
+  const size_t layout_bytes = n + n / 8;  // cuSPARSELt's compressed 2:4 buffer of n values
+  DeviceArena arena(2 * 2 * n + 2 * 2 * n + 2 * n + 2 * 2 * meta_words + 2 * 3 * n + 2 * layout_bytes +
+                        (size_t(16) << 20),
                     "sparsify bench");
   bf16* in[2] = {arena.allocate_array<bf16>("input 0", n), arena.allocate_array<bf16>("input 1", n)};
   bf16* dense = arena.allocate_array<bf16>("dense", n);
@@ -102,6 +106,8 @@ std::vector<SparsifyTiming> bench_sparsify(const std::vector<SparsifyShape>& sha
   bf16* values_t = arena.allocate_array<bf16>("values_t", n / 2);
   uint16_t* meta = arena.allocate_array<uint16_t>("meta", meta_words);
   uint16_t* meta_t = arena.allocate_array<uint16_t>("meta_t", meta_words);
+  void* layout = arena.allocate("cuSPARSELt layout", layout_bytes);
+  void* layout_t = arena.allocate("cuSPARSELt layout of the transpose", layout_bytes);
   void* copy_src = arena.allocate("copy source", 3 * n);
   void* copy_dst = arena.allocate("copy destination", 3 * n);
 
@@ -133,6 +139,11 @@ std::vector<SparsifyTiming> bench_sparsify(const std::vector<SparsifyShape>& sha
          [&](const bf16* x) { gpu::transposable_24(x, R, C, d, dt, nullptr, stream.s); }},
         {"transposable_24", "compressed+compressed_t", 2 * v + 2 * v + mb + mb_t,
          [&](const bf16* x) { gpu::transposable_24(x, R, C, c, ct, nullptr, stream.s); }},
+        // semi_sparse's preparation in the GPU model: both cuSPARSELt buffers, no dense copy
+        {"cusparselt24_prune_compress", "cusparselt+cusparselt_t", 2 * v + 2 * (v + v / 8),
+         [&](const bf16* x) { gpu::cusparselt24_prune_compress(x, R, C, nullptr, layout, layout_t, stream.s); }},
+        {"cusparselt24_prune_compress", "dense+cusparselt+cusparselt_t", 4 * v + 2 * (v + v / 8),
+         [&](const bf16* x) { gpu::cusparselt24_prune_compress(x, R, C, dense, layout, layout_t, stream.s); }},
         {"double_prune_24", "compressed+compressed_t", 2 * v + 2 * v + mb + mb_t,
          [&](const bf16* x) { gpu::double_prune_24(x, R, C, c, ct, nullptr, nullptr, stream.s); }},
         {"activation_24_rows", "dense", 4 * v, [&](const bf16* x) { gpu::activation_24_rows(x, R, C, d, stream.s); }},
@@ -144,6 +155,8 @@ std::vector<SparsifyTiming> bench_sparsify(const std::vector<SparsifyShape>& sha
         {"mvue_24", "compressed", 3 * v + mb, [&](const bf16* x) { gpu::mvue_24(x, R, C, 7, c, stream.s); }},
     };
     for (const Case& k : cases) {
+      if (std::string(k.kernel).rfind("cusparselt24", 0) == 0 && gpu::cusparselt24_layout_bytes(R, C) == 0)
+        continue;  // the layout writer needs multiples of 64
       SparsifyTiming t;
       t.kernel = k.kernel;
       t.outputs = k.outputs;
@@ -170,13 +183,13 @@ std::vector<SparsifyTiming> bench_sparsify(const std::vector<SparsifyShape>& sha
 std::string sparsify_timing_table(const std::vector<SparsifyTiming>& timings) {
   std::string s;
   char buf[512];
-  std::snprintf(buf, sizeof buf, "%-20s %-24s %13s %9s %9s %9s %9s %8s\n", "kernel", "outputs", "shape", "ms",
+  std::snprintf(buf, sizeof buf, "%-27s %-29s %13s %9s %9s %9s %9s %8s\n", "kernel", "outputs", "shape", "ms",
                 "GB/s", "copy ms", "copy GB/s", "vs copy");
   s += buf;
   for (const auto& t : timings) {
     char shape[64];
     std::snprintf(shape, sizeof shape, "%lldx%lld", static_cast<long long>(t.rows), static_cast<long long>(t.cols));
-    std::snprintf(buf, sizeof buf, "%-20s %-24s %13s %9.4f %9.0f %9.4f %9.0f %7.0f%%\n", t.kernel.c_str(),
+    std::snprintf(buf, sizeof buf, "%-27s %-29s %13s %9.4f %9.0f %9.4f %9.0f %7.0f%%\n", t.kernel.c_str(),
                   t.outputs.c_str(), shape, t.median_ms, t.gbps, t.copy_median_ms, t.copy_gbps, 100.0 * t.vs_copy);
     s += buf;
   }
