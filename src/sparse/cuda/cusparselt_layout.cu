@@ -20,9 +20,6 @@ namespace esplag::gpu {
 namespace {
 
 constexpr int kTile = 64;  // the metadata's row band and the kernel's tile (both orientations)
-// Threads per block: one 4×4 tile of the 64×64 block each when pruning, and per
-// orientation two per work item (see compress_layout_kernel).
-constexpr int kThreads = 256;
 
 // One group of 4 (bf16 bits, element j in bits 16j..16j+15 of g): the nibble
 // idx0 | idx1 << 2 and the two stored values. The first two non-zeros (±0 counts as zero),
@@ -53,8 +50,10 @@ __host__ __device__ inline int64_t meta_offset(int64_t r, int64_t g, int64_t k, 
   return (r / 64) * 8 * k + (g / 8) * 256 + ((r % 64) / 16) * 64 + a * 8 + q * 4 + h * 2 + t;
 }
 
-// One 64×64 tile of W per block of kThreads, staged in shared memory; warps 0-3 write the
-// layout of W (op N), warps 4-7 that of Wᵀ (op T), two lanes per work item (below).
+// One 64×64 tile of W per block, staged in shared memory; warps 0-1 write the layout of W
+// (op N), warps 2-3 that of Wᵀ (op T). A work item is two rows of op(W) (a and a + 8 of a
+// 16-row block, which share the metadata bytes) over 32 columns: 2×16 values (two 32-byte
+// runs) and one 8-byte metadata store.
 //
 // With Prune, the staged tile is first pruned in place with the transposable greedy mask
 // of each of its 4×4 tiles (gpu::transposable_24's rule and bits: sparsify_device.h), and
@@ -102,47 +101,43 @@ __global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t r
     }
     __syncthreads();
   }
-  // Threads [0, kThreads/2) write the layout of W, the others that of Wᵀ. A work item is
-  // two rows of op(W) (a and a + 8 of a 16-row block, which share the metadata bytes) over
-  // 32 columns, done by two neighbouring lanes (one row each: 16 values, 32 bytes) that
-  // swap their nibbles for the item's 8-byte metadata store.
-  const bool transposed = threadIdx.x >= kThreads / 2;
+  const bool transposed = threadIdx.x >= 64;
   uint8_t* dst = transposed ? dst_t : dst_n;
-  if (!dst) return;  // whole warps: the orientations split at a warp boundary
-  const int lane_item = threadIdx.x % (kThreads / 2);
-  const int half = lane_item % 2, item = lane_item / 2;  // item: (sub-block s, 32-column chunk ch, row a)
+  if (!dst) return;
+  const int item = threadIdx.x % 64;  // (sub-block s, 32-column chunk ch, row a)
   const int a = item % 8, ch = (item / 8) % 2, s = item / 16;
   const int64_t M = transposed ? cols : rows, K = transposed ? rows : cols;
   const int64_t op_r0 = transposed ? c0 : r0, op_c0 = transposed ? r0 : c0;
-  const int lr = s * 16 + half * 8 + a;  // tile-local row of op(W)
-  // This row's 8 nibbles at bits 4g: a register, not an array (a value-indexed array
-  // would live in local memory).
-  uint32_t nibs = 0;
-  uint32_t packed[8];
+  // The 16 nibbles, row a's at bits 4g and row a + 8's at bits 32 + 4g: a register, not an
+  // array (a value-indexed array would live in local memory).
+  uint64_t nibs = 0;
+#pragma unroll 1
+  for (int half = 0; half < 2; ++half) {
+    const int lr = s * 16 + half * 8 + a;  // tile-local row of op(W)
+    uint32_t packed[8];
 #pragma unroll
-  for (int g = 0; g < 8; ++g) {
-    uint64_t v = 0;
+    for (int g = 0; g < 8; ++g) {
+      uint64_t v = 0;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int lk = ch * 32 + g * 4 + j;  // tile-local column of op(W)
-      v |= uint64_t(transposed ? tile[lk * kStride + lr] : tile[lr * kStride + lk]) << (16 * j);
+      for (int j = 0; j < 4; ++j) {
+        const int lk = ch * 32 + g * 4 + j;  // tile-local column of op(W)
+        v |= uint64_t(transposed ? tile[lk * kStride + lr] : tile[lr * kStride + lk]) << (16 * j);
+      }
+      uint16_t x0, x1;
+      nibs |= uint64_t(pick_group(v, &x0, &x1)) << (32 * half + 4 * g);
+      packed[g] = uint32_t(x0) | (uint32_t(x1) << 16);
     }
-    uint16_t x0, x1;
-    nibs |= pick_group(v, &x0, &x1) << (4 * g);
-    packed[g] = uint32_t(x0) | (uint32_t(x1) << 16);
+    uint4* out = reinterpret_cast<uint4*>(dst + ((op_r0 + lr) * (K / 2) + (op_c0 + ch * 32) / 2) * 2);
+    out[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
   }
-  uint4* out = reinterpret_cast<uint4*>(dst + ((op_r0 + lr) * (K / 2) + (op_c0 + ch * 32) / 2) * 2);
-  out[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-  const uint32_t other = __shfl_xor_sync(0xffffffffu, nibs, 1);
-  if (half == 1) return;
   // byte a·8 + q·4 + h·2 + t holds group j = 2(q + 2t) + h: low nibble row a, high row a + 8
   uint2 m = make_uint2(0u, 0u);
 #pragma unroll
   for (int b = 0; b < 8; ++b) {
     const int q = b / 4, h = (b / 2) % 2, t = b % 2;
     const int j = 2 * (q + 2 * t) + h;
-    const uint32_t byte = (((nibs >> (4 * j)) & 15u) | (((other >> (4 * j)) & 15u) << 4)) << (8 * (b % 4));
+    const uint32_t byte = uint32_t(((nibs >> (4 * j)) & 15u) | (((nibs >> (32 + 4 * j)) & 15u) << 4)) << (8 * (b % 4));
     if (b < 4)
       m.x |= byte;
     else
@@ -195,7 +190,7 @@ void cusparselt24_compress(const bf16* w, int64_t rows, int64_t cols, void* dst_
   for (const void* p : {static_cast<const void*>(w), static_cast<const void*>(dst_n), static_cast<const void*>(dst_t)})
     ESPLAG_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "cusparselt24_compress: pointers must be 16-byte aligned");
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
-  compress_layout_kernel<false><<<grid, kThreads, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols,
+  compress_layout_kernel<false><<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols,
                                                            static_cast<uint8_t*>(dst_n), static_cast<uint8_t*>(dst_t),
                                                            nullptr);
   CUDA_CHECK_LAUNCH("compress_layout_kernel");
@@ -210,7 +205,7 @@ void cusparselt24_prune_compress(const bf16* w, int64_t rows, int64_t cols, bf16
     ESPLAG_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0,
                  "cusparselt24_prune_compress: pointers must be 16-byte aligned");
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
-  compress_layout_kernel<true><<<grid, kThreads, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols,
+  compress_layout_kernel<true><<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols,
                                                           static_cast<uint8_t*>(dst_n), static_cast<uint8_t*>(dst_t),
                                                           reinterpret_cast<uint16_t*>(pruned));
   CUDA_CHECK_LAUNCH("compress_layout_kernel (pruning)");
