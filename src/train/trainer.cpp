@@ -197,11 +197,12 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
     for (const auto& m : recipe.modifiers())
       if (m.type != "semi_sparse")
         parts.push_back("modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") + " on " +
-                      join(m.params, ", "));
+                        join(m.params, ", "));
   }
   if (model)
     for (const auto& name : model->linear_names())
-      if (!gpu_trains_kind(model->linear(name).kind())) parts.push_back(name + " of kind " + model->linear(name).kind());
+      if (!gpu_trains_kind(model->linear(name).kind()))
+        parts.push_back(name + " of kind " + model->linear(name).kind());
   if (parts.empty()) return "";
   return "the run needs sparse Linear kinds that the GPU does not train yet (" + join(parts, "; ") + ")";
 }
