@@ -71,6 +71,34 @@ void quiet(const std::string&) {}
 
 }  // namespace
 
+// A recipe step written as a fraction resolves against train.steps, so resuming with
+// another total is refused (the phases would move under the run) and leaves the run as it
+// was; the same total, or step numbers, resume.
+TEST(Trainer, ResumeWithAnotherTotalKeepsTheRecipeWhereItWas) {
+  const fs::path dir = scratch("resume_recipe");
+  const std::string data = make_dataset(dir);
+  TrainConfig cfg = small_config(data);
+  cfg.steps = 3;
+  cfg.schedule.total_steps = 3;
+  cfg.recipe_yaml = "- semi_sparse: {params: ['blocks.0.mlp.fc.weight'], until: 0.5}\n";
+  Trainer(cfg, (dir / "fraction").string(), quiet).run();
+  const std::string metrics_before = read_file((dir / "fraction" / "metrics.jsonl").string());
+  try {
+    Trainer::resume((dir / "fraction").string(), quiet, 6);
+    ADD_FAILURE() << "resumed with another total and a fractional recipe step";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("recipe[0] (semi_sparse) until 0.5"), std::string::npos) << m;
+    EXPECT_NE(m.find("keep --steps 3"), std::string::npos) << m;
+  }
+  EXPECT_EQ(read_file((dir / "fraction" / "metrics.jsonl").string()), metrics_before);
+  EXPECT_EQ(Trainer::resume((dir / "fraction").string(), quiet, 3)->run().steps, 3);
+
+  cfg.recipe_yaml = "- semi_sparse: {params: ['blocks.0.mlp.fc.weight'], until: 2}\n";
+  Trainer(cfg, (dir / "numbers").string(), quiet).run();
+  EXPECT_EQ(Trainer::resume((dir / "numbers").string(), quiet, 4)->run().steps, 4);
+}
+
 TEST(Trainer, ResumedRunIsBitIdenticalToUninterrupted) {
   const fs::path dir = scratch("resume");
   const std::string data = make_dataset(dir);

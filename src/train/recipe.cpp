@@ -188,6 +188,19 @@ int64_t StepValue::resolve(int64_t total_steps) const {
   return std::llround(fraction * double(total_steps));
 }
 
+std::vector<std::string> Recipe::fractional_steps() const {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < modifiers_.size(); ++i) {
+    const Modifier& m = modifiers_[i];
+    const std::pair<const char*, const StepValue*> steps[] = {{"start", &m.start},       {"end", &m.end},
+                                                              {"update_every", &m.update_every},
+                                                              {"until", &m.until},       {"lora_start", &m.lora_start}};
+    for (const auto& [key, v] : steps)
+      if (v->is_fraction) out.push_back(detail::concat("recipe[", i, "] (", m.type, ") ", key, " ", v->text));
+  }
+  return out;
+}
+
 std::string Recipe::where(int i) const {
   return detail::concat(source_, ": recipe[", i, "] (", modifiers_[i].type, ")");
 }

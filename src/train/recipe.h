@@ -103,6 +103,9 @@ class Recipe {
   // to the same recipe.
   std::string to_yaml() const;
   bool empty() const { return modifiers_.empty(); }
+  // The steps written as fractions of train.steps (e.g. "recipe[0] (semi_sparse) until
+  // 0.7"), in recipe order: a run resumed with another total would move them.
+  std::vector<std::string> fractional_steps() const;
   const std::vector<Modifier>& modifiers() const { return modifiers_; }
   const std::string& source() const { return source_; }
 

@@ -260,6 +260,14 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, int6
   CheckpointContents info = read_checkpoint_info(ck);
   std::unique_ptr<Trainer> t(new Trainer(std::move(log)));
   t->cfg_ = info.config;
+  if (steps > 0 && steps != t->cfg_.steps && !t->cfg_.recipe_yaml.empty()) {
+    // A fraction resolves against train.steps: another total would move the recipe's
+    // phases under a run already part-way through them (a layer back to sparse, say).
+    const auto moved = Recipe::parse(t->cfg_.recipe_yaml, "recipe").fractional_steps();
+    ESPLAG_CHECK(moved.empty(), "train --resume --steps ", steps, ": the recipe gives steps as fractions of train.steps (",
+                 join(moved, "; "), "), which would move from the ", t->cfg_.steps, "-step schedule the run follows; ",
+                 "keep --steps ", t->cfg_.steps, " or write those steps as step numbers in a new run");
+  }
   if (steps > 0) {
     t->cfg_.steps = steps;
     t->cfg_.schedule.total_steps = steps;
