@@ -1,5 +1,8 @@
-// Dense training steps on the GPU: the StepBackend of train.device=cuda (train/trainer.h)
-// over GpuTransformer (model/gpu_transformer.h).
+// Training steps on the GPU: the StepBackend of train.device=cuda (train/trainer.h) over
+// GpuTransformer (model/gpu_transformer.h). Before every step the GPU model's block
+// linears take the kinds of the host model's (the recipe's plan for the step: dense or
+// semi_sparse); the per-layer dispatch decisions this makes are returned by take_notes
+// for the run log.
 //
 // The trainer keeps the host model, the data, the schedule and the checkpoints; this
 // backend holds the device copy of the weights, the gradients and the AdamW moments.
@@ -32,8 +35,8 @@ namespace esplag {
 // *why (no driver, no device) when why is given.
 int cuda_device_count(std::string* why = nullptr);
 
-// The GPU step for `config` on CUDA device 0, starting from `host_model`'s weights (a
-// dense model: every Linear of kind dense) and the moments m, v by tensor name (empty:
+// The GPU step for `config` on CUDA device 0, starting from `host_model`'s weights (every
+// Linear of kind dense or semi_sparse) and the moments m, v by tensor name (empty:
 // zero, for a fresh run) after `steps_done` optimizer steps. Sized for micro-batches of
 // train.batch_size x train.seq_len; throws with the memory plan when that does not fit.
 std::unique_ptr<StepBackend> make_gpu_step(const TrainConfig& config, Transformer<float>& host_model, Moments m,

@@ -4,10 +4,11 @@
 // on the CPU reproduces the uninterrupted one bit for bit.
 //
 // Where the arithmetic of a step runs is one seam, StepBackend: the CPU reference on the
-// host model itself, or (train.device=cuda, CUDA build) the dense GPU model of
-// train/gpu_step.h working on a device copy that is written back to the host model for
-// checkpoints. Data, schedule, recipe, logging and checkpoints are the trainer's and the
-// same for both, so a checkpoint of either device resumes on the other.
+// host model itself, or (train.device=cuda, CUDA build) the GPU model of
+// train/gpu_step.h (dense and semi_sparse Linear layers) working on a device copy that is
+// written back to the host model for checkpoints. Data, schedule, recipe, logging and
+// checkpoints are the trainer's and the same for both, so a checkpoint of either device
+// resumes on the other.
 #pragma once
 #include <cstdint>
 #include <functional>
