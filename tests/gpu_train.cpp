@@ -249,6 +249,12 @@ TEST_F(GpuTrain, GpuCheckpointResumesOnTheGpuAndOnTheCpu) {
   // The final GPU checkpoint evaluates on the CPU to the GPU's validation loss.
   const EvalResult ev = evaluate_checkpoint((gpu_run / "step-000030").string(), *data_, "val", 4);
   EXPECT_NEAR(ev.loss, gpu_->val_loss, kLossTol * gpu_->val_loss);
+  // ... and on the GPU (eval --device cuda) to the same loss within bf16 tolerance.
+  const EvalResult ev_gpu = evaluate_checkpoint((gpu_run / "step-000030").string(), *data_, "val", 4, 0, 0, "cuda");
+  EXPECT_EQ(ev_gpu.device, "cuda");
+  EXPECT_EQ(ev_gpu.batches, ev.batches);
+  EXPECT_NEAR(ev_gpu.loss, ev.loss, kLossTol * ev.loss);
+  std::printf("  final checkpoint: val loss on the CPU %.5f, on the GPU %.5f\n", ev.loss, ev_gpu.loss);
   auto model = load_model((gpu_run / "step-000030").string());
   for (size_t i = 0; i < model->num_params(); ++i) ASSERT_TRUE(std::isfinite(model->params()[i])) << i;
 }

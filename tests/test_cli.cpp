@@ -78,6 +78,13 @@ TEST(Cli, TrainsEvaluatesAndSamples) {
   Result ev = run("eval --checkpoint " + f.run.string() + " --json");
   ASSERT_EQ(ev.code, 0) << ev.err;
   EXPECT_NE(ev.out.find("\"perplexity\""), std::string::npos) << ev.out;
+  EXPECT_NE(ev.out.find("\"device\""), std::string::npos) << ev.out;  // auto: where it ran
+  // The CPU gives the same loss whatever the default picked when it picked the CPU.
+  Result ev_cpu = run("eval --checkpoint " + f.run.string() + " --device cpu --json");
+  ASSERT_EQ(ev_cpu.code, 0) << ev_cpu.err;
+  EXPECT_NE(ev_cpu.out.find("\"device\":\"cpu\""), std::string::npos) << ev_cpu.out;
+  if (ev.out.find("\"device\":\"cpu\"") != std::string::npos) EXPECT_EQ(ev.out, ev_cpu.out);
+  expect_error(run("eval --checkpoint " + f.run.string() + " --device gpu"), "must be cpu, cuda or auto");
   Result s = run("sample --checkpoint " + f.run.string() + " --prompt \"In the\" --tokens 20 --seed 3");
   ASSERT_EQ(s.code, 0) << s.err;
   EXPECT_EQ(s.out.rfind("In the", 0), 0u) << s.out;

@@ -171,6 +171,14 @@ TEST(TrainDevice, TrainerRefusesCudaWhereThereIsNone) {
   EXPECT_EQ(resumed->run().steps, 3);
   EXPECT_TRUE(contains(error_of([&] { Trainer::resume(dir.file("run_auto"), quiet, 4, "tpu"); }),
                        "must be auto, cpu or cuda"));
+
+  // Evaluation the same way: cuda is refused with the reason, auto evaluates on the CPU.
+  const std::string ev = error_of([&] { evaluate_checkpoint(dir.file("run_auto"), data, "val", 1, 0, 0, "cuda"); });
+  EXPECT_TRUE(contains(ev, "eval --device cuda")) << ev;
+  EXPECT_TRUE(contains(ev, probe.cuda_build ? "no CUDA device is visible" : "built without the CUDA backend")) << ev;
+  const EvalResult on_auto = evaluate_checkpoint(dir.file("run_auto"), data, "val", 1, 0, 0, "auto");
+  EXPECT_EQ(on_auto.device, "cpu");
+  EXPECT_EQ(on_auto.loss, evaluate_checkpoint(dir.file("run_auto"), data, "val", 1).loss);
 }
 
 // A sparse recipe asks for the GPU: one error naming the modifiers, whatever the machine

@@ -45,7 +45,7 @@ usage:
   esplag tokenizer train --input TEXT --vocab-size N --out TOKENIZER.json
   esplag train --config FILE.yaml [--set key=value]... [--out RUN_DIR] [--device cpu|cuda|auto]
   esplag train --resume RUN_OR_CHECKPOINT_DIR [--steps N] [--device cpu|cuda|auto]
-  esplag eval --checkpoint DIR [--data DIR] [--split val|train] [--batches N] [--json]
+  esplag eval --checkpoint DIR [--data DIR] [--split val|train] [--batches N] [--device auto|cpu|cuda] [--json]
   esplag sample --checkpoint DIR [--prompt TEXT] [--tokens 200] [--temperature 0.8]
                 [--top-k 40] [--seed 1]
   esplag profile --config FILE.yaml [--set key=value]... [--warmup 1] [--steps 1] [--out DIR]
@@ -132,22 +132,24 @@ int cmd_train(const std::vector<std::string>& argv) {
 }
 
 int cmd_eval(const std::vector<std::string>& argv) {
-  Args a(argv, "eval", {"checkpoint", "data", "split", "batches", "batch", "seq"}, {"json"});
+  Args a(argv, "eval", {"checkpoint", "data", "split", "batches", "batch", "seq", "device"}, {"json"});
   const std::string ck = resolve_checkpoint(a.required("checkpoint"));
   const std::string data = a.get("data", read_checkpoint_info(ck).config.data_path);
   const std::string split = a.get("split", "val");
   ESPLAG_CHECK(split == "val" || split == "train", "eval: --split must be val or train, got '", split, "'");
-  const EvalResult r = evaluate_checkpoint(ck, data, split, static_cast<int>(a.integer("batches", 0)),
-                                           static_cast<int>(a.integer("batch", 0)), static_cast<int>(a.integer("seq", 0)));
+  const EvalResult r =
+      evaluate_checkpoint(ck, data, split, static_cast<int>(a.integer("batches", 0)),
+                          static_cast<int>(a.integer("batch", 0)), static_cast<int>(a.integer("seq", 0)), a.get("device", "auto"));
   if (a.has("json")) {
     std::cout << nlohmann::json{{"checkpoint", ck}, {"data", data},       {"split", split},
                                 {"loss", r.loss},   {"perplexity", r.perplexity}, {"batches", r.batches},
-                                {"tokens", r.tokens}}
+                                {"tokens", r.tokens},  {"device", r.device}}
                      .dump()
               << std::endl;
   } else {
-    std::printf("%s on %s/%s: loss %.4f | perplexity %.3f | %d batches, %lld tokens\n", ck.c_str(), data.c_str(),
-                split.c_str(), r.loss, r.perplexity, r.batches, static_cast<long long>(r.tokens));
+    std::printf("%s on %s/%s: loss %.4f | perplexity %.3f | %d batches, %lld tokens | device %s\n", ck.c_str(),
+                data.c_str(), split.c_str(), r.loss, r.perplexity, r.batches, static_cast<long long>(r.tokens),
+                r.device.c_str());
   }
   return 0;
 }

@@ -203,6 +203,21 @@ int cuda_device_count(std::string* why) {
   return n;
 }
 
+std::function<double(const int32_t*, const int32_t*, int, int)> gpu_batch_loss(const ModelConfig& config,
+                                                                             Transformer<float>& host_model, int B,
+                                                                             int T) {
+  auto model = std::make_shared<GpuTransformer>(config, B, T);
+  model->set_params(host_model.params(), host_model.num_params());
+  for (const auto& name : host_model.linear_names()) {
+    const std::string kind = host_model.linear(name).kind();
+    ESPLAG_CHECK(gpu_trains_kind(kind), "GPU evaluation: ", name, " is of kind ", kind, "; ", kGpuKindsNote);
+    model->set_linear_kind(name, kind);
+  }
+  return [model](const int32_t* tokens, const int32_t* targets, int b, int t) {
+    return model->forward_loss(tokens, targets, b, t);
+  };
+}
+
 std::unique_ptr<StepBackend> make_gpu_step(const TrainConfig& config, Transformer<float>& host_model, Moments m,
                                            Moments v, int64_t steps_done) {
   return std::make_unique<GpuStep>(config, host_model, std::move(m), std::move(v), steps_done);

@@ -24,6 +24,7 @@
 #endif
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -34,6 +35,12 @@ namespace esplag {
 // CUDA devices this process sees. 0 when there are none, with the runtime's reason in
 // *why (no driver, no device) when why is given.
 int cuda_device_count(std::string* why = nullptr);
+
+// The mean loss of one batch ([B·T] tokens and targets, host memory) on CUDA device 0:
+// a GPU model sized for B x T holding `host_model`'s weights and Linear kinds (dense or
+// semi_sparse; other kinds throw), kept alive by the returned function.
+std::function<double(const int32_t* tokens, const int32_t* targets, int B, int T)> gpu_batch_loss(
+    const ModelConfig& config, Transformer<float>& host_model, int B, int T);
 
 // The GPU step for `config` on CUDA device 0, starting from `host_model`'s weights (every
 // Linear of kind dense or semi_sparse) and the moments m, v by tensor name (empty:

@@ -453,20 +453,42 @@ TrainResult Trainer::run() {
 }
 
 EvalResult evaluate_checkpoint(const std::string& checkpoint, const std::string& data_dir, const std::string& split,
-                               int max_batches, int batch_size, int seq_len) {
+                               int max_batches, int batch_size, int seq_len, const std::string& device) {
   const std::string ck = resolve_checkpoint(checkpoint);
   const CheckpointContents info = read_checkpoint_info(ck);
   const DataMeta meta = read_data_meta(data_dir);
   ESPLAG_CHECK(meta.tokenizer == info.tokenizer, "data '", data_dir, "' was tokenized with '", meta.tokenizer,
                "' but the checkpoint was trained with '", info.tokenizer, "'");
+  ESPLAG_CHECK(device == "cpu" || device == "cuda" || device == "auto",
+               "eval: the device must be cpu, cuda or auto, got '", device, "'");
   auto model = load_model(ck);
   const int B = batch_size > 0 ? batch_size : info.config.batch_size;
   const int T = seq_len > 0 ? seq_len : info.config.seq_len;
+  // The GPU runs what GPU training runs: the kinds the checkpoint rebuilt (its recipe's
+  // future steps do not matter here).
+  std::string where = "cpu";
+  if (device != "cpu") {
+    const DeviceProbe probe = probe_devices();
+    TrainConfig kinds_only = info.config;
+    kinds_only.recipe_yaml.clear();
+    const std::string blocker = gpu_training_blocker(kinds_only, model.get());
+    const std::string none = probe.why_none.empty() ? "" : " (" + probe.why_none + ")";
+    if (device == "cuda") {
+      ESPLAG_CHECK(probe.cuda_build,
+                   "eval --device cuda: this esplag was built without the CUDA backend; use --device cpu");
+      ESPLAG_CHECK(probe.gpus > 0, "eval --device cuda: no CUDA device is visible", none, "; use --device cpu");
+      ESPLAG_CHECK(blocker.empty(), "eval --device cuda: ", blocker, "; ", kGpuKindsNote, "; use --device cpu");
+    }
+    if (probe.cuda_build && probe.gpus > 0 && blocker.empty()) where = "cuda";
+  }
   DataLoader loader(data_dir, split, B, T, info.config.seed);
-  const BatchLoss loss = [&](const int32_t* x, const int32_t* y, int b, int t) {
-    return model->forward_loss(x, y, b, t);
-  };
-  return mean_loss(loss, loader, max_batches > 0 ? max_batches : INT32_MAX, B, T);
+  BatchLoss loss = [&](const int32_t* x, const int32_t* y, int b, int t) { return model->forward_loss(x, y, b, t); };
+#ifdef ESPLAG_HAVE_CUDA
+  if (where == "cuda") loss = gpu_batch_loss(info.config.model, *model, B, T);
+#endif
+  EvalResult r = mean_loss(loss, loader, max_batches > 0 ? max_batches : INT32_MAX, B, T);
+  r.device = where;
+  return r;
 }
 
 }  // namespace esplag

@@ -29,6 +29,7 @@ struct EvalResult {
   double perplexity = 0;
   int batches = 0;
   int64_t tokens = 0;
+  std::string device = "cpu";  // where the batches ran
 };
 
 struct TrainResult {
@@ -162,8 +163,11 @@ class Trainer {
   std::string last_checkpoint_;
 };
 
-// Loss and perplexity of a checkpoint on a data split ("val" or "train").
+// Loss and perplexity of a checkpoint on a data split ("val" or "train"), on `device`:
+// "cpu", "cuda" (the GPU model with the checkpoint's Linear kinds: an Error without a
+// CUDA build, without a visible device, or for kinds the GPU does not run) or "auto" (the
+// GPU when "cuda" would work).
 EvalResult evaluate_checkpoint(const std::string& checkpoint, const std::string& data_dir, const std::string& split,
-                               int max_batches, int batch_size = 0, int seq_len = 0);
+                               int max_batches, int batch_size = 0, int seq_len = 0, const std::string& device = "cpu");
 
 }  // namespace esplag
