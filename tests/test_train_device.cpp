@@ -122,6 +122,19 @@ recipe:
 )",
                                               "semi.yaml", {"data.path=" + data});
   EXPECT_EQ(gpu_training_blocker(semi), "");
+  // ... unless cuSPARSELt cannot take a layer it claims, or the micro-batch (multiples of 16).
+  TrainConfig odd = semi;
+  odd.model.d_ff = 72;  // mlp.fc 72x32, mlp.proj 32x72
+  std::string why = gpu_training_blocker(odd);
+  EXPECT_TRUE(contains(why, "modifier semi_sparse on blocks.0.mlp.fc.weight: blocks.0.mlp.fc.weight is 72x32, not "
+                            "multiples of 16")) << why;
+  odd.recipe_yaml = "- semi_sparse: {params: ['re:blocks\\.0\\.attn\\..*'], until: 5}\n";
+  EXPECT_EQ(gpu_training_blocker(odd), "") << "the layers it claims are fine";
+  TrainConfig few = semi;
+  few.batch_size = 3;
+  few.seq_len = 5;
+  why = gpu_training_blocker(few);
+  EXPECT_TRUE(contains(why, "15 tokens, not a multiple of 16")) << why;
 
   // A model whose layer has another kind (as a checkpoint of a sparse run is rebuilt).
   TrainConfig dense = small_config(data, "auto");

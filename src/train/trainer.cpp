@@ -8,6 +8,7 @@
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <sstream>
 
 #include "core/error.h"
@@ -190,14 +191,52 @@ DeviceProbe probe_devices() {
 
 bool gpu_trains_kind(const std::string& kind) { return kind == "dense" || kind == "semi_sparse"; }
 
+namespace {
+
+// Why semi_sparse modifier `m` cannot run on the GPU's 2:4 products, "" when it can:
+// cuSPARSELt needs the claimed layers' dimensions and the micro-batch's tokens to be
+// multiples of 16 (the CPU reference needs multiples of 4).
+std::string semi_sparse_gpu_shape_problem(const TrainConfig& config, const Recipe::Modifier& m) {
+  const ModelConfig& c = config.model;
+  const int64_t tokens = int64_t(config.batch_size) * config.seq_len;
+  if (tokens % 16 != 0)
+    return detail::concat("train.batch_size x train.seq_len = ", tokens, " tokens, not a multiple of 16");
+  const std::pair<const char*, std::pair<int64_t, int64_t>> roles[] = {
+      {"attn.qkv", {c.qkv_dim(), c.d_model}},
+      {"attn.proj", {c.d_model, int64_t(c.n_head) * c.head_dim()}},
+      {"mlp.fc", {c.fc_dim(), c.d_model}},
+      {"mlp.proj", {c.d_model, c.d_ff}}};
+  for (int l = 0; l < c.n_layer; ++l)
+    for (const auto& [role, shape] : roles) {
+      const std::string name = "blocks." + std::to_string(l) + "." + role + ".weight";
+      const bool claimed = std::any_of(m.params.begin(), m.params.end(), [&](const std::string& p) {
+        if (p.rfind("re:", 0) != 0) return p == name;
+        try {
+          return std::regex_match(name, std::regex(p.substr(3)));
+        } catch (const std::regex_error&) {
+          return false;  // the recipe's own validation names a malformed pattern
+        }
+      });
+      if (claimed && (shape.first % 16 != 0 || shape.second % 16 != 0))
+        return detail::concat(name, " is ", shape.first, "x", shape.second, ", not multiples of 16");
+    }
+  return "";
+}
+
+}  // namespace
+
 std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* model) {
   std::vector<std::string> parts;
   if (!config.recipe_yaml.empty()) {
     const Recipe recipe = Recipe::parse(config.recipe_yaml, "recipe");
-    for (const auto& m : recipe.modifiers())
+    for (const auto& m : recipe.modifiers()) {
+      const std::string what = "modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") + " on " +
+                               join(m.params, ", ");
       if (m.type != "semi_sparse")
-        parts.push_back("modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") + " on " +
-                        join(m.params, ", "));
+        parts.push_back(what);
+      else if (const std::string why = semi_sparse_gpu_shape_problem(config, m); !why.empty())
+        parts.push_back(what + ": " + why + " (cuSPARSELt's 2:4 products need multiples of 16)");
+    }
   }
   if (model)
     for (const auto& name : model->linear_names())
