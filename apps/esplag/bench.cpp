@@ -83,8 +83,8 @@ from $ESPLAG_COMMIT.)";
   fail("bench ", what, ": needs a build configured with the cuda preset (it runs on the GPU)");
 }
 
-// A comma-separated list of OUTxINxTOKENS (x, X or the multiplication sign). Throws Error
-// naming the bad item.
+// A comma-separated list of OUTxINxTOKENS (x, X or the multiplication sign; spaces
+// ignored), for bench gemm and bench layer. Throws Error naming the bad item.
 std::vector<std::array<int64_t, 3>> parse_shapes(const std::string& cmd, const std::string& spec) {
   std::vector<std::array<int64_t, 3>> shapes;
   size_t pos = 0;
@@ -104,7 +104,7 @@ std::vector<std::array<int64_t, 3>> parse_shapes(const std::string& cmd, const s
         cur.clear();
       } else if (std::isdigit(static_cast<unsigned char>(c))) {
         cur += c;
-      } else {
+      } else if (c != ' ') {
         ok = false;
       }
     }
@@ -144,9 +144,14 @@ int bench_gemm(const std::vector<std::string>& argv) {
                "bench gemm: --operand must be A or B (the cuSPARSELt operand that holds W), got '", operand, "'");
   const int warmup = static_cast<int>(a.integer("warmup", 10)), iters = static_cast<int>(a.integer("iters", 50));
   ESPLAG_CHECK(warmup >= 0 && iters > 0, "bench gemm: --iters must be positive and --warmup not negative");
+  const std::string shape_spec = a.get("shapes", "default");
+  const auto shapes = shape_spec == "default" ? std::vector<std::array<int64_t, 3>>{} : parse_shapes("gemm", shape_spec);
 #ifdef ESPLAG_HAVE_CUDA
   GemmBenchOptions o;
-  o.shapes = parse_gemm_bench_shapes(a.get("shapes", "default"));
+  if (!shapes.empty()) {
+    o.shapes.clear();
+    for (const auto& s : shapes) o.shapes.push_back({s[0], s[1], s[2]});
+  }
   o.forward = products.find("fwd") != std::string::npos;
   o.backward_data = products.find("bwd") != std::string::npos;
   o.weight_operand = (operand == "A" || operand == "a") ? gpu::SparseOperand::a : gpu::SparseOperand::b;

@@ -8,28 +8,13 @@
 #include <string>
 
 #include "core/cuda_check.h"
+#include "core/cuda_timing.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "ops/gpu.h"
 #include "ops/gpu_attention.h"
 
 namespace esplag {
-
-namespace {
-
-// Events are destroyed whatever happens between creation and the end of the run.
-struct Events {
-  std::vector<cudaEvent_t> e;
-  explicit Events(size_t n) : e(n, nullptr) {
-    for (auto& x : e) CUDA_CHECK(cudaEventCreate(&x));
-  }
-  ~Events() {
-    for (auto x : e)
-      if (x) cudaEventDestroy(x);
-  }
-};
-
-}  // namespace
 
 GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int steps, int warmup, double peak_tflops,
                                const GpuModelOptions& options, int op_profile_steps,
@@ -97,7 +82,7 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   }
   model.synchronize();
 
-  Events ev(2 * size_t(steps));
+  CudaEvents ev(2 * size_t(steps));
   for (int s = 0; s < steps; ++s) {
     CUDA_CHECK(cudaEventRecord(ev.e[2 * s], model.stream()));
     step();

@@ -39,6 +39,7 @@
 #include <string_view>
 
 #include "core/cuda_check.h"
+#include "core/cuda_timing.h"
 #include "core/error.h"
 #include "core/op_trace.h"
 #include "ops/gpu.h"
@@ -1312,26 +1313,14 @@ double time_gelu_pass(int64_t n, bool forward, cudaStream_t s) {
   bf16* b = scratch.allocate_array<bf16>("b", size_t(n));
   CUDA_CHECK(cudaMemsetAsync(a, 0x3C, sizeof(bf16) * size_t(n), s));
   CUDA_CHECK(cudaMemsetAsync(b, 0x3B, sizeof(bf16) * size_t(n), s));
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-  CUDA_CHECK(cudaEventCreate(&e0));
-  CUDA_CHECK(cudaEventCreate(&e1));
-  std::vector<float> t;
-  for (int i = 0; i < 7; ++i) {
-    CUDA_CHECK(cudaEventRecord(e0, s));
-    if (forward)
-      gpu::gelu_forward(b, a, n, s);
-    else
-      gpu::gelu_backward(b, a, b, n, false, s);
-    CUDA_CHECK(cudaEventRecord(e1, s));
-    CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    if (i >= 2) t.push_back(ms);  // two warm-up runs
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return median_event_ms(
+      [&](int) {
+        if (forward)
+          gpu::gelu_forward(b, a, n, s);
+        else
+          gpu::gelu_backward(b, a, b, n, false, s);
+      },
+      2, 5, s);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "core/cuda_check.h"
+#include "core/cuda_timing.h"
 #include "core/device_arena.h"
 #include "core/dtype.h"
 #include "core/error.h"
@@ -58,22 +59,6 @@ double median(std::vector<float> v) {
   return n == 0 ? 0.0 : n % 2 ? v[n / 2] : 0.5 * (double(v[n / 2 - 1]) + v[n / 2]);
 }
 
-struct Events {
-  std::vector<cudaEvent_t> e;
-  explicit Events(size_t n) : e(n, nullptr) {
-    for (auto& x : e) CUDA_CHECK(cudaEventCreate(&x));
-  }
-  ~Events() {
-    for (auto x : e) cudaEventDestroy(x);
-  }
-};
-
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~Stream() { cudaStreamDestroy(s); }
-};
-
 }  // namespace
 
 std::vector<AttentionBenchShape> attention_bench_shapes() {
@@ -85,7 +70,7 @@ std::vector<AttentionBenchRow> bench_attention(const std::vector<AttentionBenchS
   ESPLAG_CHECK(options.iters > 0 && options.warmup >= 0, "bench_attention: iters must be positive and warmup ",
                "non-negative, got iters=", options.iters, " warmup=", options.warmup);
   std::vector<AttentionBenchRow> rows;
-  Stream stream;
+  CudaStream stream;
   const cudaStream_t s = stream.s;
   for (const AttentionBenchShape& shape : shapes) {
     const int B = shape.B, T = shape.T, NH = shape.NH, NKV = shape.NKV, HD = shape.HD;
@@ -139,7 +124,7 @@ std::vector<AttentionBenchRow> bench_attention(const std::vector<AttentionBenchS
           fwd();
           bwd();
         }
-        Events ev(3 * size_t(options.iters));
+        CudaEvents ev(3 * size_t(options.iters));
         for (int i = 0; i < options.iters; ++i) {
           CUDA_CHECK(cudaEventRecord(ev.e[3 * i], s));
           fwd();

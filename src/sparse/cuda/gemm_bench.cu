@@ -1,13 +1,13 @@
 #include "sparse/cuda/gemm_bench.h"
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <functional>
 #include <memory>
 
 #include "core/cuda_check.h"
+#include "core/cuda_timing.h"
 #include "core/device_arena.h"
 #include "core/error.h"
 #include "ops/gpu.h"
@@ -71,38 +71,6 @@ void fill_nonzero(bf16* p, int64_t n, uint64_t seed, float scale, cudaStream_t s
   CUDA_CHECK_LAUNCH("fill_nonzero_kernel");
 }
 
-struct Events {
-  std::vector<cudaEvent_t> e;
-  explicit Events(size_t n) : e(n, nullptr) {
-    for (auto& x : e) CUDA_CHECK(cudaEventCreate(&x));
-  }
-  ~Events() {
-    for (auto x : e)
-      if (x) cudaEventDestroy(x);
-  }
-};
-
-// Median of `iters` single-call CUDA-event times after `warmup` calls; call(i) runs the
-// i-th call (the caller rotates input sets with i).
-double median_ms(const std::function<void(int)>& call, int warmup, int iters, cudaStream_t s) {
-  for (int i = 0; i < warmup; ++i) call(i);
-  Events ev(2 * size_t(iters));
-  for (int i = 0; i < iters; ++i) {
-    CUDA_CHECK(cudaEventRecord(ev.e[2 * i], s));
-    call(warmup + i);
-    CUDA_CHECK(cudaEventRecord(ev.e[2 * i + 1], s));
-  }
-  CUDA_CHECK(cudaStreamSynchronize(s));
-  std::vector<double> t(iters);
-  for (int i = 0; i < iters; ++i) {
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, ev.e[2 * i], ev.e[2 * i + 1]));
-    t[i] = ms;
-  }
-  std::sort(t.begin(), t.end());
-  return iters % 2 ? t[iters / 2] : 0.5 * (t[iters / 2 - 1] + t[iters / 2]);
-}
-
 std::string version_text(int v) {
   if (v <= 0) return "-";
   return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 100) + "." + std::to_string(v % 100);
@@ -120,60 +88,10 @@ std::string fixed(double v, int digits) {
 
 const char* product_text(SparseProduct p) { return p == SparseProduct::forward ? "fwd" : "bwd-data"; }
 
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~Stream() {
-    if (s) cudaStreamDestroy(s);
-  }
-};
-
 }  // namespace
 
 std::vector<GemmBenchShape> default_gemm_bench_shapes() {
   return {{8192, 2048, 16384}, {2048, 8192, 16384}, {11008, 4096, 8192}, {4096, 11008, 8192}, {4096, 4096, 8192}};
-}
-
-std::vector<GemmBenchShape> parse_gemm_bench_shapes(const std::string& spec) {
-  if (spec == "default") return default_gemm_bench_shapes();
-  std::vector<GemmBenchShape> shapes;
-  size_t pos = 0;
-  while (pos <= spec.size()) {
-    const size_t comma = spec.find(',', pos);
-    const std::string raw = spec.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
-    pos = comma == std::string::npos ? spec.size() + 1 : comma + 1;
-    // Accept x, X and the multiplication sign (UTF-8 C3 97) as separators.
-    std::string item;
-    for (size_t i = 0; i < raw.size(); ++i) {
-      if (raw[i] == '\xC3' && i + 1 < raw.size() && raw[i + 1] == '\x97') {
-        item += 'x';
-        ++i;
-      } else {
-        item += raw[i];
-      }
-    }
-    std::vector<int64_t> dims;
-    std::string cur;
-    bool ok = !item.empty();
-    for (size_t i = 0; i <= item.size() && ok; ++i) {
-      const char c = i < item.size() ? item[i] : 'x';
-      if (c == 'x' || c == 'X') {
-        if (cur.empty() || cur.size() > 9) ok = false;
-        else dims.push_back(std::stoll(cur));
-        cur.clear();
-      } else if (std::isdigit(static_cast<unsigned char>(c))) {
-        cur += c;
-      } else if (c != ' ') {
-        ok = false;
-      }
-    }
-    ESPLAG_CHECK(ok && dims.size() == 3 && dims[0] > 0 && dims[1] > 0 && dims[2] > 0,
-                 "bench gemm: --shapes item '", item, "' is not OUTxINxTOKENS (three positive integers, e.g. ",
-                 "4096x4096x8192) or 'default'");
-    shapes.push_back({dims[0], dims[1], dims[2]});
-  }
-  ESPLAG_CHECK(!shapes.empty(), "bench gemm: --shapes is empty");
-  return shapes;
 }
 
 GemmBenchResult run_gemm_bench(const GemmBenchOptions& opt) {
@@ -192,7 +110,7 @@ GemmBenchResult run_gemm_bench(const GemmBenchOptions& opt) {
   r.cusparselt_version = gpu::cusparselt_version();
   if (!have_sparse) r.cusparselt_unavailable = gpu::cusparselt_unavailable_reason();
 
-  Stream stream;
+  CudaStream stream;
   const cudaStream_t s = stream.s;
   DeviceArena gemm_arena(gpu::Gemm::kDefaultWorkspaceBytes + gpu::Gemm::kScratchBytes + 4096, "bench gemm");
   gpu::Gemm gemm(gemm_arena);
@@ -232,7 +150,7 @@ GemmBenchResult run_gemm_bench(const GemmBenchOptions& opt) {
       auto input = [&](int i) { return fwd ? X[i % sets].bf() : dY[i % sets].bf(); };
       auto output = [&](int i) { return fwd ? Y[i % sets].bf() : dX[i % sets].bf(); };
 
-      row.dense_ms = median_ms(
+      row.dense_ms = median_event_ms(
           [&](int i) {
             const int k = i % sets;
             if (fwd)
@@ -264,7 +182,7 @@ GemmBenchResult run_gemm_bench(const GemmBenchOptions& opt) {
             def.compress(C[k].get(), pruned.bf(), scratch.get(), scratch.bytes(), s);
           }
           DeviceBuffer ws(def.workspace_bytes(), "cuSPARSELt workspace");
-          row.default_ms = median_ms(
+          row.default_ms = median_event_ms(
               [&](int i) { def.matmul(output(i), C[i % sets].get(), input(i), nullptr, ws.get(), ws.bytes(), s); },
               opt.warmup, opt.iters, s);
 
@@ -276,7 +194,7 @@ GemmBenchResult run_gemm_bench(const GemmBenchOptions& opt) {
           }
           if (tuned.tuned()) {
             DeviceBuffer tws(tuned.workspace_bytes(), "cuSPARSELt workspace (searched)");
-            row.searched_ms = median_ms(
+            row.searched_ms = median_event_ms(
                 [&](int i) {
                   tuned.matmul(output(i), C[i % sets].get(), input(i), nullptr, tws.get(), tws.bytes(), s);
                 },

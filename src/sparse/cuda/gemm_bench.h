@@ -30,9 +30,6 @@ struct GemmBenchShape {
 // LLM layer shapes: 8192×2048×16384, 2048×8192×16384, 11008×4096×8192, 4096×11008×8192,
 // 4096×4096×8192 (out × in × tokens).
 std::vector<GemmBenchShape> default_gemm_bench_shapes();
-// "default" or a comma-separated list of OUTxINxTOKENS (x or ×). Throws Error naming the
-// bad item.
-std::vector<GemmBenchShape> parse_gemm_bench_shapes(const std::string& spec);
 
 struct GemmBenchOptions {
   std::vector<GemmBenchShape> shapes = default_gemm_bench_shapes();

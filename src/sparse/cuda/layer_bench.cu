@@ -6,6 +6,7 @@
 #include <functional>
 
 #include "core/cuda_check.h"
+#include "core/cuda_timing.h"
 #include "core/device_arena.h"
 #include "core/error.h"
 #include "sparse/cuda/cusparselt.h"
@@ -61,43 +62,9 @@ void fill_nonzero(bf16* p, int64_t n, uint64_t seed, float scale, cudaStream_t s
   CUDA_CHECK_LAUNCH("fill_nonzero_kernel");
 }
 
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~Stream() {
-    if (s) cudaStreamDestroy(s);
-  }
-};
-
-struct EventPairs {
-  std::vector<cudaEvent_t> e;
-  explicit EventPairs(int n) : e(2 * size_t(n), nullptr) {
-    for (auto& x : e) CUDA_CHECK(cudaEventCreate(&x));
-  }
-  ~EventPairs() {
-    for (auto x : e)
-      if (x) cudaEventDestroy(x);
-  }
-};
-
 // Median of `iters` CUDA-event times of call() after `warmup` untimed calls.
 double median_ms(const std::function<void()>& call, int warmup, int iters, cudaStream_t s) {
-  for (int i = 0; i < warmup; ++i) call();
-  EventPairs ev(iters);
-  for (int i = 0; i < iters; ++i) {
-    CUDA_CHECK(cudaEventRecord(ev.e[2 * i], s));
-    call();
-    CUDA_CHECK(cudaEventRecord(ev.e[2 * i + 1], s));
-  }
-  CUDA_CHECK(cudaStreamSynchronize(s));
-  std::vector<double> t(iters);
-  for (int i = 0; i < iters; ++i) {
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, ev.e[2 * i], ev.e[2 * i + 1]));
-    t[i] = ms;
-  }
-  std::sort(t.begin(), t.end());
-  return iters % 2 ? t[iters / 2] : 0.5 * (t[iters / 2 - 1] + t[iters / 2]);
+  return median_event_ms([&](int) { call(); }, warmup, iters, s);
 }
 
 std::string shape_text(const LayerBenchShape& s) {
@@ -140,7 +107,7 @@ LayerBenchResult run_layer_bench(const LayerBenchOptions& opt) {
   for (SparseLinearKind k : opt.kinds)
     if (std::find(kinds.begin(), kinds.end(), k) == kinds.end()) kinds.push_back(k);
 
-  Stream stream;
+  CudaStream stream;
   const cudaStream_t s = stream.s;
   uint64_t seed = 1;
   for (const LayerBenchShape& sh : opt.shapes) {

@@ -5,6 +5,7 @@
 #include <functional>
 
 #include "core/cuda_check.h"
+#include "core/cuda_timing.h"
 #include "core/device_arena.h"
 #include "core/error.h"
 #include "ops/gpu.h"
@@ -13,26 +14,6 @@
 namespace esplag::gpu {
 
 namespace {
-
-// Events and stream are released whatever happens in between.
-struct Events {
-  std::vector<cudaEvent_t> e;
-  explicit Events(size_t n) : e(n, nullptr) {
-    for (auto& x : e) CUDA_CHECK(cudaEventCreate(&x));
-  }
-  ~Events() {
-    for (auto x : e)
-      if (x) cudaEventDestroy(x);
-  }
-};
-
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~Stream() {
-    if (s) cudaStreamDestroy(s);
-  }
-};
 
 __device__ __forceinline__ float unit_hash(uint64_t i, uint32_t seed) {
   uint64_t x = i * 0x9E3779B97F4A7C15ull + seed * 0xBF58476D1CE4E5B9ull;
@@ -76,35 +57,16 @@ void fill(T* out, int64_t n, float lo, float hi, uint32_t seed, cudaStream_t s) 
   CUDA_CHECK_LAUNCH("bench fill");
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 SparseAdamWBenchRow time_op(const std::string& op, int64_t rows, int64_t cols, double bytes, int warmup, int iters,
                             cudaStream_t s, const std::function<void()>& launch) {
-  for (int i = 0; i < warmup; ++i) launch();
-  Events ev(size_t(2) * iters);
-  for (int i = 0; i < iters; ++i) {
-    CUDA_CHECK(cudaEventRecord(ev.e[2 * i], s));
-    launch();
-    CUDA_CHECK(cudaEventRecord(ev.e[2 * i + 1], s));
-  }
-  CUDA_CHECK(cudaStreamSynchronize(s));
-  std::vector<double> ms(static_cast<size_t>(iters));
-  for (int i = 0; i < iters; ++i) {
-    float t = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&t, ev.e[2 * i], ev.e[2 * i + 1]));
-    ms[i] = t;
-  }
+  const std::vector<double> ms = event_times_ms([&](int) { launch(); }, warmup, iters, s);
   SparseAdamWBenchRow r;
   r.op = op;
   r.rows = rows;
   r.cols = cols;
   r.iters = iters;
   r.warmup = warmup;
-  r.median_ms = median(ms);
+  r.median_ms = median_of(ms);
   r.min_ms = *std::min_element(ms.begin(), ms.end());
   r.max_ms = *std::max_element(ms.begin(), ms.end());
   r.bytes = bytes;
@@ -135,7 +97,7 @@ SparseAdamWBenchResult bench_sparse_adamw(const std::vector<std::array<int64_t, 
   // master / m / v / values / W2ᵀ values at half size, dense bf16 W, two metadata arrays
   // (16.25 B/element); plus alignment padding and small scratch.
   DeviceArena arena(size_t(36) * size_t(largest) + (size_t(64) << 20), "sparse adamw bench");
-  Stream stream;
+  CudaStream stream;
   const cudaStream_t s = stream.s;
   for (const auto& [O, C] : shapes) {
     const size_t mark = arena.mark();

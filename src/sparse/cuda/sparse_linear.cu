@@ -1,11 +1,12 @@
 #include "sparse/cuda/sparse_linear.h"
 
 #include <algorithm>
-#include <vector>
 #include <climits>
 #include <cstdint>
+#include <vector>
 
 #include "core/cuda_check.h"
+#include "core/cuda_timing.h"
 #include "core/device_arena.h"
 #include "core/error.h"
 #include "ops/gpu.h"
@@ -251,36 +252,20 @@ SparseLinear::ProductTimes SparseLinear::time_products(cudaStream_t s, int iters
   // does not depend on the values, but all-zero inputs could take shortcuts.
   CUDA_CHECK(cudaMemsetAsync(x.get(), 0x3C, 2 * nx, s));
   CUDA_CHECK(cudaMemsetAsync(dy.get(), 0x3B, 2 * ny, s));
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-  CUDA_CHECK(cudaEventCreate(&e0));
-  CUDA_CHECK(cudaEventCreate(&e1));
   auto median_ms = [&](bool dense) {
     use_dense_products(dense);
-    auto once = [&] {
-      prepare(s);
-      forward(y.bf(), x.bf(), s, b.bf());
-      backward(dx.bf(), nullptr, dy.bf(), nullptr, false, s);
-    };
-    once();  // tunes the products (a cuSPARSELt search or cuBLASLt's autotuning) outside the timing
-    once();
-    std::vector<float> t;
-    for (int i = 0; i < iters; ++i) {
-      CUDA_CHECK(cudaEventRecord(e0, s));
-      once();
-      CUDA_CHECK(cudaEventRecord(e1, s));
-      CUDA_CHECK(cudaEventSynchronize(e1));
-      float ms = 0;
-      CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      t.push_back(ms);
-    }
-    std::sort(t.begin(), t.end());
-    return double(t[t.size() / 2]);
+    // Two untimed rounds tune the products (a cuSPARSELt search or cuBLASLt's autotuning).
+    return median_event_ms(
+        [&](int) {
+          prepare(s);
+          forward(y.bf(), x.bf(), s, b.bf());
+          backward(dx.bf(), nullptr, dy.bf(), nullptr, false, s);
+        },
+        2, iters, s);
   };
   ProductTimes r;
   r.sparse_ms = median_ms(false);
   r.dense_ms = median_ms(true);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   use_dense_products(was_dense);
   prepare(s);  // the layer's own buffers again, from its weight
   CUDA_CHECK(cudaStreamSynchronize(s));

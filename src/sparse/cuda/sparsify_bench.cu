@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/cuda_check.h"
+#include "core/cuda_timing.h"
 #include "core/device_arena.h"
 #include "core/error.h"
 #include "sparse/cuda/cusparselt_layout.h"
@@ -31,45 +32,6 @@ __global__ void fill_random_bf16(uint16_t* out, int64_t n, uint64_t seed) {
     out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(x));
   }
 }
-
-struct Events {
-  std::vector<cudaEvent_t> e;
-  explicit Events(size_t n) : e(n, nullptr) {
-    for (auto& x : e) CUDA_CHECK(cudaEventCreate(&x));
-  }
-  ~Events() {
-    for (auto& x : e)
-      if (x) cudaEventDestroy(x);
-  }
-};
-
-// Median of `iters` launches of launch(i), each between its own events, after `warmup`.
-double median_ms(const std::function<void(int)>& launch, int iters, int warmup, cudaStream_t stream) {
-  for (int i = 0; i < warmup; ++i) launch(i);
-  Events ev(2 * size_t(iters));
-  for (int i = 0; i < iters; ++i) {
-    CUDA_CHECK(cudaEventRecord(ev.e[2 * i], stream));
-    launch(i);
-    CUDA_CHECK(cudaEventRecord(ev.e[2 * i + 1], stream));
-  }
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<double> ms(size_t(iters), 0.0);
-  for (int i = 0; i < iters; ++i) {
-    float t = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&t, ev.e[2 * i], ev.e[2 * i + 1]));
-    ms[i] = t;
-  }
-  std::sort(ms.begin(), ms.end());
-  return iters % 2 ? ms[iters / 2] : 0.5 * (ms[iters / 2 - 1] + ms[iters / 2]);
-}
-
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~Stream() {
-    if (s) cudaStreamDestroy(s);
-  }
-};
 
 }  // namespace
 
@@ -111,7 +73,7 @@ std::vector<SparsifyTiming> bench_sparsify(const std::vector<SparsifyShape>& sha
   void* copy_src = arena.allocate("copy source", 3 * n);
   void* copy_dst = arena.allocate("copy destination", 3 * n);
 
-  Stream stream;
+  CudaStream stream;
   for (int k = 0; k < 2; ++k) {
     fill_random_bf16<<<1024, 256, 0, stream.s>>>(reinterpret_cast<uint16_t*>(in[k]), int64_t(n), 1234 + k);
     CUDA_CHECK_LAUNCH("fill_random_bf16");
@@ -164,12 +126,12 @@ std::vector<SparsifyTiming> bench_sparsify(const std::vector<SparsifyShape>& sha
       t.cols = C;
       t.bytes = k.bytes;
       t.device = prop.name;
-      t.median_ms = median_ms([&](int i) { k.run(in[i % 2]); }, iters, warmup, stream.s);
+      t.median_ms = median_event_ms([&](int i) { k.run(in[i % 2]); }, warmup, iters, stream.s);
       const size_t half = (size_t(k.bytes / 2) + 15) / 16 * 16;
       if (!copy_ms.count(half))
-        copy_ms[half] = median_ms(
+        copy_ms[half] = median_event_ms(
             [&](int) { CUDA_CHECK(cudaMemcpyAsync(copy_dst, copy_src, half, cudaMemcpyDeviceToDevice, stream.s)); },
-            iters, warmup, stream.s);
+            warmup, iters, stream.s);
       t.copy_median_ms = copy_ms[half];
       t.gbps = t.bytes / (t.median_ms * 1e6);
       t.copy_gbps = 2.0 * double(half) / (t.copy_median_ms * 1e6);

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <sstream>
 
 #include "core/cuda_check.h"
+#include "core/cuda_timing.h"
 #include "core/device_arena.h"
 #include "core/dtype.h"
 #include "core/error.h"
@@ -36,27 +38,8 @@ void fill_random(bf16* p, int64_t n, uint64_t seed, cudaStream_t s) {
   CUDA_CHECK_LAUNCH("vnm bench fill_random_kernel");
 }
 
-template <typename Launch>
-double median_ms(Launch launch, int warmup, int iters, cudaStream_t s) {
-  for (int i = 0; i < warmup; ++i) launch();
-  CUDA_CHECK(cudaStreamSynchronize(s));
-  cudaEvent_t start, stop;
-  CUDA_CHECK(cudaEventCreate(&start));
-  CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<float> ms;
-  for (int i = 0; i < iters; ++i) {
-    CUDA_CHECK(cudaEventRecord(start, s));
-    launch();
-    CUDA_CHECK(cudaEventRecord(stop, s));
-    CUDA_CHECK(cudaEventSynchronize(stop));
-    float t = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(ms.begin(), ms.end());
-  return ms.empty() ? 0.0 : double(ms[ms.size() / 2]);
+double median_ms(const std::function<void()>& launch, int warmup, int iters, cudaStream_t s) {
+  return median_event_ms([&](int) { launch(); }, warmup, iters, s);
 }
 
 // max |gpu - host| / rms(host) over a few token rows of Y = X · Wᵀ.
