@@ -447,17 +447,21 @@ struct GpuTransformer::Impl {
   int layer = -1;  // the block the ops being marked belong to; -1 outside the blocks
 
   // Starts the op `kind` (the op-timing table's name) on stream s; `trace_name` overrides
-  // the derived name in the trace.
-  void mark(cudaStream_t s, const std::string& kind, double flops = 0, const std::string& trace_name = "") {
-    timer.mark(s, kind, flops);
+  // the derived name in the trace. Nothing is built unless timing or tracing is on.
+  void mark(cudaStream_t s, std::string_view kind, double flops = 0, std::string_view trace_name = {}) {
+    if (!marking()) [[likely]]
+      return;
+    const std::string k(kind);
+    timer.mark(s, k, flops);
     trace_op.reset();
-    if (current_op_tracer() != nullptr) [[unlikely]]
-      trace_op.emplace(trace_name.empty() ? op_trace_name(kind, layer) : trace_name, op_trace_category(kind), layer,
-                       flops, 0, BufferList{}, BufferList{}, OpStream(s));
+    if (tracing())
+      trace_op.emplace(trace_name.empty() ? op_trace_name(k, layer) : std::string(trace_name), op_trace_category(k),
+                       layer, flops, 0, BufferList{}, BufferList{}, OpStream(s));
   }
   // Closes the last op of a call (the timer's intervals are collected separately).
   void end_ops() { trace_op.reset(); }
   bool tracing() const { return current_op_tracer() != nullptr; }
+  bool marking() const { return timer.on || tracing(); }
 
   std::vector<StepGraph> step_graphs;
   Graph adam_graph;
@@ -998,7 +1002,7 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
     else
       gpu::rmsnorm_forward(out, rstd, res, a, b, n.w, N, C, s);
   };
-  auto mark = [&](const std::string& name, double flops = 0) { im.mark(s, name, flops); };
+  auto mark = [&](std::string_view name, double flops = 0) { im.mark(s, name, flops); };
   const double n2 = 2.0 * N;
   const double attn_flops = 2.0 * B * NH * double(T) * T * HD;  // causal: QKᵀ and PV on half the square
   gpu::Gemm& gemm = *im.gemm;
@@ -1014,7 +1018,7 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
     }
     const bool gelu = act == gpu::Gemm::Act::gelu;
     bf16* y = gelu ? pre_gelu : out;
-    mark(std::string("sparse ") + name, fl);
+    if (im.marking()) mark(std::string("sparse ") + name, fl);
     lin.sp->forward(y, in, s, lin.b);  // the bias in cuSPARSELt's epilogue
     if (gelu) {
       mark("gelu fwd");
@@ -1118,7 +1122,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   gpu::Gemm& gemm = *im.gemm;
   bf16* dres = im.s0;  // the residual-stream gradient
   bf16* dln = im.s1;   // the gradient w.r.t. a norm's output
-  auto mark = [&](const std::string& name, double flops = 0) { im.mark(s, name, flops); };
+  auto mark = [&](std::string_view name, double flops = 0) { im.mark(s, name, flops); };
   const double n2 = 2.0 * N;
   // dinp [N, K] = dout [N, OC] · W (times gelu'(pre_gelu) when given): the 2:4 product of
   // a semi_sparse layer (then the GELU gradient as a separate pass), else cuBLASLt. The
@@ -1131,7 +1135,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       gemm.backward_input(dinp, dout, im.dense_weight(lin, OC, K, s), N, K, OC, false, s, pre_gelu);
       return;
     }
-    mark(std::string("sparse ") + name, fl);
+    if (im.marking()) mark(std::string("sparse ") + name, fl);
     lin.sp->backward(dinp, nullptr, dout, nullptr, false, s);
     if (pre_gelu) {
       mark("gelu bwd");
