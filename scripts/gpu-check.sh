@@ -117,8 +117,9 @@ if ((status == 0)) && ((bench)); then
   for spec in "gpt2-124m 16 1024" "gpt2-350m 8 1024" "llama-1b 4 2048"; do
     set -- $spec
     run_bench train train --device cuda --model "$1" --batch "$2" --seq "$3" --steps 10 --warmup 3
-    # every block Linear semi_sparse (runtime 2:4, per-layer dispatch), the dense row's twin
+    # every block Linear semi_sparse (runtime 2:4, per-layer dispatch), then slope: the dense row's twins
     run_bench train train --device cuda --model "$1" --batch "$2" --seq "$3" --steps 10 --warmup 3 --semi-sparse all
+    run_bench train train --device cuda --model "$1" --batch "$2" --seq "$3" --steps 10 --warmup 3 --slope all
   done
   run_bench gemm gemm
   run_bench layer layer

@@ -3,7 +3,9 @@
 // loss and every gradient after one micro-batch (GPT-2 flavour: biases and GELU around the
 // 2:4 products; LLaMA flavour: SwiGLU, RoPE, GQA), a short training curve, graph replay
 // against eager steps, micro-batches of another size than the model was sized for (the
-// dense products of the pruned weight), switching back to dense, and refused kinds.
+// dense products of the pruned weight), switching back to dense, and refused kinds. The
+// same for slope layers against SlopeLinear (model/linear_slope.h: the kept values'
+// gradients, the CPU trainer's AdamW over the kept values, backward-mask refreshes).
 // Needs cuSPARSELt (skipped with its reason otherwise).
 #include <gtest/gtest.h>
 
@@ -12,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -19,9 +22,13 @@
 #include "core/op_trace.h"
 #include "core/rng.h"
 #include "model/gpu_transformer.h"
+#include "model/linear_kinds.h"
+#include "model/linear_slope.h"
 #include "model/transformer.h"
+#include "ops/adamw.h"
 #include "profile/profiler.h"
 #include "sparse/cuda/cusparselt.h"
+#include "sparse/masks.h"
 #include "train/layer_kinds.h"
 
 #include "gpu_test_util.h"
@@ -262,12 +269,227 @@ TEST_F(GpuModelSparse, BackToDenseAndRefusedKinds) {
     }
     return std::string("no error");
   };
-  const std::string slope = error_of(w, "slope");
-  EXPECT_NE(slope.find("'slope' is not available on the GPU"), std::string::npos) << slope;
+  const std::string vnm = error_of(w, "vnm");
+  EXPECT_NE(vnm.find("'vnm' is not available on the GPU (dense, semi_sparse and slope are)"), std::string::npos)
+      << vnm;
   for (const std::string bad : {"blocks.2.mlp.fc.weight", "blocks.1.mlp.fc.bias", "lm_head.weight", "blocks.x.attn"}) {
     const std::string e = error_of(bad, "semi_sparse");
     EXPECT_NE(e.find("is not the weight of a block Linear layer"), std::string::npos) << bad << ": " << e;
   }
+}
+
+// --- slope ---------------------------------------------------------------------------------
+
+esplag::SlopeLinear<float>& cpu_slope(Transformer<float>& cm, const std::string& name) {
+  return dynamic_cast<esplag::SlopeLinear<float>&>(cm.linear(name));
+}
+
+GpuTransformer::SlopeState slope_masks(const esplag::SlopeLinear<float>& l) {
+  const int64_t rows = l.forward_weight().rows, cols = l.forward_weight().cols;
+  GpuTransformer::SlopeState st;
+  st.forward_tiles = esplag::cpu::tile_bits(l.forward_mask(), rows, cols);
+  st.backward_tiles = esplag::cpu::tile_bits(l.backward_mask(), rows, cols);
+  st.refresh_step = std::max<int64_t>(l.refresh_step(), 0);
+  return st;
+}
+
+// Every block linear of the CPU model slope (masks from its fp32 weights), then the GPU
+// model from the CPU's flat parameters (W1 in the slope weights) with the CPU's masks.
+void make_slope(Transformer<float>& cm, GpuTransformer& gm, int freq) {
+  esplag::LayerPlan plan;
+  plan.kind = "slope";
+  plan.pattern = esplag::SparsityPattern::nm(2, 4);
+  plan.mask_change_freq = freq;
+  for (const auto& name : cm.linear_names()) esplag::apply_layer_plan(cm, name, plan, 1);
+  gm.set_params(cm.params(), cm.num_params());
+  for (const auto& name : cm.linear_names()) {
+    const GpuTransformer::SlopeState st = slope_masks(cpu_slope(cm, name));
+    gm.set_linear_kind(name, "slope", freq, &st);
+    EXPECT_EQ(gm.linear_kind(name), "slope");
+  }
+}
+
+// The CPU trainer's optimizer step (train/trainer.cpp): global norm over the trained
+// tensors (the slope layers' kept values, not their flat weights), clipping, AdamW per
+// tensor, then the layers' after_optimizer_step.
+void cpu_trainer_adamw(Transformer<float>& cm, std::map<std::string, std::vector<float>>& m,
+                       std::map<std::string, std::vector<float>>& v, const esplag::GpuAdamW& h, int64_t step) {
+  double sq = 0;
+  for (const auto& p : cm.trainable_params()) sq += esplag::cpu::global_grad_norm_squared(p.grad, esplag::shape_numel(p.shape));
+  const double clip = esplag::cpu::clip_scale(std::sqrt(sq), h.grad_clip);
+  for (const auto& p : cm.trainable_params()) {
+    const int64_t n = esplag::shape_numel(p.shape);
+    m[p.name].resize(size_t(n));
+    v[p.name].resize(size_t(n));
+    esplag::cpu::adamw_step(p.value, p.grad, m[p.name].data(), v[p.name].data(), n, h.lr, h.beta1, h.beta2, h.eps,
+                            p.decay ? h.weight_decay : 0.0, step, clip);
+  }
+  cm.after_optimizer_step();
+}
+
+void compare_slope_step(const std::string& label, const ModelConfig& cfg, int maxB, int maxT, int B, int T) {
+  SCOPED_TRACE(label);
+  Transformer<float> cm(cfg);
+  cm.init_weights(5);
+  for (size_t i = 0; i < cm.num_params(); ++i) cm.params()[i] = esplag::gpu_test::round_bf16(cm.params()[i]);
+  GpuTransformer gm(cfg, maxB, maxT);
+  make_slope(cm, gm, 100);
+  std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
+  random_tokens(x, cfg.vocab_size, 13);
+  random_tokens(y, cfg.vocab_size, 14);
+  cm.zero_grad();
+  const double lc = cm.forward_backward(x.data(), y.data(), B, T, 1.0);
+  gm.set_op_timing(true);
+  gm.zero_grad();
+  const double lg = gm.forward_backward(x.data(), y.data(), B, T, 1.0);
+  gm.set_op_timing(false);
+  std::printf("%s: loss cpu %.6f gpu %.6f\n", label.c_str(), lc, lg);
+  EXPECT_NEAR(lg, lc, 2e-2 * lc);
+  const auto g = gm.grads_to_host();
+  std::map<std::string, const float*> cpu_grad;
+  for (const auto& p : cm.trainable_params()) cpu_grad[p.name] = p.grad;
+  double worst = 0;
+  for (const auto& info : cm.param_infos()) {
+    double e = 0;
+    if (cpu_grad.count(info.name + ".values")) {
+      // The dense dW at the kept slots is the gradient of the kept values.
+      auto& l = cpu_slope(cm, info.name);
+      std::vector<float> kept(l.values().size());
+      esplag::linear_detail::gather(kept.data(), esplag::linear_detail::slot_index(l.forward_weight()),
+                                    g.data() + info.offset, nullptr);
+      e = rel_l2(kept.data(), cpu_grad.at(info.name + ".values"), kept.size());
+    } else {
+      e = rel_l2(g.data() + info.offset, cm.grads() + info.offset, info.numel);
+    }
+    EXPECT_LT(e, 3e-2) << "gradient of " << info.name;
+    worst = std::max(worst, e);
+  }
+  std::printf("  worst gradient rel L2 error %.2e\n", worst);
+  int sparse_ops = 0;
+  for (const auto& op : gm.op_times()) sparse_ops += op.op.rfind("sparse gemm", 0) == 0;
+  EXPECT_EQ(sparse_ops, B * T == maxB * maxT ? 8 : 0) << "forward and dX of every Linear role on the 2:4 path";
+}
+
+TEST_F(GpuModelSparse, SlopeMatchesCpu) {
+  compare_slope_step("llama (SwiGLU, RoPE, GQA)", llama_config(), 2, 96, 2, 96);
+  compare_slope_step("gpt (bias + GELU around the 2:4 products)", gpt_config(), 4, 64, 4, 64);
+  // Another token count: the dense products of W1 and of W2 (made again for the product).
+  compare_slope_step("gpt, smaller micro-batch than sized", gpt_config(), 4, 64, 2, 48);
+}
+
+// 20 steps with the backward mask refreshed every 5: the GPU's updates follow the CPU
+// trainer's AdamW over the kept values; the masks and the refresh step end where the
+// CPU's do, pruned weights stay exactly 0.
+TEST_F(GpuModelSparse, SlopeTrainingCurveMatchesCpu) {
+  const ModelConfig c = llama_config();
+  const int B = 2, T = 64, steps = 20, freq = 5;
+  Transformer<float> cm(c);
+  cm.init_weights(9);
+  GpuTransformer gm(c, B, T);
+  make_slope(cm, gm, freq);
+  esplag::GpuAdamW hyper;
+  hyper.lr = 3e-3;
+  std::map<std::string, std::vector<float>> m, v;
+  std::vector<int32_t> x(B * T), y(B * T);
+  Rng rng(78);
+  std::vector<double> lc, lg;
+  for (int s = 0; s < steps; ++s) {
+    structured_batch(x, y, B, T, c.vocab_size, rng);
+    cm.on_step_begin(s);
+    cm.zero_grad();
+    lc.push_back(cm.forward_backward(x.data(), y.data(), B, T, 1.0));
+    cpu_trainer_adamw(cm, m, v, hyper, s + 1);
+    gm.zero_grad();
+    lg.push_back(gm.forward_backward(x.data(), y.data(), B, T, 1.0));
+    gm.step_adamw(hyper);
+    std::printf("  step %2d loss cpu %.5f gpu %.5f\n", s + 1, lc.back(), lg.back());
+  }
+  for (int s = 0; s < steps; ++s) EXPECT_NEAR(lg[s], lc[s], 3e-2 * lc[s]) << "step " << s + 1;
+  EXPECT_LT(lg.back(), 0.8 * lg.front()) << "the GPU run did not learn";
+  cm.on_step_begin(steps);  // the CPU refreshes where the GPU prepared step 20's weights
+  const auto p = gm.params_to_host();
+  size_t tiles = 0, same = 0;
+  for (const auto& name : cm.linear_names()) {
+    const auto& l = cpu_slope(cm, name);
+    const GpuTransformer::SlopeState st = gm.slope_state(name);
+    EXPECT_EQ(st.refresh_step, l.refresh_step()) << name;
+    EXPECT_EQ(st.mask_change_freq, freq) << name;
+    EXPECT_EQ(st.forward_tiles, slope_masks(l).forward_tiles) << name << ": the forward mask moved";
+    const auto cpu_bwd = slope_masks(l).backward_tiles;
+    for (size_t t = 0; t < cpu_bwd.size(); ++t) same += st.backward_tiles[t] == cpu_bwd[t];
+    tiles += cpu_bwd.size();
+    const auto& info = *std::find_if(cm.param_infos().begin(), cm.param_infos().end(),
+                                     [&](const auto& i) { return i.name == name; });
+    for (size_t i = 0; i < info.numel; ++i)
+      if (!l.forward_mask()[i]) ASSERT_EQ(p[info.offset + i], 0.f) << name << " pruned position " << i;
+  }
+  // The GPU ranks the bf16 weights, the CPU the fp32 ones: near ties may differ.
+  std::printf("  backward masks after %d steps: %zu of %zu tiles equal to the CPU's\n", steps, same, tiles);
+  EXPECT_GT(double(same), 0.99 * double(tiles));
+}
+
+// Graphs for steps with and without a backward-mask refresh give the bits of eager steps.
+TEST_F(GpuModelSparse, SlopeGraphReplayGivesTheSameBitsAsEagerSteps) {
+  const ModelConfig c = gpt_config();
+  const int B = 2, T = 64;
+  Transformer<float> cm(c);
+  cm.init_weights(3);
+  std::vector<int32_t> x(B * T), y(B * T);
+  random_tokens(x, c.vocab_size, 23);
+  random_tokens(y, c.vocab_size, 24);
+  std::vector<std::vector<float>> params;
+  std::vector<std::vector<double>> losses;
+  for (bool graph : {false, true}) {
+    GpuModelOptions o;
+    o.cuda_graph = graph;
+    GpuTransformer gm(c, B, T, o);
+    gm.set_params(cm.params(), cm.num_params());
+    for (const auto& name : cm.linear_names()) gm.set_linear_kind(name, "slope", 2);
+    std::vector<double> l;
+    for (int s = 0; s < 6; ++s) {
+      gm.zero_grad();
+      l.push_back(gm.forward_backward(x.data(), y.data(), B, T, 1.0));
+      gm.step_adamw({});
+    }
+    if (graph) EXPECT_GT(gm.graph_launches(), 0);
+    EXPECT_EQ(gm.slope_state("blocks.0.mlp.fc.weight").refresh_step, 6);
+    params.push_back(gm.params_to_host());
+    losses.push_back(l);
+  }
+  EXPECT_EQ(losses[0], losses[1]);
+  EXPECT_EQ(std::memcmp(params[0].data(), params[1].data(), params[0].size() * sizeof(float)), 0);
+}
+
+TEST_F(GpuModelSparse, SlopeRefusesMasksThatAreNot24) {
+  const ModelConfig c = gpt_config();
+  Transformer<float> cm(c);
+  cm.init_weights(2);
+  GpuTransformer gm(c, 2, 32);
+  gm.set_params(cm.params(), cm.num_params());
+  const std::string w = "blocks.0.attn.proj.weight";  // 96 x 96: 24 x 24 tiles
+  gm.set_linear_kind(w, "slope");
+  GpuTransformer::SlopeState st = gm.slope_state(w);
+  auto error_of = [&](const GpuTransformer::SlopeState& bad) {
+    try {
+      gm.set_linear_kind(w, "slope", 100, &bad);
+    } catch (const esplag::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  GpuTransformer::SlopeState three = st;
+  three.forward_tiles[25] |= 0x7;  // three kept in a row of a tile
+  std::string e = error_of(three);
+  EXPECT_NE(e.find("slope mask tile 25 (row 4, column 4) is not 2:4"), std::string::npos) << e;
+  GpuTransformer::SlopeState outside = st;
+  outside.backward_tiles[0] = uint16_t(~st.forward_tiles[0]) & 0x000F;  // kept backward, pruned forward
+  e = error_of(outside);
+  EXPECT_NE(e.find("slope mask tile 0"), std::string::npos) << e;
+  GpuTransformer::SlopeState short_ = st;
+  short_.forward_tiles.pop_back();
+  e = error_of(short_);
+  EXPECT_NE(e.find("tiles for a 96x96 weight"), std::string::npos) << e;
+  EXPECT_EQ(gm.slope_state(w).forward_tiles, st.forward_tiles) << "a refused state changed the layer";
 }
 
 // The profiler's view of a GPU step (core/op_trace.h): every op a device op on the model's

@@ -52,6 +52,7 @@ namespace gpu = esplag::gpu;
 using Bits = std::vector<uint16_t>;
 using Mask = std::vector<uint8_t>;
 
+using esplag::cpu::tile_bits;
 using esplag::gpu_test::has_device;
 
 // ---------------------------------------------------------------------------------------
@@ -114,14 +115,6 @@ Compressed compress(const Bits& bits, const Mask& mask, int64_t rows, int64_t co
         out.values[r * cols / 2 + 2 * g + j] = mask[pos] ? bits[pos] : uint16_t(0);
       }
   return out;
-}
-
-std::vector<uint16_t> tile_bits(const Mask& m, int64_t rows, int64_t cols) {
-  std::vector<uint16_t> t(static_cast<size_t>(rows / 4 * (cols / 4)), 0);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c)
-      if (m[r * cols + c]) t[(r / 4) * (cols / 4) + c / 4] |= uint16_t(1u << (4 * (r % 4) + c % 4));
-  return t;
 }
 
 // ---------------------------------------------------------------------------------------

@@ -59,6 +59,14 @@ TEST(CliBench, OtherGpuBenchOptionErrors) {
   expect_error(run("bench gemm --operand C"), "--operand must be A or B");
 }
 
+// The sparse layer kinds of `bench train` (checked before any GPU work).
+TEST(CliBench, TrainSparseKindOptionErrors) {
+  expect_error(run("bench train --slope all"), "--semi-sparse, --slope, --always-sparse and --op-profile are for "
+                                               "--device cuda");
+  expect_error(run("bench train --device cuda --semi-sparse all --slope all"), "give --semi-sparse or --slope, not both");
+  expect_error(run("bench train --device cuda --slope all --always-sparse"), "--always-sparse is for --semi-sparse");
+}
+
 #ifndef ESPLAG_HAVE_CUDA
 TEST(CliBench, GpuBenchesRefuseInACpuBuild) {
   for (const std::string sub : {"gemm", "layer", "sparsify", "attention", "vnm", "sparse-adamw"}) {

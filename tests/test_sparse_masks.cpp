@@ -235,3 +235,19 @@ TEST(ApplyMask, ZeroesPrunedValues) {
   EXPECT_TRUE(cpu::check_pattern(a.data(), 16, 32, SparsityPattern::parse("1:8")).ok);
   EXPECT_FALSE(cpu::check_pattern(g.data(), 16, 32, SparsityPattern::parse("1:8")).ok);
 }
+
+TEST(TileBits, RoundTripsAndPlacesEachElement) {
+  const int64_t rows = 8, cols = 12;
+  cpu::Mask m(rows * cols, 0);
+  m[0] = 1;                 // tile (0, 0), element (0, 0): bit 0
+  m[1 * cols + 6] = 1;      // tile (0, 1), element (1, 2): bit 6
+  m[7 * cols + 11] = 1;     // tile (1, 2), element (3, 3): bit 15
+  const auto bits = cpu::tile_bits(m, rows, cols);
+  EXPECT_EQ(bits, (std::vector<uint16_t>{1, 1u << 6, 0, 0, 0, 1u << 15}));
+  EXPECT_EQ(cpu::mask_from_tile_bits(bits, rows, cols), m);
+  const auto g = gaussian(rows * cols, 3);
+  const auto nm = cpu::nm_mask(g.data(), rows, cols, 2, 4);
+  EXPECT_EQ(cpu::mask_from_tile_bits(cpu::tile_bits(nm, rows, cols), rows, cols), nm);
+  EXPECT_THROW(cpu::tile_bits(m, rows, cols - 2), Error);
+  EXPECT_THROW(cpu::mask_from_tile_bits(bits, rows, cols + 4), Error);
+}

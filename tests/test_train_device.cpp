@@ -74,7 +74,7 @@ TEST(TrainDevice, CudaNeedsACudaBuildAGpuAndADenseRun) {
 
   const std::string sparse = error_of([] { choose_train_device("cuda", kOneGpu, kBlocker); });
   EXPECT_TRUE(contains(sparse, "modifier slope on re:.*mlp.*")) << sparse;
-  EXPECT_TRUE(contains(sparse, "the GPU trains dense and semi_sparse Linear layers only so far")) << sparse;
+  EXPECT_TRUE(contains(sparse, "the GPU trains dense, semi_sparse and slope (without low-rank adapters) Linear layers only so far")) << sparse;
   EXPECT_TRUE(contains(sparse, "use train.device=cpu")) << sparse;
 
   const DeviceChoice ok = choose_train_device("cuda", kOneGpu, "");
@@ -94,7 +94,7 @@ TEST(TrainDevice, AutoTakesTheGpuOnlyWhenCudaWould) {
   c = choose_train_device("auto", kOneGpu, kBlocker);
   EXPECT_EQ(c.device, "cpu");  // said in the run's first log line, not silent
   EXPECT_TRUE(contains(c.note, "modifier slope")) << c.note;
-  EXPECT_TRUE(contains(c.note, "the GPU trains dense and semi_sparse Linear layers only so far")) << c.note;
+  EXPECT_TRUE(contains(c.note, "the GPU trains dense, semi_sparse and slope (without low-rank adapters) Linear layers only so far")) << c.note;
 
   c = choose_train_device("auto", kOneGpu, "");
   EXPECT_EQ(c.device, "cuda");
@@ -130,6 +130,13 @@ recipe:
                             "multiples of 16")) << why;
   odd.recipe_yaml = "- semi_sparse: {params: ['re:blocks\\.0\\.attn\\..*'], until: 5}\n";
   EXPECT_EQ(gpu_training_blocker(odd), "") << "the layers it claims are fine";
+  // slope without adapters trains on the GPU too, with the same shape rule.
+  TrainConfig slope = semi;
+  slope.recipe_yaml = "- slope: {params: ['blocks.0.mlp.fc.weight'], mask_change_freq: 10}\n";
+  EXPECT_EQ(gpu_training_blocker(slope), "");
+  slope.model.d_ff = 72;
+  why = gpu_training_blocker(slope);
+  EXPECT_TRUE(contains(why, "modifier slope on blocks.0.mlp.fc.weight: blocks.0.mlp.fc.weight is 72x32")) << why;
   TrainConfig few = semi;
   few.batch_size = 3;
   few.seq_len = 5;
@@ -151,6 +158,15 @@ recipe:
   plan.kind = "semi_sparse";
   apply_layer_plan(model, "blocks.0.mlp.proj.weight", plan, 1);
   EXPECT_EQ(gpu_training_blocker(dense, &model), "");
+  plan.kind = "slope";
+  plan.mask_change_freq = 10;
+  apply_layer_plan(model, "blocks.0.mlp.proj.weight", plan, 1);
+  EXPECT_EQ(gpu_training_blocker(dense, &model), "");
+  plan.lora_rank = 4;
+  plan.lora_enabled = true;
+  apply_layer_plan(model, "blocks.0.mlp.proj.weight", plan, 1);
+  const std::string lora = gpu_training_blocker(dense, &model);
+  EXPECT_TRUE(contains(lora, "blocks.0.mlp.proj.weight of kind slope with a low-rank adapter")) << lora;
 }
 
 // The real probe of this process: where no GPU can be used (a CPU build, or a CUDA build
@@ -204,7 +220,7 @@ TEST(TrainDevice, SparseRecipeOnCudaIsAnError) {
   const DeviceProbe probe = probe_devices();
   if (probe.cuda_build && probe.gpus > 0) {
     EXPECT_TRUE(contains(e, "modifier gradual_magnitude")) << e;
-    EXPECT_TRUE(contains(e, "the GPU trains dense and semi_sparse Linear layers only so far")) << e;
+    EXPECT_TRUE(contains(e, "the GPU trains dense, semi_sparse and slope (without low-rank adapters) Linear layers only so far")) << e;
   } else {
     EXPECT_TRUE(contains(e, "train.device=cuda")) << e;
   }

@@ -40,10 +40,13 @@ namespace {
 const char* kBenchUsage = R"(usage:
   esplag bench train --model PRESET [--device cpu|cuda] [--batch 4] [--seq 256] [--steps N]
                      [--warmup 1] [--vocab N] [--peak-tflops 989] [--csv FILE]
-                     [--semi-sparse all|REGEX [--always-sparse]] [--op-profile STEPS]
+                     [--semi-sparse all|REGEX [--always-sparse] | --slope all|REGEX]
+                     [--op-profile STEPS]
       cuda only: --semi-sparse makes the block linears whose weight names match semi_sparse
       (runtime transposable 2:4 on cuSPARSELt; each layer shape takes the 2:4 or the dense
       products of its pruned weight, whichever it measured faster, unless --always-sparse);
+      --slope makes them slope (static row-wise 2:4, double-pruned backward refreshed every
+      100 steps, AdamW on the kept values; always the 2:4 products);
       --op-profile times every op over STEPS more eager steps and prints where the time goes
   esplag bench gemm [--shapes default|OUTxINxTOKENS,...] [--products fwd,bwd] [--operand A|B]
                     [--no-search] [--tuning-cache FILE] [--warmup 10] [--iters 50] [--csv FILE]
@@ -253,7 +256,8 @@ int bench_sparse_adamw(const std::vector<std::string>& argv) {
 
 int bench_train(const std::vector<std::string>& argv) {
   Args a(argv, "bench train",
-         {"model", "device", "batch", "seq", "steps", "warmup", "vocab", "peak-tflops", "csv", "semi-sparse", "op-profile"},
+         {"model", "device", "batch", "seq", "steps", "warmup", "vocab", "peak-tflops", "csv", "semi-sparse", "slope",
+          "op-profile"},
          {"always-sparse"});
   const std::string device = a.get("device", "cpu");
   ESPLAG_CHECK(device == "cpu" || device == "cuda", "bench train: --device must be cpu or cuda, got '", device, "'");
@@ -263,18 +267,24 @@ int bench_train(const std::vector<std::string>& argv) {
   const int steps = static_cast<int>(a.integer("steps", device == "cuda" ? 10 : 2));
   const int warmup = static_cast<int>(a.integer("warmup", device == "cuda" ? 3 : 1));
   ESPLAG_CHECK(steps > 0 && warmup >= 0, "bench train: --steps must be positive and --warmup not negative");
-  ESPLAG_CHECK(device == "cuda" || (!a.has("semi-sparse") && !a.has("op-profile") && !a.has("always-sparse")),
-               "bench train: --semi-sparse, --always-sparse and --op-profile are for --device cuda");
+  ESPLAG_CHECK(device == "cuda" ||
+                   (!a.has("semi-sparse") && !a.has("slope") && !a.has("op-profile") && !a.has("always-sparse")),
+               "bench train: --semi-sparse, --slope, --always-sparse and --op-profile are for --device cuda");
+  ESPLAG_CHECK(!(a.has("semi-sparse") && a.has("slope")), "bench train: give --semi-sparse or --slope, not both");
+  ESPLAG_CHECK(!(a.has("slope") && a.has("always-sparse")),
+               "bench train: --always-sparse is for --semi-sparse (slope layers always run their 2:4 products)");
   if (device == "cuda") {
 #ifdef ESPLAG_HAVE_CUDA
-    std::string semi = a.get("semi-sparse", "");
-    if (semi == "all") semi = R"(blocks\.\d+\..*\.weight)";
+    const std::string kind = a.has("slope") ? "slope" : "semi_sparse";
+    std::string regex = a.get(a.has("slope") ? "slope" : "semi-sparse", "");
+    if (regex == "all") regex = R"(blocks\.\d+\..*\.weight)";
     const int op_steps = static_cast<int>(a.integer("op-profile", 0));
     ESPLAG_CHECK(op_steps >= 0, "bench train: --op-profile must not be negative");
     GpuModelOptions options;
     options.sparse_dispatch = !a.has("always-sparse");
     const GpuBenchResult r =
-        bench_train_gpu(mc, B, T, steps, warmup, a.number("peak-tflops", kH100DenseBf16Tflops), options, op_steps, semi);
+        bench_train_gpu(mc, B, T, steps, warmup, a.number("peak-tflops", kH100DenseBf16Tflops), options, op_steps,
+                        regex, kind);
     std::cout << gpu_bench_table_header() << gpu_bench_table_row(r) << gpu_op_profile_table(r);
     if (a.has("csv"))  // its own columns: a CUDA CSV is not the CPU one
       append_csv(a.get("csv"), gpu_bench_csv_header(), gpu_bench_csv_row(r));

@@ -18,7 +18,7 @@ namespace esplag {
 
 GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int steps, int warmup, double peak_tflops,
                                const GpuModelOptions& options, int op_profile_steps,
-                               const std::string& semi_sparse_regex) {
+                               const std::string& sparse_regex, const std::string& sparse_kind) {
   ESPLAG_CHECK(steps > 0 && warmup >= 0, "bench_train_gpu: steps must be positive and warmup not negative, got ",
                steps, " and ", warmup);
   ESPLAG_CHECK(op_profile_steps >= 0, "bench_train_gpu: negative op_profile_steps ", op_profile_steps);
@@ -43,24 +43,26 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   GpuTransformer model(config, B, T, options);
   r.params = static_cast<int64_t>(model.num_params());
   model.init_weights(1);
-  if (!semi_sparse_regex.empty()) {
+  ESPLAG_CHECK(sparse_kind == "semi_sparse" || sparse_kind == "slope", "bench_train_gpu: sparse kind '", sparse_kind,
+               "' is not semi_sparse or slope");
+  if (!sparse_regex.empty()) {
     std::regex re;
     try {
-      re = std::regex(semi_sparse_regex);
+      re = std::regex(sparse_regex);
     } catch (const std::regex_error& e) {
-      fail("bench train: malformed regex '", semi_sparse_regex, "' for the semi_sparse layers: ", e.what());
+      fail("bench train: malformed regex '", sparse_regex, "' for the ", sparse_kind, " layers: ", e.what());
     }
     int linears = 0, sparse = 0;
     for (const auto& info : model.param_infos()) {
       if (info.shape.size() != 2 || info.name.rfind("blocks.", 0) != 0) continue;
       ++linears;
       if (!std::regex_match(info.name, re)) continue;
-      model.set_linear_kind(info.name, "semi_sparse");
+      model.set_linear_kind(info.name, sparse_kind);
       ++sparse;
     }
-    ESPLAG_CHECK(sparse > 0, "bench train: the regex '", semi_sparse_regex, "' matches none of the ", linears,
+    ESPLAG_CHECK(sparse > 0, "bench train: the regex '", sparse_regex, "' matches none of the ", linears,
                  " block linear weights (e.g. blocks.0.mlp.fc.weight)");
-    r.linears = "semi_sparse " + std::to_string(sparse) + "/" + std::to_string(linears);
+    r.linears = sparse_kind + " " + std::to_string(sparse) + "/" + std::to_string(linears);
   }
   std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
   Rng rng(1);
@@ -112,10 +114,10 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   r.device_used_bytes = total_b - free_b;
   r.sparse_bytes = model.sparse_device_bytes();
   r.dispatch = model.sparse_dispatch_summary();
-  if (!semi_sparse_regex.empty()) {
+  if (!sparse_regex.empty()) {
     int sparse_shapes = 0;
     for (const auto& d : model.sparse_dispatch()) sparse_shapes += d.sparse;
-    r.linears += options.sparse_dispatch ? " (2:4 products for " + std::to_string(sparse_shapes) + " of " +
+    r.linears += options.sparse_dispatch && sparse_kind == "semi_sparse" ? " (2:4 products for " + std::to_string(sparse_shapes) + " of " +
                                                std::to_string(model.sparse_dispatch().size()) + " shapes)"
                                          : " (2:4 products everywhere)";
   }

@@ -43,10 +43,10 @@ struct GpuBenchResult {
   // (GpuTransformer::set_op_timing), run after the timed ones.
   int op_profile_steps = 0;
   std::vector<GpuOpTime> op_times;
-  // The block Linear layers' kinds: "dense", or "semi_sparse N/M (2:4 products for S of
-  // D shapes)" (N of the M block linears semi_sparse; how many of their D distinct shapes
-  // dispatch chose the 2:4 products for, or "everywhere" without dispatch), and the device
-  // bytes the semi_sparse layers hold outside the arena.
+  // The block Linear layers' kinds: "dense", or "KIND N/M (2:4 products for S of D
+  // shapes)" (N of the M block linears semi_sparse or slope; how many of their D distinct
+  // shapes dispatch chose the 2:4 products for, or "everywhere" without dispatch and for
+  // slope), and the device bytes the sparse layers hold outside the arena.
   std::string linears = "dense";
   size_t sparse_bytes = 0;
   std::string dispatch;  // GpuTransformer::sparse_dispatch_summary()
@@ -58,12 +58,14 @@ struct GpuBenchResult {
 // synchronisation inside a step; with options.cuda_graph, the default, the step replays
 // its graphs once warm-up has captured them: give warmup >= 2 to time replays only).
 // Then, if op_profile_steps > 0, that many more steps with per-op timing. The block
-// linears whose weight name fully matches semi_sparse_regex (ECMAScript; empty: none) are
-// semi_sparse (GpuTransformer::set_linear_kind) from the start. Throws Error when the
-// model does not fit or the regex is malformed or matches no block linear.
+// linears whose weight name fully matches sparse_regex (ECMAScript; empty: none) are of
+// sparse_kind, "semi_sparse" or "slope" (GpuTransformer::set_linear_kind, slope with its
+// default mask_change_freq), from the start. Throws Error when the model does not fit or
+// the regex is malformed or matches no block linear.
 GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int steps, int warmup,
                                double peak_tflops = kH100DenseBf16Tflops, const GpuModelOptions& options = {},
-                               int op_profile_steps = 0, const std::string& semi_sparse_regex = "");
+                               int op_profile_steps = 0, const std::string& sparse_regex = "",
+                               const std::string& sparse_kind = "semi_sparse");
 
 // One human-readable line per result, with a header, and a CSV header / row.
 std::string gpu_bench_table_header();

@@ -30,6 +30,7 @@
 #include "model/gpu_transformer.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -128,6 +129,22 @@ __global__ void zero_chunks_kernel(const ZeroChunk* table, float* grad) {
 __global__ void fill_kernel(float* p, int64_t n, float value) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i < n) p[i] = value;
+}
+
+// x[r, c] = 0 where the 4×4 tile mask ([rows/4, cols/4], bit 4·(r%4) + c%4) prunes it, for
+// up to two tensors of the same shape (a slope layer's weight halves, or its gradient);
+// one thread per group of 4 along a row.
+template <typename A, typename B>
+__global__ void tile_mask_kernel(A* a, B* b, const uint16_t* __restrict__ tiles, int64_t rows, int64_t groups) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= rows * groups) return;
+  const int64_t r = i / groups, g = i % groups;
+  const unsigned nibble = (tiles[(r / 4) * groups + g] >> ((r % 4) * 4)) & 0xFu;
+  for (int j = 0; j < 4; ++j)
+    if (!((nibble >> j) & 1u)) {
+      a[4 * i + j] = A{};
+      if (b) b[4 * i + j] = B{};
+    }
 }
 
 __host__ __device__ inline uint64_t splitmix64(uint64_t x) {
@@ -294,9 +311,16 @@ struct GpuTransformer::Impl {
   struct Lin {
     const bf16 *w = nullptr, *b = nullptr;
     float *dw = nullptr, *db = nullptr;
-    // semi_sparse (set_linear_kind): the layer's 2:4 products; null for dense.
+    // semi_sparse and slope (set_linear_kind): the layer's 2:4 products; null for dense.
     gpu::SparseLinear* sp = nullptr;
+    bool slope = false;
     bool sparse_for(int N) const { return sp && sp->sparse_products() && sp->tokens() == N; }
+  };
+  // A slope layer's schedule of backward-mask refreshes (SlopeLinear::on_step_begin).
+  struct Slope {
+    int mask_change_freq = 0;
+    int64_t refresh_step = 0;  // the step whose forward first used the current backward mask
+    bool due(int64_t step) const { return mask_change_freq > 0 && step - refresh_step >= mask_change_freq; }
   };
   struct Block {
     Norm n1, n2;
@@ -388,6 +412,12 @@ struct GpuTransformer::Impl {
   // decisions by layer shape.
   std::map<std::string, std::unique_ptr<gpu::SparseLinear>> sparse;
   std::vector<GpuTransformer::SparseDispatch> dispatch;
+  // The slope layers by weight name, and the scratch all of them prepare in (W1 / W2 and
+  // W2ᵀ of the largest, 4 bytes per weight): one stream orders their preparations.
+  std::map<std::string, Slope> slope;
+  DeviceArena slope_scratch;
+  // Which slope layers (in `slope`'s order) the preparation running now refreshes.
+  std::vector<bool> refreshing;
   // Ws of a semi_sparse layer whose 2:4 layers keep no pruned copy, made when a product
   // has to run dense (a micro-batch of another size): as large as the largest such layer.
   DeviceArena prune_scratch;
@@ -396,7 +426,7 @@ struct GpuTransformer::Impl {
   // dispatch), or Ws pruned now into prune_scratch (stream order keeps it until the
   // product has read it).
   const bf16* dense_weight(const Lin& lin, int out, int in, cudaStream_t s) {
-    if (!lin.sp) return lin.w;
+    if (!lin.sp || lin.slope) return lin.w;  // a slope layer's weight is W1
     if (const bf16* p = lin.sp->pruned_weight()) return p;
     bf16* ws = reinterpret_cast<bf16*>(prune_scratch.base());
     gpu::transposable_24(lin.w, out, in, gpu::Sparse24Out{ws}, gpu::Sparse24Out{}, nullptr, s);
@@ -464,7 +494,9 @@ struct GpuTransformer::Impl {
   bool marking() const { return timer.on || tracing(); }
 
   std::vector<StepGraph> step_graphs;
-  Graph adam_graph;
+  // AdamW + the 2:4 preparation, one graph per set of slope layers refreshing their
+  // backward masks in it (`refreshing`; usually none, or all of them).
+  std::map<std::vector<bool>, Graph> adam_graphs;
   uint64_t graph_uses = 0;
   int64_t graph_launches = 0;
 
@@ -779,6 +811,7 @@ void GpuTransformer::set_params(const float* host, size_t n) {
     gpu::master_split(im.w + o, im.w_lo + o, stage, int64_t(k), stream_);
   }
   refresh_head_copy();
+  prune_slope_weights();
   prepare_sparse();
   synchronize();
 }
@@ -847,6 +880,7 @@ void GpuTransformer::init_weights(uint64_t seed) {
     }
   }
   refresh_head_copy();
+  prune_slope_weights();
   prepare_sparse();
   synchronize();
 }
@@ -1130,6 +1164,19 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   auto linear_dx = [&](const Impl::Lin& lin, const char* name, bf16* dinp, const bf16* dout, int K, int OC,
                        const bf16* pre_gelu = nullptr) {
     const double fl = n2 * K * OC;
+    if (lin.slope && !lin.sparse_for(N)) {
+      // dinp = dout · W2 as the forward-form product of W2ᵀ [K, OC], made again now (the
+      // slope layers share the scratch it lives in), then the GELU gradient if any.
+      mark("sparse prepare (2:4 prune + compress)");
+      const bf16* w2t = lin.sp->refill_backward_weight_t(s);
+      mark(name, fl);
+      gemm.forward(dinp, dout, w2t, nullptr, N, OC, K, s);
+      if (pre_gelu) {
+        mark("gelu bwd");
+        gpu::gelu_backward(dinp, pre_gelu, dinp, int64_t(N) * K, false, s);
+      }
+      return;
+    }
     if (!lin.sparse_for(N)) {
       mark(name, fl);
       gemm.backward_input(dinp, dout, im.dense_weight(lin, OC, K, s), N, K, OC, false, s, pre_gelu);
@@ -1264,31 +1311,14 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
 
 // --- optimizer ------------------------------------------------------------------------------
 
-void GpuTransformer::adamw_body() {
-  Impl& im = *impl_;
-  im.mark(stream_, "grad norm");
-  gpu::sum_squares(norm_sq_, im.grad, int64_t(nparams_), im.gnorm_scratch, stream_);
-  im.mark(stream_, "adamw");
-  gpu::adamw_update_split(*im.adamw, im.w, im.w_lo, im.m, im.v, im.grad, im.adam_params, norm_sq_, im.head_pad,
-                          stream_);
-  prepare_sparse();
-}
-
-void GpuTransformer::prepare_sparse() {
-  Impl& im = *impl_;
-  if (im.sparse.empty()) return;
-  for (auto& [name, sp] : im.sparse) {
-    im.layer = std::stoi(name.substr(std::string("blocks.").size()));  // set_linear_kind checked the name
-    im.mark(stream_, "sparse prepare (2:4 prune + compress)", 0,
-            im.tracing() ? name.substr(0, name.size() - std::string(".weight").size()) + ".sparsify" : "");
-    sp->prepare(stream_);
-  }
-  im.layer = -1;
-}
-
-// --- Linear kinds ---------------------------------------------------------------------------
-
 namespace {
+
+// The block index and the module of a block Linear's weight name (set_linear_kind checked
+// it): "blocks.3.mlp.fc.weight" -> 3, "blocks.3.mlp.fc".
+int layer_of(const std::string& weight_name) { return std::stoi(weight_name.substr(std::string("blocks.").size())); }
+std::string module_of(const std::string& weight_name) {
+  return weight_name.substr(0, weight_name.size() - std::string(".weight").size());
+}
 
 // The block Linear named by its weight ("blocks.3.mlp.fc.weight"), or null.
 GpuTransformer::Impl::Lin* find_linear(GpuTransformer::Impl& im, const std::string& weight_name) {
@@ -1308,6 +1338,68 @@ GpuTransformer::Impl::Lin* find_linear(GpuTransformer::Impl& im, const std::stri
     if (weight_name.compare(dot, std::string::npos, suffix) == 0) return &(im.blocks[l].*member);
   return nullptr;
 }
+
+// Zeroes a and b (b may be null) [rows, cols] where the tile mask prunes.
+template <typename A, typename B>
+void mask_tiles(A* a, B* b, const uint16_t* tiles, int64_t rows, int64_t cols, cudaStream_t s) {
+  const int64_t n = rows * (cols / 4);
+  tile_mask_kernel<<<blocks(n), kThreads, 0, s>>>(a, b, tiles, rows, cols / 4);
+  CUDA_CHECK_LAUNCH("GpuTransformer (slope tile mask)");
+}
+
+}  // namespace
+
+
+void GpuTransformer::adamw_body() {
+  Impl& im = *impl_;
+  // slope trains W1's kept values only: the pruned positions' gradients are dropped (the
+  // norm and AdamW then see the CPU's gradient of the kept values, and W1, m and v stay 0
+  // where pruned).
+  for (const auto& [name, sl] : im.slope) {
+    const Impl::Lin& lin = *find_linear(im, name);
+    im.layer = layer_of(name);
+    im.mark(stream_, "slope grad mask", 0, im.tracing() ? module_of(name) + ".grad_mask" : "");
+    mask_tiles(lin.dw, static_cast<float*>(nullptr), lin.sp->forward_tile_mask(), lin.sp->out_features(),
+               lin.sp->in_features(), stream_);
+  }
+  im.layer = -1;
+  im.mark(stream_, "grad norm");
+  gpu::sum_squares(norm_sq_, im.grad, int64_t(nparams_), im.gnorm_scratch, stream_);
+  im.mark(stream_, "adamw");
+  gpu::adamw_update_split(*im.adamw, im.w, im.w_lo, im.m, im.v, im.grad, im.adam_params, norm_sq_, im.head_pad,
+                          stream_);
+  prepare_sparse();
+}
+
+void GpuTransformer::prepare_sparse() {
+  Impl& im = *impl_;
+  if (im.sparse.empty()) return;
+  size_t k = 0;  // index into im.refreshing, in im.slope's (= im.sparse's) order
+  for (auto& [name, sp] : im.sparse) {
+    im.layer = layer_of(name);
+    im.mark(stream_, "sparse prepare (2:4 prune + compress)", 0, im.tracing() ? module_of(name) + ".sparsify" : "");
+    if (sp->kind() == gpu::SparseLinearKind::slope)
+      sp->prepare(stream_, k < im.refreshing.size() && im.refreshing[k++]);
+    else
+      sp->prepare(stream_);
+  }
+  im.layer = -1;
+}
+
+void GpuTransformer::prune_slope_weights() {
+  Impl& im = *impl_;
+  for (const auto& [name, sl] : im.slope) {
+    const gpu::SparseLinear& sp = *im.sparse.at(name);
+    const Impl::Lin& lin = *find_linear(im, name);
+    const size_t offset = static_cast<size_t>(lin.w - im.w);
+    mask_tiles(reinterpret_cast<uint16_t*>(im.w + offset), im.w_lo + offset, sp.forward_tile_mask(),
+               sp.out_features(), sp.in_features(), stream_);
+  }
+}
+
+// --- Linear kinds ---------------------------------------------------------------------------
+
+namespace {
 
 // Median time of the separate GELU pass over n values (forward, or the gradient given the
 // pre-activation), on scratch buffers; synchronises the stream.
@@ -1329,66 +1421,156 @@ double time_gelu_pass(int64_t n, bool forward, cudaStream_t s) {
 
 }  // namespace
 
-void GpuTransformer::set_linear_kind(const std::string& weight_name, const std::string& kind) {
+void GpuTransformer::set_linear_kind(const std::string& weight_name, const std::string& kind, int mask_change_freq,
+                                     const SlopeState* slope_masks) {
   Impl& im = *impl_;
   Impl::Lin* lin = find_linear(im, weight_name);
   ESPLAG_CHECK(lin, "GpuTransformer: '", weight_name, "' is not the weight of a block Linear layer");
-  ESPLAG_CHECK(kind == "dense" || kind == "semi_sparse", "GpuTransformer: ", weight_name, ": Linear kind '", kind,
-               "' is not available on the GPU (dense and semi_sparse are)");
-  if (kind == linear_kind(weight_name)) return;
-  synchronize();  // nothing queued may still use a layer that goes away
-  if (kind == "dense") {
-    lin->sp = nullptr;
-    im.sparse.erase(weight_name);
-    if (im.sparse.empty()) im.prune_scratch = DeviceArena();
-  } else {
-    ESPLAG_CHECK(gpu::cusparselt_available(), "GpuTransformer: ", weight_name,
-                 ": semi_sparse on the GPU needs cuSPARSELt: ", gpu::cusparselt_unavailable_reason());
-    const ParamInfo* info = nullptr;
-    for (const auto& i : infos_)
-      if (i.name == weight_name) info = &i;
-    const int64_t out = info->shape.at(0), in = info->shape.at(1);
-    gpu::SparseLinearOptions o;
-    o.kind = gpu::SparseLinearKind::semi_sparse;
-    o.bias = lin->b != nullptr;
-    o.keep_pruned = false;  // dense_weight prunes on demand
-    const int64_t tokens = int64_t(max_b_) * max_t_;
-    auto sp = std::make_unique<gpu::SparseLinear>(o, out, in, tokens, lin->w, stream_);
-    if (opt_.sparse_dispatch) {
-      // GELU MLP: fc's forward and mproj's dX carry a GELU pass on the 2:4 path (over
-      // fc's output, [tokens, out] of fc = [tokens, in] of mproj).
-      const bool gelu_pass = cfg_.mlp == MlpKind::gelu && weight_name.find(".mlp.") != std::string::npos;
-      auto same = [&](const SparseDispatch& d) {
-        return d.out == out && d.in == in && d.tokens == tokens && d.gelu_pass == gelu_pass;
-      };
-      auto it = std::find_if(im.dispatch.begin(), im.dispatch.end(), same);
-      if (it == im.dispatch.end()) {
-        const gpu::SparseLinear::ProductTimes t = sp->time_products(stream_);
-        const bool is_fc = weight_name.find(".mlp.fc.") != std::string::npos;
-        const double extra = gelu_pass ? time_gelu_pass(tokens * (is_fc ? out : in), is_fc, stream_) : 0.0;
-        im.dispatch.push_back(
-            {out, in, tokens, gelu_pass, t.sparse_ms + extra, t.dense_ms, t.sparse_ms + extra < t.dense_ms});
-        it = im.dispatch.end() - 1;
-      }
-      sp->use_dense_products(!it->sparse);
-    }
-    sp->prepare(stream_);
-    const size_t ws_bytes = sizeof(bf16) * size_t(out) * size_t(in) + DeviceArena::kDefaultAlignment;
-    if (!sp->pruned_weight() && im.prune_scratch.capacity() < ws_bytes)
-      im.prune_scratch = DeviceArena(ws_bytes, "semi_sparse pruning scratch");
-    lin->sp = sp.get();
-    im.sparse[weight_name] = std::move(sp);
+  ESPLAG_CHECK(kind == "dense" || kind == "semi_sparse" || kind == "slope", "GpuTransformer: ", weight_name,
+               ": Linear kind '", kind, "' is not available on the GPU (dense, semi_sparse and slope are)");
+  ESPLAG_CHECK(!slope_masks || kind == "slope", "GpuTransformer: ", weight_name, ": masks given for kind ", kind);
+  const std::string was = linear_kind(weight_name);
+  if (kind == was && kind == "slope") {
+    im.slope[weight_name].mask_change_freq = mask_change_freq;
+    if (slope_masks) set_slope_masks(weight_name, *slope_masks);
+    return;
   }
+  if (kind == was) return;
+  synchronize();  // nothing queued may still use a layer that goes away
+  const ParamInfo* info = nullptr;
+  for (const auto& i : infos_)
+    if (i.name == weight_name) info = &i;
+  const int64_t out = info->shape.at(0), in = info->shape.at(1);
+  // slope trains other tensors than the dense weight (the CPU's "<weight>.values"): its
+  // moments start from zero whenever the layer becomes or stops being slope, as the CPU
+  // trainer's do for a tensor it has not seen.
+  if (was == "slope" || kind == "slope") {
+    CUDA_CHECK(cudaMemsetAsync(im.m + info->offset, 0, sizeof(float) * info->numel, stream_));
+    CUDA_CHECK(cudaMemsetAsync(im.v + info->offset, 0, sizeof(float) * info->numel, stream_));
+  }
+  lin->sp = nullptr;
+  lin->slope = false;
+  im.sparse.erase(weight_name);
+  im.slope.erase(weight_name);
+  if (kind != "dense") {
+    ESPLAG_CHECK(gpu::cusparselt_available(), "GpuTransformer: ", weight_name, ": ", kind,
+                 " on the GPU needs cuSPARSELt: ", gpu::cusparselt_unavailable_reason());
+    gpu::SparseLinearOptions o;
+    o.bias = lin->b != nullptr;
+    const int64_t tokens = int64_t(max_b_) * max_t_;
+    const size_t w_bytes = sizeof(bf16) * size_t(out) * size_t(in);
+    if (kind == "slope") {
+      o.kind = gpu::SparseLinearKind::slope;
+      if (im.slope_scratch.capacity() < 2 * w_bytes + DeviceArena::kDefaultAlignment)
+        im.slope_scratch = DeviceArena(2 * w_bytes + DeviceArena::kDefaultAlignment, "slope scratch (W1, W2^T)");
+      o.slope_scratch = reinterpret_cast<bf16*>(im.slope_scratch.base());
+      // The masks come from W as it is now (the forward mask row-wise 2:4, the backward
+      // one W1's double pruning) unless given; W becomes W1.
+      lin->sp = im.sparse.emplace(weight_name, std::make_unique<gpu::SparseLinear>(o, out, in, tokens, lin->w, stream_))
+                    .first->second.get();
+      lin->slope = true;
+      im.slope[weight_name] = Impl::Slope{mask_change_freq, step_};
+      if (slope_masks) {
+        set_slope_masks(weight_name, *slope_masks);
+      } else {
+        mask_tiles(reinterpret_cast<uint16_t*>(im.w + info->offset), im.w_lo + info->offset,
+                   lin->sp->forward_tile_mask(), out, in, stream_);
+        lin->sp->prepare(stream_, false);
+      }
+    } else {
+      o.kind = gpu::SparseLinearKind::semi_sparse;
+      o.keep_pruned = false;  // dense_weight prunes on demand
+      auto sp = std::make_unique<gpu::SparseLinear>(o, out, in, tokens, lin->w, stream_);
+      if (opt_.sparse_dispatch) {
+        // GELU MLP: fc's forward and mproj's dX carry a GELU pass on the 2:4 path (over
+        // fc's output, [tokens, out] of fc = [tokens, in] of mproj).
+        const bool gelu_pass = cfg_.mlp == MlpKind::gelu && weight_name.find(".mlp.") != std::string::npos;
+        auto same = [&](const SparseDispatch& d) {
+          return d.out == out && d.in == in && d.tokens == tokens && d.gelu_pass == gelu_pass;
+        };
+        auto it = std::find_if(im.dispatch.begin(), im.dispatch.end(), same);
+        if (it == im.dispatch.end()) {
+          const gpu::SparseLinear::ProductTimes t = sp->time_products(stream_);
+          const bool is_fc = weight_name.find(".mlp.fc.") != std::string::npos;
+          const double extra = gelu_pass ? time_gelu_pass(tokens * (is_fc ? out : in), is_fc, stream_) : 0.0;
+          im.dispatch.push_back(
+              {out, in, tokens, gelu_pass, t.sparse_ms + extra, t.dense_ms, t.sparse_ms + extra < t.dense_ms});
+          it = im.dispatch.end() - 1;
+        }
+        sp->use_dense_products(!it->sparse);
+      }
+      sp->prepare(stream_);
+      if (!sp->pruned_weight() && im.prune_scratch.capacity() < w_bytes + DeviceArena::kDefaultAlignment)
+        im.prune_scratch = DeviceArena(w_bytes + DeviceArena::kDefaultAlignment, "semi_sparse pruning scratch");
+      lin->sp = sp.get();
+      im.sparse[weight_name] = std::move(sp);
+    }
+  }
+  // Scratch nobody needs any more.
+  const bool any_semi = std::any_of(im.sparse.begin(), im.sparse.end(), [](const auto& e) {
+    return e.second->kind() == gpu::SparseLinearKind::semi_sparse;
+  });
+  if (!any_semi) im.prune_scratch = DeviceArena();
+  if (im.slope.empty()) im.slope_scratch = DeviceArena();
   // The captured steps baked the old products in.
   im.step_graphs.clear();
-  im.adam_graph.reset();
+  im.adam_graphs.clear();
   synchronize();
 }
 
 std::string GpuTransformer::linear_kind(const std::string& weight_name) const {
   Impl::Lin* lin = find_linear(*impl_, weight_name);
   ESPLAG_CHECK(lin, "GpuTransformer: '", weight_name, "' is not the weight of a block Linear layer");
-  return lin->sp ? "semi_sparse" : "dense";
+  return lin->slope ? "slope" : lin->sp ? "semi_sparse" : "dense";
+}
+
+GpuTransformer::SlopeState GpuTransformer::slope_state(const std::string& weight_name) const {
+  const Impl& im = *impl_;
+  auto it = im.slope.find(weight_name);
+  ESPLAG_CHECK(it != im.slope.end(), "GpuTransformer: ", weight_name, " is not a slope layer");
+  const gpu::SparseLinear& sp = *im.sparse.at(weight_name);
+  const size_t tiles = size_t(sp.out_features() / 4) * size_t(sp.in_features() / 4);
+  SlopeState st;
+  st.forward_tiles.resize(tiles);
+  st.backward_tiles.resize(tiles);
+  CUDA_CHECK(cudaMemcpyAsync(st.forward_tiles.data(), sp.forward_tile_mask(), 2 * tiles, cudaMemcpyDeviceToHost,
+                             stream_));
+  CUDA_CHECK(cudaMemcpyAsync(st.backward_tiles.data(), sp.backward_tile_mask(), 2 * tiles, cudaMemcpyDeviceToHost,
+                             stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  st.refresh_step = it->second.refresh_step;
+  st.mask_change_freq = it->second.mask_change_freq;
+  return st;
+}
+
+void GpuTransformer::set_slope_masks(const std::string& weight_name, const SlopeState& st) {
+  Impl& im = *impl_;
+  auto it = im.slope.find(weight_name);
+  gpu::SparseLinear& sp = *im.sparse.at(weight_name);
+  const int64_t out = sp.out_features(), in = sp.in_features(), groups = in / 4;
+  const size_t tiles = size_t(out / 4) * size_t(groups);
+  ESPLAG_CHECK(st.forward_tiles.size() == tiles && st.backward_tiles.size() == tiles, "GpuTransformer: ",
+               weight_name, ": slope masks of ", st.forward_tiles.size(), " and ", st.backward_tiles.size(),
+               " tiles for a ", out, "x", in, " weight (", tiles, " tiles)");
+  for (size_t t = 0; t < tiles; ++t) {
+    const unsigned f = st.forward_tiles[t], b = st.backward_tiles[t];
+    bool ok = (b & ~f) == 0;
+    for (int j = 0; j < 4 && ok; ++j)  // rows of the forward mask, columns of the backward one
+      ok = std::popcount((f >> (4 * j)) & 0xFu) <= 2 && std::popcount(b & (0x1111u << j)) <= 2;
+    ESPLAG_CHECK(ok, "GpuTransformer: ", weight_name, ": slope mask tile ", t, " (row ", t / groups * 4, ", column ",
+                 t % groups * 4, ") is not 2:4 (forward 0x", std::hex, f, ", backward 0x", b, std::dec,
+                 "; the backward mask must lie inside the forward one, 2 of every 4 down each column)");
+  }
+  synchronize();
+  sp.set_tile_masks(st.forward_tiles.data(), st.backward_tiles.data(), stream_);
+  const ParamInfo* info = nullptr;
+  for (const auto& i : infos_)
+    if (i.name == weight_name) info = &i;
+  mask_tiles(reinterpret_cast<uint16_t*>(im.w + info->offset), im.w_lo + info->offset, sp.forward_tile_mask(), out,
+             in, stream_);
+  sp.prepare(stream_, false);
+  it->second.refresh_step = st.refresh_step;
+  synchronize();
 }
 
 const std::vector<GpuTransformer::SparseDispatch>& GpuTransformer::sparse_dispatch() const { return impl_->dispatch; }
@@ -1406,7 +1588,7 @@ std::string GpuTransformer::sparse_dispatch_summary() const {
 }
 
 size_t GpuTransformer::sparse_device_bytes() const {
-  size_t n = impl_->prune_scratch.capacity();
+  size_t n = impl_->prune_scratch.capacity() + impl_->slope_scratch.capacity();
   for (const auto& [name, sp] : impl_->sparse) n += sp->device_bytes();
   return n;
 }
@@ -1425,13 +1607,20 @@ void GpuTransformer::step_adamw(const GpuAdamW& hyper) {
   c.max_grad_norm = hyper.grad_clip > 0 ? static_cast<float>(hyper.grad_clip) : 0.f;
   // Validated and written to device memory, ahead of the update (eager or replayed).
   gpu::set_adamw_step_params(im.adam_params, gpu::make_adamw_step_params(c), stream_);
+  // The preparation serves step step_ + 1: the slope layers due then choose new backward masks.
+  im.refreshing.clear();
+  for (const auto& [name, sl] : im.slope) im.refreshing.push_back(sl.due(step_ + 1));
   if (!opt_.cuda_graph || im.timer.on || im.tracing()) {
     adamw_body();
     im.end_ops();
     im.timer.collect(stream_);
   } else {
-    run_as_graph(im.adam_graph, stream_, im.graph_launches, [&] { adamw_body(); });
+    run_as_graph(im.adam_graphs[im.refreshing], stream_, im.graph_launches, [&] { adamw_body(); });
   }
+  size_t k = 0;
+  for (auto& [name, sl] : im.slope)
+    if (im.refreshing[k++]) sl.refresh_step = step_ + 1;
+  im.refreshing.clear();
   ++step_;
 }
 

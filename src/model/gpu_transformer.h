@@ -1,7 +1,7 @@
 // The transformer on the GPU: the CUDA counterpart of Transformer<float>
-// (model/transformer.h) for dense training and semi_sparse Linear layers, with the same
-// ModelConfig, the same parameter names and the same flat parameter layout, so a CPU
-// model's (or checkpoint's) flat vector loads directly.
+// (model/transformer.h), with the same ModelConfig, the same parameter names and the same
+// flat parameter layout, so a CPU model's (or checkpoint's) flat vector loads directly.
+// Block Linear layers may be dense, semi_sparse or slope (set_linear_kind).
 //
 // Device state, all in one DeviceArena sized up front for the largest (B, T) the model
 // will see: the bf16 weights that forward and backward read together with the low 16
@@ -101,7 +101,7 @@ struct GpuModelOptions {
   // Per-layer dispatch of semi_sparse layers: the first layer of each shape times its 2:4
   // products (with their per-step compression) against cuBLASLt's products of the same
   // pruned weight and every layer of that shape takes the faster (sparse_dispatch()).
-  // Off: the 2:4 products everywhere.
+  // Off: the 2:4 products everywhere. slope layers always run their 2:4 products.
   bool sparse_dispatch = true;
   // Added to the computed arena size (e.g. for callers that allocate from arena()).
   size_t extra_arena_bytes = 0;
@@ -213,21 +213,53 @@ class GpuTransformer {
 
   // --- Linear kinds ---------------------------------------------------------------------
   // The kind of a block Linear layer, by its weight's name ("blocks.3.mlp.fc.weight"):
-  // "dense" (the default) or "semi_sparse" (model/linear_semi_sparse.h's runtime 2:4:
-  // after every AdamW step, and after set_params / init_weights, the transposable 4×4-tile
-  // 2:4 of the current W is taken (Ws) and compressed for cuSPARSELt; the forward and dX
-  // products are 2:4 GEMMs of Ws, dW stays the dense dYᵀ·X, the master weight stays dense).
-  // Micro-batches of another size than max_batch × max_seq_len run the dense products of
-  // Ws (the 2:4 plans are per token count; Ws is then pruned again into a scratch as large
-  // as the largest layer). Each semi_sparse layer holds its two compressed copies (2.25
-  // bytes per weight), and Ws (2 more) where dispatch chose the dense products or
-  // cuSPARSELt's layout is not the writer's, all outside the arena (sparse_device_bytes),
-  // and is tuned at its first forward (one cuSPARSELt search per shape and process, or the
-  // tuning cache's entry). Other kinds, or semi_sparse without cuSPARSELt, throw Error.
-  // Changing a kind waits for the device and drops the captured graphs.
-  void set_linear_kind(const std::string& weight_name, const std::string& kind);
+  // "dense" (the default), "semi_sparse" or "slope". Other kinds, or the sparse ones
+  // without cuSPARSELt, throw Error. Changing a kind waits for the device and drops the
+  // captured graphs. Each sparse layer is tuned at its first forward (one cuSPARSELt search
+  // per shape and process, or the tuning cache's entry).
+  //
+  // semi_sparse (model/linear_semi_sparse.h's runtime 2:4): after every AdamW step, and
+  // after set_params / init_weights, the transposable 4×4-tile 2:4 of the current W is
+  // taken (Ws) and compressed for cuSPARSELt; the forward and dX products are 2:4 GEMMs of
+  // Ws, dW stays the dense dYᵀ·X, the master weight stays dense. Micro-batches of another
+  // size than max_batch × max_seq_len run the dense products of Ws (the 2:4 plans are per
+  // token count; Ws is then pruned again into a scratch as large as the largest layer).
+  // Each layer holds its two compressed copies (2.25 bytes per weight), and Ws (2 more)
+  // where dispatch chose the dense products or cuSPARSELt's layout is not the writer's,
+  // all outside the arena (sparse_device_bytes).
+  //
+  // slope (model/linear_slope.h's SLoPe): the forward mask is the row-wise 2:4 of W when
+  // the layer becomes slope, and never changes; W becomes W1 = W ⊙ that mask. The forward
+  // is the 2:4 GEMM of W1, dX the 2:4 GEMM of W2 = W1 pruned again 2:4 down each column
+  // (the backward mask, chosen again from W1 every mask_change_freq steps as
+  // SlopeLinear::on_step_begin does; <= 0: never); dW is the dense GEMM, and AdamW's pass
+  // drops its pruned positions first, so the gradient norm, the moments and the update are
+  // those of the kept values (the CPU's sparse AdamW over "<weight>.values": W1 keeps its
+  // zeros, m and v stay 0 there). The moments start from zero when a layer becomes or stops
+  // being slope. Updates equal the CPU's; the flat buffers stay dense (no memory saved on
+  // them). Each layer holds its two compressed copies and both masks (2.5 bytes per
+  // weight); all slope layers prepare in one scratch of 4 bytes per weight of the largest.
+  // Another micro-batch size runs the dense products of W1 and of W2 (made again for the
+  // product). Masks are chosen from the bf16 weights; the CPU ranks fp32 values, so near
+  // ties may differ: `slope_masks` (slope_state's form; its mask_change_freq is ignored)
+  // gives the layer masks chosen elsewhere (the CPU's, a checkpoint's) instead, also to a
+  // layer that is slope already; masks that are not 2:4 as slope_state says throw Error
+  // naming the layer and the first bad tile. No low-rank adapters.
+  struct SlopeState;
+  void set_linear_kind(const std::string& weight_name, const std::string& kind, int mask_change_freq = 100,
+                       const SlopeState* slope_masks = nullptr);
   std::string linear_kind(const std::string& weight_name) const;
   size_t sparse_device_bytes() const;
+  // A slope layer's masks and refresh schedule (Error for other layers). The masks are
+  // 4×4 tile bits [out/4, in/4] (sparse/masks.h's tile_bits): the forward mask (W1's) and
+  // the backward one (W2's, in W's orientation, inside the forward one). refresh_step is
+  // the step whose forward first used the backward mask (optimizer_steps() at the time).
+  struct SlopeState {
+    std::vector<uint16_t> forward_tiles, backward_tiles;
+    int64_t refresh_step = 0;
+    int mask_change_freq = 100;
+  };
+  SlopeState slope_state(const std::string& weight_name) const;
   // The dispatch decisions so far (GpuModelOptions::sparse_dispatch), one per layer shape
   // in the order they were made, and a one-line summary of them ("" when none).
   // With a GELU MLP, the 2:4 path runs the GELU of mlp.fc's output (forward) and its
@@ -274,6 +306,10 @@ class GpuTransformer {
   void adamw_body();
   // The semi_sparse layers' per-step weight work, from the current weights.
   void prepare_sparse();
+  // Every slope layer's W (both halves of its master) pruned to its forward mask.
+  void prune_slope_weights();
+  // A slope layer takes the given masks and refresh step; W is pruned to the forward mask.
+  void set_slope_masks(const std::string& weight_name, const SlopeState& state);
   // The padded bf16 head weight follows set_params and init_weights (AdamW writes it too).
   void refresh_head_copy();
 

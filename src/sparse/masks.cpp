@@ -207,6 +207,35 @@ PatternCheck check_pattern(const T* w, int64_t rows, int64_t cols, const Sparsit
   return res;
 }
 
+namespace {
+void check_tile_shape(const char* what, int64_t rows, int64_t cols) {
+  ESPLAG_CHECK(rows >= 0 && cols >= 0 && rows % 4 == 0 && cols % 4 == 0, what, ": a ", rows, "x", cols,
+               " mask does not tile into 4x4 tiles");
+}
+}  // namespace
+
+std::vector<uint16_t> tile_bits(const Mask& mask, int64_t rows, int64_t cols) {
+  check_tile_shape("tile_bits", rows, cols);
+  ESPLAG_CHECK(int64_t(mask.size()) == rows * cols, "tile_bits: the mask holds ", mask.size(), " values, not ",
+               rows, "x", cols);
+  std::vector<uint16_t> t(static_cast<size_t>(rows / 4 * (cols / 4)), 0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      if (mask[r * cols + c]) t[(r / 4) * (cols / 4) + c / 4] |= uint16_t(1u << (4 * (r % 4) + c % 4));
+  return t;
+}
+
+Mask mask_from_tile_bits(const std::vector<uint16_t>& bits, int64_t rows, int64_t cols) {
+  check_tile_shape("mask_from_tile_bits", rows, cols);
+  ESPLAG_CHECK(int64_t(bits.size()) == rows / 4 * (cols / 4), "mask_from_tile_bits: ", bits.size(),
+               " tiles for a ", rows, "x", cols, " mask");
+  Mask m(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      m[r * cols + c] = (bits[(r / 4) * (cols / 4) + c / 4] >> (4 * (r % 4) + c % 4)) & 1u;
+  return m;
+}
+
 #define ESPLAG_SPARSE_MASKS(T)                                                                              \
   template Mask nm_mask<T>(const T*, int64_t, int64_t, int, int);                                          \
   template Mask unstructured_mask<T>(const T*, int64_t, double);                                           \

@@ -40,6 +40,13 @@ Mask make_mask(const T* w, int64_t rows, int64_t cols, const SparsityPattern& pa
 template <typename T>
 void apply_mask(T* w, const uint8_t* mask, int64_t count);
 
+// A mask [rows, cols] as 4×4 tile bits, the form the GPU's 2:4 kernels take and give
+// (sparse/cuda/sparsify.h): [rows/4, cols/4] uint16, bit 4·r + c = element (r, c) of the
+// tile, 1 = kept. rows and cols must be multiples of 4 (else Error).
+std::vector<uint16_t> tile_bits(const Mask& mask, int64_t rows, int64_t cols);
+// The inverse; `bits` must hold [rows/4, cols/4] tiles (else Error).
+Mask mask_from_tile_bits(const std::vector<uint16_t>& bits, int64_t rows, int64_t cols);
+
 // Whether the non-zeros of a dense tensor fit a pattern (used by `esplag sparsity`).
 struct PatternCheck {
   bool ok = true;

@@ -6,12 +6,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
+#include <set>
 #include <utility>
 #include <vector>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "model/gpu_transformer.h"
+#include "model/linear_kinds.h"
+#include "model/linear_slope.h"
+#include "sparse/masks.h"
 
 namespace esplag {
 
@@ -40,6 +45,52 @@ __global__ void finish_step_kernel(StepHealth* h, int micro_batches, long long s
   }
 }
 
+SlopeLinear<float>* host_slope(Transformer<float>& host, const std::string& name) {
+  return dynamic_cast<SlopeLinear<float>*>(&host.linear(name));
+}
+
+// A host slope layer's masks and schedule as the GPU model takes them; a layer built for
+// the step about to run (refresh step -1) counts as refreshed at it, as on_step_begin does.
+GpuTransformer::SlopeState gpu_slope_state(const SlopeLinear<float>& l, int64_t step) {
+  const int64_t rows = l.forward_weight().rows, cols = l.forward_weight().cols;
+  GpuTransformer::SlopeState st;
+  st.forward_tiles = cpu::tile_bits(l.forward_mask(), rows, cols);
+  st.backward_tiles = cpu::tile_bits(l.backward_mask(), rows, cols);
+  st.refresh_step = l.refresh_step() < 0 ? step : l.refresh_step();
+  st.mask_change_freq = l.mask_change_freq();
+  return st;
+}
+
+// The GPU layer `name` (trained as the flat weight W1 with dense moments) into the host
+// slope layer (the kept values, "<name>.values", and its masks): the values and their
+// moments are W1's, m's and v's at the forward mask's slots (flat: [rows, cols] at the
+// weight's offset in the flat host vectors), the backward mask the GPU's.
+void slope_to_host(SlopeLinear<float>& l, const std::string& name, const GpuTransformer::SlopeState& st,
+                   const float* w1, const float* m, const float* v, std::vector<float>& m_values,
+                   std::vector<float>& v_values) {
+  using namespace linear_detail;
+  const int64_t rows = l.forward_weight().rows, cols = l.forward_weight().cols;
+  const SlotIndex slots = slot_index(l.forward_weight());
+  gather(l.values().data(), slots, w1, nullptr);
+  m_values.resize(l.values().size());
+  v_values.resize(l.values().size());
+  gather(m_values.data(), slots, m, nullptr);
+  gather(v_values.data(), slots, v, nullptr);
+  // The backward mask as the CPU keeps it: the metadata of W2ᵀ [cols, rows].
+  const cpu::Mask bwd = cpu::mask_from_tile_bits(st.backward_tiles, rows, cols);
+  cpu::Mask bwd_t(bwd.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) bwd_t[c * rows + r] = bwd[r * cols + c];
+  const std::vector<float> zeros(bwd.size(), 0.f);
+  const Compressed24T<float> w2t = compress_24_masked(zeros.data(), bwd_t.data(), cols, rows, name);
+  std::map<std::string, Tensor> state = l.state();
+  state[name + ".backward_meta"] = u16_tensor(name + ".backward_meta", w2t.meta, {cols, w2t.meta_stride()});
+  Tensor step = Tensor::zeros({1}, DType::f64, name + ".refresh_step");
+  step.data<double>()[0] = double(st.refresh_step);
+  state[name + ".refresh_step"] = step;
+  l.load_state(state);  // rebuilds the flat weight and the backward copy from the values
+}
+
 GpuModelOptions model_options() {
   GpuModelOptions o;
   o.extra_arena_bytes = 2 * DeviceArena::kDefaultAlignment;  // the StepHealth record
@@ -49,13 +100,31 @@ GpuModelOptions model_options() {
 class GpuStep final : public StepBackend {
  public:
   GpuStep(const TrainConfig& cfg, Transformer<float>& host, Moments m, Moments v, int64_t steps_done)
-      : cfg_(cfg), host_(host), model_(cfg.model, cfg.batch_size, cfg.seq_len, model_options()) {
+      : cfg_(cfg),
+        host_(host),
+        linears_([&] {
+          const std::vector<std::string> names = host.linear_names();
+          return std::set<std::string>(names.begin(), names.end());
+        }()),
+        model_(cfg.model, cfg.batch_size, cfg.seq_len, model_options()) {
     check_layout();
     model_.set_params(host_.params(), host_.num_params());
     follow_host_kinds();
     if (!m.empty() || !v.empty()) {
       std::vector<float> mf(host_.num_params()), vf(host_.num_params());
       for (const auto& info : host_.param_infos()) {
+        if (SlopeLinear<float>* sl = is_linear_weight(info.name) ? host_slope(host_, info.name) : nullptr) {
+          // The kept values' moments, spread over the dense weight (zero where pruned).
+          auto mi = m.find(info.name + ".values"), vi = v.find(info.name + ".values");
+          const size_t n = sl->values().size();
+          if (mi == m.end() && vi == v.end()) continue;  // the layer became slope at this step
+          ESPLAG_CHECK(mi != m.end() && vi != v.end() && mi->second.size() == n && vi->second.size() == n,
+                       "GPU training: the optimizer state for '", info.name, ".values' is missing or has the wrong size");
+          const auto slots = linear_detail::slot_index(sl->forward_weight());
+          linear_detail::scatter(mf.data() + info.offset, slots, mi->second.data());
+          linear_detail::scatter(vf.data() + info.offset, slots, vi->second.data());
+          continue;
+        }
         auto mi = m.find(info.name), vi = v.find(info.name);
         ESPLAG_CHECK(mi != m.end() && vi != v.end() && mi->second.size() == info.numel &&
                          vi->second.size() == info.numel,
@@ -132,12 +201,22 @@ class GpuStep final : public StepBackend {
     return model_.forward_loss(inputs, targets, B, T);
   }
 
+  // The moments of every tensor the host trains: the flat tensors' slices, and the kept
+  // values of each slope layer (which the host trains instead of its flat weight).
   HostMoments state_to_host() override {
     const std::vector<float> p = model_.params_to_host();
     std::copy(p.begin(), p.end(), host_.params());
     std::vector<float> mf, vf;
     model_.optimizer_state_to_host(mf, vf);
+    m_.clear();
+    v_.clear();
     for (const auto& info : host_.param_infos()) {
+      if (SlopeLinear<float>* sl = is_linear_weight(info.name) ? host_slope(host_, info.name) : nullptr) {
+        const std::string values = info.name + ".values";
+        slope_to_host(*sl, info.name, model_.slope_state(info.name), p.data() + info.offset, mf.data() + info.offset,
+                      vf.data() + info.offset, m_[values], v_[values]);
+        continue;
+      }
       m_[info.name].assign(mf.begin() + info.offset, mf.begin() + info.offset + info.numel);
       v_[info.name].assign(vf.begin() + info.offset, vf.begin() + info.offset + info.numel);
     }
@@ -168,7 +247,15 @@ class GpuStep final : public StepBackend {
     for (const auto& name : host_.linear_names()) {
       const std::string kind = host_.linear(name).kind();
       ESPLAG_CHECK(gpu_trains_kind(kind), "GPU training: ", name, " became of kind ", kind, "; ", kGpuKindsNote);
-      model_.set_linear_kind(name, kind);
+      if (SlopeLinear<float>* sl = host_slope(host_, name)) {
+        ESPLAG_CHECK(sl->lora_rank() == 0, "GPU training: ", name, " has a low-rank adapter; ", kGpuKindsNote);
+        // A layer that becomes slope takes the host's masks (chosen from the fp32 weights).
+        const bool fresh = model_.linear_kind(name) != "slope";
+        const GpuTransformer::SlopeState st = gpu_slope_state(*sl, model_.optimizer_steps());
+        model_.set_linear_kind(name, kind, sl->mask_change_freq(), fresh ? &st : nullptr);
+      } else {
+        model_.set_linear_kind(name, kind);
+      }
     }
     if (model_.sparse_dispatch().size() != dispatch_seen_) {
       dispatch_seen_ = model_.sparse_dispatch().size();
@@ -177,8 +264,11 @@ class GpuStep final : public StepBackend {
   }
   std::vector<std::string> take_notes() override { return std::exchange(notes_, {}); }
 
+  bool is_linear_weight(const std::string& name) const { return linears_.count(name) != 0; }
+
   const TrainConfig cfg_;
   Transformer<float>& host_;
+  const std::set<std::string> linears_;  // the host's block Linear weights
   GpuTransformer model_;
   size_t dispatch_seen_ = 0;        // dispatch decisions already reported
   std::vector<std::string> notes_;  // for take_notes
@@ -211,7 +301,13 @@ std::function<double(const int32_t*, const int32_t*, int, int)> gpu_batch_loss(c
   for (const auto& name : host_model.linear_names()) {
     const std::string kind = host_model.linear(name).kind();
     ESPLAG_CHECK(gpu_trains_kind(kind), "GPU evaluation: ", name, " is of kind ", kind, "; ", kGpuKindsNote);
-    model->set_linear_kind(name, kind);
+    if (const SlopeLinear<float>* sl = host_slope(host_model, name)) {
+      ESPLAG_CHECK(sl->lora_rank() == 0, "GPU evaluation: ", name, " has a low-rank adapter; ", kGpuKindsNote);
+      const GpuTransformer::SlopeState st = gpu_slope_state(*sl, 0);
+      model->set_linear_kind(name, kind, sl->mask_change_freq(), &st);
+    } else {
+      model->set_linear_kind(name, kind);
+    }
   }
   return [model](const int32_t* tokens, const int32_t* targets, int b, int t) {
     return model->forward_loss(tokens, targets, b, t);

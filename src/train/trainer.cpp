@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/op_trace.h"
 #include "io/atomic_file.h"
+#include "model/linear_slope.h"
 #include "ops/adamw.h"
 #include "train/layer_kinds.h"
 #ifdef ESPLAG_HAVE_CUDA
@@ -189,14 +190,14 @@ DeviceProbe probe_devices() {
   return p;
 }
 
-bool gpu_trains_kind(const std::string& kind) { return kind == "dense" || kind == "semi_sparse"; }
+bool gpu_trains_kind(const std::string& kind) { return kind == "dense" || kind == "semi_sparse" || kind == "slope"; }
 
 namespace {
 
-// Why semi_sparse modifier `m` cannot run on the GPU's 2:4 products, "" when it can:
+// Why semi_sparse or slope modifier `m` cannot run on the GPU's 2:4 products, "" when it can:
 // cuSPARSELt needs the claimed layers' dimensions and the micro-batch's tokens to be
 // multiples of 16 (the CPU reference needs multiples of 4).
-std::string semi_sparse_gpu_shape_problem(const TrainConfig& config, const Recipe::Modifier& m) {
+std::string sparse_24_gpu_shape_problem(const TrainConfig& config, const Recipe::Modifier& m) {
   const ModelConfig& c = config.model;
   const int64_t tokens = int64_t(config.batch_size) * config.seq_len;
   if (tokens % 16 != 0)
@@ -232,16 +233,21 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
     for (const auto& m : recipe.modifiers()) {
       const std::string what = "modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") + " on " +
                                join(m.params, ", ");
-      if (m.type != "semi_sparse")
+      if ((m.type != "semi_sparse" && m.type != "slope") || m.lora_rank > 0)
         parts.push_back(what);
-      else if (const std::string why = semi_sparse_gpu_shape_problem(config, m); !why.empty())
+      else if (const std::string why = sparse_24_gpu_shape_problem(config, m); !why.empty())
         parts.push_back(what + ": " + why + " (cuSPARSELt's 2:4 products need multiples of 16)");
     }
   }
-  if (model)
-    for (const auto& name : model->linear_names())
-      if (!gpu_trains_kind(model->linear(name).kind()))
-        parts.push_back(name + " of kind " + model->linear(name).kind());
+  if (model) {
+    for (const auto& name : model->linear_names()) {
+      const Linear<float>& l = model->linear(name);
+      if (!gpu_trains_kind(l.kind()))
+        parts.push_back(name + " of kind " + l.kind());
+      else if (const auto* sl = dynamic_cast<const SlopeLinear<float>*>(&l); sl && sl->lora_rank() > 0)
+        parts.push_back(name + " of kind slope with a low-rank adapter");
+    }
+  }
   if (parts.empty()) return "";
   return "the run needs sparse Linear kinds that the GPU does not train yet (" + join(parts, "; ") + ")";
 }
@@ -409,7 +415,12 @@ void Trainer::save() {
 
 double Trainer::advance() {
   const int64_t step = state_.step;
-  if (!recipe_.empty()) apply_recipe_step(*model_, recipe_, step, cfg_.seed, log_);
+  if (!recipe_.empty() && recipe_.is_update_step(step)) {
+    // Kinds built from the weights (slope's masks) must see the trained ones: a device
+    // backend writes them back to the host model first.
+    if (backend_->device() != "cpu") backend_->state_to_host();
+    apply_recipe_step(*model_, recipe_, step, cfg_.seed, log_);
+  }
   const double lr = cfg_.schedule.at(step);
   backend_->step(step, lr, *train_data_);
   for (const auto& note : backend_->take_notes()) log_("step " + std::to_string(step) + ": " + note);

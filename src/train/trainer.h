@@ -5,7 +5,7 @@
 //
 // Where the arithmetic of a step runs is one seam, StepBackend: the CPU reference on the
 // host model itself, or (train.device=cuda, CUDA build) the GPU model of
-// train/gpu_step.h (dense and semi_sparse Linear layers) working on a device copy that is
+// train/gpu_step.h (dense, semi_sparse and slope Linear layers) working on a device copy that is
 // written back to the host model for checkpoints. Data, schedule, recipe, logging and
 // checkpoints are the trainer's and the same for both, so a checkpoint of either device
 // resumes on the other.
@@ -51,13 +51,16 @@ struct DeviceProbe {
 };
 DeviceProbe probe_devices();
 
-// Linear kinds the GPU model trains (model/gpu_transformer.h): dense and semi_sparse.
+// Linear kinds the GPU model trains (model/gpu_transformer.h): dense, semi_sparse and
+// slope (without low-rank adapters).
 bool gpu_trains_kind(const std::string& kind);
-inline constexpr const char* kGpuKindsNote = "the GPU trains dense and semi_sparse Linear layers only so far";
+inline constexpr const char* kGpuKindsNote =
+    "the GPU trains dense, semi_sparse and slope (without low-rank adapters) Linear layers only so far";
 
 // What the GPU path cannot train of this run, "" when nothing: the recipe's modifiers
-// other than semi_sparse (each needs a Linear kind the GPU lacks, or LoRA adapters) and,
-// when `model` is given, its Linear kinds other than dense and semi_sparse.
+// other than semi_sparse and slope, slope modifiers with LoRA adapters, semi_sparse and
+// slope modifiers claiming layers (or a micro-batch) that cuSPARSELt cannot take, and,
+// when `model` is given, its Linear kinds the GPU lacks (slope layers with adapters too).
 std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* model = nullptr);
 
 struct DeviceChoice {

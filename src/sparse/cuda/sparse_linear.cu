@@ -55,8 +55,9 @@ class Buffer {
 
 // w1[r, 4g..4g+3] = w where the static tile mask keeps the value, 0 elsewhere; one thread
 // per group of 4 (8-byte loads and stores: rows of in % 16 == 0 values keep that aligned).
-__global__ void apply_tile_mask_kernel(bf16* __restrict__ w1, const bf16* __restrict__ w,
-                                       const uint16_t* __restrict__ tile_mask, int64_t rows, int64_t groups) {
+// w1 may be w (in place: each thread reads its group before writing it).
+__global__ void apply_tile_mask_kernel(bf16* w1, const bf16* w, const uint16_t* __restrict__ tile_mask, int64_t rows,
+                                       int64_t groups) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * groups) return;
   const int64_t r = i / groups, g = i % groups;
@@ -123,9 +124,25 @@ struct SparseLinear::Impl {
   // (decided once per problem by comparing both on a random matrix of the layer's shape).
   bool own_fwd = false, own_bwd = false;
 
-  Buffer pruned;      // Ws or W1 [out, in]
-  Buffer pruned_t;    // slope: W2ᵀ [in, out]
-  Buffer tile_mask;   // slope: [out/4, in/4]
+  Buffer pruned;      // Ws [out, in]; slope: W1 or W2 [out, in] and W2ᵀ [in, out], unless shared
+  Buffer pruned_t;    // (SparseLinearOptions::slope_scratch)
+  bf16* w1 = nullptr;   // slope: W1, then W2 (pruned or the shared scratch)
+  bf16* w2t = nullptr;  // slope: W2ᵀ (pruned_t or the shared scratch)
+  Buffer tile_mask;   // slope: the static forward mask W1's, [out/4, in/4]
+  Buffer bwd_tile_mask;  // slope: W2's (in W's orientation), [out/4, in/4], from the last refresh
+
+  void apply_tile_mask(bf16* dst, const bf16* src, const Buffer& mask, cudaStream_t s) const {
+    const int64_t groups = in / 4, n = out * groups;
+    const int threads = 256;
+    apply_tile_mask_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, s>>>(
+        dst, src, mask.u16(), out, groups);
+    CUDA_CHECK_LAUNCH("apply_tile_mask_kernel");
+  }
+  // slope: W2ᵀ from W1 (in w1, which then holds W2) and the kept backward mask.
+  void w2t_from_w1(cudaStream_t s) {
+    apply_tile_mask(w1, w1, bwd_tile_mask, s);
+    double_prune_24(w1, out, in, Sparse24Out{}, Sparse24Out{w2t}, nullptr, nullptr, s);
+  }
   Buffer c_fwd, c_bwd, scratch, workspace;
 
   void ensure_workspace() {
@@ -187,19 +204,26 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
   m.own_bwd = cusparselt24_layout_matches(*m.bwd);
   if (!slope && !m.own_bwd) m.bwd = &SparseGemm24::get(SparseGemm24Problem::linear_backward_data(out, in, tokens));
   const size_t n_w = size_t(out) * size_t(in);
-  if (slope || m.keep_pruned || !(m.own_fwd && m.own_bwd))
-    m.pruned.allocate(2 * n_w, slope ? "W1" : "the pruned weight", m.name);
   if (slope) {
-    m.pruned_t.allocate(2 * n_w, "W2^T", m.name);
+    if (o.slope_scratch) {
+      m.w1 = o.slope_scratch;
+      m.w2t = o.slope_scratch + n_w;
+    } else {
+      m.pruned.allocate(2 * n_w, "W1", m.name);
+      m.pruned_t.allocate(2 * n_w, "W2^T", m.name);
+      m.w1 = m.pruned.bf();
+      m.w2t = m.pruned_t.bf();
+    }
     m.tile_mask.allocate(size_t(out / 4) * size_t(in / 4) * 2, "the forward tile mask", m.name);
+    m.bwd_tile_mask.allocate(size_t(out / 4) * size_t(in / 4) * 2, "the backward tile mask", m.name);
   }
   m.c_fwd.allocate(m.fwd->compressed_bytes(), "the forward's compressed weight", m.name);
   m.c_bwd.allocate(m.bwd->compressed_bytes(), "the input gradient's compressed weight", m.name);
   m.scratch.allocate(std::max(m.fwd->compress_scratch_bytes(), m.bwd->compress_scratch_bytes()),
                      "the compression scratch", m.name);
   m.ensure_workspace();
-  if (slope)  // the static forward mask: row-wise 2:4 of the weight as it is now
-    double_prune_24(weight, out, in, Sparse24Out{}, Sparse24Out{}, m.tile_mask.u16(), nullptr, stream);
+  if (slope)  // the static forward mask (row-wise 2:4 of the weight as it is now) and W2's
+    double_prune_24(weight, out, in, Sparse24Out{}, Sparse24Out{}, m.tile_mask.u16(), m.bwd_tile_mask.u16(), stream);
   m.sparse = true;
 }
 
@@ -210,15 +234,29 @@ bool SparseLinear::sparse() const { return impl_->sparse; }
 int64_t SparseLinear::out_features() const { return impl_->out; }
 int64_t SparseLinear::in_features() const { return impl_->in; }
 int64_t SparseLinear::tokens() const { return impl_->tokens; }
-const bf16* SparseLinear::pruned_weight() const { return impl_->pruned.bf(); }
-const bf16* SparseLinear::backward_weight_t() const { return impl_->pruned_t.bf(); }
+const bf16* SparseLinear::pruned_weight() const {
+  return impl_->kind == SparseLinearKind::slope ? impl_->w1 : impl_->pruned.bf();
+}
+const bf16* SparseLinear::backward_weight_t() const { return impl_->w2t; }
 const uint16_t* SparseLinear::forward_tile_mask() const { return impl_->tile_mask.u16(); }
+const uint16_t* SparseLinear::backward_tile_mask() const { return impl_->bwd_tile_mask.u16(); }
+
+void SparseLinear::set_tile_masks(const uint16_t* forward, const uint16_t* backward, cudaStream_t s) {
+  Impl& m = *impl_;
+  ESPLAG_CHECK(m.kind == SparseLinearKind::slope && m.sparse, "SparseLinear ", m.name,
+               ": tile masks are set on slope layers with cuSPARSELt");
+  const size_t bytes = m.tile_mask.bytes();
+  CUDA_CHECK(cudaMemcpyAsync(m.tile_mask.get(), forward, bytes, cudaMemcpyDefault, s));
+  CUDA_CHECK(cudaMemcpyAsync(m.bwd_tile_mask.get(), backward, bytes, cudaMemcpyDefault, s));
+  CUDA_CHECK(cudaStreamSynchronize(s));  // the caller's host arrays may go away
+}
 bool SparseLinear::own_layout_forward() const { return impl_->own_fwd; }
 bool SparseLinear::own_layout_backward() const { return impl_->own_bwd; }
 
 size_t SparseLinear::device_bytes() const {
   const Impl& m = *impl_;
-  return m.gemm_arena.capacity() + m.pruned.bytes() + m.pruned_t.bytes() + m.tile_mask.bytes() + m.c_fwd.bytes() +
+  return m.gemm_arena.capacity() + m.pruned.bytes() + m.pruned_t.bytes() + m.tile_mask.bytes() +
+         m.bwd_tile_mask.bytes() + m.c_fwd.bytes() +
          m.c_bwd.bytes() + m.scratch.bytes() + m.workspace.bytes();
 }
 
@@ -274,7 +312,7 @@ SparseLinear::ProductTimes SparseLinear::time_products(cudaStream_t s, int iters
   return r;
 }
 
-void SparseLinear::prepare(cudaStream_t s) {
+void SparseLinear::prepare(cudaStream_t s, bool refresh_backward_mask) {
   Impl& m = *impl_;
   if (!m.sparse) return;
   if (m.kind == SparseLinearKind::semi_sparse && m.dense_products) {
@@ -299,23 +337,34 @@ void SparseLinear::prepare(cudaStream_t s) {
     if (!m.own_bwd) m.bwd->compress(m.c_bwd.get(), m.pruned.bf(), m.scratch.get(), m.scratch.bytes(), s);
     return;
   }
-  // slope. W1 = W ⊙ static mask; W1 already holds at most 2 non-zeros in every group of 4,
-  // so double_prune_24's row-wise step keeps W1's values and its column step gives W2ᵀ.
-  const int64_t groups = m.in / 4, n = m.out * groups;
-  const int threads = 256;
-  apply_tile_mask_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, s>>>(
-      m.pruned.bf(), m.weight, m.tile_mask.u16(), m.out, groups);
-  CUDA_CHECK_LAUNCH("apply_tile_mask_kernel");
-  double_prune_24(m.pruned.bf(), m.out, m.in, Sparse24Out{}, Sparse24Out{m.pruned_t.bf()}, nullptr, nullptr, s);
-  // Both products are op N of a row-major operand: W1 [out, in] and W2ᵀ [in, out].
+  // slope. W1 = W ⊙ static mask, compressed for the forward.
+  m.apply_tile_mask(m.w1, m.weight, m.tile_mask, s);
   if (m.own_fwd)
-    cusparselt24_compress(m.pruned.bf(), m.out, m.in, m.c_fwd.get(), nullptr, s);
+    cusparselt24_compress(m.w1, m.out, m.in, m.c_fwd.get(), nullptr, s);
   else
-    m.fwd->compress(m.c_fwd.get(), m.pruned.bf(), m.scratch.get(), m.scratch.bytes(), s);
+    m.fwd->compress(m.c_fwd.get(), m.w1, m.scratch.get(), m.scratch.bytes(), s);
+  // W2ᵀ. A refresh: W1 holds at most 2 non-zeros in every group of 4, so double_prune_24's
+  // row-wise step keeps W1's values and its column step chooses W2 (and its new mask).
+  // Otherwise W2 = W1 ⊙ the kept backward mask (over W1, which the compression has read),
+  // and double_prune_24 of W2 keeps every value of W2 (at most 2 per group of 4 along rows
+  // and along columns), giving W2ᵀ.
+  if (refresh_backward_mask)
+    double_prune_24(m.w1, m.out, m.in, Sparse24Out{}, Sparse24Out{m.w2t}, nullptr, m.bwd_tile_mask.u16(), s);
+  else
+    m.w2t_from_w1(s);
   if (m.own_bwd)
-    cusparselt24_compress(m.pruned_t.bf(), m.in, m.out, m.c_bwd.get(), nullptr, s);
+    cusparselt24_compress(m.w2t, m.in, m.out, m.c_bwd.get(), nullptr, s);
   else
-    m.bwd->compress(m.c_bwd.get(), m.pruned_t.bf(), m.scratch.get(), m.scratch.bytes(), s);
+    m.bwd->compress(m.c_bwd.get(), m.w2t, m.scratch.get(), m.scratch.bytes(), s);
+}
+
+const bf16* SparseLinear::refill_backward_weight_t(cudaStream_t s) {
+  Impl& m = *impl_;
+  ESPLAG_CHECK(m.kind == SparseLinearKind::slope && m.sparse, "SparseLinear ", m.name,
+               ": W2^T is made by slope layers with cuSPARSELt");
+  m.apply_tile_mask(m.w1, m.weight, m.tile_mask, s);
+  m.w2t_from_w1(s);
+  return m.w2t;
 }
 
 void SparseLinear::forward(bf16* y, const bf16* x, cudaStream_t s, const bf16* bias) {

@@ -17,8 +17,10 @@
 //                (gpu::double_prune_24) gives W2ᵀ, W1 pruned again 2:4 down every column;
 //                W1 compressed for the forward, W2ᵀ for the input gradient, which is then
 //                the forward-form product dY · (W2ᵀ)ᵀ; Weff = W1, Wbwd = W2; dW dense (the
-//                optimizer keeps what it needs of it). The backward mask is recomputed from
-//                W1 at every step (the CPU reference with mask_change_freq = 1).
+//                optimizer keeps what it needs of it). prepare(s, true) chooses the backward
+//                mask again from the current W1 (the CPU reference's refresh);
+//                prepare(s, false) keeps the last one and only refills W2's values from W1
+//                (the CPU's steps between refreshes, mask_change_freq > 1).
 //
 // prepare() does the per-step weight work (nothing for dense): call it after every
 // optimizer step and before the next forward; the benchmark counts it in the step's time.
@@ -89,6 +91,12 @@ struct SparseLinearOptions {
   // traffic and no Ws buffer (2 bytes per weight). pruned_weight() is then null, except
   // with use_dense_products, which needs Ws and allocates it.
   bool keep_pruned = true;
+  // slope: 2·out·in bf16 of device memory, owned by the caller, for W1 / W2 and W2ᵀ
+  // (pruned_weight(), backward_weight_t()), which only prepare() and
+  // refill_backward_weight_t() need: layers whose calls run in one stream order may
+  // share one scratch (a model's slope layers hold no dense copies then). Null: the
+  // layer allocates its own.
+  bf16* slope_scratch = nullptr;
 };
 
 class SparseLinear {
@@ -108,8 +116,9 @@ class SparseLinear {
   int64_t in_features() const;
   int64_t tokens() const;
 
-  // The per-step weight preparation from the current weight (see above).
-  void prepare(cudaStream_t stream);
+  // The per-step weight preparation from the current weight (see above);
+  // refresh_backward_mask matters to slope only.
+  void prepare(cudaStream_t stream, bool refresh_backward_mask = true);
 
   // Per-layer dispatch (semi_sparse with cuSPARSELt only, else Error): with dense products
   // on, prepare() only prunes (Ws, one pass) and the forward and input-gradient products
@@ -132,13 +141,25 @@ class SparseLinear {
   // dw [out, in] fp32 (= or += when accumulate_dw; may be null) = dyᵀ · x.
   void backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, bool accumulate_dw, cudaStream_t stream);
 
-  // What the last prepare() produced, for tests (device pointers, null when the kind has
-  // none): Weff pruned dense [out, in] (semi_sparse: Ws; slope: W1), W2ᵀ pruned dense
-  // [in, out] (slope), and slope's static forward mask as 4×4 tile bits ([out/4, in/4]
-  // uint16, bit 4·r + c = element (r, c) of the tile, 1 = kept).
+  // What the last prepare() produced (device pointers, null when the kind has none):
+  // Weff pruned dense [out, in] (semi_sparse: Ws; slope: W1 after a refresh, W2 after a
+  // prepare that kept the backward mask), W2ᵀ pruned dense [in, out] (slope), and slope's
+  // masks as 4×4 tile bits ([out/4, in/4] uint16, bit 4·r + c = element (r, c) of the
+  // tile, 1 = kept, sparse/masks.h's tile_bits): the static forward mask (W1's) and the
+  // backward one (W2's, in W's orientation).
   const bf16* pruned_weight() const;
   const bf16* backward_weight_t() const;
   const uint16_t* forward_tile_mask() const;
+  const uint16_t* backward_tile_mask() const;
+  // slope with cuSPARSELt (else Error): replaces both masks (host or device arrays of
+  // [out/4, in/4] tile bits; the backward mask must lie inside the forward one, with at
+  // most 2 kept of every 4 down each column) and waits for the copies; the next prepare(s,
+  // false) uses them. For a run that continues masks chosen elsewhere (a checkpoint).
+  void set_tile_masks(const uint16_t* forward, const uint16_t* backward, cudaStream_t stream);
+  // slope with cuSPARSELt (else Error): W2ᵀ [in, out] dense from the current weight and
+  // the kept masks, without compressing it (what prepare(s, false) multiplies), for a
+  // dense input-gradient product at another token count. Returns backward_weight_t().
+  const bf16* refill_backward_weight_t(cudaStream_t stream);
   // Whether prepare() writes the forward's / the input gradient's compressed weight itself
   // (cusparselt_layout.h) rather than through cusparseLtSpMMACompress.
   bool own_layout_forward() const;
