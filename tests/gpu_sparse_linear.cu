@@ -196,9 +196,12 @@ void run_kind(SparseLinearKind kind, const Shape& sh, uint64_t seed, bool dense_
     if (kind != SparseLinearKind::dense) {
       // The pruned weights the layer built are the CPU's, bit for bit (values are bf16 of
       // the weight or 0; -0 and +0 both count as 0).
+      // (slope keeps W2 there, the weight pruned by both masks.)
       const VF pw = to_float(download_bits(layer.pruned_weight(), size_t(O * I)));
-      EXPECT_EQ(pw, w_fwd) << "pruned forward weight";
+      EXPECT_EQ(pw, kind == SparseLinearKind::slope ? w_bwd : w_fwd) << "pruned weight";
       if (kind == SparseLinearKind::slope) {
+        layer.refill_backward_weight_t(s);
+        CUDA_CHECK(cudaStreamSynchronize(s));
         const VF pt = to_float(download_bits(layer.backward_weight_t(), size_t(O * I)));
         EXPECT_EQ(pt, transpose(w_bwd, O, I)) << "W2^T";
       }
@@ -319,7 +322,20 @@ TEST(GpuSparseLinear, SlopeMaskIsStatic) {
   const cpu::Mask m0 = cpu::double_prune_masks(f0.data(), O, I).forward;
   const cpu::Mask m1 = cpu::double_prune_masks(f1.data(), O, I).forward;
   ASSERT_NE(m0, m1) << "the test needs weights whose row-wise masks differ";
-  EXPECT_EQ(to_float(download_bits(layer.pruned_weight(), size_t(O * I))), masked(f1, m0));
+  // W2: the new weight under the first forward mask, pruned by the backward mask chosen
+  // again from it (prepare refreshes by default).
+  const VF w1_kept = masked(f1, m0);
+  const cpu::Mask b1 = cpu::double_prune_backward_mask(w1_kept.data(), m0.data(), O, I);
+  EXPECT_EQ(to_float(download_bits(layer.pruned_weight(), size_t(O * I))), masked(w1_kept, b1));
+  // prepare(s, false) keeps that backward mask for another weight.
+  const Bits w2 = random_bf16(size_t(O * I), 1.0, rng);
+  const VF f2 = to_float(w2);
+  upload(dw, w2);
+  layer.prepare(nullptr, false);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const VF expect = masked(masked(f2, m0), b1);
+  EXPECT_EQ(to_float(download_bits(layer.pruned_weight(), size_t(O * I))), expect);
+  EXPECT_EQ(to_float(download_bits(layer.refill_backward_weight_t(nullptr), size_t(O * I))), transpose(expect, O, I));
 }
 
 TEST(GpuSparseLinear, RefusedShapesAndOptions) {

@@ -1461,9 +1461,16 @@ void GpuTransformer::set_linear_kind(const std::string& weight_name, const std::
     const size_t w_bytes = sizeof(bf16) * size_t(out) * size_t(in);
     if (kind == "slope") {
       o.kind = gpu::SparseLinearKind::slope;
-      if (im.slope_scratch.capacity() < 2 * w_bytes + DeviceArena::kDefaultAlignment)
-        im.slope_scratch = DeviceArena(2 * w_bytes + DeviceArena::kDefaultAlignment, "slope scratch (W1, W2^T)");
+      // Sized for the largest block Linear at once: the layers keep pointers into it.
+      if (im.slope_scratch.capacity() == 0) {
+        size_t largest = 0;
+        for (const auto& i : infos_)
+          if (find_linear(im, i.name)) largest = std::max(largest, i.numel);
+        im.slope_scratch = DeviceArena(2 * sizeof(bf16) * largest + DeviceArena::kDefaultAlignment,
+                                       "slope scratch (W1, W2^T)");
+      }
       o.slope_scratch = reinterpret_cast<bf16*>(im.slope_scratch.base());
+      o.slope_weight_is_w1 = true;  // pruned below, and kept so (see adamw_body)
       // The masks come from W as it is now (the forward mask row-wise 2:4, the backward
       // one W1's double pruning) unless given; W becomes W1.
       lin->sp = im.sparse.emplace(weight_name, std::make_unique<gpu::SparseLinear>(o, out, in, tokens, lin->w, stream_))

@@ -98,6 +98,7 @@ struct SparseLinear::Impl {
   bool dense_products = false;  // use_dense_products: semi_sparse's Ws through cuBLASLt
   bool bias = false;            // SparseLinearOptions::bias
   bool keep_pruned = true;      // SparseLinearOptions::keep_pruned
+  bool weight_is_w1 = false;    // SparseLinearOptions::slope_weight_is_w1
   int64_t out = 0, in = 0, tokens = 0;
   const bf16* weight = nullptr;
   std::string name;  // kind and shape, for messages
@@ -138,11 +139,6 @@ struct SparseLinear::Impl {
         dst, src, mask.u16(), out, groups);
     CUDA_CHECK_LAUNCH("apply_tile_mask_kernel");
   }
-  // slope: W2ᵀ from W1 (in w1, which then holds W2) and the kept backward mask.
-  void w2t_from_w1(cudaStream_t s) {
-    apply_tile_mask(w1, w1, bwd_tile_mask, s);
-    double_prune_24(w1, out, in, Sparse24Out{}, Sparse24Out{w2t}, nullptr, nullptr, s);
-  }
   Buffer c_fwd, c_bwd, scratch, workspace;
 
   void ensure_workspace() {
@@ -172,6 +168,7 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
   m.weight = weight;
   m.bias = o.bias;
   m.keep_pruned = o.keep_pruned;
+  m.weight_is_w1 = o.kind == SparseLinearKind::slope && o.slope_weight_is_w1;
   m.name = sparse_linear_kind_name(o.kind) + " " + shape_text(out, in, tokens);
   ESPLAG_CHECK(out > 0 && in > 0 && tokens > 0, "SparseLinear ", m.name, ": sizes must be positive");
   ESPLAG_CHECK(out <= INT_MAX && in <= INT_MAX && tokens <= INT_MAX, "SparseLinear ", m.name,
@@ -204,6 +201,8 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
   m.own_bwd = cusparselt24_layout_matches(*m.bwd);
   if (!slope && !m.own_bwd) m.bwd = &SparseGemm24::get(SparseGemm24Problem::linear_backward_data(out, in, tokens));
   const size_t n_w = size_t(out) * size_t(in);
+  if (!slope && (m.keep_pruned || !(m.own_fwd && m.own_bwd)))
+    m.pruned.allocate(2 * n_w, "the pruned weight", m.name);
   if (slope) {
     if (o.slope_scratch) {
       m.w1 = o.slope_scratch;
@@ -337,33 +336,40 @@ void SparseLinear::prepare(cudaStream_t s, bool refresh_backward_mask) {
     if (!m.own_bwd) m.bwd->compress(m.c_bwd.get(), m.pruned.bf(), m.scratch.get(), m.scratch.bytes(), s);
     return;
   }
-  // slope. W1 = W ⊙ static mask, compressed for the forward.
-  m.apply_tile_mask(m.w1, m.weight, m.tile_mask, s);
+  // slope. W1 = W ⊙ static mask (W itself when the caller keeps it pruned), compressed for
+  // the forward.
+  const bf16* w1 = m.weight;
+  if (!m.weight_is_w1) {
+    m.apply_tile_mask(m.w1, m.weight, m.tile_mask, s);
+    w1 = m.w1;
+  }
   if (m.own_fwd)
-    cusparselt24_compress(m.w1, m.out, m.in, m.c_fwd.get(), nullptr, s);
+    cusparselt24_compress(w1, m.out, m.in, m.c_fwd.get(), nullptr, s);
   else
-    m.fwd->compress(m.c_fwd.get(), m.w1, m.scratch.get(), m.scratch.bytes(), s);
-  // W2ᵀ. A refresh: W1 holds at most 2 non-zeros in every group of 4, so double_prune_24's
-  // row-wise step keeps W1's values and its column step chooses W2 (and its new mask).
-  // Otherwise W2 = W1 ⊙ the kept backward mask (over W1, which the compression has read),
-  // and double_prune_24 of W2 keeps every value of W2 (at most 2 per group of 4 along rows
-  // and along columns), giving W2ᵀ.
+    m.fwd->compress(m.c_fwd.get(), w1, m.scratch.get(), m.scratch.bytes(), s);
+  // A refresh chooses the backward mask again from W1 (double_prune_24's column step over
+  // W1, whose row step keeps W1's values). W2 = W1 ⊙ backward mask, 2:4 down its columns:
+  // the writer's transposed layout of W2 is the input gradient's operand W2ᵀ; the
+  // library's compression needs W2ᵀ written out first.
   if (refresh_backward_mask)
-    double_prune_24(m.w1, m.out, m.in, Sparse24Out{}, Sparse24Out{m.w2t}, nullptr, m.bwd_tile_mask.u16(), s);
-  else
-    m.w2t_from_w1(s);
-  if (m.own_bwd)
-    cusparselt24_compress(m.w2t, m.in, m.out, m.c_bwd.get(), nullptr, s);
-  else
+    double_prune_24(w1, m.out, m.in, Sparse24Out{}, Sparse24Out{}, nullptr, m.bwd_tile_mask.u16(), s);
+  m.apply_tile_mask(m.w1, w1, m.bwd_tile_mask, s);
+  if (m.own_bwd) {
+    cusparselt24_compress(m.w1, m.out, m.in, nullptr, m.c_bwd.get(), s);
+  } else {
+    double_prune_24(m.w1, m.out, m.in, Sparse24Out{}, Sparse24Out{m.w2t}, nullptr, nullptr, s);
     m.bwd->compress(m.c_bwd.get(), m.w2t, m.scratch.get(), m.scratch.bytes(), s);
+  }
 }
 
 const bf16* SparseLinear::refill_backward_weight_t(cudaStream_t s) {
   Impl& m = *impl_;
   ESPLAG_CHECK(m.kind == SparseLinearKind::slope && m.sparse, "SparseLinear ", m.name,
                ": W2^T is made by slope layers with cuSPARSELt");
-  m.apply_tile_mask(m.w1, m.weight, m.tile_mask, s);
-  m.w2t_from_w1(s);
+  // W2 = W ⊙ forward mask ⊙ backward mask (the backward mask lies inside the forward one),
+  // then double_prune_24 of W2, which keeps its values, writes W2ᵀ.
+  m.apply_tile_mask(m.w1, m.weight, m.bwd_tile_mask, s);
+  double_prune_24(m.w1, m.out, m.in, Sparse24Out{}, Sparse24Out{m.w2t}, nullptr, nullptr, s);
   return m.w2t;
 }
 

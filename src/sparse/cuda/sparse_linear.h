@@ -22,6 +22,10 @@
 //                prepare(s, false) keeps the last one and only refills W2's values from W1
 //                (the CPU's steps between refreshes, mask_change_freq > 1).
 //
+// slope's prepare() with cuSPARSELt's layout checked for both products: W1's layout, and
+// the transposed layout of W2 = W1 ⊙ backward mask (which is W2ᵀ's), by the one-pass
+// writer; a refresh first runs double_prune_24 for the mask alone.
+//
 // prepare() does the per-step weight work (nothing for dense): call it after every
 // optimizer step and before the next forward; the benchmark counts it in the step's time.
 // The compressed copies are written by sparse/cuda/cusparselt_layout.h's one-pass writer
@@ -97,6 +101,10 @@ struct SparseLinearOptions {
   // share one scratch (a model's slope layers hold no dense copies then). Null: the
   // layer allocates its own.
   bf16* slope_scratch = nullptr;
+  // slope: the caller keeps the weight at W1 (zero wherever the forward mask prunes, as
+  // GpuTransformer's slope layers are), so prepare() reads it as W1 instead of applying
+  // the mask first. A weight that is not gives wrong products.
+  bool slope_weight_is_w1 = false;
 };
 
 class SparseLinear {
@@ -142,8 +150,9 @@ class SparseLinear {
   void backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, bool accumulate_dw, cudaStream_t stream);
 
   // What the last prepare() produced (device pointers, null when the kind has none):
-  // Weff pruned dense [out, in] (semi_sparse: Ws; slope: W1 after a refresh, W2 after a
-  // prepare that kept the backward mask), W2ᵀ pruned dense [in, out] (slope), and slope's
+  // Weff pruned dense [out, in] (semi_sparse: Ws; slope: W2, the weight pruned by both
+  // masks), W2ᵀ pruned dense [in, out] (slope; written by prepare() only where
+  // cuSPARSELt's own compression needs it, and by refill_backward_weight_t), and slope's
   // masks as 4×4 tile bits ([out/4, in/4] uint16, bit 4·r + c = element (r, c) of the
   // tile, 1 = kept, sparse/masks.h's tile_bits): the static forward mask (W1's) and the
   // backward one (W2's, in W's orientation).
