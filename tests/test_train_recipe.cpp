@@ -76,6 +76,7 @@ TEST(Recipe, GpuConfigsParseAndTheirRecipesValidate) {
     ++files;
     const TrainConfig c = load_train_config(entry.path().string());
     EXPECT_EQ(c.device, "cuda");
+    EXPECT_EQ(gpu_training_blocker(c), "") << "the config would not run on the GPU";
     if (c.recipe_yaml.empty()) continue;
     const ModelConfig& m = c.model;
     LinearShapes shapes;
@@ -94,7 +95,7 @@ TEST(Recipe, GpuConfigsParseAndTheirRecipesValidate) {
       for (const auto& [name, p] : plan) EXPECT_TRUE(gpu_trains_kind(p.kind)) << name << ": " << p.kind;
     }
   }
-  EXPECT_GE(files, 2);
+  EXPECT_GE(files, 3);
 }
 
 // ---------------------------------------------------------------------------------------
