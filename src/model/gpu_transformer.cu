@@ -1545,6 +1545,9 @@ GpuTransformer::SlopeState GpuTransformer::slope_state(const std::string& weight
   CUDA_CHECK(cudaMemcpyAsync(st.backward_tiles.data(), sp.backward_tile_mask(), 2 * tiles, cudaMemcpyDeviceToHost,
                              stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
+  // A refresh over zero-valued W1 entries may keep pruned positions (ties among zeros):
+  // their W2 is 0 either way, and the mask reported stays inside the forward one.
+  for (size_t t = 0; t < tiles; ++t) st.backward_tiles[t] &= st.forward_tiles[t];
   st.refresh_step = it->second.refresh_step;
   st.mask_change_freq = it->second.mask_change_freq;
   return st;

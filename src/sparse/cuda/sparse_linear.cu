@@ -366,9 +366,15 @@ const bf16* SparseLinear::refill_backward_weight_t(cudaStream_t s) {
   Impl& m = *impl_;
   ESPLAG_CHECK(m.kind == SparseLinearKind::slope && m.sparse, "SparseLinear ", m.name,
                ": W2^T is made by slope layers with cuSPARSELt");
-  // W2 = W ⊙ forward mask ⊙ backward mask (the backward mask lies inside the forward one),
-  // then double_prune_24 of W2, which keeps its values, writes W2ᵀ.
-  m.apply_tile_mask(m.w1, m.weight, m.bwd_tile_mask, s);
+  // W2 = W ⊙ forward mask ⊙ backward mask (a refresh over zeros of W1 may keep positions
+  // outside the forward mask: their W1 is 0), then double_prune_24 of W2, which keeps its
+  // values, writes W2ᵀ.
+  if (m.weight_is_w1) {
+    m.apply_tile_mask(m.w1, m.weight, m.bwd_tile_mask, s);
+  } else {
+    m.apply_tile_mask(m.w1, m.weight, m.tile_mask, s);
+    m.apply_tile_mask(m.w1, m.w1, m.bwd_tile_mask, s);
+  }
   double_prune_24(m.w1, m.out, m.in, Sparse24Out{}, Sparse24Out{m.w2t}, nullptr, nullptr, s);
   return m.w2t;
 }
