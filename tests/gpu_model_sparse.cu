@@ -94,6 +94,25 @@ GpuModelOptions always_sparse() {
   return o;
 }
 
+// One micro-batch of random tokens on both models (the GPU one with per-op timing): the
+// losses agree within 2%; returns the GPU's gradients.
+std::vector<float> micro_batch_on_both(Transformer<float>& cm, GpuTransformer& gm, int B, int T,
+                                       const std::string& label) {
+  const int vocab = cm.config().vocab_size;
+  std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
+  random_tokens(x, vocab, 11);
+  random_tokens(y, vocab, 12);
+  cm.zero_grad();
+  const double lc = cm.forward_backward(x.data(), y.data(), B, T, 1.0);
+  gm.set_op_timing(true);
+  gm.zero_grad();
+  const double lg = gm.forward_backward(x.data(), y.data(), B, T, 1.0);
+  gm.set_op_timing(false);
+  std::printf("%s: loss cpu %.6f gpu %.6f\n", label.c_str(), lc, lg);
+  EXPECT_NEAR(lg, lc, 2e-2 * lc);
+  return gm.grads_to_host();
+}
+
 // One micro-batch on both models; B x T may be smaller than the GPU model's size (then
 // every product is the dense one of Ws). With `dispatch`, each layer shape runs the
 // products it measured faster.
@@ -112,18 +131,7 @@ void compare_step(const std::string& label, const ModelConfig& cfg, int maxB, in
   gm.set_params(cm.params(), cm.num_params());
   make_semi_sparse(cm, gm);
 
-  std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
-  random_tokens(x, cfg.vocab_size, 11);
-  random_tokens(y, cfg.vocab_size, 12);
-  cm.zero_grad();
-  const double lc = cm.forward_backward(x.data(), y.data(), B, T, 1.0);
-  gm.set_op_timing(true);
-  gm.zero_grad();
-  const double lg = gm.forward_backward(x.data(), y.data(), B, T, 1.0);
-  gm.set_op_timing(false);
-  std::printf("%s: loss cpu %.6f gpu %.6f\n", label.c_str(), lc, lg);
-  EXPECT_NEAR(lg, lc, 2e-2 * lc);
-  const auto g = gm.grads_to_host();
+  const auto g = micro_batch_on_both(cm, gm, B, T, label);
   double worst = 0;
   for (const auto& info : cm.param_infos()) {
     const double e = rel_l2(g.data() + info.offset, cm.grads() + info.offset, info.numel);
@@ -334,18 +342,7 @@ void compare_slope_step(const std::string& label, const ModelConfig& cfg, int ma
   for (size_t i = 0; i < cm.num_params(); ++i) cm.params()[i] = esplag::gpu_test::round_bf16(cm.params()[i]);
   GpuTransformer gm(cfg, maxB, maxT);
   make_slope(cm, gm, 100);
-  std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
-  random_tokens(x, cfg.vocab_size, 13);
-  random_tokens(y, cfg.vocab_size, 14);
-  cm.zero_grad();
-  const double lc = cm.forward_backward(x.data(), y.data(), B, T, 1.0);
-  gm.set_op_timing(true);
-  gm.zero_grad();
-  const double lg = gm.forward_backward(x.data(), y.data(), B, T, 1.0);
-  gm.set_op_timing(false);
-  std::printf("%s: loss cpu %.6f gpu %.6f\n", label.c_str(), lc, lg);
-  EXPECT_NEAR(lg, lc, 2e-2 * lc);
-  const auto g = gm.grads_to_host();
+  const auto g = micro_batch_on_both(cm, gm, B, T, label);
   std::map<std::string, const float*> cpu_grad;
   for (const auto& p : cm.trainable_params()) cpu_grad[p.name] = p.grad;
   double worst = 0;
