@@ -249,10 +249,14 @@ class GpuStep final : public StepBackend {
       ESPLAG_CHECK(gpu_trains_kind(kind), "GPU training: ", name, " became of kind ", kind, "; ", kGpuKindsNote);
       if (SlopeLinear<float>* sl = host_slope(host_, name)) {
         ESPLAG_CHECK(sl->lora_rank() == 0, "GPU training: ", name, " has a low-rank adapter; ", kGpuKindsNote);
-        // A layer that becomes slope takes the host's masks (chosen from the fp32 weights).
-        const bool fresh = model_.linear_kind(name) != "slope";
-        const GpuTransformer::SlopeState st = gpu_slope_state(*sl, model_.optimizer_steps());
-        model_.set_linear_kind(name, kind, sl->mask_change_freq(), fresh ? &st : nullptr);
+        // A layer that becomes slope takes the host's masks (chosen from the fp32 weights);
+        // later steps leave the GPU's own (converting them costs a pass over the weight).
+        if (model_.linear_kind(name) != "slope") {
+          const GpuTransformer::SlopeState st = gpu_slope_state(*sl, model_.optimizer_steps());
+          model_.set_linear_kind(name, kind, sl->mask_change_freq(), &st);
+        } else {
+          model_.set_linear_kind(name, kind, sl->mask_change_freq());
+        }
       } else {
         model_.set_linear_kind(name, kind);
       }
