@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -210,11 +211,12 @@ TEST_F(GpuModelSparse, TrainingCurveMatchesCpu) {
   EXPECT_LT(lg.back(), 0.7 * lg.front()) << "the GPU run did not learn";
 }
 
-// The captured steps (forward + backward, AdamW + the 2:4 preparation) give the bits of
-// eager steps.
-TEST_F(GpuModelSparse, GraphReplayGivesTheSameBitsAsEagerSteps) {
-  const ModelConfig c = llama_config();
-  const int B = 2, T = 64;
+// `steps` training steps on one batch of B x T, eagerly and as CUDA graphs, the block
+// linears given their kinds by `make_kinds` (after set_params); `check` sees each trained
+// model. Both give the same losses and parameters, bit for bit.
+void expect_graphs_give_eager_bits(const ModelConfig& c, GpuModelOptions o, int B, int T, int steps,
+                                   const std::function<void(GpuTransformer&, const std::string& linear)>& make_kinds,
+                                   const std::function<void(GpuTransformer&)>& check = {}) {
   Transformer<float> cm(c);
   cm.init_weights(3);
   std::vector<int32_t> x(B * T), y(B * T);
@@ -223,23 +225,30 @@ TEST_F(GpuModelSparse, GraphReplayGivesTheSameBitsAsEagerSteps) {
   std::vector<std::vector<float>> params;
   std::vector<std::vector<double>> losses;
   for (bool graph : {false, true}) {
-    GpuModelOptions o = always_sparse();
     o.cuda_graph = graph;
     GpuTransformer gm(c, B, T, o);
     gm.set_params(cm.params(), cm.num_params());
-    for (const auto& name : cm.linear_names()) gm.set_linear_kind(name, "semi_sparse");
+    for (const auto& name : cm.linear_names()) make_kinds(gm, name);
     std::vector<double> l;
-    for (int s = 0; s < 4; ++s) {
+    for (int s = 0; s < steps; ++s) {
       gm.zero_grad();
       l.push_back(gm.forward_backward(x.data(), y.data(), B, T, 1.0));
       gm.step_adamw({});
     }
     if (graph) EXPECT_GT(gm.graph_launches(), 0);
+    if (check) check(gm);
     params.push_back(gm.params_to_host());
     losses.push_back(l);
   }
   EXPECT_EQ(losses[0], losses[1]);
   EXPECT_EQ(std::memcmp(params[0].data(), params[1].data(), params[0].size() * sizeof(float)), 0);
+}
+
+// The captured steps (forward + backward, AdamW + the 2:4 preparation) give the bits of
+// eager steps.
+TEST_F(GpuModelSparse, GraphReplayGivesTheSameBitsAsEagerSteps) {
+  expect_graphs_give_eager_bits(llama_config(), always_sparse(), 2, 64, 4,
+                                [](GpuTransformer& gm, const std::string& w) { gm.set_linear_kind(w, "semi_sparse"); });
 }
 
 // Back to dense: the bits of a model that never was sparse.
@@ -428,34 +437,10 @@ TEST_F(GpuModelSparse, SlopeTrainingCurveMatchesCpu) {
 
 // Graphs for steps with and without a backward-mask refresh give the bits of eager steps.
 TEST_F(GpuModelSparse, SlopeGraphReplayGivesTheSameBitsAsEagerSteps) {
-  const ModelConfig c = gpt_config();
-  const int B = 2, T = 64;
-  Transformer<float> cm(c);
-  cm.init_weights(3);
-  std::vector<int32_t> x(B * T), y(B * T);
-  random_tokens(x, c.vocab_size, 23);
-  random_tokens(y, c.vocab_size, 24);
-  std::vector<std::vector<float>> params;
-  std::vector<std::vector<double>> losses;
-  for (bool graph : {false, true}) {
-    GpuModelOptions o;
-    o.cuda_graph = graph;
-    GpuTransformer gm(c, B, T, o);
-    gm.set_params(cm.params(), cm.num_params());
-    for (const auto& name : cm.linear_names()) gm.set_linear_kind(name, "slope", 2);
-    std::vector<double> l;
-    for (int s = 0; s < 6; ++s) {
-      gm.zero_grad();
-      l.push_back(gm.forward_backward(x.data(), y.data(), B, T, 1.0));
-      gm.step_adamw({});
-    }
-    if (graph) EXPECT_GT(gm.graph_launches(), 0);
-    EXPECT_EQ(gm.slope_state("blocks.0.mlp.fc.weight").refresh_step, 6);
-    params.push_back(gm.params_to_host());
-    losses.push_back(l);
-  }
-  EXPECT_EQ(losses[0], losses[1]);
-  EXPECT_EQ(std::memcmp(params[0].data(), params[1].data(), params[0].size() * sizeof(float)), 0);
+  expect_graphs_give_eager_bits(
+      gpt_config(), GpuModelOptions{}, 2, 64, 6,
+      [](GpuTransformer& gm, const std::string& w) { gm.set_linear_kind(w, "slope", 2); },
+      [](GpuTransformer& gm) { EXPECT_EQ(gm.slope_state("blocks.0.mlp.fc.weight").refresh_step, 6); });
 }
 
 TEST_F(GpuModelSparse, SlopeRefusesMasksThatAreNot24) {

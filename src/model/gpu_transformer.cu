@@ -1347,8 +1347,14 @@ void mask_tiles(A* a, B* b, const uint16_t* tiles, int64_t rows, int64_t cols, c
   CUDA_CHECK_LAUNCH("GpuTransformer (slope tile mask)");
 }
 
-}  // namespace
+// A slope layer's W (both halves of its fp32 master) pruned to its forward mask.
+void prune_to_forward_mask(GpuTransformer::Impl& im, const GpuTransformer::Impl::Lin& lin, cudaStream_t s) {
+  const size_t offset = static_cast<size_t>(lin.w - im.w);
+  mask_tiles(reinterpret_cast<uint16_t*>(im.w + offset), im.w_lo + offset, lin.sp->forward_tile_mask(),
+             lin.sp->out_features(), lin.sp->in_features(), s);
+}
 
+}  // namespace
 
 void GpuTransformer::adamw_body() {
   Impl& im = *impl_;
@@ -1388,13 +1394,7 @@ void GpuTransformer::prepare_sparse() {
 
 void GpuTransformer::prune_slope_weights() {
   Impl& im = *impl_;
-  for (const auto& [name, sl] : im.slope) {
-    const gpu::SparseLinear& sp = *im.sparse.at(name);
-    const Impl::Lin& lin = *find_linear(im, name);
-    const size_t offset = static_cast<size_t>(lin.w - im.w);
-    mask_tiles(reinterpret_cast<uint16_t*>(im.w + offset), im.w_lo + offset, sp.forward_tile_mask(),
-               sp.out_features(), sp.in_features(), stream_);
-  }
+  for (const auto& [name, sl] : im.slope) prune_to_forward_mask(im, *find_linear(im, name), stream_);
 }
 
 // --- Linear kinds ---------------------------------------------------------------------------
@@ -1480,8 +1480,7 @@ void GpuTransformer::set_linear_kind(const std::string& weight_name, const std::
       if (slope_masks) {
         set_slope_masks(weight_name, *slope_masks);
       } else {
-        mask_tiles(reinterpret_cast<uint16_t*>(im.w + info->offset), im.w_lo + info->offset,
-                   lin->sp->forward_tile_mask(), out, in, stream_);
+        prune_to_forward_mask(im, *lin, stream_);
         lin->sp->prepare(stream_, false);
       }
     } else {
@@ -1573,11 +1572,7 @@ void GpuTransformer::set_slope_masks(const std::string& weight_name, const Slope
   }
   synchronize();
   sp.set_tile_masks(st.forward_tiles.data(), st.backward_tiles.data(), stream_);
-  const ParamInfo* info = nullptr;
-  for (const auto& i : infos_)
-    if (i.name == weight_name) info = &i;
-  mask_tiles(reinterpret_cast<uint16_t*>(im.w + info->offset), im.w_lo + info->offset, sp.forward_tile_mask(), out,
-             in, stream_);
+  prune_to_forward_mask(im, *find_linear(im, weight_name), stream_);
   sp.prepare(stream_, false);
   it->second.refresh_step = st.refresh_step;
   synchronize();
