@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -443,6 +444,80 @@ TEST_F(GpuModelSparse, SlopeGraphReplayGivesTheSameBitsAsEagerSteps) {
       [](GpuTransformer& gm) { EXPECT_EQ(gm.slope_state("blocks.0.mlp.fc.weight").refresh_step, 6); });
 }
 
+// A slope layer's weight, gradient and moments are stored as its kept values: the
+// parameter state shrinks by 16 bytes per pruned position, and a change of layout keeps
+// every other tensor's weights and moments bit for bit (the layers that become or stop
+// being slope restart their moments at zero, and keep W1).
+TEST_F(GpuModelSparse, SlopeStoresKeptValuesAndLayoutChangesKeepTheRest) {
+  const ModelConfig c = llama_config();
+  const int B = 2, T = 64;
+  Transformer<float> cm(c);
+  cm.init_weights(3);
+  GpuTransformer gm(c, B, T);
+  gm.set_params(cm.params(), cm.num_params());
+  std::vector<int32_t> x(B * T), y(B * T);
+  random_tokens(x, c.vocab_size, 5);
+  random_tokens(y, c.vocab_size, 6);
+  auto step = [&] {
+    gm.zero_grad();
+    gm.forward_backward(x.data(), y.data(), B, T, 1.0);
+    gm.step_adamw(esplag::GpuAdamW{});
+  };
+  struct State {
+    std::vector<float> p, m, v;
+  };
+  auto state = [&] {
+    State s{gm.params_to_host(), {}, {}};
+    gm.optimizer_state_to_host(s.m, s.v);
+    return s;
+  };
+  const std::string w = "blocks.0.mlp.fc.weight", u = "blocks.1.attn.qkv.weight";
+  auto info_of = [&](const std::string& name) {
+    return *std::find_if(gm.param_infos().begin(), gm.param_infos().end(), [&](const auto& i) { return i.name == name; });
+  };
+  // Tensor `name` of b equals a's, bit for bit (moments too unless zeroed, then 0; a slope
+  // layer's weight pruned to `mask` when given).
+  auto expect_tensor = [&](const State& a, const State& b, const std::string& name, bool moments_zeroed,
+                           const esplag::cpu::Mask* mask) {
+    const auto info = info_of(name);
+    size_t bad_p = 0, bad_m = 0;
+    for (size_t i = info.offset; i < info.offset + info.numel; ++i) {
+      const float want = mask && !(*mask)[i - info.offset] ? 0.f : a.p[i];
+      bad_p += std::memcmp(&b.p[i], &want, sizeof(float)) != 0;
+      bad_m += moments_zeroed ? (b.m[i] != 0.f || b.v[i] != 0.f) : (b.m[i] != a.m[i] || b.v[i] != a.v[i]);
+    }
+    EXPECT_EQ(bad_p, 0u) << name << ": weights differ";
+    EXPECT_EQ(bad_m, 0u) << name << ": moments differ";
+  };
+  step();
+  step();
+  const State s0 = state();
+  const size_t dense_bytes = gm.state_bytes();
+  gm.set_linear_kinds({{w, "slope"}, {u, "slope"}});
+  const size_t pruned = info_of(w).numel / 2 + info_of(u).numel / 2;
+  EXPECT_NEAR(double(dense_bytes) - double(gm.state_bytes()), 16.0 * double(pruned), 65536.0)
+      << "2 + 2 bytes of weight, 4 of gradient and 8 of moments per pruned position";
+  const State s1 = state();
+  const auto mask_w = esplag::cpu::mask_from_tile_bits(gm.slope_state(w).forward_tiles, info_of(w).shape[0],
+                                                       info_of(w).shape[1]);
+  const auto mask_u = esplag::cpu::mask_from_tile_bits(gm.slope_state(u).forward_tiles, info_of(u).shape[0],
+                                                       info_of(u).shape[1]);
+  for (const auto& info : gm.param_infos())
+    if (info.name != w && info.name != u) expect_tensor(s0, s1, info.name, false, nullptr);
+  expect_tensor(s0, s1, w, true, &mask_w);
+  expect_tensor(s0, s1, u, true, &mask_u);
+  step();
+  const State s2 = state();
+  // w back to dense: W1 and zero moments; u (still slope) and the rest unchanged.
+  gm.set_linear_kind(w, "dense");
+  EXPECT_EQ(gm.linear_kind(w), "dense");
+  const State s3 = state();
+  for (const auto& info : gm.param_infos()) expect_tensor(s2, s3, info.name, info.name == w, nullptr);
+  EXPECT_NEAR(double(dense_bytes) - double(gm.state_bytes()), 16.0 * double(info_of(u).numel / 2), 65536.0);
+  step();  // and it trains on
+  EXPECT_TRUE(std::isfinite(gm.last_grad_norm()));
+}
+
 TEST_F(GpuModelSparse, SlopeRefusesMasksThatAreNot24) {
   const ModelConfig c = gpt_config();
   Transformer<float> cm(c);
@@ -463,6 +538,11 @@ TEST_F(GpuModelSparse, SlopeRefusesMasksThatAreNot24) {
   GpuTransformer::SlopeState three = st;
   three.forward_tiles[25] |= 0x7;  // three kept in a row of a tile
   std::string e = error_of(three);
+  EXPECT_NE(e.find("slope mask tile 25 (row 4, column 4) is not 2:4"), std::string::npos) << e;
+  GpuTransformer::SlopeState one = st;
+  one.forward_tiles[25] &= ~(1u << std::countr_zero(unsigned(st.forward_tiles[25] & 0xF)));  // one kept
+  one.backward_tiles[25] &= one.forward_tiles[25];
+  e = error_of(one);
   EXPECT_NE(e.find("slope mask tile 25 (row 4, column 4) is not 2:4"), std::string::npos) << e;
   GpuTransformer::SlopeState outside = st;
   outside.backward_tiles[0] = uint16_t(~st.forward_tiles[0]) & 0x000F;  // kept backward, pruned forward

@@ -53,13 +53,15 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
       fail("bench train: malformed regex '", sparse_regex, "' for the ", sparse_kind, " layers: ", e.what());
     }
     int linears = 0, sparse = 0;
+    std::vector<GpuTransformer::LinearKindSetting> settings;
     for (const auto& info : model.param_infos()) {
       if (info.shape.size() != 2 || info.name.rfind("blocks.", 0) != 0) continue;
       ++linears;
       if (!std::regex_match(info.name, re)) continue;
-      model.set_linear_kind(info.name, sparse_kind);
+      settings.push_back({info.name, sparse_kind});
       ++sparse;
     }
+    model.set_linear_kinds(settings);
     ESPLAG_CHECK(sparse > 0, "bench train: the regex '", sparse_regex, "' matches none of the ", linears,
                  " block linear weights (e.g. blocks.0.mlp.fc.weight)");
     r.linears = sparse_kind + " " + std::to_string(sparse) + "/" + std::to_string(linears);
@@ -106,8 +108,8 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   r.tokens_per_s = tokens / (r.median_ms * 1e-3);
   r.tflops = config.train_flops_per_token(T) * tokens / (r.median_ms * 1e-3) / 1e12;
   r.mfu = r.tflops / peak_tflops;
-  r.arena_capacity_bytes = model.arena().capacity();
-  r.arena_peak_bytes = model.arena().peak();
+  r.arena_capacity_bytes = model.arena().capacity() + model.state_bytes();
+  r.arena_peak_bytes = model.arena().peak() + model.state_bytes();
   r.gemm_workspace_bytes = model.plan().workspace;
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));

@@ -46,6 +46,7 @@
 #include "ops/gpu.h"
 #include "ops/gpu_fused.h"
 #include "sparse/cuda/cusparselt.h"
+#include "sparse/cuda/kept_values.h"
 #include "sparse/cuda/sparse_linear.h"
 #include "sparse/cuda/sparsify.h"
 
@@ -129,22 +130,6 @@ __global__ void zero_chunks_kernel(const ZeroChunk* table, float* grad) {
 __global__ void fill_kernel(float* p, int64_t n, float value) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i < n) p[i] = value;
-}
-
-// x[r, c] = 0 where the 4×4 tile mask ([rows/4, cols/4], bit 4·(r%4) + c%4) prunes it, for
-// up to two tensors of the same shape (a slope layer's weight halves, or its gradient);
-// one thread per group of 4 along a row.
-template <typename A, typename B>
-__global__ void tile_mask_kernel(A* a, B* b, const uint16_t* __restrict__ tiles, int64_t rows, int64_t groups) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i >= rows * groups) return;
-  const int64_t r = i / groups, g = i % groups;
-  const unsigned nibble = (tiles[(r / 4) * groups + g] >> ((r % 4) * 4)) & 0xFu;
-  for (int j = 0; j < 4; ++j)
-    if (!((nibble >> j) & 1u)) {
-      a[4 * i + j] = A{};
-      if (b) b[4 * i + j] = B{};
-    }
 }
 
 __host__ __device__ inline uint64_t splitmix64(uint64_t x) {
@@ -412,10 +397,14 @@ struct GpuTransformer::Impl {
   // decisions by layer shape.
   std::map<std::string, std::unique_ptr<gpu::SparseLinear>> sparse;
   std::vector<GpuTransformer::SparseDispatch> dispatch;
-  // The slope layers by weight name, and the scratch all of them prepare in (W1 / W2 and
-  // W2ᵀ of the largest, 4 bytes per weight): one stream orders their preparations.
+  // The slope layers by weight name, and the scratch all of them share (sized for the
+  // largest; one stream orders their uses): W1 expanded from its kept values (slope_w1),
+  // W2 and W2ᵀ (SparseLinearOptions::slope_scratch), and the dense fp32 dW (slope_dw).
   std::map<std::string, Slope> slope;
   DeviceArena slope_scratch;
+  bf16* slope_w1 = nullptr;
+  bf16* slope_w2 = nullptr;
+  float* slope_dw = nullptr;
   // Which slope layers (in `slope`'s order) the preparation running now refreshes.
   std::vector<bool> refreshing;
   // Ws of a semi_sparse layer whose 2:4 layers keep no pruned copy, made when a product
@@ -426,11 +415,18 @@ struct GpuTransformer::Impl {
   // dispatch), or Ws pruned now into prune_scratch (stream order keeps it until the
   // product has read it).
   const bf16* dense_weight(const Lin& lin, int out, int in, cudaStream_t s) {
-    if (!lin.sp || lin.slope) return lin.w;  // a slope layer's weight is W1
+    if (!lin.sp) return lin.w;
+    if (lin.slope) return expand_w1(lin, s);
     if (const bf16* p = lin.sp->pruned_weight()) return p;
     bf16* ws = reinterpret_cast<bf16*>(prune_scratch.base());
     gpu::transposable_24(lin.w, out, in, gpu::Sparse24Out{ws}, gpu::Sparse24Out{}, nullptr, s);
     return ws;
+  }
+  // A slope layer's W1 [out, in] from its stored kept values, in slope_w1.
+  const bf16* expand_w1(const Lin& lin, cudaStream_t s) {
+    gpu::scatter_kept_24(slope_w1, lin.w, lin.sp->forward_tile_mask(), lin.sp->out_features(),
+                         lin.sp->in_features(), s);
+    return slope_w1;
   }
   gpu::AdamWStepParams* adam_params = nullptr;  // device
 
@@ -438,6 +434,11 @@ struct GpuTransformer::Impl {
   int64_t num_zero_chunks = 0;
   bool zero_pending = false;  // zero_grad ran; the backward is to overwrite the rest
 
+  // The parameter state (GpuTransformer::lay_out_state) in the storage layout `stored`:
+  // the flat layout's tensors, a slope weight as its kept values [out, in/2].
+  std::vector<ParamInfo> stored;
+  DeviceArena state;
+  GpuMemoryPlan step_plan;   // the step arena's share of the memory plan
   bf16* w = nullptr;         // bf16 weights (the high halves of the master weights)
   int16_t* w_lo = nullptr;   // low halves
   float *grad = nullptr, *m = nullptr, *v = nullptr;
@@ -510,26 +511,57 @@ struct GpuTransformer::Impl {
 
 namespace {
 
-// Every device allocation of the model, in one order, for counting and for real.
+// The parameter state of a storage layout (GpuTransformer::lay_out_state), in one order,
+// for counting (take.arena null) and for real (then also AdamW's chunk table and
+// zero_grad's table, the buffers in `im`).
+void lay_out_state_buffers(const ModelConfig& c, const std::vector<ParamInfo>& stored, GpuTransformer::Impl& im,
+                   GpuMemoryPlan& plan, Take take) {
+  const size_t n = stored.empty() ? 0 : stored.back().offset + stored.back().numel;
+  const auto segments = segments_of(stored);
+  const auto zeros = zero_table(c, stored);
+  take.bucket = &plan.params;
+  im.w = take.arr<bf16>("params.bf16", n);
+  im.w_lo = take.arr<int16_t>("params.master_low", n);
+  take.bucket = &plan.grads;
+  im.grad = take.arr<float>("params.grad", n);
+  im.zero_chunks = take.arr<ZeroChunk>("grad.zero_table", zeros.size());
+  take.bucket = &plan.optimizer;
+  im.m = take.arr<float>("adamw.m", n);
+  im.v = take.arr<float>("adamw.v", n);
+  plan.optimizer += gpu::SplitAdamWPlan::table_bytes_bound(segments);
+  if (!take.arena) return;
+  im.adamw = std::make_unique<gpu::SplitAdamWPlan>(segments, *take.arena, im.head_pad ? head_segment(c, stored) : -1);
+  im.num_zero_chunks = static_cast<int64_t>(zeros.size());
+  if (!zeros.empty())
+    CUDA_CHECK(cudaMemcpy(im.zero_chunks, zeros.data(), zeros.size() * sizeof(ZeroChunk), cudaMemcpyHostToDevice));
+}
+
+GpuMemoryPlan operator+(const GpuMemoryPlan& a, const GpuMemoryPlan& b) {
+  GpuMemoryPlan r;
+  r.params = a.params + b.params;
+  r.grads = a.grads + b.grads;
+  r.optimizer = a.optimizer + b.optimizer;
+  r.activations = a.activations + b.activations;
+  r.scratch = a.scratch + b.scratch;
+  r.workspace = a.workspace + b.workspace;
+  return r;
+}
+
+// Every device allocation of the step arena, in one order, for counting and for real.
 // Returns the buffers in `im` when take.arena is set.
-void lay_out(const ModelConfig& c, int B, int T, const GpuModelOptions& o, size_t nparams, GpuTransformer::Impl& im,
+void lay_out(const ModelConfig& c, int B, int T, const GpuModelOptions& o, GpuTransformer::Impl& im,
              GpuMemoryPlan& plan, Take take, int32_t** tokens, int32_t** targets, double** loss, float** norm_sq) {
   const size_t N = size_t(B) * T, C = c.d_model, Q = c.qkv_dim(), F = c.fc_dim(), H = c.d_ff;
   const size_t AC = size_t(c.n_head) * c.head_dim(), S = size_t(B) * c.n_head * T;
   const bool ln = c.norm == NormKind::layernorm, rc = o.recompute, gelu = c.mlp == MlpKind::gelu;
 
-  take.bucket = &plan.params;
-  im.w = take.arr<bf16>("params.bf16", nparams);
-  im.w_lo = take.arr<int16_t>("params.master_low", nparams);
   im.Vp = padded_vocab(c);
   const bool pad = im.Vp != c.vocab_size;
+  take.bucket = &plan.params;
   if (pad) im.head_pad = take.arr<bf16>("params.head_padded", size_t(im.Vp) * C);
   take.bucket = &plan.grads;
-  im.grad = take.arr<float>("params.grad", nparams);
   if (pad) im.head_dw_pad = take.arr<float>("params.head_grad_padded", size_t(im.Vp) * C);
   take.bucket = &plan.optimizer;
-  im.m = take.arr<float>("adamw.m", nparams);
-  im.v = take.arr<float>("adamw.v", nparams);
   im.adam_params = take.arr<gpu::AdamWStepParams>("adamw.step_params", 1);
 
   take.bucket = &plan.activations;
@@ -566,13 +598,15 @@ void lay_out(const ModelConfig& c, int B, int T, const GpuModelOptions& o, size_
   *loss = take.arr<double>("loss", 1);
   *norm_sq = take.arr<float>("grad_norm_sq", 1);
   im.fused_norm = o.fused_norm_backward && gpu::fused_norm_backward_supported(c.d_model);
+  // Column sums give bias gradients with the fused norm backward, and a slope layer's
+  // wherever (its dW GEMM writes a scratch, without the bias epilogue).
+  if (c.bias) {
+    im.colsum_scratch_bytes = gpu::column_sum_scratch_bytes(int64_t(N), static_cast<int>(std::max({Q, F, C})));
+    im.colsum_scratch = take.arr<unsigned char>("scratch.bias_grad", im.colsum_scratch_bytes);
+  }
   if (im.fused_norm) {
     im.fnorm_scratch_bytes = gpu::fused_norm_backward_scratch_bytes(static_cast<int>(N), c.d_model);
     im.fnorm_scratch = take.arr<unsigned char>("scratch.norm_fused", im.fnorm_scratch_bytes);
-    if (c.bias) {
-      im.colsum_scratch_bytes = gpu::column_sum_scratch_bytes(int64_t(N), static_cast<int>(std::max({Q, F, C})));
-      im.colsum_scratch = take.arr<unsigned char>("scratch.bias_grad", im.colsum_scratch_bytes);
-    }
   } else {
     im.norm_scratch_bytes = gpu::norm_backward_scratch_bytes(static_cast<int>(N), c.d_model);
     im.norm_scratch = take.arr<unsigned char>("scratch.norm", im.norm_scratch_bytes);
@@ -673,17 +707,15 @@ GpuMemoryPlan GpuTransformer::memory_plan(const ModelConfig& config, int max_bat
                max_seq_len);
   ESPLAG_CHECK(config.head_dim() <= gpu::kAttentionMaxHeadDim, "GpuTransformer: head dimension ", config.head_dim(),
                " exceeds the GPU attention's maximum ", gpu::kAttentionMaxHeadDim);
-  const size_t P = infos.empty() ? 0 : infos.back().offset + infos.back().numel;
-  GpuMemoryPlan plan;
+  GpuMemoryPlan step, state;
   Impl dummy;
   int32_t *tok = nullptr, *tgt = nullptr;
   double* loss = nullptr;
   float* nsq = nullptr;
-  lay_out(config, max_batch, max_seq_len, options, P, dummy, plan, Take{}, &tok, &tgt, &loss, &nsq);
-  plan.optimizer += gpu::SplitAdamWPlan::table_bytes_bound(segments_of(infos));
-  plan.grads += aligned(std::max<size_t>(zero_table(config, infos).size(), 1) * sizeof(ZeroChunk));
-  plan.workspace = aligned(gpu::Gemm::kDefaultWorkspaceBytes) + aligned(gpu::Gemm::kScratchBytes);
-  return plan;
+  lay_out(config, max_batch, max_seq_len, options, dummy, step, Take{}, &tok, &tgt, &loss, &nsq);
+  step.workspace = aligned(gpu::Gemm::kDefaultWorkspaceBytes) + aligned(gpu::Gemm::kScratchBytes);
+  lay_out_state_buffers(config, infos, dummy, state, Take{});
+  return step + state;
 }
 
 GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max_seq_len,
@@ -702,7 +734,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
   max_b_ = max_batch;
   max_t_ = max_seq_len;
   const int N = max_b_ * max_t_;
-  plan_ = memory_plan(cfg_, max_b_, max_t_, opt_);
+  plan_ = memory_plan(cfg_, max_b_, max_t_, opt_);  // all dense: the largest state
 
   const size_t need = plan_.total() + opt_.extra_arena_bytes;
   size_t free_b = 0, total_b = 0;
@@ -712,34 +744,70 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
          max_t_, " needs ", DeviceArena::format_bytes(need), " of device memory (", plan_.describe(), ") but only ",
          DeviceArena::format_bytes(free_b), " of ", DeviceArena::format_bytes(total_b),
          " is free; lower the batch size or the sequence length");
-  arena_ = std::make_unique<DeviceArena>(need, "model");
+  Impl& im = *impl_;
+  int32_t *tok = nullptr, *tgt = nullptr;
+  double* loss = nullptr;
+  float* nsq = nullptr;
+  lay_out(cfg_, max_b_, max_t_, opt_, im, im.step_plan, Take{}, &tok, &tgt, &loss, &nsq);
+  im.step_plan.workspace = plan_.workspace;
+  arena_ = std::make_unique<DeviceArena>(im.step_plan.total() + opt_.extra_arena_bytes, "model");
   CUDA_CHECK(cudaStreamCreate(&stream_));
 
-  Impl& im = *impl_;
   GpuMemoryPlan counted;
-  lay_out(cfg_, max_b_, max_t_, opt_, nparams_, im, counted, Take{arena_.get(), nullptr}, &tokens_, &targets_, &loss_,
+  lay_out(cfg_, max_b_, max_t_, opt_, im, counted, Take{arena_.get(), nullptr}, &tokens_, &targets_, &loss_,
           &norm_sq_);
   head_chunk_ = im.sizes.head_rows;
   im.gemm = std::make_unique<gpu::Gemm>(*arena_);
   im.gemm->set_use_epilogues(opt_.gemm_epilogues);
-  const bool pad = im.head_pad != nullptr;
-  im.adamw = std::make_unique<gpu::SplitAdamWPlan>(segments_of(infos_), *arena_, pad ? head_segment(cfg_, infos_) : -1);
-  {
-    const auto table = zero_table(cfg_, infos_);
-    im.num_zero_chunks = static_cast<int64_t>(table.size());
-    im.zero_chunks = arena_->allocate_array<ZeroChunk>("grad.zero_table", std::max<size_t>(table.size(), 1));
-    if (!table.empty())
-      CUDA_CHECK(cudaMemcpy(im.zero_chunks, table.data(), table.size() * sizeof(ZeroChunk), cudaMemcpyHostToDevice));
-  }
 
   CUDA_CHECK(cudaMallocHost(&im.staging, sizeof(int32_t) * 2 * size_t(N)));
   CUDA_CHECK(cudaMallocHost(&im.host_loss, sizeof(double)));
   CUDA_CHECK(cudaMallocHost(&im.host_norm, sizeof(float)));
   CUDA_CHECK(cudaEventCreateWithFlags(&im.staged, cudaEventDisableTiming));
 
-  // Parameter views. The flat buffers never move, so the pointers are fixed.
+  if (im.head_pad) CUDA_CHECK(cudaMemsetAsync(im.head_pad, 0, sizeof(bf16) * size_t(im.Vp) * cfg_.d_model, stream_));
+  CUDA_CHECK(cudaMemsetAsync(norm_sq_, 0, sizeof(float), stream_));
+  CUDA_CHECK(cudaMemsetAsync(loss_, 0, sizeof(double), stream_));
+  im.blocks.resize(cfg_.n_layer);
+  lay_out_state();
+}
+
+GpuTransformer::~GpuTransformer() {
+  if (stream_) {
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+}
+
+size_t GpuTransformer::state_bytes() const { return impl_->state.capacity(); }
+
+void GpuTransformer::lay_out_state() {
+  Impl& im = *impl_;
+  synchronize();  // nothing queued may still use the old state
+  im.stored = infos_;
+  size_t offset = 0;
+  for (auto& i : im.stored) {
+    if (im.slope.count(i.name)) {  // the kept values of W1
+      i.shape = {i.shape.at(0), i.shape.at(1) / 2};
+      i.numel /= 2;
+    }
+    i.offset = offset;
+    offset += i.numel;
+  }
+  nstored_ = offset;
+  // The old state goes first, so that the device never holds both.
+  im.adamw.reset();
+  im.state = DeviceArena();
+  GpuMemoryPlan state;
+  lay_out_state_buffers(cfg_, im.stored, im, state, Take{});
+  im.state = DeviceArena(state.total(), "parameter state");
+  GpuMemoryPlan counted;
+  lay_out_state_buffers(cfg_, im.stored, im, counted, Take{&im.state, nullptr});
+  plan_ = im.step_plan + state;
+
+  // Parameter views, fixed until the next layout.
   std::map<std::string, const ParamInfo*> by_name;
-  for (const auto& i : infos_) by_name[i.name] = &i;
+  for (const auto& i : im.stored) by_name[i.name] = &i;
   auto wp = [&](const std::string& n) -> const bf16* {
     auto it = by_name.find(n);
     return it == by_name.end() ? nullptr : im.w + it->second->offset;
@@ -751,8 +819,12 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
   auto norm = [&](const std::string& n) {
     return Impl::Norm{wp(n + ".weight"), wp(n + ".bias"), gp(n + ".weight"), gp(n + ".bias")};
   };
-  auto lin = [&](const std::string& n) {
-    return Impl::Lin{wp(n + ".weight"), wp(n + ".bias"), gp(n + ".weight"), gp(n + ".bias")};
+  auto lin = [&](Impl::Lin& l, const std::string& n) {  // keeps the layer's kind
+    l.w = wp(n + ".weight");
+    l.b = wp(n + ".bias");
+    l.dw = gp(n + ".weight");
+    l.db = gp(n + ".bias");
+    if (l.sp && !l.slope) l.sp->set_weight(l.w);  // a slope layer's reads slope_w1
   };
   im.wte = wp("embed.tokens.weight");
   im.dwte = gp("embed.tokens.weight");
@@ -761,80 +833,168 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
   im.head_w = cfg_.tie_embeddings ? im.wte : wp("lm_head.weight");
   im.head_dw = cfg_.tie_embeddings ? im.dwte : gp("lm_head.weight");
   im.nf = norm("norm_f");
-  im.blocks.resize(cfg_.n_layer);
   for (int l = 0; l < cfg_.n_layer; ++l) {
     const std::string b = "blocks." + std::to_string(l) + ".";
     auto& blk = im.blocks[l];
     blk.n1 = norm(b + "norm1");
     blk.n2 = norm(b + "norm2");
-    blk.qkv = lin(b + "attn.qkv");
-    blk.proj = lin(b + "attn.proj");
-    blk.fc = lin(b + "mlp.fc");
-    blk.mproj = lin(b + "mlp.proj");
+    lin(blk.qkv, b + "attn.qkv");
+    lin(blk.proj, b + "attn.proj");
+    lin(blk.fc, b + "mlp.fc");
+    lin(blk.mproj, b + "mlp.proj");
   }
 
   // A defined start: zero parameters, gradients and moments.
-  CUDA_CHECK(cudaMemsetAsync(im.w, 0, sizeof(bf16) * nparams_, stream_));
-  CUDA_CHECK(cudaMemsetAsync(im.w_lo, 0, sizeof(int16_t) * nparams_, stream_));
-  CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * nparams_, stream_));
-  CUDA_CHECK(cudaMemsetAsync(im.m, 0, sizeof(float) * nparams_, stream_));
-  CUDA_CHECK(cudaMemsetAsync(im.v, 0, sizeof(float) * nparams_, stream_));
-  if (im.head_pad) CUDA_CHECK(cudaMemsetAsync(im.head_pad, 0, sizeof(bf16) * size_t(im.Vp) * cfg_.d_model, stream_));
-  CUDA_CHECK(cudaMemsetAsync(norm_sq_, 0, sizeof(float), stream_));
-  CUDA_CHECK(cudaMemsetAsync(loss_, 0, sizeof(double), stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.w, 0, sizeof(bf16) * nstored_, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.w_lo, 0, sizeof(int16_t) * nstored_, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * nstored_, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.m, 0, sizeof(float) * nstored_, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.v, 0, sizeof(float) * nstored_, stream_));
+  im.zero_pending = false;
+  // The captured graphs baked the old buffers in.
+  im.step_graphs.clear();
+  im.adam_graphs.clear();
   synchronize();
-}
-
-GpuTransformer::~GpuTransformer() {
-  if (stream_) {
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
-  }
 }
 
 void GpuTransformer::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
 // --- parameters ---------------------------------------------------------------------------
 //
-// Host copies of the master weights go through the shared scratch region in fp32 chunks
-// (it is idle between steps, and stream order keeps it so).
+// Host copies of the parameter state go through the shared scratch region in fp32 chunks
+// (it is idle between steps, and stream order keeps it so), tensor by tensor: a slope
+// weight's chunks are whole groups of 4 rows, gathered to (or scattered from) its kept
+// values in the second part of the region.
+
+struct GpuTransformer::Transfer {
+  // Elements [o, o + n) of flat tensor k, dense fp32 in `stage` (device): store_tensors
+  // has them written there, load_tensors hands them over.
+  std::function<void(size_t k, size_t o, size_t n, float* stage)> dense;
+  // n values of the storage layout at offset `at`: store_tensors writes them from `buf`,
+  // load_tensors reads them into `buf` (device fp32).
+  std::function<void(size_t at, float* buf, size_t n)> stored;
+};
+
+namespace {
+
+// The chunk of a tensor's elements one transfer moves; `kept`: stored as kept values.
+size_t transfer_chunk(const ParamInfo& info, bool kept, size_t stage_floats) {
+  if (!kept) return stage_floats;
+  const size_t cols = size_t(info.shape.at(1));
+  const size_t rows = stage_floats * 2 / 3 / cols / 4 * 4;  // dense rows + their kept values
+  ESPLAG_CHECK(rows > 0, "GpuTransformer: rows of ", info.name, " (", cols,
+               " columns) do not fit the shared scratch region for host copies");
+  return rows * cols;
+}
+
+}  // namespace
+
+void GpuTransformer::store_tensors(const Transfer& t) {
+  Impl& im = *impl_;
+  float* stage = reinterpret_cast<float*>(im.shared);
+  const size_t floats = im.sizes.total / sizeof(float);
+  for (size_t k = 0; k < infos_.size(); ++k) {
+    const ParamInfo& info = infos_[k];
+    const size_t at = im.stored[k].offset;
+    const bool kept = im.stored[k].numel != info.numel;
+    const size_t chunk = transfer_chunk(info, kept, floats);
+    for (size_t o = 0; o < info.numel; o += chunk) {
+      const size_t n = std::min(chunk, info.numel - o);
+      t.dense(k, o, n, stage);
+      if (!kept) {
+        t.stored(at + o, stage, n);
+        continue;
+      }
+      const int64_t cols = info.shape.at(1), row0 = int64_t(o) / cols;
+      const uint16_t* tiles = im.sparse.at(info.name)->forward_tile_mask() + (row0 / 4) * (cols / 4);
+      gpu::gather_kept_24(stage + n, stage, tiles, int64_t(n) / cols, cols, false, stream_);
+      t.stored(at + o / 2, stage + n, n / 2);
+    }
+  }
+}
+
+void GpuTransformer::load_tensors(const Transfer& t) const {
+  const Impl& im = *impl_;
+  float* stage = reinterpret_cast<float*>(im.shared);
+  const size_t floats = im.sizes.total / sizeof(float);
+  for (size_t k = 0; k < infos_.size(); ++k) {
+    const ParamInfo& info = infos_[k];
+    const size_t at = im.stored[k].offset;
+    const bool kept = im.stored[k].numel != info.numel;
+    const size_t chunk = transfer_chunk(info, kept, floats);
+    for (size_t o = 0; o < info.numel; o += chunk) {
+      const size_t n = std::min(chunk, info.numel - o);
+      if (kept) {
+        const int64_t cols = info.shape.at(1), row0 = int64_t(o) / cols;
+        const uint16_t* tiles = im.sparse.at(info.name)->forward_tile_mask() + (row0 / 4) * (cols / 4);
+        t.stored(at + o / 2, stage + n, n / 2);
+        gpu::scatter_kept_24(stage, stage + n, tiles, int64_t(n) / cols, cols, stream_);
+      } else {
+        t.stored(at + o, stage, n);
+      }
+      t.dense(k, o, n, stage);
+    }
+  }
+}
 
 void GpuTransformer::set_params(const float* host, size_t n) {
   ESPLAG_CHECK(n == nparams_, "GpuTransformer::set_params: got ", n, " values, the model has ", nparams_,
                " parameters");
   Impl& im = *impl_;
-  float* stage = reinterpret_cast<float*>(im.shared);
-  const size_t chunk = im.sizes.total / sizeof(float);
-  for (size_t o = 0; o < n; o += chunk) {
-    const size_t k = std::min(chunk, n - o);
-    CUDA_CHECK(cudaMemcpyAsync(stage, host + o, sizeof(float) * k, cudaMemcpyHostToDevice, stream_));
-    gpu::master_split(im.w + o, im.w_lo + o, stage, int64_t(k), stream_);
-  }
+  store_tensors({[&](size_t k, size_t o, size_t cnt, float* stage) {
+                   CUDA_CHECK(cudaMemcpyAsync(stage, host + infos_[k].offset + o, sizeof(float) * cnt,
+                                              cudaMemcpyHostToDevice, stream_));
+                 },
+                 [&](size_t at, float* buf, size_t cnt) {
+                   gpu::master_split(im.w + at, im.w_lo + at, buf, int64_t(cnt), stream_);
+                 }});
   refresh_head_copy();
-  prune_slope_weights();
   prepare_sparse();
   synchronize();
 }
 
+namespace {
+
+// A Transfer::dense that copies the chunk into the host flat vector h (and waits: the
+// stage is reused by the next chunk).
+std::function<void(size_t, size_t, size_t, float*)> to_host(std::vector<float>& h,
+                                                            const std::vector<ParamInfo>& infos, cudaStream_t s) {
+  return [&h, &infos, s](size_t k, size_t o, size_t n, float* stage) {
+    CUDA_CHECK(cudaMemcpyAsync(h.data() + infos[k].offset + o, stage, sizeof(float) * n, cudaMemcpyDeviceToHost, s));
+    CUDA_CHECK(cudaStreamSynchronize(s));
+  };
+}
+
+// A Transfer::stored that copies device fp32 values between buf and base.
+std::function<void(size_t, float*, size_t)> copy_stored(float* base, bool into_base, cudaStream_t s) {
+  return [base, into_base, s](size_t at, float* buf, size_t n) {
+    CUDA_CHECK(cudaMemcpyAsync(into_base ? base + at : buf, into_base ? buf : base + at, sizeof(float) * n,
+                               cudaMemcpyDeviceToDevice, s));
+  };
+}
+
+std::function<void(size_t, size_t, size_t, float*)> from_host(const float* h, const std::vector<ParamInfo>& infos,
+                                                              cudaStream_t s) {
+  return [h, &infos, s](size_t k, size_t o, size_t n, float* stage) {
+    CUDA_CHECK(cudaMemcpyAsync(stage, h + infos[k].offset + o, sizeof(float) * n, cudaMemcpyHostToDevice, s));
+  };
+}
+
+}  // namespace
+
 std::vector<float> GpuTransformer::params_to_host() const {
   const Impl& im = *impl_;
   std::vector<float> h(nparams_);
-  float* stage = reinterpret_cast<float*>(im.shared);
-  const size_t chunk = im.sizes.total / sizeof(float);
-  for (size_t o = 0; o < nparams_; o += chunk) {
-    const size_t k = std::min(chunk, nparams_ - o);
-    gpu::master_join(stage, im.w + o, im.w_lo + o, int64_t(k), stream_);
-    CUDA_CHECK(cudaMemcpyAsync(h.data() + o, stage, sizeof(float) * k, cudaMemcpyDeviceToHost, stream_));
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-  }
+  load_tensors({to_host(h, infos_, stream_), [&](size_t at, float* buf, size_t n) {
+                  gpu::master_join(buf, im.w + at, im.w_lo + at, int64_t(n), stream_);
+                }});
   return h;
 }
 
 std::vector<float> GpuTransformer::grads_to_host() const {
   settle_zero_grad();
   std::vector<float> h(nparams_);
-  CUDA_CHECK(cudaMemcpyAsync(h.data(), impl_->grad, sizeof(float) * nparams_, cudaMemcpyDeviceToHost, stream_));
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  load_tensors({to_host(h, infos_, stream_), copy_stored(impl_->grad, false, stream_)});
   return h;
 }
 
@@ -842,45 +1002,42 @@ void GpuTransformer::set_optimizer_state(const float* m, const float* v, size_t 
   ESPLAG_CHECK(n == nparams_, "GpuTransformer::set_optimizer_state: got ", n, " moments, the model has ", nparams_,
                " parameters");
   ESPLAG_CHECK(steps >= 0, "GpuTransformer::set_optimizer_state: negative step count ", steps);
-  CUDA_CHECK(cudaMemcpyAsync(impl_->m, m, sizeof(float) * n, cudaMemcpyHostToDevice, stream_));
-  CUDA_CHECK(cudaMemcpyAsync(impl_->v, v, sizeof(float) * n, cudaMemcpyHostToDevice, stream_));
+  store_tensors({from_host(m, infos_, stream_), copy_stored(impl_->m, true, stream_)});
+  store_tensors({from_host(v, infos_, stream_), copy_stored(impl_->v, true, stream_)});
   synchronize();
   step_ = steps;
 }
 
 void GpuTransformer::optimizer_state_to_host(std::vector<float>& m, std::vector<float>& v) const {
-  m.resize(nparams_);
-  v.resize(nparams_);
-  CUDA_CHECK(cudaMemcpyAsync(m.data(), impl_->m, sizeof(float) * nparams_, cudaMemcpyDeviceToHost, stream_));
-  CUDA_CHECK(cudaMemcpyAsync(v.data(), impl_->v, sizeof(float) * nparams_, cudaMemcpyDeviceToHost, stream_));
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  m.assign(nparams_, 0.f);
+  v.assign(nparams_, 0.f);
+  load_tensors({to_host(m, infos_, stream_), copy_stored(impl_->m, false, stream_)});
+  load_tensors({to_host(v, infos_, stream_), copy_stored(impl_->v, false, stream_)});
 }
 
 void GpuTransformer::init_weights(uint64_t seed) {
   Impl& im = *impl_;
   const double residual_scale = 1.0 / std::sqrt(2.0 * cfg_.n_layer);
-  float* stage = reinterpret_cast<float*>(im.shared);
-  const size_t chunk = im.sizes.total / sizeof(float);
-  for (size_t k = 0; k < infos_.size(); ++k) {
-    const ParamInfo& info = infos_[k];
-    const bool is_norm = info.name.find("norm") != std::string::npos;
-    const bool bias = ends_with(info.name, ".bias");
-    const bool residual_out = info.name.find("attn.proj.weight") != std::string::npos ||
-                              info.name.find("mlp.proj.weight") != std::string::npos;
-    const double stddev = cfg_.init_std * (residual_out ? residual_scale : 1.0);
-    const uint64_t key = splitmix64(seed) ^ splitmix64(k + 1);
-    for (size_t o = 0; o < info.numel; o += chunk) {
-      const int64_t n = static_cast<int64_t>(std::min(chunk, info.numel - o));
-      if (bias || is_norm)
-        fill_kernel<<<blocks(n), kThreads, 0, stream_>>>(stage, n, bias ? 0.f : 1.f);
-      else
-        normal_kernel<<<blocks(n), kThreads, 0, stream_>>>(stage, n, int64_t(o), key, static_cast<float>(stddev));
-      CUDA_CHECK_LAUNCH("GpuTransformer::init_weights");
-      gpu::master_split(im.w + info.offset + o, im.w_lo + info.offset + o, stage, n, stream_);
-    }
-  }
+  store_tensors({[&](size_t k, size_t o, size_t cnt, float* stage) {
+                   const ParamInfo& info = infos_[k];
+                   const bool is_norm = info.name.find("norm") != std::string::npos;
+                   const bool bias = ends_with(info.name, ".bias");
+                   const bool residual_out = info.name.find("attn.proj.weight") != std::string::npos ||
+                                             info.name.find("mlp.proj.weight") != std::string::npos;
+                   const double stddev = cfg_.init_std * (residual_out ? residual_scale : 1.0);
+                   const uint64_t key = splitmix64(seed) ^ splitmix64(k + 1);
+                   const int64_t n = int64_t(cnt);
+                   if (bias || is_norm)
+                     fill_kernel<<<blocks(n), kThreads, 0, stream_>>>(stage, n, bias ? 0.f : 1.f);
+                   else
+                     normal_kernel<<<blocks(n), kThreads, 0, stream_>>>(stage, n, int64_t(o), key,
+                                                                        static_cast<float>(stddev));
+                   CUDA_CHECK_LAUNCH("GpuTransformer::init_weights");
+                 },
+                 [&](size_t at, float* buf, size_t n) {
+                   gpu::master_split(im.w + at, im.w_lo + at, buf, int64_t(n), stream_);
+                 }});
   refresh_head_copy();
-  prune_slope_weights();
   prepare_sparse();
   synchronize();
 }
@@ -905,7 +1062,7 @@ void GpuTransformer::zero_grad() {
 void GpuTransformer::settle_zero_grad() const {
   Impl& im = *impl_;
   if (!im.zero_pending) return;
-  CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * nparams_, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * nstored_, stream_));
   im.zero_pending = false;
 }
 
@@ -1168,6 +1325,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       // dinp = dout · W2 as the forward-form product of W2ᵀ [K, OC], made again now (the
       // slope layers share the scratch it lives in), then the GELU gradient if any.
       mark("sparse prepare (2:4 prune + compress)");
+      im.expand_w1(lin, s);
       const bf16* w2t = lin.sp->refill_backward_weight_t(s);
       mark(name, fl);
       gemm.forward(dinp, dout, w2t, nullptr, N, OC, K, s);
@@ -1228,6 +1386,24 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   unsigned char* const shared = im.shared;
   const SharedSizes& z = im.sizes;
   const bool acc = !overwrite;  // the Linear weight gradients: add, or write after zero_grad
+  // dW [OC, K] (+)= doutᵀ · inp, with the bias gradient from the epilogue where gemm_bias
+  // gives one. A slope layer's GEMM writes the dense dW into slope_dw, whose kept positions
+  // are then gathered into the layer's stored gradient (its bias gradient then comes from
+  // column sums).
+  auto linear_dw = [&](const Impl::Lin& lin, const char* name, const bf16* dout, const bf16* inp, int K, int OC) {
+    mark(name, n2 * K * OC);
+    if (!lin.slope) {
+      gemm.backward_weight(lin.dw, gemm_bias(lin.db), dout, inp, N, K, OC, acc, s);
+      return;
+    }
+    gemm.backward_weight(im.slope_dw, nullptr, dout, inp, N, K, OC, false, s);
+    if (gemm_bias(lin.db)) {
+      mark("bias grad");
+      gpu::column_sum_add(lin.db, dout, N, OC, im.colsum_scratch, im.colsum_scratch_bytes, s);
+    }
+    mark("slope grad gather");
+    gpu::gather_kept_24(lin.dw, im.slope_dw, lin.sp->forward_tile_mask(), OC, K, acc, s);
+  };
 
   mark("memset dres");
   CUDA_CHECK(cudaMemsetAsync(dres, 0, sizeof(bf16) * size_t(N) * C, s));
@@ -1240,16 +1416,14 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     const bf16* ln2 = L.ln2;
     if (cfg_.mlp == MlpKind::gelu) {
       bf16* dfc = reinterpret_cast<bf16*>(shared);
-      mark("gemm mproj dW", n2 * H * C);
-      gemm.backward_weight(blk.mproj.dw, gemm_bias(blk.mproj.db), dres, L.act, N, H, C, acc, s);
+      linear_dw(blk.mproj, "gemm mproj dW", dres, L.act, H, C);
       linear_dx(blk.mproj, "gemm mproj dX (+dgelu)", dfc, dres, H, C, L.fc);  // dfc = (dres · Wmproj) ∘ gelu'(fc)
       if (rc) {
         bf16* t = reinterpret_cast<bf16*>(shared + z.gelu_dfc);
         norm_again(blk.n2, t, L.res_mid);
         ln2 = t;
       }
-      mark("gemm fc dW", n2 * C * F);
-      gemm.backward_weight(blk.fc.dw, gemm_bias(blk.fc.db), dfc, ln2, N, C, F, acc, s);
+      linear_dw(blk.fc, "gemm fc dW", dfc, ln2, C, F);
       bias_sum(blk.fc.db, dfc, F);
       linear_dx(blk.fc, "gemm fc dX", dln, dfc, C, F);
     } else {
@@ -1264,16 +1438,14 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
         mark("relu2 bwd");
         gpu::fused_relu2_backward(L.fc, act_out, L.fc, dact, int64_t(N) * H, s);
       }
-      mark("gemm mproj dW", n2 * H * C);
-      gemm.backward_weight(blk.mproj.dw, gemm_bias(blk.mproj.db), dres, rc ? act_out : L.act, N, H, C, acc, s);
+      linear_dw(blk.mproj, "gemm mproj dW", dres, rc ? act_out : L.act, H, C);
       if (rc) {
         bf16* t = reinterpret_cast<bf16*>(shared);
         norm_again(blk.n2, t, L.res_mid);
         ln2 = t;
       }
       const bf16* dfc = L.fc;
-      mark("gemm fc dW", n2 * C * F);
-      gemm.backward_weight(blk.fc.dw, gemm_bias(blk.fc.db), dfc, ln2, N, C, F, acc, s);
+      linear_dw(blk.fc, "gemm fc dW", dfc, ln2, C, F);
       bias_sum(blk.fc.db, dfc, F);
       linear_dx(blk.fc, "gemm fc dX", dln, dfc, C, F);
     }
@@ -1284,8 +1456,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     bf16* dqkv = reinterpret_cast<bf16*>(region);
     bf16* datty = reinterpret_cast<bf16*>(region + z.dqkv);
     void* ws = z.attn_in_fc ? shared : shared + z.dqkv + z.datty_slot;
-    mark("gemm proj dW", n2 * AC * C);
-    gemm.backward_weight(blk.proj.dw, gemm_bias(blk.proj.db), dres, L.atty, N, AC, C, acc, s);
+    linear_dw(blk.proj, "gemm proj dW", dres, L.atty, AC, C);
     linear_dx(blk.proj, "gemm proj dX", datty, dres, AC, C);
     mark("attention bwd", 5.0 * B * NH * double(T) * T * HD);
     gpu::attention_backward(dqkv, datty, L.qkv, L.atty, L.lse, B, T, NH, KV, HD, ws, z.attn_ws, s, opt_.attention);
@@ -1298,8 +1469,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       norm_again(blk.n1, datty, L.res_in);  // datty is dead after the attention backward
       ln1 = datty;
     }
-    mark("gemm qkv dW", n2 * C * Q);
-    gemm.backward_weight(blk.qkv.dw, gemm_bias(blk.qkv.db), dqkv, ln1, N, C, Q, acc, s);
+    linear_dw(blk.qkv, "gemm qkv dW", dqkv, ln1, C, Q);
     bias_sum(blk.qkv.db, dqkv, Q);
     linear_dx(blk.qkv, "gemm qkv dX", dln, dqkv, C, Q);
     norm_bwd(blk.n1, L.res_in, L.ln1_mean, L.ln1_rstd, l > 0 ? im.blocks[l - 1].mproj.db : nullptr);
@@ -1339,38 +1509,13 @@ GpuTransformer::Impl::Lin* find_linear(GpuTransformer::Impl& im, const std::stri
   return nullptr;
 }
 
-// Zeroes a and b (b may be null) [rows, cols] where the tile mask prunes.
-template <typename A, typename B>
-void mask_tiles(A* a, B* b, const uint16_t* tiles, int64_t rows, int64_t cols, cudaStream_t s) {
-  const int64_t n = rows * (cols / 4);
-  tile_mask_kernel<<<blocks(n), kThreads, 0, s>>>(a, b, tiles, rows, cols / 4);
-  CUDA_CHECK_LAUNCH("GpuTransformer (slope tile mask)");
-}
-
-// A slope layer's W (both halves of its fp32 master) pruned to its forward mask.
-void prune_to_forward_mask(GpuTransformer::Impl& im, const GpuTransformer::Impl::Lin& lin, cudaStream_t s) {
-  const size_t offset = static_cast<size_t>(lin.w - im.w);
-  mask_tiles(reinterpret_cast<uint16_t*>(im.w + offset), im.w_lo + offset, lin.sp->forward_tile_mask(),
-             lin.sp->out_features(), lin.sp->in_features(), s);
-}
-
 }  // namespace
 
 void GpuTransformer::adamw_body() {
   Impl& im = *impl_;
-  // slope trains W1's kept values only: the pruned positions' gradients are dropped (the
-  // norm and AdamW then see the CPU's gradient of the kept values, and W1, m and v stay 0
-  // where pruned).
-  for (const auto& [name, sl] : im.slope) {
-    const Impl::Lin& lin = *find_linear(im, name);
-    im.layer = layer_of(name);
-    im.mark(stream_, "slope grad mask", 0, im.tracing() ? module_of(name) + ".grad_mask" : "");
-    mask_tiles(lin.dw, static_cast<float*>(nullptr), lin.sp->forward_tile_mask(), lin.sp->out_features(),
-               lin.sp->in_features(), stream_);
-  }
-  im.layer = -1;
+  // Over the storage layout: a slope layer's kept values only (the CPU's sparse AdamW).
   im.mark(stream_, "grad norm");
-  gpu::sum_squares(norm_sq_, im.grad, int64_t(nparams_), im.gnorm_scratch, stream_);
+  gpu::sum_squares(norm_sq_, im.grad, int64_t(nstored_), im.gnorm_scratch, stream_);
   im.mark(stream_, "adamw");
   gpu::adamw_update_split(*im.adamw, im.w, im.w_lo, im.m, im.v, im.grad, im.adam_params, norm_sq_, im.head_pad,
                           stream_);
@@ -1384,18 +1529,16 @@ void GpuTransformer::prepare_sparse() {
   for (auto& [name, sp] : im.sparse) {
     im.layer = layer_of(name);
     im.mark(stream_, "sparse prepare (2:4 prune + compress)", 0, im.tracing() ? module_of(name) + ".sparsify" : "");
-    if (sp->kind() == gpu::SparseLinearKind::slope)
+    if (sp->kind() == gpu::SparseLinearKind::slope) {
+      im.expand_w1(*find_linear(im, name), stream_);
       sp->prepare(stream_, k < im.refreshing.size() && im.refreshing[k++]);
-    else
+    } else {
       sp->prepare(stream_);
+    }
   }
   im.layer = -1;
 }
 
-void GpuTransformer::prune_slope_weights() {
-  Impl& im = *impl_;
-  for (const auto& [name, sl] : im.slope) prune_to_forward_mask(im, *find_linear(im, name), stream_);
-}
 
 // --- Linear kinds ---------------------------------------------------------------------------
 
@@ -1421,103 +1564,183 @@ double time_gelu_pass(int64_t n, bool forward, cudaStream_t s) {
 
 }  // namespace
 
-void GpuTransformer::set_linear_kind(const std::string& weight_name, const std::string& kind, int mask_change_freq,
-                                     const SlopeState* slope_masks) {
+namespace {
+
+// Masks given for a slope layer [out, in] (GpuTransformer::SlopeState) that the layer can
+// take: the forward one row-wise 2:4 (exactly 2 of every 4 along each row: the kept values
+// fill [out, in/2]), the backward one inside it with at most 2 of every 4 down each column.
+void check_slope_masks(const std::string& weight_name, const GpuTransformer::SlopeState& st, int64_t out,
+                       int64_t in) {
+  const int64_t groups = in / 4;
+  const size_t tiles = size_t(out / 4) * size_t(groups);
+  ESPLAG_CHECK(st.forward_tiles.size() == tiles && st.backward_tiles.size() == tiles, "GpuTransformer: ",
+               weight_name, ": slope masks of ", st.forward_tiles.size(), " and ", st.backward_tiles.size(),
+               " tiles for a ", out, "x", in, " weight (", tiles, " tiles)");
+  for (size_t t = 0; t < tiles; ++t) {
+    const unsigned f = st.forward_tiles[t], b = st.backward_tiles[t];
+    bool ok = (b & ~f) == 0;
+    for (int j = 0; j < 4 && ok; ++j)  // rows of the forward mask, columns of the backward one
+      ok = std::popcount((f >> (4 * j)) & 0xFu) == 2 && std::popcount(b & (0x1111u << j)) <= 2;
+    ESPLAG_CHECK(ok, "GpuTransformer: ", weight_name, ": slope mask tile ", t, " (row ", t / groups * 4, ", column ",
+                 t % groups * 4, ") is not 2:4 (forward 0x", std::hex, f, ", backward 0x", b, std::dec,
+                 "; the forward mask keeps exactly 2 of every 4 along each row, the backward one lies inside it, "
+                 "2 of every 4 down each column)");
+  }
+}
+
+}  // namespace
+
+void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& settings) {
   Impl& im = *impl_;
-  Impl::Lin* lin = find_linear(im, weight_name);
-  ESPLAG_CHECK(lin, "GpuTransformer: '", weight_name, "' is not the weight of a block Linear layer");
-  ESPLAG_CHECK(kind == "dense" || kind == "semi_sparse" || kind == "slope", "GpuTransformer: ", weight_name,
-               ": Linear kind '", kind, "' is not available on the GPU (dense, semi_sparse and slope are)");
-  ESPLAG_CHECK(!slope_masks || kind == "slope", "GpuTransformer: ", weight_name, ": masks given for kind ", kind);
-  const std::string was = linear_kind(weight_name);
-  if (kind == was && kind == "slope") {
-    im.slope[weight_name].mask_change_freq = mask_change_freq;
-    if (slope_masks) set_slope_masks(weight_name, *slope_masks);
-    return;
-  }
-  if (kind == was) return;
-  synchronize();  // nothing queued may still use a layer that goes away
-  const ParamInfo* info = nullptr;
-  for (const auto& i : infos_)
-    if (i.name == weight_name) info = &i;
-  const int64_t out = info->shape.at(0), in = info->shape.at(1);
-  // slope trains other tensors than the dense weight (the CPU's "<weight>.values"): its
-  // moments start from zero whenever the layer becomes or stops being slope, as the CPU
-  // trainer's do for a tensor it has not seen.
-  if (was == "slope" || kind == "slope") {
-    CUDA_CHECK(cudaMemsetAsync(im.m + info->offset, 0, sizeof(float) * info->numel, stream_));
-    CUDA_CHECK(cudaMemsetAsync(im.v + info->offset, 0, sizeof(float) * info->numel, stream_));
-  }
-  lin->sp = nullptr;
-  lin->slope = false;
-  im.sparse.erase(weight_name);
-  im.slope.erase(weight_name);
-  if (kind != "dense") {
-    ESPLAG_CHECK(gpu::cusparselt_available(), "GpuTransformer: ", weight_name, ": ", kind,
+  // Everything is checked before anything changes.
+  struct Change {
+    const LinearKindSetting* setting;
+    Impl::Lin* lin;
+    std::string was;
+    int64_t out, in;
+  };
+  std::vector<Change> changes;
+  bool relayout = false;  // the set of slope layers (or a slope layer's masks) changes
+  for (const auto& st : settings) {
+    Impl::Lin* lin = find_linear(im, st.weight_name);
+    ESPLAG_CHECK(lin, "GpuTransformer: '", st.weight_name, "' is not the weight of a block Linear layer");
+    ESPLAG_CHECK(st.kind == "dense" || st.kind == "semi_sparse" || st.kind == "slope", "GpuTransformer: ",
+                 st.weight_name, ": Linear kind '", st.kind,
+                 "' is not available on the GPU (dense, semi_sparse and slope are)");
+    ESPLAG_CHECK(!st.slope_masks || st.kind == "slope", "GpuTransformer: ", st.weight_name, ": masks given for kind ",
+                 st.kind);
+    const ParamInfo* info = nullptr;
+    for (const auto& i : infos_)
+      if (i.name == st.weight_name) info = &i;
+    const int64_t out = info->shape.at(0), in = info->shape.at(1);
+    if (st.slope_masks) check_slope_masks(st.weight_name, *st.slope_masks, out, in);
+    const std::string was = linear_kind(st.weight_name);
+    if (st.kind == was && !st.slope_masks) continue;
+    ESPLAG_CHECK(st.kind == "dense" || gpu::cusparselt_available(), "GpuTransformer: ", st.weight_name, ": ", st.kind,
                  " on the GPU needs cuSPARSELt: ", gpu::cusparselt_unavailable_reason());
-    gpu::SparseLinearOptions o;
-    o.bias = lin->b != nullptr;
     const int64_t tokens = int64_t(max_b_) * max_t_;
-    const size_t w_bytes = sizeof(bf16) * size_t(out) * size_t(in);
-    if (kind == "slope") {
-      o.kind = gpu::SparseLinearKind::slope;
-      // Sized for the largest block Linear at once: the layers keep pointers into it.
-      if (im.slope_scratch.capacity() == 0) {
-        size_t largest = 0;
-        for (const auto& i : infos_)
-          if (find_linear(im, i.name)) largest = std::max(largest, i.numel);
-        im.slope_scratch = DeviceArena(2 * sizeof(bf16) * largest + DeviceArena::kDefaultAlignment,
-                                       "slope scratch (W1, W2^T)");
-      }
-      o.slope_scratch = reinterpret_cast<bf16*>(im.slope_scratch.base());
-      o.slope_weight_is_w1 = true;  // pruned below, and kept so (see adamw_body)
-      // The masks come from W as it is now (the forward mask row-wise 2:4, the backward
-      // one W1's double pruning) unless given; W becomes W1.
-      lin->sp = im.sparse.emplace(weight_name, std::make_unique<gpu::SparseLinear>(o, out, in, tokens, lin->w, stream_))
-                    .first->second.get();
-      lin->slope = true;
-      im.slope[weight_name] = Impl::Slope{mask_change_freq, step_};
-      if (slope_masks) {
-        set_slope_masks(weight_name, *slope_masks);
-      } else {
-        prune_to_forward_mask(im, *lin, stream_);
-        lin->sp->prepare(stream_, false);
-      }
-    } else {
-      o.kind = gpu::SparseLinearKind::semi_sparse;
-      o.keep_pruned = false;  // dense_weight prunes on demand
-      auto sp = std::make_unique<gpu::SparseLinear>(o, out, in, tokens, lin->w, stream_);
-      if (opt_.sparse_dispatch) {
-        // GELU MLP: fc's forward and mproj's dX carry a GELU pass on the 2:4 path (over
-        // fc's output, [tokens, out] of fc = [tokens, in] of mproj).
-        const bool gelu_pass = cfg_.mlp == MlpKind::gelu && weight_name.find(".mlp.") != std::string::npos;
-        auto same = [&](const SparseDispatch& d) {
-          return d.out == out && d.in == in && d.tokens == tokens && d.gelu_pass == gelu_pass;
-        };
-        auto it = std::find_if(im.dispatch.begin(), im.dispatch.end(), same);
-        if (it == im.dispatch.end()) {
-          const gpu::SparseLinear::ProductTimes t = sp->time_products(stream_);
-          const bool is_fc = weight_name.find(".mlp.fc.") != std::string::npos;
-          const double extra = gelu_pass ? time_gelu_pass(tokens * (is_fc ? out : in), is_fc, stream_) : 0.0;
-          im.dispatch.push_back(
-              {out, in, tokens, gelu_pass, t.sparse_ms + extra, t.dense_ms, t.sparse_ms + extra < t.dense_ms});
-          it = im.dispatch.end() - 1;
-        }
-        sp->use_dense_products(!it->sparse);
-      }
-      sp->prepare(stream_);
-      if (!sp->pruned_weight() && im.prune_scratch.capacity() < w_bytes + DeviceArena::kDefaultAlignment)
-        im.prune_scratch = DeviceArena(w_bytes + DeviceArena::kDefaultAlignment, "semi_sparse pruning scratch");
-      lin->sp = sp.get();
-      im.sparse[weight_name] = std::move(sp);
+    ESPLAG_CHECK(st.kind == "dense" || (out % 16 == 0 && in % 16 == 0 && tokens % 16 == 0), "GpuTransformer: ",
+                 st.weight_name, ": ", st.kind, " needs the layer's shape (", out, "x", in,
+                 ") and the micro-batch's tokens (", tokens, ") to be multiples of 16 (cuSPARSELt)");
+    relayout = relayout || was == "slope" || st.kind == "slope";
+    changes.push_back({&st, lin, was, out, in});
+  }
+  for (const auto& st : settings)
+    if (auto it = im.slope.find(st.weight_name); it != im.slope.end() && st.kind == "slope")
+      it->second.mask_change_freq = st.mask_change_freq;
+  if (changes.empty()) return;
+  synchronize();  // nothing queued may still use a layer that goes away
+
+  // A new layout: the state goes to the host in the flat layout and comes back into the
+  // new one. slope trains other tensors than the dense weight (the CPU's "<weight>.values"):
+  // its moments start from zero whenever the layer becomes or stops being slope, as the
+  // CPU trainer's do for a tensor it has not seen.
+  std::vector<float> params, m, v;
+  if (relayout) {
+    params = params_to_host();
+    optimizer_state_to_host(m, v);
+  }
+  for (const Change& c : changes) {
+    if (relayout && (c.was == "slope") != (c.setting->kind == "slope")) {
+      const ParamInfo* info = nullptr;
+      for (const auto& i : infos_)
+        if (i.name == c.setting->weight_name) info = &i;
+      std::fill_n(m.begin() + ptrdiff_t(info->offset), info->numel, 0.f);
+      std::fill_n(v.begin() + ptrdiff_t(info->offset), info->numel, 0.f);
     }
+    c.lin->sp = nullptr;
+    c.lin->slope = false;
+    im.sparse.erase(c.setting->weight_name);
+    im.slope.erase(c.setting->weight_name);
+  }
+
+  // New slope layers, before the new layout (it gathers their kept values by their masks).
+  for (const Change& c : changes) {
+    const LinearKindSetting& st = *c.setting;
+    if (st.kind != "slope") continue;
+    if (im.slope_scratch.capacity() == 0) {
+      size_t largest = 0;
+      for (const auto& i : infos_)
+        if (find_linear(im, i.name)) largest = std::max(largest, i.numel);
+      const size_t a = DeviceArena::kDefaultAlignment;
+      im.slope_scratch = DeviceArena(3 * (sizeof(bf16) * largest + a) + sizeof(float) * largest + a, "slope scratch");
+      im.slope_w2 = im.slope_scratch.allocate_array<bf16>("W2, W2^T", 2 * largest);
+      im.slope_w1 = im.slope_scratch.allocate_array<bf16>("W1", largest);
+      im.slope_dw = im.slope_scratch.allocate_array<float>("dW", largest);
+    }
+    gpu::SparseLinearOptions o;
+    o.kind = gpu::SparseLinearKind::slope;
+    o.bias = c.lin->b != nullptr;
+    o.slope_scratch = im.slope_w2;
+    o.slope_weight_is_w1 = true;  // the layer reads slope_w1, expanded from the kept values
+    // The masks come from W as it is now (dense: the layer was not slope), the forward one
+    // row-wise 2:4, the backward one W1's double pruning, unless given.
+    const size_t n_w = size_t(c.out) * size_t(c.in);
+    if (st.slope_masks)
+      CUDA_CHECK(cudaMemsetAsync(im.slope_w1, 0, sizeof(bf16) * n_w, stream_));
+    else
+      CUDA_CHECK(cudaMemcpyAsync(im.slope_w1, c.lin->w, sizeof(bf16) * n_w, cudaMemcpyDeviceToDevice, stream_));
+    c.lin->sp = im.sparse
+                    .emplace(st.weight_name, std::make_unique<gpu::SparseLinear>(o, c.out, c.in, int64_t(max_b_) * max_t_,
+                                                                                 im.slope_w1, stream_))
+                    .first->second.get();
+    c.lin->slope = true;
+    if (st.slope_masks)
+      c.lin->sp->set_tile_masks(st.slope_masks->forward_tiles.data(), st.slope_masks->backward_tiles.data(), stream_);
+    im.slope[st.weight_name] = Impl::Slope{st.mask_change_freq, st.slope_masks ? st.slope_masks->refresh_step : step_};
+  }
+  if (relayout) {
+    const int64_t steps = step_;
+    lay_out_state();
+    set_params(params.data(), params.size());  // also prepares every sparse layer
+    set_optimizer_state(m.data(), v.data(), m.size(), steps);
+  }
+
+  // New semi_sparse layers, which read the weight where it now lives.
+  for (const Change& c : changes) {
+    const LinearKindSetting& st = *c.setting;
+    if (st.kind != "semi_sparse") continue;
+    const int64_t out = c.out, in = c.in, tokens = int64_t(max_b_) * max_t_;
+    gpu::SparseLinearOptions o;
+    o.kind = gpu::SparseLinearKind::semi_sparse;
+    o.bias = c.lin->b != nullptr;
+    o.keep_pruned = false;  // dense_weight prunes on demand
+    auto sp = std::make_unique<gpu::SparseLinear>(o, out, in, tokens, c.lin->w, stream_);
+    if (opt_.sparse_dispatch) {
+      // GELU MLP: fc's forward and mproj's dX carry a GELU pass on the 2:4 path (over
+      // fc's output, [tokens, out] of fc = [tokens, in] of mproj).
+      const bool gelu_pass = cfg_.mlp == MlpKind::gelu && st.weight_name.find(".mlp.") != std::string::npos;
+      auto same = [&](const SparseDispatch& d) {
+        return d.out == out && d.in == in && d.tokens == tokens && d.gelu_pass == gelu_pass;
+      };
+      auto it = std::find_if(im.dispatch.begin(), im.dispatch.end(), same);
+      if (it == im.dispatch.end()) {
+        const gpu::SparseLinear::ProductTimes t = sp->time_products(stream_);
+        const bool is_fc = st.weight_name.find(".mlp.fc.") != std::string::npos;
+        const double extra = gelu_pass ? time_gelu_pass(tokens * (is_fc ? out : in), is_fc, stream_) : 0.0;
+        im.dispatch.push_back(
+            {out, in, tokens, gelu_pass, t.sparse_ms + extra, t.dense_ms, t.sparse_ms + extra < t.dense_ms});
+        it = im.dispatch.end() - 1;
+      }
+      sp->use_dense_products(!it->sparse);
+    }
+    sp->prepare(stream_);
+    const size_t w_bytes = sizeof(bf16) * size_t(out) * size_t(in);
+    if (!sp->pruned_weight() && im.prune_scratch.capacity() < w_bytes + DeviceArena::kDefaultAlignment)
+      im.prune_scratch = DeviceArena(w_bytes + DeviceArena::kDefaultAlignment, "semi_sparse pruning scratch");
+    c.lin->sp = sp.get();
+    im.sparse[st.weight_name] = std::move(sp);
   }
   // Scratch nobody needs any more.
   const bool any_semi = std::any_of(im.sparse.begin(), im.sparse.end(), [](const auto& e) {
     return e.second->kind() == gpu::SparseLinearKind::semi_sparse;
   });
   if (!any_semi) im.prune_scratch = DeviceArena();
-  if (im.slope.empty()) im.slope_scratch = DeviceArena();
+  if (im.slope.empty()) {
+    im.slope_scratch = DeviceArena();
+    im.slope_w1 = im.slope_w2 = nullptr;
+    im.slope_dw = nullptr;
+  }
   // The captured steps baked the old products in.
   im.step_graphs.clear();
   im.adam_graphs.clear();
@@ -1550,32 +1773,6 @@ GpuTransformer::SlopeState GpuTransformer::slope_state(const std::string& weight
   st.refresh_step = it->second.refresh_step;
   st.mask_change_freq = it->second.mask_change_freq;
   return st;
-}
-
-void GpuTransformer::set_slope_masks(const std::string& weight_name, const SlopeState& st) {
-  Impl& im = *impl_;
-  auto it = im.slope.find(weight_name);
-  gpu::SparseLinear& sp = *im.sparse.at(weight_name);
-  const int64_t out = sp.out_features(), in = sp.in_features(), groups = in / 4;
-  const size_t tiles = size_t(out / 4) * size_t(groups);
-  ESPLAG_CHECK(st.forward_tiles.size() == tiles && st.backward_tiles.size() == tiles, "GpuTransformer: ",
-               weight_name, ": slope masks of ", st.forward_tiles.size(), " and ", st.backward_tiles.size(),
-               " tiles for a ", out, "x", in, " weight (", tiles, " tiles)");
-  for (size_t t = 0; t < tiles; ++t) {
-    const unsigned f = st.forward_tiles[t], b = st.backward_tiles[t];
-    bool ok = (b & ~f) == 0;
-    for (int j = 0; j < 4 && ok; ++j)  // rows of the forward mask, columns of the backward one
-      ok = std::popcount((f >> (4 * j)) & 0xFu) <= 2 && std::popcount(b & (0x1111u << j)) <= 2;
-    ESPLAG_CHECK(ok, "GpuTransformer: ", weight_name, ": slope mask tile ", t, " (row ", t / groups * 4, ", column ",
-                 t % groups * 4, ") is not 2:4 (forward 0x", std::hex, f, ", backward 0x", b, std::dec,
-                 "; the backward mask must lie inside the forward one, 2 of every 4 down each column)");
-  }
-  synchronize();
-  sp.set_tile_masks(st.forward_tiles.data(), st.backward_tiles.data(), stream_);
-  prune_to_forward_mask(im, *find_linear(im, weight_name), stream_);
-  sp.prepare(stream_, false);
-  it->second.refresh_step = st.refresh_step;
-  synchronize();
 }
 
 const std::vector<GpuTransformer::SparseDispatch>& GpuTransformer::sparse_dispatch() const { return impl_->dispatch; }

@@ -3,12 +3,16 @@
 // flat parameter layout, so a CPU model's (or checkpoint's) flat vector loads directly.
 // Block Linear layers may be dense, semi_sparse or slope (set_linear_kind).
 //
-// Device state, all in one DeviceArena sized up front for the largest (B, T) the model
-// will see: the bf16 weights that forward and backward read together with the low 16
-// bits of the fp32 master weights (ops/gpu_fused.h: the master is recovered exactly from
-// the two halves, so weights cost 4 bytes per parameter, not 6), fp32 gradients, AdamW
-// moments (fp32), the activations saved for backward, one scratch region shared by the
-// phases of the step, and the GEMM workspace. A step allocates nothing and synchronises
+// Device state, in two DeviceArenas. The parameter state: the bf16 weights that forward
+// and backward read together with the low 16 bits of the fp32 master weights
+// (ops/gpu_fused.h: the master is recovered exactly from the two halves, so weights cost 4
+// bytes per parameter, not 6), fp32 gradients and AdamW moments (fp32), in the storage
+// layout: the flat layout's tensors in its order, except that a slope layer's weight is
+// stored as its kept values only ([out, in/2], set_linear_kind), so its master, gradient
+// and moments take half the memory; the arena is laid out again when layers become or
+// stop being slope. The step arena, sized up front for the largest (B, T) the model will
+// see: the activations saved for backward, one scratch region shared by the phases of the
+// step, and the GEMM workspace. A step allocates nothing and synchronises
 // with the host only to read the loss back (in the host-pointer forward_backward /
 // forward_loss); forward_backward_device and step_adamw never wait for the device.
 //
@@ -161,6 +165,8 @@ class GpuTransformer {
   int head_chunk_rows() const { return head_chunk_; }
 
   // --- parameters and state (host copies in the CPU flat layout) ----------------------
+  // A slope layer's weight, gradient and moments read back as dense tensors with zeros
+  // where its forward mask prunes; written, they keep the kept positions only.
   // Master weights (and their bf16 copy) from a flat host vector of num_params() floats.
   void set_params(const float* host, size_t n);
   std::vector<float> params_to_host() const;
@@ -236,18 +242,40 @@ class GpuTransformer {
   // drops its pruned positions first, so the gradient norm, the moments and the update are
   // those of the kept values (the CPU's sparse AdamW over "<weight>.values": W1 keeps its
   // zeros, m and v stay 0 there). The moments start from zero when a layer becomes or stops
-  // being slope. Updates equal the CPU's; the flat buffers stay dense (no memory saved on
-  // them). Each layer holds its two compressed copies and both masks (2.5 bytes per
-  // weight); all slope layers prepare in one scratch of 4 bytes per weight of the largest.
+  // being slope. Updates equal the CPU's. Each layer holds its two compressed copies and
+  // both masks (2.5 bytes per weight) besides its 8 bytes of state per kept value (4 per
+  // weight); all slope layers share one scratch of 10 bytes per weight of the largest
+  // (W1 expanded, W2 and W2ᵀ, the dense fp32 dW).
   // Another micro-batch size runs the dense products of W1 and of W2 (made again for the
   // product). Masks are chosen from the bf16 weights; the CPU ranks fp32 values, so near
   // ties may differ: `slope_masks` (slope_state's form; its mask_change_freq is ignored)
   // gives the layer masks chosen elsewhere (the CPU's, a checkpoint's) instead, also to a
-  // layer that is slope already; masks that are not 2:4 as slope_state says throw Error
-  // naming the layer and the first bad tile. No low-rank adapters.
+  // layer that is slope already (its values outside the new forward mask are dropped);
+  // masks that are not 2:4 as slope_state says (the forward one keeping exactly 2 of every
+  // 4 along each row) throw Error naming the layer and the first bad tile. No low-rank
+  // adapters.
+  // Its weight is stored as W1's kept values: master, gradient (the dense dW GEMM writes a
+  // scratch of the largest layer's size, whose kept positions are then gathered) and
+  // moments take [out, in/2] each, and the flat gradient norm and AdamW pass over them is
+  // the CPU's sparse AdamW. Before each preparation (and a product at another micro-batch
+  // size) W1 is expanded into a dense scratch shared by the slope layers.
+  //
+  // A kind change that makes layers become or stop being slope (or gives a slope layer new
+  // masks) lays the parameter state out again: weights and moments go to the host and come
+  // back in the new layout (a pass over the state each way; the gradients restart at zero);
+  // set_linear_kinds does it once for many layers.
   struct SlopeState;
+  struct LinearKindSetting {
+    std::string weight_name;
+    std::string kind;
+    int mask_change_freq = 100;
+    const SlopeState* slope_masks = nullptr;
+  };
+  void set_linear_kinds(const std::vector<LinearKindSetting>& settings);
   void set_linear_kind(const std::string& weight_name, const std::string& kind, int mask_change_freq = 100,
-                       const SlopeState* slope_masks = nullptr);
+                       const SlopeState* slope_masks = nullptr) {
+    set_linear_kinds({{weight_name, kind, mask_change_freq, slope_masks}});
+  }
   std::string linear_kind(const std::string& weight_name) const;
   size_t sparse_device_bytes() const;
   // A slope layer's masks and refresh schedule (Error for other layers). The masks are
@@ -286,8 +314,12 @@ class GpuTransformer {
   int64_t graph_launches() const;
 
   cudaStream_t stream() const { return stream_; }
+  // The step arena (activations, scratch, workspace; callers may allocate from it, see
+  // extra_arena_bytes) and the parameter state's bytes (in the storage layout).
   DeviceArena& arena() { return *arena_; }
   const DeviceArena& arena() const { return *arena_; }
+  size_t state_bytes() const;
+  // The memory plan: params, grads and optimizer of the storage layout in use.
   const GpuMemoryPlan& plan() const { return plan_; }
   // Waits for everything queued on the model's stream.
   void synchronize();
@@ -306,17 +338,20 @@ class GpuTransformer {
   void adamw_body();
   // The semi_sparse layers' per-step weight work, from the current weights.
   void prepare_sparse();
-  // Every slope layer's W (both halves of its master) pruned to its forward mask.
-  void prune_slope_weights();
-  // A slope layer takes the given masks and refresh step; W is pruned to the forward mask.
-  void set_slope_masks(const std::string& weight_name, const SlopeState& state);
+  // The parameter state laid out again for the current set of slope layers (zeroed).
+  void lay_out_state();
+  // Dense fp32 tensors [o, o + n) of the flat layout to and from the storage layout.
+  struct Transfer;
+  void store_tensors(const Transfer& t);
+  void load_tensors(const Transfer& t) const;
   // The padded bf16 head weight follows set_params and init_weights (AdamW writes it too).
   void refresh_head_copy();
 
   ModelConfig cfg_;
   GpuModelOptions opt_;
   std::vector<ParamInfo> infos_;
-  size_t nparams_ = 0;
+  size_t nparams_ = 0;   // in the flat layout
+  size_t nstored_ = 0;   // in the storage layout
   int max_b_ = 0, max_t_ = 0, head_chunk_ = 0;
   int64_t step_ = 0;
   GpuMemoryPlan plan_;

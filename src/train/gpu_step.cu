@@ -244,23 +244,26 @@ class GpuStep final : public StepBackend {
   // Gives every block Linear of the GPU model the kind of its host twin (a no-op when
   // nothing changed; a change is rare: the recipe's start and end steps).
   void follow_host_kinds() {
-    for (const auto& name : host_.linear_names()) {
+    const auto names = host_.linear_names();
+    std::vector<GpuTransformer::LinearKindSetting> settings;
+    std::vector<GpuTransformer::SlopeState> masks;
+    masks.reserve(names.size());  // settings point into it
+    for (const auto& name : names) {
       const std::string kind = host_.linear(name).kind();
       ESPLAG_CHECK(gpu_trains_kind(kind), "GPU training: ", name, " became of kind ", kind, "; ", kGpuKindsNote);
       if (SlopeLinear<float>* sl = host_slope(host_, name)) {
         ESPLAG_CHECK(sl->lora_rank() == 0, "GPU training: ", name, " has a low-rank adapter; ", kGpuKindsNote);
         // A layer that becomes slope takes the host's masks (chosen from the fp32 weights);
         // later steps leave the GPU's own (converting them costs a pass over the weight).
-        if (model_.linear_kind(name) != "slope") {
-          const GpuTransformer::SlopeState st = gpu_slope_state(*sl, model_.optimizer_steps());
-          model_.set_linear_kind(name, kind, sl->mask_change_freq(), &st);
-        } else {
-          model_.set_linear_kind(name, kind, sl->mask_change_freq());
-        }
+        const GpuTransformer::SlopeState* st = nullptr;
+        if (model_.linear_kind(name) != "slope") st = &masks.emplace_back(gpu_slope_state(*sl, model_.optimizer_steps()));
+        settings.push_back({name, kind, sl->mask_change_freq(), st});
       } else {
-        model_.set_linear_kind(name, kind);
+        settings.push_back({name, kind});
       }
     }
+    // One call: the layers that become slope lay the parameter state out again once.
+    model_.set_linear_kinds(settings);
     if (model_.sparse_dispatch().size() != dispatch_seen_) {
       dispatch_seen_ = model_.sparse_dispatch().size();
       notes_.push_back(model_.sparse_dispatch_summary());
@@ -302,17 +305,21 @@ std::function<double(const int32_t*, const int32_t*, int, int)> gpu_batch_loss(c
                                                                              int T) {
   auto model = std::make_shared<GpuTransformer>(config, B, T);
   model->set_params(host_model.params(), host_model.num_params());
-  for (const auto& name : host_model.linear_names()) {
+  const auto names = host_model.linear_names();
+  std::vector<GpuTransformer::LinearKindSetting> settings;
+  std::vector<GpuTransformer::SlopeState> masks;
+  masks.reserve(names.size());  // settings point into it
+  for (const auto& name : names) {
     const std::string kind = host_model.linear(name).kind();
     ESPLAG_CHECK(gpu_trains_kind(kind), "GPU evaluation: ", name, " is of kind ", kind, "; ", kGpuKindsNote);
+    const GpuTransformer::SlopeState* st = nullptr;
     if (const SlopeLinear<float>* sl = host_slope(host_model, name)) {
       ESPLAG_CHECK(sl->lora_rank() == 0, "GPU evaluation: ", name, " has a low-rank adapter; ", kGpuKindsNote);
-      const GpuTransformer::SlopeState st = gpu_slope_state(*sl, 0);
-      model->set_linear_kind(name, kind, sl->mask_change_freq(), &st);
-    } else {
-      model->set_linear_kind(name, kind);
+      st = &masks.emplace_back(gpu_slope_state(*sl, 0));
     }
+    settings.push_back({name, kind, st ? st->mask_change_freq : 100, st});
   }
+  model->set_linear_kinds(settings);
   return [model](const int32_t* tokens, const int32_t* targets, int b, int t) {
     return model->forward_loss(tokens, targets, b, t);
   };

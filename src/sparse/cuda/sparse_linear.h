@@ -124,6 +124,10 @@ class SparseLinear {
   int64_t in_features() const;
   int64_t tokens() const;
 
+  // Points the layer at another copy of its weight (same shape and alignment rules), for a
+  // caller that moves its weights; the next prepare() reads it. Masks already taken stay.
+  void set_weight(const bf16* weight);
+
   // The per-step weight preparation from the current weight (see above);
   // refresh_backward_mask matters to slope only.
   void prepare(cudaStream_t stream, bool refresh_backward_mask = true);

@@ -1,0 +1,122 @@
+// The kept values of a row-wise 2:4 mask on the GPU (sparse/cuda/kept_values.h) against
+// the CPU's compressed 2:4 (sparse/compressed.h: compress_24 of the pruned weight, whose
+// values are the kept ones in ascending column order), bit for bit.
+//
+// Fresh seeded random inputs (no zeros, so the compressed slots are exactly the mask's),
+// outputs poisoned with NaN (all bytes 0xFF) first, shapes from the smallest legal one to
+// non-square ones with an odd number of tiles.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/device_arena.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "sparse/compressed.h"
+#include "sparse/cuda/kept_values.h"
+#include "sparse/masks.h"
+
+#include "gpu_test_util.h"
+
+namespace {
+
+using esplag::DeviceArena;
+using esplag::gpu::bf16;
+namespace cpu = esplag::cpu;
+namespace gpu = esplag::gpu;
+using esplag::gpu_test::has_device;
+using esplag::gpu_test::random_f32;
+using esplag::gpu_test::VF;
+
+class GpuKeptValues : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!has_device()) GTEST_SKIP() << "no CUDA device";
+  }
+  template <typename T>
+  T* upload(const std::vector<T>& h) {
+    T* d = arena_.allocate_array<T>("input", h.size());
+    CUDA_CHECK(cudaMemcpy(d, h.data(), sizeof(T) * h.size(), cudaMemcpyHostToDevice));
+    return d;
+  }
+  template <typename T>
+  T* poisoned(size_t n) {
+    T* d = arena_.allocate_array<T>("output", n);
+    CUDA_CHECK(cudaMemset(d, 0xFF, sizeof(T) * n));
+    return d;
+  }
+  template <typename T>
+  std::vector<T> download(const T* d, size_t n) {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<T> h(n);
+    CUDA_CHECK(cudaMemcpy(h.data(), d, sizeof(T) * n, cudaMemcpyDeviceToHost));
+    return h;
+  }
+  DeviceArena arena_{size_t(64) << 20, "kept values test"};
+};
+
+template <typename T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), sizeof(T) * a.size()) == 0;
+}
+
+TEST_F(GpuKeptValues, GatherAndScatterMatchTheCompressedForm) {
+  const int64_t shapes[][2] = {{4, 4}, {8, 12}, {12, 36}, {64, 128}, {36, 260}};
+  uint64_t seed = 1;
+  for (const auto& [rows, cols] : shapes) {
+    SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols));
+    const size_t n = size_t(rows * cols), k = n / 2;
+    VF w = random_f32(n, seed++);
+    const cpu::Mask mask = cpu::nm_mask(w.data(), rows, cols, 2, 4);
+    VF w1 = w;
+    cpu::apply_mask(w1.data(), mask.data(), int64_t(n));
+    const esplag::Compressed24 ref = cpu::compress_24(w1.data(), rows, cols);
+    const uint16_t* tiles = upload(cpu::tile_bits(mask, rows, cols));
+
+    // fp32: gather, gather onto earlier values, scatter.
+    const float* dw = upload(w);
+    float* values = poisoned<float>(k);
+    gpu::gather_kept_24(values, dw, tiles, rows, cols, false, nullptr);
+    EXPECT_TRUE(same_bits(download(values, k), ref.values)) << "fp32 gather";
+    const VF before = random_f32(k, seed++);
+    CUDA_CHECK(cudaMemcpy(values, before.data(), sizeof(float) * k, cudaMemcpyHostToDevice));
+    gpu::gather_kept_24(values, dw, tiles, rows, cols, true, nullptr);
+    VF sum(k);
+    for (size_t i = 0; i < k; ++i) sum[i] = before[i] + ref.values[i];
+    EXPECT_TRUE(same_bits(download(values, k), sum)) << "fp32 gather with accumulate";
+    float* dense = poisoned<float>(n);
+    gpu::scatter_kept_24(dense, upload(ref.values), tiles, rows, cols, nullptr);
+    EXPECT_TRUE(same_bits(download(dense, n), w1)) << "fp32 scatter";
+
+    // bf16: the same on the rounded values.
+    std::vector<uint16_t> wb(n), w1b(n), vb(k);
+    for (size_t i = 0; i < n; ++i) wb[i] = esplag::float_to_bf16(w[i]);
+    for (size_t i = 0; i < n; ++i) w1b[i] = mask[i] ? wb[i] : 0;
+    for (size_t i = 0; i < k; ++i) vb[i] = esplag::float_to_bf16(ref.values[i]);
+    bf16* vbd = poisoned<bf16>(k);
+    gpu::gather_kept_24(vbd, reinterpret_cast<const bf16*>(upload(wb)), tiles, rows, cols, false, nullptr);
+    EXPECT_TRUE(same_bits(download(reinterpret_cast<const uint16_t*>(vbd), k), vb)) << "bf16 gather";
+    bf16* db = poisoned<bf16>(n);
+    gpu::scatter_kept_24(db, reinterpret_cast<const bf16*>(upload(vb)), tiles, rows, cols, nullptr);
+    EXPECT_TRUE(same_bits(download(reinterpret_cast<const uint16_t*>(db), n), w1b)) << "bf16 scatter";
+  }
+}
+
+TEST_F(GpuKeptValues, RefusesShapesThatAreNotMultiplesOf4) {
+  float* a = poisoned<float>(64);
+  const uint16_t* tiles = upload(std::vector<uint16_t>(4, 0x3333));
+  try {
+    gpu::gather_kept_24(a, a + 32, tiles, 4, 6, false, nullptr);
+    FAIL() << "a 4x6 matrix was accepted";
+  } catch (const esplag::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gather_kept_24: shape 4x6 is not a positive multiple of 4"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
