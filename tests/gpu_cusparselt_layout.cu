@@ -286,6 +286,67 @@ TEST(CusparseltLayout, PruneCompressMatchesTheTwoPasses) {
   }
 }
 
+// slope's preparation from its stored form (W1's kept values and the two tile masks)
+// against the writer on the dense W1 and W2 = W1 ⊙ backward mask: the same bytes. Kept
+// values include zeros (1 in 8: groups whose stored positions are padded), the backward
+// mask keeps the first two of the forward mask's positions down each column of a tile (so
+// columns keep 0, 1 or 2), outputs poisoned.
+TEST(CusparseltLayout, CompressKeptMatchesTheDenseWriter) {
+  if (!esplag::gpu_test::has_device()) GTEST_SKIP() << "no CUDA device";
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{64, 64}, {128, 320}, {320, 192}}) {
+    SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols));
+    uint64_t seed = 777 + uint64_t(rows * 5 + cols);
+    const int64_t groups = cols / 4;
+    std::vector<uint16_t> w1(size_t(rows * cols), 0), w2(w1.size(), 0), kept(w1.size() / 2);
+    std::vector<uint16_t> fwd(size_t(rows / 4 * groups), 0), bwd(fwd.size(), 0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        const unsigned pairs[6] = {0x3, 0x5, 0x6, 0x9, 0xA, 0xC};
+        const unsigned nib = pairs[lcg(seed) % 6];
+        fwd[size_t((r / 4) * groups + g)] |= uint16_t(nib << (4 * (r % 4)));
+        int k = 0;
+        for (int j = 0; j < 4; ++j)
+          if (nib >> j & 1u) {
+            const uint32_t x = lcg(seed);
+            const uint16_t b = x % 8 == 0 ? 0 : uint16_t(((x & 1u) << 15) | (0x3C00u + (x >> 4) % 200u));
+            w1[size_t(r * cols + 4 * g + j)] = b;
+            kept[size_t(r * (cols / 2) + 2 * g + k++)] = b;
+          }
+      }
+    for (size_t t = 0; t < fwd.size(); ++t)
+      for (int c = 0; c < 4; ++c) {  // the first two kept rows of column c
+        int taken = 0;
+        for (int r = 0; r < 4 && taken < 2; ++r)
+          if (fwd[t] >> (4 * r + c) & 1u) {
+            bwd[t] |= uint16_t(1u << (4 * r + c));
+            ++taken;
+          }
+      }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        if (bwd[size_t((r / 4) * groups + c / 4)] >> (4 * (r % 4) + c % 4) & 1u)
+          w2[size_t(r * cols + c)] = w1[size_t(r * cols + c)];
+    const size_t n = w1.size() * 2, bytes = gpu::cusparselt24_layout_bytes(rows, cols);
+    Dev d1(n), d2(n), dk(n / 2), df(fwd.size() * 2), db(bwd.size() * 2);
+    Dev n_ref(bytes), t_ref(bytes), n_got(bytes), t_got(bytes);
+    CUDA_CHECK(cudaMemcpy(d1.p, w1.data(), n, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(d2.p, w2.data(), n, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dk.p, kept.data(), n / 2, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(df.p, fwd.data(), fwd.size() * 2, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(db.p, bwd.data(), bwd.size() * 2, cudaMemcpyHostToDevice));
+    for (const Dev* d : {&n_ref, &t_ref, &n_got, &t_got}) CUDA_CHECK(cudaMemset(d->p, 0xFF, bytes));
+    gpu::cusparselt24_compress(d1.as<gpu::bf16>(), rows, cols, n_ref.p, nullptr, nullptr);
+    gpu::cusparselt24_compress(d2.as<gpu::bf16>(), rows, cols, nullptr, t_ref.p, nullptr);
+    gpu::cusparselt24_compress_kept(dk.as<gpu::bf16>(), df.as<uint16_t>(), db.as<uint16_t>(), rows, cols, n_got.p,
+                                    t_got.p, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_TRUE(download(n_got, bytes) == download(n_ref, bytes))
+        << "W1's layout: " << diff_text(download(n_got, bytes), download(n_ref, bytes), n / 2);
+    EXPECT_TRUE(download(t_got, bytes) == download(t_ref, bytes))
+        << "W2^T's layout: " << diff_text(download(t_got, bytes), download(t_ref, bytes), n / 2);
+  }
+}
+
 TEST(CusparseltLayout, MatmulWithOwnBuffers) {
   if (!esplag::gpu_test::has_device()) GTEST_SKIP() << "no CUDA device";
   if (!gpu::cusparselt_available()) GTEST_SKIP() << gpu::cusparselt_unavailable_reason();

@@ -1530,8 +1530,14 @@ void GpuTransformer::prepare_sparse() {
     im.layer = layer_of(name);
     im.mark(stream_, "sparse prepare (2:4 prune + compress)", 0, im.tracing() ? module_of(name) + ".sparsify" : "");
     if (sp->kind() == gpu::SparseLinearKind::slope) {
-      im.expand_w1(*find_linear(im, name), stream_);
-      sp->prepare(stream_, k < im.refreshing.size() && im.refreshing[k++]);
+      // From the stored kept values in one pass; a refresh (or the library's layouts)
+      // needs the dense W1.
+      const Impl::Lin& lin = *find_linear(im, name);
+      const bool refresh = k < im.refreshing.size() && im.refreshing[k++];
+      if (refresh || !sp->prepare_from_kept(lin.w, stream_)) {
+        im.expand_w1(lin, stream_);
+        sp->prepare(stream_, refresh);
+      }
     } else {
       sp->prepare(stream_);
     }

@@ -55,31 +55,81 @@ __host__ __device__ inline int64_t meta_offset(int64_t r, int64_t g, int64_t k, 
 // 16-row block, which share the metadata bytes) over 32 columns: 2×16 values (two 32-byte
 // runs) and one 8-byte metadata store.
 //
-// With Prune, the staged tile is first pruned in place with the transposable greedy mask
-// of each of its 4×4 tiles (gpu::transposable_24's rule and bits: sparsify_device.h), and
-// the pruned tile is written to `pruned` when that is not null: the runtime 2:4 of a
-// weight and both its compressed copies in one read of W.
-template <bool Prune>
+// The expansion of one group of 4 of a row-wise 2:4 weight from its two kept values (the
+// word x0 | x1 << 16) and its nibble (bit j = position j kept): element j in bits 16j.
+__device__ inline uint64_t expand_group(uint32_t kept, unsigned nibble) {
+  uint64_t v = 0;
+  int k = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    if ((nibble >> j) & 1u && k < 2) v |= uint64_t((kept >> (16 * k++)) & 0xFFFFu) << (16 * j);
+  return v;
+}
+
+// The elements of a group whose nibble bit is clear zeroed.
+__device__ inline uint64_t mask_group(uint64_t v, unsigned nibble) {
+  uint64_t keep = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    if ((nibble >> j) & 1u) keep |= uint64_t(0xFFFFu) << (16 * j);
+  return v & keep;
+}
+
+enum class Source { dense, dense_pruned, kept };
+
+// With Source::dense_pruned, the staged tile is first pruned in place with the
+// transposable greedy mask of each of its 4×4 tiles (gpu::transposable_24's rule and bits:
+// sparsify_device.h), and the pruned tile is written to `pruned` when that is not null:
+// the runtime 2:4 of a weight and both its compressed copies in one read of W.
+//
+// With Source::kept, w holds a row-wise 2:4 weight W1's kept values [rows, cols/2] and the
+// masks come as 4×4 tile bits ([rows/4, cols/4]): W1 (fwd_tiles) is staged for the layout
+// of op N, W2 = W1 ⊙ bwd_tiles in a second tile for the layout of op T (slope's two
+// compressed copies from its stored kept values).
+template <Source From>
 __global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t rows, int64_t cols,
                                        uint8_t* __restrict__ dst_n, uint8_t* __restrict__ dst_t,
-                                       uint16_t* __restrict__ pruned) {
+                                       uint16_t* __restrict__ pruned, const uint16_t* __restrict__ fwd_tiles,
+                                       const uint16_t* __restrict__ bwd_tiles) {
   constexpr int kStride = kTile + 2;  // odd word stride: column reads hit distinct banks
   constexpr int kWordStride = kStride / 2;
+  constexpr bool kKept = From == Source::kept;
   __shared__ __align__(16) uint16_t tile[kTile * kStride];
+  __shared__ __align__(16) uint16_t tile2[kKept ? kTile * kStride : 2];
   // Pairs of columns as words (every even column starts a 4-byte aligned word).
   uint32_t* const words = reinterpret_cast<uint32_t*>(tile);
   const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
-  for (int i = threadIdx.x; i < kTile * kTile / 8; i += blockDim.x) {
-    const int r = i / (kTile / 8), c8 = i % (kTile / 8);
-    const uint4 v = *reinterpret_cast<const uint4*>(w + (r0 + r) * cols + c0 + c8 * 8);
-    uint32_t* row = words + r * kWordStride + c8 * 4;  // a warp's 32 stores hit 32 banks
-    row[0] = v.x;
-    row[1] = v.y;
-    row[2] = v.z;
-    row[3] = v.w;
+  if constexpr (kKept) {
+    uint32_t* const words2 = reinterpret_cast<uint32_t*>(tile2);
+    const int64_t groups = cols / 4;
+    for (int i = threadIdx.x; i < kTile * kTile / 4; i += blockDim.x) {
+      const int r = i / (kTile / 4), g = i % (kTile / 4);  // a group of 4 of the tile's row r
+      const int64_t gr = r0 + r, gg = c0 / 4 + g;
+      const uint32_t kept = *reinterpret_cast<const uint32_t*>(w + gr * (cols / 2) + 2 * gg);
+      const int shift = int(gr % 4) * 4;
+      const unsigned f = (fwd_tiles[(gr / 4) * groups + gg] >> shift) & 15u;
+      const unsigned b = (bwd_tiles[(gr / 4) * groups + gg] >> shift) & 15u;
+      const uint64_t w1 = expand_group(kept, f), w2 = mask_group(w1, b);
+      uint32_t* at = words + r * kWordStride + 2 * g;
+      at[0] = uint32_t(w1);
+      at[1] = uint32_t(w1 >> 32);
+      uint32_t* at2 = words2 + r * kWordStride + 2 * g;
+      at2[0] = uint32_t(w2);
+      at2[1] = uint32_t(w2 >> 32);
+    }
+  } else {
+    for (int i = threadIdx.x; i < kTile * kTile / 8; i += blockDim.x) {
+      const int r = i / (kTile / 8), c8 = i % (kTile / 8);
+      const uint4 v = *reinterpret_cast<const uint4*>(w + (r0 + r) * cols + c0 + c8 * 8);
+      uint32_t* row = words + r * kWordStride + c8 * 4;  // a warp's 32 stores hit 32 banks
+      row[0] = v.x;
+      row[1] = v.y;
+      row[2] = v.z;
+      row[3] = v.w;
+    }
   }
   __syncthreads();
-  if constexpr (Prune) {
+  if constexpr (From == Source::dense_pruned) {
     using namespace sparsify_detail;
     for (int t = threadIdx.x; t < (kTile / 4) * (kTile / 4); t += blockDim.x) {
       const int tr = t / (kTile / 4), tc = t % (kTile / 4);
@@ -104,6 +154,7 @@ __global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t r
   const bool transposed = threadIdx.x >= 64;
   uint8_t* dst = transposed ? dst_t : dst_n;
   if (!dst) return;
+  const uint16_t* const staged = kKept && transposed ? tile2 : tile;
   const int item = threadIdx.x % 64;  // (sub-block s, 32-column chunk ch, row a)
   const int a = item % 8, ch = (item / 8) % 2, s = item / 16;
   const int64_t M = transposed ? cols : rows, K = transposed ? rows : cols;
@@ -121,7 +172,7 @@ __global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t r
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int lk = ch * 32 + g * 4 + j;  // tile-local column of op(W)
-        v |= uint64_t(transposed ? tile[lk * kStride + lr] : tile[lr * kStride + lk]) << (16 * j);
+        v |= uint64_t(transposed ? staged[lk * kStride + lr] : staged[lr * kStride + lk]) << (16 * j);
       }
       uint16_t x0, x1;
       nibs |= uint64_t(pick_group(v, &x0, &x1)) << (32 * half + 4 * g);
@@ -190,9 +241,9 @@ void cusparselt24_compress(const bf16* w, int64_t rows, int64_t cols, void* dst_
   for (const void* p : {static_cast<const void*>(w), static_cast<const void*>(dst_n), static_cast<const void*>(dst_t)})
     ESPLAG_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "cusparselt24_compress: pointers must be 16-byte aligned");
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
-  compress_layout_kernel<false><<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols,
-                                                           static_cast<uint8_t*>(dst_n), static_cast<uint8_t*>(dst_t),
-                                                           nullptr);
+  compress_layout_kernel<Source::dense><<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols,
+                                                                   static_cast<uint8_t*>(dst_n),
+                                                                   static_cast<uint8_t*>(dst_t), nullptr, nullptr, nullptr);
   CUDA_CHECK_LAUNCH("compress_layout_kernel");
 }
 
@@ -205,10 +256,25 @@ void cusparselt24_prune_compress(const bf16* w, int64_t rows, int64_t cols, bf16
     ESPLAG_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0,
                  "cusparselt24_prune_compress: pointers must be 16-byte aligned");
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
-  compress_layout_kernel<true><<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols,
-                                                          static_cast<uint8_t*>(dst_n), static_cast<uint8_t*>(dst_t),
-                                                          reinterpret_cast<uint16_t*>(pruned));
+  compress_layout_kernel<Source::dense_pruned><<<grid, 128, 0, stream>>>(
+      reinterpret_cast<const uint16_t*>(w), rows, cols, static_cast<uint8_t*>(dst_n), static_cast<uint8_t*>(dst_t),
+      reinterpret_cast<uint16_t*>(pruned), nullptr, nullptr);
   CUDA_CHECK_LAUNCH("compress_layout_kernel (pruning)");
+}
+
+void cusparselt24_compress_kept(const bf16* values, const uint16_t* forward_tiles, const uint16_t* backward_tiles,
+                                int64_t rows, int64_t cols, void* dst_n, void* dst_t, cudaStream_t stream) {
+  check_shape("cusparselt24_compress_kept", rows, cols);
+  if (!dst_n && !dst_t) return;
+  ESPLAG_CHECK(values && forward_tiles && backward_tiles, "cusparselt24_compress_kept: null input");
+  ESPLAG_CHECK(reinterpret_cast<uintptr_t>(values) % 4 == 0 && reinterpret_cast<uintptr_t>(dst_n) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(dst_t) % 16 == 0,
+               "cusparselt24_compress_kept: values must be 4-byte aligned, the layouts 16-byte aligned");
+  const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
+  compress_layout_kernel<Source::kept><<<grid, 128, 0, stream>>>(
+      reinterpret_cast<const uint16_t*>(values), rows, cols, static_cast<uint8_t*>(dst_n),
+      static_cast<uint8_t*>(dst_t), nullptr, forward_tiles, backward_tiles);
+  CUDA_CHECK_LAUNCH("compress_layout_kernel (kept values)");
 }
 
 namespace {

@@ -77,6 +77,15 @@ void cusparselt24_compress(const bf16* w, int64_t rows, int64_t cols, void* dst_
 // (gpu::transposable_24's, bit for bit): pruned (may be null) = that pruned W [rows, cols],
 // dst_n / dst_t (may be null) = its layouts. One read of W instead of a pruning pass and a
 // compression pass over the pruned copy (semi_sparse's per-step preparation).
+// The same for slope's stored form: W1 [rows, cols] given by its kept values [rows, cols/2]
+// (bf16, 4-byte aligned; sparse/cuda/kept_values.h's order) and its row-wise 2:4 forward
+// mask as 4×4 tile bits [rows/4, cols/4]: dst_n (may be null) = the layout of W1, dst_t
+// (may be null) = the layout of W2ᵀ, W2 = W1 ⊙ backward_tiles (same form, W's
+// orientation). Byte for byte what cusparselt24_compress writes from the dense W1 and W2,
+// in one read of the kept values and masks.
+void cusparselt24_compress_kept(const bf16* values, const uint16_t* forward_tiles, const uint16_t* backward_tiles,
+                                int64_t rows, int64_t cols, void* dst_n, void* dst_t, cudaStream_t stream);
+
 void cusparselt24_prune_compress(const bf16* w, int64_t rows, int64_t cols, bf16* pruned, void* dst_n, void* dst_t,
                                  cudaStream_t stream);
 

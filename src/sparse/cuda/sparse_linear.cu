@@ -370,6 +370,15 @@ void SparseLinear::prepare(cudaStream_t s, bool refresh_backward_mask) {
   }
 }
 
+bool SparseLinear::prepare_from_kept(const bf16* kept_values, cudaStream_t s) {
+  Impl& m = *impl_;
+  ESPLAG_CHECK(m.kind == SparseLinearKind::slope, "SparseLinear ", m.name, ": kept values are slope's stored form");
+  if (!m.sparse || !m.own_fwd || !m.own_bwd || reinterpret_cast<uintptr_t>(kept_values) % 4 != 0) return false;
+  cusparselt24_compress_kept(kept_values, m.tile_mask.u16(), m.bwd_tile_mask.u16(), m.out, m.in, m.c_fwd.get(),
+                             m.c_bwd.get(), s);
+  return true;
+}
+
 const bf16* SparseLinear::refill_backward_weight_t(cudaStream_t s) {
   Impl& m = *impl_;
   ESPLAG_CHECK(m.kind == SparseLinearKind::slope && m.sparse, "SparseLinear ", m.name,

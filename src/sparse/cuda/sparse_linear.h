@@ -132,6 +132,14 @@ class SparseLinear {
   // refresh_backward_mask matters to slope only.
   void prepare(cudaStream_t stream, bool refresh_backward_mask = true);
 
+  // slope: prepare(stream, false) from W1's kept values [out, in/2] (bf16, 4-byte aligned,
+  // sparse/cuda/kept_values.h's order: the form GpuTransformer stores a slope weight in)
+  // instead of the dense weight: both compressed copies in one pass over the kept values
+  // and the masks (cusparselt24_compress_kept). Only where our writer serves both products
+  // (own_layout_forward() and own_layout_backward()); returns false and does nothing
+  // elsewhere (the caller then runs prepare() on the dense W1).
+  bool prepare_from_kept(const bf16* kept_values, cudaStream_t stream);
+
   // Per-layer dispatch (semi_sparse with cuSPARSELt only, else Error): with dense products
   // on, prepare() only prunes (Ws, one pass) and the forward and input-gradient products
   // multiply Ws on cuBLASLt: the same function, for shapes where the 2:4 products and
