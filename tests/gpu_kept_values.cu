@@ -82,6 +82,9 @@ TEST_F(GpuKeptValues, GatherAndScatterMatchTheCompressedForm) {
     float* values = poisoned<float>(k);
     gpu::gather_kept_24(values, dw, tiles, rows, cols, false, nullptr);
     EXPECT_TRUE(same_bits(download(values, k), ref.values)) << "fp32 gather";
+    float* odd = poisoned<float>(k + 1) + 1;  // not 8-byte aligned: the scalar kernel
+    gpu::gather_kept_24(odd, dw, tiles, rows, cols, false, nullptr);
+    EXPECT_TRUE(same_bits(download(odd, k), ref.values)) << "fp32 gather, unaligned values";
     const VF before = random_f32(k, seed++);
     CUDA_CHECK(cudaMemcpy(values, before.data(), sizeof(float) * k, cudaMemcpyHostToDevice));
     gpu::gather_kept_24(values, dw, tiles, rows, cols, true, nullptr);
