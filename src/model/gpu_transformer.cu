@@ -867,11 +867,11 @@ void GpuTransformer::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_));
 // values in the second part of the region.
 
 struct GpuTransformer::Transfer {
-  // Elements [o, o + n) of flat tensor k, dense fp32 in `stage` (device): store_tensors
-  // has them written there, load_tensors hands them over.
+  // Elements [o, o + n) of flat tensor k, dense fp32 in `stage` (device): written there
+  // (into the storage layout) or handed over (out of it).
   std::function<void(size_t k, size_t o, size_t n, float* stage)> dense;
-  // n values of the storage layout at offset `at`: store_tensors writes them from `buf`,
-  // load_tensors reads them into `buf` (device fp32).
+  // n values of the storage layout at offset `at`: written from `buf` (into the storage
+  // layout) or read into `buf` (out of it), device fp32.
   std::function<void(size_t at, float* buf, size_t n)> stored;
 };
 
@@ -889,31 +889,7 @@ size_t transfer_chunk(const ParamInfo& info, bool kept, size_t stage_floats) {
 
 }  // namespace
 
-void GpuTransformer::store_tensors(const Transfer& t) {
-  Impl& im = *impl_;
-  float* stage = reinterpret_cast<float*>(im.shared);
-  const size_t floats = im.sizes.total / sizeof(float);
-  for (size_t k = 0; k < infos_.size(); ++k) {
-    const ParamInfo& info = infos_[k];
-    const size_t at = im.stored[k].offset;
-    const bool kept = im.stored[k].numel != info.numel;
-    const size_t chunk = transfer_chunk(info, kept, floats);
-    for (size_t o = 0; o < info.numel; o += chunk) {
-      const size_t n = std::min(chunk, info.numel - o);
-      t.dense(k, o, n, stage);
-      if (!kept) {
-        t.stored(at + o, stage, n);
-        continue;
-      }
-      const int64_t cols = info.shape.at(1), row0 = int64_t(o) / cols;
-      const uint16_t* tiles = im.sparse.at(info.name)->forward_tile_mask() + (row0 / 4) * (cols / 4);
-      gpu::gather_kept_24(stage + n, stage, tiles, int64_t(n) / cols, cols, false, stream_);
-      t.stored(at + o / 2, stage + n, n / 2);
-    }
-  }
-}
-
-void GpuTransformer::load_tensors(const Transfer& t) const {
+void GpuTransformer::transfer(const Transfer& t, bool to_store) const {
   const Impl& im = *impl_;
   float* stage = reinterpret_cast<float*>(im.shared);
   const size_t floats = im.sizes.total / sizeof(float);
@@ -924,15 +900,17 @@ void GpuTransformer::load_tensors(const Transfer& t) const {
     const size_t chunk = transfer_chunk(info, kept, floats);
     for (size_t o = 0; o < info.numel; o += chunk) {
       const size_t n = std::min(chunk, info.numel - o);
-      if (kept) {
-        const int64_t cols = info.shape.at(1), row0 = int64_t(o) / cols;
-        const uint16_t* tiles = im.sparse.at(info.name)->forward_tile_mask() + (row0 / 4) * (cols / 4);
-        t.stored(at + o / 2, stage + n, n / 2);
-        gpu::scatter_kept_24(stage, stage + n, tiles, int64_t(n) / cols, cols, stream_);
-      } else {
+      if (to_store) t.dense(k, o, n, stage);
+      if (!kept) {
         t.stored(at + o, stage, n);
+      } else {  // the kept values in the stage after the dense chunk
+        const int64_t cols = info.shape.at(1), row0 = int64_t(o) / cols, rows = int64_t(n) / cols;
+        const uint16_t* tiles = im.sparse.at(info.name)->forward_tile_mask() + (row0 / 4) * (cols / 4);
+        if (to_store) gpu::gather_kept_24(stage + n, stage, tiles, rows, cols, false, stream_);
+        t.stored(at + o / 2, stage + n, n / 2);
+        if (!to_store) gpu::scatter_kept_24(stage, stage + n, tiles, rows, cols, stream_);
       }
-      t.dense(k, o, n, stage);
+      if (!to_store) t.dense(k, o, n, stage);
     }
   }
 }
@@ -941,13 +919,14 @@ void GpuTransformer::set_params(const float* host, size_t n) {
   ESPLAG_CHECK(n == nparams_, "GpuTransformer::set_params: got ", n, " values, the model has ", nparams_,
                " parameters");
   Impl& im = *impl_;
-  store_tensors({[&](size_t k, size_t o, size_t cnt, float* stage) {
+  transfer({[&](size_t k, size_t o, size_t cnt, float* stage) {
                    CUDA_CHECK(cudaMemcpyAsync(stage, host + infos_[k].offset + o, sizeof(float) * cnt,
                                               cudaMemcpyHostToDevice, stream_));
                  },
                  [&](size_t at, float* buf, size_t cnt) {
                    gpu::master_split(im.w + at, im.w_lo + at, buf, int64_t(cnt), stream_);
-                 }});
+                 }},
+           true);
   refresh_head_copy();
   prepare_sparse();
   synchronize();
@@ -985,16 +964,17 @@ std::function<void(size_t, size_t, size_t, float*)> from_host(const float* h, co
 std::vector<float> GpuTransformer::params_to_host() const {
   const Impl& im = *impl_;
   std::vector<float> h(nparams_);
-  load_tensors({to_host(h, infos_, stream_), [&](size_t at, float* buf, size_t n) {
+  transfer({to_host(h, infos_, stream_), [&](size_t at, float* buf, size_t n) {
                   gpu::master_join(buf, im.w + at, im.w_lo + at, int64_t(n), stream_);
-                }});
+                }},
+           false);
   return h;
 }
 
 std::vector<float> GpuTransformer::grads_to_host() const {
   settle_zero_grad();
   std::vector<float> h(nparams_);
-  load_tensors({to_host(h, infos_, stream_), copy_stored(impl_->grad, false, stream_)});
+  transfer({to_host(h, infos_, stream_), copy_stored(impl_->grad, false, stream_)}, false);
   return h;
 }
 
@@ -1002,8 +982,8 @@ void GpuTransformer::set_optimizer_state(const float* m, const float* v, size_t 
   ESPLAG_CHECK(n == nparams_, "GpuTransformer::set_optimizer_state: got ", n, " moments, the model has ", nparams_,
                " parameters");
   ESPLAG_CHECK(steps >= 0, "GpuTransformer::set_optimizer_state: negative step count ", steps);
-  store_tensors({from_host(m, infos_, stream_), copy_stored(impl_->m, true, stream_)});
-  store_tensors({from_host(v, infos_, stream_), copy_stored(impl_->v, true, stream_)});
+  transfer({from_host(m, infos_, stream_), copy_stored(impl_->m, true, stream_)}, true);
+  transfer({from_host(v, infos_, stream_), copy_stored(impl_->v, true, stream_)}, true);
   synchronize();
   step_ = steps;
 }
@@ -1011,14 +991,14 @@ void GpuTransformer::set_optimizer_state(const float* m, const float* v, size_t 
 void GpuTransformer::optimizer_state_to_host(std::vector<float>& m, std::vector<float>& v) const {
   m.assign(nparams_, 0.f);
   v.assign(nparams_, 0.f);
-  load_tensors({to_host(m, infos_, stream_), copy_stored(impl_->m, false, stream_)});
-  load_tensors({to_host(v, infos_, stream_), copy_stored(impl_->v, false, stream_)});
+  transfer({to_host(m, infos_, stream_), copy_stored(impl_->m, false, stream_)}, false);
+  transfer({to_host(v, infos_, stream_), copy_stored(impl_->v, false, stream_)}, false);
 }
 
 void GpuTransformer::init_weights(uint64_t seed) {
   Impl& im = *impl_;
   const double residual_scale = 1.0 / std::sqrt(2.0 * cfg_.n_layer);
-  store_tensors({[&](size_t k, size_t o, size_t cnt, float* stage) {
+  transfer({[&](size_t k, size_t o, size_t cnt, float* stage) {
                    const ParamInfo& info = infos_[k];
                    const bool is_norm = info.name.find("norm") != std::string::npos;
                    const bool bias = ends_with(info.name, ".bias");
@@ -1036,7 +1016,8 @@ void GpuTransformer::init_weights(uint64_t seed) {
                  },
                  [&](size_t at, float* buf, size_t n) {
                    gpu::master_split(im.w + at, im.w_lo + at, buf, int64_t(n), stream_);
-                 }});
+                 }},
+           true);
   refresh_head_copy();
   prepare_sparse();
   synchronize();

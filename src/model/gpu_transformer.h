@@ -235,30 +235,27 @@ class GpuTransformer {
   // all outside the arena (sparse_device_bytes).
   //
   // slope (model/linear_slope.h's SLoPe): the forward mask is the row-wise 2:4 of W when
-  // the layer becomes slope, and never changes; W becomes W1 = W ⊙ that mask. The forward
-  // is the 2:4 GEMM of W1, dX the 2:4 GEMM of W2 = W1 pruned again 2:4 down each column
-  // (the backward mask, chosen again from W1 every mask_change_freq steps as
-  // SlopeLinear::on_step_begin does; <= 0: never); dW is the dense GEMM, and AdamW's pass
-  // drops its pruned positions first, so the gradient norm, the moments and the update are
-  // those of the kept values (the CPU's sparse AdamW over "<weight>.values": W1 keeps its
-  // zeros, m and v stay 0 there). The moments start from zero when a layer becomes or stops
-  // being slope. Updates equal the CPU's. Each layer holds its two compressed copies and
-  // both masks (2.5 bytes per weight) besides its 8 bytes of state per kept value (4 per
-  // weight); all slope layers share one scratch of 10 bytes per weight of the largest
-  // (W1 expanded, W2 and W2ᵀ, the dense fp32 dW).
-  // Another micro-batch size runs the dense products of W1 and of W2 (made again for the
-  // product). Masks are chosen from the bf16 weights; the CPU ranks fp32 values, so near
-  // ties may differ: `slope_masks` (slope_state's form; its mask_change_freq is ignored)
-  // gives the layer masks chosen elsewhere (the CPU's, a checkpoint's) instead, also to a
-  // layer that is slope already (its values outside the new forward mask are dropped);
-  // masks that are not 2:4 as slope_state says (the forward one keeping exactly 2 of every
-  // 4 along each row) throw Error naming the layer and the first bad tile. No low-rank
-  // adapters.
-  // Its weight is stored as W1's kept values: master, gradient (the dense dW GEMM writes a
-  // scratch of the largest layer's size, whose kept positions are then gathered) and
-  // moments take [out, in/2] each, and the flat gradient norm and AdamW pass over them is
-  // the CPU's sparse AdamW. Before each preparation (and a product at another micro-batch
-  // size) W1 is expanded into a dense scratch shared by the slope layers.
+  // the layer becomes slope, and never changes; the weight is W1 = W ⊙ that mask, stored
+  // as its kept values only: master, gradient and moments take [out, in/2] each
+  // (sparse/cuda/kept_values.h), so the gradient norm and AdamW over the stored state are
+  // the CPU's sparse AdamW over "<weight>.values". The forward is the 2:4 GEMM of W1, dX
+  // the 2:4 GEMM of W2 = W1 pruned again 2:4 down each column (the backward mask, chosen
+  // again from W1 every mask_change_freq steps as SlopeLinear::on_step_begin does; <= 0:
+  // never); dW is the dense GEMM into a scratch, whose kept positions are gathered into the
+  // stored gradient. After each AdamW step both compressed copies are written from the
+  // kept values in one pass (W1 is expanded into a dense scratch for a refresh, for a
+  // product at another micro-batch size, which runs the dense products of W1 and of W2,
+  // and where cuSPARSELt's layout is not our writer's). The moments start from zero when a
+  // layer becomes or stops being slope. Updates equal the CPU's. Each layer holds 8 bytes
+  // of state per kept value (4 per weight), its two compressed copies and both masks (2.5
+  // bytes per weight); all slope layers share one scratch of 10 bytes per weight of the
+  // largest (W1 expanded, W2 and W2ᵀ, the fp32 dW). Masks are chosen from the bf16
+  // weights; the CPU ranks fp32 values, so near ties may differ: `slope_masks`
+  // (slope_state's form; its mask_change_freq is ignored) gives the layer masks chosen
+  // elsewhere (the CPU's, a checkpoint's) instead, also to a layer that is slope already
+  // (its values outside the new forward mask are dropped); masks that are not 2:4 as
+  // slope_state says (the forward one keeping exactly 2 of every 4 along each row) throw
+  // Error naming the layer and the first bad tile. No low-rank adapters.
   //
   // A kind change that makes layers become or stop being slope (or gives a slope layer new
   // masks) lays the parameter state out again: weights and moments go to the host and come
@@ -340,10 +337,10 @@ class GpuTransformer {
   void prepare_sparse();
   // The parameter state laid out again for the current set of slope layers (zeroed).
   void lay_out_state();
-  // Dense fp32 tensors [o, o + n) of the flat layout to and from the storage layout.
+  // Every tensor, chunk by chunk, from the flat layout into the storage layout (to_store)
+  // or back, through the shared scratch region.
   struct Transfer;
-  void store_tensors(const Transfer& t);
-  void load_tensors(const Transfer& t) const;
+  void transfer(const Transfer& t, bool to_store) const;
   // The padded bf16 head weight follows set_params and init_weights (AdamW writes it too).
   void refresh_head_copy();
 
