@@ -1382,7 +1382,8 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       mark("bias grad");
       gpu::column_sum_add(lin.db, dout, N, OC, im.colsum_scratch, im.colsum_scratch_bytes, s);
     }
-    mark("slope grad gather");
+    // Traced as part of the Linear's backward ("blocks.3.mlp.fc.bwd.dw.gather").
+    im.mark(s, "slope grad gather", 0, im.tracing() ? op_trace_name(name, im.layer) + ".gather" : "");
     gpu::gather_kept_24(lin.dw, im.slope_dw, lin.sp->forward_tile_mask(), OC, K, acc, s);
   };
 
