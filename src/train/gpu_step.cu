@@ -13,6 +13,7 @@
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "core/parallel.h"
 #include "model/gpu_transformer.h"
 #include "model/linear_kinds.h"
 #include "model/linear_slope.h"
@@ -210,16 +211,32 @@ class GpuStep final : public StepBackend {
     model_.optimizer_state_to_host(mf, vf);
     m_.clear();
     v_.clear();
+    struct SlopeJob {
+      SlopeLinear<float>* layer;
+      const ParamInfo* info;
+      GpuTransformer::SlopeState state;
+      std::vector<float>*m, *v;
+    };
+    std::vector<SlopeJob> slope;
     for (const auto& info : host_.param_infos()) {
       if (SlopeLinear<float>* sl = is_linear_weight(info.name) ? host_slope(host_, info.name) : nullptr) {
         const std::string values = info.name + ".values";
-        slope_to_host(*sl, info.name, model_.slope_state(info.name), p.data() + info.offset, mf.data() + info.offset,
-                      vf.data() + info.offset, m_[values], v_[values]);
+        slope.push_back({sl, &info, model_.slope_state(info.name), &m_[values], &v_[values]});
         continue;
       }
       m_[info.name].assign(mf.begin() + info.offset, mf.begin() + info.offset + info.numel);
       v_[info.name].assign(vf.begin() + info.offset, vf.begin() + info.offset + info.numel);
     }
+    // Layers in parallel (their conversions are mostly single-threaded loops): each job
+    // touches only its own layer, its slice of the host's flat weight and its own moment
+    // vectors (created above); parallel_for runs the layers' own parallel loops inline.
+    parallel_for(int64_t(slope.size()), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const SlopeJob& j = slope[size_t(i)];
+        const size_t at = j.info->offset;
+        slope_to_host(*j.layer, j.info->name, j.state, p.data() + at, mf.data() + at, vf.data() + at, *j.m, *j.v);
+      }
+    });
     return {m_, v_};
   }
 
