@@ -2,8 +2,11 @@
 
 #include <atomic>
 #include <cmath>
+#include <string>
+#include <vector>
 
 #include "core/dtype.h"
+#include "core/error.h"
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "core/tensor.h"
@@ -91,6 +94,27 @@ TEST(Parallel, CoversEveryIndexOnce) {
       parallel_for(100, [&](int64_t b2, int64_t e2) { total += static_cast<int>(e2 - b2); });
   });
   EXPECT_EQ(total.load(), 800);
+}
+
+// Every task runs even when some throw; the lowest index's exception comes back.
+TEST(Parallel, TasksRethrowTheLowestFailure) {
+  const int original = num_threads();
+  set_num_threads(4);
+  std::vector<std::atomic<int>> ran(9);
+  try {
+    parallel_tasks(9, [&](int64_t i) {
+      ran[size_t(i)]++;
+      if (i == 7 || i == 3) throw esplag::Error("task " + std::to_string(i));
+    });
+    ADD_FAILURE() << "no exception";
+  } catch (const esplag::Error& e) {
+    EXPECT_STREQ(e.what(), "task 3");
+  }
+  for (auto& r : ran) EXPECT_EQ(r.load(), 1);
+  std::atomic<int> sum{0};
+  parallel_tasks(5, [&](int64_t i) { sum += static_cast<int>(i); });
+  EXPECT_EQ(sum.load(), 10);
+  set_num_threads(original);
 }
 
 TEST(Parallel, ResizingAfterARunIsSafe) {

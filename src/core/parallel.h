@@ -16,4 +16,9 @@ void set_num_threads(int n);
 // (below `grain`) or when called from inside a worker.
 void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn, int64_t grain = 1);
 
+// Runs task(i) for every i in [0, n) over the pool (parallel_for's chunks, each in
+// order), for a few large independent jobs whose code may throw: an exception never
+// leaves a worker; after all tasks ran, the one of the lowest i that threw is rethrown.
+void parallel_tasks(int64_t n, const std::function<void(int64_t)>& task);
+
 }  // namespace esplag

@@ -229,13 +229,11 @@ class GpuStep final : public StepBackend {
     }
     // Layers in parallel (their conversions are mostly single-threaded loops): each job
     // touches only its own layer, its slice of the host's flat weight and its own moment
-    // vectors (created above); parallel_for runs the layers' own parallel loops inline.
-    parallel_for(int64_t(slope.size()), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const SlopeJob& j = slope[size_t(i)];
-        const size_t at = j.info->offset;
-        slope_to_host(*j.layer, j.info->name, j.state, p.data() + at, mf.data() + at, vf.data() + at, *j.m, *j.v);
-      }
+    // vectors (created above); the layers' own parallel loops run inline.
+    parallel_tasks(int64_t(slope.size()), [&](int64_t i) {
+      const SlopeJob& j = slope[size_t(i)];
+      const size_t at = j.info->offset;
+      slope_to_host(*j.layer, j.info->name, j.state, p.data() + at, mf.data() + at, vf.data() + at, *j.m, *j.v);
     });
     return {m_, v_};
   }
