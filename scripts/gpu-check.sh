@@ -116,8 +116,8 @@ if ((status == 0)) && ((bench)); then
   }
   for spec in "gpt2-124m 16 1024" "gpt2-350m 8 1024" "llama-1b 4 2048"; do
     set -- $spec
-    run_bench train train --device cuda --model "$1" --batch "$2" --seq "$3" --steps 10 --warmup 3
-    # every block Linear semi_sparse (runtime 2:4, per-layer dispatch), then slope: the dense row's twins
+    # every block Linear semi_sparse (runtime 2:4, per-layer dispatch), then slope, each
+    # after its dense baseline in the same process (two rows per run, and their ratios)
     run_bench train train --device cuda --model "$1" --batch "$2" --seq "$3" --steps 10 --warmup 3 --semi-sparse all
     run_bench train train --device cuda --model "$1" --batch "$2" --seq "$3" --steps 10 --warmup 3 --slope all
   done

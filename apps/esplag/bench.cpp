@@ -40,13 +40,15 @@ namespace {
 const char* kBenchUsage = R"(usage:
   esplag bench train --model PRESET [--device cpu|cuda] [--batch 4] [--seq 256] [--steps N]
                      [--warmup 1] [--vocab N] [--peak-tflops 989] [--csv FILE]
-                     [--semi-sparse all|REGEX [--always-sparse] | --slope all|REGEX]
+                     [--semi-sparse all|REGEX [--always-sparse] | --slope all|REGEX [--no-baseline]]
                      [--op-profile STEPS]
       cuda only: --semi-sparse makes the block linears whose weight names match semi_sparse
       (runtime transposable 2:4 on cuSPARSELt; each layer shape takes the 2:4 or the dense
       products of its pruned weight, whichever it measured faster, unless --always-sparse);
       --slope makes them slope (static row-wise 2:4, double-pruned backward refreshed every
-      100 steps, AdamW on the kept values; always the 2:4 products);
+      100 steps, AdamW on the kept values; always the 2:4 products); either first times the
+      dense model in the same process and prints the ratios (step time, tokens/s, the
+      model's device memory), unless --no-baseline;
       --op-profile times every op over STEPS more eager steps and prints where the time goes
   esplag bench gemm [--shapes default|OUTxINxTOKENS,...] [--products fwd,bwd] [--operand A|B]
                     [--no-search] [--tuning-cache FILE] [--warmup 10] [--iters 50] [--csv FILE]
@@ -258,7 +260,7 @@ int bench_train(const std::vector<std::string>& argv) {
   Args a(argv, "bench train",
          {"model", "device", "batch", "seq", "steps", "warmup", "vocab", "peak-tflops", "csv", "semi-sparse", "slope",
           "op-profile"},
-         {"always-sparse"});
+         {"always-sparse", "no-baseline"});
   const std::string device = a.get("device", "cpu");
   ESPLAG_CHECK(device == "cpu" || device == "cuda", "bench train: --device must be cpu or cuda, got '", device, "'");
   ModelConfig mc = model_preset(a.get("model", "tiny"));
@@ -268,8 +270,12 @@ int bench_train(const std::vector<std::string>& argv) {
   const int warmup = static_cast<int>(a.integer("warmup", device == "cuda" ? 3 : 1));
   ESPLAG_CHECK(steps > 0 && warmup >= 0, "bench train: --steps must be positive and --warmup not negative");
   ESPLAG_CHECK(device == "cuda" ||
-                   (!a.has("semi-sparse") && !a.has("slope") && !a.has("op-profile") && !a.has("always-sparse")),
-               "bench train: --semi-sparse, --slope, --always-sparse and --op-profile are for --device cuda");
+                   (!a.has("semi-sparse") && !a.has("slope") && !a.has("op-profile") && !a.has("always-sparse") &&
+                    !a.has("no-baseline")),
+               "bench train: --semi-sparse, --slope, --always-sparse, --no-baseline and --op-profile are for --device "
+               "cuda");
+  ESPLAG_CHECK(!a.has("no-baseline") || a.has("semi-sparse") || a.has("slope"),
+               "bench train: --no-baseline is for --semi-sparse or --slope (the baseline is the dense model)");
   ESPLAG_CHECK(!(a.has("semi-sparse") && a.has("slope")), "bench train: give --semi-sparse or --slope, not both");
   ESPLAG_CHECK(!(a.has("slope") && a.has("always-sparse")),
                "bench train: --always-sparse is for --semi-sparse (slope layers always run their 2:4 products)");
@@ -282,12 +288,17 @@ int bench_train(const std::vector<std::string>& argv) {
     ESPLAG_CHECK(op_steps >= 0, "bench train: --op-profile must not be negative");
     GpuModelOptions options;
     options.sparse_dispatch = !a.has("always-sparse");
-    const GpuBenchResult r =
-        bench_train_gpu(mc, B, T, steps, warmup, a.number("peak-tflops", kH100DenseBf16Tflops), options, op_steps,
-                        regex, kind);
-    std::cout << gpu_bench_table_header() << gpu_bench_table_row(r) << gpu_op_profile_table(r);
+    const double peak = a.number("peak-tflops", kH100DenseBf16Tflops);
+    std::vector<GpuBenchResult> runs;
+    // The dense baseline first, in this process (its model is gone before the sparse one).
+    if (!regex.empty() && !a.has("no-baseline")) runs.push_back(bench_train_gpu(mc, B, T, steps, warmup, peak, options));
+    runs.push_back(bench_train_gpu(mc, B, T, steps, warmup, peak, options, op_steps, regex, kind));
+    std::cout << gpu_bench_table_header();
+    for (const auto& r : runs) std::cout << gpu_bench_table_row(r);
+    if (runs.size() == 2) std::cout << gpu_bench_comparison(runs[0], runs[1]);
+    std::cout << gpu_op_profile_table(runs.back());
     if (a.has("csv"))  // its own columns: a CUDA CSV is not the CPU one
-      append_csv(a.get("csv"), gpu_bench_csv_header(), gpu_bench_csv_row(r));
+      for (const auto& r : runs) append_csv(a.get("csv"), gpu_bench_csv_header(), gpu_bench_csv_row(r));
     return 0;
 #else
     fail("bench train: --device cuda needs a build configured with the cuda preset");

@@ -166,6 +166,19 @@ std::string gpu_bench_table_header() {
   return buf;
 }
 
+std::string gpu_bench_comparison(const GpuBenchResult& dense, const GpuBenchResult& sparse) {
+  const double dense_bytes = double(dense.arena_peak_bytes + dense.sparse_bytes);
+  const double sparse_bytes = double(sparse.arena_peak_bytes + sparse.sparse_bytes);
+  char buf[400];
+  std::snprintf(buf, sizeof buf,
+                "%s vs dense (same process): step %.2f -> %.2f ms (%.3fx), %.0f -> %.0f tok/s (%.3fx), model memory "
+                "%.2f -> %.2f GiB (%.3fx; arena peak + 2:4 copies)\n",
+                sparse.linears.c_str(), dense.median_ms, sparse.median_ms, dense.median_ms / sparse.median_ms,
+                dense.tokens_per_s, sparse.tokens_per_s, sparse.tokens_per_s / dense.tokens_per_s,
+                dense_bytes / double(1 << 30), sparse_bytes / double(1 << 30), sparse_bytes / dense_bytes);
+  return buf;
+}
+
 std::string gpu_bench_table_row(const GpuBenchResult& r) {
   char buf[512];
   std::snprintf(buf, sizeof buf,

@@ -67,6 +67,11 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
                                int op_profile_steps = 0, const std::string& sparse_regex = "",
                                const std::string& sparse_kind = "semi_sparse");
 
+// One line comparing a sparse run with its dense baseline (same model and micro-batch,
+// timed in the same process): step time and tokens/s ratios, and the model's device
+// memory (arena peak + the sparse layers' bytes) as a fraction of the baseline's.
+std::string gpu_bench_comparison(const GpuBenchResult& dense, const GpuBenchResult& sparse);
+
 // One human-readable line per result, with a header, and a CSV header / row.
 std::string gpu_bench_table_header();
 std::string gpu_bench_table_row(const GpuBenchResult& r);
