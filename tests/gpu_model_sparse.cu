@@ -473,7 +473,8 @@ TEST_F(GpuModelSparse, SlopeStoresKeptValuesAndLayoutChangesKeepTheRest) {
   };
   const std::string w = "blocks.0.mlp.fc.weight", u = "blocks.1.attn.qkv.weight";
   auto info_of = [&](const std::string& name) {
-    return *std::find_if(gm.param_infos().begin(), gm.param_infos().end(), [&](const auto& i) { return i.name == name; });
+    return *std::find_if(gm.param_infos().begin(), gm.param_infos().end(),
+                         [&](const auto& i) { return i.name == name; });
   };
   // Tensor `name` of b equals a's, bit for bit (moments too unless zeroed, then 0; a slope
   // layer's weight pruned to `mask` when given).
@@ -498,10 +499,10 @@ TEST_F(GpuModelSparse, SlopeStoresKeptValuesAndLayoutChangesKeepTheRest) {
   EXPECT_NEAR(double(dense_bytes) - double(gm.state_bytes()), 16.0 * double(pruned), 65536.0)
       << "2 + 2 bytes of weight, 4 of gradient and 8 of moments per pruned position";
   const State s1 = state();
-  const auto mask_w = esplag::cpu::mask_from_tile_bits(gm.slope_state(w).forward_tiles, info_of(w).shape[0],
-                                                       info_of(w).shape[1]);
-  const auto mask_u = esplag::cpu::mask_from_tile_bits(gm.slope_state(u).forward_tiles, info_of(u).shape[0],
-                                                       info_of(u).shape[1]);
+  const auto mask_w =
+      esplag::cpu::mask_from_tile_bits(gm.slope_state(w).forward_tiles, info_of(w).shape[0], info_of(w).shape[1]);
+  const auto mask_u =
+      esplag::cpu::mask_from_tile_bits(gm.slope_state(u).forward_tiles, info_of(u).shape[0], info_of(u).shape[1]);
   for (const auto& info : gm.param_infos())
     if (info.name != w && info.name != u) expect_tensor(s0, s1, info.name, false, nullptr);
   expect_tensor(s0, s1, w, true, &mask_w);

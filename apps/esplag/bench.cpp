@@ -269,9 +269,8 @@ int bench_train(const std::vector<std::string>& argv) {
   const int steps = static_cast<int>(a.integer("steps", device == "cuda" ? 10 : 2));
   const int warmup = static_cast<int>(a.integer("warmup", device == "cuda" ? 3 : 1));
   ESPLAG_CHECK(steps > 0 && warmup >= 0, "bench train: --steps must be positive and --warmup not negative");
-  ESPLAG_CHECK(device == "cuda" ||
-                   (!a.has("semi-sparse") && !a.has("slope") && !a.has("op-profile") && !a.has("always-sparse") &&
-                    !a.has("no-baseline")),
+  ESPLAG_CHECK(device == "cuda" || (!a.has("semi-sparse") && !a.has("slope") && !a.has("op-profile") &&
+                                    !a.has("always-sparse") && !a.has("no-baseline")),
                "bench train: --semi-sparse, --slope, --always-sparse, --no-baseline and --op-profile are for --device "
                "cuda");
   ESPLAG_CHECK(!a.has("no-baseline") || a.has("semi-sparse") || a.has("slope"),
@@ -291,7 +290,8 @@ int bench_train(const std::vector<std::string>& argv) {
     const double peak = a.number("peak-tflops", kH100DenseBf16Tflops);
     std::vector<GpuBenchResult> runs;
     // The dense baseline first, in this process (its model is gone before the sparse one).
-    if (!regex.empty() && !a.has("no-baseline")) runs.push_back(bench_train_gpu(mc, B, T, steps, warmup, peak, options));
+    if (!regex.empty() && !a.has("no-baseline"))
+      runs.push_back(bench_train_gpu(mc, B, T, steps, warmup, peak, options));
     runs.push_back(bench_train_gpu(mc, B, T, steps, warmup, peak, options, op_steps, regex, kind));
     std::cout << gpu_bench_table_header();
     for (const auto& r : runs) std::cout << gpu_bench_table_row(r);

@@ -424,8 +424,8 @@ struct GpuTransformer::Impl {
   }
   // A slope layer's W1 [out, in] from its stored kept values, in slope_w1.
   const bf16* expand_w1(const Lin& lin, cudaStream_t s) {
-    gpu::scatter_kept_24(slope_w1, lin.w, lin.sp->forward_tile_mask(), lin.sp->out_features(),
-                         lin.sp->in_features(), s);
+    gpu::scatter_kept_24(slope_w1, lin.w, lin.sp->forward_tile_mask(), lin.sp->out_features(), lin.sp->in_features(),
+                         s);
     return slope_w1;
   }
   gpu::AdamWStepParams* adam_params = nullptr;  // device
@@ -515,7 +515,7 @@ namespace {
 // for counting (take.arena null) and for real (then also AdamW's chunk table and
 // zero_grad's table, the buffers in `im`).
 void lay_out_state_buffers(const ModelConfig& c, const std::vector<ParamInfo>& stored, GpuTransformer::Impl& im,
-                   GpuMemoryPlan& plan, Take take) {
+                           GpuMemoryPlan& plan, Take take) {
   const size_t n = stored.empty() ? 0 : stored.back().offset + stored.back().numel;
   const auto segments = segments_of(stored);
   const auto zeros = zero_table(c, stored);
@@ -754,8 +754,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
   CUDA_CHECK(cudaStreamCreate(&stream_));
 
   GpuMemoryPlan counted;
-  lay_out(cfg_, max_b_, max_t_, opt_, im, counted, Take{arena_.get(), nullptr}, &tokens_, &targets_, &loss_,
-          &norm_sq_);
+  lay_out(cfg_, max_b_, max_t_, opt_, im, counted, Take{arena_.get(), nullptr}, &tokens_, &targets_, &loss_, &norm_sq_);
   head_chunk_ = im.sizes.head_rows;
   im.gemm = std::make_unique<gpu::Gemm>(*arena_);
   im.gemm->set_use_epilogues(opt_.gemm_epilogues);
@@ -915,29 +914,12 @@ void GpuTransformer::transfer(const Transfer& t, bool to_store) const {
   }
 }
 
-void GpuTransformer::set_params(const float* host, size_t n) {
-  ESPLAG_CHECK(n == nparams_, "GpuTransformer::set_params: got ", n, " values, the model has ", nparams_,
-               " parameters");
-  Impl& im = *impl_;
-  transfer({[&](size_t k, size_t o, size_t cnt, float* stage) {
-                   CUDA_CHECK(cudaMemcpyAsync(stage, host + infos_[k].offset + o, sizeof(float) * cnt,
-                                              cudaMemcpyHostToDevice, stream_));
-                 },
-                 [&](size_t at, float* buf, size_t cnt) {
-                   gpu::master_split(im.w + at, im.w_lo + at, buf, int64_t(cnt), stream_);
-                 }},
-           true);
-  refresh_head_copy();
-  prepare_sparse();
-  synchronize();
-}
-
 namespace {
 
 // A Transfer::dense that copies the chunk into the host flat vector h (and waits: the
 // stage is reused by the next chunk).
-std::function<void(size_t, size_t, size_t, float*)> to_host(std::vector<float>& h,
-                                                            const std::vector<ParamInfo>& infos, cudaStream_t s) {
+std::function<void(size_t, size_t, size_t, float*)> to_host(std::vector<float>& h, const std::vector<ParamInfo>& infos,
+                                                            cudaStream_t s) {
   return [&h, &infos, s](size_t k, size_t o, size_t n, float* stage) {
     CUDA_CHECK(cudaMemcpyAsync(h.data() + infos[k].offset + o, stage, sizeof(float) * n, cudaMemcpyDeviceToHost, s));
     CUDA_CHECK(cudaStreamSynchronize(s));
@@ -959,15 +941,30 @@ std::function<void(size_t, size_t, size_t, float*)> from_host(const float* h, co
   };
 }
 
+// A Transfer::stored that writes fp32 values into the split master weights (hi, lo).
+std::function<void(size_t, float*, size_t)> split_into_master(GpuTransformer::Impl& im, cudaStream_t s) {
+  return [&im, s](size_t at, float* buf, size_t n) { gpu::master_split(im.w + at, im.w_lo + at, buf, int64_t(n), s); };
+}
+
 }  // namespace
+
+void GpuTransformer::set_params(const float* host, size_t n) {
+  ESPLAG_CHECK(n == nparams_, "GpuTransformer::set_params: got ", n, " values, the model has ", nparams_,
+               " parameters");
+  Impl& im = *impl_;
+  transfer({from_host(host, infos_, stream_), split_into_master(im, stream_)}, true);
+  refresh_head_copy();
+  prepare_sparse();
+  synchronize();
+}
 
 std::vector<float> GpuTransformer::params_to_host() const {
   const Impl& im = *impl_;
   std::vector<float> h(nparams_);
-  transfer({to_host(h, infos_, stream_), [&](size_t at, float* buf, size_t n) {
-                  gpu::master_join(buf, im.w + at, im.w_lo + at, int64_t(n), stream_);
-                }},
-           false);
+  transfer(
+      {to_host(h, infos_, stream_),
+       [&](size_t at, float* buf, size_t n) { gpu::master_join(buf, im.w + at, im.w_lo + at, int64_t(n), stream_); }},
+      false);
   return h;
 }
 
@@ -998,26 +995,23 @@ void GpuTransformer::optimizer_state_to_host(std::vector<float>& m, std::vector<
 void GpuTransformer::init_weights(uint64_t seed) {
   Impl& im = *impl_;
   const double residual_scale = 1.0 / std::sqrt(2.0 * cfg_.n_layer);
-  transfer({[&](size_t k, size_t o, size_t cnt, float* stage) {
-                   const ParamInfo& info = infos_[k];
-                   const bool is_norm = info.name.find("norm") != std::string::npos;
-                   const bool bias = ends_with(info.name, ".bias");
-                   const bool residual_out = info.name.find("attn.proj.weight") != std::string::npos ||
-                                             info.name.find("mlp.proj.weight") != std::string::npos;
-                   const double stddev = cfg_.init_std * (residual_out ? residual_scale : 1.0);
-                   const uint64_t key = splitmix64(seed) ^ splitmix64(k + 1);
-                   const int64_t n = int64_t(cnt);
-                   if (bias || is_norm)
-                     fill_kernel<<<blocks(n), kThreads, 0, stream_>>>(stage, n, bias ? 0.f : 1.f);
-                   else
-                     normal_kernel<<<blocks(n), kThreads, 0, stream_>>>(stage, n, int64_t(o), key,
-                                                                        static_cast<float>(stddev));
-                   CUDA_CHECK_LAUNCH("GpuTransformer::init_weights");
-                 },
-                 [&](size_t at, float* buf, size_t n) {
-                   gpu::master_split(im.w + at, im.w_lo + at, buf, int64_t(n), stream_);
-                 }},
-           true);
+  // Elements [o, o + cnt) of tensor k, drawn as if the tensor were drawn whole.
+  auto draw = [&](size_t k, size_t o, size_t cnt, float* stage) {
+    const ParamInfo& info = infos_[k];
+    const bool is_norm = info.name.find("norm") != std::string::npos;
+    const bool bias = ends_with(info.name, ".bias");
+    const bool residual_out = info.name.find("attn.proj.weight") != std::string::npos ||
+                              info.name.find("mlp.proj.weight") != std::string::npos;
+    const double stddev = cfg_.init_std * (residual_out ? residual_scale : 1.0);
+    const uint64_t key = splitmix64(seed) ^ splitmix64(k + 1);
+    const int64_t n = int64_t(cnt);
+    if (bias || is_norm)
+      fill_kernel<<<blocks(n), kThreads, 0, stream_>>>(stage, n, bias ? 0.f : 1.f);
+    else
+      normal_kernel<<<blocks(n), kThreads, 0, stream_>>>(stage, n, int64_t(o), key, static_cast<float>(stddev));
+    CUDA_CHECK_LAUNCH("GpuTransformer::init_weights");
+  };
+  transfer({draw, split_into_master(im, stream_)}, true);
   refresh_head_copy();
   prepare_sparse();
   synchronize();
@@ -1527,7 +1521,6 @@ void GpuTransformer::prepare_sparse() {
   im.layer = -1;
 }
 
-
 // --- Linear kinds ---------------------------------------------------------------------------
 
 namespace {
@@ -1557,13 +1550,12 @@ namespace {
 // Masks given for a slope layer [out, in] (GpuTransformer::SlopeState) that the layer can
 // take: the forward one row-wise 2:4 (exactly 2 of every 4 along each row: the kept values
 // fill [out, in/2]), the backward one inside it with at most 2 of every 4 down each column.
-void check_slope_masks(const std::string& weight_name, const GpuTransformer::SlopeState& st, int64_t out,
-                       int64_t in) {
+void check_slope_masks(const std::string& weight_name, const GpuTransformer::SlopeState& st, int64_t out, int64_t in) {
   const int64_t groups = in / 4;
   const size_t tiles = size_t(out / 4) * size_t(groups);
-  ESPLAG_CHECK(st.forward_tiles.size() == tiles && st.backward_tiles.size() == tiles, "GpuTransformer: ",
-               weight_name, ": slope masks of ", st.forward_tiles.size(), " and ", st.backward_tiles.size(),
-               " tiles for a ", out, "x", in, " weight (", tiles, " tiles)");
+  ESPLAG_CHECK(st.forward_tiles.size() == tiles && st.backward_tiles.size() == tiles, "GpuTransformer: ", weight_name,
+               ": slope masks of ", st.forward_tiles.size(), " and ", st.backward_tiles.size(), " tiles for a ", out,
+               "x", in, " weight (", tiles, " tiles)");
   for (size_t t = 0; t < tiles; ++t) {
     const unsigned f = st.forward_tiles[t], b = st.backward_tiles[t];
     bool ok = (b & ~f) == 0;
@@ -1592,8 +1584,8 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   for (const auto& st : settings) {
     Impl::Lin* lin = find_linear(im, st.weight_name);
     ESPLAG_CHECK(lin, "GpuTransformer: '", st.weight_name, "' is not the weight of a block Linear layer");
-    ESPLAG_CHECK(st.kind == "dense" || st.kind == "semi_sparse" || st.kind == "slope", "GpuTransformer: ",
-                 st.weight_name, ": Linear kind '", st.kind,
+    ESPLAG_CHECK(st.kind == "dense" || st.kind == "semi_sparse" || st.kind == "slope",
+                 "GpuTransformer: ", st.weight_name, ": Linear kind '", st.kind,
                  "' is not available on the GPU (dense, semi_sparse and slope are)");
     ESPLAG_CHECK(!st.slope_masks || st.kind == "slope", "GpuTransformer: ", st.weight_name, ": masks given for kind ",
                  st.kind);
@@ -1607,8 +1599,8 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     ESPLAG_CHECK(st.kind == "dense" || gpu::cusparselt_available(), "GpuTransformer: ", st.weight_name, ": ", st.kind,
                  " on the GPU needs cuSPARSELt: ", gpu::cusparselt_unavailable_reason());
     const int64_t tokens = int64_t(max_b_) * max_t_;
-    ESPLAG_CHECK(st.kind == "dense" || (out % 16 == 0 && in % 16 == 0 && tokens % 16 == 0), "GpuTransformer: ",
-                 st.weight_name, ": ", st.kind, " needs the layer's shape (", out, "x", in,
+    ESPLAG_CHECK(st.kind == "dense" || (out % 16 == 0 && in % 16 == 0 && tokens % 16 == 0),
+                 "GpuTransformer: ", st.weight_name, ": ", st.kind, " needs the layer's shape (", out, "x", in,
                  ") and the micro-batch's tokens (", tokens, ") to be multiples of 16 (cuSPARSELt)");
     relayout = relayout || was == "slope" || st.kind == "slope";
     changes.push_back({&st, lin, was, out, in});
@@ -1669,8 +1661,8 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     else
       CUDA_CHECK(cudaMemcpyAsync(im.slope_w1, c.lin->w, sizeof(bf16) * n_w, cudaMemcpyDeviceToDevice, stream_));
     c.lin->sp = im.sparse
-                    .emplace(st.weight_name, std::make_unique<gpu::SparseLinear>(o, c.out, c.in, int64_t(max_b_) * max_t_,
-                                                                                 im.slope_w1, stream_))
+                    .emplace(st.weight_name, std::make_unique<gpu::SparseLinear>(
+                                                 o, c.out, c.in, int64_t(max_b_) * max_t_, im.slope_w1, stream_))
                     .first->second.get();
     c.lin->slope = true;
     if (st.slope_masks)

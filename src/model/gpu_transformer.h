@@ -347,8 +347,8 @@ class GpuTransformer {
   ModelConfig cfg_;
   GpuModelOptions opt_;
   std::vector<ParamInfo> infos_;
-  size_t nparams_ = 0;   // in the flat layout
-  size_t nstored_ = 0;   // in the storage layout
+  size_t nparams_ = 0;  // in the flat layout
+  size_t nstored_ = 0;  // in the storage layout
   int max_b_ = 0, max_t_ = 0, head_chunk_ = 0;
   int64_t step_ = 0;
   GpuMemoryPlan plan_;

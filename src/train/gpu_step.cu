@@ -271,7 +271,8 @@ class GpuStep final : public StepBackend {
         // A layer that becomes slope takes the host's masks (chosen from the fp32 weights);
         // later steps leave the GPU's own (converting them costs a pass over the weight).
         const GpuTransformer::SlopeState* st = nullptr;
-        if (model_.linear_kind(name) != "slope") st = &masks.emplace_back(gpu_slope_state(*sl, model_.optimizer_steps()));
+        if (model_.linear_kind(name) != "slope")
+          st = &masks.emplace_back(gpu_slope_state(*sl, model_.optimizer_steps()));
         settings.push_back({name, kind, sl->mask_change_freq(), st});
       } else {
         settings.push_back({name, kind});

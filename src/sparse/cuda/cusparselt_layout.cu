@@ -241,9 +241,9 @@ void cusparselt24_compress(const bf16* w, int64_t rows, int64_t cols, void* dst_
   for (const void* p : {static_cast<const void*>(w), static_cast<const void*>(dst_n), static_cast<const void*>(dst_t)})
     ESPLAG_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "cusparselt24_compress: pointers must be 16-byte aligned");
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
-  compress_layout_kernel<Source::dense><<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols,
-                                                                   static_cast<uint8_t*>(dst_n),
-                                                                   static_cast<uint8_t*>(dst_t), nullptr, nullptr, nullptr);
+  compress_layout_kernel<Source::dense>
+      <<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols, static_cast<uint8_t*>(dst_n),
+                                 static_cast<uint8_t*>(dst_t), nullptr, nullptr, nullptr);
   CUDA_CHECK_LAUNCH("compress_layout_kernel");
 }
 
@@ -256,9 +256,9 @@ void cusparselt24_prune_compress(const bf16* w, int64_t rows, int64_t cols, bf16
     ESPLAG_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0,
                  "cusparselt24_prune_compress: pointers must be 16-byte aligned");
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
-  compress_layout_kernel<Source::dense_pruned><<<grid, 128, 0, stream>>>(
-      reinterpret_cast<const uint16_t*>(w), rows, cols, static_cast<uint8_t*>(dst_n), static_cast<uint8_t*>(dst_t),
-      reinterpret_cast<uint16_t*>(pruned), nullptr, nullptr);
+  compress_layout_kernel<Source::dense_pruned>
+      <<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols, static_cast<uint8_t*>(dst_n),
+                                 static_cast<uint8_t*>(dst_t), reinterpret_cast<uint16_t*>(pruned), nullptr, nullptr);
   CUDA_CHECK_LAUNCH("compress_layout_kernel (pruning)");
 }
 
@@ -271,9 +271,9 @@ void cusparselt24_compress_kept(const bf16* values, const uint16_t* forward_tile
                    reinterpret_cast<uintptr_t>(dst_t) % 16 == 0,
                "cusparselt24_compress_kept: values must be 4-byte aligned, the layouts 16-byte aligned");
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
-  compress_layout_kernel<Source::kept><<<grid, 128, 0, stream>>>(
-      reinterpret_cast<const uint16_t*>(values), rows, cols, static_cast<uint8_t*>(dst_n),
-      static_cast<uint8_t*>(dst_t), nullptr, forward_tiles, backward_tiles);
+  compress_layout_kernel<Source::kept>
+      <<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(values), rows, cols, static_cast<uint8_t*>(dst_n),
+                                 static_cast<uint8_t*>(dst_t), nullptr, forward_tiles, backward_tiles);
   CUDA_CHECK_LAUNCH("compress_layout_kernel (kept values)");
 }
 

@@ -65,8 +65,10 @@ __global__ void gather_kernel_f32x4(float2* __restrict__ values, const float4* _
 #pragma unroll
   for (int j = 0; j < 4; ++j)
     if ((nib >> j) & 1u) {
-      if (n == 0) k0 = e[j];
-      else if (n == 1) k1 = e[j];
+      if (n == 0)
+        k0 = e[j];
+      else if (n == 1)
+        k1 = e[j];
       ++n;
     }
   float2 out = make_float2(k0, k1);
@@ -108,9 +110,8 @@ void gather_kept_24(T* values, const T* dense, const uint16_t* tiles, int64_t ro
   const unsigned grid = blocks_for(rows * groups, kThreads);
   if constexpr (std::is_same_v<T, float>) {
     if (reinterpret_cast<uintptr_t>(dense) % 16 == 0 && reinterpret_cast<uintptr_t>(values) % 8 == 0) {
-      gather_kernel_f32x4<<<grid, kThreads, 0, stream>>>(reinterpret_cast<float2*>(values),
-                                                         reinterpret_cast<const float4*>(dense), tiles, rows, groups,
-                                                         accumulate);
+      gather_kernel_f32x4<<<grid, kThreads, 0, stream>>>(
+          reinterpret_cast<float2*>(values), reinterpret_cast<const float4*>(dense), tiles, rows, groups, accumulate);
       CUDA_CHECK_LAUNCH("gather_kept_24");
       return;
     }
@@ -129,8 +130,10 @@ void scatter_kept_24(T* dense, const T* values, const uint16_t* tiles, int64_t r
 }
 
 template void gather_kept_24<float>(float*, const float*, const uint16_t*, int64_t, int64_t, bool, cudaStream_t);
-template void gather_kept_24<__nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*, const uint16_t*, int64_t, int64_t, bool, cudaStream_t);
+template void gather_kept_24<__nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*, const uint16_t*, int64_t, int64_t,
+                                            bool, cudaStream_t);
 template void scatter_kept_24<float>(float*, const float*, const uint16_t*, int64_t, int64_t, cudaStream_t);
-template void scatter_kept_24<__nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*, const uint16_t*, int64_t, int64_t, cudaStream_t);
+template void scatter_kept_24<__nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*, const uint16_t*, int64_t, int64_t,
+                                             cudaStream_t);
 
 }  // namespace esplag::gpu

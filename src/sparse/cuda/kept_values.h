@@ -36,7 +36,6 @@ void gather_kept_24(T* values, const T* dense, const uint16_t* tiles, int64_t ro
 
 // dense [rows, cols] = the kept values at their positions, 0 elsewhere (every element written).
 template <typename T>
-void scatter_kept_24(T* dense, const T* values, const uint16_t* tiles, int64_t rows, int64_t cols,
-                     cudaStream_t stream);
+void scatter_kept_24(T* dense, const T* values, const uint16_t* tiles, int64_t rows, int64_t cols, cudaStream_t stream);
 
 }  // namespace esplag::gpu

@@ -314,8 +314,8 @@ SparseLinear::ProductTimes SparseLinear::time_products(cudaStream_t s, int iters
 void SparseLinear::set_weight(const bf16* weight) {
   Impl& m = *impl_;
   ESPLAG_CHECK(weight != nullptr, "SparseLinear ", m.name, ": the weight pointer is null");
-  ESPLAG_CHECK(m.kind == SparseLinearKind::dense || reinterpret_cast<uintptr_t>(weight) % 16 == 0, "SparseLinear ", m.name,
-               ": the weight must be 16-byte aligned");
+  ESPLAG_CHECK(m.kind == SparseLinearKind::dense || reinterpret_cast<uintptr_t>(weight) % 16 == 0, "SparseLinear ",
+               m.name, ": the weight must be 16-byte aligned");
   m.weight = weight;
 }
 
