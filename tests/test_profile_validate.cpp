@@ -114,7 +114,7 @@ TEST(ValidatePhases, HelperOpsJoinTheNextFwdOrBwdOfTheirModule) {
   ASSERT_EQ(p.size(), step.size());
   const std::vector<std::pair<std::string, std::string>> expected = {
       {"", ""},          {"m", "fwd"}, {"m", "fwd"},       {"", ""},      {"m", "bwd"},
-      {"m", "bwd"},      {"m", "bwd"}, {"m", "optimizer"}, {"m", "bwd"},  {"", ""}};
+      {"m", "bwd"},      {"m", "bwd"}, {"m", "optimizer"}, {"m", "bwd"},  {"head.adamw", "optimizer"}};
   EXPECT_EQ(p, expected);
 
   // The longest module prefix wins, a name must continue with '.', enclosing ops are no
@@ -139,7 +139,7 @@ TEST(ValidateCalibration, GroupsFactorsAndSpecs) {
   const SpeedupModel m = speedups_from_calibration(dense, sparse, {"m"});
   EXPECT_EQ(m.source, "calibration");
   EXPECT_EQ(m.calibration_steps, 3);
-  ASSERT_EQ(m.groups.size(), 3u);
+  ASSERT_EQ(m.groups.size(), 4u);
   const TwinGroup* fwd = find_group(m, "m", "fwd");
   const TwinGroup* bwd = find_group(m, "m", "bwd");
   const TwinGroup* opt = find_group(m, "m", "optimizer");
@@ -159,10 +159,16 @@ TEST(ValidateCalibration, GroupsFactorsAndSpecs) {
   EXPECT_EQ(opt->spec, -1);
   EXPECT_FALSE(fwd->identical);
 
-  ASSERT_EQ(m.specs.size(), 2u);
-  ASSERT_EQ(m.category_share.size(), 2u);
+  // head's AdamW, outside the changed module, is scaled by its own factor (1 here).
+  const TwinGroup* head = find_group(m, "head.adamw", "optimizer");
+  ASSERT_TRUE(head);
+  EXPECT_TRUE(head->identical);
+  EXPECT_EQ(head->spec, 2);
+  ASSERT_EQ(m.specs.size(), 3u);
+  ASSERT_EQ(m.category_share.size(), 3u);
   EXPECT_EQ(fwd->spec, 0);
   EXPECT_EQ(bwd->spec, 1);
+  EXPECT_DOUBLE_EQ(m.specs[2].factor, 1.0);
   EXPECT_EQ(m.specs[0].text, "re:^(?:m\\.fwd)$=1.33333333");
   EXPECT_NEAR(m.specs[1].factor, 80.0 / 72.0, 1e-8);
   // The spec matches the dense op and nothing else.
@@ -175,6 +181,26 @@ TEST(ValidateCalibration, GroupsFactorsAndSpecs) {
   EXPECT_FALSE(m.specs[0].matches(n));
 
   EXPECT_THROW(speedups_from_calibration({}, sparse, {"m"}), Error);
+}
+
+// One fused optimizer op over every parameter (the GPU's AdamW) that the recipe makes
+// faster without renaming it: predicted from its measured factor, not held at its dense
+// time.
+TEST(ValidatePrediction, ScalesAnOptimizerOpOutsideTheChangedModules) {
+  auto with_adamw = [](std::vector<OpRecord> step, int64_t ns) {
+    Step s;
+    s.t = step.back().end_ns;
+    s.records = std::move(step);
+    s.op("adamw", OpCategory::optimizer, ns);
+    return s.records;
+  };
+  const std::vector<std::vector<OpRecord>> dense(3, with_adamw(dense_step(), 20));
+  const std::vector<std::vector<OpRecord>> sparse(3, with_adamw(sparse_step(), 12));
+  const ValidationResult v = validate_prediction(dense, sparse, speedups_from_calibration(dense, sparse, {"m"}));
+  EXPECT_DOUBLE_EQ(v.measured_ns, 132 + 12);
+  EXPECT_NEAR(v.predicted_ns, 132 + 12, 1e-6);
+  EXPECT_NEAR(category_ns(v, OpCategory::optimizer, true), 5 + 5 + 12, 1e-6);
+  EXPECT_TRUE(v.uncovered_sparse_ops.empty());
 }
 
 TEST(ValidatePrediction, ExactOnAKnownStep) {
@@ -335,11 +361,11 @@ TEST(ValidateOutputs, JsonAndSpeedupsCsv) {
   EXPECT_NEAR(doc["measured_speedup"].get<double>(), 150.0 / 132, 1e-12);
   ASSERT_TRUE(doc["by_category"].is_array());
   EXPECT_EQ(doc["by_category"][0]["category"], "dense_gemm");
-  ASSERT_EQ(doc["groups"].size(), 3u);
+  ASSERT_EQ(doc["groups"].size(), 4u);  // m's fwd, bwd and optimizer, head's AdamW
   EXPECT_EQ(doc["groups"][0]["module"], "m");
   EXPECT_EQ(doc["groups"][0]["phase"], "fwd");
   EXPECT_EQ(doc["groups"][0]["sparse_ops"], (json{"m.sparsify", "m.fwd"}));
-  EXPECT_EQ(doc["specs"].size(), 2u);
+  EXPECT_EQ(doc["specs"].size(), 3u);
 
   // A free group's factor and an undefined error are null, not a non-JSON inf/nan.
   Step gone;

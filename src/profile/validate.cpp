@@ -159,7 +159,13 @@ std::vector<std::pair<std::string, std::string>> module_phases(
         break;
       }
     }
-    if (module == nullptr) continue;
+    if (module == nullptr) {
+      // With changed modules, an optimizer op of none of them (a per-tensor update, or one
+      // fused update of every parameter, as the GPU's AdamW) is a group of its own: the
+      // recipe can change how much it updates (slope's kept values) without renaming it.
+      if (r.category == OpCategory::optimizer && !modules.empty()) out[i] = {r.name, "optimizer"};
+      continue;
+    }
     const std::string rest = r.name.substr(module->size() + 1);
     const std::string first = rest.substr(0, rest.find('.'));
     out[i].first = *module;
@@ -252,8 +258,11 @@ SpeedupModel speedups_from_calibration(const std::vector<std::vector<OpRecord>>&
     t.identical = g.dense.category_of == g.sparse.category_of;
     // A group the dense run lacks cannot be expressed over the dense graph; one whose
     // dense ops took no time cannot be scaled to a positive time.
+    // (An optimizer op outside the changed modules is the same op in both runs, yet its
+    // time may differ: it is scaled by its measured factor all the same.)
+    const bool outside = std::find(modules.begin(), modules.end(), g.module) == modules.end();
     const bool expressible =
-        !t.identical && !t.dense_ops.empty() && (t.dense_ns > 0 || t.sparse_ns <= 0);
+        (!t.identical || outside) && !t.dense_ops.empty() && (t.dense_ns > 0 || t.sparse_ns <= 0);
     if (expressible) {
       std::string pattern = "re:^(?:";
       for (size_t k = 0; k < t.dense_ops.size(); ++k) {

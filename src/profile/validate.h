@@ -96,8 +96,9 @@ struct SpeedupModel {
 };
 
 // Which module and phase each leaf op of one step belongs to (see the top of this file):
-// {module, phase} per record, empty strings for ops outside `modules` and for records
-// that are not leaves. Exposed for tests.
+// {module, phase} per record: an optimizer op outside `modules` (when there are any) is
+// its own group {its name, "optimizer"}; empty strings for the other ops outside
+// `modules` and for records that are not leaves. Exposed for tests.
 std::vector<std::pair<std::string, std::string>> module_phases(
     const std::vector<OpRecord>& step, const std::vector<std::string>& modules);
 
