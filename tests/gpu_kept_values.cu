@@ -12,8 +12,6 @@
 #include <string>
 #include <vector>
 
-#include "core/cuda_check.h"
-#include "core/device_arena.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "sparse/compressed.h"
@@ -24,47 +22,26 @@
 
 namespace {
 
-using esplag::DeviceArena;
 using esplag::gpu::bf16;
 namespace cpu = esplag::cpu;
 namespace gpu = esplag::gpu;
+using esplag::gpu_test::DeviceBuffers;
 using esplag::gpu_test::has_device;
 using esplag::gpu_test::random_f32;
 using esplag::gpu_test::VF;
 
-class GpuKeptValues : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!has_device()) GTEST_SKIP() << "no CUDA device";
-  }
-  template <typename T>
-  T* upload(const std::vector<T>& h) {
-    T* d = arena_.allocate_array<T>("input", h.size());
-    CUDA_CHECK(cudaMemcpy(d, h.data(), sizeof(T) * h.size(), cudaMemcpyHostToDevice));
-    return d;
-  }
-  template <typename T>
-  T* poisoned(size_t n) {
-    T* d = arena_.allocate_array<T>("output", n);
-    CUDA_CHECK(cudaMemset(d, 0xFF, sizeof(T) * n));
-    return d;
-  }
-  template <typename T>
-  std::vector<T> download(const T* d, size_t n) {
-    CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<T> h(n);
-    CUDA_CHECK(cudaMemcpy(h.data(), d, sizeof(T) * n, cudaMemcpyDeviceToHost));
-    return h;
-  }
-  DeviceArena arena_{size_t(64) << 20, "kept values test"};
-};
+#define REQUIRE_DEVICE() \
+  if (!has_device()) GTEST_SKIP() << "no CUDA device"
 
 template <typename T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), sizeof(T) * a.size()) == 0;
 }
 
-TEST_F(GpuKeptValues, GatherAndScatterMatchTheCompressedForm) {
+TEST(GpuKeptValues, GatherAndScatterMatchTheCompressedForm) {
+  REQUIRE_DEVICE();
+  DeviceBuffers dev(size_t(64) << 20, "kept values test");
+  const cudaStream_t st = dev.stream();
   const int64_t shapes[][2] = {{4, 4}, {8, 12}, {12, 36}, {64, 128}, {36, 260}};
   uint64_t seed = 1;
   for (const auto& [rows, cols] : shapes) {
@@ -75,45 +52,47 @@ TEST_F(GpuKeptValues, GatherAndScatterMatchTheCompressedForm) {
     VF w1 = w;
     cpu::apply_mask(w1.data(), mask.data(), int64_t(n));
     const esplag::Compressed24 ref = cpu::compress_24(w1.data(), rows, cols);
-    const uint16_t* tiles = upload(cpu::tile_bits(mask, rows, cols));
+    const uint16_t* tiles = dev.put(cpu::tile_bits(mask, rows, cols));
 
     // fp32: gather, gather onto earlier values, scatter.
-    const float* dw = upload(w);
-    float* values = poisoned<float>(k);
-    gpu::gather_kept_24(values, dw, tiles, rows, cols, false, nullptr);
-    EXPECT_TRUE(same_bits(download(values, k), ref.values)) << "fp32 gather";
-    float* odd = poisoned<float>(k + 1) + 1;  // not 8-byte aligned: the scalar kernel
-    gpu::gather_kept_24(odd, dw, tiles, rows, cols, false, nullptr);
-    EXPECT_TRUE(same_bits(download(odd, k), ref.values)) << "fp32 gather, unaligned values";
+    const float* dw = dev.put(w);
+    float* values = dev.poisoned<float>(k);
+    gpu::gather_kept_24(values, dw, tiles, rows, cols, false, st);
+    EXPECT_TRUE(same_bits(dev.get(values, k), ref.values)) << "fp32 gather";
+    float* odd = dev.poisoned<float>(k + 1) + 1;  // not 8-byte aligned: the scalar kernel
+    gpu::gather_kept_24(odd, dw, tiles, rows, cols, false, st);
+    EXPECT_TRUE(same_bits(dev.get(odd, k), ref.values)) << "fp32 gather, unaligned values";
     const VF before = random_f32(k, seed++);
-    CUDA_CHECK(cudaMemcpy(values, before.data(), sizeof(float) * k, cudaMemcpyHostToDevice));
-    gpu::gather_kept_24(values, dw, tiles, rows, cols, true, nullptr);
+    float* accumulated = dev.put(before);
+    gpu::gather_kept_24(accumulated, dw, tiles, rows, cols, true, st);
     VF sum(k);
     for (size_t i = 0; i < k; ++i) sum[i] = before[i] + ref.values[i];
-    EXPECT_TRUE(same_bits(download(values, k), sum)) << "fp32 gather with accumulate";
-    float* dense = poisoned<float>(n);
-    gpu::scatter_kept_24(dense, upload(ref.values), tiles, rows, cols, nullptr);
-    EXPECT_TRUE(same_bits(download(dense, n), w1)) << "fp32 scatter";
+    EXPECT_TRUE(same_bits(dev.get(accumulated, k), sum)) << "fp32 gather with accumulate";
+    float* dense = dev.poisoned<float>(n);
+    gpu::scatter_kept_24(dense, dev.put(ref.values), tiles, rows, cols, st);
+    EXPECT_TRUE(same_bits(dev.get(dense, n), w1)) << "fp32 scatter";
 
     // bf16: the same on the rounded values.
     std::vector<uint16_t> wb(n), w1b(n), vb(k);
     for (size_t i = 0; i < n; ++i) wb[i] = esplag::float_to_bf16(w[i]);
     for (size_t i = 0; i < n; ++i) w1b[i] = mask[i] ? wb[i] : 0;
     for (size_t i = 0; i < k; ++i) vb[i] = esplag::float_to_bf16(ref.values[i]);
-    bf16* vbd = poisoned<bf16>(k);
-    gpu::gather_kept_24(vbd, reinterpret_cast<const bf16*>(upload(wb)), tiles, rows, cols, false, nullptr);
-    EXPECT_TRUE(same_bits(download(reinterpret_cast<const uint16_t*>(vbd), k), vb)) << "bf16 gather";
-    bf16* db = poisoned<bf16>(n);
-    gpu::scatter_kept_24(db, reinterpret_cast<const bf16*>(upload(vb)), tiles, rows, cols, nullptr);
-    EXPECT_TRUE(same_bits(download(reinterpret_cast<const uint16_t*>(db), n), w1b)) << "bf16 scatter";
+    bf16* vbd = dev.poisoned<bf16>(k);
+    gpu::gather_kept_24(vbd, reinterpret_cast<const bf16*>(dev.put(wb)), tiles, rows, cols, false, st);
+    EXPECT_TRUE(same_bits(dev.get(reinterpret_cast<const uint16_t*>(vbd), k), vb)) << "bf16 gather";
+    bf16* db = dev.poisoned<bf16>(n);
+    gpu::scatter_kept_24(db, reinterpret_cast<const bf16*>(dev.put(vb)), tiles, rows, cols, st);
+    EXPECT_TRUE(same_bits(dev.get(reinterpret_cast<const uint16_t*>(db), n), w1b)) << "bf16 scatter";
   }
 }
 
-TEST_F(GpuKeptValues, RefusesShapesThatAreNotMultiplesOf4) {
-  float* a = poisoned<float>(64);
-  const uint16_t* tiles = upload(std::vector<uint16_t>(4, 0x3333));
+TEST(GpuKeptValues, RefusesShapesThatAreNotMultiplesOf4) {
+  REQUIRE_DEVICE();
+  DeviceBuffers dev(size_t(1) << 20, "kept values test");
+  float* a = dev.poisoned<float>(64);
+  const uint16_t* tiles = dev.put(std::vector<uint16_t>(4, 0x3333));
   try {
-    gpu::gather_kept_24(a, a + 32, tiles, 4, 6, false, nullptr);
+    gpu::gather_kept_24(a, a + 32, tiles, 4, 6, false, dev.stream());
     FAIL() << "a 4x6 matrix was accepted";
   } catch (const esplag::Error& e) {
     EXPECT_NE(std::string(e.what()).find("gather_kept_24: shape 4x6 is not a positive multiple of 4"),

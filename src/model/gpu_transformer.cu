@@ -700,6 +700,22 @@ std::vector<ParamInfo> GpuTransformer::param_layout(const ModelConfig& cfg) {
   return infos;
 }
 
+namespace {
+
+// The step arena's share of the memory plan (lay_out's buffers and the GEMM workspace).
+GpuMemoryPlan step_arena_plan(const ModelConfig& config, int B, int T, const GpuModelOptions& options) {
+  GpuMemoryPlan step;
+  GpuTransformer::Impl dummy;
+  int32_t *tok = nullptr, *tgt = nullptr;
+  double* loss = nullptr;
+  float* nsq = nullptr;
+  lay_out(config, B, T, options, dummy, step, Take{}, &tok, &tgt, &loss, &nsq);
+  step.workspace = aligned(gpu::Gemm::kDefaultWorkspaceBytes) + aligned(gpu::Gemm::kScratchBytes);
+  return step;
+}
+
+}  // namespace
+
 GpuMemoryPlan GpuTransformer::memory_plan(const ModelConfig& config, int max_batch, int max_seq_len,
                                           const GpuModelOptions& options) {
   const auto infos = param_layout(config);
@@ -707,15 +723,10 @@ GpuMemoryPlan GpuTransformer::memory_plan(const ModelConfig& config, int max_bat
                max_seq_len);
   ESPLAG_CHECK(config.head_dim() <= gpu::kAttentionMaxHeadDim, "GpuTransformer: head dimension ", config.head_dim(),
                " exceeds the GPU attention's maximum ", gpu::kAttentionMaxHeadDim);
-  GpuMemoryPlan step, state;
+  GpuMemoryPlan state;
   Impl dummy;
-  int32_t *tok = nullptr, *tgt = nullptr;
-  double* loss = nullptr;
-  float* nsq = nullptr;
-  lay_out(config, max_batch, max_seq_len, options, dummy, step, Take{}, &tok, &tgt, &loss, &nsq);
-  step.workspace = aligned(gpu::Gemm::kDefaultWorkspaceBytes) + aligned(gpu::Gemm::kScratchBytes);
   lay_out_state_buffers(config, infos, dummy, state, Take{});
-  return step + state;
+  return step_arena_plan(config, max_batch, max_seq_len, options) + state;
 }
 
 GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max_seq_len,
@@ -745,11 +756,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
          DeviceArena::format_bytes(free_b), " of ", DeviceArena::format_bytes(total_b),
          " is free; lower the batch size or the sequence length");
   Impl& im = *impl_;
-  int32_t *tok = nullptr, *tgt = nullptr;
-  double* loss = nullptr;
-  float* nsq = nullptr;
-  lay_out(cfg_, max_b_, max_t_, opt_, im, im.step_plan, Take{}, &tok, &tgt, &loss, &nsq);
-  im.step_plan.workspace = plan_.workspace;
+  im.step_plan = step_arena_plan(cfg_, max_b_, max_t_, opt_);
   arena_ = std::make_unique<DeviceArena>(im.step_plan.total() + opt_.extra_arena_bytes, "model");
   CUDA_CHECK(cudaStreamCreate(&stream_));
 
@@ -1543,10 +1550,6 @@ double time_gelu_pass(int64_t n, bool forward, cudaStream_t s) {
       2, 5, s);
 }
 
-}  // namespace
-
-namespace {
-
 // Masks given for a slope layer [out, in] (GpuTransformer::SlopeState) that the layer can
 // take: the forward one row-wise 2:4 (exactly 2 of every 4 along each row: the kept values
 // fill [out, in/2]), the backward one inside it with at most 2 of every 4 down each column.
@@ -1576,6 +1579,7 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   struct Change {
     const LinearKindSetting* setting;
     Impl::Lin* lin;
+    const ParamInfo* info;  // the weight's, in the flat layout
     std::string was;
     int64_t out, in;
   };
@@ -1603,7 +1607,7 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
                  "GpuTransformer: ", st.weight_name, ": ", st.kind, " needs the layer's shape (", out, "x", in,
                  ") and the micro-batch's tokens (", tokens, ") to be multiples of 16 (cuSPARSELt)");
     relayout = relayout || was == "slope" || st.kind == "slope";
-    changes.push_back({&st, lin, was, out, in});
+    changes.push_back({&st, lin, info, was, out, in});
   }
   for (const auto& st : settings)
     if (auto it = im.slope.find(st.weight_name); it != im.slope.end() && st.kind == "slope")
@@ -1622,11 +1626,8 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   }
   for (const Change& c : changes) {
     if (relayout && (c.was == "slope") != (c.setting->kind == "slope")) {
-      const ParamInfo* info = nullptr;
-      for (const auto& i : infos_)
-        if (i.name == c.setting->weight_name) info = &i;
-      std::fill_n(m.begin() + ptrdiff_t(info->offset), info->numel, 0.f);
-      std::fill_n(v.begin() + ptrdiff_t(info->offset), info->numel, 0.f);
+      std::fill_n(m.begin() + ptrdiff_t(c.info->offset), c.info->numel, 0.f);
+      std::fill_n(v.begin() + ptrdiff_t(c.info->offset), c.info->numel, 0.f);
     }
     c.lin->sp = nullptr;
     c.lin->slope = false;

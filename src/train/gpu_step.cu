@@ -62,10 +62,10 @@ GpuTransformer::SlopeState gpu_slope_state(const SlopeLinear<float>& l, int64_t 
   return st;
 }
 
-// The GPU layer `name` (trained as the flat weight W1 with dense moments) into the host
-// slope layer (the kept values, "<name>.values", and its masks): the values and their
-// moments are W1's, m's and v's at the forward mask's slots (flat: [rows, cols] at the
-// weight's offset in the flat host vectors), the backward mask the GPU's.
+// The GPU layer `name` into the host slope layer (the kept values, "<name>.values", and its
+// masks): the values and their moments are W1's, m's and v's at the forward mask's slots
+// (the GPU's host copies in the flat layout, dense with zeros where pruned: [rows, cols]
+// at the weight's offset), the backward mask the GPU's.
 void slope_to_host(SlopeLinear<float>& l, const std::string& name, const GpuTransformer::SlopeState& st,
                    const float* w1, const float* m, const float* v, std::vector<float>& m_values,
                    std::vector<float>& v_values) {
@@ -90,6 +90,32 @@ void slope_to_host(SlopeLinear<float>& l, const std::string& name, const GpuTran
   step.data<double>()[0] = double(st.refresh_step);
   state[name + ".refresh_step"] = step;
   l.load_state(state);  // rebuilds the flat weight and the backward copy from the values
+}
+
+// The GPU kinds of the host model's block linears, for one set_linear_kinds call (`who`
+// names the caller in errors). Slope layers for which `give_masks(name)` holds take the
+// host's masks (refresh step `step` when the host has not refreshed yet), kept in `masks`,
+// which the settings point into and which must outlive them.
+std::vector<GpuTransformer::LinearKindSetting> host_kind_settings(
+    Transformer<float>& host, const char* who, int64_t step, const std::function<bool(const std::string&)>& give_masks,
+    std::vector<GpuTransformer::SlopeState>& masks) {
+  const auto names = host.linear_names();
+  std::vector<GpuTransformer::LinearKindSetting> settings;
+  masks.clear();
+  masks.reserve(names.size());  // no reallocation: the settings point into it
+  for (const auto& name : names) {
+    const std::string kind = host.linear(name).kind();
+    ESPLAG_CHECK(gpu_trains_kind(kind), who, ": ", name, " is of kind ", kind, "; ", kGpuKindsNote);
+    if (SlopeLinear<float>* sl = host_slope(host, name)) {
+      ESPLAG_CHECK(sl->lora_rank() == 0, who, ": ", name, " has a low-rank adapter; ", kGpuKindsNote);
+      const GpuTransformer::SlopeState* st =
+          give_masks(name) ? &masks.emplace_back(gpu_slope_state(*sl, step)) : nullptr;
+      settings.push_back({name, kind, sl->mask_change_freq(), st});
+    } else {
+      settings.push_back({name, kind});
+    }
+  }
+  return settings;
 }
 
 GpuModelOptions model_options() {
@@ -259,27 +285,13 @@ class GpuStep final : public StepBackend {
   // Gives every block Linear of the GPU model the kind of its host twin (a no-op when
   // nothing changed; a change is rare: the recipe's start and end steps).
   void follow_host_kinds() {
-    const auto names = host_.linear_names();
-    std::vector<GpuTransformer::LinearKindSetting> settings;
+    // A layer that becomes slope takes the host's masks (chosen from the fp32 weights);
+    // later steps leave the GPU's own (converting them costs a pass over the weight). One
+    // call: the layers that become slope lay the parameter state out again once.
     std::vector<GpuTransformer::SlopeState> masks;
-    masks.reserve(names.size());  // settings point into it
-    for (const auto& name : names) {
-      const std::string kind = host_.linear(name).kind();
-      ESPLAG_CHECK(gpu_trains_kind(kind), "GPU training: ", name, " became of kind ", kind, "; ", kGpuKindsNote);
-      if (SlopeLinear<float>* sl = host_slope(host_, name)) {
-        ESPLAG_CHECK(sl->lora_rank() == 0, "GPU training: ", name, " has a low-rank adapter; ", kGpuKindsNote);
-        // A layer that becomes slope takes the host's masks (chosen from the fp32 weights);
-        // later steps leave the GPU's own (converting them costs a pass over the weight).
-        const GpuTransformer::SlopeState* st = nullptr;
-        if (model_.linear_kind(name) != "slope")
-          st = &masks.emplace_back(gpu_slope_state(*sl, model_.optimizer_steps()));
-        settings.push_back({name, kind, sl->mask_change_freq(), st});
-      } else {
-        settings.push_back({name, kind});
-      }
-    }
-    // One call: the layers that become slope lay the parameter state out again once.
-    model_.set_linear_kinds(settings);
+    model_.set_linear_kinds(host_kind_settings(
+        host_, "GPU training", model_.optimizer_steps(),
+        [&](const std::string& name) { return model_.linear_kind(name) != "slope"; }, masks));
     if (model_.sparse_dispatch().size() != dispatch_seen_) {
       dispatch_seen_ = model_.sparse_dispatch().size();
       notes_.push_back(model_.sparse_dispatch_summary());
@@ -321,21 +333,9 @@ std::function<double(const int32_t*, const int32_t*, int, int)> gpu_batch_loss(c
                                                                              int T) {
   auto model = std::make_shared<GpuTransformer>(config, B, T);
   model->set_params(host_model.params(), host_model.num_params());
-  const auto names = host_model.linear_names();
-  std::vector<GpuTransformer::LinearKindSetting> settings;
   std::vector<GpuTransformer::SlopeState> masks;
-  masks.reserve(names.size());  // settings point into it
-  for (const auto& name : names) {
-    const std::string kind = host_model.linear(name).kind();
-    ESPLAG_CHECK(gpu_trains_kind(kind), "GPU evaluation: ", name, " is of kind ", kind, "; ", kGpuKindsNote);
-    const GpuTransformer::SlopeState* st = nullptr;
-    if (const SlopeLinear<float>* sl = host_slope(host_model, name)) {
-      ESPLAG_CHECK(sl->lora_rank() == 0, "GPU evaluation: ", name, " has a low-rank adapter; ", kGpuKindsNote);
-      st = &masks.emplace_back(gpu_slope_state(*sl, 0));
-    }
-    settings.push_back({name, kind, st ? st->mask_change_freq : 100, st});
-  }
-  model->set_linear_kinds(settings);
+  model->set_linear_kinds(host_kind_settings(
+      host_model, "GPU evaluation", 0, [](const std::string&) { return true; }, masks));
   return [model](const int32_t* tokens, const int32_t* targets, int b, int t) {
     return model->forward_loss(tokens, targets, b, t);
   };

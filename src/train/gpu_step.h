@@ -1,8 +1,8 @@
 // Training steps on the GPU: the StepBackend of train.device=cuda (train/trainer.h) over
 // GpuTransformer (model/gpu_transformer.h). Before every step the GPU model's block
-// linears take the kinds of the host model's (the recipe's plan for the step: dense or
-// semi_sparse); the per-layer dispatch decisions this makes are returned by take_notes
-// for the run log.
+// linears take the kinds of the host model's (the recipe's plan for the step: dense,
+// semi_sparse or slope without adapters); the per-layer dispatch decisions this makes are
+// returned by take_notes for the run log.
 //
 // The trainer keeps the host model, the data, the schedule and the checkpoints; this
 // backend holds the device copy of the weights, the gradients and the AdamW moments.
@@ -37,13 +37,13 @@ namespace esplag {
 int cuda_device_count(std::string* why = nullptr);
 
 // The mean loss of one batch ([B·T] tokens and targets, host memory) on CUDA device 0:
-// a GPU model sized for B x T holding `host_model`'s weights and Linear kinds (dense or
-// semi_sparse; other kinds throw), kept alive by the returned function.
+// a GPU model sized for B x T holding `host_model`'s weights and Linear kinds (dense,
+// semi_sparse, slope without adapters; others throw), kept alive by the returned function.
 std::function<double(const int32_t* tokens, const int32_t* targets, int B, int T)> gpu_batch_loss(
     const ModelConfig& config, Transformer<float>& host_model, int B, int T);
 
 // The GPU step for `config` on CUDA device 0, starting from `host_model`'s weights (every
-// Linear of kind dense or semi_sparse) and the moments m, v by tensor name (empty:
+// Linear of a kind gpu_trains_kind accepts) and the moments m, v by tensor name (empty:
 // zero, for a fresh run) after `steps_done` optimizer steps. Sized for micro-batches of
 // train.batch_size x train.seq_len; throws with the memory plan when that does not fit.
 std::unique_ptr<StepBackend> make_gpu_step(const TrainConfig& config, Transformer<float>& host_model, Moments m,

@@ -188,6 +188,20 @@ int64_t StepValue::resolve(int64_t total_steps) const {
   return std::llround(fraction * double(total_steps));
 }
 
+namespace {
+
+// One `params` entry against a weight name: an exact name, or "re:REGEX" (full match).
+bool param_matches(const std::string& param, const std::string& name) {
+  if (param.rfind("re:", 0) != 0) return param == name;
+  return std::regex_match(name, std::regex(param.substr(3), std::regex::ECMAScript));
+}
+
+}  // namespace
+
+bool Recipe::Modifier::claims(const std::string& weight_name) const {
+  return std::any_of(params.begin(), params.end(), [&](const std::string& p) { return param_matches(p, weight_name); });
+}
+
 std::vector<std::string> Recipe::fractional_steps() const {
   std::vector<std::string> out;
   for (size_t i = 0; i < modifiers_.size(); ++i) {
@@ -363,10 +377,9 @@ void Recipe::validate(const LinearShapes& shapes, int64_t total_steps) {
     std::set<std::string> names;
     for (const auto& p : m.params) {
       if (p.rfind("re:", 0) == 0) {
-        const std::regex rx(p.substr(3), std::regex::ECMAScript);
         size_t hits = 0;
         for (const auto& [name, shape] : shapes)
-          if (std::regex_match(name, rx)) names.insert(name), ++hits;
+          if (param_matches(p, name)) names.insert(name), ++hits;
         ESPLAG_CHECK(hits > 0, w, ": key 'params': '", p, "' matches no linear weight of the model (names look like '",
                      example, "'; the regex must match the whole name)");
       } else {

@@ -76,6 +76,9 @@ class Recipe {
     int mask_change_freq = 100;
     int lora_rank = 0;
     StepValue lora_start;
+
+    // Whether `params` names the weight (an exact name, or a "re:" pattern matching it whole).
+    bool claims(const std::string& weight_name) const;
   };
 
   // `yaml_list_text`: the YAML of the list (what TrainConfig::recipe_yaml holds); empty or

@@ -8,7 +8,6 @@
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
-#include <regex>
 #include <sstream>
 
 #include "core/error.h"
@@ -210,15 +209,7 @@ std::string sparse_24_gpu_shape_problem(const TrainConfig& config, const Recipe:
   for (int l = 0; l < c.n_layer; ++l)
     for (const auto& [role, shape] : roles) {
       const std::string name = "blocks." + std::to_string(l) + "." + role + ".weight";
-      const bool claimed = std::any_of(m.params.begin(), m.params.end(), [&](const std::string& p) {
-        if (p.rfind("re:", 0) != 0) return p == name;
-        try {
-          return std::regex_match(name, std::regex(p.substr(3)));
-        } catch (const std::regex_error&) {
-          return false;  // the recipe's own validation names a malformed pattern
-        }
-      });
-      if (claimed && (shape.first % 16 != 0 || shape.second % 16 != 0))
+      if (m.claims(name) && (shape.first % 16 != 0 || shape.second % 16 != 0))
         return detail::concat(name, " is ", shape.first, "x", shape.second, ", not multiples of 16");
     }
   return "";
