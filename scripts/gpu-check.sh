@@ -9,8 +9,13 @@
 #   scripts/gpu-check.sh                    configure + build + ctest -L gpu
 #   scripts/gpu-check.sh --bench            also run the benchmarks: training steps, GEMMs
 #                                           (dense vs 2:4 and V:N:M), sparse layers,
-#                                           attention, sparsification, sparse AdamW
+#                                           attention, sparsification, sparse AdamW,
+#                                           SLoPe's merged inference product
 #   scripts/gpu-check.sh --bench-only       the benchmarks without the tests
+#   scripts/gpu-check.sh --tests REGEX      only the gpu tests whose names match REGEX
+#   scripts/gpu-check.sh --benches A,B      only these benchmarks (implies --bench): train,
+#                                           gemm, layer, attention, sparsify, sparse-adamw,
+#                                           vnm, slope-merged
 #   scripts/gpu-check.sh --configure-only   stop after configuring (no GPU needed)
 #   scripts/gpu-check.sh --deps-only        also hide the system's /usr packages from
 #                                           CMake, to prove .deps/ suffices
@@ -26,15 +31,27 @@ configure_only=0
 deps_only=0
 bench=0
 tests=1
-for arg in "$@"; do
-  case "$arg" in
+test_regex=""
+benches="train,gemm,layer,attention,sparsify,sparse-adamw,vnm,slope-merged"
+while (($#)); do
+  case "$1" in
     --bench) bench=1 ;;
     --bench-only) bench=1; tests=0 ;;
     --configure-only) configure_only=1 ;;
     --deps-only) deps_only=1 ;;
-    *) echo "gpu-check: unknown option $arg" >&2; exit 2 ;;
+    --tests) shift; test_regex=${1:?gpu-check: --tests needs a regular expression} ;;
+    --benches) shift; benches=${1:?gpu-check: --benches needs a list}; bench=1 ;;
+    *) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+for b in ${benches//,/ }; do
+  case "$b" in
+    train|gemm|layer|attention|sparsify|sparse-adamw|vnm|slope-merged) ;;
+    *) echo "gpu-check: --benches: unknown benchmark '$b'" >&2; exit 2 ;;
   esac
 done
+wants() { [[ ",$benches," == *",$1,"* ]]; }
 
 build=${ESPLAG_GPU_BUILD_DIR:-$root/build/cuda}
 archs=${ESPLAG_CUDA_ARCHS:-90}
@@ -97,8 +114,9 @@ fi
 if ((status == 0)) && ((tests)); then
   stage=test
   echo "== ctest -L gpu"
-  ctest --test-dir "$build" -L gpu --output-on-failure --timeout 300 --output-junit "$logs/ctest-junit.xml" \
-    >"$logs/ctest.log" 2>&1 || status=$?
+  ctest_args=(--test-dir "$build" -L gpu --output-on-failure --timeout 300 --output-junit "$logs/ctest-junit.xml")
+  [ -n "$test_regex" ] && ctest_args+=(-R "$test_regex")
+  ctest "${ctest_args[@]}" >"$logs/ctest.log" 2>&1 || status=$?
   # The GEMM tests print which calls used fused epilogues; keep that (cheap to rerun).
   if [ -x "$build/tests/gpu_ops" ]; then
     "$build/tests/gpu_ops" --gtest_filter='GpuOps.Gemm*' >"$logs/gemm.log" 2>&1 || true
@@ -114,19 +132,18 @@ if ((status == 0)) && ((bench)); then
     echo "-- esplag bench $*" >>"$logs/bench.log"
     "$build/esplag" bench "$@" --csv "$logs/bench-$name.csv" >>"$logs/bench.log" 2>&1 || status=$?
   }
-  for spec in "gpt2-124m 16 1024" "gpt2-350m 8 1024" "llama-1b 4 2048"; do
-    set -- $spec
-    # every block Linear semi_sparse (runtime 2:4, per-layer dispatch), then slope, each
-    # after its dense baseline in the same process (two rows per run, and their ratios)
-    run_bench train train --device cuda --model "$1" --batch "$2" --seq "$3" --steps 10 --warmup 3 --semi-sparse all
-    run_bench train train --device cuda --model "$1" --batch "$2" --seq "$3" --steps 10 --warmup 3 --slope all
+  if wants train; then
+    for spec in "gpt2-124m 16 1024" "gpt2-350m 8 1024" "llama-1b 4 2048"; do
+      set -- $spec
+      # every block Linear semi_sparse (runtime 2:4, per-layer dispatch), then slope, each
+      # after its dense baseline in the same process (two rows per run, and their ratios)
+      run_bench train train --device cuda --model "$1" --batch "$2" --seq "$3" --steps 10 --warmup 3 --semi-sparse all
+      run_bench train train --device cuda --model "$1" --batch "$2" --seq "$3" --steps 10 --warmup 3 --slope all
+    done
+  fi
+  for b in gemm layer attention sparsify sparse-adamw vnm slope-merged; do
+    wants "$b" && run_bench "$b" "$b"
   done
-  run_bench gemm gemm
-  run_bench layer layer
-  run_bench attention attention
-  run_bench sparsify sparsify
-  run_bench sparse-adamw sparse-adamw
-  run_bench vnm vnm
   # Rows of the training CSV start with the commit (the other CSVs carry it themselves).
   [ -f "$logs/bench-train.csv" ] && sed -i "s/^/$commit,/; 1s/^[^,]*,/commit,/" "$logs/bench-train.csv"
 fi

@@ -28,7 +28,7 @@ TEST(CliBench, UnknownOrMissingSubcommandPrintsUsage) {
     EXPECT_NE(r.err.find(args == "bench" ? "missing subcommand" : "unknown subcommand 'nope'"), std::string::npos)
         << r.err;
     for (const char* sub : {"bench train", "bench gemm", "bench layer", "bench sparsify", "bench attention",
-                            "bench vnm", "bench sparse-adamw"})
+                            "bench vnm", "bench sparse-adamw", "bench slope-merged"})
       EXPECT_NE(r.err.find(sub), std::string::npos) << "usage lacks " << sub << ":\n" << r.err;
   }
 }
@@ -57,6 +57,10 @@ TEST(CliBench, OtherGpuBenchOptionErrors) {
   }
   expect_error(run("bench gemm --products sideways"), "--products must be fwd, bwd or fwd,bwd");
   expect_error(run("bench gemm --operand C"), "--operand must be A or B");
+  expect_error(run("bench slope-merged --ranks 16,x"), "--ranks item 'x' is not a positive integer");
+  expect_error(run("bench slope-merged --ranks 0"), "--ranks item '0' is not a positive integer");
+  expect_error(run("bench slope-merged --shapes 16x16"), "--shapes item '16x16' is not OUTxINxTOKENS");
+  expect_error(run("bench slope-merged --warmup 0"), "--warmup at least 1");
 }
 
 // The sparse layer kinds of `bench train` (checked before any GPU work).
@@ -70,7 +74,7 @@ TEST(CliBench, TrainSparseKindOptionErrors) {
 
 #ifndef ESPLAG_HAVE_CUDA
 TEST(CliBench, GpuBenchesRefuseInACpuBuild) {
-  for (const std::string sub : {"gemm", "layer", "sparsify", "attention", "vnm", "sparse-adamw"}) {
+  for (const std::string sub : {"gemm", "layer", "sparsify", "attention", "vnm", "sparse-adamw", "slope-merged"}) {
     const fs::path csv = root() / ("refused_" + sub + ".csv");
     expect_error(run("bench " + sub + " --csv " + csv.string()),
                  "bench " + sub + ": needs a build configured with the cuda preset");

@@ -26,6 +26,7 @@
 #include "ops/attention_bench.h"
 #include "sparse/cuda/gemm_bench.h"
 #include "sparse/cuda/layer_bench.h"
+#include "sparse/cuda/slope_merged_bench.h"
 #include "sparse/cuda/sparse_adamw_bench.h"
 #include "sparse/cuda/sparsify_bench.h"
 #include "sparse/cuda/vnm_bench.h"
@@ -62,6 +63,10 @@ const char* kBenchUsage = R"(usage:
   esplag bench attention [--csv FILE]      attention paths, forward and backward
   esplag bench vnm [--csv FILE]            V:2:M sparse GEMM against dense cuBLASLt
   esplag bench sparse-adamw [--csv FILE]   SLoPe's sparse AdamW against dense AdamW
+  esplag bench slope-merged [--shapes default|OUTxINxTOKENS,...] [--ranks 16,64] [--warmup 5]
+                            [--iters 20] [--csv FILE]
+      SLoPe's inference product Y = X.W1^T + b + (X.R^T).L^T as one 2:4 GEMM over [W1 | L]
+      against dense cuBLASLt and against the adapter added in separate passes
 All but `train --device cpu` need the CUDA build. CSV files get the header when new and
 the rows appended (rewritten atomically); the gemm and layer CSVs' commit column comes
 from $ESPLAG_COMMIT.)";
@@ -256,6 +261,45 @@ int bench_sparse_adamw(const std::vector<std::string>& argv) {
 #endif
 }
 
+// A comma-separated list of adapter ranks for bench slope-merged.
+std::vector<int> parse_ranks(const std::string& spec) {
+  std::vector<int> ranks;
+  size_t pos = 0;
+  while (pos <= spec.size()) {
+    const size_t comma = spec.find(',', pos);
+    const std::string item = spec.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    pos = comma == std::string::npos ? spec.size() + 1 : comma + 1;
+    const bool digits = !item.empty() && item.size() <= 6 &&
+                        std::all_of(item.begin(), item.end(), [](unsigned char c) { return std::isdigit(c); });
+    ESPLAG_CHECK(digits && std::stoi(item) > 0, "bench slope-merged: --ranks item '", item,
+                 "' is not a positive integer (e.g. --ranks 16,64)");
+    ranks.push_back(std::stoi(item));
+  }
+  return ranks;
+}
+
+int bench_slope_merged(const std::vector<std::string>& argv) {
+  Args a(argv, "bench slope-merged", {"shapes", "ranks", "warmup", "iters", "csv"}, {});
+  const std::string shape_spec = a.get("shapes", "default");
+  const auto shapes =
+      shape_spec == "default" ? std::vector<std::array<int64_t, 3>>{} : parse_shapes("slope-merged", shape_spec);
+  const std::vector<int> ranks = a.has("ranks") ? parse_ranks(a.get("ranks")) : std::vector<int>{};
+  const int warmup = static_cast<int>(a.integer("warmup", 5)), iters = static_cast<int>(a.integer("iters", 20));
+  ESPLAG_CHECK(warmup >= 1 && iters > 0,
+               "bench slope-merged: --iters must be positive and --warmup at least 1 (the first call tunes)");
+#ifdef ESPLAG_HAVE_CUDA
+  const gpu::SlopeMergedBenchResult r =
+      gpu::bench_slope_merged(shapes.empty() ? gpu::slope_merged_bench_default_shapes() : shapes,
+                              ranks.empty() ? gpu::slope_merged_bench_default_ranks() : ranks, warmup, iters);
+  std::cout << gpu::slope_merged_bench_table(r);
+  if (a.has("csv"))
+    append_csv(a.get("csv"), gpu::slope_merged_bench_csv_header(), gpu::slope_merged_bench_csv_rows(r, commit_id()));
+  return 0;
+#else
+  needs_cuda("slope-merged");
+#endif
+}
+
 int bench_train(const std::vector<std::string>& argv) {
   Args a(argv, "bench train",
          {"model", "device", "batch", "seq", "steps", "warmup", "vocab", "peak-tflops", "csv", "semi-sparse", "slope",
@@ -346,7 +390,7 @@ int cmd_bench(const std::vector<std::string>& argv) {
   static const std::map<std::string, Sub> subs = {
       {"train", bench_train},         {"gemm", bench_gemm}, {"layer", bench_layer},
       {"sparsify", bench_sparsify},   {"attention", bench_attention}, {"vnm", bench_vnm},
-      {"sparse-adamw", bench_sparse_adamw}};
+      {"sparse-adamw", bench_sparse_adamw}, {"slope-merged", bench_slope_merged}};
   if (!argv.empty() && (argv[0] == "--help" || argv[0] == "-h" || argv[0] == "help")) {
     std::cout << kBenchUsage;
     return 0;

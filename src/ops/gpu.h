@@ -229,6 +229,12 @@ class Gemm {
                cudaStream_t stream, Act act = Act::none, bf16* pre_gelu = nullptr);
   // fp32 output (e.g. logits kept in fp32), no bias or activation.
   void forward(float* out, const bf16* inp, const bf16* weight, int N, int C, int OC, cudaStream_t stream);
+  // out [N, OC] (= or += when accumulate) inp [N, C] · Wᵀ, with rows ldo and ldi elements
+  // apart (ldo >= OC, ldi >= C): for operands that are column ranges of wider matrices, e.g.
+  // a product written into the extra columns of its own input's buffer. No bias or
+  // activation.
+  void forward_strided(bf16* out, int ldo, const bf16* inp, int ldi, const bf16* weight, int N, int C, int OC,
+                       bool accumulate, cudaStream_t stream);
 
   // dinp (=, or += when accumulate) dout · W. With pre_gelu (the [N, C] pre-activation of
   // a GELU whose output fed this layer) the result is multiplied by gelu'(pre_gelu),

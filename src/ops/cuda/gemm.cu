@@ -527,6 +527,17 @@ void Gemm::forward(float* out, const bf16* inp, const bf16* weight, int N, int C
                 CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0, stream);
 }
 
+void Gemm::forward_strided(bf16* out, int ldo, const bf16* inp, int ldi, const bf16* weight, int N, int C, int OC,
+                           bool accumulate, cudaStream_t stream) {
+  check_sizes("forward_strided", N, C, OC);
+  ESPLAG_CHECK(out && inp && weight, "Gemm::forward_strided: out, inp and weight must not be null");
+  ESPLAG_CHECK(ldo >= OC && ldi >= C, "Gemm::forward_strided: row strides ldo=", ldo, ", ldi=", ldi,
+               " must be at least OC=", OC, " and C=", C);
+  if (N == 0) return;
+  impl_->matmul(CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, weight, C, inp, ldi, out, ldo, CUDA_R_16BF,
+                accumulate ? 1.f : 0.f, CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0, stream);
+}
+
 void Gemm::backward_input(bf16* dinp, const bf16* dout, const bf16* weight, int N, int C, int OC, bool accumulate,
                           cudaStream_t stream, const bf16* pre_gelu) {
   check_sizes("backward_input", N, C, OC);

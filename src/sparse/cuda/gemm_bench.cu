@@ -7,8 +7,10 @@
 #include <memory>
 
 #include "core/cuda_check.h"
+#include "core/cuda_fill.h"
 #include "core/cuda_timing.h"
 #include "core/device_arena.h"
+#include "core/device_buffer.h"
 #include "core/error.h"
 #include "ops/gpu.h"
 #include "sparse/cuda/bench_summary.h"
@@ -21,55 +23,6 @@ using gpu::bf16;
 using gpu::SparseGemm24;
 using gpu::SparseGemm24Problem;
 using gpu::SparseProduct;
-
-// One cudaMalloc'ed buffer, freed on scope exit (the bench sizes buffers as it learns
-// what each plan needs, which a bump arena would not let it give back).
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  DeviceBuffer(size_t bytes, const char* what) : bytes_(bytes) {
-    if (bytes == 0) return;
-    const cudaError_t err = cudaMalloc(&p_, bytes);
-    if (err != cudaSuccess) {
-      cudaGetLastError();
-      fail("bench gemm: cannot allocate ", DeviceArena::format_bytes(bytes), " for ", what, " (",
-           cudaGetErrorString(err), ")");
-    }
-  }
-  ~DeviceBuffer() {
-    if (p_) cudaFree(p_);
-  }
-  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr; }
-  DeviceBuffer& operator=(DeviceBuffer&&) = delete;
-  void* get() const { return p_; }
-  bf16* bf() const { return static_cast<bf16*>(p_); }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* p_ = nullptr;
-  size_t bytes_ = 0;
-};
-
-// |x| uniform in [0.1, 1) times scale, random sign: never zero, so no product is skipped
-// and power draw is that of real data.
-__global__ void fill_nonzero_kernel(bf16* p, int64_t n, uint64_t seed, float scale) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  uint64_t z = seed + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;  // splitmix64
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
-  const float mag = 0.1f + 0.9f * u;
-  p[i] = __float2bfloat16_rn((z & 1ull) ? -mag * scale : mag * scale);
-}
-
-void fill_nonzero(bf16* p, int64_t n, uint64_t seed, float scale, cudaStream_t s) {
-  const int threads = 256;
-  const int64_t blocks = (n + threads - 1) / threads;
-  fill_nonzero_kernel<<<static_cast<unsigned>(blocks), threads, 0, s>>>(p, n, seed, scale);
-  CUDA_CHECK_LAUNCH("fill_nonzero_kernel");
-}
 
 std::string version_text(int v) {
   if (v <= 0) return "-";
@@ -128,14 +81,14 @@ GemmBenchResult run_gemm_bench(const GemmBenchOptions& opt) {
         set_bytes >= 2 * l2 ? 1 : static_cast<int>(std::min<size_t>(8, std::max<size_t>(2, (4 * l2) / set_bytes + 1)));
     std::vector<DeviceBuffer> W, X, dY, Y, dX;
     for (int k = 0; k < sets; ++k) {
-      W.emplace_back(2 * n_w, "W");
-      X.emplace_back(2 * n_x, "X");
-      dY.emplace_back(2 * n_y, "dY");
-      Y.emplace_back(2 * n_y, "Y");
-      dX.emplace_back(2 * n_x, "dX");
-      fill_nonzero(W[k].bf(), int64_t(n_w), seed++ * 0x1234567ull, 1.0f / std::sqrt(float(in)), s);
-      fill_nonzero(X[k].bf(), int64_t(n_x), seed++ * 0x1234567ull, 1.0f, s);
-      fill_nonzero(dY[k].bf(), int64_t(n_y), seed++ * 0x1234567ull, 1.0f, s);
+      W.emplace_back(2 * n_w, "bench gemm", "W");
+      X.emplace_back(2 * n_x, "bench gemm", "X");
+      dY.emplace_back(2 * n_y, "bench gemm", "dY");
+      Y.emplace_back(2 * n_y, "bench gemm", "Y");
+      dX.emplace_back(2 * n_x, "bench gemm", "dX");
+      fill_nonzero_bf16(W[k].bf(), int64_t(n_w), seed++ * 0x1234567ull, 1.0f / std::sqrt(float(in)), s);
+      fill_nonzero_bf16(X[k].bf(), int64_t(n_x), seed++ * 0x1234567ull, 1.0f, s);
+      fill_nonzero_bf16(dY[k].bf(), int64_t(n_y), seed++ * 0x1234567ull, 1.0f, s);
     }
     CUDA_CHECK(cudaStreamSynchronize(s));
 
@@ -162,38 +115,38 @@ GemmBenchResult run_gemm_bench(const GemmBenchOptions& opt) {
 
       if (have_sparse) {
         try {
-          const SparseGemm24Problem p = fwd ? SparseGemm24Problem::linear_forward(out, in, tok, false,
-                                                                                  gpu::SparseActivation::none,
-                                                                                  opt.weight_operand)
-                                            : SparseGemm24Problem::linear_backward_data(out, in, tok,
-                                                                                        opt.weight_operand);
+          const SparseGemm24Problem p =
+              fwd ? SparseGemm24Problem::linear_forward(out, in, tok, false, gpu::SparseActivation::none,
+                                                        opt.weight_operand)
+                  : SparseGemm24Problem::linear_backward_data(out, in, tok, opt.weight_operand);
           SparseGemm24 def(p, SparseGemm24::Algorithm::library_default);
           row.plan_ms = def.plan_build_ms();
           row.default_config = def.config();
           row.max_alg_id = def.max_alg_id();
           // Prune every weight copy (tile rule, along this product's K) and compress it.
-          DeviceBuffer pruned(2 * n_w, "pruned W"), scratch(def.compress_scratch_bytes(), "compress scratch");
+          DeviceBuffer pruned(2 * n_w, "bench gemm", "pruned W"),
+              scratch(def.compress_scratch_bytes(), "bench gemm", "compress scratch");
           std::vector<DeviceBuffer> C;
           for (int k = 0; k < sets; ++k) {
             def.prune(pruned.bf(), W[k].bf(), s);
             if (k == 0)
               ESPLAG_CHECK(def.is_pruned(pruned.bf(), s), "cuSPARSELt's pruned weight fails its own 2:4 check");
-            C.emplace_back(def.compressed_bytes(), "compressed W");
+            C.emplace_back(def.compressed_bytes(), "bench gemm", "compressed W");
             def.compress(C[k].get(), pruned.bf(), scratch.get(), scratch.bytes(), s);
           }
-          DeviceBuffer ws(def.workspace_bytes(), "cuSPARSELt workspace");
+          DeviceBuffer ws(def.workspace_bytes(), "bench gemm", "cuSPARSELt workspace");
           row.default_ms = median_event_ms(
               [&](int i) { def.matmul(output(i), C[i % sets].get(), input(i), nullptr, ws.get(), ws.bytes(), s); },
               opt.warmup, opt.iters, s);
 
           SparseGemm24 tuned(p, SparseGemm24::Algorithm::tuned);
           if (opt.search) {
-            DeviceBuffer sws(tuned.workspace_bytes(), "cuSPARSELt search workspace");
+            DeviceBuffer sws(tuned.workspace_bytes(), "bench gemm", "cuSPARSELt search workspace");
             tuned.search(output(0), C[0].get(), input(0), nullptr, sws.get(), sws.bytes(), s);
             row.search_ms = tuned.search_ms();
           }
           if (tuned.tuned()) {
-            DeviceBuffer tws(tuned.workspace_bytes(), "cuSPARSELt workspace (searched)");
+            DeviceBuffer tws(tuned.workspace_bytes(), "bench gemm", "cuSPARSELt workspace (searched)");
             row.searched_ms = median_event_ms(
                 [&](int i) {
                   tuned.matmul(output(i), C[i % sets].get(), input(i), nullptr, tws.get(), tws.bytes(), s);
@@ -223,11 +176,10 @@ std::string gemm_bench_table(const GemmBenchResult& r) {
                 "cuSPARSELt %s; median of %d calls after %d warm-up\n",
                 operand, r.gpu.c_str(), version_text(r.cusparselt_version).c_str(), r.iters, r.warmup);
   o += buf;
-  if (r.cusparselt_version == 0)
-    o += "cuSPARSELt is not available (" + r.cusparselt_unavailable + "): dense only\n";
-  std::snprintf(buf, sizeof buf, "%-18s %-8s %9s %8s %11s %12s %8s %8s %12s %8s %9s\n", "out x in x tokens",
-                "product", "dense_ms", "TFLOP/s", "2:4_def_ms", "2:4_srch_ms", "x_def", "x_srch", "alg def/srch",
-                "plan_ms", "search_ms");
+  if (r.cusparselt_version == 0) o += "cuSPARSELt is not available (" + r.cusparselt_unavailable + "): dense only\n";
+  std::snprintf(buf, sizeof buf, "%-18s %-8s %9s %8s %11s %12s %8s %8s %12s %8s %9s\n", "out x in x tokens", "product",
+                "dense_ms", "TFLOP/s", "2:4_def_ms", "2:4_srch_ms", "x_def", "x_srch", "alg def/srch", "plan_ms",
+                "search_ms");
   o += buf;
   std::vector<std::string> meets;
   size_t with_sparse = 0;
