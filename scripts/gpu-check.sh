@@ -20,7 +20,7 @@
 #   scripts/gpu-check.sh --deps-only        also hide the system's /usr packages from
 #                                           CMake, to prove .deps/ suffices
 # Environment: ESPLAG_GPU_BUILD_DIR (default build/cuda), ESPLAG_CUDA_ARCHS (default 90),
-# ESPLAG_COMMIT (recorded with the results where the copy of the tree has no git history),
+# ESPLAG_COMMIT (recorded with the results instead of the copy's git HEAD),
 # ESPLAG_CUSPARSELT_LIB (where libcusparseLt.so.0 is; default: the loader's search, or the
 # nvidia-cusparselt wheel of python3's environment).
 set -uo pipefail
@@ -66,7 +66,8 @@ if [ -z "${ESPLAG_CUSPARSELT_LIB:-}" ] && command -v python3 >/dev/null; then
   [ -n "$wheel_lib" ] && [ -d "$wheel_lib" ] && export ESPLAG_CUSPARSELT_LIB=$wheel_lib
 fi
 export ESPLAG_CUSPARSELT_TUNING=${ESPLAG_CUSPARSELT_TUNING:-$logs/cusparselt-tuning.json}
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${ESPLAG_COMMIT:-unknown}")
+# ESPLAG_COMMIT wins: a copy of the tree may carry an older .git than the tree it holds.
+commit=${ESPLAG_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export ESPLAG_COMMIT=$commit
 
 if [ ! -d "$deps" ]; then
