@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "core/cuda_check.h"
+#include "core/cuda_fill.h"
 #include "core/cuda_timing.h"
 #include "core/device_arena.h"
 #include "core/dtype.h"
@@ -18,25 +19,6 @@
 namespace esplag::gpu {
 
 namespace {
-
-// Uniform values in [-1, 1) from a counter hash, rounded to bf16; exact zeros (and values
-// that would round to zero) are replaced so that no input is zero.
-__global__ void fill_random_kernel(uint16_t* out, int64_t n, uint64_t seed) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  uint64_t z = seed + uint64_t(i) * 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  float x = float(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
-  if (fabsf(x) < 1e-3f) x = 1e-3f;
-  out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(x));
-}
-
-void fill_random(bf16* p, int64_t n, uint64_t seed, cudaStream_t s) {
-  fill_random_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(reinterpret_cast<uint16_t*>(p), n, seed);
-  CUDA_CHECK_LAUNCH("vnm bench fill_random_kernel");
-}
 
 double median_ms(const std::function<void()>& launch, int warmup, int iters, cudaStream_t s) {
   return median_event_ms([&](int) { launch(); }, warmup, iters, s);
@@ -139,8 +121,8 @@ std::vector<VnmBenchResult> vnm_bench(const std::vector<VnmBenchShape>& shapes,
       bf16* wd = arena.allocate_array<bf16>("W dense", size_t(sh.out * sh.in));
       const int64_t ldxt = vnm_transposed_ld(sh.tokens);
       bf16* xt = arena.allocate_array<bf16>("X transposed", size_t(sh.in * ldxt));
-      fill_random(x, sh.tokens * sh.in, seed * 1000003 + 1, stream);
-      fill_random(wd, sh.out * sh.in, seed * 1000003 + 2, stream);
+      fill_nonzero_bf16(x, sh.tokens * sh.in, seed * 1000003 + 1, 1.0f, stream);
+      fill_nonzero_bf16(wd, sh.out * sh.in, seed * 1000003 + 2, 1.0f, stream);
       Gemm gemm(arena);
       const int N = int(sh.tokens), C = int(sh.in), OC = int(sh.out);
       const double dense_ms =
