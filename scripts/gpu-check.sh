@@ -143,7 +143,8 @@ if ((status == 0)) && ((bench)); then
     done
   fi
   for b in gemm layer attention sparsify sparse-adamw vnm slope-merged; do
-    wants "$b" && run_bench "$b" "$b"
+    [ "$b" = layer ] && extra=(--sparse-dw) || extra=()
+    wants "$b" && run_bench "$b" "$b" "${extra[@]}"
   done
   # Rows of the training CSV start with the commit (the other CSVs carry it themselves).
   [ -f "$logs/bench-train.csv" ] && sed -i "s/^/$commit,/; 1s/^[^,]*,/commit,/" "$logs/bench-train.csv"

@@ -7,6 +7,8 @@
 // error against fp64 is no worse than twice the CPU low-precision error (RMS and max, with
 // the bf16 floors), and within 1e-2 relative RMS. Outputs are poisoned with NaN before
 // every product; sizes are multiples of 16 (cuSPARSELt's rule) but not of 32 or 64.
+// The weight-gradient product (dW [out, in] = S [out, N] · X [N, in], S structured) is
+// checked the same way with S pruned and compressed by the library.
 //
 // Tests that need the library skip (GTEST_SKIP, with the reason) when it cannot be loaded;
 // the shape rules are checked without it.
@@ -213,11 +215,67 @@ Run run_problem(const SparseGemm24Problem& p, uint64_t seed, SparseGemm24* obj =
   return run;
 }
 
+// The weight-gradient product: S [out, N] random, pruned (tile rule, along K = N) and
+// compressed by the library, dW [out, in] = S · X [N, in] against fp64 and against
+// sparse/'s compressed SpMM (dWᵀ = Xᵀ · Sᵀ as linear_24 computes it, fp32, bf16-rounded).
+void run_weight_grad(const SparseGemm24Problem& p, uint64_t seed, SparseGemm24* obj = nullptr, bool search = false) {
+  SCOPED_TRACE(p.key());
+  Dev dev;
+  const int64_t out = p.out, in = p.in, N = p.tokens;
+  const size_t n_s = size_t(out) * N, n_x = size_t(N) * in, n_d = size_t(out) * in;
+  const Bits sd = random_bits(n_s, seed, 0.5), x = random_bits(n_x, seed + 1);
+  std::unique_ptr<SparseGemm24> own;
+  if (!obj) {
+    own = std::make_unique<SparseGemm24>(p);
+    obj = own.get();
+  }
+  bf16* ds = dev.put_bf16(sd, "S");
+  const bf16* dx = dev.put_bf16(x, "x");
+  EXPECT_FALSE(obj->is_pruned(ds, dev.stream())) << "a dense random S must fail the 2:4 check";
+  obj->prune(ds, ds, dev.stream());
+  EXPECT_TRUE(obj->is_pruned(ds, dev.stream()));
+  const VF sp = dev.get_bf16(ds, n_s);
+  expect_tile_24(sp, out, N);
+  void* comp = dev.bytes(obj->compressed_bytes(), "compressed");
+  void* scratch = dev.bytes(obj->compress_scratch_bytes(), "scratch");
+  obj->compress(comp, ds, scratch, obj->compress_scratch_bytes(), dev.stream());
+  const size_t ws_bytes = std::max<size_t>(obj->workspace_bytes(), size_t(8) << 20);
+  void* ws = dev.bytes(ws_bytes, "workspace");
+  bf16* d = dev.poisoned_bf16(n_d, "dW");
+  if (search) {
+    obj->search(d, comp, dx, nullptr, ws, ws_bytes, dev.stream());
+    EXPECT_LE(obj->workspace_bytes(), ws_bytes) << "the searched plan needs more workspace than the test gave";
+    dev.poison(d, n_d);
+  }
+  obj->matmul(d, comp, dx, nullptr, ws, ws_bytes, dev.stream());
+  const VF xf = to_float(x);
+  VD ref(n_d, 0.0);
+  for (int64_t o = 0; o < out; ++o)
+    for (int64_t i = 0; i < in; ++i) {
+      double acc = 0;
+      for (int64_t n = 0; n < N; ++n) acc += double(sp[size_t(o * N + n)]) * double(xf[size_t(n * in + i)]);
+      ref[size_t(o * in + i)] = acc;
+    }
+  const esplag::Compressed24 c = cpu::compress_24(sp.data(), out, N, "pruned S");
+  VF low_t(n_d, 0.f);  // [in, out]
+  cpu::linear_24(low_t.data(), transpose(xf, N, in).data(), c, nullptr, in);
+  VF low = transpose(low_t, in, out);
+  for (float& v : low) v = round_bf16(v);
+  expect_matches(p.key(), ref, low, dev.get_bf16(d, n_d));
+}
+
 struct Shape {
   int64_t out, in, tokens;
 };
 // Multiples of 16, most of them not of 32 (cuSPARSELt's tiles are larger than 16).
 const Shape kShapes[] = {{64, 128, 32}, {48, 80, 112}, {144, 208, 96}, {16, 16, 16}, {272, 48, 176}};
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
 
 class CusparseLt : public ::testing::Test {
  protected:
@@ -274,6 +332,26 @@ TEST(CusparseLtRules, ShapesThatCannotRunThrowClearErrors) {
             "fwd out=4096 in=1024 tokens=8192 w=A bias=1 act=gelu bf16");
   EXPECT_EQ(SparseGemm24Problem::linear_backward_data(64, 32, 16, SparseOperand::b).key(),
             "bwd out=64 in=32 tokens=16 w=B bias=0 act=none bf16");
+  // The weight-gradient product: K = tokens, the structured operand [out, tokens], no
+  // epilogue, operand A only.
+  const SparseGemm24Problem dw = SparseGemm24Problem::linear_weight_grad(4096, 1024, 8192);
+  EXPECT_EQ(dw.key(), "dw out=4096 in=1024 tokens=8192 w=A bias=0 act=none bf16");
+  EXPECT_EQ(dw.k(), 8192);
+  EXPECT_EQ(dw.structured_rows(), 4096);
+  EXPECT_EQ(dw.structured_cols(), 8192);
+  EXPECT_EQ(error_of([&] { gpu::check_sparse_gemm24_problem(dw); }), "(no error)");
+  msg = error_of([] { gpu::check_sparse_gemm24_problem(SparseGemm24Problem::linear_weight_grad(64, 64, 40)); });
+  EXPECT_TRUE(contains(msg, "tokens = 40") && contains(msg, "dw out=64")) << msg;
+  SparseGemm24Problem dw_bias = SparseGemm24Problem::linear_weight_grad(64, 64, 64);
+  dw_bias.bias = true;
+  msg = error_of([&] { gpu::check_sparse_gemm24_problem(dw_bias); });
+  EXPECT_TRUE(contains(msg, "weight-gradient product has no bias")) << msg;
+  SparseGemm24Problem dw_b = SparseGemm24Problem::linear_weight_grad(64, 64, 64);
+  dw_b.weight_operand = SparseOperand::b;
+  msg = error_of([&] { gpu::check_sparse_gemm24_problem(dw_b); });
+  EXPECT_TRUE(contains(msg, "operand A only")) << msg;
+  msg = error_of([] { gpu::check_sparse_gemm24_problem(SparseGemm24Problem::linear_weight_grad(65536, 64, 65536)); });
+  EXPECT_TRUE(contains(msg, "structured dY^T") && contains(msg, "2^31")) << msg;
 }
 
 TEST(CusparseLtRules, FallbackWarningIsPrintedOncePerCaller) {
@@ -322,6 +400,36 @@ TEST_F(CusparseLt, BackwardDataWeightAsB) {
   uint64_t seed = 400;
   for (const Shape& s : kShapes)
     run_problem(SparseGemm24Problem::linear_backward_data(s.out, s.in, s.tokens, SparseOperand::b), seed += 10);
+}
+
+TEST_F(CusparseLt, WeightGrad) {
+  uint64_t seed = 450;
+  for (const Shape& s : kShapes)
+    run_weight_grad(SparseGemm24Problem::linear_weight_grad(s.out, s.in, s.tokens), seed += 10);
+}
+
+// The weight-gradient product goes through the same tuning as the others: a search is
+// recorded under its key and read back by a fresh cache, and the tuned plan still matches.
+TEST_F(CusparseLt, WeightGradSearchIsRecordedAndReadBack) {
+  const SparseGemm24Problem p = SparseGemm24Problem::linear_weight_grad(144, 208, 96);
+  SparseGemm24Config searched;
+  {
+    SparseGemm24& g = SparseGemm24::get(p);
+    run_weight_grad(p, 901, &g, /*search=*/true);
+    EXPECT_TRUE(g.tuned());
+    searched = g.config();
+  }
+  EXPECT_TRUE(contains(read_text(tuning_), p.key()));
+  gpu::clear_sparse_gemm24_cache();
+  gpu::reload_cusparselt_tuning_cache();
+  SparseGemm24Config looked_up;
+  ASSERT_TRUE(gpu::cusparselt_tuning_lookup(p, &looked_up));
+  EXPECT_EQ(looked_up, searched);
+  SparseGemm24& g = SparseGemm24::get(p);
+  EXPECT_TRUE(g.from_tuning_cache());
+  run_weight_grad(p, 902, &g);
+  // Keyed by the whole problem: not the forward of the same sizes.
+  EXPECT_NE(&g, &SparseGemm24::get(SparseGemm24Problem::linear_forward(144, 208, 96)));
 }
 
 TEST_F(CusparseLt, OnePrunedWeightServesForwardAndBackward) {
@@ -435,13 +543,6 @@ TEST_F(CusparseLt, MisuseThrowsClearErrors) {
 
 // ---------------------------------------------------------------------------------------
 // Tuning
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 TEST_F(CusparseLt, SearchIsRecordedAndReadBack) {
   const SparseGemm24Problem p = SparseGemm24Problem::linear_forward(144, 208, 96, true, SparseActivation::relu);

@@ -15,6 +15,13 @@
 // pass, outputs poisoned, groups with fewer than two non-zeros included); needs no library.
 // MatmulWithOwnBuffers: the writer's buffers in SparseGemm24::matmul (forward and
 // backward_data) against the fp64 product of the masked W, with degenerate groups.
+// WeightGradLayoutMatchesLibrary: the weight-gradient product's structured operand S
+// [out, tokens] (op N) compressed by the library and by the CPU reference: the same bytes,
+// and the self-check agreeing.
+// MvueCompressMatchesHostReference: the fused MVUE kernel (cusparselt24_compress_mvue_t on
+// dY [N, out]) against cpu::mvue_24_bf16 of dYᵀ followed by the CPU writer, bit for bit,
+// with ties, zeros of both signs, groups of 0-2 non-zeros and groups holding NaN, ±inf or
+// values whose sum overflows (kept unscaled as their top 2); needs no library.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -31,6 +38,7 @@
 #include "sparse/cuda/cusparselt.h"
 #include "sparse/cuda/cusparselt_layout.h"
 #include "sparse/cuda/sparsify.h"
+#include "sparse/mvue.h"
 
 #include "gpu_test_util.h"
 
@@ -397,6 +405,103 @@ TEST(CusparseltLayout, MatmulWithOwnBuffers) {
       }
     EXPECT_LT(std::sqrt(err / ref2), 1e-2) << p.key();
   }
+}
+
+TEST(CusparseltLayout, WeightGradLayoutMatchesLibrary) {
+  if (!esplag::gpu_test::has_device()) GTEST_SKIP() << "no CUDA device";
+  if (!gpu::cusparselt_available()) GTEST_SKIP() << gpu::cusparselt_unavailable_reason();
+  for (auto [out, tokens] : {std::pair<int64_t, int64_t>{64, 128}, {192, 64}, {256, 320}, {1024, 512}}) {
+    const auto p = SparseGemm24Problem::linear_weight_grad(out, 48, tokens);
+    SparseGemm24 g(p, SparseGemm24::Algorithm::library_default);
+    const size_t bytes = gpu::cusparselt24_layout_bytes(out, tokens);
+    ASSERT_EQ(g.compressed_bytes(), bytes) << p.key();
+    const auto s = random_transposable(out, tokens, 313 + uint64_t(out + tokens), false);
+    Dev ds(s.size() * 2), dc(bytes), dscratch(g.compress_scratch_bytes());
+    CUDA_CHECK(cudaMemcpy(ds.p, s.data(), s.size() * 2, cudaMemcpyHostToDevice));
+    g.compress(dc.p, ds.as<gpu::bf16>(), dscratch.p, g.compress_scratch_bytes(), nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const auto lib = download(dc, bytes);
+    std::vector<uint8_t> host(bytes);
+    gpu::cusparselt24_compress_host(s.data(), out, tokens, false, host.data());
+    // The op N layout of an [out, tokens] operand: the forward form the writer implements.
+    EXPECT_TRUE(lib == host) << p.key() << ": " << diff_text(lib, host, size_t(out * tokens));
+    EXPECT_EQ(gpu::cusparselt24_layout_matches(g), lib == host) << p.key();
+  }
+}
+
+// dY [N, out] with few distinct magnitudes (ties), zeros of both signs (1 in 8), and crafted
+// groups (4 consecutive tokens of one output feature) along feature 0 and 1.
+std::vector<uint16_t> craft_gradient(int64_t N, int64_t out, uint64_t seed) {
+  std::vector<uint16_t> g(size_t(N * out));
+  uint64_t s = seed;
+  for (auto& x : g) {
+    const uint32_t r = lcg(s);
+    x = r % 8 == 0 ? uint16_t((r >> 3 & 1u) << 15) : uint16_t(((r >> 3 & 1u) << 15) | (0x3C00u + (r >> 4) % 6u * 16u));
+  }
+  const uint16_t kNaN = 0x7FC0, kInf = 0x7F80, kNegInf = 0xFF80, kHuge = 0x7F7F /* 3.39e38 */, kOne = 0x3F80,
+                 kTwo = 0x4000, kZero = 0x0000, kNegZero = 0x8000;
+  const uint16_t groups[][4] = {
+      {kNaN, kOne, kTwo, kOne},              // NaN: top 2 (NaN and the first 2), unscaled
+      {kInf, kNegInf, kOne, kZero},          // two infinities
+      {kHuge, kHuge, kOne, kTwo},            // finite, but the sum overflows float
+      {kNegZero, kZero, kNegZero, kZero},    // no non-zero
+      {kZero, kTwo, kNegZero, kZero},        // one
+      {kOne, kNegZero, kZero, kTwo},         // two: copied unchanged
+      {kOne, kOne, kOne, kOne},              // four ties
+      {kTwo, kOne, kOne, kOne},              // a tie below the largest
+      {uint16_t(0x4100), kOne, kOne, kOne},  // 8, 1, 1, 1: the largest capped at probability 1
+  };
+  const int64_t count = int64_t(sizeof(groups) / sizeof(groups[0]));
+  for (int64_t i = 0; i < count && 4 * (i + 1) <= N; ++i)
+    for (int64_t feature : {int64_t(0), out - 1})
+      for (int j = 0; j < 4; ++j) g[size_t((4 * i + j) * out + feature)] = groups[i][j];
+  return g;
+}
+
+TEST(CusparseltLayout, MvueCompressMatchesHostReference) {
+  if (!esplag::gpu_test::has_device()) GTEST_SKIP() << "no CUDA device";
+  // (tokens N, out): the kernel's rows and columns, N != out.
+  for (auto [N, out] : {std::pair<int64_t, int64_t>{64, 128}, {192, 64}, {256, 320}}) {
+    SCOPED_TRACE("dY [" + std::to_string(N) + ", " + std::to_string(out) + "]");
+    const auto dy = craft_gradient(N, out, 55 + uint64_t(N * 3 + out));
+    // dYᵀ [out, N] for the CPU's estimate.
+    std::vector<uint16_t> dyt(dy.size());
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t o = 0; o < out; ++o) dyt[size_t(o * N + n)] = dy[size_t(n * out + o)];
+    const size_t bytes = gpu::cusparselt24_layout_bytes(out, N);
+    Dev d_dy(dy.size() * 2), d_s(bytes);
+    CUDA_CHECK(cudaMemcpy(d_dy.p, dy.data(), dy.size() * 2, cudaMemcpyHostToDevice));
+    std::vector<uint8_t> first;
+    for (uint64_t seed : {uint64_t(1), uint64_t(0x9e3779b97f4a7c15ull)}) {
+      std::vector<uint16_t> s(dyt.size());
+      std::vector<uint8_t> mask(dyt.size());
+      esplag::cpu::mvue_24_bf16(dyt.data(), s.data(), mask.data(), out, N, seed, "dY^T");
+      std::vector<uint8_t> host(bytes);
+      gpu::cusparselt24_compress_host(s.data(), out, N, false, host.data());
+      CUDA_CHECK(cudaMemset(d_s.p, 0xFF, bytes));  // NaN values, 0xF nibbles
+      gpu::cusparselt24_compress_mvue_t(d_dy.as<gpu::bf16>(), N, out, seed, d_s.p, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      const auto got = download(d_s, bytes);
+      EXPECT_TRUE(got == host) << "seed " << seed << ": " << diff_text(got, host, size_t(out * N));
+      // Not vacuous: the estimate rescaled kept values (scaled ones differ from the input)
+      // and kept the non-finite values of the crafted groups.
+      size_t scaled = 0, non_finite = 0;
+      for (size_t i = 0; i < s.size(); ++i) {
+        if (mask[i] && s[i] != dyt[i]) ++scaled;
+        if ((s[i] & 0x7F80u) == 0x7F80u) ++non_finite;
+      }
+      EXPECT_GT(scaled, s.size() / 8) << "seed " << seed;
+      EXPECT_GE(non_finite, 6u) << "seed " << seed << ": NaN and infinities must survive (top 2, unscaled)";
+      if (first.empty())
+        first = got;
+      else
+        EXPECT_FALSE(got == first) << "another seed must give another draw";
+    }
+  }
+  Dev d(64 * 128 * 2), dst(gpu::cusparselt24_layout_bytes(64, 64));
+  EXPECT_THROW(gpu::cusparselt24_compress_mvue_t(d.as<gpu::bf16>(), 48, 128, 1, dst.p, nullptr), esplag::Error);
+  EXPECT_THROW(gpu::cusparselt24_compress_mvue_t(d.as<gpu::bf16>(), 64, 96, 1, dst.p, nullptr), esplag::Error);
+  EXPECT_THROW(gpu::cusparselt24_compress_mvue_t(d.as<gpu::bf16>() + 1, 64, 64, 1, dst.p, nullptr), esplag::Error);
 }
 
 }  // namespace

@@ -12,6 +12,13 @@
 // poisoned (all bits set: NaN) before every step. Sizes are multiples of 16 (cuSPARSELt's
 // rule), not all of 32, square and not.
 //
+// sparse_dw (dW = MVUE(dYᵀ) · X, the 2:4 product of the unbiased estimate): the fp32 dW
+// against the fp64 product of the CPU's estimate (cpu::mvue_24_bf16 of dYᵀ with the seed
+// the layer derives) by the accuracy rule of the op tests (no worse than twice a CPU
+// computation of the same product in fp32 rounded to bf16), = and +=, outputs poisoned;
+// the same seed giving the same bits and each backward a new draw; the mean of 32 draws
+// approaching the dense dYᵀ · X; its refusals and memory.
+//
 // The sparse kinds skip (with the reason) when cuSPARSELt cannot be loaded.
 #include <gtest/gtest.h>
 
@@ -29,9 +36,13 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "sparse/cuda/cusparselt.h"
+#include "sparse/cuda/cusparselt_layout.h"
 #include "sparse/cuda/sparse_linear.h"
 #include "sparse/double_prune.h"
+#include "sparse/mvue.h"
 #include "sparse/transposable.h"
+
+#include "gpu_test_util.h"
 
 namespace {
 
@@ -338,6 +349,223 @@ TEST(GpuSparseLinear, SlopeMaskIsStatic) {
   EXPECT_EQ(to_float(download_bits(layer.refill_backward_weight_t(nullptr), size_t(O * I))), transpose(expect, O, I));
 }
 
+// ---------------------------------------------------------------------------------------
+// sparse_dw
+
+// The CPU's estimate S = MVUE(dYᵀ) [out, N] for `seed` (cpu::mvue_24_bf16 on dYᵀ: groups
+// of 4 consecutive tokens of one output feature), as floats.
+VF mvue_of_dy_t(const Bits& dy, int64_t N, int64_t O, uint64_t seed) {
+  Bits t(dy.size()), s(dy.size());
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < O; ++o) t[size_t(o * N + n)] = dy[size_t(n * O + o)];
+  cpu::mvue_24_bf16(t.data(), s.data(), nullptr, O, N, seed, "dY^T");
+  return to_float(s);
+}
+
+// fp64 S · X [N, I] (the reference) and the same product accumulated in fp32 and rounded
+// to bf16 once (the low-precision yardstick: what the 2:4 product's bf16 output carries).
+void weight_grad_reference(const VF& s, const VF& x, int64_t O, int64_t N, int64_t I, VD* ref, VF* low) {
+  ref->assign(size_t(O * I), 0.0);
+  low->assign(size_t(O * I), 0.f);
+  for (int64_t o = 0; o < O; ++o)
+    for (int64_t i = 0; i < I; ++i) {
+      double d = 0;
+      float f = 0;
+      for (int64_t n = 0; n < N; ++n) {
+        d += double(s[size_t(o * N + n)]) * double(x[size_t(n * I + i)]);
+        f += s[size_t(o * N + n)] * x[size_t(n * I + i)];
+      }
+      (*ref)[size_t(o * I + i)] = d;
+      (*low)[size_t(o * I + i)] = esplag::gpu_test::round_bf16(f);
+    }
+}
+
+struct DwShape {
+  int64_t out, in, tokens;  // out and tokens multiples of 64 (sparse_dw's rule), in of 16
+};
+const DwShape kDwShapes[] = {{64, 48, 128}, {128, 80, 64}, {192, 64, 256}};
+
+// Two steps of a sparse-dW layer: dW = the product of the CPU's estimate for the seed the
+// layer derives (step 0: =, on a NaN-poisoned dW; step 1: += onto ones). dX is not asked
+// for: sparse_dw does not touch it (run_kind checks it).
+void run_sparse_dw(SparseLinearKind kind, const DwShape& sh, uint64_t seed) {
+  SCOPED_TRACE(gpu::sparse_linear_kind_name(kind) + "+sparse_dw out=" + std::to_string(sh.out) +
+               " in=" + std::to_string(sh.in) + " tokens=" + std::to_string(sh.tokens));
+  const int64_t O = sh.out, I = sh.in, N = sh.tokens;
+  Rng rng(seed);
+  const Bits w = random_bf16(size_t(O * I), 0.5, rng);
+  Dev dw_w(size_t(O * I) * 2), dx_(size_t(N * I) * 2), dy_(size_t(N * O) * 2), ddw(size_t(O * I) * 4);
+  upload(dw_w, w);
+  SparseLinearOptions o;
+  o.kind = kind;
+  o.sparse_dw = true;
+  o.dw_seed = seed * 1000 + 7;
+  SparseLinear layer(o, O, I, N, dw_w.bf(), nullptr);
+  ASSERT_TRUE(layer.sparse_dw());
+  EXPECT_EQ(layer.dw_draws(), 0u);
+  layer.prepare(nullptr);
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const bool accumulate = step == 1;
+    const Bits x = random_bf16(size_t(N * I), 1.0, rng), dy = random_bf16(size_t(N * O), 1.0, rng);
+    upload(dx_, x);
+    upload(dy_, dy);
+    if (accumulate) {
+      const VF ones(size_t(O * I), 1.0f);
+      CUDA_CHECK(cudaMemcpy(ddw.p, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+    } else {
+      ddw.poison();
+    }
+    layer.backward(nullptr, ddw.f32(), dy_.bf(), dx_.bf(), accumulate, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_EQ(layer.dw_draws(), uint64_t(step + 1));
+    const VF s = mvue_of_dy_t(dy, N, O, gpu::sparse_dw_mvue_seed(o.dw_seed, uint64_t(step)));
+    size_t kept = 0;
+    for (float v : s) kept += v != 0.f;
+    EXPECT_EQ(kept * 2, s.size()) << "random normal dY: the estimate keeps exactly 2 of every 4";
+    VD ref;
+    VF low;
+    weight_grad_reference(s, to_float(x), O, N, I, &ref, &low);
+    if (accumulate) {
+      for (double& v : ref) v += 1.0;
+      for (float& v : low) v += 1.0f;
+    }
+    esplag::gpu_test::expect_within_low_precision(accumulate ? "dW +=" : "dW =", ref, low,
+                                                  download_f32(ddw.f32(), size_t(O * I)), /*bf16_out=*/true);
+  }
+}
+
+TEST(GpuSparseLinear, SparseDwMatchesTheProductOfTheCpuEstimate) {
+  if (!has_device()) GTEST_SKIP() << "no CUDA device";
+  if (!gpu::cusparselt_available()) GTEST_SKIP() << "cuSPARSELt not available: " << gpu::cusparselt_unavailable_reason();
+  uint64_t seed = 81;
+  for (const DwShape& sh : kDwShapes)
+    for (SparseLinearKind kind : {SparseLinearKind::semi_sparse, SparseLinearKind::slope})
+      run_sparse_dw(kind, sh, seed++);
+}
+
+// The seed decides the draw: set_dw_seed() restarts the same sequence (the same bits), two
+// layers with one base seed agree, and every backward takes a new draw.
+TEST(GpuSparseLinear, SparseDwSeeds) {
+  if (!has_device()) GTEST_SKIP() << "no CUDA device";
+  if (!gpu::cusparselt_available()) GTEST_SKIP() << "cuSPARSELt not available: " << gpu::cusparselt_unavailable_reason();
+  const int64_t O = 128, I = 64, N = 128;
+  Rng rng(17);
+  Dev w(size_t(O * I) * 2), x(size_t(N * I) * 2), dy(size_t(N * O) * 2), dw(size_t(O * I) * 4);
+  upload(w, random_bf16(size_t(O * I), 0.5, rng));
+  upload(x, random_bf16(size_t(N * I), 1.0, rng));
+  upload(dy, random_bf16(size_t(N * O), 1.0, rng));
+  SparseLinearOptions o;
+  o.kind = SparseLinearKind::semi_sparse;
+  o.sparse_dw = true;
+  o.dw_seed = 5;
+  SparseLinear a(o, O, I, N, w.bf(), nullptr), b(o, O, I, N, w.bf(), nullptr);
+  auto draw = [&](SparseLinear& l) {
+    dw.poison();
+    l.backward(nullptr, dw.f32(), dy.bf(), x.bf(), false, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    return download_f32(dw.f32(), size_t(O * I));
+  };
+  const VF a0 = draw(a), a1 = draw(a), b0 = draw(b);
+  EXPECT_EQ(a0, b0) << "one base seed, the same first draw";
+  EXPECT_NE(a0, a1) << "the second backward must take a new draw";
+  a.set_dw_seed(5);
+  EXPECT_EQ(a.dw_draws(), 0u);
+  EXPECT_EQ(draw(a), a0) << "set_dw_seed restarts the sequence";
+  a.set_dw_seed(6);
+  EXPECT_NE(draw(a), a0) << "another base seed, another draw";
+  EXPECT_NE(gpu::sparse_dw_mvue_seed(5, 1), gpu::sparse_dw_mvue_seed(6, 0));
+}
+
+// Unbiasedness: the mean of 32 draws is much closer to the dense dYᵀ · X than one draw
+// (independent draws: about 1/√32 ≈ 0.18 of the single-draw error).
+TEST(GpuSparseLinear, SparseDwIsUnbiased) {
+  if (!has_device()) GTEST_SKIP() << "no CUDA device";
+  if (!gpu::cusparselt_available()) GTEST_SKIP() << "cuSPARSELt not available: " << gpu::cusparselt_unavailable_reason();
+  const int64_t O = 128, I = 96, N = 256;
+  const int draws = 32;
+  Rng rng(23);
+  const Bits x = random_bf16(size_t(N * I), 1.0, rng), dy = random_bf16(size_t(N * O), 1.0, rng);
+  Dev w(size_t(O * I) * 2), dx(size_t(N * I) * 2), ddy(size_t(N * O) * 2), dw(size_t(O * I) * 4);
+  upload(w, random_bf16(size_t(O * I), 0.5, rng));
+  upload(dx, x);
+  upload(ddy, dy);
+  const VD dense = matmul(transpose(to_float(dy), N, O), to_float(x), O, N, I, false);  // dYᵀ · X
+  SparseLinearOptions o;
+  o.kind = SparseLinearKind::slope;
+  o.sparse_dw = true;
+  o.dw_seed = 99;
+  SparseLinear layer(o, O, I, N, w.bf(), nullptr);
+  auto rel_err = [&](const VD& got) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < dense.size(); ++i) {
+      num += (got[i] - dense[i]) * (got[i] - dense[i]);
+      den += dense[i] * dense[i];
+    }
+    return std::sqrt(num / den);
+  };
+  VD sum(dense.size(), 0.0);
+  double single = 0;
+  for (int d = 0; d < draws; ++d) {
+    dw.poison();
+    layer.backward(nullptr, dw.f32(), ddy.bf(), dx.bf(), false, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const VF g = download_f32(dw.f32(), dense.size());
+    single += rel_err(VD(g.begin(), g.end())) / draws;
+    for (size_t i = 0; i < sum.size(); ++i) sum[i] += g[i];
+  }
+  for (double& v : sum) v /= draws;
+  const double mean_err = rel_err(sum);
+  std::printf("  sparse dW relative error: one draw %.4f (mean over draws), mean of %d draws %.4f\n", single, draws,
+              mean_err);
+  EXPECT_GT(single, 1e-2) << "one draw should differ clearly from the dense product (else the check is vacuous)";
+  EXPECT_LT(mean_err, 0.5 * single);
+}
+
+TEST(GpuSparseLinear, SparseDwRefusalsAndMemory) {
+  if (!has_device()) GTEST_SKIP() << "no CUDA device";
+  Dev w(256 * 256 * 2);
+  auto make = [&](SparseLinearKind k, int64_t out, int64_t in, int64_t tokens) {
+    SparseLinearOptions o;
+    o.kind = k;
+    o.sparse_dw = true;
+    SparseLinear l(o, out, in, tokens, w.bf(), nullptr);
+  };
+  auto expect_error = [](const std::function<void()>& f, const std::vector<std::string>& needles) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; expected one containing '" << needles[0] << "'";
+    } catch (const esplag::Error& e) {
+      for (const std::string& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+    }
+  };
+  // Checked with or without cuSPARSELt.
+  expect_error([&] { make(SparseLinearKind::dense, 64, 64, 64); }, {"sparse_dw", "semi_sparse and slope"});
+  expect_error([&] { make(SparseLinearKind::semi_sparse, 48, 64, 64); }, {"sparse_dw", "multiples of 64"});
+  expect_error([&] { make(SparseLinearKind::slope, 64, 64, 48); }, {"sparse_dw", "multiples of 64"});
+  // in needs only the 2:4 kinds' multiple of 16.
+  make(SparseLinearKind::semi_sparse, 64, 48, 64);
+  if (!gpu::cusparselt_available()) GTEST_SKIP() << "cuSPARSELt not available: " << gpu::cusparselt_unavailable_reason();
+  // The layer holds S's compressed buffer and the bf16 dW on top of what it needs without.
+  const int64_t O = 128, I = 256, N = 192;
+  SparseLinearOptions o;
+  o.kind = SparseLinearKind::semi_sparse;
+  SparseLinear plain(o, O, I, N, w.bf(), nullptr);
+  o.sparse_dw = true;
+  SparseLinear with_dw(o, O, I, N, w.bf(), nullptr);
+  EXPECT_FALSE(plain.sparse_dw());
+  EXPECT_TRUE(with_dw.sparse_dw());
+  EXPECT_GE(with_dw.device_bytes(), plain.device_bytes() + gpu::cusparselt24_layout_bytes(O, N) + size_t(2 * O * I));
+  // dY must be 16-byte aligned (the fused kernel's loads).
+  Dev x(size_t(N * I) * 2), dy(size_t(N * O) * 2 + 16), dw(size_t(O * I) * 4);
+  expect_error(
+      [&] {
+        with_dw.backward(nullptr, dw.f32(), reinterpret_cast<const bf16*>(static_cast<char*>(dy.p) + 2), x.bf(), false,
+                         nullptr);
+      },
+      {"16-byte aligned"});
+}
+
 TEST(GpuSparseLinear, RefusedShapesAndOptions) {
   if (!has_device()) GTEST_SKIP() << "no CUDA device";
   Dev w(64 * 64 * 2);
@@ -358,7 +586,7 @@ TEST(GpuSparseLinear, RefusedShapesAndOptions) {
   expect_error([&] { make(SparseLinearKind::semi_sparse, 24, 32, 32); }, "multiples of 16");
   expect_error([&] { make(SparseLinearKind::slope, 32, 32, 40); }, "multiples of 16");
   expect_error([&] { make(SparseLinearKind::dense, 0, 32, 32); }, "sizes must be positive");
-  expect_error([&] { make(SparseLinearKind::slope, 32, 32, 32, true); }, "sparse_dw");
+  expect_error([&] { make(SparseLinearKind::slope, 32, 32, 32, true); }, "sparse_dw needs out and tokens");
   expect_error([&] { gpu::parse_sparse_linear_kind("sparse"); }, "unknown sparse Linear kind 'sparse'");
   EXPECT_EQ(gpu::parse_sparse_linear_kind("slope"), SparseLinearKind::slope);
   // The dense kind takes sizes that are not multiples of 16.

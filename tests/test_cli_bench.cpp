@@ -83,11 +83,6 @@ TEST(CliBench, GpuBenchesRefuseInACpuBuild) {
 }
 #endif
 
-// Refused before any GPU work, in both builds.
-TEST(CliBench, SparseDwIsRefused) {
-  expect_error(run("bench layer --kinds slope --shapes 32x32x32 --sparse-dw"), "--sparse-dw");
-}
-
 TEST(CliBench, TrainCsvGetsOneHeaderAndAppendedRows) {
   const fs::path csv = root() / "train.csv";
   const std::string args = "bench train --model tiny --batch 1 --seq 8 --steps 1 --warmup 0 --csv " + csv.string();

@@ -56,9 +56,10 @@ const char* kBenchUsage = R"(usage:
       dense cuBLASLt vs 2:4 cuSPARSELt (default and searched algorithm) for the GEMMs of a
       Linear W [OUT, IN] over TOKENS rows: fwd Y = X.W^T, bwd dX = dY.W
   esplag bench layer [--kinds dense,semi_sparse,slope] [--shapes default|OUTxINxTOKENS,...]
-                     [--tuning-cache FILE] [--warmup 5] [--iters 20] [--csv FILE]
+                     [--sparse-dw] [--tuning-cache FILE] [--warmup 5] [--iters 20] [--csv FILE]
       one Linear's training step (weight preparation, forward, backward dX and dW) of each
-      kind against dense; default shapes: the llama-1b and llama-7b MLP at 8192 tokens
+      kind against dense; default shapes: the llama-1b and llama-7b MLP at 8192 tokens;
+      --sparse-dw also times each sparse kind with its dW GEMM 2:4 (MVUE of dY)
   esplag bench sparsify [--csv FILE]       2:4 sparsification kernels against a copy
   esplag bench attention [--csv FILE]      attention paths, forward and backward
   esplag bench vnm [--csv FILE]            V:2:M sparse GEMM against dense cuBLASLt
@@ -186,8 +187,6 @@ int bench_layer(const std::vector<std::string>& argv) {
   const auto shapes = shape_spec == "default" ? std::vector<std::array<int64_t, 3>>{} : parse_shapes("layer", shape_spec);
   const int warmup = static_cast<int>(a.integer("warmup", 5)), iters = static_cast<int>(a.integer("iters", 20));
   ESPLAG_CHECK(warmup >= 0 && iters > 0, "bench layer: --iters must be positive and --warmup not negative");
-  ESPLAG_CHECK(!a.has("sparse-dw"),
-               "bench layer: --sparse-dw (a 2:4 output gradient for the dW GEMM) is not implemented yet");
 #ifdef ESPLAG_HAVE_CUDA
   LayerBenchOptions o;
   if (!shapes.empty()) {
@@ -198,6 +197,7 @@ int bench_layer(const std::vector<std::string>& argv) {
   for (const std::string& k : kinds) o.kinds.push_back(gpu::parse_sparse_linear_kind(k));
   o.warmup = warmup;
   o.iters = iters;
+  o.sparse_dw = a.has("sparse-dw");
   if (a.has("tuning-cache")) gpu::set_cusparselt_tuning_path(a.get("tuning-cache"));
   const LayerBenchResult r = run_layer_bench(o);
   std::cout << layer_bench_table(r);

@@ -1,9 +1,10 @@
 // cuSPARSELt 2:4 GEMMs: the run-time loader, the per-problem plans and their process-wide
 // cache, and the JSON tuning cache. See sparse/cuda/cusparselt.h for the API.
 //
-// Descriptors of the four (product, operand) combinations. W [out, in] row-major is
-// always the structured descriptor (rows = out, cols = in, ld = in, row order); only the
-// operation applied to it changes, so the pruned W is compressed straight from memory:
+// Descriptors of the four (product, operand) combinations of a weight's products. W
+// [out, in] row-major is always the structured descriptor (rows = out, cols = in, ld = in,
+// row order); only the operation applied to it changes, so the pruned W is compressed
+// straight from memory:
 //
 //   product  W as  m    n    k    A                         B                          D (= C)
 //   fwd      A     out  N    in   W  row, op N              X [N,in] row, op T          [out,N] col, ld out
@@ -14,6 +15,21 @@
 // A column-major [m, N] D with ld = m is the row-major [N, m] the model uses, so no
 // transpose runs anywhere. The BIAS epilogue adds one value per row of D (per m), which
 // is a per-feature bias only when W is A.
+//
+// The weight gradient (structured operand S = the 2:4 estimate of dYᵀ, A only):
+//
+//   dw       S as A  out  in  N   S [out,N] row, op N       X [N,in] row, op N          [out,in] row, ld in
+//
+// S is op N because that is the layout the fused MVUE kernel writes (cusparselt_layout.h's
+// forward form, checked byte for byte against the library per problem; the library's op T
+// layout is a different one). With m = out and n = in, dW [out, in] as the optimizer holds
+// it is D row-major, so D cannot be column-major here as in the weight's products (that
+// would be dWᵀ). X [N, in] as it lies is op(B) = [k = N, n = in] with op N; the same bytes
+// described column-major [in, N] with op T would be equivalent, and row-major with op N is
+// the combination PyTorch's cuSPARSELt binding uses for a contiguous dense operand with a
+// row-major output. cuSPARSELt could still refuse it for some size: descriptor and plan
+// initialisation go through LT_CHECK like every other problem, so that surfaces as an
+// Error with the status and the problem key, never as a silent fallback.
 #include "sparse/cuda/cusparselt.h"
 
 #include <dlfcn.h>
@@ -53,7 +69,14 @@ namespace {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-const char* product_name(SparseProduct p) { return p == SparseProduct::forward ? "fwd" : "bwd"; }
+const char* product_name(SparseProduct p) {
+  switch (p) {
+    case SparseProduct::forward: return "fwd";
+    case SparseProduct::backward_data: return "bwd";
+    case SparseProduct::weight_grad: return "dw";
+  }
+  return "?";
+}
 const char* activation_name(SparseActivation a) {
   return a == SparseActivation::relu ? "relu" : a == SparseActivation::gelu ? "gelu" : "none";
 }
@@ -95,6 +118,16 @@ SparseGemm24Problem SparseGemm24Problem::linear_backward_data(int64_t out, int64
   return p;
 }
 
+SparseGemm24Problem SparseGemm24Problem::linear_weight_grad(int64_t out, int64_t in, int64_t tokens) {
+  SparseGemm24Problem p;
+  p.product = SparseProduct::weight_grad;
+  p.out = out;
+  p.in = in;
+  p.tokens = tokens;
+  p.weight_operand = SparseOperand::a;
+  return p;
+}
+
 std::string SparseGemm24Problem::key() const {
   return detail::concat(product_name(product), " out=", out, " in=", in, " tokens=", tokens,
                         " w=", weight_operand == SparseOperand::a ? "A" : "B", " bias=", bias ? 1 : 0,
@@ -112,17 +145,26 @@ void check_sparse_gemm24_problem(const SparseGemm24Problem& p) {
                  " is not a multiple of 16, which cuSPARSELt requires of every dimension of bf16 operands "
                  "(pad the layer or run it dense)");
   }
-  // cuSPARSELt's descriptors hold at most 2^31 - 1 elements per 16-bit matrix.
+  // cuSPARSELt's descriptors hold at most 2^31 - 1 elements per 16-bit matrix: the
+  // structured operand, the dense operand and the output.
   const int64_t limit = (int64_t(1) << 31) - 1;
+  const bool dw = p.product == SparseProduct::weight_grad;
   const std::pair<const char*, int64_t> sizes[] = {
-      {"W", p.out * p.in}, {"the token-side input", p.tokens * p.k()},
-      {"the output", p.tokens * (p.product == SparseProduct::forward ? p.out : p.in)}};
+      {dw ? "the structured dY^T" : "W", p.structured_rows() * p.structured_cols()},
+      {dw ? "X" : "the token-side input", p.tokens * (dw ? p.in : p.k())},
+      {dw ? "dW" : "the output",
+       dw ? p.out * p.in : p.tokens * (p.product == SparseProduct::forward ? p.out : p.in)}};
   for (const auto& [name, v] : sizes)
     ESPLAG_CHECK(v <= limit, what, ": ", name, " has ", v, " elements, more than cuSPARSELt's 2^31 - 1");
-  if (p.product == SparseProduct::backward_data) {
-    ESPLAG_CHECK(!p.bias, what, ": the backward-data product has no bias");
-    ESPLAG_CHECK(p.activation == SparseActivation::none, what, ": the backward-data product has no activation");
+  if (p.product != SparseProduct::forward) {
+    const char* which = dw ? "the weight-gradient product" : "the backward-data product";
+    ESPLAG_CHECK(!p.bias, what, ": ", which, " has no bias");
+    ESPLAG_CHECK(p.activation == SparseActivation::none, what, ": ", which, " has no activation");
   }
+  // Only S as A is described (cusparselt.cu's table): as B, the structured operand would
+  // be dY [N, out] with K = N along its columns, a layout nothing here writes.
+  ESPLAG_CHECK(!(dw && p.weight_operand == SparseOperand::b), what,
+               ": the weight-gradient product takes its structured operand dY^T as operand A only");
   ESPLAG_CHECK(!(p.bias && p.weight_operand == SparseOperand::b), what,
                ": a fused bias needs the weight as operand A (with W as B the epilogue would add one value "
                "per token, not per feature)");
@@ -848,9 +890,11 @@ SparseGemm24::SparseGemm24(const SparseGemm24Problem& p, Algorithm alg) : impl_(
   const bool fwd = p.product == SparseProduct::forward;
   m.weight_is_a = p.weight_operand == SparseOperand::a;
 
-  // The table at the top of this file.
-  auto structured_w = [&](cusparseLtMatDescriptor_t* d) {
-    LT_CHECK(api.StructuredDescriptorInit(h, d, out, in, in, kAlign, CUDA_R_16BF, CUSPARSE_ORDER_ROW,
+  // The tables at the top of this file. The structured operand is always row-major as it
+  // lies in memory: W [out, in], or S [out, tokens] for weight_grad.
+  auto structured = [&](cusparseLtMatDescriptor_t* d) {
+    const int64_t rows = p.structured_rows(), cols = p.structured_cols();
+    LT_CHECK(api.StructuredDescriptorInit(h, d, rows, cols, cols, kAlign, CUDA_R_16BF, CUSPARSE_ORDER_ROW,
                                           CUSPARSELT_SPARSITY_50_PERCENT),
              m.ctx);
   };
@@ -859,8 +903,16 @@ SparseGemm24::SparseGemm24(const SparseGemm24Problem& p, Algorithm alg) : impl_(
   };
   const int64_t feat_in = fwd ? in : out;    // features of the token-side input
   const int64_t feat_out = fwd ? out : in;   // features of the output
-  if (m.weight_is_a) {
-    structured_w(&m.a);
+  if (p.product == SparseProduct::weight_grad) {
+    structured(&m.a);  // S [out, N] row-major, op N
+    m.has_a = true;
+    dense(&m.b, tok, in, in, CUSPARSE_ORDER_ROW);  // X [N, in] row-major, op N
+    m.has_b = true;
+    dense(&m.c, out, in, in, CUSPARSE_ORDER_ROW);  // dW [out, in] row-major
+    m.has_c = true;
+    m.op_a = m.op_b = m.op_w = N;
+  } else if (m.weight_is_a) {
+    structured(&m.a);
     m.has_a = true;
     dense(&m.b, tok, feat_in, feat_in, CUSPARSE_ORDER_ROW);
     m.has_b = true;
@@ -872,7 +924,7 @@ SparseGemm24::SparseGemm24(const SparseGemm24Problem& p, Algorithm alg) : impl_(
   } else {
     dense(&m.a, tok, feat_in, feat_in, CUSPARSE_ORDER_ROW);
     m.has_a = true;
-    structured_w(&m.b);
+    structured(&m.b);
     m.has_b = true;
     dense(&m.c, tok, feat_out, feat_out, CUSPARSE_ORDER_ROW);
     m.has_c = true;

@@ -8,12 +8,17 @@
 // tokens N = B·T, all operands bf16, fp32 accumulation:
 //   forward         Y [N, out] = X [N, in] · Wᵀ  (+ bias [out], then ReLU)          K = in
 //   backward_data  dX [N, in]  = dY [N, out] · W                                     K = out
+//   weight_grad    dW [out, in] = S [out, N] · X [N, in]                             K = N
 // cuSPARSELt needs the sparse operand 2:4 along K, so the forward needs W 2:4 along its
 // rows and the backward-data product needs W 2:4 along its columns. prune() uses the 4×4
 // tile mode, whose masks keep exactly 2 values in every row and every column of each
 // tile: one pruned W then serves both products. Each product has its own compressed copy
 // of W (compress(); the layouts differ), made from the same dense pruned W with no
 // transpose kernel: the descriptors read W [out, in] as it lies in memory.
+// weight_grad's structured operand is not W but S, a 2:4 estimate of dYᵀ along the tokens
+// (SparseLinear's sparse_dw: the MVUE of dYᵀ, compressed by cusparselt_layout.h's fused
+// kernel straight from dY [N, out]); its output dW [out, in] is bf16 like every output
+// here (cuSPARSELt's bf16 inputs give bf16 outputs), to be widened by the caller.
 //
 // Layouts (cuSPARSELt computes D[m,n] = op(A)[m,k] · op(B)[k,n]; see cusparselt.cu):
 //   weight as A (default): the output is described column-major [m = features, n = N],
@@ -23,6 +28,8 @@
 //     would add one value per token, so bias is refused in this layout. cuSPARSELt 0.8.0
 //     also refuses the layout itself (INVALID_VALUE at descriptor init) at LLM sizes
 //     (4096×4096×8192 and up, measured on an H100); it is kept for comparison.
+//   weight_grad (structured operand A only): S row-major [out, N] with op N, X row-major
+//     [N, in] with op N, dW row-major [out, in]; no bias, no activation.
 //
 // Sizes: out, in and N must be multiples of 16 (cuSPARSELt's rule for 16-bit operands:
 // rows, columns and leading dimensions); anything else throws esplag::Error naming the
@@ -74,8 +81,10 @@ void warn_cusparselt_fallback_once(std::string_view who, std::string_view why = 
 // ---------------------------------------------------------------------------------------
 // Problems
 
-enum class SparseProduct : uint8_t { forward, backward_data };
-enum class SparseOperand : uint8_t { a, b };  // the cuSPARSELt operand that holds W
+enum class SparseProduct : uint8_t { forward, backward_data, weight_grad };
+// The cuSPARSELt operand that holds the structured (2:4) matrix: W for forward and
+// backward_data, S (the 2:4 estimate of dYᵀ) for weight_grad, which takes A only.
+enum class SparseOperand : uint8_t { a, b };
 enum class SparseActivation : uint8_t { none, relu, gelu };
 
 struct SparseGemm24Problem {
@@ -90,12 +99,22 @@ struct SparseGemm24Problem {
                                             SparseOperand op = SparseOperand::a);
   static SparseGemm24Problem linear_backward_data(int64_t out, int64_t in, int64_t tokens,
                                                   SparseOperand op = SparseOperand::a);
+  // dW [out, in] = S [out, tokens] · X [tokens, in], S structured (operand A, op N).
+  static SparseGemm24Problem linear_weight_grad(int64_t out, int64_t in, int64_t tokens);
 
   // Stable text naming every field (the key of both caches), e.g.
-  // "fwd out=4096 in=4096 tokens=8192 w=A bias=1 act=gelu bf16".
+  // "fwd out=4096 in=4096 tokens=8192 w=A bias=1 act=gelu bf16",
+  // "dw out=4096 in=4096 tokens=8192 w=A bias=0 act=none bf16" (w: the structured operand).
   std::string key() const;
   // The reduction dimension K of the product.
-  int64_t k() const { return product == SparseProduct::forward ? in : out; }
+  int64_t k() const {
+    return product == SparseProduct::forward ? in : product == SparseProduct::backward_data ? out : tokens;
+  }
+  // The structured operand as the logical row-major matrix cuSPARSELt compresses (rows ×
+  // cols): W [out, in] for forward and backward_data (whatever op applies to it), S
+  // [out, tokens] for weight_grad.
+  int64_t structured_rows() const { return out; }
+  int64_t structured_cols() const { return product == SparseProduct::weight_grad ? tokens : in; }
   double flops() const { return 2.0 * double(out) * double(in) * double(tokens); }
 
   friend bool operator==(const SparseGemm24Problem&, const SparseGemm24Problem&) = default;
@@ -107,7 +126,8 @@ struct SparseGemm24Problem {
 bool sparse_gemm24_activation_supported(SparseActivation act);
 
 // Throws esplag::Error saying which rule a problem breaks (sizes not positive or not
-// multiples of 16, bias or activation on the backward product, bias with W as B).
+// multiples of 16, a matrix over 2^31 - 1 elements, bias or activation on the backward
+// products, bias with W as B, weight_grad with its structured operand as B).
 void check_sparse_gemm24_problem(const SparseGemm24Problem& p);
 
 // The algorithm configuration of a plan (what the tuning cache stores).
@@ -144,27 +164,32 @@ class SparseGemm24 {
 
   const SparseGemm24Problem& problem() const;
 
-  // Device bytes of the compressed weight, of the scratch compress() needs, and of the
-  // workspace matmul() needs with the current configuration (may change after tune()).
+  // Device bytes of the compressed structured operand, of the scratch compress() needs,
+  // and of the workspace matmul() needs with the current configuration (may change after
+  // tune()).
   size_t compressed_bytes() const;
   size_t compress_scratch_bytes() const;
   size_t workspace_bytes() const;
 
-  // pruned [out, in] = W with 2 of every 4 values zeroed along this product's K, by the
+  // prune / is_pruned / compress work on the structured operand as it lies in memory:
+  // W [out, in] for forward and backward_data, S [out, tokens] for weight_grad
+  // (problem().structured_rows() × structured_cols(), row-major).
+  // pruned = the operand with 2 of every 4 values zeroed along this product's K, by the
   // 4×4 tile rule (2 kept per row and per column of each tile, largest magnitude), so the
   // result is 2:4 along both dimensions. pruned may equal dense (in place).
   void prune(bf16* pruned, const bf16* dense, cudaStream_t stream) const;
-  // Whether W [out, in] is 2:4 along this product's K. Synchronises the stream.
+  // Whether the operand is 2:4 along this product's K. Synchronises the stream.
   bool is_pruned(const bf16* w, cudaStream_t stream) const;
-  // compressed (compressed_bytes()) = the compressed form of a pruned W. Throws Error when
-  // scratch_bytes < compress_scratch_bytes(). W must already be 2:4 (is_pruned).
+  // compressed (compressed_bytes()) = the compressed form of a pruned operand. Throws Error
+  // when scratch_bytes < compress_scratch_bytes(). It must already be 2:4 (is_pruned).
   void compress(void* compressed, const bf16* pruned, void* scratch, size_t scratch_bytes,
                 cudaStream_t stream) const;
 
   // forward:        out = Y [N, out],  dense = X [N, in],   bias bf16 [out] when the
   //                 problem has one (null otherwise; cuSPARSELt reads the bias in the
   //                 output's type, bf16);
-  // backward_data:  out = dX [N, in],  dense = dY [N, out], bias null.
+  // backward_data:  out = dX [N, in],  dense = dY [N, out], bias null;
+  // weight_grad:    out = dW [out, in] (bf16), dense = X [N, in], bias null.
   // `out` is overwritten (never read). Throws Error when workspace_bytes <
   // workspace_bytes(). A plan is kept per bias pointer (see cusparselt.cu), so each
   // layer's bias costs one plan initialisation, once.

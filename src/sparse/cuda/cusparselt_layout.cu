@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "sparse/cuda/cusparselt.h"
 #include "sparse/cuda/sparsify_device.h"
+#include "sparse/mvue.h"
 
 namespace esplag::gpu {
 
@@ -75,7 +76,25 @@ __device__ inline uint64_t mask_group(uint64_t v, unsigned nibble) {
   return v & keep;
 }
 
-enum class Source { dense, dense_pruned, kept };
+// The MVUE 2:4 of one group (bf16 bits, element j in bits 16j..16j+15) for the uniform u,
+// in the same packing: what cpu::mvue_24_bf16 writes (scaled kept values rounded to bf16
+// once, nearest even; unscaled kept values copied bit for bit; the others 0).
+__device__ inline uint64_t mvue_group_bits(uint64_t v, uint32_t u) {
+  float a[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) a[j] = __uint_as_float(uint32_t((v >> (16 * j)) & 0xFFFFu) << 16);
+  const sparse_detail::Mvue24Group g = sparse_detail::mvue_24_group(a, u);
+  uint64_t o = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint64_t bits =
+        g.scaled ? uint64_t(__bfloat16_as_ushort(__float2bfloat16_rn(g.out[j]))) : (v >> (16 * j)) & 0xFFFFu;
+    if ((g.keep >> j) & 1u) o |= bits << (16 * j);
+  }
+  return o;
+}
+
+enum class Source { dense, dense_pruned, kept, mvue_of_transpose };
 
 // With Source::dense_pruned, the staged tile is first pruned in place with the
 // transposable greedy mask of each of its 4×4 tiles (gpu::transposable_24's rule and bits:
@@ -86,11 +105,18 @@ enum class Source { dense, dense_pruned, kept };
 // masks come as 4×4 tile bits ([rows/4, cols/4]): W1 (fwd_tiles) is staged for the layout
 // of op N, W2 = W1 ⊙ bwd_tiles in a second tile for the layout of op T (slope's two
 // compressed copies from its stored kept values).
+//
+// With Source::mvue_of_transpose, w is a dense gradient G staged as is, only the layout of
+// op T is written (launched with 64 threads, all on it), and each group of 4 along K (4
+// rows of one column of G) goes through the MVUE 2:4 for `seed` before the selection: its
+// output has at most two non-zeros, so "the first two non-zeros" are the MVUE's kept
+// values. Group index: the row of op(W) times K/4 plus the group along K, the numbering
+// of cpu::mvue_24_bf16 on Gᵀ.
 template <Source From>
 __global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t rows, int64_t cols,
                                        uint8_t* __restrict__ dst_n, uint8_t* __restrict__ dst_t,
                                        uint16_t* __restrict__ pruned, const uint16_t* __restrict__ fwd_tiles,
-                                       const uint16_t* __restrict__ bwd_tiles) {
+                                       const uint16_t* __restrict__ bwd_tiles, uint64_t seed) {
   constexpr int kStride = kTile + 2;  // odd word stride: column reads hit distinct banks
   constexpr int kWordStride = kStride / 2;
   constexpr bool kKept = From == Source::kept;
@@ -151,7 +177,8 @@ __global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t r
     }
     __syncthreads();
   }
-  const bool transposed = threadIdx.x >= 64;
+  constexpr bool kMvue = From == Source::mvue_of_transpose;
+  const bool transposed = kMvue || threadIdx.x >= 64;
   uint8_t* dst = transposed ? dst_t : dst_n;
   if (!dst) return;
   const uint16_t* const staged = kKept && transposed ? tile2 : tile;
@@ -173,6 +200,10 @@ __global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t r
       for (int j = 0; j < 4; ++j) {
         const int lk = ch * 32 + g * 4 + j;  // tile-local column of op(W)
         v |= uint64_t(transposed ? staged[lk * kStride + lr] : staged[lr * kStride + lk]) << (16 * j);
+      }
+      if constexpr (kMvue) {
+        const uint64_t group = uint64_t(op_r0 + lr) * uint64_t(K / 4) + uint64_t((op_c0 + ch * 32) / 4 + g);
+        v = mvue_group_bits(v, sparse_detail::mvue_uniform24(seed, group));
       }
       uint16_t x0, x1;
       nibs |= uint64_t(pick_group(v, &x0, &x1)) << (32 * half + 4 * g);
@@ -200,9 +231,9 @@ __global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t r
   *reinterpret_cast<uint2*>(dst + off) = m;
 }
 
-void check_shape(const char* who, int64_t rows, int64_t cols) {
-  ESPLAG_CHECK(rows > 0 && cols > 0 && rows % kTile == 0 && cols % kTile == 0, who, ": W [", rows, ", ", cols,
-               "]: the cuSPARSELt layout writer needs both dimensions positive multiples of ", kTile);
+void check_shape(const char* who, int64_t rows, int64_t cols, const char* matrix = "W") {
+  ESPLAG_CHECK(rows > 0 && cols > 0 && rows % kTile == 0 && cols % kTile == 0, who, ": ", matrix, " [", rows, ", ",
+               cols, "]: the cuSPARSELt layout writer needs both dimensions positive multiples of ", kTile);
 }
 
 }  // namespace
@@ -243,7 +274,7 @@ void cusparselt24_compress(const bf16* w, int64_t rows, int64_t cols, void* dst_
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
   compress_layout_kernel<Source::dense>
       <<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols, static_cast<uint8_t*>(dst_n),
-                                 static_cast<uint8_t*>(dst_t), nullptr, nullptr, nullptr);
+                                 static_cast<uint8_t*>(dst_t), nullptr, nullptr, nullptr, 0);
   CUDA_CHECK_LAUNCH("compress_layout_kernel");
 }
 
@@ -258,7 +289,8 @@ void cusparselt24_prune_compress(const bf16* w, int64_t rows, int64_t cols, bf16
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
   compress_layout_kernel<Source::dense_pruned>
       <<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols, static_cast<uint8_t*>(dst_n),
-                                 static_cast<uint8_t*>(dst_t), reinterpret_cast<uint16_t*>(pruned), nullptr, nullptr);
+                                 static_cast<uint8_t*>(dst_t), reinterpret_cast<uint16_t*>(pruned), nullptr, nullptr,
+                                 0);
   CUDA_CHECK_LAUNCH("compress_layout_kernel (pruning)");
 }
 
@@ -273,8 +305,21 @@ void cusparselt24_compress_kept(const bf16* values, const uint16_t* forward_tile
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
   compress_layout_kernel<Source::kept>
       <<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(values), rows, cols, static_cast<uint8_t*>(dst_n),
-                                 static_cast<uint8_t*>(dst_t), nullptr, forward_tiles, backward_tiles);
+                                 static_cast<uint8_t*>(dst_t), nullptr, forward_tiles, backward_tiles, 0);
   CUDA_CHECK_LAUNCH("compress_layout_kernel (kept values)");
+}
+
+void cusparselt24_compress_mvue_t(const bf16* g, int64_t rows, int64_t cols, uint64_t seed, void* dst_t,
+                                  cudaStream_t stream) {
+  check_shape("cusparselt24_compress_mvue_t", rows, cols, "the gradient");
+  ESPLAG_CHECK(g != nullptr && dst_t != nullptr, "cusparselt24_compress_mvue_t: null gradient or layout");
+  ESPLAG_CHECK(reinterpret_cast<uintptr_t>(g) % 16 == 0 && reinterpret_cast<uintptr_t>(dst_t) % 16 == 0,
+               "cusparselt24_compress_mvue_t: pointers must be 16-byte aligned");
+  const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
+  compress_layout_kernel<Source::mvue_of_transpose>
+      <<<grid, 64, 0, stream>>>(reinterpret_cast<const uint16_t*>(g), rows, cols, nullptr,
+                                static_cast<uint8_t*>(dst_t), nullptr, nullptr, nullptr, seed);
+  CUDA_CHECK_LAUNCH("compress_layout_kernel (MVUE of the transpose)");
 }
 
 namespace {
@@ -304,15 +349,18 @@ std::vector<uint16_t> random_transposable(int64_t rows, int64_t cols, uint64_t s
   return w;
 }
 
+// The structured operand is the row-major rows × cols matrix of the problem (W [out, in],
+// or S [out, tokens] for weight_grad); backward_data applies op T to it, the others op N.
 bool check_problem(const SparseGemm24& g) {
   const SparseGemm24Problem& p = g.problem();
   if (p.weight_operand != SparseOperand::a) return false;
   if (!env_flag("ESPLAG_CUSPARSELT_OWN_LAYOUT", true)) return false;
   const bool transposed = p.product == SparseProduct::backward_data;
-  const int64_t M = transposed ? p.in : p.out, K = transposed ? p.out : p.in;
+  const int64_t rows = p.structured_rows(), cols = p.structured_cols();
+  const int64_t M = transposed ? cols : rows, K = transposed ? rows : cols;
   const size_t bytes = cusparselt24_layout_bytes(M, K);
   if (bytes == 0 || bytes != g.compressed_bytes()) return false;
-  const std::vector<uint16_t> w = random_transposable(p.out, p.in, 0x5eed24ull + uint64_t(p.out * 131 + p.in));
+  const std::vector<uint16_t> w = random_transposable(rows, cols, 0x5eed24ull + uint64_t(rows * 131 + cols));
   void *dw = nullptr, *dlib = nullptr, *down = nullptr, *dscratch = nullptr;
   bool same = false;
   const size_t n = w.size() * 2;
@@ -323,7 +371,7 @@ bool check_problem(const SparseGemm24& g) {
     CUDA_CHECK(cudaMemset(dlib, 0x5A, bytes));
     CUDA_CHECK(cudaMemset(down, 0xA5, bytes));
     g.compress(dlib, static_cast<const bf16*>(dw), dscratch, scratch, nullptr);
-    cusparselt24_compress(static_cast<const bf16*>(dw), p.out, p.in, transposed ? nullptr : down,
+    cusparselt24_compress(static_cast<const bf16*>(dw), rows, cols, transposed ? nullptr : down,
                           transposed ? down : nullptr, nullptr);
     CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<uint8_t> a(bytes), b(bytes);
@@ -345,7 +393,7 @@ bool cusparselt24_layout_matches(const SparseGemm24& g) {
   static std::map<std::tuple<int, int64_t, int64_t, int>, bool> decided;
   if (!cusparselt_available()) return false;
   const SparseGemm24Problem& p = g.problem();
-  const auto key = std::make_tuple(int(p.product), p.out, p.in, int(p.weight_operand));
+  const auto key = std::make_tuple(int(p.product), p.structured_rows(), p.structured_cols(), int(p.weight_operand));
   std::lock_guard<std::mutex> lock(mu);
   const auto it = decided.find(key);
   if (it != decided.end()) return it->second;

@@ -21,7 +21,8 @@
 //
 // The layout, for the structured operand op(W) seen as a logical row-major M×K matrix,
 // 2:4 along K (forward: op(W) = W [out, in], M = out, K = in; input gradient with W as A
-// and op T: op(W) = Wᵀ, M = in, K = out), bf16, M and K multiples of 64:
+// and op T: op(W) = Wᵀ, M = in, K = out; weight gradient: op(S) = S [out, N], the 2:4
+// estimate of dYᵀ, M = out, K = N), bf16, M and K multiples of 64:
 //   bytes [0, M·K)        the kept values, row-major [M, K/2]: per group of 4 along K the
 //                         two kept values in ascending position.
 //   bytes [M·K, M·K·9/8)  the metadata, 4 bits per group: idx0 | idx1 << 2 (the positions
@@ -73,10 +74,6 @@ void cusparselt24_compress_host(const uint16_t* w, int64_t rows, int64_t cols, b
 // rows, cols multiples of 64 (else Error). Asynchronous on `stream`.
 void cusparselt24_compress(const bf16* w, int64_t rows, int64_t cols, void* dst_n, void* dst_t, cudaStream_t stream);
 
-// The same from a dense W, pruned on the way with the transposable greedy 4×4-tile 2:4 mask
-// (gpu::transposable_24's, bit for bit): pruned (may be null) = that pruned W [rows, cols],
-// dst_n / dst_t (may be null) = its layouts. One read of W instead of a pruning pass and a
-// compression pass over the pruned copy (semi_sparse's per-step preparation).
 // The same for slope's stored form: W1 [rows, cols] given by its kept values [rows, cols/2]
 // (bf16, 4-byte aligned; sparse/cuda/kept_values.h's order) and its row-wise 2:4 forward
 // mask as 4×4 tile bits [rows/4, cols/4]: dst_n (may be null) = the layout of W1, dst_t
@@ -86,15 +83,34 @@ void cusparselt24_compress(const bf16* w, int64_t rows, int64_t cols, void* dst_
 void cusparselt24_compress_kept(const bf16* values, const uint16_t* forward_tiles, const uint16_t* backward_tiles,
                                 int64_t rows, int64_t cols, void* dst_n, void* dst_t, cudaStream_t stream);
 
+// The same from a dense W, pruned on the way with the transposable greedy 4×4-tile 2:4 mask
+// (gpu::transposable_24's, bit for bit): pruned (may be null) = that pruned W [rows, cols],
+// dst_n / dst_t (may be null) = its layouts. One read of W instead of a pruning pass and a
+// compression pass over the pruned copy (semi_sparse's per-step preparation).
 void cusparselt24_prune_compress(const bf16* w, int64_t rows, int64_t cols, bf16* pruned, void* dst_n, void* dst_t,
                                  cudaStream_t stream);
 
-// Whether this layout is the one the loaded cuSPARSELt produces for g's weight operand:
-// W as operand A (the forward's op N, backward_data's op T), the compressed size equal to
+// The weight-gradient product's structured operand from the output gradient, in one read
+// of it: dst_t = the layout of S = MVUE(Gᵀ), the MVUE 2:4 (sparse/mvue.h) of Gᵀ [cols, rows]
+// for `seed`, where G [rows, cols] is bf16, row-major, 16-byte aligned (SparseLinear's
+// sparse_dw: G = dY [N, out], so S estimates dYᵀ [out, N], 2:4 along the tokens: M = out,
+// K = N). Groups are 4 consecutive rows of one column of G, numbered as
+// cpu::mvue_24_bf16 numbers them on Gᵀ: column c, rows 4j..4j+3 is group c·(rows/4) + j;
+// each group runs sparse_detail::mvue_24_group, so the bytes are exactly
+// cusparselt24_compress_host(mvue_24_bf16(Gᵀ, seed), transposed = false). The 64×64 tile of
+// cusparselt24_compress, with the MVUE choosing the kept values instead of "the
+// non-zeros"; no dense estimate and no transposed copy of G are written. rows, cols
+// multiples of 64 (else Error). Asynchronous on `stream`.
+void cusparselt24_compress_mvue_t(const bf16* g, int64_t rows, int64_t cols, uint64_t seed, void* dst_t,
+                                  cudaStream_t stream);
+
+// Whether this layout is the one the loaded cuSPARSELt produces for g's structured operand:
+// operand A (the forward's op N, backward_data's op T of W; weight_grad's op N of S
+// [out, tokens], the forward form with M = out, K = tokens), the compressed size equal to
 // cusparselt24_layout_bytes, and a random 2:4 (along both dimensions) matrix of the
-// problem's shape compressed both ways giving identical bytes. Decided once per
-// (product, out, in) and process (thread-safe); synchronises the device the first time.
-// False when cuSPARSELt is not available.
+// operand's shape compressed both ways giving identical bytes. Decided once per (product,
+// structured operand's shape) and process (thread-safe); synchronises the device the first
+// time. False when cuSPARSELt is not available.
 bool cusparselt24_layout_matches(const SparseGemm24& g);
 
 }  // namespace esplag::gpu

@@ -4,10 +4,13 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <utility>
 
 #include "core/cuda_check.h"
+#include "core/cuda_fill.h"
 #include "core/cuda_timing.h"
 #include "core/device_arena.h"
+#include "core/device_buffer.h"
 #include "core/error.h"
 #include "sparse/cuda/cusparselt.h"
 #include "sparse/cuda/bench_summary.h"
@@ -18,49 +21,6 @@ namespace {
 
 using gpu::bf16;
 using gpu::SparseLinearKind;
-
-// One cudaMalloc'ed buffer for the duration of a shape.
-class Buffer {
- public:
-  Buffer(size_t bytes, const char* what) {
-    const cudaError_t err = cudaMalloc(&p_, bytes);
-    if (err != cudaSuccess) {
-      cudaGetLastError();
-      p_ = nullptr;
-      fail("bench layer: cannot allocate ", DeviceArena::format_bytes(bytes), " for ", what, " (",
-           cudaGetErrorString(err), ")");
-    }
-  }
-  ~Buffer() {
-    if (p_) cudaFree(p_);
-  }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  bf16* bf() const { return static_cast<bf16*>(p_); }
-  float* f32() const { return static_cast<float*>(p_); }
-
- private:
-  void* p_ = nullptr;
-};
-
-// |x| uniform in [0.1, 1) times scale with a random sign (splitmix64 of the index): never
-// zero, so the timings are those of real data.
-__global__ void fill_nonzero_kernel(bf16* p, int64_t n, uint64_t seed, float scale) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  uint64_t z = seed + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  const float mag = 0.1f + 0.9f * static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
-  p[i] = __float2bfloat16_rn((z & 1ull) ? -mag * scale : mag * scale);
-}
-
-void fill_nonzero(bf16* p, int64_t n, uint64_t seed, float scale, cudaStream_t s) {
-  const int threads = 256;
-  fill_nonzero_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, s>>>(p, n, seed, scale);
-  CUDA_CHECK_LAUNCH("fill_nonzero_kernel");
-}
 
 // Median of `iters` CUDA-event times of call() after `warmup` untimed calls.
 double median_ms(const std::function<void()>& call, int warmup, int iters, cudaStream_t s) {
@@ -106,6 +66,13 @@ LayerBenchResult run_layer_bench(const LayerBenchOptions& opt) {
   std::vector<SparseLinearKind> kinds = {SparseLinearKind::dense};
   for (SparseLinearKind k : opt.kinds)
     if (std::find(kinds.begin(), kinds.end(), k) == kinds.end()) kinds.push_back(k);
+  // The layers timed per shape: each kind as it is, each sparse kind again with sparse dW
+  // right after it when asked.
+  std::vector<std::pair<SparseLinearKind, bool>> variants;
+  for (SparseLinearKind k : kinds) {
+    variants.emplace_back(k, false);
+    if (opt.sparse_dw && k != SparseLinearKind::dense) variants.emplace_back(k, true);
+  }
 
   CudaStream stream;
   const cudaStream_t s = stream.s;
@@ -114,21 +81,23 @@ LayerBenchResult run_layer_bench(const LayerBenchOptions& opt) {
     ESPLAG_CHECK(sh.out > 0 && sh.in > 0 && sh.tokens > 0, "bench layer: shape ", shape_text(sh),
                  " must have positive sizes");
     const int64_t n_w = sh.out * sh.in, n_x = sh.tokens * sh.in, n_y = sh.tokens * sh.out;
-    Buffer w(2 * size_t(n_w), "W"), x(2 * size_t(n_x), "X"), dy(2 * size_t(n_y), "dY"), y(2 * size_t(n_y), "Y"),
-        dx(2 * size_t(n_x), "dX"), dw(4 * size_t(n_w), "dW");
-    fill_nonzero(w.bf(), n_w, seed++ * 0x1234567ull, 1.0f / std::sqrt(float(sh.in)), s);
-    fill_nonzero(x.bf(), n_x, seed++ * 0x1234567ull, 1.0f, s);
-    fill_nonzero(dy.bf(), n_y, seed++ * 0x1234567ull, 1.0f, s);
+    const char* owner = "bench layer";
+    DeviceBuffer w(2 * size_t(n_w), owner, "W"), x(2 * size_t(n_x), owner, "X"), dy(2 * size_t(n_y), owner, "dY"),
+        y(2 * size_t(n_y), owner, "Y"), dx(2 * size_t(n_x), owner, "dX"), dw(4 * size_t(n_w), owner, "dW");
+    fill_nonzero_bf16(w.bf(), n_w, seed++ * 0x1234567ull, 1.0f / std::sqrt(float(sh.in)), s);
+    fill_nonzero_bf16(x.bf(), n_x, seed++ * 0x1234567ull, 1.0f, s);
+    fill_nonzero_bf16(dy.bf(), n_y, seed++ * 0x1234567ull, 1.0f, s);
     CUDA_CHECK(cudaStreamSynchronize(s));
     double dense_total = 0;
-    for (SparseLinearKind kind : kinds) {
+    for (const auto& [kind, sparse_dw] : variants) {
       LayerBenchRow row;
       row.shape = sh;
       row.kind = kind;
+      row.sparse_dw = sparse_dw;
       try {
         gpu::SparseLinearOptions lo;
         lo.kind = kind;
-        lo.sparse_dw = opt.sparse_dw && kind != SparseLinearKind::dense;
+        lo.sparse_dw = sparse_dw;
         gpu::SparseLinear layer(lo, sh.out, sh.in, sh.tokens, w.bf(), s);
         row.sparse = layer.sparse();
         // The first step tunes the cuSPARSELt products (and may grow the workspace).
@@ -162,6 +131,10 @@ LayerBenchResult run_layer_bench(const LayerBenchOptions& opt) {
   return r;
 }
 
+std::string layer_bench_kind_label(const LayerBenchRow& row) {
+  return gpu::sparse_linear_kind_name(row.kind) + (row.sparse_dw ? "+sparse_dw" : "");
+}
+
 std::string layer_bench_table(const LayerBenchResult& r) {
   std::string o;
   char buf[512];
@@ -172,29 +145,30 @@ std::string layer_bench_table(const LayerBenchResult& r) {
   o += buf;
   if (r.cusparselt_version == 0)
     o += "cuSPARSELt is not available (" + r.cusparselt_unavailable + "): the sparse kinds run dense\n";
-  std::snprintf(buf, sizeof buf, "%-12s %-18s %9s %9s %9s %9s %9s\n", "kind", "out x in x tokens", "prep_ms",
+  // The kind column fits "semi_sparse+sparse_dw*" when sparse-dW rows are present.
+  const bool any_dw = std::any_of(r.rows.begin(), r.rows.end(), [](const LayerBenchRow& w) { return w.sparse_dw; });
+  const int kw = any_dw ? 22 : 12;
+  std::snprintf(buf, sizeof buf, "%-*s %-18s %9s %9s %9s %9s %9s\n", kw, "kind", "out x in x tokens", "prep_ms",
                 "fwd_ms", "bwd_ms", "total_ms", "vs_dense");
   o += buf;
   std::vector<std::string> meets;
   size_t compared = 0;
   for (const LayerBenchRow& w : r.rows) {
-    const std::string kind = gpu::sparse_linear_kind_name(w.kind) + (w.kind != gpu::SparseLinearKind::dense &&
-                                                                             w.ran && !w.sparse
-                                                                         ? "*"
-                                                                         : "");
+    const std::string kind =
+        layer_bench_kind_label(w) + (w.kind != gpu::SparseLinearKind::dense && w.ran && !w.sparse ? "*" : "");
     if (!w.ran) {
-      std::snprintf(buf, sizeof buf, "%-12s %-18s  did not run: ", kind.c_str(), shape_text(w.shape).c_str());
+      std::snprintf(buf, sizeof buf, "%-*s %-18s  did not run: ", kw, kind.c_str(), shape_text(w.shape).c_str());
       o += buf + w.note + "\n";
       continue;
     }
-    std::snprintf(buf, sizeof buf, "%-12s %-18s %9.3f %9.3f %9.3f %9.3f %8.2fx\n", kind.c_str(),
+    std::snprintf(buf, sizeof buf, "%-*s %-18s %9.3f %9.3f %9.3f %9.3f %8.2fx\n", kw, kind.c_str(),
                   shape_text(w.shape).c_str(), w.prep_ms, w.fwd_ms, w.bwd_ms, w.total_ms, w.speedup);
     o += buf;
     if (w.kind == gpu::SparseLinearKind::dense || !w.sparse) continue;
     ++compared;
     if (w.speedup >= 1.3) {
-      std::snprintf(buf, sizeof buf, "%s %s (%.2fx)", gpu::sparse_linear_kind_name(w.kind).c_str(),
-                    shape_text(w.shape).c_str(), w.speedup);
+      std::snprintf(buf, sizeof buf, "%s %s (%.2fx)", layer_bench_kind_label(w).c_str(), shape_text(w.shape).c_str(),
+                    w.speedup);
       meets.push_back(buf);
     }
   }
@@ -217,7 +191,7 @@ std::string layer_bench_csv_rows(const LayerBenchResult& r, const std::string& c
   for (const LayerBenchRow& w : r.rows) {
     std::snprintf(buf, sizeof buf, "%s,\"%s\",%s,%s,%lld,%lld,%lld,%d,%d,%.4f,%.4f,%.4f,%.4f,%.3f,%d,%d,",
                   commit.c_str(), r.gpu.c_str(), version_text(r.cusparselt_version).c_str(),
-                  gpu::sparse_linear_kind_name(w.kind).c_str(), static_cast<long long>(w.shape.out),
+                  layer_bench_kind_label(w).c_str(), static_cast<long long>(w.shape.out),
                   static_cast<long long>(w.shape.in), static_cast<long long>(w.shape.tokens), w.ran ? 1 : 0,
                   w.sparse ? 1 : 0, w.prep_ms, w.fwd_ms, w.bwd_ms, w.total_ms, w.speedup, r.warmup, r.iters);
     o += buf + csv_text(w.note) + "\n";

@@ -10,6 +10,11 @@
 // weight preparation that the sparse kinds pay at every step. The speed-up is dense's
 // total over the kind's total.
 //
+// With sparse_dw, each sparse kind is timed a second time with SparseLinearOptions::
+// sparse_dw (dW from the 2:4 MVUE of dYᵀ: its fused compression, the 2:4 product and the
+// widening into fp32 count in bwd and total), as an extra row labelled
+// "<kind>+sparse_dw" right after the kind's own row, against the same dense baseline.
+//
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once
 
@@ -39,7 +44,9 @@ struct LayerBenchOptions {
   // Dense is always timed first (the baseline), whether listed or not.
   std::vector<gpu::SparseLinearKind> kinds = {gpu::SparseLinearKind::dense, gpu::SparseLinearKind::semi_sparse,
                                               gpu::SparseLinearKind::slope};
-  bool sparse_dw = false;  // passed to the sparse kinds (which refuse it: sparse_linear.h)
+  // Also time every sparse kind with sparse dW (rows "<kind>+sparse_dw"); shapes whose out
+  // or tokens are not multiples of 64 give those rows with the reason instead.
+  bool sparse_dw = false;
   int warmup = 5;
   int iters = 20;
 };
@@ -47,6 +54,7 @@ struct LayerBenchOptions {
 struct LayerBenchRow {
   LayerBenchShape shape;
   gpu::SparseLinearKind kind = gpu::SparseLinearKind::dense;
+  bool sparse_dw = false;  // the layer was built with sparse_dw (label "<kind>+sparse_dw")
   bool ran = false;
   bool sparse = false;  // 2:4 products ran (false: dense, or the fallback without cuSPARSELt)
   std::string note;     // why it did not run
@@ -66,10 +74,14 @@ struct LayerBenchResult {
 // shape gives a row with the reason.
 LayerBenchResult run_layer_bench(const LayerBenchOptions& options);
 
+// A row's kind as the table and the CSV write it: the kind's name, "+sparse_dw" appended
+// for the rows timed with sparse dW.
+std::string layer_bench_kind_label(const LayerBenchRow& row);
+
 // The human table (kind, shape, prep / fwd / bwd / total ms, speed-up); it ends with the
 // rows at >= 1.3x dense.
 std::string layer_bench_table(const LayerBenchResult& r);
-// CSV with a leading `commit` column.
+// CSV with a leading `commit` column; the kind column holds layer_bench_kind_label.
 std::string layer_bench_csv_header();
 std::string layer_bench_csv_rows(const LayerBenchResult& r, const std::string& commit);
 

@@ -8,50 +8,17 @@
 #include "core/cuda_check.h"
 #include "core/cuda_timing.h"
 #include "core/device_arena.h"
+#include "core/device_buffer.h"
 #include "core/error.h"
 #include "ops/gpu.h"
 #include "sparse/cuda/cusparselt.h"
 #include "sparse/cuda/cusparselt_layout.h"
 #include "sparse/cuda/sparsify.h"
+#include "sparse/mvue.h"
 
 namespace esplag::gpu {
 
 namespace {
-
-// One cudaMalloc'ed buffer. Owned buffers rather than an arena: the cuSPARSELt workspace
-// may have to grow once, after the first tuning.
-class Buffer {
- public:
-  Buffer() = default;
-  ~Buffer() { reset(); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  void allocate(size_t bytes, const char* what, const std::string& layer) {
-    reset();
-    if (bytes == 0) return;
-    const cudaError_t err = cudaMalloc(&p_, bytes);
-    if (err != cudaSuccess) {
-      cudaGetLastError();
-      p_ = nullptr;
-      fail("SparseLinear ", layer, ": cannot allocate ", DeviceArena::format_bytes(bytes), " for ", what, " (",
-           cudaGetErrorString(err), ")");
-    }
-    bytes_ = bytes;
-  }
-  void reset() {
-    if (p_) cudaFree(p_);
-    p_ = nullptr;
-    bytes_ = 0;
-  }
-  void* get() const { return p_; }
-  bf16* bf() const { return static_cast<bf16*>(p_); }
-  uint16_t* u16() const { return static_cast<uint16_t*>(p_); }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* p_ = nullptr;
-  size_t bytes_ = 0;
-};
 
 // w1[r, 4g..4g+3] = w where the static tile mask keeps the value, 0 elsewhere; one thread
 // per group of 4 (8-byte loads and stores: rows of in % 16 == 0 values keep that aligned).
@@ -67,6 +34,15 @@ __global__ void apply_tile_mask_kernel(bf16* w1, const bf16* w, const uint16_t* 
   o.x = ((nibble & 1u) ? (in.x & 0xFFFFu) : 0u) | ((nibble & 2u) ? (in.x & 0xFFFF0000u) : 0u);
   o.y = ((nibble & 4u) ? (in.y & 0xFFFFu) : 0u) | ((nibble & 8u) ? (in.y & 0xFFFF0000u) : 0u);
   reinterpret_cast<uint2*>(w1)[i] = o;
+}
+
+// dw (fp32) = or += the bf16 dW of the 2:4 product, one thread per value (both arrays
+// read and written in order: coalesced).
+__global__ void widen_dw_kernel(float* __restrict__ dw, const bf16* __restrict__ src, int64_t n, bool accumulate) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float v = __bfloat162float(src[i]);
+  dw[i] = accumulate ? dw[i] + v : v;
 }
 
 std::string shape_text(int64_t out, int64_t in, int64_t tokens) {
@@ -90,6 +66,10 @@ SparseLinearKind parse_sparse_linear_kind(const std::string& name) {
   if (name == "semi_sparse") return SparseLinearKind::semi_sparse;
   if (name == "slope") return SparseLinearKind::slope;
   fail("unknown sparse Linear kind '", name, "' (expected dense, semi_sparse or slope)");
+}
+
+uint64_t sparse_dw_mvue_seed(uint64_t base, uint64_t draw) {
+  return sparse_detail::mvue_mix(sparse_detail::mvue_mix(base) + draw);
 }
 
 struct SparseLinear::Impl {
@@ -125,25 +105,34 @@ struct SparseLinear::Impl {
   // (decided once per problem by comparing both on a random matrix of the layer's shape).
   bool own_fwd = false, own_bwd = false;
 
-  Buffer pruned;      // Ws [out, in]; slope: W1 or W2 [out, in] and W2ᵀ [in, out], unless shared
-  Buffer pruned_t;    // (SparseLinearOptions::slope_scratch)
+  DeviceBuffer pruned;      // Ws [out, in]; slope: W1 or W2 [out, in] and W2ᵀ [in, out], unless shared
+  DeviceBuffer pruned_t;    // (SparseLinearOptions::slope_scratch)
   bf16* w1 = nullptr;   // slope: W1, then W2 (pruned or the shared scratch)
   bf16* w2t = nullptr;  // slope: W2ᵀ (pruned_t or the shared scratch)
-  Buffer tile_mask;   // slope: the static forward mask W1's, [out/4, in/4]
-  Buffer bwd_tile_mask;  // slope: W2's (in W's orientation), [out/4, in/4], from the last refresh
+  DeviceBuffer tile_mask;   // slope: the static forward mask W1's, [out/4, in/4]
+  DeviceBuffer bwd_tile_mask;  // slope: W2's (in W's orientation), [out/4, in/4], from the last refresh
 
-  void apply_tile_mask(bf16* dst, const bf16* src, const Buffer& mask, cudaStream_t s) const {
+  void apply_tile_mask(bf16* dst, const bf16* src, const DeviceBuffer& mask, cudaStream_t s) const {
     const int64_t groups = in / 4, n = out * groups;
     const int threads = 256;
     apply_tile_mask_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, s>>>(
         dst, src, mask.u16(), out, groups);
     CUDA_CHECK_LAUNCH("apply_tile_mask_kernel");
   }
-  Buffer c_fwd, c_bwd, scratch, workspace;
+  DeviceBuffer c_fwd, c_bwd, scratch, workspace;
+
+  // sparse_dw: the weight-gradient product (S = MVUE(dYᵀ) as A, K = tokens), S's
+  // compressed buffer (written by cusparselt24_compress_mvue_t at every backward), the
+  // product's bf16 dW [out, in], and the MVUE seeds (sparse_dw_mvue_seed(dw_seed, draws)).
+  SparseGemm24* dwg = nullptr;
+  bool dwg_tuned = false;
+  DeviceBuffer c_dw, dw_bf16;
+  uint64_t dw_seed = 0, dw_draws = 0;
 
   void ensure_workspace() {
-    const size_t need = std::max(fwd->workspace_bytes(), bwd->workspace_bytes());
-    if (need > workspace.bytes()) workspace.allocate(need, "the cuSPARSELt workspace", name);
+    size_t need = std::max(fwd->workspace_bytes(), bwd->workspace_bytes());
+    if (dwg) need = std::max(need, dwg->workspace_bytes());
+    if (need > workspace.bytes()) workspace.allocate(need, "SparseLinear " + name, "the cuSPARSELt workspace");
   }
   // The first use of a product tunes it (a search once per problem and process, or the
   // tuning cache's configuration), which may ask for a larger workspace.
@@ -174,11 +163,15 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
   ESPLAG_CHECK(out <= INT_MAX && in <= INT_MAX && tokens <= INT_MAX, "SparseLinear ", m.name,
                ": sizes must fit the dense GEMM's int arguments");
   ESPLAG_CHECK(weight != nullptr, "SparseLinear ", m.name, ": the weight pointer is null");
-  ESPLAG_CHECK(!o.sparse_dw, "SparseLinear ", m.name,
-               ": sparse_dw (a 2:4 dW GEMM from the MVUE of dY) is not implemented: its structured operand is dY^T "
-               "[out, tokens], 2:4 along the tokens, which cuSPARSELt allows as operand A, but the wrapper only "
-               "describes the weight's products, and the step would need a transpose of dY before the MVUE, a "
-               "transposed copy of X, a per-step compression of the gradient and a transposed bf16-to-fp32 dW");
+  m.dw_seed = o.dw_seed;
+  // sparse_dw's rules are checked whether or not cuSPARSELt is loaded, so that a
+  // configuration fails the same way on every machine.
+  ESPLAG_CHECK(!o.sparse_dw || o.kind != SparseLinearKind::dense, "SparseLinear ", m.name,
+               ": sparse_dw (dW from the 2:4 MVUE of dY^T) is for the 2:4 kinds semi_sparse and slope; the dense "
+               "kind computes the exact dW");
+  ESPLAG_CHECK(!o.sparse_dw || (out % 64 == 0 && tokens % 64 == 0), "SparseLinear ", m.name,
+               ": sparse_dw needs out and tokens to be multiples of 64 (the fused MVUE kernel writes dY^T [out, "
+               "tokens]'s compressed layout in 64x64 tiles)");
   if (o.kind != SparseLinearKind::dense) {
     ESPLAG_CHECK(out % 16 == 0 && in % 16 == 0 && tokens % 16 == 0, "SparseLinear ", m.name,
                  ": the 2:4 kinds need out, in and tokens to be multiples of 16 (cuSPARSELt)");
@@ -202,24 +195,36 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
   if (!slope && !m.own_bwd) m.bwd = &SparseGemm24::get(SparseGemm24Problem::linear_backward_data(out, in, tokens));
   const size_t n_w = size_t(out) * size_t(in);
   if (!slope && (m.keep_pruned || !(m.own_fwd && m.own_bwd)))
-    m.pruned.allocate(2 * n_w, "the pruned weight", m.name);
+    m.pruned.allocate(2 * n_w, "SparseLinear " + m.name, "the pruned weight");
   if (slope) {
     if (o.slope_scratch) {
       m.w1 = o.slope_scratch;
       m.w2t = o.slope_scratch + n_w;
     } else {
-      m.pruned.allocate(2 * n_w, "W1", m.name);
-      m.pruned_t.allocate(2 * n_w, "W2^T", m.name);
+      m.pruned.allocate(2 * n_w, "SparseLinear " + m.name, "W1");
+      m.pruned_t.allocate(2 * n_w, "SparseLinear " + m.name, "W2^T");
       m.w1 = m.pruned.bf();
       m.w2t = m.pruned_t.bf();
     }
-    m.tile_mask.allocate(size_t(out / 4) * size_t(in / 4) * 2, "the forward tile mask", m.name);
-    m.bwd_tile_mask.allocate(size_t(out / 4) * size_t(in / 4) * 2, "the backward tile mask", m.name);
+    m.tile_mask.allocate(size_t(out / 4) * size_t(in / 4) * 2, "SparseLinear " + m.name, "the forward tile mask");
+    m.bwd_tile_mask.allocate(size_t(out / 4) * size_t(in / 4) * 2, "SparseLinear " + m.name, "the backward tile mask");
   }
-  m.c_fwd.allocate(m.fwd->compressed_bytes(), "the forward's compressed weight", m.name);
-  m.c_bwd.allocate(m.bwd->compressed_bytes(), "the input gradient's compressed weight", m.name);
+  if (o.sparse_dw) {
+    // S = MVUE(dYᵀ) is only ever written by the fused kernel, so the problem must have
+    // our layout (there is no dense S for cusparseLtSpMMACompress to fall back on).
+    m.dwg = &SparseGemm24::get(SparseGemm24Problem::linear_weight_grad(out, in, tokens));
+    ESPLAG_CHECK(cusparselt24_layout_matches(*m.dwg), "SparseLinear ", m.name,
+                 ": sparse_dw needs cuSPARSELt ", cusparselt_version(), "'s compressed layout for ",
+                 m.dwg->problem().key(),
+                 " to be the one the fused MVUE kernel writes, and the check at construction found it is not (or "
+                 "ESPLAG_CUSPARSELT_OWN_LAYOUT=0 turned the writer off); run this layer without sparse_dw");
+    m.c_dw.allocate(cusparselt24_layout_bytes(out, tokens), "SparseLinear " + m.name, "the compressed MVUE of dY^T");
+    m.dw_bf16.allocate(2 * size_t(out) * size_t(in), "SparseLinear " + m.name, "the bf16 dW of the 2:4 product");
+  }
+  m.c_fwd.allocate(m.fwd->compressed_bytes(), "SparseLinear " + m.name, "the forward's compressed weight");
+  m.c_bwd.allocate(m.bwd->compressed_bytes(), "SparseLinear " + m.name, "the input gradient's compressed weight");
   m.scratch.allocate(std::max(m.fwd->compress_scratch_bytes(), m.bwd->compress_scratch_bytes()),
-                     "the compression scratch", m.name);
+                     "SparseLinear " + m.name, "the compression scratch");
   m.ensure_workspace();
   if (slope)  // the static forward mask (row-wise 2:4 of the weight as it is now) and W2's
     double_prune_24(weight, out, in, Sparse24Out{}, Sparse24Out{}, m.tile_mask.u16(), m.bwd_tile_mask.u16(), stream);
@@ -255,16 +260,24 @@ bool SparseLinear::own_layout_backward() const { return impl_->own_bwd; }
 size_t SparseLinear::device_bytes() const {
   const Impl& m = *impl_;
   return m.gemm_arena.capacity() + m.pruned.bytes() + m.pruned_t.bytes() + m.tile_mask.bytes() +
-         m.bwd_tile_mask.bytes() + m.c_fwd.bytes() +
-         m.c_bwd.bytes() + m.scratch.bytes() + m.workspace.bytes();
+         m.bwd_tile_mask.bytes() + m.c_fwd.bytes() + m.c_bwd.bytes() + m.scratch.bytes() + m.workspace.bytes() +
+         m.c_dw.bytes() + m.dw_bf16.bytes();
 }
+
+bool SparseLinear::sparse_dw() const { return impl_->dwg != nullptr; }
+void SparseLinear::set_dw_seed(uint64_t seed) {
+  impl_->dw_seed = seed;
+  impl_->dw_draws = 0;
+}
+uint64_t SparseLinear::dw_draws() const { return impl_->dw_draws; }
 
 void SparseLinear::use_dense_products(bool on) {
   Impl& m = *impl_;
   ESPLAG_CHECK(!on || (m.sparse && m.kind == SparseLinearKind::semi_sparse), "SparseLinear ", m.name,
                ": dense products of the pruned weight are for semi_sparse layers with cuSPARSELt");
   m.dense_products = on;
-  if (on && !m.pruned.get()) m.pruned.allocate(2 * size_t(m.out) * size_t(m.in), "the pruned weight", m.name);
+  if (on && !m.pruned.get())
+    m.pruned.allocate(2 * size_t(m.out) * size_t(m.in), "SparseLinear " + m.name, "the pruned weight");
   if (!on && !m.keep_pruned && m.own_fwd && m.own_bwd) m.pruned.reset();
 }
 
@@ -275,16 +288,16 @@ SparseLinear::ProductTimes SparseLinear::time_products(cudaStream_t s, int iters
   ESPLAG_CHECK(m.sparse && m.kind == SparseLinearKind::semi_sparse && iters > 0, "SparseLinear ", m.name,
                ": time_products is for semi_sparse layers with cuSPARSELt");
   const bool was_dense = m.dense_products;
-  Buffer x, y, dy, dx, b;
+  DeviceBuffer x, y, dy, dx, b;
   const size_t nx = size_t(m.tokens) * size_t(m.in), ny = size_t(m.tokens) * size_t(m.out);
   if (m.bias) {
-    b.allocate(2 * size_t(m.out), "the timing bias", m.name);
+    b.allocate(2 * size_t(m.out), "SparseLinear " + m.name, "the timing bias");
     CUDA_CHECK(cudaMemsetAsync(b.get(), 0, 2 * size_t(m.out), s));
   }
-  x.allocate(2 * nx, "the timing input", m.name);
-  dx.allocate(2 * nx, "the timing input gradient", m.name);
-  y.allocate(2 * ny, "the timing output", m.name);
-  dy.allocate(2 * ny, "the timing output gradient", m.name);
+  x.allocate(2 * nx, "SparseLinear " + m.name, "the timing input");
+  dx.allocate(2 * nx, "SparseLinear " + m.name, "the timing input gradient");
+  y.allocate(2 * ny, "SparseLinear " + m.name, "the timing output");
+  dy.allocate(2 * ny, "SparseLinear " + m.name, "the timing output gradient");
   // Non-zero inputs (0x3C00 = 1.0 with varying low mantissa bits): the products' speed
   // does not depend on the values, but all-zero inputs could take shortcuts.
   CUDA_CHECK(cudaMemsetAsync(x.get(), 0x3C, 2 * nx, s));
@@ -425,6 +438,21 @@ void SparseLinear::backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, 
   }
   if (dw) {
     ESPLAG_CHECK(x, "SparseLinear ", m.name, ": the weight gradient needs x");
+    if (m.dwg) {
+      // The unbiased 2:4 estimate: S = MVUE(dYᵀ) straight into its compressed layout, the
+      // 2:4 product S · X in bf16, widened into dW (sparse_linear.h).
+      cusparselt24_compress_mvue_t(dy, m.tokens, m.out, sparse_dw_mvue_seed(m.dw_seed, m.dw_draws), m.c_dw.get(), s);
+      ++m.dw_draws;  // counted once the draw is launched (a refused dY takes none)
+      m.tune(*m.dwg, m.dwg_tuned, m.dw_bf16.bf(), m.c_dw.get(), x, nullptr, s);
+      m.ensure_workspace();
+      m.dwg->matmul(m.dw_bf16.bf(), m.c_dw.get(), x, nullptr, m.workspace.get(), m.workspace.bytes(), s);
+      const int64_t n = m.out * m.in;
+      const int threads = 256;
+      widen_dw_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, s>>>(dw, m.dw_bf16.bf(), n,
+                                                                                           accumulate_dw);
+      CUDA_CHECK_LAUNCH("widen_dw_kernel");
+      return;
+    }
     // Straight through the pruning (semi_sparse) / the optimizer keeps the kept slots
     // (slope): dW = dYᵀ · X, dense.
     m.gemm().backward_weight(dw, nullptr, dy, x, int(m.tokens), int(m.in), int(m.out), accumulate_dw, s);

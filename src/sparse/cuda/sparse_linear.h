@@ -5,7 +5,8 @@
 // The layer reads the caller's weight W [out, in] (bf16, row-major, device memory; the
 // copy the caller's optimizer rewrites after each step) and computes, over N = tokens rows:
 //   forward   Y [N, out] = X [N, in] · Weffᵀ
-//   backward  dX [N, in] = dY [N, out] · Wbwd        dW [out, in] (fp32) = dYᵀ · X (dense)
+//   backward  dX [N, in] = dY [N, out] · Wbwd        dW [out, in] (fp32) = dYᵀ · X (dense;
+//                                                    with sparse_dw, MVUE(dYᵀ) · X: below)
 //
 //   dense        Weff = Wbwd = W (cuBLASLt, gpu::Gemm).
 //   semi_sparse  per step: the transposable greedy 2:4 of the current W (gpu::transposable_24,
@@ -51,14 +52,36 @@
 // to the process-wide cached plans (SparseGemm24::get), so clear_sparse_gemm24_cache()
 // must not be called while a sparse SparseLinear exists.
 //
-// sparse_dw (a 2:4 dW GEMM from the MVUE of dY along the tokens) is not provided: the
-// product dW = dYᵀ · X reduces over the tokens, so its structured operand is dYᵀ [out, N]
-// as cuSPARSELt's A, 2:4 along K = N, which cuSPARSELt allows. But SparseGemm24 only
-// describes the two products of a weight (the forward and the input gradient of W [out, in]);
-// the dW product would need a transpose of dY before gpu::mvue_24 (which groups along a
-// row), a transposed copy of X as the dense operand, a cuSPARSELt compression of the new
-// gradient at every step, and a bf16 output transposed and widened into the fp32 dW. The
-// constructor refuses sparse_dw with that explanation (docs/sparse-gpu.md).
+// sparse_dw (off by default; semi_sparse and slope): the weight gradient as a 2:4 product.
+// dW = dYᵀ · X reduces over the tokens, so its structured operand is S = MVUE(dYᵀ)
+// [out, N], the minimum-variance unbiased 2:4 estimate of dYᵀ along the tokens (groups of
+// 4 consecutive tokens of one output feature; sparse/mvue.h), as cuSPARSELt's operand A
+// with op N (SparseProduct::weight_grad). E[S] = dYᵀ, so E[dW] is the dense dW; each draw
+// adds variance instead of bias. Per backward that computes dW:
+//   1. cusparselt24_compress_mvue_t (cusparselt_layout.h): one read of dY [N, out] in
+//      64×64 tiles, the MVUE per group, and S's compressed buffer written directly (no
+//      transposed dY, no dense S, no cusparseLtSpMMACompress);
+//   2. the 2:4 product dW_bf16 [out, in] = S · X, X read as it lies (no transposed copy);
+//   3. dW (fp32) = or += the bf16 result, one pass.
+// Costs: device memory for S's buffer (out·N·9/8 bytes) and the bf16 dW (2 bytes per
+// weight), allocated at construction (the cuSPARSELt workspace is shared with the other
+// products); per step, one read of dY and a write of S's buffer (9/16 of dY's bytes), and
+// a bf16 read plus an fp32 write (and read, when accumulating) of dW beyond the product.
+// dW is rounded to bf16 once before it is widened (the dense path accumulates in fp32
+// straight into dW), a small error next to the estimate's own spread.
+// The seed: the k-th backward of the layer that computes a sparse dW (k = 0, 1, ...) uses
+// sparse_dw_mvue_seed(dw_seed, k); SparseLinearOptions::dw_seed sets the base and
+// set_dw_seed() sets it again and restarts k at 0, so a run is reproducible from the base
+// seeds and the number of steps. The seed is a kernel argument: a CUDA graph that captures
+// backward() replays the captured seed (one draw for every replay), so graph callers set
+// the seed and re-capture when they want fresh draws.
+// Rules: the 2:4 kinds only (the dense kind refuses it), out and tokens multiples of 64
+// (the fused kernel's tile), and, with cuSPARSELt, the compressed layout of the
+// weight_grad problem checked equal to the library's at construction
+// (cusparselt24_layout_matches; with $ESPLAG_CUSPARSELT_OWN_LAYOUT=0 the check fails, as
+// nothing else can compress S); anything else throws Error naming the layer and the rule.
+// Without cuSPARSELt the layer runs all its products dense (dW the exact dYᵀ · X) after
+// the usual warning, and sparse_dw() says false.
 //
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once
@@ -84,9 +107,16 @@ std::string sparse_linear_kind_name(SparseLinearKind k);  // "dense", "semi_spar
 // Throws Error naming the accepted kinds.
 SparseLinearKind parse_sparse_linear_kind(const std::string& name);
 
+// The MVUE seed of a layer's `draw`-th sparse dW (0-based) from its base seed: splitmix64's
+// finaliser of (finaliser(base) + draw), so consecutive draws and layers with different
+// bases get unrelated uniforms (sparse/mvue.h mixes the seed with each group's index).
+uint64_t sparse_dw_mvue_seed(uint64_t base, uint64_t draw);
+
 struct SparseLinearOptions {
   SparseLinearKind kind = SparseLinearKind::dense;
-  bool sparse_dw = false;  // refused (see above)
+  // dW as the 2:4 product of the MVUE of dYᵀ (see above); the 2:4 kinds only.
+  bool sparse_dw = false;
+  uint64_t dw_seed = 0;  // sparse_dw: the base seed of the layer's MVUE draws
   // The forward adds a bias [out] (bf16): cuSPARSELt's bias epilogue on the 2:4 product
   // (one plan per bias address), cuBLASLt's on the dense one.
   bool bias = false;
@@ -158,8 +188,18 @@ class SparseLinear {
   // exactly when the options ask for one).
   void forward(bf16* y, const bf16* x, cudaStream_t stream, const bf16* bias = nullptr);
   // dx [tokens, in] (overwritten; may be null) = dy · Wbwd;
-  // dw [out, in] fp32 (= or += when accumulate_dw; may be null) = dyᵀ · x.
+  // dw [out, in] fp32 (= or += when accumulate_dw; may be null) = dyᵀ · x, or with
+  // sparse_dw() its unbiased estimate MVUE(dyᵀ) · x (one draw per call that computes dw;
+  // dy then 16-byte aligned).
   void backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, bool accumulate_dw, cudaStream_t stream);
+
+  // Whether backward's dW is the 2:4 product of the MVUE of dYᵀ (sparse_dw with
+  // cuSPARSELt; false for the dense fallback).
+  bool sparse_dw() const;
+  // Sets the base seed of the MVUE draws and restarts the draw count: the next sparse dW
+  // uses sparse_dw_mvue_seed(seed, 0). The draws made so far: dw_draws().
+  void set_dw_seed(uint64_t seed);
+  uint64_t dw_draws() const;
 
   // What the last prepare() produced (device pointers, null when the kind has none):
   // Weff pruned dense [out, in] (semi_sparse: Ws; slope: W2, the weight pruned by both
