@@ -76,22 +76,39 @@ __device__ inline uint64_t mask_group(uint64_t v, unsigned nibble) {
   return v & keep;
 }
 
-// The MVUE 2:4 of one group (bf16 bits, element j in bits 16j..16j+15) for the uniform u,
-// in the same packing: what cpu::mvue_24_bf16 writes (scaled kept values rounded to bf16
-// once, nearest even; unscaled kept values copied bit for bit; the others 0).
-__device__ inline uint64_t mvue_group_bits(uint64_t v, uint32_t u) {
+// The MVUE 2:4 of one group g = (bf16 bits, element j in bits 16j..16j+15) and its
+// selection, as pick_group would make it from the group cpu::mvue_24_bf16 writes (scaled
+// kept values rounded to bf16 once, nearest even; unscaled kept values copied bit for bit;
+// the others 0): returns the metadata nibble, *out0 / *out1 the stored values.
+//
+// The common case, a scaled group, is taken directly: the sampler then keeps exactly two
+// values (u and u + 1 fall in two different intervals), both non-zero after the rounding
+// (|a / p| >= |a| > 0), so pick_group would select exactly those two. Only groups that pass
+// unscaled (at most two non-zeros, or a non-finite value) are written out and go through
+// pick_group, which also pads groups of fewer than two non-zeros. Skipping the repacking
+// and the selection for the common case matters: the pass is bound by integer work.
+__device__ inline unsigned mvue_pick_group(uint64_t v, uint32_t u, uint16_t* out0, uint16_t* out1) {
   float a[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) a[j] = __uint_as_float(uint32_t((v >> (16 * j)) & 0xFFFFu) << 16);
   const sparse_detail::Mvue24Group g = sparse_detail::mvue_24_group(a, u);
-  uint64_t o = 0;
+  if (g.scaled) {
+    const unsigned i0 = __ffs(g.keep) - 1, i1 = 31 - __clz(g.keep);
+    float o0 = 0.f, o1 = 0.f;  // selected by comparisons: an indexed array would live in local memory
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint64_t bits =
-        g.scaled ? uint64_t(__bfloat16_as_ushort(__float2bfloat16_rn(g.out[j]))) : (v >> (16 * j)) & 0xFFFFu;
-    if ((g.keep >> j) & 1u) o |= bits << (16 * j);
+    for (int j = 0; j < 4; ++j) {
+      if (unsigned(j) == i0) o0 = g.out[j];
+      if (unsigned(j) == i1) o1 = g.out[j];
+    }
+    *out0 = __bfloat16_as_ushort(__float2bfloat16_rn(o0));
+    *out1 = __bfloat16_as_ushort(__float2bfloat16_rn(o1));
+    return i0 | (i1 << 2);
   }
-  return o;
+  uint64_t kept = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    if ((g.keep >> j) & 1u) kept |= ((v >> (16 * j)) & 0xFFFFu) << (16 * j);
+  return pick_group(kept, out0, out1);
 }
 
 enum class Source { dense, dense_pruned, kept, mvue_of_transpose };
@@ -201,12 +218,15 @@ __global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t r
         const int lk = ch * 32 + g * 4 + j;  // tile-local column of op(W)
         v |= uint64_t(transposed ? staged[lk * kStride + lr] : staged[lr * kStride + lk]) << (16 * j);
       }
+      uint16_t x0, x1;
+      unsigned nib;
       if constexpr (kMvue) {
         const uint64_t group = uint64_t(op_r0 + lr) * uint64_t(K / 4) + uint64_t((op_c0 + ch * 32) / 4 + g);
-        v = mvue_group_bits(v, sparse_detail::mvue_uniform24(seed, group));
+        nib = mvue_pick_group(v, sparse_detail::mvue_uniform24(seed, group), &x0, &x1);
+      } else {
+        nib = pick_group(v, &x0, &x1);
       }
-      uint16_t x0, x1;
-      nibs |= uint64_t(pick_group(v, &x0, &x1)) << (32 * half + 4 * g);
+      nibs |= uint64_t(nib) << (32 * half + 4 * g);
       packed[g] = uint32_t(x0) | (uint32_t(x1) << 16);
     }
     uint4* out = reinterpret_cast<uint4*>(dst + ((op_r0 + lr) * (K / 2) + (op_c0 + ch * 32) / 2) * 2);
