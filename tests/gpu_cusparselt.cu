@@ -17,6 +17,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cuda_fp8.h>
+
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -352,6 +354,24 @@ TEST(CusparseLtRules, ShapesThatCannotRunThrowClearErrors) {
   EXPECT_TRUE(contains(msg, "operand A only")) << msg;
   msg = error_of([] { gpu::check_sparse_gemm24_problem(SparseGemm24Problem::linear_weight_grad(65536, 64, 65536)); });
   EXPECT_TRUE(contains(msg, "structured dY^T") && contains(msg, "2^31")) << msg;
+  // fp8 (e4m3) operands: the forward product with W as A, no epilogue, multiples of 32.
+  SparseGemm24Problem f8 = SparseGemm24Problem::linear_forward(4096, 1024, 8192);
+  f8.dtype = gpu::SparseDtype::e4m3;
+  EXPECT_EQ(f8.key(), "fwd out=4096 in=1024 tokens=8192 w=A bias=0 act=none e4m3");
+  EXPECT_EQ(f8.element_bytes(), 1u);
+  EXPECT_EQ(error_of([&] { gpu::check_sparse_gemm24_problem(f8); }), "(no error)");
+  for (const auto& [make, needle] : std::vector<std::pair<std::function<SparseGemm24Problem()>, std::string>>{
+           {[] { return SparseGemm24Problem::linear_forward(64, 48, 32); }, "in = 48 is not a multiple of 32"},
+           {[] { return SparseGemm24Problem::linear_backward_data(64, 64, 32); }, "forward product with W as operand A"},
+           {[] { return SparseGemm24Problem::linear_forward(64, 64, 32, true); }, "without bias or activation"},
+           {[] { return SparseGemm24Problem::linear_forward(64, 64, 32, false, SparseActivation::none,
+                                                            SparseOperand::b); },
+            "forward product with W as operand A"}}) {
+    SparseGemm24Problem q = make();
+    q.dtype = gpu::SparseDtype::e4m3;
+    msg = error_of([&] { gpu::check_sparse_gemm24_problem(q); });
+    EXPECT_TRUE(contains(msg, needle) && contains(msg, "e4m3")) << msg;
+  }
 }
 
 TEST(CusparseLtRules, FallbackWarningIsPrintedOncePerCaller) {
@@ -380,6 +400,56 @@ TEST(CusparseLtRules, AvailabilityIsReported) {
 TEST_F(CusparseLt, ForwardWeightAsA) {
   uint64_t seed = 100;
   for (const Shape& s : kShapes) run_problem(SparseGemm24Problem::linear_forward(s.out, s.in, s.tokens), seed += 10);
+}
+
+// fp8 (e4m3) W and X, bf16 Y: W and X rounded to e4m3 on the host (cuda_fp8.h's
+// conversion, round to nearest), W pruned by the library on its fp8 bytes, and the product
+// against fp64 and against sparse/'s compressed SpMM of the same fp8 values (fp32, rounded
+// to bf16), on outputs poisoned with NaN.
+TEST_F(CusparseLt, ForwardE4m3) {
+  struct S { int64_t out, in, tokens; };
+  uint64_t seed = 900;
+  for (const S& sh : {S{64, 64, 32}, S{96, 160, 64}, S{32, 224, 96}}) {
+    SparseGemm24Problem p = SparseGemm24Problem::linear_forward(sh.out, sh.in, sh.tokens);
+    p.dtype = gpu::SparseDtype::e4m3;
+    SCOPED_TRACE(p.key());
+    Dev dev;
+    const size_t n_w = size_t(sh.out) * sh.in, n_x = size_t(sh.tokens) * sh.in, n_y = size_t(sh.tokens) * sh.out;
+    auto to_fp8 = [](const Bits& b) {
+      std::vector<uint8_t> q(b.size());
+      for (size_t i = 0; i < b.size(); ++i) q[i] = __nv_fp8_e4m3(esplag::bf16_to_float(b[i])).__x;
+      return q;
+    };
+    auto from_fp8 = [](const std::vector<uint8_t>& q) {
+      VF f(q.size());
+      for (size_t i = 0; i < q.size(); ++i) {
+        __nv_fp8_e4m3 v;
+        v.__x = q[i];
+        f[i] = float(v);
+      }
+      return f;
+    };
+    const std::vector<uint8_t> w8 = to_fp8(random_bits(n_w, seed)), x8 = to_fp8(random_bits(n_x, seed + 1));
+    seed += 10;
+    SparseGemm24 g(p);
+    const uint8_t* dw = dev.put(w8, "W");
+    const uint8_t* dx = dev.put(x8, "X");
+    uint8_t* pruned = static_cast<uint8_t*>(dev.bytes(n_w, "pruned"));
+    EXPECT_FALSE(g.is_pruned(dw, dev.stream())) << "a dense random W must fail the 2:4 check";
+    g.prune(pruned, dw, dev.stream());
+    EXPECT_TRUE(g.is_pruned(pruned, dev.stream()));
+    const VF wp = from_fp8(dev.get(pruned, n_w));
+    expect_tile_24(wp, sh.out, sh.in);
+    void* comp = dev.bytes(g.compressed_bytes(), "compressed");
+    void* scratch = dev.bytes(g.compress_scratch_bytes(), "scratch");
+    g.compress(comp, pruned, scratch, g.compress_scratch_bytes(), dev.stream());
+    const size_t ws_bytes = std::max<size_t>(g.workspace_bytes(), size_t(8) << 20);
+    void* ws = dev.bytes(ws_bytes, "workspace");
+    bf16* y = dev.poisoned_bf16(n_y, "y");
+    g.matmul(y, comp, dx, nullptr, ws, ws_bytes, dev.stream());
+    const Reference ref = reference(p, wp, from_fp8(x8), nullptr);
+    expect_matches(p.key(), ref.ref, ref.low, dev.get_bf16(y, n_y));
+  }
 }
 
 TEST_F(CusparseLt, ForwardWeightAsB) {

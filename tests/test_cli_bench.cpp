@@ -57,6 +57,8 @@ TEST(CliBench, OtherGpuBenchOptionErrors) {
   }
   expect_error(run("bench gemm --products sideways"), "--products must be fwd, bwd or fwd,bwd");
   expect_error(run("bench gemm --operand C"), "--operand must be A or B");
+  expect_error(run("bench gemm --dtype fp4"), "--dtype must be bf16 or e4m3");
+  expect_error(run("bench gemm --dtype e4m3 --products fwd,bwd"), "--dtype e4m3 runs the forward product only");
   expect_error(run("bench slope-merged --ranks 16,x"), "--ranks item 'x' is not a positive integer");
   expect_error(run("bench slope-merged --ranks 0"), "--ranks item '0' is not a positive integer");
   expect_error(run("bench slope-merged --shapes 16x16"), "--shapes item '16x16' is not OUTxINxTOKENS");

@@ -52,9 +52,11 @@ const char* kBenchUsage = R"(usage:
       model's device memory), unless --no-baseline;
       --op-profile times every op over STEPS more eager steps and prints where the time goes
   esplag bench gemm [--shapes default|OUTxINxTOKENS,...] [--products fwd,bwd] [--operand A|B]
-                    [--no-search] [--tuning-cache FILE] [--warmup 10] [--iters 50] [--csv FILE]
+                    [--dtype bf16|e4m3] [--no-search] [--tuning-cache FILE] [--warmup 10]
+                    [--iters 50] [--csv FILE]
       dense cuBLASLt vs 2:4 cuSPARSELt (default and searched algorithm) for the GEMMs of a
-      Linear W [OUT, IN] over TOKENS rows: fwd Y = X.W^T, bwd dX = dY.W
+      Linear W [OUT, IN] over TOKENS rows: fwd Y = X.W^T, bwd dX = dY.W; --dtype e4m3
+      times the 2:4 forward product on fp8 W and X (bf16 out) against the bf16 dense one
   esplag bench layer [--kinds dense,semi_sparse,slope] [--shapes default|OUTxINxTOKENS,...]
                      [--sparse-dw] [--tuning-cache FILE] [--warmup 5] [--iters 20] [--csv FILE]
       one Linear's training step (weight preparation, forward, backward dX and dW) of each
@@ -145,9 +147,13 @@ std::vector<std::string> parse_kinds(const std::string& spec) {
 }
 
 int bench_gemm(const std::vector<std::string>& argv) {
-  Args a(argv, "bench gemm", {"shapes", "products", "operand", "tuning-cache", "warmup", "iters", "csv"},
+  Args a(argv, "bench gemm", {"shapes", "products", "operand", "dtype", "tuning-cache", "warmup", "iters", "csv"},
          {"no-search"});
-  const std::string products = a.get("products", "fwd,bwd");
+  const std::string dtype = a.get("dtype", "bf16");
+  ESPLAG_CHECK(dtype == "bf16" || dtype == "e4m3", "bench gemm: --dtype must be bf16 or e4m3, got '", dtype, "'");
+  const std::string products = a.get("products", dtype == "e4m3" ? "fwd" : "fwd,bwd");
+  ESPLAG_CHECK(dtype == "bf16" || products == "fwd",
+               "bench gemm: --dtype e4m3 runs the forward product only (--products fwd)");
   ESPLAG_CHECK(products == "fwd" || products == "bwd" || products == "fwd,bwd" || products == "bwd,fwd",
                "bench gemm: --products must be fwd, bwd or fwd,bwd, got '", products, "'");
   const std::string operand = a.get("operand", "A");
@@ -167,6 +173,7 @@ int bench_gemm(const std::vector<std::string>& argv) {
   o.backward_data = products.find("bwd") != std::string::npos;
   o.weight_operand = (operand == "A" || operand == "a") ? gpu::SparseOperand::a : gpu::SparseOperand::b;
   o.search = !a.has("no-search");
+  o.dtype = dtype == "e4m3" ? gpu::SparseDtype::e4m3 : gpu::SparseDtype::bf16;
   o.warmup = warmup;
   o.iters = iters;
   if (a.has("tuning-cache")) gpu::set_cusparselt_tuning_path(a.get("tuning-cache"));

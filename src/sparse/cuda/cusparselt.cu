@@ -131,8 +131,10 @@ SparseGemm24Problem SparseGemm24Problem::linear_weight_grad(int64_t out, int64_t
 std::string SparseGemm24Problem::key() const {
   return detail::concat(product_name(product), " out=", out, " in=", in, " tokens=", tokens,
                         " w=", weight_operand == SparseOperand::a ? "A" : "B", " bias=", bias ? 1 : 0,
-                        " act=", activation_name(activation), " bf16");
+                        " act=", activation_name(activation), " ", sparse_dtype_name(dtype));
 }
+
+const char* sparse_dtype_name(SparseDtype d) { return d == SparseDtype::e4m3 ? "e4m3" : "bf16"; }
 
 void check_sparse_gemm24_problem(const SparseGemm24Problem& p) {
   const std::string what = "2:4 sparse GEMM (" + p.key() + ")";
@@ -168,6 +170,17 @@ void check_sparse_gemm24_problem(const SparseGemm24Problem& p) {
   ESPLAG_CHECK(!(p.bias && p.weight_operand == SparseOperand::b), what,
                ": a fused bias needs the weight as operand A (with W as B the epilogue would add one value "
                "per token, not per feature)");
+  if (p.dtype == SparseDtype::e4m3) {
+    // fp8 tensor cores read both operands K-major: the forward layout with W as A (W row-major
+    // op N, X row-major op T) is that; the other layouts are not described for fp8 here.
+    ESPLAG_CHECK(p.product == SparseProduct::forward && p.weight_operand == SparseOperand::a, what,
+                 ": e4m3 operands are supported for the forward product with W as operand A only");
+    ESPLAG_CHECK(!p.bias && p.activation == SparseActivation::none, what,
+                 ": e4m3 products run without bias or activation epilogue");
+    for (const auto& [name, v] : dims)
+      ESPLAG_CHECK(v % 32 == 0, what, ": ", name, " = ", v,
+                   " is not a multiple of 32, which cuSPARSELt requires of the dimensions of 8-bit operands");
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -861,7 +874,7 @@ struct SparseGemm24::Impl {
     return ref;
   }
 
-  void check_operands(const void* compressed_w, const bf16* dense, const bf16* out, const bf16* bias) const {
+  void check_operands(const void* compressed_w, const void* dense, const bf16* out, const bf16* bias) const {
     ESPLAG_CHECK(compressed_w && dense && out, ctx, ": null operand (compressed ", compressed_w, ", dense ",
                  static_cast<const void*>(dense), ", out ", static_cast<const void*>(out), ")");
     if (p.bias)
@@ -889,44 +902,45 @@ SparseGemm24::SparseGemm24(const SparseGemm24Problem& p, Algorithm alg) : impl_(
   const int64_t out = p.out, in = p.in, tok = p.tokens;
   const bool fwd = p.product == SparseProduct::forward;
   m.weight_is_a = p.weight_operand == SparseOperand::a;
+  const cudaDataType in_type = p.dtype == SparseDtype::e4m3 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
 
   // The tables at the top of this file. The structured operand is always row-major as it
   // lies in memory: W [out, in], or S [out, tokens] for weight_grad.
   auto structured = [&](cusparseLtMatDescriptor_t* d) {
     const int64_t rows = p.structured_rows(), cols = p.structured_cols();
-    LT_CHECK(api.StructuredDescriptorInit(h, d, rows, cols, cols, kAlign, CUDA_R_16BF, CUSPARSE_ORDER_ROW,
+    LT_CHECK(api.StructuredDescriptorInit(h, d, rows, cols, cols, kAlign, in_type, CUSPARSE_ORDER_ROW,
                                           CUSPARSELT_SPARSITY_50_PERCENT),
              m.ctx);
   };
-  auto dense = [&](cusparseLtMatDescriptor_t* d, int64_t rows, int64_t cols, int64_t ld, cusparseOrder_t order) {
-    LT_CHECK(api.DenseDescriptorInit(h, d, rows, cols, ld, kAlign, CUDA_R_16BF, order), m.ctx);
-  };
+  // The input operands in the problem's type; the output (C = D) always bf16.
+  auto dense = [&](cusparseLtMatDescriptor_t* d, int64_t rows, int64_t cols, int64_t ld, cusparseOrder_t order,
+                   cudaDataType type) { LT_CHECK(api.DenseDescriptorInit(h, d, rows, cols, ld, kAlign, type, order), m.ctx); };
   const int64_t feat_in = fwd ? in : out;    // features of the token-side input
   const int64_t feat_out = fwd ? out : in;   // features of the output
   if (p.product == SparseProduct::weight_grad) {
     structured(&m.a);  // S [out, N] row-major, op N
     m.has_a = true;
-    dense(&m.b, tok, in, in, CUSPARSE_ORDER_ROW);  // X [N, in] row-major, op N
+    dense(&m.b, tok, in, in, CUSPARSE_ORDER_ROW, in_type);  // X [N, in] row-major, op N
     m.has_b = true;
-    dense(&m.c, out, in, in, CUSPARSE_ORDER_ROW);  // dW [out, in] row-major
+    dense(&m.c, out, in, in, CUSPARSE_ORDER_ROW, CUDA_R_16BF);  // dW [out, in] row-major
     m.has_c = true;
     m.op_a = m.op_b = m.op_w = N;
   } else if (m.weight_is_a) {
     structured(&m.a);
     m.has_a = true;
-    dense(&m.b, tok, feat_in, feat_in, CUSPARSE_ORDER_ROW);
+    dense(&m.b, tok, feat_in, feat_in, CUSPARSE_ORDER_ROW, in_type);
     m.has_b = true;
-    dense(&m.c, feat_out, tok, feat_out, CUSPARSE_ORDER_COL);
+    dense(&m.c, feat_out, tok, feat_out, CUSPARSE_ORDER_COL, CUDA_R_16BF);
     m.has_c = true;
     m.op_a = fwd ? N : T;
     m.op_b = T;
     m.op_w = m.op_a;
   } else {
-    dense(&m.a, tok, feat_in, feat_in, CUSPARSE_ORDER_ROW);
+    dense(&m.a, tok, feat_in, feat_in, CUSPARSE_ORDER_ROW, in_type);
     m.has_a = true;
     structured(&m.b);
     m.has_b = true;
-    dense(&m.c, tok, feat_out, feat_out, CUSPARSE_ORDER_ROW);
+    dense(&m.c, tok, feat_out, feat_out, CUSPARSE_ORDER_ROW, CUDA_R_16BF);
     m.has_c = true;
     m.op_a = N;
     m.op_b = fwd ? T : N;
@@ -983,7 +997,7 @@ size_t SparseGemm24::workspace_bytes() const {
   return ws;
 }
 
-void SparseGemm24::prune(bf16* pruned, const bf16* dense, cudaStream_t stream) const {
+void SparseGemm24::prune(void* pruned, const void* dense, cudaStream_t stream) const {
   const Impl& m = *impl_;
   ESPLAG_CHECK(pruned && dense, m.ctx, ": prune needs device pointers");
   LT_CHECK(m.lib->api.SpMMAPrune2(&m.lib->handle, m.weight_descr(), m.weight_is_a ? 1 : 0, m.op_w, dense, pruned,
@@ -991,7 +1005,7 @@ void SparseGemm24::prune(bf16* pruned, const bf16* dense, cudaStream_t stream) c
            m.ctx);
 }
 
-bool SparseGemm24::is_pruned(const bf16* w, cudaStream_t stream) const {
+bool SparseGemm24::is_pruned(const void* w, cudaStream_t stream) const {
   const Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   // cuSPARSELt only writes the flag when it finds a violation: clear it first.
@@ -1005,7 +1019,7 @@ bool SparseGemm24::is_pruned(const bf16* w, cudaStream_t stream) const {
   return invalid == 0;  // cuSPARSELt writes 0 when the matrix is 2:4
 }
 
-void SparseGemm24::compress(void* compressed, const bf16* pruned, void* scratch, size_t scratch_bytes,
+void SparseGemm24::compress(void* compressed, const void* pruned, void* scratch, size_t scratch_bytes,
                             cudaStream_t stream) const {
   const Impl& m = *impl_;
   ESPLAG_CHECK(compressed && pruned, m.ctx, ": compress needs device pointers");
@@ -1016,7 +1030,7 @@ void SparseGemm24::compress(void* compressed, const bf16* pruned, void* scratch,
            m.ctx);
 }
 
-void SparseGemm24::matmul(bf16* out, const void* compressed, const bf16* dense, const bf16* bias, void* workspace,
+void SparseGemm24::matmul(bf16* out, const void* compressed, const void* dense, const bf16* bias, void* workspace,
                           size_t workspace_bytes, cudaStream_t stream) const {
   const Impl& m = *impl_;
   m.check_operands(compressed, dense, out, bias);
@@ -1033,7 +1047,7 @@ void SparseGemm24::matmul(bf16* out, const void* compressed, const bf16* dense, 
            m.ctx);
 }
 
-void SparseGemm24::search(bf16* out, const void* compressed, const bf16* dense, const bf16* bias, void* workspace,
+void SparseGemm24::search(bf16* out, const void* compressed, const void* dense, const bf16* bias, void* workspace,
                           size_t workspace_bytes, cudaStream_t stream) {
   Impl& m = *impl_;
   m.check_operands(compressed, dense, out, bias);
@@ -1072,7 +1086,7 @@ void SparseGemm24::search(bf16* out, const void* compressed, const bf16* dense, 
   TuningCache::instance().store(e);
 }
 
-bool SparseGemm24::tune(bf16* out, const void* compressed, const bf16* dense, const bf16* bias, void* workspace,
+bool SparseGemm24::tune(bf16* out, const void* compressed, const void* dense, const bf16* bias, void* workspace,
                         size_t workspace_bytes, cudaStream_t stream) {
   if (impl_->which != Algorithm::tuned || impl_->tuned || !cusparselt_search_enabled()) return false;
   search(out, compressed, dense, bias, workspace, workspace_bytes, stream);
@@ -1138,16 +1152,16 @@ const SparseGemm24Problem& SparseGemm24::problem() const { return impl_->p; }
 size_t SparseGemm24::compressed_bytes() const { return 0; }
 size_t SparseGemm24::compress_scratch_bytes() const { return 0; }
 size_t SparseGemm24::workspace_bytes() const { return 0; }
-void SparseGemm24::prune(bf16*, const bf16*, cudaStream_t) const { fail(kNoHeader); }
-bool SparseGemm24::is_pruned(const bf16*, cudaStream_t) const { fail(kNoHeader); }
-void SparseGemm24::compress(void*, const bf16*, void*, size_t, cudaStream_t) const { fail(kNoHeader); }
-void SparseGemm24::matmul(bf16*, const void*, const bf16*, const bf16*, void*, size_t, cudaStream_t) const {
+void SparseGemm24::prune(void*, const void*, cudaStream_t) const { fail(kNoHeader); }
+bool SparseGemm24::is_pruned(const void*, cudaStream_t) const { fail(kNoHeader); }
+void SparseGemm24::compress(void*, const void*, void*, size_t, cudaStream_t) const { fail(kNoHeader); }
+void SparseGemm24::matmul(bf16*, const void*, const void*, const bf16*, void*, size_t, cudaStream_t) const {
   fail(kNoHeader);
 }
-void SparseGemm24::search(bf16*, const void*, const bf16*, const bf16*, void*, size_t, cudaStream_t) {
+void SparseGemm24::search(bf16*, const void*, const void*, const bf16*, void*, size_t, cudaStream_t) {
   fail(kNoHeader);
 }
-bool SparseGemm24::tune(bf16*, const void*, const bf16*, const bf16*, void*, size_t, cudaStream_t) { return false; }
+bool SparseGemm24::tune(bf16*, const void*, const void*, const bf16*, void*, size_t, cudaStream_t) { return false; }
 bool sparse_gemm24_activation_supported(SparseActivation) { return false; }
 bool SparseGemm24::tuned() const { return false; }
 bool SparseGemm24::from_tuning_cache() const { return false; }

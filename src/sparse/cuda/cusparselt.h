@@ -86,6 +86,12 @@ enum class SparseProduct : uint8_t { forward, backward_data, weight_grad };
 // backward_data, S (the 2:4 estimate of dYᵀ) for weight_grad, which takes A only.
 enum class SparseOperand : uint8_t { a, b };
 enum class SparseActivation : uint8_t { none, relu, gelu };
+// The element type of both input operands (the output is bf16 either way, accumulation
+// fp32). e4m3 (fp8, 1 byte) runs the forward product with W as A only, without bias or
+// activation, every dimension a multiple of 32: the inference-side product of a 2:4
+// weight whose values and inputs were quantised to fp8 (no training kind uses it).
+enum class SparseDtype : uint8_t { bf16, e4m3 };
+const char* sparse_dtype_name(SparseDtype d);  // "bf16", "e4m3"
 
 struct SparseGemm24Problem {
   SparseProduct product = SparseProduct::forward;
@@ -93,6 +99,7 @@ struct SparseGemm24Problem {
   SparseOperand weight_operand = SparseOperand::a;
   bool bias = false;                                   // forward, weight as A only; bf16 [out]
   SparseActivation activation = SparseActivation::none;  // forward only; after the bias
+  SparseDtype dtype = SparseDtype::bf16;                 // of the input operands
 
   static SparseGemm24Problem linear_forward(int64_t out, int64_t in, int64_t tokens, bool bias = false,
                                             SparseActivation act = SparseActivation::none,
@@ -104,7 +111,8 @@ struct SparseGemm24Problem {
 
   // Stable text naming every field (the key of both caches), e.g.
   // "fwd out=4096 in=4096 tokens=8192 w=A bias=1 act=gelu bf16",
-  // "dw out=4096 in=4096 tokens=8192 w=A bias=0 act=none bf16" (w: the structured operand).
+  // "dw out=4096 in=4096 tokens=8192 w=A bias=0 act=none bf16" (w: the structured operand),
+  // "fwd out=4096 in=4096 tokens=8192 w=A bias=0 act=none e4m3".
   std::string key() const;
   // The reduction dimension K of the product.
   int64_t k() const {
@@ -116,6 +124,7 @@ struct SparseGemm24Problem {
   int64_t structured_rows() const { return out; }
   int64_t structured_cols() const { return product == SparseProduct::weight_grad ? tokens : in; }
   double flops() const { return 2.0 * double(out) * double(in) * double(tokens); }
+  size_t element_bytes() const { return dtype == SparseDtype::e4m3 ? 1 : 2; }  // of the inputs
 
   friend bool operator==(const SparseGemm24Problem&, const SparseGemm24Problem&) = default;
 };
@@ -177,12 +186,12 @@ class SparseGemm24 {
   // pruned = the operand with 2 of every 4 values zeroed along this product's K, by the
   // 4×4 tile rule (2 kept per row and per column of each tile, largest magnitude), so the
   // result is 2:4 along both dimensions. pruned may equal dense (in place).
-  void prune(bf16* pruned, const bf16* dense, cudaStream_t stream) const;
+  void prune(void* pruned, const void* dense, cudaStream_t stream) const;
   // Whether the operand is 2:4 along this product's K. Synchronises the stream.
-  bool is_pruned(const bf16* w, cudaStream_t stream) const;
+  bool is_pruned(const void* w, cudaStream_t stream) const;
   // compressed (compressed_bytes()) = the compressed form of a pruned operand. Throws Error
   // when scratch_bytes < compress_scratch_bytes(). It must already be 2:4 (is_pruned).
-  void compress(void* compressed, const bf16* pruned, void* scratch, size_t scratch_bytes,
+  void compress(void* compressed, const void* pruned, void* scratch, size_t scratch_bytes,
                 cudaStream_t stream) const;
 
   // forward:        out = Y [N, out],  dense = X [N, in],   bias bf16 [out] when the
@@ -190,20 +199,21 @@ class SparseGemm24 {
   //                 output's type, bf16);
   // backward_data:  out = dX [N, in],  dense = dY [N, out], bias null;
   // weight_grad:    out = dW [out, in] (bf16), dense = X [N, in], bias null.
-  // `out` is overwritten (never read). Throws Error when workspace_bytes <
+  // The structured and dense operands are of the problem's dtype (bf16 or e4m3), `out`
+  // and the bias bf16. `out` is overwritten (never read). Throws Error when workspace_bytes <
   // workspace_bytes(). A plan is kept per bias pointer (see cusparselt.cu), so each
   // layer's bias costs one plan initialisation, once.
-  void matmul(bf16* out, const void* compressed, const bf16* dense, const bf16* bias, void* workspace,
+  void matmul(bf16* out, const void* compressed, const void* dense, const bf16* bias, void* workspace,
               size_t workspace_bytes, cudaStream_t stream) const;
 
   // Runs cusparseLtMatmulSearch on these operands (it overwrites `out`), adopts the
   // configuration it finds and records it in the tuning cache (written to disk at once).
   // Synchronises the stream. Re-query workspace_bytes() afterwards.
-  void search(bf16* out, const void* compressed, const bf16* dense, const bf16* bias, void* workspace,
+  void search(bf16* out, const void* compressed, const void* dense, const bf16* bias, void* workspace,
               size_t workspace_bytes, cudaStream_t stream);
   // search() when tuning is on, the algorithm is `tuned` and the problem is not tuned yet
   // (by an earlier search or by the tuning cache); otherwise nothing. Returns whether it searched.
-  bool tune(bf16* out, const void* compressed, const bf16* dense, const bf16* bias, void* workspace,
+  bool tune(bf16* out, const void* compressed, const void* dense, const bf16* bias, void* workspace,
             size_t workspace_bytes, cudaStream_t stream);
 
   bool tuned() const;                 // configuration from a search or from the tuning cache

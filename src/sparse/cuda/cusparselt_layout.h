@@ -110,7 +110,7 @@ void cusparselt24_compress_mvue_t(const bf16* g, int64_t rows, int64_t cols, uin
 // cusparselt24_layout_bytes, and a random 2:4 (along both dimensions) matrix of the
 // operand's shape compressed both ways giving identical bytes. Decided once per (product,
 // structured operand's shape) and process (thread-safe); synchronises the device the first
-// time. False when cuSPARSELt is not available.
+// time. False when cuSPARSELt is not available and for e4m3 problems (16-bit values only).
 bool cusparselt24_layout_matches(const SparseGemm24& g);
 
 }  // namespace esplag::gpu

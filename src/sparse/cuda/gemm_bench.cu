@@ -1,5 +1,7 @@
 #include "sparse/cuda/gemm_bench.h"
 
+#include <cuda_fp8.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -23,6 +25,17 @@ using gpu::bf16;
 using gpu::SparseGemm24;
 using gpu::SparseGemm24Problem;
 using gpu::SparseProduct;
+
+// out = fp8 e4m3 of in · scale (round to nearest, saturating to the largest finite).
+__global__ void to_e4m3_kernel(__nv_fp8_e4m3* out, const bf16* in, int64_t n, float scale) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = __nv_fp8_e4m3(__bfloat162float(in[i]) * scale);
+}
+
+void to_e4m3(void* out, const bf16* in, int64_t n, float scale, cudaStream_t s) {
+  to_e4m3_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(static_cast<__nv_fp8_e4m3*>(out), in, n, scale);
+  CUDA_CHECK_LAUNCH("to_e4m3_kernel");
+}
 
 std::string version_text(int v) {
   if (v <= 0) return "-";
@@ -59,6 +72,10 @@ GemmBenchResult run_gemm_bench(const GemmBenchOptions& opt) {
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
   r.gpu = prop.name;
+  r.dtype = opt.dtype;
+  const bool fp8 = opt.dtype == gpu::SparseDtype::e4m3;
+  ESPLAG_CHECK(!fp8 || (!opt.backward_data && opt.weight_operand == gpu::SparseOperand::a),
+               "bench gemm: e4m3 runs the forward product with W as operand A only (--products fwd --operand A)");
   const bool have_sparse = gpu::cusparselt_available();
   r.cusparselt_version = gpu::cusparselt_version();
   if (!have_sparse) r.cusparselt_unavailable = gpu::cusparselt_unavailable_reason();
@@ -79,7 +96,7 @@ GemmBenchResult run_gemm_bench(const GemmBenchOptions& opt) {
     // Operands that fit in twice the L2 rotate over enough copies to fill four L2s.
     const int sets =
         set_bytes >= 2 * l2 ? 1 : static_cast<int>(std::min<size_t>(8, std::max<size_t>(2, (4 * l2) / set_bytes + 1)));
-    std::vector<DeviceBuffer> W, X, dY, Y, dX;
+    std::vector<DeviceBuffer> W, X, dY, Y, dX, W8, X8;  // W8, X8: the e4m3 copies
     for (int k = 0; k < sets; ++k) {
       W.emplace_back(2 * n_w, "bench gemm", "W");
       X.emplace_back(2 * n_x, "bench gemm", "X");
@@ -89,6 +106,12 @@ GemmBenchResult run_gemm_bench(const GemmBenchOptions& opt) {
       fill_nonzero_bf16(W[k].bf(), int64_t(n_w), seed++ * 0x1234567ull, 1.0f / std::sqrt(float(in)), s);
       fill_nonzero_bf16(X[k].bf(), int64_t(n_x), seed++ * 0x1234567ull, 1.0f, s);
       fill_nonzero_bf16(dY[k].bf(), int64_t(n_y), seed++ * 0x1234567ull, 1.0f, s);
+      if (fp8) {  // W scaled back to |w| in [0.1, 1): e4m3 keeps it normal and non-zero
+        W8.emplace_back(n_w, "bench gemm", "W (e4m3)");
+        X8.emplace_back(n_x, "bench gemm", "X (e4m3)");
+        to_e4m3(W8[k].get(), W[k].bf(), int64_t(n_w), std::sqrt(float(in)), s);
+        to_e4m3(X8[k].get(), X[k].bf(), int64_t(n_x), 1.0f, s);
+      }
     }
     CUDA_CHECK(cudaStreamSynchronize(s));
 
@@ -100,7 +123,10 @@ GemmBenchResult run_gemm_bench(const GemmBenchOptions& opt) {
       row.product = product;
       row.flops = 2.0 * double(out) * double(in) * double(tok);
       // The token-side input and the output of this product, per set.
-      auto input = [&](int i) { return fwd ? X[i % sets].bf() : dY[i % sets].bf(); };
+      auto input = [&](int i) -> const void* {
+        return fp8 ? X8[i % sets].get() : fwd ? X[i % sets].bf() : dY[i % sets].bf();
+      };
+      auto weight = [&](int k) -> const void* { return fp8 ? W8[k].get() : W[k].bf(); };
       auto output = [&](int i) { return fwd ? Y[i % sets].bf() : dX[i % sets].bf(); };
 
       row.dense_ms = median_event_ms(
@@ -115,24 +141,25 @@ GemmBenchResult run_gemm_bench(const GemmBenchOptions& opt) {
 
       if (have_sparse) {
         try {
-          const SparseGemm24Problem p =
+          SparseGemm24Problem p =
               fwd ? SparseGemm24Problem::linear_forward(out, in, tok, false, gpu::SparseActivation::none,
                                                         opt.weight_operand)
                   : SparseGemm24Problem::linear_backward_data(out, in, tok, opt.weight_operand);
+          p.dtype = opt.dtype;
           SparseGemm24 def(p, SparseGemm24::Algorithm::library_default);
           row.plan_ms = def.plan_build_ms();
           row.default_config = def.config();
           row.max_alg_id = def.max_alg_id();
           // Prune every weight copy (tile rule, along this product's K) and compress it.
-          DeviceBuffer pruned(2 * n_w, "bench gemm", "pruned W"),
+          DeviceBuffer pruned(p.element_bytes() * n_w, "bench gemm", "pruned W"),
               scratch(def.compress_scratch_bytes(), "bench gemm", "compress scratch");
           std::vector<DeviceBuffer> C;
           for (int k = 0; k < sets; ++k) {
-            def.prune(pruned.bf(), W[k].bf(), s);
+            def.prune(pruned.get(), weight(k), s);
             if (k == 0)
-              ESPLAG_CHECK(def.is_pruned(pruned.bf(), s), "cuSPARSELt's pruned weight fails its own 2:4 check");
+              ESPLAG_CHECK(def.is_pruned(pruned.get(), s), "cuSPARSELt's pruned weight fails its own 2:4 check");
             C.emplace_back(def.compressed_bytes(), "bench gemm", "compressed W");
-            def.compress(C[k].get(), pruned.bf(), scratch.get(), scratch.bytes(), s);
+            def.compress(C[k].get(), pruned.get(), scratch.get(), scratch.bytes(), s);
           }
           DeviceBuffer ws(def.workspace_bytes(), "bench gemm", "cuSPARSELt workspace");
           row.default_ms = median_event_ms(
@@ -172,9 +199,9 @@ std::string gemm_bench_table(const GemmBenchResult& r) {
   char buf[512];
   const char* operand = r.weight_operand == gpu::SparseOperand::a ? "A" : "B";
   std::snprintf(buf, sizeof buf,
-                "GEMM bf16 in, fp32 accumulate: cuBLASLt dense vs cuSPARSELt 2:4 (W as operand %s) on %s, "
-                "cuSPARSELt %s; median of %d calls after %d warm-up\n",
-                operand, r.gpu.c_str(), version_text(r.cusparselt_version).c_str(), r.iters, r.warmup);
+                "GEMM fp32 accumulate: cuBLASLt dense bf16 vs cuSPARSELt 2:4 %s in, bf16 out (W as operand %s) "
+                "on %s, cuSPARSELt %s; median of %d calls after %d warm-up\n",
+                gpu::sparse_dtype_name(r.dtype), operand, r.gpu.c_str(), version_text(r.cusparselt_version).c_str(), r.iters, r.warmup);
   o += buf;
   if (r.cusparselt_version == 0) o += "cuSPARSELt is not available (" + r.cusparselt_unavailable + "): dense only\n";
   std::snprintf(buf, sizeof buf, "%-18s %-8s %9s %8s %11s %12s %8s %8s %12s %8s %9s\n", "out x in x tokens", "product",
@@ -220,7 +247,7 @@ std::string gemm_bench_table(const GemmBenchResult& r) {
 std::string gemm_bench_csv_header() {
   return "commit,gpu,cusparselt,weight_operand,product,out,in,tokens,dense_ms,dense_tflops,sparse_default_ms,"
          "sparse_searched_ms,speedup_default,speedup_searched,default_alg,searched_alg,searched_split_k,"
-         "searched_split_k_mode,searched_from_cache,max_alg_id,plan_ms,search_ms,warmup,iters\n";
+         "searched_split_k_mode,searched_from_cache,max_alg_id,plan_ms,search_ms,warmup,iters,sparse_dtype\n";
 }
 
 std::string gemm_bench_csv_rows(const GemmBenchResult& r, const std::string& commit) {
@@ -245,7 +272,7 @@ std::string gemm_bench_csv_rows(const GemmBenchResult& r, const std::string& com
     } else {
       o += ",,,,,,,,,,,,";
     }
-    o += std::to_string(r.warmup) + "," + std::to_string(r.iters) + "\n";
+    o += std::to_string(r.warmup) + "," + std::to_string(r.iters) + "," + gpu::sparse_dtype_name(r.dtype) + "\n";
   }
   return o;
 }

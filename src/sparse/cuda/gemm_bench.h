@@ -39,6 +39,11 @@ struct GemmBenchOptions {
   // true: run cusparseLtMatmulSearch for every problem (and record it in the tuning
   // cache); false: the searched column uses the tuning cache's entry when there is one.
   bool search = true;
+  // The 2:4 products' input type. e4m3: W and X quantised to fp8 (forward product with W
+  // as A only; dimensions multiples of 32), against the same bf16 dense baseline: what an
+  // fp8 2:4 inference GEMM gains over the bf16 dense one (cuBLASLt's fp8 dense GEMM is not
+  // timed).
+  gpu::SparseDtype dtype = gpu::SparseDtype::bf16;
   int warmup = 10;
   int iters = 50;
 };
@@ -68,6 +73,7 @@ struct GemmBenchResult {
   int cusparselt_version = 0;         // 0: not available
   std::string cusparselt_unavailable;  // the reason, when not available
   gpu::SparseOperand weight_operand = gpu::SparseOperand::a;
+  gpu::SparseDtype dtype = gpu::SparseDtype::bf16;
   int warmup = 0, iters = 0;
   std::vector<GemmBenchRow> rows;
 };
