@@ -30,6 +30,9 @@
 // row-major output. cuSPARSELt could still refuse it for some size: descriptor and plan
 // initialisation go through LT_CHECK like every other problem, so that surfaces as an
 // Error with the status and the problem key, never as a silent fallback.
+//
+// Element types: A and B bf16 (or both fp8 e4m3 for the forward with W as A, whose layout
+// above reads both operands K-major as fp8 tensor cores need), C = D bf16, compute fp32.
 #include "sparse/cuda/cusparselt.h"
 
 #include <dlfcn.h>
@@ -914,7 +917,9 @@ SparseGemm24::SparseGemm24(const SparseGemm24Problem& p, Algorithm alg) : impl_(
   };
   // The input operands in the problem's type; the output (C = D) always bf16.
   auto dense = [&](cusparseLtMatDescriptor_t* d, int64_t rows, int64_t cols, int64_t ld, cusparseOrder_t order,
-                   cudaDataType type) { LT_CHECK(api.DenseDescriptorInit(h, d, rows, cols, ld, kAlign, type, order), m.ctx); };
+                   cudaDataType type) {
+    LT_CHECK(api.DenseDescriptorInit(h, d, rows, cols, ld, kAlign, type, order), m.ctx);
+  };
   const int64_t feat_in = fwd ? in : out;    // features of the token-side input
   const int64_t feat_out = fwd ? out : in;   // features of the output
   if (p.product == SparseProduct::weight_grad) {
