@@ -81,7 +81,8 @@ struct SparseLinear::Impl {
   bool weight_is_w1 = false;    // SparseLinearOptions::slope_weight_is_w1
   int64_t out = 0, in = 0, tokens = 0;
   const bf16* weight = nullptr;
-  std::string name;  // kind and shape, for messages
+  std::string name;   // kind and shape, for messages
+  std::string owner;  // "SparseLinear <name>": who allocation errors name
 
   // The dense products (dense kind, fallback, dW), made at their first use: a layer whose
   // owner computes dW itself never pays the GEMM workspace (36 MB).
@@ -105,11 +106,11 @@ struct SparseLinear::Impl {
   // (decided once per problem by comparing both on a random matrix of the layer's shape).
   bool own_fwd = false, own_bwd = false;
 
-  DeviceBuffer pruned;      // Ws [out, in]; slope: W1 or W2 [out, in] and W2ᵀ [in, out], unless shared
-  DeviceBuffer pruned_t;    // (SparseLinearOptions::slope_scratch)
-  bf16* w1 = nullptr;   // slope: W1, then W2 (pruned or the shared scratch)
-  bf16* w2t = nullptr;  // slope: W2ᵀ (pruned_t or the shared scratch)
-  DeviceBuffer tile_mask;   // slope: the static forward mask W1's, [out/4, in/4]
+  DeviceBuffer pruned;         // Ws [out, in]; slope: W1 or W2 [out, in] and W2ᵀ [in, out], unless shared
+  DeviceBuffer pruned_t;       // (SparseLinearOptions::slope_scratch)
+  bf16* w1 = nullptr;          // slope: W1, then W2 (pruned or the shared scratch)
+  bf16* w2t = nullptr;         // slope: W2ᵀ (pruned_t or the shared scratch)
+  DeviceBuffer tile_mask;      // slope: the static forward mask W1's, [out/4, in/4]
   DeviceBuffer bwd_tile_mask;  // slope: W2's (in W's orientation), [out/4, in/4], from the last refresh
 
   void apply_tile_mask(bf16* dst, const bf16* src, const DeviceBuffer& mask, cudaStream_t s) const {
@@ -132,7 +133,7 @@ struct SparseLinear::Impl {
   void ensure_workspace() {
     size_t need = std::max(fwd->workspace_bytes(), bwd->workspace_bytes());
     if (dwg) need = std::max(need, dwg->workspace_bytes());
-    if (need > workspace.bytes()) workspace.allocate(need, "SparseLinear " + name, "the cuSPARSELt workspace");
+    if (need > workspace.bytes()) workspace.allocate(need, owner, "the cuSPARSELt workspace");
   }
   // The first use of a product tunes it (a search once per problem and process, or the
   // tuning cache's configuration), which may ask for a larger workspace.
@@ -159,6 +160,7 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
   m.keep_pruned = o.keep_pruned;
   m.weight_is_w1 = o.kind == SparseLinearKind::slope && o.slope_weight_is_w1;
   m.name = sparse_linear_kind_name(o.kind) + " " + shape_text(out, in, tokens);
+  m.owner = "SparseLinear " + m.name;
   ESPLAG_CHECK(out > 0 && in > 0 && tokens > 0, "SparseLinear ", m.name, ": sizes must be positive");
   ESPLAG_CHECK(out <= INT_MAX && in <= INT_MAX && tokens <= INT_MAX, "SparseLinear ", m.name,
                ": sizes must fit the dense GEMM's int arguments");
@@ -195,19 +197,19 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
   if (!slope && !m.own_bwd) m.bwd = &SparseGemm24::get(SparseGemm24Problem::linear_backward_data(out, in, tokens));
   const size_t n_w = size_t(out) * size_t(in);
   if (!slope && (m.keep_pruned || !(m.own_fwd && m.own_bwd)))
-    m.pruned.allocate(2 * n_w, "SparseLinear " + m.name, "the pruned weight");
+    m.pruned.allocate(2 * n_w, m.owner, "the pruned weight");
   if (slope) {
     if (o.slope_scratch) {
       m.w1 = o.slope_scratch;
       m.w2t = o.slope_scratch + n_w;
     } else {
-      m.pruned.allocate(2 * n_w, "SparseLinear " + m.name, "W1");
-      m.pruned_t.allocate(2 * n_w, "SparseLinear " + m.name, "W2^T");
+      m.pruned.allocate(2 * n_w, m.owner, "W1");
+      m.pruned_t.allocate(2 * n_w, m.owner, "W2^T");
       m.w1 = m.pruned.bf();
       m.w2t = m.pruned_t.bf();
     }
-    m.tile_mask.allocate(size_t(out / 4) * size_t(in / 4) * 2, "SparseLinear " + m.name, "the forward tile mask");
-    m.bwd_tile_mask.allocate(size_t(out / 4) * size_t(in / 4) * 2, "SparseLinear " + m.name, "the backward tile mask");
+    m.tile_mask.allocate(size_t(out / 4) * size_t(in / 4) * 2, m.owner, "the forward tile mask");
+    m.bwd_tile_mask.allocate(size_t(out / 4) * size_t(in / 4) * 2, m.owner, "the backward tile mask");
   }
   if (o.sparse_dw) {
     // S = MVUE(dYᵀ) is only ever written by the fused kernel, so the problem must have
@@ -218,13 +220,13 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
                  m.dwg->problem().key(),
                  " to be the one the fused MVUE kernel writes, and the check at construction found it is not (or "
                  "ESPLAG_CUSPARSELT_OWN_LAYOUT=0 turned the writer off); run this layer without sparse_dw");
-    m.c_dw.allocate(cusparselt24_layout_bytes(out, tokens), "SparseLinear " + m.name, "the compressed MVUE of dY^T");
-    m.dw_bf16.allocate(2 * size_t(out) * size_t(in), "SparseLinear " + m.name, "the bf16 dW of the 2:4 product");
+    m.c_dw.allocate(cusparselt24_layout_bytes(out, tokens), m.owner, "the compressed MVUE of dY^T");
+    m.dw_bf16.allocate(2 * size_t(out) * size_t(in), m.owner, "the bf16 dW of the 2:4 product");
   }
-  m.c_fwd.allocate(m.fwd->compressed_bytes(), "SparseLinear " + m.name, "the forward's compressed weight");
-  m.c_bwd.allocate(m.bwd->compressed_bytes(), "SparseLinear " + m.name, "the input gradient's compressed weight");
+  m.c_fwd.allocate(m.fwd->compressed_bytes(), m.owner, "the forward's compressed weight");
+  m.c_bwd.allocate(m.bwd->compressed_bytes(), m.owner, "the input gradient's compressed weight");
   m.scratch.allocate(std::max(m.fwd->compress_scratch_bytes(), m.bwd->compress_scratch_bytes()),
-                     "SparseLinear " + m.name, "the compression scratch");
+                     m.owner, "the compression scratch");
   m.ensure_workspace();
   if (slope)  // the static forward mask (row-wise 2:4 of the weight as it is now) and W2's
     double_prune_24(weight, out, in, Sparse24Out{}, Sparse24Out{}, m.tile_mask.u16(), m.bwd_tile_mask.u16(), stream);
@@ -276,8 +278,7 @@ void SparseLinear::use_dense_products(bool on) {
   ESPLAG_CHECK(!on || (m.sparse && m.kind == SparseLinearKind::semi_sparse), "SparseLinear ", m.name,
                ": dense products of the pruned weight are for semi_sparse layers with cuSPARSELt");
   m.dense_products = on;
-  if (on && !m.pruned.get())
-    m.pruned.allocate(2 * size_t(m.out) * size_t(m.in), "SparseLinear " + m.name, "the pruned weight");
+  if (on && !m.pruned.get()) m.pruned.allocate(2 * size_t(m.out) * size_t(m.in), m.owner, "the pruned weight");
   if (!on && !m.keep_pruned && m.own_fwd && m.own_bwd) m.pruned.reset();
 }
 
@@ -291,13 +292,13 @@ SparseLinear::ProductTimes SparseLinear::time_products(cudaStream_t s, int iters
   DeviceBuffer x, y, dy, dx, b;
   const size_t nx = size_t(m.tokens) * size_t(m.in), ny = size_t(m.tokens) * size_t(m.out);
   if (m.bias) {
-    b.allocate(2 * size_t(m.out), "SparseLinear " + m.name, "the timing bias");
+    b.allocate(2 * size_t(m.out), m.owner, "the timing bias");
     CUDA_CHECK(cudaMemsetAsync(b.get(), 0, 2 * size_t(m.out), s));
   }
-  x.allocate(2 * nx, "SparseLinear " + m.name, "the timing input");
-  dx.allocate(2 * nx, "SparseLinear " + m.name, "the timing input gradient");
-  y.allocate(2 * ny, "SparseLinear " + m.name, "the timing output");
-  dy.allocate(2 * ny, "SparseLinear " + m.name, "the timing output gradient");
+  x.allocate(2 * nx, m.owner, "the timing input");
+  dx.allocate(2 * nx, m.owner, "the timing input gradient");
+  y.allocate(2 * ny, m.owner, "the timing output");
+  dy.allocate(2 * ny, m.owner, "the timing output gradient");
   // Non-zero inputs (0x3C00 = 1.0 with varying low mantissa bits): the products' speed
   // does not depend on the values, but all-zero inputs could take shortcuts.
   CUDA_CHECK(cudaMemsetAsync(x.get(), 0x3C, 2 * nx, s));
