@@ -469,7 +469,7 @@ TEST(CusparseltLayout, MvueCompressMatchesHostReference) {
     for (int64_t n = 0; n < N; ++n)
       for (int64_t o = 0; o < out; ++o) dyt[size_t(o * N + n)] = dy[size_t(n * out + o)];
     const size_t bytes = gpu::cusparselt24_layout_bytes(out, N);
-    Dev d_dy(dy.size() * 2), d_s(bytes);
+    Dev d_dy(dy.size() * 2), d_s(bytes), d_seed(sizeof(uint64_t));
     CUDA_CHECK(cudaMemcpy(d_dy.p, dy.data(), dy.size() * 2, cudaMemcpyHostToDevice));
     std::vector<uint8_t> first;
     for (uint64_t seed : {uint64_t(1), uint64_t(0x9e3779b97f4a7c15ull)}) {
@@ -479,7 +479,8 @@ TEST(CusparseltLayout, MvueCompressMatchesHostReference) {
       std::vector<uint8_t> host(bytes);
       gpu::cusparselt24_compress_host(s.data(), out, N, false, host.data());
       CUDA_CHECK(cudaMemset(d_s.p, 0xFF, bytes));  // NaN values, 0xF nibbles
-      gpu::cusparselt24_compress_mvue_t(d_dy.as<gpu::bf16>(), N, out, seed, d_s.p, nullptr);
+      CUDA_CHECK(cudaMemcpy(d_seed.p, &seed, sizeof seed, cudaMemcpyHostToDevice));  // read by the kernel
+      gpu::cusparselt24_compress_mvue_t(d_dy.as<gpu::bf16>(), N, out, d_seed.as<uint64_t>(), d_s.p, nullptr);
       CUDA_CHECK(cudaDeviceSynchronize());
       const auto got = download(d_s, bytes);
       EXPECT_TRUE(got == host) << "seed " << seed << ": " << diff_text(got, host, size_t(out * N));
@@ -498,10 +499,12 @@ TEST(CusparseltLayout, MvueCompressMatchesHostReference) {
         EXPECT_FALSE(got == first) << "another seed must give another draw";
     }
   }
-  Dev d(64 * 128 * 2), dst(gpu::cusparselt24_layout_bytes(64, 64));
-  EXPECT_THROW(gpu::cusparselt24_compress_mvue_t(d.as<gpu::bf16>(), 48, 128, 1, dst.p, nullptr), esplag::Error);
-  EXPECT_THROW(gpu::cusparselt24_compress_mvue_t(d.as<gpu::bf16>(), 64, 96, 1, dst.p, nullptr), esplag::Error);
-  EXPECT_THROW(gpu::cusparselt24_compress_mvue_t(d.as<gpu::bf16>() + 1, 64, 64, 1, dst.p, nullptr), esplag::Error);
+  Dev d(64 * 128 * 2), dst(gpu::cusparselt24_layout_bytes(64, 64)), seed(sizeof(uint64_t));
+  const uint64_t* sd = seed.as<uint64_t>();
+  EXPECT_THROW(gpu::cusparselt24_compress_mvue_t(d.as<gpu::bf16>(), 48, 128, sd, dst.p, nullptr), esplag::Error);
+  EXPECT_THROW(gpu::cusparselt24_compress_mvue_t(d.as<gpu::bf16>(), 64, 96, sd, dst.p, nullptr), esplag::Error);
+  EXPECT_THROW(gpu::cusparselt24_compress_mvue_t(d.as<gpu::bf16>() + 1, 64, 64, sd, dst.p, nullptr), esplag::Error);
+  EXPECT_THROW(gpu::cusparselt24_compress_mvue_t(d.as<gpu::bf16>(), 64, 64, nullptr, dst.p, nullptr), esplag::Error);
 }
 
 }  // namespace

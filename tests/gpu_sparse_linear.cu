@@ -477,6 +477,53 @@ TEST(GpuSparseLinear, SparseDwSeeds) {
   EXPECT_NE(gpu::sparse_dw_mvue_seed(5, 1), gpu::sparse_dw_mvue_seed(6, 0));
 }
 
+// A CUDA graph that captures backward() draws anew at every replay (the draw count lives
+// in device memory): replays 1 and 2 give the eager layer's draws 1 and 2, bit for bit.
+TEST(GpuSparseLinear, SparseDwDrawsAnewAtEveryGraphReplay) {
+  if (!has_device()) GTEST_SKIP() << "no CUDA device";
+  if (!gpu::cusparselt_available()) GTEST_SKIP() << "cuSPARSELt not available: " << gpu::cusparselt_unavailable_reason();
+  const int64_t O = 128, I = 64, N = 128;
+  Rng rng(29);
+  Dev w(size_t(O * I) * 2), x(size_t(N * I) * 2), dy(size_t(N * O) * 2), dw(size_t(O * I) * 4);
+  upload(w, random_bf16(size_t(O * I), 0.5, rng));
+  upload(x, random_bf16(size_t(N * I), 1.0, rng));
+  upload(dy, random_bf16(size_t(N * O), 1.0, rng));
+  SparseLinearOptions o;
+  o.kind = SparseLinearKind::slope;
+  o.sparse_dw = true;
+  o.dw_seed = 31;
+  SparseLinear eager(o, O, I, N, w.bf(), nullptr), graphed(o, O, I, N, w.bf(), nullptr);
+  cudaStream_t s;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto backward = [&](SparseLinear& l) { l.backward(nullptr, dw.f32(), dy.bf(), x.bf(), false, s); };
+  auto result = [&] {
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    return download_f32(dw.f32(), size_t(O * I));
+  };
+  std::vector<VF> want;
+  for (int k = 0; k < 3; ++k) {
+    backward(eager);
+    want.push_back(result());
+  }
+  backward(graphed);  // draw 0, eagerly: the first backward tunes the product (it synchronises)
+  EXPECT_EQ(result(), want[0]);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  backward(graphed);
+  CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int k = 1; k < 3; ++k) {
+    CUDA_CHECK(cudaMemsetAsync(dw.p, 0xFF, dw.bytes, s));  // NaN until the replay writes dW
+    CUDA_CHECK(cudaGraphLaunch(exec, s));
+    EXPECT_EQ(result(), want[size_t(k)]) << "replay " << k << " must be draw " << k;
+  }
+  EXPECT_EQ(graphed.dw_draws(), 3u);
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  CUDA_CHECK(cudaStreamDestroy(s));
+}
+
 // Unbiasedness: the mean of 32 draws is much closer to the dense dYᵀ · X than one draw
 // (independent draws: about 1/√32 ≈ 0.18 of the single-draw error).
 TEST(GpuSparseLinear, SparseDwIsUnbiased) {

@@ -133,7 +133,7 @@ template <Source From>
 __global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t rows, int64_t cols,
                                        uint8_t* __restrict__ dst_n, uint8_t* __restrict__ dst_t,
                                        uint16_t* __restrict__ pruned, const uint16_t* __restrict__ fwd_tiles,
-                                       const uint16_t* __restrict__ bwd_tiles, uint64_t seed) {
+                                       const uint16_t* __restrict__ bwd_tiles, const uint64_t* __restrict__ seed_ptr) {
   constexpr int kStride = kTile + 2;  // odd word stride: column reads hit distinct banks
   constexpr int kWordStride = kStride / 2;
   constexpr bool kKept = From == Source::kept;
@@ -206,6 +206,10 @@ __global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t r
   // The 16 nibbles, row a's at bits 4g and row a + 8's at bits 32 + 4g: a register, not an
   // array (a value-indexed array would live in local memory).
   uint64_t nibs = 0;
+  // MVUE: the seed is read from device memory, so that a captured CUDA graph draws anew
+  // at every replay when the caller advances it there.
+  uint64_t seed = 0;
+  if constexpr (kMvue) seed = *seed_ptr;
 #pragma unroll 1
   for (int half = 0; half < 2; ++half) {
     const int lr = s * 16 + half * 8 + a;  // tile-local row of op(W)
@@ -294,7 +298,7 @@ void cusparselt24_compress(const bf16* w, int64_t rows, int64_t cols, void* dst_
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
   compress_layout_kernel<Source::dense>
       <<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols, static_cast<uint8_t*>(dst_n),
-                                 static_cast<uint8_t*>(dst_t), nullptr, nullptr, nullptr, 0);
+                                 static_cast<uint8_t*>(dst_t), nullptr, nullptr, nullptr, nullptr);
   CUDA_CHECK_LAUNCH("compress_layout_kernel");
 }
 
@@ -310,7 +314,7 @@ void cusparselt24_prune_compress(const bf16* w, int64_t rows, int64_t cols, bf16
   compress_layout_kernel<Source::dense_pruned>
       <<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols, static_cast<uint8_t*>(dst_n),
                                  static_cast<uint8_t*>(dst_t), reinterpret_cast<uint16_t*>(pruned), nullptr, nullptr,
-                                 0);
+                                 nullptr);
   CUDA_CHECK_LAUNCH("compress_layout_kernel (pruning)");
 }
 
@@ -325,14 +329,15 @@ void cusparselt24_compress_kept(const bf16* values, const uint16_t* forward_tile
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
   compress_layout_kernel<Source::kept>
       <<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(values), rows, cols, static_cast<uint8_t*>(dst_n),
-                                 static_cast<uint8_t*>(dst_t), nullptr, forward_tiles, backward_tiles, 0);
+                                 static_cast<uint8_t*>(dst_t), nullptr, forward_tiles, backward_tiles, nullptr);
   CUDA_CHECK_LAUNCH("compress_layout_kernel (kept values)");
 }
 
-void cusparselt24_compress_mvue_t(const bf16* g, int64_t rows, int64_t cols, uint64_t seed, void* dst_t,
+void cusparselt24_compress_mvue_t(const bf16* g, int64_t rows, int64_t cols, const uint64_t* seed, void* dst_t,
                                   cudaStream_t stream) {
   check_shape("cusparselt24_compress_mvue_t", rows, cols, "the gradient");
-  ESPLAG_CHECK(g != nullptr && dst_t != nullptr, "cusparselt24_compress_mvue_t: null gradient or layout");
+  ESPLAG_CHECK(g != nullptr && dst_t != nullptr && seed != nullptr,
+               "cusparselt24_compress_mvue_t: null gradient, layout or seed");
   ESPLAG_CHECK(reinterpret_cast<uintptr_t>(g) % 16 == 0 && reinterpret_cast<uintptr_t>(dst_t) % 16 == 0,
                "cusparselt24_compress_mvue_t: pointers must be 16-byte aligned");
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));

@@ -100,8 +100,10 @@ void cusparselt24_prune_compress(const bf16* w, int64_t rows, int64_t cols, bf16
 // cusparselt24_compress_host(mvue_24_bf16(Gᵀ, seed), transposed = false). The 64×64 tile of
 // cusparselt24_compress, with the MVUE choosing the kept values instead of "the
 // non-zeros"; no dense estimate and no transposed copy of G are written. rows, cols
-// multiples of 64 (else Error). Asynchronous on `stream`.
-void cusparselt24_compress_mvue_t(const bf16* g, int64_t rows, int64_t cols, uint64_t seed, void* dst_t,
+// multiples of 64 (else Error). The seed is read from device memory (`seed`, one uint64)
+// when the kernel runs, so a captured CUDA graph uses whatever seed the stream's earlier
+// work left there. Asynchronous on `stream`.
+void cusparselt24_compress_mvue_t(const bf16* g, int64_t rows, int64_t cols, const uint64_t* seed, void* dst_t,
                                   cudaStream_t stream);
 
 // Whether this layout is the one the loaded cuSPARSELt produces for g's structured operand:

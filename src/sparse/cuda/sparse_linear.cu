@@ -68,9 +68,23 @@ SparseLinearKind parse_sparse_linear_kind(const std::string& name) {
   fail("unknown sparse Linear kind '", name, "' (expected dense, semi_sparse or slope)");
 }
 
-uint64_t sparse_dw_mvue_seed(uint64_t base, uint64_t draw) {
+namespace {
+
+__host__ __device__ inline uint64_t mvue_seed_of(uint64_t base, uint64_t draw) {
   return sparse_detail::mvue_mix(sparse_detail::mvue_mix(base) + draw);
 }
+
+// state = {draws, seed}: seed = the seed of draw number `draws`, then draws + 1. One
+// thread, in the stream ahead of the MVUE kernel that reads the seed: a CUDA graph that
+// captures both takes a new draw at every replay.
+__global__ void advance_mvue_draw_kernel(uint64_t* state, uint64_t base) {
+  state[1] = mvue_seed_of(base, state[0]);
+  state[0] += 1;
+}
+
+}  // namespace
+
+uint64_t sparse_dw_mvue_seed(uint64_t base, uint64_t draw) { return mvue_seed_of(base, draw); }
 
 struct SparseLinear::Impl {
   SparseLinearKind kind = SparseLinearKind::dense;
@@ -124,11 +138,12 @@ struct SparseLinear::Impl {
 
   // sparse_dw: the weight-gradient product (S = MVUE(dYᵀ) as A, K = tokens), S's
   // compressed buffer (written by cusparselt24_compress_mvue_t at every backward), the
-  // product's bf16 dW [out, in], and the MVUE seeds (sparse_dw_mvue_seed(dw_seed, draws)).
+  // product's bf16 dW [out, in], the base seed and, in device memory, the draws made so
+  // far and the current draw's seed (sparse_dw_mvue_seed(dw_seed, draws)).
   SparseGemm24* dwg = nullptr;
   bool dwg_tuned = false;
-  DeviceBuffer c_dw, dw_bf16;
-  uint64_t dw_seed = 0, dw_draws = 0;
+  DeviceBuffer c_dw, dw_bf16, dw_state;
+  uint64_t dw_seed = 0;
 
   void ensure_workspace() {
     size_t need = std::max(fwd->workspace_bytes(), bwd->workspace_bytes());
@@ -222,6 +237,8 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
                  "ESPLAG_CUSPARSELT_OWN_LAYOUT=0 turned the writer off); run this layer without sparse_dw");
     m.c_dw.allocate(cusparselt24_layout_bytes(out, tokens), m.owner, "the compressed MVUE of dY^T");
     m.dw_bf16.allocate(2 * size_t(out) * size_t(in), m.owner, "the bf16 dW of the 2:4 product");
+    m.dw_state.allocate(2 * sizeof(uint64_t), m.owner, "the MVUE draw count and seed");
+    CUDA_CHECK(cudaMemset(m.dw_state.get(), 0, m.dw_state.bytes()));
   }
   m.c_fwd.allocate(m.fwd->compressed_bytes(), m.owner, "the forward's compressed weight");
   m.c_bwd.allocate(m.bwd->compressed_bytes(), m.owner, "the input gradient's compressed weight");
@@ -268,10 +285,20 @@ size_t SparseLinear::device_bytes() const {
 
 bool SparseLinear::sparse_dw() const { return impl_->dwg != nullptr; }
 void SparseLinear::set_dw_seed(uint64_t seed) {
-  impl_->dw_seed = seed;
-  impl_->dw_draws = 0;
+  Impl& m = *impl_;
+  m.dw_seed = seed;
+  if (!m.dw_state.get()) return;
+  CUDA_CHECK(cudaDeviceSynchronize());  // no backward in flight still reads the count
+  CUDA_CHECK(cudaMemset(m.dw_state.get(), 0, m.dw_state.bytes()));
 }
-uint64_t SparseLinear::dw_draws() const { return impl_->dw_draws; }
+uint64_t SparseLinear::dw_draws() const {
+  const Impl& m = *impl_;
+  if (!m.dw_state.get()) return 0;
+  uint64_t draws = 0;
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(cudaMemcpy(&draws, m.dw_state.get(), sizeof draws, cudaMemcpyDeviceToHost));
+  return draws;
+}
 
 void SparseLinear::use_dense_products(bool on) {
   Impl& m = *impl_;
@@ -442,8 +469,10 @@ void SparseLinear::backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, 
     if (m.dwg) {
       // The unbiased 2:4 estimate: S = MVUE(dYᵀ) straight into its compressed layout, the
       // 2:4 product S · X in bf16, widened into dW (sparse_linear.h).
-      cusparselt24_compress_mvue_t(dy, m.tokens, m.out, sparse_dw_mvue_seed(m.dw_seed, m.dw_draws), m.c_dw.get(), s);
-      ++m.dw_draws;  // counted once the draw is launched (a refused dY takes none)
+      uint64_t* state = static_cast<uint64_t*>(m.dw_state.get());
+      advance_mvue_draw_kernel<<<1, 1, 0, s>>>(state, m.dw_seed);
+      CUDA_CHECK_LAUNCH("advance_mvue_draw_kernel");
+      cusparselt24_compress_mvue_t(dy, m.tokens, m.out, state + 1, m.c_dw.get(), s);
       m.tune(*m.dwg, m.dwg_tuned, m.dw_bf16.bf(), m.c_dw.get(), x, nullptr, s);
       m.ensure_workspace();
       m.dwg->matmul(m.dw_bf16.bf(), m.c_dw.get(), x, nullptr, m.workspace.get(), m.workspace.bytes(), s);

@@ -72,9 +72,10 @@
 // The seed: the k-th backward of the layer that computes a sparse dW (k = 0, 1, ...) uses
 // sparse_dw_mvue_seed(dw_seed, k); SparseLinearOptions::dw_seed sets the base and
 // set_dw_seed() sets it again and restarts k at 0, so a run is reproducible from the base
-// seeds and the number of steps. The seed is a kernel argument: a CUDA graph that captures
-// backward() replays the captured seed (one draw for every replay), so graph callers set
-// the seed and re-capture when they want fresh draws.
+// seeds and the number of steps. k lives in device memory and is advanced by a one-thread
+// kernel ahead of the MVUE kernel, which reads its seed there: a CUDA graph that captures
+// backward() takes a new draw at every replay. The base seed is a kernel argument, so a
+// graph keeps the base it was captured with (capture again after set_dw_seed()).
 // Rules: the 2:4 kinds only (the dense kind refuses it), out and tokens multiples of 64
 // (the fused kernel's tile), and, with cuSPARSELt, the compressed layout of the
 // weight_grad problem checked equal to the library's at construction
@@ -197,7 +198,8 @@ class SparseLinear {
   // cuSPARSELt; false for the dense fallback).
   bool sparse_dw() const;
   // Sets the base seed of the MVUE draws and restarts the draw count: the next sparse dW
-  // uses sparse_dw_mvue_seed(seed, 0). The draws made so far: dw_draws().
+  // uses sparse_dw_mvue_seed(seed, 0). The draws made so far: dw_draws(). Both
+  // synchronise the device (the count lives there).
   void set_dw_seed(uint64_t seed);
   uint64_t dw_draws() const;
 
