@@ -169,6 +169,47 @@ recipe:
   EXPECT_TRUE(contains(lora, "blocks.0.mlp.proj.weight of kind slope with a low-rank adapter")) << lora;
 }
 
+// sparse_dw is CPU-only in training so far: a semi_sparse or slope modifier with it keeps
+// `auto` on the CPU and makes `cuda` an error that says so; the layers it built do not
+// keep a checkpoint's evaluation off the GPU (only the backward changes).
+TEST(TrainDevice, SparseDwStaysOnTheCpu) {
+  TempDir dir;
+  const std::string data = make_dataset(dir);
+  for (const char* type : {"semi_sparse", "slope"}) {
+    SCOPED_TRACE(type);
+    TrainConfig cfg = small_config(data, "auto");
+    cfg.recipe_yaml = std::string("- ") + type + ": {params: ['blocks.0.mlp.fc.weight'], sparse_dw: true}\n";
+    const std::string b = gpu_training_blocker(cfg);
+    EXPECT_TRUE(contains(b, std::string("modifier ") + type +
+                                " with sparse_dw on blocks.0.mlp.fc.weight: sparse_dw (the weight gradient from the "
+                                "MVUE 2:4 of dY^T) is CPU-only so far")) << b;
+    const DeviceChoice c = choose_train_device("auto", kOneGpu, b);
+    EXPECT_EQ(c.device, "cpu");
+    EXPECT_TRUE(contains(c.note, "sparse_dw")) << c.note;
+    EXPECT_TRUE(contains(c.note, "CPU-only so far")) << c.note;
+    const std::string e = error_of([&] { choose_train_device("cuda", kOneGpu, b); });
+    EXPECT_TRUE(contains(e, "train.device=cuda")) << e;
+    EXPECT_TRUE(contains(e, "sparse_dw (the weight gradient from the MVUE 2:4 of dY^T) is CPU-only so far")) << e;
+    EXPECT_TRUE(contains(e, "use train.device=cpu")) << e;
+    // The same modifier without it trains on the GPU.
+    cfg.recipe_yaml = std::string("- ") + type + ": {params: ['blocks.0.mlp.fc.weight'], sparse_dw: false}\n";
+    EXPECT_EQ(gpu_training_blocker(cfg), "");
+
+    cfg.model.vocab_size = 257;
+    Transformer<float> model(cfg.model);
+    LayerPlan plan;
+    plan.kind = type;
+    plan.pattern = SparsityPattern::nm(2, 4);
+    plan.mask_change_freq = 10;
+    plan.sparse_dw = true;
+    apply_layer_plan(model, "blocks.0.mlp.fc.weight", plan, 1);
+    ASSERT_TRUE(model.linear("blocks.0.mlp.fc.weight").state().count("blocks.0.mlp.fc.weight.sparse_dw_draws"));
+    TrainConfig kinds_only = cfg;
+    kinds_only.recipe_yaml.clear();
+    EXPECT_EQ(gpu_training_blocker(kinds_only, &model), "");
+  }
+}
+
 // The real probe of this process: where no GPU can be used (a CPU build, or a CUDA build
 // on a machine without a GPU) `cuda` fails before the run directory is created, and
 // `auto` trains on the CPU.

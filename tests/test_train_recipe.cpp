@@ -104,7 +104,8 @@ TEST(Recipe, GpuConfigsParseAndTheirRecipesValidate) {
 TEST(Recipe, ShippedRecipesValidateAgainstTheirModels) {
   const std::filesystem::path dir = std::filesystem::path(ESPLAG_SOURCE_DIR) / "configs" / "recipes";
   const std::set<std::string> expected = {"gmp-unstructured.yaml", "gmp-2to4.yaml",          "venom-64-2-8.yaml",
-                                          "semi-sparse.yaml",      "semi-sparse-activation.yaml", "slope.yaml"};
+                                          "semi-sparse.yaml",      "semi-sparse-activation.yaml", "slope.yaml",
+                                          "slope-sparse-dw.yaml"};
   std::set<std::string> seen;
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
     const std::string file = entry.path().filename().string();
@@ -158,7 +159,8 @@ TEST(Recipe, ShippedRecipesValidateAgainstTheirModels) {
         EXPECT_NE(n.find("mlp.proj"), std::string::npos);
         EXPECT_EQ(p.kind, "semi_sparse_activation");
       }
-    } else if (file == "slope.yaml") {
+    } else if (file == "slope.yaml" || file == "slope-sparse-dw.yaml") {
+      // slope-sparse-dw.yaml is slope.yaml with sparse_dw on.
       EXPECT_EQ(c.model.preset, "llama-tiny");
       EXPECT_EQ(end_plan.size(), 6u);  // qkv, attn.proj, mlp.proj of 2 blocks; not mlp.fc
       EXPECT_FALSE(end_plan.count(kFc0));
@@ -167,6 +169,7 @@ TEST(Recipe, ShippedRecipesValidateAgainstTheirModels) {
         EXPECT_EQ(p.lora_rank, 4);
         EXPECT_EQ(p.mask_change_freq, 100);
         EXPECT_TRUE(p.lora_enabled);
+        EXPECT_EQ(p.sparse_dw, file == "slope-sparse-dw.yaml");
       }
       EXPECT_FALSE(r.plan_at(593).at("blocks.0.attn.qkv.weight").lora_enabled);
       EXPECT_TRUE(r.plan_at(594).at("blocks.0.attn.qkv.weight").lora_enabled);
@@ -381,6 +384,45 @@ TEST(Recipe, KernelReplacementHandOff) {
   EXPECT_EQ(r24.plan_at(100).at(kFc0).modifier, 0);
 }
 
+TEST(Recipe, SparseDwOnSemiSparseAndSlope) {
+  const Recipe r = make(R"(
+- semi_sparse: {params: ['blocks.0.mlp.fc.weight'], until: 100, sparse_dw: true}
+- slope: {params: ['blocks.0.mlp.fc.weight'], start: 100}
+- slope: {params: ['re:blocks\.1\..*'], sparse_dw: false}
+- semi_sparse: {params: ['re:blocks\.0\.attn\..*'], sparse_dw: yes}
+)");
+  EXPECT_TRUE(r.modifiers()[0].sparse_dw);
+  EXPECT_FALSE(r.modifiers()[1].sparse_dw);  // the default
+  EXPECT_FALSE(r.modifiers()[2].sparse_dw);
+  EXPECT_TRUE(r.modifiers()[3].sparse_dw);  // a YAML boolean, as the config's keys
+  EXPECT_TRUE(r.plan_at(0).at(kFc0).sparse_dw);
+  EXPECT_TRUE(r.plan_at(0).at("blocks.0.attn.qkv.weight").sparse_dw);
+  EXPECT_FALSE(r.plan_at(0).at("blocks.1.mlp.fc.weight").sparse_dw);
+  EXPECT_EQ(r.plan_at(100).at(kFc0).kind, "slope");
+  EXPECT_FALSE(r.plan_at(100).at(kFc0).sparse_dw);
+  // The option is part of a plan's effect: the trainer rebuilds a layer when it changes.
+  LayerPlan a = r.plan_at(0).at(kFc0), b = a;
+  b.sparse_dw = false;
+  EXPECT_FALSE(a.same_effect(b));
+
+  const std::string d = r.describe();
+  EXPECT_NE(d.find("[0] semi_sparse on 1 weight: 2:4 steps [0, 100), dense after, sparse dW (MVUE 2:4 of dYᵀ)"),
+            std::string::npos) << d;
+  EXPECT_NE(d.find("[2] slope on 4 weights: 2:4 from step 0, Wᵀ mask refreshed every 100 steps, no adapters\n"),
+            std::string::npos) << d;
+
+  // to_yaml writes the key for both types, on or off, and reads back to the same recipe.
+  const std::string text = r.to_yaml();
+  EXPECT_NE(text.find("sparse_dw: true"), std::string::npos) << text;
+  EXPECT_NE(text.find("sparse_dw: false"), std::string::npos) << text;
+  const Recipe back = make(text);
+  EXPECT_EQ(back.to_yaml(), text);
+  for (int64_t s : {0, 99, 100, 199}) EXPECT_EQ(back.plan_at(s), r.plan_at(s)) << s;
+  for (size_t i = 0; i < r.modifiers().size(); ++i)
+    EXPECT_EQ(back.modifiers()[i].sparse_dw, r.modifiers()[i].sparse_dw) << "recipe[" << i << "]";
+  EXPECT_EQ(make("- semi_sparse_activation: {params: ['re:.*mlp.*']}").to_yaml().find("sparse_dw"), std::string::npos);
+}
+
 // ---------------------------------------------------------------------------------------
 // Errors
 
@@ -454,6 +496,17 @@ TEST(Recipe, ValueErrors) {
                "lora_start (10) is before start (50)");
   EXPECT_ERROR(make("- slope: {params: ['re:.*'], lora_rank: 65}"),
                "key 'lora_rank': 65 exceeds min(rows, cols) of 'blocks.0.attn.proj.weight' of shape [64, 64]");
+  EXPECT_ERROR(Recipe::parse("- slope: {params: ['re:.*'], sparse_dw: maybe}", "r.yaml"),
+               "r.yaml: recipe[0] (slope): key 'sparse_dw' must be true or false, got 'maybe'");
+  EXPECT_ERROR(Recipe::parse("- semi_sparse: {params: ['re:.*'], sparse_dw: 1.5}", "r.yaml"),
+               "r.yaml: recipe[0] (semi_sparse): key 'sparse_dw' must be true or false, got '1.5'");
+  EXPECT_ERROR(Recipe::parse("- slope: {params: ['re:.*'], sparse_dw: [true]}", "r.yaml"),
+               "key 'sparse_dw' must be a single value");
+  // Only the kinds with a 2:4 weight know it.
+  EXPECT_ERROR(Recipe::parse("- semi_sparse_activation: {params: ['re:.*'], sparse_dw: true}", "r.yaml"),
+               "r.yaml: recipe[0] (semi_sparse_activation): unknown key 'sparse_dw' (known: params, start, until)");
+  EXPECT_ERROR(Recipe::parse("- kernel_replacement: {params: ['re:.*'], start: 5, sparse_dw: true}", "r.yaml"),
+               "recipe[0] (kernel_replacement): unknown key 'sparse_dw'");
 }
 
 TEST(Recipe, ParamErrors) {

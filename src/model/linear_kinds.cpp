@@ -30,6 +30,21 @@ uint64_t layer_seed(uint64_t seed, const std::string& name) {
   return z ^ (z >> 31);
 }
 
+uint64_t sparse_dw_seed(uint64_t seed, const std::string& name) { return layer_seed(seed, name + ".sparse_dw"); }
+
+namespace {
+
+// The sparse_dw draws of a layer being replaced, or null when it takes none.
+template <typename T>
+const MvueWeightGrad<T>* previous_draws(const Linear<T>* previous) {
+  const MvueWeightGrad<T>* dw = nullptr;
+  if (const auto* s = dynamic_cast<const SemiSparseLinear<T>*>(previous)) dw = &s->weight_grad();
+  if (const auto* s = dynamic_cast<const SlopeLinear<T>*>(previous)) dw = &s->weight_grad();
+  return dw && dw->on() ? dw : nullptr;
+}
+
+}  // namespace
+
 template <typename T>
 std::unique_ptr<Linear<T>> make_linear(const LinearParams<T>& p, const LinearOptions& o, const Linear<T>* previous) {
   const auto& names = linear_kind_names();
@@ -45,6 +60,14 @@ std::unique_ptr<Linear<T>> make_linear(const LinearParams<T>& p, const LinearOpt
   const Linear<T>* prev = prev_lora ? &prev_lora->inner() : previous;
   const bool adapter = o.lora_enabled && o.lora_rank > 0;
   const uint64_t seed = layer_seed(o.seed, p.name);
+  ESPLAG_CHECK(!o.sparse_dw || o.kind == "semi_sparse" || o.kind == "slope", "linear '", p.name,
+               "': sparse_dw (the weight gradient from the MVUE 2:4 of dY^T) is an option of the kinds semi_sparse "
+               "and slope, not of ", o.kind);
+  MvueWeightGrad<T> dw;
+  if (o.sparse_dw) {
+    dw = MvueWeightGrad<T>(sparse_dw_seed(o.seed, p.name));
+    if (const MvueWeightGrad<T>* before = previous_draws(prev)) dw.continue_from(*before);
+  }
 
   std::unique_ptr<Linear<T>> impl;
   if (o.kind == "dense") {
@@ -52,15 +75,15 @@ std::unique_ptr<Linear<T>> make_linear(const LinearParams<T>& p, const LinearOpt
   } else if (o.kind == "masked") {
     impl = std::make_unique<MaskedLinear<T>>(p, o.pattern, o.sparsity > 0 ? o.sparsity : o.pattern.sparsity);
   } else if (o.kind == "semi_sparse") {
-    impl = std::make_unique<SemiSparseLinear<T>>(p);
+    impl = std::make_unique<SemiSparseLinear<T>>(p, std::move(dw));
   } else if (o.kind == "semi_sparse_activation") {
     impl = std::make_unique<SemiSparseActivationLinear<T>>(p, o.activation);
   } else if (o.kind == "slope") {
     std::unique_ptr<SlopeLinear<T>> s;
     if (const auto* ps = dynamic_cast<const SlopeLinear<T>*>(prev))
-      s = std::make_unique<SlopeLinear<T>>(p, *ps, o.mask_change_freq);
+      s = std::make_unique<SlopeLinear<T>>(p, *ps, o.mask_change_freq, std::move(dw));
     else
-      s = std::make_unique<SlopeLinear<T>>(p, o.mask_change_freq);
+      s = std::make_unique<SlopeLinear<T>>(p, o.mask_change_freq, std::move(dw));
     if (adapter) s->enable_lora(o.lora_rank, seed);
     impl = std::move(s);
   } else {  // vnm

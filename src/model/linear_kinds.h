@@ -11,7 +11,9 @@
 //     a vnm layer its compressed weight and indices;
 //   - slope from a slope layer continues it (masks, values, refresh counter, adapters);
 //   - the LoRA wrapper keeps the previous wrapper's adapters when the rank is unchanged,
-//     and builds its inner kind with the previous inner kind as `previous`.
+//     and builds its inner kind with the previous inner kind as `previous`;
+//   - with sparse_dw, semi_sparse or slope after a layer with sparse_dw goes on with its
+//     count of MVUE draws (no draw is taken twice).
 // Everything else is built afresh from the flat-buffer weight.
 #pragma once
 #include <cstdint>
@@ -46,7 +48,12 @@ struct LinearOptions {
   int lora_rank = 0;
   double lora_alpha = 0.0;  // wrapper only; <= 0 means alpha = rank (scale 1)
   bool lora_enabled = false;
-  // Adapter initialisation; mixed with the weight's name so layers differ.
+  // semi_sparse, slope: the weight gradient from S = MVUE(dYᵀ), the unbiased 2:4 estimate
+  // of the output gradient along the tokens, instead of dYᵀ (MvueWeightGrad in
+  // model/linear_semi_sparse.h); the other kinds refuse it.
+  bool sparse_dw = false;
+  // Adapter initialisation and sparse_dw's draws; mixed with the weight's name so layers
+  // differ.
   uint64_t seed = 0;
 };
 
@@ -62,6 +69,10 @@ std::unique_ptr<Linear<T>> make_linear(const LinearParams<T>& params, const Line
 // The seed an adapter of layer `name` draws from: `seed` mixed with a hash of the name
 // (FNV-1a, fixed across platforms).
 uint64_t layer_seed(uint64_t seed, const std::string& name);
+// The base seed of sparse_dw's MVUE draws of layer `name` (draw k uses
+// mvue_draw_seed(base, k), sparse/mvue_seed.h): layer_seed of "<name>.sparse_dw", a stream
+// apart from the adapter's.
+uint64_t sparse_dw_seed(uint64_t seed, const std::string& name);
 
 namespace linear_detail {
 

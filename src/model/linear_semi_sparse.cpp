@@ -1,11 +1,17 @@
 #include "model/linear_semi_sparse.h"
 
 #include <algorithm>
+#include <cmath>
+#include <utility>
 
 #include "core/error.h"
 #include "core/op_trace.h"
+#include "core/parallel.h"
+#include "model/linear_kinds.h"
 #include "ops/matmul.h"
 #include "sparse/masks.h"
+#include "sparse/mvue.h"
+#include "sparse/mvue_seed.h"
 #include "sparse/transposable.h"
 
 namespace esplag {
@@ -25,11 +31,81 @@ std::string activation_sparsity_name(ActivationSparsity a) {
   return a == ActivationSparsity::row_24 ? "row_24" : "tile_24";
 }
 
+// --- sparse_dw ------------------------------------------------------------------------------
+
+template <typename T>
+const T* MvueWeightGrad<T>::draw(const LinearParams<T>& p, const T* dout, int N) {
+  ESPLAG_CHECK(N % 4 == 0, "linear '", p.name, "': sparse_dw needs the tokens of a micro-batch (train.batch_size x ",
+               "train.seq_len) to be a multiple of 4, as the MVUE 2:4 of dY^T keeps 2 of every 4 consecutive tokens ",
+               "of an output feature; got ", N);
+  const int64_t O = p.out_features, n = N;
+  g_.resize(size_t(O * n));
+  st_.resize(size_t(O * n));
+  ScopedOp op({p.module, "bwd.dw.mvue"}, OpCategory::other, p.layer, 0, double(sizeof(T) * 2 * O * n), {dout},
+              {st_.data()});
+  float* g = g_.data();
+  parallel_for(
+      O,
+      [&](int64_t o0, int64_t o1) {
+        for (int64_t o = o0; o < o1; ++o)
+          for (int64_t i = 0; i < n; ++i) g[o * n + i] = static_cast<float>(dout[i * O + o]);
+      },
+      16);
+  // In place (mvue_24 allows it): g_ holds S from here on.
+  cpu::mvue_24(g, g, nullptr, O, n, mvue_draw_seed(base_, draws_), p.name + " output gradient (transposed)");
+  T* st = st_.data();
+  parallel_for(
+      n,
+      [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i)
+          for (int64_t o = 0; o < O; ++o) st[i * O + o] = static_cast<T>(g[o * n + i]);
+      },
+      16);
+  ++draws_;
+  return st;
+}
+
+template <typename T>
+void MvueWeightGrad<T>::add_state(std::map<std::string, Tensor>& state, const std::string& name) const {
+  if (!on_) return;
+  Tensor t = Tensor::zeros({1}, DType::f64, name + ".sparse_dw_draws");
+  t.data<double>()[0] = double(draws_);
+  state[name + ".sparse_dw_draws"] = t;
+}
+
+template <typename T>
+void MvueWeightGrad<T>::load_state(const std::map<std::string, Tensor>& state, const std::string& name) {
+  if (!on_) return;
+  const Tensor& t = linear_detail::state_entry(state, name + ".sparse_dw_draws", DType::f64, {1}, name);
+  const double d = t.data<double>()[0];
+  ESPLAG_CHECK(d == std::floor(d) && d >= 0 && d < 9.0e15, "linear '", name, "': saved sparse_dw draw count ", d,
+               " is not a count");
+  draws_ = uint64_t(d);
+}
+
 // --- semi_sparse -------------------------------------------------------------------------
 
 template <typename T>
-SemiSparseLinear<T>::SemiSparseLinear(const LinearParams<T>& p) : Linear<T>(p) {
+SemiSparseLinear<T>::SemiSparseLinear(const LinearParams<T>& p, MvueWeightGrad<T> dw)
+    : Linear<T>(p), dw_(std::move(dw)) {
   check_dims_24(p, "semi_sparse");
+}
+
+template <typename T>
+std::map<std::string, Tensor> SemiSparseLinear<T>::state() const {
+  std::map<std::string, Tensor> s;
+  if (!dw_.on()) return s;
+  const auto& p = this->p_;
+  s[p.name + ".kind"] = linear_detail::string_tensor(p.name + ".kind", kind());
+  dw_.add_state(s, p.name);
+  return s;
+}
+
+template <typename T>
+void SemiSparseLinear<T>::load_state(const std::map<std::string, Tensor>& tensors) {
+  const auto& p = this->p_;
+  linear_detail::check_state_kind(tensors, p.name, kind());
+  dw_.load_state(tensors, p.name);
 }
 
 template <typename T>
@@ -78,6 +154,18 @@ void SemiSparseLinear<T>::backward(T* dinp, const T* dout, const T* inp, int N) 
                 sizeof(T) * (2 * M * K + K * O / 2 + M * O), {dout, p.weight}, {dinp});
     cpu::linear_backward(dinp, static_cast<T*>(nullptr), static_cast<T*>(nullptr), dout, inp, ws_.data(), N,
                          p.in_features, p.out_features);
+  }
+  if (dw_.on()) {
+    // dW = S·X, S = MVUE(dYᵀ) 2:4 along the tokens (the product's reduction dimension); the
+    // bias gradient from dY itself, exact.
+    const T* st = dw_.draw(p, dout, N);
+    ScopedOp op({p.module, "bwd.dw"}, OpCategory::sparse_gemm, p.layer, M * K * O,
+                sizeof(T) * (M * K + 2 * K * O + M * O / 2) + M * O / 8, {st, dout, inp}, {p.dweight, p.dbias});
+    cpu::linear_backward(static_cast<T*>(nullptr), p.dweight, static_cast<T*>(nullptr), st, inp, p.weight, N,
+                         p.in_features, p.out_features);
+    cpu::linear_backward(static_cast<T*>(nullptr), static_cast<T*>(nullptr), p.dbias, dout, inp, p.weight, N,
+                         p.in_features, p.out_features);
+    return;
   }
   ScopedOp op({p.module, "bwd.dw"}, OpCategory::dense_gemm, p.layer, 2 * M * K * O,
               sizeof(T) * (M * K + 2 * K * O + M * O), {dout, inp}, {p.dweight, p.dbias});
@@ -150,6 +238,8 @@ void SemiSparseActivationLinear<T>::backward(T* dinp, const T* dout, const T* in
                        p.out_features);
 }
 
+template class MvueWeightGrad<float>;
+template class MvueWeightGrad<double>;
 template class SemiSparseLinear<float>;
 template class SemiSparseLinear<double>;
 template class SemiSparseActivationLinear<float>;

@@ -13,14 +13,64 @@
 //
 // The CPU reference multiplies the pruned dense copies with the dense GEMM (the zeros
 // included); the result is the one a 2:4 GEMM computes up to rounding order.
+//
+// sparse_dw (MvueWeightGrad below), an option of semi_sparse and of slope
+// (model/linear_slope.h): the third GEMM made 2:4 as well, through the output gradient.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
+#include "core/tensor.h"
 #include "model/linear.h"
 
 namespace esplag {
+
+// sparse_dw: the weight gradient from the minimum-variance unbiased 2:4 estimate of the
+// output gradient (sparse/mvue.h). dW = dYᵀ·X reduces over the tokens, so its 2:4 operand
+// is S = MVUE(dYᵀ) [out, N], groups of 4 consecutive tokens of one output feature
+// (numbered o·N/4 + n/4); E[S] = dYᵀ, so E[S·X] is the dense dW: each draw adds variance,
+// no bias. The bias gradient stays the exact column sum of dY, and dX does not change.
+//
+// Draw k of a layer (k = 0, 1, ...: one per backward call) uses the seed
+// mvue_draw_seed(base, k) (sparse/mvue_seed.h), the sequence of the GPU layer
+// gpu::SparseLinear; the base comes from the run seed and the weight's name
+// (sparse_dw_seed in model/linear_kinds.h), and the number of draws taken is checkpointed,
+// so a resumed run takes the uninterrupted run's draws.
+//
+// The MVUE reference works on float: a double layer rounds dYᵀ to float for it and widens
+// S again (the GPU rounds dY to bf16 the same way). Needs N % 4 == 0.
+template <typename T>
+class MvueWeightGrad {
+ public:
+  MvueWeightGrad() = default;  // off: the layer's dW is the dense dYᵀ·X
+  explicit MvueWeightGrad(uint64_t base_seed) : on_(true), base_(base_seed) {}
+
+  bool on() const { return on_; }
+  uint64_t base_seed() const { return base_; }
+  uint64_t draws() const { return draws_; }  // draws taken so far: the next one's number
+  // A layer rebuilt from another (slope continuing slope, or taking over from
+  // semi_sparse) goes on with its draw count, so that no draw is repeated.
+  void continue_from(const MvueWeightGrad& previous) { draws_ = previous.draws_; }
+
+  // Sᵀ [N, out] for draw draws() of dout [N, out] (then draws() + 1), valid until the next
+  // call: the operand `dout` of cpu::linear_backward's weight gradient. Profiled as
+  // "<module>.bwd.dw.mvue". Throws naming the layer unless N is a multiple of 4.
+  const T* draw(const LinearParams<T>& p, const T* dout, int N);
+
+  // "<name>.sparse_dw_draws" (f64 [1]) when on; nothing when off.
+  void add_state(std::map<std::string, Tensor>& state, const std::string& name) const;
+  // Restores the draw count (when on); throws naming the layer when it is missing or not a count.
+  void load_state(const std::map<std::string, Tensor>& state, const std::string& name);
+
+ private:
+  bool on_ = false;
+  uint64_t base_ = 0;
+  uint64_t draws_ = 0;
+  std::vector<float> g_, s_;  // dYᵀ and S, [out, N]
+  std::vector<T> st_;         // Sᵀ, [N, out]
+};
 
 // How semi_sparse_activation prunes X [N, in]:
 //   row_24:  the 2 largest |x| of every 4 consecutive features of each row (exactly 50%).
@@ -35,7 +85,8 @@ template <typename T>
 class SemiSparseLinear final : public Linear<T> {
  public:
   // Throws naming the layer unless in_features and out_features are multiples of 4.
-  explicit SemiSparseLinear(const LinearParams<T>& p);
+  // `dw` on: sparse_dw (dW from S = MVUE(dYᵀ), above).
+  explicit SemiSparseLinear(const LinearParams<T>& p, MvueWeightGrad<T> dw = {});
 
   void forward(T* out, const T* inp, int N) override;
   void backward(T* dinp, const T* dout, const T* inp, int N) override;
@@ -44,13 +95,21 @@ class SemiSparseLinear final : public Linear<T> {
   // W ⊙ mask(W): what the next forward multiplies by.
   void dense_weight(T* out) const override;
 
+  // With sparse_dw: "<name>.kind" and the draw count (MvueWeightGrad::add_state);
+  // without, nothing (the mask is recomputed from W).
+  std::map<std::string, Tensor> state() const override;
+  void load_state(const std::map<std::string, Tensor>& tensors) override;
+
   // The transposable 2:4 mask of the current weight, [out, in].
   std::vector<uint8_t> mask() const;
+  bool sparse_dw() const { return dw_.on(); }
+  const MvueWeightGrad<T>& weight_grad() const { return dw_; }
 
  private:
   // ws_ = W ⊙ mask(W) for the current W.
   void sparsify_weight();
   std::vector<T> ws_;
+  MvueWeightGrad<T> dw_;
 };
 
 template <typename T>

@@ -36,7 +36,8 @@ void compressed_linear(T* out, const T* x, const Compressed24T<T>& w, const line
 }  // namespace
 
 template <typename T>
-SlopeLinear<T>::SlopeLinear(const LinearParams<T>& p, int mask_change_freq) : Linear<T>(p), freq_(mask_change_freq) {
+SlopeLinear<T>::SlopeLinear(const LinearParams<T>& p, int mask_change_freq, MvueWeightGrad<T> dw)
+    : Linear<T>(p), freq_(mask_change_freq), dw_(std::move(dw)) {
   ESPLAG_CHECK(p.weight != nullptr, "linear '", p.name, "': kind slope needs a weight buffer");
   ESPLAG_CHECK(p.in_features % 4 == 0 && p.out_features % 4 == 0, "linear '", p.name, "' [out ", p.out_features,
                ", in ", p.in_features,
@@ -56,8 +57,9 @@ SlopeLinear<T>::SlopeLinear(const LinearParams<T>& p, int mask_change_freq) : Li
 }
 
 template <typename T>
-SlopeLinear<T>::SlopeLinear(const LinearParams<T>& p, const SlopeLinear& prev, int mask_change_freq)
-    : Linear<T>(p), freq_(mask_change_freq) {
+SlopeLinear<T>::SlopeLinear(const LinearParams<T>& p, const SlopeLinear& prev, int mask_change_freq,
+                            MvueWeightGrad<T> dw)
+    : Linear<T>(p), freq_(mask_change_freq), dw_(std::move(dw)) {
   const auto& q = prev.params();
   ESPLAG_CHECK(q.name == p.name && q.in_features == p.in_features && q.out_features == p.out_features,
                "linear '", p.name, "' [out ", p.out_features, ", in ", p.in_features,
@@ -261,7 +263,20 @@ void SlopeLinear<T>::backward(T* dinp, const T* dout, const T* inp, int N) {
     compressed_linear(tmp_.data(), dout, w2t_, s2t_, static_cast<const T*>(nullptr), N);
     for (size_t i = 0; i < tmp_.size(); ++i) dinp[i] += tmp_[i];
   }
-  {
+  if (dw_.on()) {
+    // sparse_dw: the product S·X with S = MVUE(dYᵀ), 2:4 along the tokens, then the same
+    // gather; the bias gradient from dY itself, exact.
+    const T* st = dw_.draw(p, dout, N);
+    scratch_.assign(size_t(O * C), T(0));
+    ScopedOp op({p.module, "bwd.dw"}, OpCategory::sparse_gemm, p.layer, M * K * Od,
+                sizeof(T) * (M * K + K * Od / 2 + M * Od / 2) + M * Od / 8, {st, dout, inp},
+                {dvalues_.data(), p.dbias});
+    cpu::linear_backward(static_cast<T*>(nullptr), scratch_.data(), static_cast<T*>(nullptr), st, inp, p.weight, N,
+                         int(C), int(O));
+    cpu::linear_backward(static_cast<T*>(nullptr), static_cast<T*>(nullptr), p.dbias, dout, inp, p.weight, N, int(C),
+                         int(O));
+    linear_detail::gather_add(dvalues_.data(), s1_, scratch_.data(), static_cast<const uint8_t*>(nullptr));
+  } else {
     // On the GPU the gather of the kept positions is the dW GEMM's epilogue; here the dense
     // product is formed first.
     scratch_.assign(size_t(O * C), T(0));
@@ -314,6 +329,7 @@ std::map<std::string, Tensor> SlopeLinear<T>::state() const {
   Tensor step = Tensor::zeros({1}, DType::f64, p.name + ".refresh_step");
   step.data<double>()[0] = double(refresh_step_);
   s[p.name + ".refresh_step"] = step;
+  dw_.add_state(s, p.name);
   return s;
 }
 
@@ -329,6 +345,7 @@ void SlopeLinear<T>::load_state(const std::map<std::string, Tensor>& tensors) {
   const double rs = step.data<double>()[0];
   ESPLAG_CHECK(rs == std::floor(rs) && rs >= -1 && rs < 9.0e15, "linear '", p.name, "': saved refresh step ", rs,
                " is not a step");
+  dw_.load_state(tensors, p.name);
   Compressed24T<T> w1 = compressed_24_from_meta<T>(meta.data<uint16_t>(), O, C, p.name);
   Compressed24T<T> w2t = compressed_24_from_meta<T>(bmeta.data<uint16_t>(), C, O, p.name + " (backward copy)");
   w1.values = std::move(w1_.values);  // the trained values stay; they belong to the saved masks

@@ -7,7 +7,9 @@
 //                              current W1 every `mask_change_freq` steps
 //   forward  out = X·W1ᵀ + b  (+ (X·Rᵀ)·Lᵀ with the adapter)    sparse: W1 compressed
 //   dX       dY·W2             (+ (dY·L)·R)                      sparse: W2ᵀ compressed
-//   dW       (dYᵀ·X) at W1's kept positions, compressed: the gradient of the kept values
+//   dW       (dYᵀ·X) at W1's kept positions, compressed: the gradient of the kept values;
+//            with sparse_dw (MvueWeightGrad, model/linear_semi_sparse.h) (S·X) at those
+//            positions, S = MVUE(dYᵀ) 2:4 along the tokens          sparse: S compressed
 //
 // The trained parameter is the compressed form itself: the kept values [out, in/2]
 // ("<weight>.values"), so AdamW's moments exist for kept values only (sparse AdamW); the
@@ -26,6 +28,7 @@
 
 #include "model/linear.h"
 #include "model/linear_kinds.h"
+#include "model/linear_semi_sparse.h"
 #include "sparse/compressed.h"
 
 namespace esplag {
@@ -34,10 +37,12 @@ template <typename T>
 class SlopeLinear final : public Linear<T> {
  public:
   // Prunes the current weight row-wise 2:4 (in and out features must be multiples of 4),
-  // compresses it, computes the backward copy and writes W1 into the flat weight.
-  SlopeLinear(const LinearParams<T>& p, int mask_change_freq);
+  // compresses it, computes the backward copy and writes W1 into the flat weight. `dw` on:
+  // sparse_dw (the kept values' gradient from S = MVUE(dYᵀ) instead of dYᵀ).
+  SlopeLinear(const LinearParams<T>& p, int mask_change_freq, MvueWeightGrad<T> dw = {});
   // Continues `previous` (the same layer): masks, values, refresh step and adapter.
-  SlopeLinear(const LinearParams<T>& p, const SlopeLinear& previous, int mask_change_freq);
+  SlopeLinear(const LinearParams<T>& p, const SlopeLinear& previous, int mask_change_freq,
+              MvueWeightGrad<T> dw = {});
 
   void forward(T* out, const T* inp, int N) override;
   void backward(T* dinp, const T* dout, const T* inp, int N) override;
@@ -51,11 +56,12 @@ class SlopeLinear final : public Linear<T> {
   // Writes W1 into the flat weight and refreshes the backward copy's values.
   void after_optimizer_step() override;
   // "<name>.kind", "<name>.meta" (u16 [out, ceil(in/16)]: W1's 2:4 metadata, i.e. the
-  // forward mask), "<name>.backward_meta" (u16 [in, ceil(out/16)]: W2ᵀ's), and
-  // "<name>.refresh_step" (f64 [1], -1 before the first step).
+  // forward mask), "<name>.backward_meta" (u16 [in, ceil(out/16)]: W2ᵀ's),
+  // "<name>.refresh_step" (f64 [1], -1 before the first step), and with sparse_dw
+  // "<name>.sparse_dw_draws" (f64 [1]).
   std::map<std::string, Tensor> state() const override;
-  // Restores masks and refresh step exactly; the values (owned parameters) are kept as
-  // they are, and the flat weight and backward copy are rebuilt from them.
+  // Restores masks, refresh step and draw count exactly; the values (owned parameters) are
+  // kept as they are, and the flat weight and backward copy are rebuilt from them.
   void load_state(const std::map<std::string, Tensor>& tensors) override;
   // W1 + L·R.
   void dense_weight(T* out) const override;
@@ -73,6 +79,8 @@ class SlopeLinear final : public Linear<T> {
   void refresh_backward_mask();
   int64_t refresh_step() const { return refresh_step_; }
   int mask_change_freq() const { return freq_; }
+  bool sparse_dw() const { return dw_.on(); }
+  const MvueWeightGrad<T>& weight_grad() const { return dw_; }
   const std::vector<uint8_t>& forward_mask() const { return fwd_mask_; }
   const std::vector<uint8_t>& backward_mask() const { return bwd_mask_; }  // [out, in]
   const Compressed24T<T>& forward_weight() const { return w1_; }          // W1, [out, in]
@@ -96,6 +104,7 @@ class SlopeLinear final : public Linear<T> {
   int rank_ = 0;
   std::vector<T> l_, r_, dl_, dr_;
   std::vector<T> scratch_, tmp_, t_, dt_;
+  MvueWeightGrad<T> dw_;
 };
 
 }  // namespace esplag

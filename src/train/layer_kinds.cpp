@@ -29,6 +29,7 @@ LinearOptions options_of(const LayerPlan& plan, uint64_t seed) {
   o.mask_change_freq = plan.mask_change_freq;
   o.lora_rank = plan.lora_rank;
   o.lora_enabled = plan.lora_enabled;
+  o.sparse_dw = plan.sparse_dw;
   o.seed = seed;
   return o;
 }
@@ -67,6 +68,7 @@ void apply_recipe_step(Transformer<float>& model, const Recipe& recipe, int64_t 
     line << "step " << step << ": " << name << " -> " << l.kind();
     if (l.pattern() != "dense") line << " " << l.pattern();
     if (p.lora_enabled) line << ", low-rank adapter r=" << p.lora_rank;
+    if (p.sparse_dw) line << ", sparse dW";
     log(line.str());
   }
 }

@@ -16,7 +16,8 @@ namespace esplag {
 LinearShapes linear_shapes(Transformer<float>& model);
 
 // Rebuilds the layer `name` as `plan` says (from the layer it replaces, so kernel
-// replacement keeps a mask and SLoPe keeps its state). `seed` seeds adapters.
+// replacement keeps a mask and SLoPe keeps its state). `seed` (the run's) seeds adapters
+// and sparse_dw's MVUE draws.
 void apply_layer_plan(Transformer<float>& model, const std::string& name, const LayerPlan& plan, uint64_t seed);
 
 // Applies every change the recipe makes at `step`; `log` gets one line per changed layer.

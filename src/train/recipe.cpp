@@ -37,9 +37,9 @@ const std::vector<TypeKeys>& type_keys() {
        {"params", "mask_type", "init_sparsity", "final_sparsity", "start", "end", "update_every"},
        {"params", "start", "end", "update_every"}},
       {kKernel, {"params", "start", "lora_rank", "lora_start"}, {"params", "start"}},
-      {kSemi, {"params", "start", "until"}, {"params"}},
+      {kSemi, {"params", "start", "until", "sparse_dw"}, {"params"}},
       {kSemiAct, {"params", "start", "until"}, {"params"}},
-      {kSlope, {"params", "start", "mask_change_freq", "lora_rank", "lora_start"}, {"params"}},
+      {kSlope, {"params", "start", "mask_change_freq", "lora_rank", "lora_start", "sparse_dw"}, {"params"}},
   };
   return t;
 }
@@ -83,6 +83,14 @@ int64_t parse_int(const std::string& where, const std::string& key, const std::s
                "'");
   const int64_t v = std::stoll(text);
   ESPLAG_CHECK(v >= min, where, ": key '", key, "' must be at least ", min, ", got ", v);
+  return v;
+}
+
+// A YAML boolean (true / false, and YAML's other spellings of them, as the config's keys).
+bool parse_bool(const std::string& where, const std::string& key, const YAML::Node& node) {
+  bool v = false;
+  ESPLAG_CHECK(YAML::convert<bool>::decode(node, v), where, ": key '", key, "' must be true or false, got '",
+               node.Scalar(), "'");
   return v;
 }
 
@@ -180,7 +188,7 @@ std::string step_text(const StepValue& v, int64_t resolved) {
 
 bool LayerPlan::same_effect(const LayerPlan& o) const {
   return kind == o.kind && pattern == o.pattern && sparsity == o.sparsity && mask_change_freq == o.mask_change_freq &&
-         lora_rank == o.lora_rank && lora_enabled == o.lora_enabled;
+         lora_rank == o.lora_rank && lora_enabled == o.lora_enabled && sparse_dw == o.sparse_dw;
 }
 
 int64_t StepValue::resolve(int64_t total_steps) const {
@@ -341,6 +349,8 @@ void Recipe::parse_items(const YAML::Node& list) {
       if (kv.count("lora_rank")) mod.lora_rank = static_cast<int>(parse_int(w, "lora_rank", text("lora_rank"), 0));
       mod.lora_start = kv.count("lora_start") ? parse_step(w, "lora_start", text("lora_start")) : fraction_step(0.99);
     }
+    // Only semi_sparse and slope know the key (the others refused it above).
+    if (kv.count("sparse_dw")) mod.sparse_dw = parse_bool(w, "sparse_dw", kv.at("sparse_dw"));
   }
 }
 
@@ -510,6 +520,7 @@ LayerPlan Recipe::plan_of(int i, int64_t step) const {
   } else if (m.type == kSemi || m.type == kSemiAct || m.type == kSlope) {
     p.kind = m.type;
     p.pattern = SparsityPattern::nm(2, 4);
+    p.sparse_dw = m.sparse_dw;
     if (m.type == kSlope) {
       p.mask_change_freq = m.mask_change_freq;
       p.lora_rank = m.lora_rank;
@@ -604,6 +615,7 @@ std::string Recipe::describe() const {
         os << " 2:4 " << range_text(b.start, m.has_until ? b.until : kForever);
         if (m.has_until) os << ", dense after";
       }
+      if (m.sparse_dw) os << ", sparse dW (MVUE 2:4 of dYᵀ)";
     } else {
       os << " params [" << join(m.params, ", ") << "] from step " << m.start.text;
     }
@@ -641,6 +653,7 @@ std::string Recipe::to_yaml() const {
       e << YAML::Key << "lora_rank" << YAML::Value << m.lora_rank;
       e << YAML::Key << "lora_start" << YAML::Value << m.lora_start.text;
     }
+    if (m.type == kSemi || m.type == kSlope) e << YAML::Key << "sparse_dw" << YAML::Value << m.sparse_dw;
     e << YAML::EndMap << YAML::EndMap;
   }
   e << YAML::EndSeq;

@@ -40,6 +40,7 @@ struct LayerPlan {
   int mask_change_freq = 0;  // slope: steps between refreshes of the double-pruned Wᵀ mask
   int lora_rank = 0;         // slope: adapter rank (0: no adapter)
   bool lora_enabled = false; // slope: the adapter is trained from this step on
+  bool sparse_dw = false;    // semi_sparse, slope: dW from the MVUE 2:4 of dYᵀ (LinearOptions::sparse_dw)
   int modifier = -1;         // index in the recipe of the modifier in charge; -1: none
 
   // Same effect on the layer (everything but `modifier`): what changed_at compares.
@@ -72,6 +73,8 @@ class Recipe {
     // semi_sparse, semi_sparse_activation
     bool has_until = false;
     StepValue until;
+    // semi_sparse, slope: the weight gradient from the MVUE 2:4 of dYᵀ
+    bool sparse_dw = false;
     // slope
     int mask_change_freq = 100;
     int lora_rank = 0;

@@ -222,10 +222,12 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
   if (!config.recipe_yaml.empty()) {
     const Recipe recipe = Recipe::parse(config.recipe_yaml, "recipe");
     for (const auto& m : recipe.modifiers()) {
-      const std::string what = "modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") + " on " +
-                               join(m.params, ", ");
+      const std::string what = "modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") +
+                               (m.sparse_dw ? " with sparse_dw" : "") + " on " + join(m.params, ", ");
       if ((m.type != "semi_sparse" && m.type != "slope") || m.lora_rank > 0)
         parts.push_back(what);
+      else if (m.sparse_dw)
+        parts.push_back(what + ": sparse_dw (the weight gradient from the MVUE 2:4 of dY^T) is CPU-only so far");
       else if (const std::string why = sparse_24_gpu_shape_problem(config, m); !why.empty())
         parts.push_back(what + ": " + why + " (cuSPARSELt's 2:4 products need multiples of 16)");
     }
