@@ -14,7 +14,7 @@
 #include "sparse/cuda/cusparselt.h"
 #include "sparse/cuda/cusparselt_layout.h"
 #include "sparse/cuda/sparsify.h"
-#include "sparse/mvue.h"
+#include "sparse/mvue_seed.h"
 
 namespace esplag::gpu {
 
@@ -70,21 +70,17 @@ SparseLinearKind parse_sparse_linear_kind(const std::string& name) {
 
 namespace {
 
-__host__ __device__ inline uint64_t mvue_seed_of(uint64_t base, uint64_t draw) {
-  return sparse_detail::mvue_mix(sparse_detail::mvue_mix(base) + draw);
-}
-
 // state = {draws, seed}: seed = the seed of draw number `draws`, then draws + 1. One
 // thread, in the stream ahead of the MVUE kernel that reads the seed: a CUDA graph that
 // captures both takes a new draw at every replay.
 __global__ void advance_mvue_draw_kernel(uint64_t* state, uint64_t base) {
-  state[1] = mvue_seed_of(base, state[0]);
+  state[1] = mvue_draw_seed(base, state[0]);
   state[0] += 1;
 }
 
 }  // namespace
 
-uint64_t sparse_dw_mvue_seed(uint64_t base, uint64_t draw) { return mvue_seed_of(base, draw); }
+uint64_t sparse_dw_mvue_seed(uint64_t base, uint64_t draw) { return mvue_draw_seed(base, draw); }
 
 struct SparseLinear::Impl {
   SparseLinearKind kind = SparseLinearKind::dense;
