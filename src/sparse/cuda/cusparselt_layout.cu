@@ -51,11 +51,6 @@ __host__ __device__ inline int64_t meta_offset(int64_t r, int64_t g, int64_t k, 
   return (r / 64) * 8 * k + (g / 8) * 256 + ((r % 64) / 16) * 64 + a * 8 + q * 4 + h * 2 + t;
 }
 
-// One 64×64 tile of W per block, staged in shared memory; warps 0-1 write the layout of W
-// (op N), warps 2-3 that of Wᵀ (op T). A work item is two rows of op(W) (a and a + 8 of a
-// 16-row block, which share the metadata bytes) over 32 columns: 2×16 values (two 32-byte
-// runs) and one 8-byte metadata store.
-//
 // The expansion of one group of 4 of a row-wise 2:4 weight from its two kept values (the
 // word x0 | x1 << 16) and its nibble (bit j = position j kept): element j in bits 16j.
 __device__ inline uint64_t expand_group(uint32_t kept, unsigned nibble) {
@@ -65,15 +60,6 @@ __device__ inline uint64_t expand_group(uint32_t kept, unsigned nibble) {
   for (int j = 0; j < 4; ++j)
     if ((nibble >> j) & 1u && k < 2) v |= uint64_t((kept >> (16 * k++)) & 0xFFFFu) << (16 * j);
   return v;
-}
-
-// The elements of a group whose nibble bit is clear zeroed.
-__device__ inline uint64_t mask_group(uint64_t v, unsigned nibble) {
-  uint64_t keep = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-    if ((nibble >> j) & 1u) keep |= uint64_t(0xFFFFu) << (16 * j);
-  return v & keep;
 }
 
 // The MVUE 2:4 of one group g = (bf16 bits, element j in bits 16j..16j+15) and its
@@ -113,146 +99,173 @@ __device__ inline unsigned mvue_pick_group(uint64_t v, uint32_t u, uint16_t* out
 
 enum class Source { dense, dense_pruned, kept, mvue_of_transpose };
 
-// With Source::dense_pruned, the staged tile is first pruned in place with the
-// transposable greedy mask of each of its 4×4 tiles (gpu::transposable_24's rule and bits:
-// sparsify_device.h), and the pruned tile is written to `pruned` when that is not null:
-// the runtime 2:4 of a weight and both its compressed copies in one read of W.
+// One 64×64 tile of W per block of 256 threads, one 4×4 tile of W per thread. A thread
+// loads its tile straight from global memory (a warp reads 128 contiguous bytes per row),
+// makes the tile that op N compresses and the one op T compresses (Source below), and
+// derives each group's metadata nibble and two stored values with a few bit operations and
+// one byte permutation per group (sparsify_device.h): no element is handled on its own,
+// which is what bounds a writer that extracts groups element by element from shared
+// memory. The block then stages the compressed values and nibbles of both orientations in
+// shared memory and writes them out in 16-byte stores: per orientation, 64 rows of 64
+// value bytes and one contiguous 512-byte run of metadata.
 //
-// With Source::kept, w holds a row-wise 2:4 weight W1's kept values [rows, cols/2] and the
-// masks come as 4×4 tile bits ([rows/4, cols/4]): W1 (fwd_tiles) is staged for the layout
-// of op N, W2 = W1 ⊙ bwd_tiles in a second tile for the layout of op T (slope's two
-// compressed copies from its stored kept values).
-//
-// With Source::mvue_of_transpose, w is a dense gradient G staged as is, only the layout of
-// op T is written (launched with 64 threads, all on it), and each group of 4 along K (4
-// rows of one column of G) goes through the MVUE 2:4 for `seed` before the selection: its
-// output has at most two non-zeros, so "the first two non-zeros" are the MVUE's kept
-// values. Group index: the row of op(W) times K/4 plus the group along K, the numbering
-// of cpu::mvue_24_bf16 on Gᵀ.
-template <Source From>
-__global__ void compress_layout_kernel(const uint16_t* __restrict__ w, int64_t rows, int64_t cols,
-                                       uint8_t* __restrict__ dst_n, uint8_t* __restrict__ dst_t,
-                                       uint16_t* __restrict__ pruned, const uint16_t* __restrict__ fwd_tiles,
-                                       const uint16_t* __restrict__ bwd_tiles, const uint64_t* __restrict__ seed_ptr) {
-  constexpr int kStride = kTile + 2;  // odd word stride: column reads hit distinct banks
-  constexpr int kWordStride = kStride / 2;
-  constexpr bool kKept = From == Source::kept;
-  __shared__ __align__(16) uint16_t tile[kTile * kStride];
-  __shared__ __align__(16) uint16_t tile2[kKept ? kTile * kStride : 2];
-  // Pairs of columns as words (every even column starts a 4-byte aligned word).
-  uint32_t* const words = reinterpret_cast<uint32_t*>(tile);
-  const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
-  if constexpr (kKept) {
-    uint32_t* const words2 = reinterpret_cast<uint32_t*>(tile2);
-    const int64_t groups = cols / 4;
-    for (int i = threadIdx.x; i < kTile * kTile / 4; i += blockDim.x) {
-      const int r = i / (kTile / 4), g = i % (kTile / 4);  // a group of 4 of the tile's row r
-      const int64_t gr = r0 + r, gg = c0 / 4 + g;
-      const uint32_t kept = *reinterpret_cast<const uint32_t*>(w + gr * (cols / 2) + 2 * gg);
-      const int shift = int(gr % 4) * 4;
-      const unsigned f = (fwd_tiles[(gr / 4) * groups + gg] >> shift) & 15u;
-      const unsigned b = (bwd_tiles[(gr / 4) * groups + gg] >> shift) & 15u;
-      const uint64_t w1 = expand_group(kept, f), w2 = mask_group(w1, b);
-      uint32_t* at = words + r * kWordStride + 2 * g;
-      at[0] = uint32_t(w1);
-      at[1] = uint32_t(w1 >> 32);
-      uint32_t* at2 = words2 + r * kWordStride + 2 * g;
-      at2[0] = uint32_t(w2);
-      at2[1] = uint32_t(w2 >> 32);
+// Sources:
+//   dense         W as loaded; each group keeps its first two non-zeros (pick_group's rule).
+//   dense_pruned  W pruned with the transposable greedy mask of each 4×4 tile
+//                 (gpu::transposable_24's rule and bits), written to `pruned` when that is
+//                 not null: the runtime 2:4 of a weight and both compressed copies in one
+//                 read of W.
+//   kept          w holds a row-wise 2:4 weight W1's kept values [rows, cols/2], the masks
+//                 come as 4×4 tile bits [rows/4, cols/4]: op N compresses W1 (fwd_tiles),
+//                 op T W2 = W1 ⊙ bwd_tiles (slope's two copies from its stored kept values).
+//   mvue_of_transpose  w is a dense gradient G; only op T is written, each group of 4
+//                 along K (4 rows of one column of G) through the MVUE 2:4 for the seed at
+//                 seed_ptr: its output has at most two non-zeros, so "the first two
+//                 non-zeros" are the MVUE's kept values. Group index: the row of op(W)
+//                 times K/4 plus the group along K, the numbering of cpu::mvue_24_bf16 on Gᵀ.
+constexpr int kTiles = kTile / 4;                // 4×4 tiles per side of a block's tile
+constexpr int kLayoutThreads = kTiles * kTiles;  // 256
+constexpr int kValueStride = kTiles + 1;         // words per staged row: odd, fewer bank conflicts
+constexpr int kNibbleStride = 20;                // bytes per staged row of 16 nibble bytes
+
+// One orientation's compressed 64×64 tile: 64 rows of 16 value words (two bf16 per group)
+// and of 16 nibbles (one byte each).
+struct StagedLayout {
+  uint32_t values[kTile * kValueStride];
+  __align__(4) uint8_t nibbles[kTile * kNibbleStride];
+};
+
+// Bit 4r + c set where element (r, c) of the tile is non-zero (±0 counts as zero).
+__device__ inline uint32_t nonzero_bits(const sparsify_detail::PackedTile& t) {
+  uint32_t bits = 0;
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+    bits |= uint32_t((t.lo[r] & 0x7FFFu) != 0) << (4 * r) | uint32_t((t.lo[r] & 0x7FFF0000u) != 0) << (4 * r + 1) |
+            uint32_t((t.hi[r] & 0x7FFFu) != 0) << (4 * r + 2) | uint32_t((t.hi[r] & 0x7FFF0000u) != 0) << (4 * r + 3);
+  return bits;
+}
+
+// pick_group's selection from a group's non-zero positions: the first two, padded by the
+// lowest positions not taken, as the nibble idx0 | idx1 << 2.
+__device__ inline uint32_t group_nibble(uint32_t nonzero) {
+  const uint32_t low = nonzero & (0u - nonzero), rest = nonzero & ~low;
+  return sparsify_detail::slot_nibble(low | (rest & (0u - rest)));
+}
+
+// The four groups of a tile's rows (rows of op(W)) into the staging: row r of the tile is
+// staged row row0 + r, group `group` of it; bit 4r + c of `nonzero` says whether element
+// (r, c) is non-zero.
+__device__ inline void stage_rows(StagedLayout& st, const sparsify_detail::PackedTile& t, uint32_t nonzero, int row0,
+                                  int group) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const uint32_t nib = group_nibble((nonzero >> (4 * r)) & 15u);
+    st.values[(row0 + r) * kValueStride + group] = sparsify_detail::slot_values(t.lo[r], t.hi[r], nib);
+    st.nibbles[(row0 + r) * kNibbleStride + group] = uint8_t(nib);
+  }
+}
+
+// Writes one staged orientation: op(W) rows [op_r0, op_r0 + 64), groups from op_c0 / 4;
+// M×K is op(W)'s shape. Every thread of the block takes part.
+__device__ inline void store_layout(const StagedLayout& st, uint8_t* dst, int64_t M, int64_t K, int64_t op_r0,
+                                    int64_t op_c0) {
+  {  // values: row lr's 64 bytes as four 16-byte stores
+    const int lr = threadIdx.x / 4, q = threadIdx.x % 4;
+    const uint32_t* v = st.values + lr * kValueStride + 4 * q;
+    *reinterpret_cast<uint4*>(dst + ((op_r0 + lr) * (K / 2) + op_c0 / 2) * 2 + 16 * q) =
+        make_uint4(v[0], v[1], v[2], v[3]);
+  }
+  if (threadIdx.x < 32) {  // metadata: the block's 512 contiguous bytes, 16 per thread
+    // 16 bytes = rows a and a + 1 (with a + 8 and a + 9 in the high nibbles) of one 16-row
+    // block (sub) and 32-column chunk; byte a·8 + q·4 + h·2 + t holds group 2(q + 2t) + h.
+    const int x = threadIdx.x, chunk = x / 16, sub = (x / 4) % 4, a0 = 2 * (x % 4);
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint8_t* lo_row = st.nibbles + (sub * 16 + a0 + i) * kNibbleStride + chunk * 8;
+      const uint8_t* hi_row = lo_row + 8 * kNibbleStride;
+      const uint32_t g03 = reinterpret_cast<const uint32_t*>(lo_row)[0] | reinterpret_cast<const uint32_t*>(hi_row)[0] << 4;
+      const uint32_t g47 = reinterpret_cast<const uint32_t*>(lo_row)[1] | reinterpret_cast<const uint32_t*>(hi_row)[1] << 4;
+      w[2 * i] = __byte_perm(g03, g47, 0x5140u);      // groups 0, 4, 1, 5
+      w[2 * i + 1] = __byte_perm(g03, g47, 0x7362u);  // groups 2, 6, 3, 7
     }
+    const int64_t off = M * K + (op_r0 / 64) * 8 * K + (op_c0 / 32 + chunk) * 256 + sub * 64 + a0 * 8;
+    *reinterpret_cast<uint4*>(dst + off) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+template <Source From>
+__global__ void __launch_bounds__(kLayoutThreads)
+    compress_layout_kernel(const uint16_t* __restrict__ w, int64_t rows, int64_t cols, uint8_t* __restrict__ dst_n,
+                           uint8_t* __restrict__ dst_t, uint16_t* __restrict__ pruned,
+                           const uint16_t* __restrict__ fwd_tiles, const uint16_t* __restrict__ bwd_tiles,
+                           const uint64_t* __restrict__ seed_ptr) {
+  using namespace sparsify_detail;
+  constexpr bool kMvue = From == Source::mvue_of_transpose;
+  __shared__ StagedLayout staged_n, staged_t;
+  const int tr = threadIdx.x / kTiles, tc = threadIdx.x % kTiles;
+  const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
+  const int64_t gr = r0 + 4 * tr, gc = c0 + 4 * tc;  // the thread's tile in W
+  PackedTile tile_n, tile_t;  // tile_t in W's orientation; transposed below
+  uint32_t nonzero_n = 0, nonzero_t = 0;  // their non-zero elements (nonzero_bits), both in W's orientation
+  if constexpr (From == Source::kept) {
+    const int64_t at = (gr / 4) * (cols / 4) + gc / 4;
+    const uint32_t fwd = fwd_tiles[at], bwd = bwd_tiles[at];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const uint32_t kept = *reinterpret_cast<const uint32_t*>(w + (gr + r) * (cols / 2) + gc / 2);
+      const uint64_t v = expand_group(kept, (fwd >> (4 * r)) & 15u);
+      tile_n.lo[r] = uint32_t(v);
+      tile_n.hi[r] = uint32_t(v >> 32);
+    }
+    tile_t = prune_tile(tile_n, bwd);
+    nonzero_n = nonzero_bits(tile_n);
+    nonzero_t = nonzero_n & bwd;
   } else {
-    for (int i = threadIdx.x; i < kTile * kTile / 8; i += blockDim.x) {
-      const int r = i / (kTile / 8), c8 = i % (kTile / 8);
-      const uint4 v = *reinterpret_cast<const uint4*>(w + (r0 + r) * cols + c0 + c8 * 8);
-      uint32_t* row = words + r * kWordStride + c8 * 4;  // a warp's 32 stores hit 32 banks
-      row[0] = v.x;
-      row[1] = v.y;
-      row[2] = v.z;
-      row[3] = v.w;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const uint2 v = *reinterpret_cast<const uint2*>(w + (gr + r) * cols + gc);
+      tile_n.lo[r] = v.x;
+      tile_n.hi[r] = v.y;
+    }
+    nonzero_n = nonzero_bits(tile_n);
+    if constexpr (From == Source::dense_pruned) {
+      const uint32_t keep = greedy_mask(tile_n);
+      tile_n = prune_tile(tile_n, keep);
+      nonzero_n &= keep;
+      if (pruned) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          *reinterpret_cast<uint2*>(pruned + (gr + r) * cols + gc) = make_uint2(tile_n.lo[r], tile_n.hi[r]);
+      }
+    }
+    tile_t = tile_n;
+    nonzero_t = nonzero_n;
+  }
+  // op N: row 4·tr + r of the block's tile, group tc.
+  if (!kMvue && dst_n) stage_rows(staged_n, tile_n, nonzero_n, 4 * tr, tc);
+  // op T: the rows of op(W) are W's columns: row 4·tc + c, group tr.
+  if (dst_t) {
+    const PackedTile tt = transpose_tile(tile_t);
+    if constexpr (kMvue) {
+      const uint64_t seed = *seed_ptr;  // read on the device: a graph replay draws anew
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const uint64_t group = uint64_t(gc + c) * uint64_t(rows / 4) + uint64_t(gr / 4);
+        uint16_t x0, x1;
+        const unsigned nib = mvue_pick_group(uint64_t(tt.lo[c]) | uint64_t(tt.hi[c]) << 32,
+                                             sparse_detail::mvue_uniform24(seed, group), &x0, &x1);
+        const int row = 4 * tc + c;
+        staged_t.values[row * kValueStride + tr] = uint32_t(x0) | uint32_t(x1) << 16;
+        staged_t.nibbles[row * kNibbleStride + tr] = uint8_t(nib);
+      }
+    } else {
+      stage_rows(staged_t, tt, transpose_tile_bits(nonzero_t), 4 * tc, tr);
     }
   }
   __syncthreads();
-  if constexpr (From == Source::dense_pruned) {
-    using namespace sparsify_detail;
-    for (int t = threadIdx.x; t < (kTile / 4) * (kTile / 4); t += blockDim.x) {
-      const int tr = t / (kTile / 4), tc = t % (kTile / 4);
-      uint32_t* at = words + 4 * tr * kWordStride + 2 * tc;
-      PackedTile pt;
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        pt.lo[r] = at[r * kWordStride];
-        pt.hi[r] = at[r * kWordStride + 1];
-      }
-      pt = prune_tile(pt, greedy_mask(pt));
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        at[r * kWordStride] = pt.lo[r];
-        at[r * kWordStride + 1] = pt.hi[r];
-        if (pruned)
-          *reinterpret_cast<uint2*>(pruned + (r0 + 4 * tr + r) * cols + c0 + 4 * tc) = make_uint2(pt.lo[r], pt.hi[r]);
-      }
-    }
-    __syncthreads();
-  }
-  constexpr bool kMvue = From == Source::mvue_of_transpose;
-  const bool transposed = kMvue || threadIdx.x >= 64;
-  uint8_t* dst = transposed ? dst_t : dst_n;
-  if (!dst) return;
-  const uint16_t* const staged = kKept && transposed ? tile2 : tile;
-  const int item = threadIdx.x % 64;  // (sub-block s, 32-column chunk ch, row a)
-  const int a = item % 8, ch = (item / 8) % 2, s = item / 16;
-  const int64_t M = transposed ? cols : rows, K = transposed ? rows : cols;
-  const int64_t op_r0 = transposed ? c0 : r0, op_c0 = transposed ? r0 : c0;
-  // The 16 nibbles, row a's at bits 4g and row a + 8's at bits 32 + 4g: a register, not an
-  // array (a value-indexed array would live in local memory).
-  uint64_t nibs = 0;
-  // MVUE: the seed is read from device memory, so that a captured CUDA graph draws anew
-  // at every replay when the caller advances it there.
-  uint64_t seed = 0;
-  if constexpr (kMvue) seed = *seed_ptr;
-#pragma unroll 1
-  for (int half = 0; half < 2; ++half) {
-    const int lr = s * 16 + half * 8 + a;  // tile-local row of op(W)
-    uint32_t packed[8];
-#pragma unroll
-    for (int g = 0; g < 8; ++g) {
-      uint64_t v = 0;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int lk = ch * 32 + g * 4 + j;  // tile-local column of op(W)
-        v |= uint64_t(transposed ? staged[lk * kStride + lr] : staged[lr * kStride + lk]) << (16 * j);
-      }
-      uint16_t x0, x1;
-      unsigned nib;
-      if constexpr (kMvue) {
-        const uint64_t group = uint64_t(op_r0 + lr) * uint64_t(K / 4) + uint64_t((op_c0 + ch * 32) / 4 + g);
-        nib = mvue_pick_group(v, sparse_detail::mvue_uniform24(seed, group), &x0, &x1);
-      } else {
-        nib = pick_group(v, &x0, &x1);
-      }
-      nibs |= uint64_t(nib) << (32 * half + 4 * g);
-      packed[g] = uint32_t(x0) | (uint32_t(x1) << 16);
-    }
-    uint4* out = reinterpret_cast<uint4*>(dst + ((op_r0 + lr) * (K / 2) + (op_c0 + ch * 32) / 2) * 2);
-    out[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-  }
-  // byte a·8 + q·4 + h·2 + t holds group j = 2(q + 2t) + h: low nibble row a, high row a + 8
-  uint2 m = make_uint2(0u, 0u);
-#pragma unroll
-  for (int b = 0; b < 8; ++b) {
-    const int q = b / 4, h = (b / 2) % 2, t = b % 2;
-    const int j = 2 * (q + 2 * t) + h;
-    const uint32_t byte = uint32_t(((nibs >> (4 * j)) & 15u) | (((nibs >> (32 + 4 * j)) & 15u) << 4)) << (8 * (b % 4));
-    if (b < 4)
-      m.x |= byte;
-    else
-      m.y |= byte;
-  }
-  const int64_t R = op_r0 + s * 16;  // first row of the 16-row block
-  const int64_t g0 = (op_c0 + ch * 32) / 4;
-  const int64_t off = M * K + (R / 64) * 8 * K + (g0 / 8) * 256 + ((R % 64) / 16) * 64 + a * 8;
-  *reinterpret_cast<uint2*>(dst + off) = m;
+  if (!kMvue && dst_n) store_layout(staged_n, dst_n, rows, cols, r0, c0);
+  if (dst_t) store_layout(staged_t, dst_t, cols, rows, c0, r0);
 }
 
 void check_shape(const char* who, int64_t rows, int64_t cols, const char* matrix = "W") {
@@ -297,7 +310,7 @@ void cusparselt24_compress(const bf16* w, int64_t rows, int64_t cols, void* dst_
     ESPLAG_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "cusparselt24_compress: pointers must be 16-byte aligned");
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
   compress_layout_kernel<Source::dense>
-      <<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols, static_cast<uint8_t*>(dst_n),
+      <<<grid, kLayoutThreads, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols, static_cast<uint8_t*>(dst_n),
                                  static_cast<uint8_t*>(dst_t), nullptr, nullptr, nullptr, nullptr);
   CUDA_CHECK_LAUNCH("compress_layout_kernel");
 }
@@ -312,7 +325,7 @@ void cusparselt24_prune_compress(const bf16* w, int64_t rows, int64_t cols, bf16
                  "cusparselt24_prune_compress: pointers must be 16-byte aligned");
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
   compress_layout_kernel<Source::dense_pruned>
-      <<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols, static_cast<uint8_t*>(dst_n),
+      <<<grid, kLayoutThreads, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), rows, cols, static_cast<uint8_t*>(dst_n),
                                  static_cast<uint8_t*>(dst_t), reinterpret_cast<uint16_t*>(pruned), nullptr, nullptr,
                                  nullptr);
   CUDA_CHECK_LAUNCH("compress_layout_kernel (pruning)");
@@ -328,7 +341,7 @@ void cusparselt24_compress_kept(const bf16* values, const uint16_t* forward_tile
                "cusparselt24_compress_kept: values must be 4-byte aligned, the layouts 16-byte aligned");
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
   compress_layout_kernel<Source::kept>
-      <<<grid, 128, 0, stream>>>(reinterpret_cast<const uint16_t*>(values), rows, cols, static_cast<uint8_t*>(dst_n),
+      <<<grid, kLayoutThreads, 0, stream>>>(reinterpret_cast<const uint16_t*>(values), rows, cols, static_cast<uint8_t*>(dst_n),
                                  static_cast<uint8_t*>(dst_t), nullptr, forward_tiles, backward_tiles, nullptr);
   CUDA_CHECK_LAUNCH("compress_layout_kernel (kept values)");
 }
@@ -342,7 +355,7 @@ void cusparselt24_compress_mvue_t(const bf16* g, int64_t rows, int64_t cols, con
                "cusparselt24_compress_mvue_t: pointers must be 16-byte aligned");
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
   compress_layout_kernel<Source::mvue_of_transpose>
-      <<<grid, 64, 0, stream>>>(reinterpret_cast<const uint16_t*>(g), rows, cols, nullptr,
+      <<<grid, kLayoutThreads, 0, stream>>>(reinterpret_cast<const uint16_t*>(g), rows, cols, nullptr,
                                 static_cast<uint8_t*>(dst_t), nullptr, nullptr, nullptr, seed);
   CUDA_CHECK_LAUNCH("compress_layout_kernel (MVUE of the transpose)");
 }
