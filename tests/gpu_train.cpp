@@ -393,6 +393,41 @@ TEST_F(GpuTrain, SlopeRecipeTracksTheCpuAndResumes) {
   expect_curve(cpu_on_gpu, c, 7, 12, kLossTol, "slope cpu checkpoint resumed on gpu");
 }
 
+// sparse_dw on the GPU: the MLP's fc layers (384 outputs, 2048 tokens: multiples of 64)
+// slope with the weight gradient from the MVUE 2:4 of dYᵀ. The run learns like the CPU's
+// (its draws differ: the GPU samples the bf16 dY, the CPU the fp32 one), the checkpoint
+// holds the GPU's draw count (one per micro-batch), and a resumed run goes on with the
+// same draws, on the GPU and on the CPU.
+TEST_F(GpuTrain, SparseDwRecipeTrainsAndResumes) {
+  if (!esplag::gpu::cusparselt_available()) GTEST_SKIP() << esplag::gpu::cusparselt_unavailable_reason();
+  const fs::path yaml = *dir_ / "sparse_dw.yaml";
+  std::ofstream(yaml) << read_file(tiny_yaml())
+                      << "recipe:\n  - slope: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], sparse_dw: true}\n";
+  auto cfg = [&](const std::string& device) {
+    return load_train_config(yaml.string(), {"data.path=" + *data_, "train.device=" + device, "train.steps=12",
+                                             "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=6",
+                                             "train.keep_checkpoints=0"});
+  };
+  const RunLog c = train(cfg("cpu"), *dir_ / "sparse_dw_cpu_run");
+  const RunLog g = train(cfg("cuda"), *dir_ / "sparse_dw_gpu_run");
+  for (int64_t s = 1; s <= 12; ++s)
+    std::printf("  sparse_dw step %2lld loss cpu %.5f gpu %.5f\n", static_cast<long long>(s), c.loss.at(s),
+                g.loss.at(s));
+  expect_curve(g, c, 1, 12, 5e-2, "slope with sparse_dw");
+  EXPECT_LT(g.loss.at(12), 0.8 * g.loss.at(1)) << "the GPU run with sparse_dw does not learn";
+
+  auto model = load_model((*dir_ / "sparse_dw_gpu_run" / "step-000006").string());
+  for (const char* name : {"blocks.0.mlp.fc.weight", "blocks.1.mlp.fc.weight"}) {
+    const auto& l = dynamic_cast<const SlopeLinear<float>&>(model->linear(name));
+    ASSERT_TRUE(l.sparse_dw()) << name;
+    EXPECT_EQ(l.weight_grad().draws(), 6u) << name << ": one draw per micro-batch of the 6 steps";
+  }
+  const RunLog on_gpu = resume(*dir_ / "sparse_dw_gpu_run", "step-000006", *dir_ / "sparse_dw_resume_gpu", "cuda");
+  expect_curve(on_gpu, g, 7, 12, 1e-3, "sparse_dw gpu checkpoint resumed on gpu");
+  const RunLog on_cpu = resume(*dir_ / "sparse_dw_gpu_run", "step-000006", *dir_ / "sparse_dw_resume_cpu", "cpu");
+  expect_curve(on_cpu, g, 7, 12, 5e-2, "sparse_dw gpu checkpoint resumed on cpu");
+}
+
 // A learning rate of 1e30 diverges at once. Read only at the end (no logging, no
 // checkpoints before), the error names the first bad step, not the step that noticed,
 // and nothing is saved; with a checkpoint every step, the checkpoints written are finite.

@@ -169,31 +169,36 @@ recipe:
   EXPECT_TRUE(contains(lora, "blocks.0.mlp.proj.weight of kind slope with a low-rank adapter")) << lora;
 }
 
-// sparse_dw is CPU-only in training so far: a semi_sparse or slope modifier with it keeps
-// `auto` on the CPU and makes `cuda` an error that says so; the layers it built do not
-// keep a checkpoint's evaluation off the GPU (only the backward changes).
-TEST(TrainDevice, SparseDwStaysOnTheCpu) {
+// sparse_dw trains on the GPU where the fused MVUE kernel's 64×64 tiles fit: the claimed
+// layers' outputs and the micro-batch's tokens multiples of 64. Otherwise `auto` stays on
+// the CPU and `cuda` is an error naming the rule; the layers it built never keep a
+// checkpoint off the GPU.
+TEST(TrainDevice, SparseDwNeedsMultiplesOf64OnTheGpu) {
   TempDir dir;
   const std::string data = make_dataset(dir);
   for (const char* type : {"semi_sparse", "slope"}) {
     SCOPED_TRACE(type);
-    TrainConfig cfg = small_config(data, "auto");
+    TrainConfig cfg = small_config(data, "auto");  // 2 x 16 = 32 tokens
     cfg.recipe_yaml = std::string("- ") + type + ": {params: ['blocks.0.mlp.fc.weight'], sparse_dw: true}\n";
     const std::string b = gpu_training_blocker(cfg);
     EXPECT_TRUE(contains(b, std::string("modifier ") + type +
-                                " with sparse_dw on blocks.0.mlp.fc.weight: sparse_dw (the weight gradient from the "
-                                "MVUE 2:4 of dY^T) is CPU-only so far")) << b;
+                                " with sparse_dw on blocks.0.mlp.fc.weight: train.batch_size x train.seq_len = 32 "
+                                "tokens, not a multiple of 64 (sparse_dw)")) << b;
     const DeviceChoice c = choose_train_device("auto", kOneGpu, b);
     EXPECT_EQ(c.device, "cpu");
-    EXPECT_TRUE(contains(c.note, "sparse_dw")) << c.note;
-    EXPECT_TRUE(contains(c.note, "CPU-only so far")) << c.note;
+    EXPECT_TRUE(contains(c.note, "not a multiple of 64 (sparse_dw)")) << c.note;
     const std::string e = error_of([&] { choose_train_device("cuda", kOneGpu, b); });
     EXPECT_TRUE(contains(e, "train.device=cuda")) << e;
-    EXPECT_TRUE(contains(e, "sparse_dw (the weight gradient from the MVUE 2:4 of dY^T) is CPU-only so far")) << e;
     EXPECT_TRUE(contains(e, "use train.device=cpu")) << e;
-    // The same modifier without it trains on the GPU.
-    cfg.recipe_yaml = std::string("- ") + type + ": {params: ['blocks.0.mlp.fc.weight'], sparse_dw: false}\n";
+    // 64 tokens: the GPU trains it (fc has 64 outputs); attn.qkv has 96, which it refuses.
+    cfg.batch_size = 4;
     EXPECT_EQ(gpu_training_blocker(cfg), "");
+    cfg.recipe_yaml = std::string("- ") + type + ": {params: ['blocks.0.attn.qkv.weight'], sparse_dw: true}\n";
+    const std::string q = gpu_training_blocker(cfg);
+    EXPECT_TRUE(contains(q, "blocks.0.attn.qkv.weight has 96 outputs, not a multiple of 64 (sparse_dw)")) << q;
+    cfg.recipe_yaml = std::string("- ") + type + ": {params: ['blocks.0.attn.qkv.weight'], sparse_dw: false}\n";
+    EXPECT_EQ(gpu_training_blocker(cfg), "");
+    cfg.batch_size = 2;
 
     cfg.model.vocab_size = 257;
     Transformer<float> model(cfg.model);

@@ -42,14 +42,15 @@ const char* kBenchUsage = R"(usage:
   esplag bench train --model PRESET [--device cpu|cuda] [--batch 4] [--seq 256] [--steps N]
                      [--warmup 1] [--vocab N] [--peak-tflops 989] [--csv FILE]
                      [--semi-sparse all|REGEX [--always-sparse] | --slope all|REGEX [--no-baseline]]
-                     [--op-profile STEPS]
+                     [--sparse-dw] [--op-profile STEPS]
       cuda only: --semi-sparse makes the block linears whose weight names match semi_sparse
       (runtime transposable 2:4 on cuSPARSELt; each layer shape takes the 2:4 or the dense
       products of its pruned weight, whichever it measured faster, unless --always-sparse);
       --slope makes them slope (static row-wise 2:4, double-pruned backward refreshed every
       100 steps, AdamW on the kept values; always the 2:4 products); either first times the
       dense model in the same process and prints the ratios (step time, tokens/s, the
-      model's device memory), unless --no-baseline;
+      model's device memory), unless --no-baseline; --sparse-dw gives those layers the
+      weight gradient from the MVUE 2:4 of dY^T (outputs and tokens multiples of 64);
       --op-profile times every op over STEPS more eager steps and prints where the time goes
   esplag bench gemm [--shapes default|OUTxINxTOKENS,...] [--products fwd,bwd] [--operand A|B]
                     [--dtype bf16|e4m3] [--no-search] [--tuning-cache FILE] [--warmup 10]
@@ -311,7 +312,7 @@ int bench_train(const std::vector<std::string>& argv) {
   Args a(argv, "bench train",
          {"model", "device", "batch", "seq", "steps", "warmup", "vocab", "peak-tflops", "csv", "semi-sparse", "slope",
           "op-profile"},
-         {"always-sparse", "no-baseline"});
+         {"always-sparse", "no-baseline", "sparse-dw"});
   const std::string device = a.get("device", "cpu");
   ESPLAG_CHECK(device == "cpu" || device == "cuda", "bench train: --device must be cpu or cuda, got '", device, "'");
   ModelConfig mc = model_preset(a.get("model", "tiny"));
@@ -326,6 +327,8 @@ int bench_train(const std::vector<std::string>& argv) {
                "cuda");
   ESPLAG_CHECK(!a.has("no-baseline") || a.has("semi-sparse") || a.has("slope"),
                "bench train: --no-baseline is for --semi-sparse or --slope (the baseline is the dense model)");
+  ESPLAG_CHECK(!a.has("sparse-dw") || a.has("semi-sparse") || a.has("slope"),
+               "bench train: --sparse-dw is for the layers of --semi-sparse or --slope");
   ESPLAG_CHECK(!(a.has("semi-sparse") && a.has("slope")), "bench train: give --semi-sparse or --slope, not both");
   ESPLAG_CHECK(!(a.has("slope") && a.has("always-sparse")),
                "bench train: --always-sparse is for --semi-sparse (slope layers always run their 2:4 products)");
@@ -343,7 +346,7 @@ int bench_train(const std::vector<std::string>& argv) {
     // The dense baseline first, in this process (its model is gone before the sparse one).
     if (!regex.empty() && !a.has("no-baseline"))
       runs.push_back(bench_train_gpu(mc, B, T, steps, warmup, peak, options));
-    runs.push_back(bench_train_gpu(mc, B, T, steps, warmup, peak, options, op_steps, regex, kind));
+    runs.push_back(bench_train_gpu(mc, B, T, steps, warmup, peak, options, op_steps, regex, kind, a.has("sparse-dw")));
     std::cout << gpu_bench_table_header();
     for (const auto& r : runs) std::cout << gpu_bench_table_row(r);
     if (runs.size() == 2) std::cout << gpu_bench_comparison(runs[0], runs[1]);

@@ -18,7 +18,7 @@ namespace esplag {
 
 GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int steps, int warmup, double peak_tflops,
                                const GpuModelOptions& options, int op_profile_steps,
-                               const std::string& sparse_regex, const std::string& sparse_kind) {
+                               const std::string& sparse_regex, const std::string& sparse_kind, bool sparse_dw) {
   ESPLAG_CHECK(steps > 0 && warmup >= 0, "bench_train_gpu: steps must be positive and warmup not negative, got ",
                steps, " and ", warmup);
   ESPLAG_CHECK(op_profile_steps >= 0, "bench_train_gpu: negative op_profile_steps ", op_profile_steps);
@@ -58,13 +58,13 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
       if (info.shape.size() != 2 || info.name.rfind("blocks.", 0) != 0) continue;
       ++linears;
       if (!std::regex_match(info.name, re)) continue;
-      settings.push_back({info.name, sparse_kind});
+      settings.push_back({info.name, sparse_kind, 100, nullptr, sparse_dw, /*dw_seed=*/1});
       ++sparse;
     }
     model.set_linear_kinds(settings);
     ESPLAG_CHECK(sparse > 0, "bench train: the regex '", sparse_regex, "' matches none of the ", linears,
                  " block linear weights (e.g. blocks.0.mlp.fc.weight)");
-    r.linears = sparse_kind + " " + std::to_string(sparse) + "/" + std::to_string(linears);
+    r.linears = sparse_kind + (sparse_dw ? "+sparse_dw " : " ") + std::to_string(sparse) + "/" + std::to_string(linears);
   }
   std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
   Rng rng(1);

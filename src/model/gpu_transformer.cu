@@ -402,6 +402,11 @@ struct GpuTransformer::Impl {
   // W2 and W2ᵀ (SparseLinearOptions::slope_scratch), and the dense fp32 dW (slope_dw).
   std::map<std::string, Slope> slope;
   DeviceArena slope_scratch;
+  // The scratch every sparse_dw layer's backward uses (gpu::SparseLinearOptions::dw_scratch),
+  // sized for the largest block Linear.
+  DeviceArena dw_scratch;
+  void* dw_buffers = nullptr;
+  void* dw_scratch_for(const GpuTransformer& model, int64_t tokens);
   bf16* slope_w1 = nullptr;
   bf16* slope_w2 = nullptr;
   float* slope_dw = nullptr;
@@ -598,8 +603,8 @@ void lay_out(const ModelConfig& c, int B, int T, const GpuModelOptions& o, GpuTr
   *loss = take.arr<double>("loss", 1);
   *norm_sq = take.arr<float>("grad_norm_sq", 1);
   im.fused_norm = o.fused_norm_backward && gpu::fused_norm_backward_supported(c.d_model);
-  // Column sums give bias gradients with the fused norm backward, and a slope layer's
-  // wherever (its dW GEMM writes a scratch, without the bias epilogue).
+  // Column sums give bias gradients with the fused norm backward, and a slope or sparse_dw
+  // layer's wherever (its dW product writes a scratch, without the bias epilogue).
   if (c.bias) {
     im.colsum_scratch_bytes = gpu::column_sum_scratch_bytes(int64_t(N), static_cast<int>(std::max({Q, F, C})));
     im.colsum_scratch = take.arr<unsigned char>("scratch.bias_grad", im.colsum_scratch_bytes);
@@ -1374,6 +1379,19 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   // column sums).
   auto linear_dw = [&](const Impl::Lin& lin, const char* name, const bf16* dout, const bf16* inp, int K, int OC) {
     mark(name, n2 * K * OC);
+    if (lin.sp && lin.sp->sparse_dw() && lin.sp->tokens() == N) {
+      // The 2:4 product of the MVUE of doutᵀ (one draw), widened into dW or slope_dw.
+      lin.sp->backward(nullptr, lin.slope ? im.slope_dw : lin.dw, dout, inp, !lin.slope && acc, s);
+      if (gemm_bias(lin.db)) {
+        mark("bias grad");
+        gpu::column_sum_add(lin.db, dout, N, OC, im.colsum_scratch, im.colsum_scratch_bytes, s);
+      }
+      if (lin.slope) {
+        im.mark(s, "slope grad gather", 0, im.tracing() ? op_trace_name(name, im.layer) + ".gather" : "");
+        gpu::gather_kept_24(lin.dw, im.slope_dw, lin.sp->forward_tile_mask(), OC, K, acc, s);
+      }
+      return;
+    }
     if (!lin.slope) {
       gemm.backward_weight(lin.dw, gemm_bias(lin.db), dout, inp, N, K, OC, acc, s);
       return;
@@ -1599,16 +1617,34 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     const int64_t out = info->shape.at(0), in = info->shape.at(1);
     if (st.slope_masks) check_slope_masks(st.weight_name, *st.slope_masks, out, in);
     const std::string was = linear_kind(st.weight_name);
-    if (st.kind == was && !st.slope_masks) continue;
+    const int64_t tokens = int64_t(max_b_) * max_t_;
+    ESPLAG_CHECK(!st.sparse_dw || st.kind != "dense", "GpuTransformer: ", st.weight_name,
+                 ": sparse_dw (the weight gradient from the MVUE 2:4 of dY^T) is for the kinds semi_sparse and slope");
+    ESPLAG_CHECK(!st.sparse_dw || (out % 64 == 0 && tokens % 64 == 0), "GpuTransformer: ", st.weight_name,
+                 ": sparse_dw needs the layer's outputs (", out, ") and the micro-batch's tokens (", tokens,
+                 ") to be multiples of 64");
+    if (st.kind == was && !st.slope_masks && st.sparse_dw == (lin->sp && lin->sp->sparse_dw())) continue;
     ESPLAG_CHECK(st.kind == "dense" || gpu::cusparselt_available(), "GpuTransformer: ", st.weight_name, ": ", st.kind,
                  " on the GPU needs cuSPARSELt: ", gpu::cusparselt_unavailable_reason());
-    const int64_t tokens = int64_t(max_b_) * max_t_;
     ESPLAG_CHECK(st.kind == "dense" || (out % 16 == 0 && in % 16 == 0 && tokens % 16 == 0),
                  "GpuTransformer: ", st.weight_name, ": ", st.kind, " needs the layer's shape (", out, "x", in,
                  ") and the micro-batch's tokens (", tokens, ") to be multiples of 16 (cuSPARSELt)");
     relayout = relayout || was == "slope" || st.kind == "slope";
     changes.push_back({&st, lin, info, was, out, in});
   }
+  // A slope layer rebuilt as slope (sparse_dw turned on or off) keeps its masks unless
+  // given new ones: its weight is stored as kept values, so they cannot be chosen again.
+  std::vector<LinearKindSetting> kept_masks;
+  std::vector<SlopeState> kept_states;
+  kept_masks.reserve(changes.size());
+  kept_states.reserve(changes.size());  // no reallocation: the settings point into it
+  for (Change& c : changes)
+    if (c.was == "slope" && c.setting->kind == "slope" && !c.setting->slope_masks) {
+      kept_states.push_back(slope_state(c.setting->weight_name));
+      kept_masks.push_back(*c.setting);
+      kept_masks.back().slope_masks = &kept_states.back();
+      c.setting = &kept_masks.back();
+    }
   for (const auto& st : settings)
     if (auto it = im.slope.find(st.weight_name); it != im.slope.end() && st.kind == "slope")
       it->second.mask_change_freq = st.mask_change_freq;
@@ -1654,6 +1690,9 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     o.bias = c.lin->b != nullptr;
     o.slope_scratch = im.slope_w2;
     o.slope_weight_is_w1 = true;  // the layer reads slope_w1, expanded from the kept values
+    o.sparse_dw = st.sparse_dw;
+    o.dw_seed = st.dw_seed;
+    if (st.sparse_dw) o.dw_scratch = im.dw_scratch_for(*this, int64_t(max_b_) * max_t_);
     // The masks come from W as it is now (dense: the layer was not slope), the forward one
     // row-wise 2:4, the backward one W1's double pruning, unless given.
     const size_t n_w = size_t(c.out) * size_t(c.in);
@@ -1666,6 +1705,7 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
                                                  o, c.out, c.in, int64_t(max_b_) * max_t_, im.slope_w1, stream_))
                     .first->second.get();
     c.lin->slope = true;
+    if (st.sparse_dw) c.lin->sp->set_dw_seed(st.dw_seed, st.dw_draws);
     if (st.slope_masks)
       c.lin->sp->set_tile_masks(st.slope_masks->forward_tiles.data(), st.slope_masks->backward_tiles.data(), stream_);
     im.slope[st.weight_name] = Impl::Slope{st.mask_change_freq, st.slope_masks ? st.slope_masks->refresh_step : step_};
@@ -1686,7 +1726,11 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     o.kind = gpu::SparseLinearKind::semi_sparse;
     o.bias = c.lin->b != nullptr;
     o.keep_pruned = false;  // dense_weight prunes on demand
+    o.sparse_dw = st.sparse_dw;
+    o.dw_seed = st.dw_seed;
+    if (st.sparse_dw) o.dw_scratch = im.dw_scratch_for(*this, tokens);
     auto sp = std::make_unique<gpu::SparseLinear>(o, out, in, tokens, c.lin->w, stream_);
+    if (st.sparse_dw) sp->set_dw_seed(st.dw_seed, st.dw_draws);
     if (opt_.sparse_dispatch) {
       // GELU MLP: fc's forward and mproj's dX carry a GELU pass on the 2:4 path (over
       // fc's output, [tokens, out] of fc = [tokens, in] of mproj).
@@ -1717,6 +1761,10 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     return e.second->kind() == gpu::SparseLinearKind::semi_sparse;
   });
   if (!any_semi) im.prune_scratch = DeviceArena();
+  if (std::none_of(im.sparse.begin(), im.sparse.end(), [](const auto& e) { return e.second->sparse_dw(); })) {
+    im.dw_scratch = DeviceArena();
+    im.dw_buffers = nullptr;
+  }
   if (im.slope.empty()) {
     im.slope_scratch = DeviceArena();
     im.slope_w1 = im.slope_w2 = nullptr;
@@ -1770,8 +1818,32 @@ std::string GpuTransformer::sparse_dispatch_summary() const {
   return s.empty() ? s : "semi_sparse products by layer shape (prepare + forward + dX per step): " + s;
 }
 
+bool GpuTransformer::sparse_dw(const std::string& weight_name) const {
+  Impl::Lin* lin = find_linear(*impl_, weight_name);
+  ESPLAG_CHECK(lin, "GpuTransformer: '", weight_name, "' is not the weight of a block Linear layer");
+  return lin->sp && lin->sp->sparse_dw();
+}
+
+uint64_t GpuTransformer::sparse_dw_draws(const std::string& weight_name) const {
+  Impl::Lin* lin = find_linear(*impl_, weight_name);
+  ESPLAG_CHECK(lin, "GpuTransformer: '", weight_name, "' is not the weight of a block Linear layer");
+  return lin->sp ? lin->sp->dw_draws() : 0;
+}
+
+void* GpuTransformer::Impl::dw_scratch_for(const GpuTransformer& model, int64_t tokens) {
+  if (!dw_buffers) {
+    size_t largest = 0;
+    for (const auto& i : model.param_infos())
+      if (find_linear(*this, i.name))
+        largest = std::max(largest, gpu::sparse_dw_scratch_bytes(i.shape.at(0), i.shape.at(1), tokens));
+    dw_scratch = DeviceArena(largest + 256, "sparse_dw scratch");
+    dw_buffers = dw_scratch.allocate("sparse_dw buffers", largest, 256);
+  }
+  return dw_buffers;
+}
+
 size_t GpuTransformer::sparse_device_bytes() const {
-  size_t n = impl_->prune_scratch.capacity() + impl_->slope_scratch.capacity();
+  size_t n = impl_->prune_scratch.capacity() + impl_->slope_scratch.capacity() + impl_->dw_scratch.capacity();
   for (const auto& [name, sp] : impl_->sparse) n += sp->device_bytes();
   return n;
 }

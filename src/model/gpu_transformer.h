@@ -261,12 +261,24 @@ class GpuTransformer {
   // masks) lays the parameter state out again: weights and moments go to the host and come
   // back in the new layout (a pass over the state each way; the gradients restart at zero);
   // set_linear_kinds does it once for many layers.
+  //
+  // sparse_dw (semi_sparse and slope; model/linear_semi_sparse.h's MvueWeightGrad): the
+  // weight gradient of full-size micro-batches is the 2:4 product of the MVUE of dYᵀ
+  // (sparse/cuda/sparse_linear.h), draw k of the layer taking the seed
+  // mvue_draw_seed(dw_seed, k) as the CPU's does; dw_draws is the draw count to go on from
+  // (a resumed run's), sparse_dw_draws() the count now. Micro-batches of another size take
+  // the dense dW. Needs out and max_batch·max_seq_len to be multiples of 64 (Error
+  // otherwise). All sparse_dw layers share one scratch for the compressed MVUE and the
+  // bf16 dW, sized for the largest block Linear (out·tokens·9/8 + 2·out·in bytes). Turning
+  // sparse_dw on or off rebuilds the layer (a slope layer keeps its masks).
   struct SlopeState;
   struct LinearKindSetting {
     std::string weight_name;
     std::string kind;
     int mask_change_freq = 100;
     const SlopeState* slope_masks = nullptr;
+    bool sparse_dw = false;
+    uint64_t dw_seed = 0, dw_draws = 0;
   };
   void set_linear_kinds(const std::vector<LinearKindSetting>& settings);
   void set_linear_kind(const std::string& weight_name, const std::string& kind, int mask_change_freq = 100,
@@ -274,6 +286,10 @@ class GpuTransformer {
     set_linear_kinds({{weight_name, kind, mask_change_freq, slope_masks}});
   }
   std::string linear_kind(const std::string& weight_name) const;
+  // Whether the layer computes a sparse dW (sparse_dw above), and the draws it has taken
+  // (waits for the device; 0 without sparse_dw).
+  bool sparse_dw(const std::string& weight_name) const;
+  uint64_t sparse_dw_draws(const std::string& weight_name) const;
   size_t sparse_device_bytes() const;
   // A slope layer's masks and refresh schedule (Error for other layers). The masks are
   // 4×4 tile bits [out/4, in/4] (sparse/masks.h's tile_bits): the forward mask (W1's) and

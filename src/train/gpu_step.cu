@@ -16,6 +16,7 @@
 #include "core/parallel.h"
 #include "model/gpu_transformer.h"
 #include "model/linear_kinds.h"
+#include "model/linear_semi_sparse.h"
 #include "model/linear_slope.h"
 #include "sparse/masks.h"
 
@@ -50,6 +51,22 @@ SlopeLinear<float>* host_slope(Transformer<float>& host, const std::string& name
   return dynamic_cast<SlopeLinear<float>*>(&host.linear(name));
 }
 
+// The sparse dW estimator of a host layer (semi_sparse or slope), or null for the others.
+const MvueWeightGrad<float>* host_weight_grad(Transformer<float>& host, const std::string& name) {
+  if (const auto* sl = host_slope(host, name)) return &sl->weight_grad();
+  if (const auto* ss = dynamic_cast<const SemiSparseLinear<float>*>(&host.linear(name))) return &ss->weight_grad();
+  return nullptr;
+}
+
+// Sets a host layer's sparse dW draw count (through its saved state, as a checkpoint would).
+void set_host_draws(Linear<float>& l, const std::string& name, uint64_t draws) {
+  std::map<std::string, Tensor> state = l.state();
+  Tensor t = Tensor::zeros({1}, DType::f64, name + ".sparse_dw_draws");
+  t.data<double>()[0] = double(draws);
+  state[name + ".sparse_dw_draws"] = t;
+  l.load_state(state);
+}
+
 // A host slope layer's masks and schedule as the GPU model takes them; a layer built for
 // the step about to run (refresh step -1) counts as refreshed at it, as on_step_begin does.
 GpuTransformer::SlopeState gpu_slope_state(const SlopeLinear<float>& l, int64_t step) {
@@ -67,7 +84,7 @@ GpuTransformer::SlopeState gpu_slope_state(const SlopeLinear<float>& l, int64_t 
 // (the GPU's host copies in the flat layout, dense with zeros where pruned: [rows, cols]
 // at the weight's offset), the backward mask the GPU's.
 void slope_to_host(SlopeLinear<float>& l, const std::string& name, const GpuTransformer::SlopeState& st,
-                   const float* w1, const float* m, const float* v, std::vector<float>& m_values,
+                   uint64_t dw_draws, const float* w1, const float* m, const float* v, std::vector<float>& m_values,
                    std::vector<float>& v_values) {
   using namespace linear_detail;
   const int64_t rows = l.forward_weight().rows, cols = l.forward_weight().cols;
@@ -89,6 +106,11 @@ void slope_to_host(SlopeLinear<float>& l, const std::string& name, const GpuTran
   Tensor step = Tensor::zeros({1}, DType::f64, name + ".refresh_step");
   step.data<double>()[0] = double(st.refresh_step);
   state[name + ".refresh_step"] = step;
+  if (l.sparse_dw()) {
+    Tensor draws = Tensor::zeros({1}, DType::f64, name + ".sparse_dw_draws");
+    draws.data<double>()[0] = double(dw_draws);
+    state[name + ".sparse_dw_draws"] = draws;
+  }
   l.load_state(state);  // rebuilds the flat weight and the backward copy from the values
 }
 
@@ -113,6 +135,12 @@ std::vector<GpuTransformer::LinearKindSetting> host_kind_settings(
       settings.push_back({name, kind, sl->mask_change_freq(), st});
     } else {
       settings.push_back({name, kind});
+    }
+    // sparse_dw: the host's base seed and draws, so the GPU goes on with the CPU's sequence.
+    if (const MvueWeightGrad<float>* dw = host_weight_grad(host, name); dw && dw->on()) {
+      settings.back().sparse_dw = true;
+      settings.back().dw_seed = dw->base_seed();
+      settings.back().dw_draws = dw->draws();
     }
   }
   return settings;
@@ -241,15 +269,19 @@ class GpuStep final : public StepBackend {
       SlopeLinear<float>* layer;
       const ParamInfo* info;
       GpuTransformer::SlopeState state;
+      uint64_t dw_draws;
       std::vector<float>*m, *v;
     };
     std::vector<SlopeJob> slope;
     for (const auto& info : host_.param_infos()) {
-      if (SlopeLinear<float>* sl = is_linear_weight(info.name) ? host_slope(host_, info.name) : nullptr) {
+      const bool linear = is_linear_weight(info.name);
+      const uint64_t draws = linear && model_.sparse_dw(info.name) ? model_.sparse_dw_draws(info.name) : 0;
+      if (SlopeLinear<float>* sl = linear ? host_slope(host_, info.name) : nullptr) {
         const std::string values = info.name + ".values";
-        slope.push_back({sl, &info, model_.slope_state(info.name), &m_[values], &v_[values]});
+        slope.push_back({sl, &info, model_.slope_state(info.name), draws, &m_[values], &v_[values]});
         continue;
       }
+      if (linear && model_.sparse_dw(info.name)) set_host_draws(host_.linear(info.name), info.name, draws);
       m_[info.name].assign(mf.begin() + info.offset, mf.begin() + info.offset + info.numel);
       v_[info.name].assign(vf.begin() + info.offset, vf.begin() + info.offset + info.numel);
     }
@@ -259,7 +291,8 @@ class GpuStep final : public StepBackend {
     parallel_tasks(int64_t(slope.size()), [&](int64_t i) {
       const SlopeJob& j = slope[size_t(i)];
       const size_t at = j.info->offset;
-      slope_to_host(*j.layer, j.info->name, j.state, p.data() + at, mf.data() + at, vf.data() + at, *j.m, *j.v);
+      slope_to_host(*j.layer, j.info->name, j.state, j.dw_draws, p.data() + at, mf.data() + at, vf.data() + at, *j.m,
+                    *j.v);
     });
     return {m_, v_};
   }

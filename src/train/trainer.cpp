@@ -211,7 +211,12 @@ std::string sparse_24_gpu_shape_problem(const TrainConfig& config, const Recipe:
       const std::string name = "blocks." + std::to_string(l) + "." + role + ".weight";
       if (m.claims(name) && (shape.first % 16 != 0 || shape.second % 16 != 0))
         return detail::concat(name, " is ", shape.first, "x", shape.second, ", not multiples of 16");
+      // The fused MVUE kernel works on 64×64 tiles of dY [tokens, out].
+      if (m.sparse_dw && m.claims(name) && shape.first % 64 != 0)
+        return detail::concat(name, " has ", shape.first, " outputs, not a multiple of 64 (sparse_dw)");
     }
+  if (m.sparse_dw && tokens % 64 != 0)
+    return detail::concat("train.batch_size x train.seq_len = ", tokens, " tokens, not a multiple of 64 (sparse_dw)");
   return "";
 }
 
@@ -226,8 +231,6 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
                                (m.sparse_dw ? " with sparse_dw" : "") + " on " + join(m.params, ", ");
       if ((m.type != "semi_sparse" && m.type != "slope") || m.lora_rank > 0)
         parts.push_back(what);
-      else if (m.sparse_dw)
-        parts.push_back(what + ": sparse_dw (the weight gradient from the MVUE 2:4 of dY^T) is CPU-only so far");
       else if (const std::string why = sparse_24_gpu_shape_problem(config, m); !why.empty())
         parts.push_back(what + ": " + why + " (cuSPARSELt's 2:4 products need multiples of 16)");
     }

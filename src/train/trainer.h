@@ -59,10 +59,9 @@ inline constexpr const char* kGpuKindsNote =
 
 // What the GPU path cannot train of this run, "" when nothing: the recipe's modifiers
 // other than semi_sparse and slope, slope modifiers with LoRA adapters, semi_sparse and
-// slope modifiers with sparse_dw (CPU-only so far) or claiming layers (or a micro-batch)
-// that cuSPARSELt cannot take, and, when `model` is given, its Linear kinds the GPU lacks
-// (slope layers with adapters too). A layer's sparse_dw changes only its backward, so the
-// model's layers are not refused for it: a checkpoint of such a run evaluates on the GPU.
+// slope modifiers claiming layers (or a micro-batch) that cuSPARSELt cannot take
+// (multiples of 16; with sparse_dw, outputs and tokens multiples of 64), and, when
+// `model` is given, its Linear kinds the GPU lacks (slope layers with adapters too).
 std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* model = nullptr);
 
 struct DeviceChoice {

@@ -82,6 +82,18 @@ __global__ void advance_mvue_draw_kernel(uint64_t* state, uint64_t base) {
 
 uint64_t sparse_dw_mvue_seed(uint64_t base, uint64_t draw) { return mvue_draw_seed(base, draw); }
 
+namespace {
+// sparse_dw's scratch: S's compressed buffer, then the bf16 dW at the next 256 bytes.
+size_t dw_layout_bytes_aligned(int64_t out, int64_t tokens) {
+  return (cusparselt24_layout_bytes(out, tokens) + 255) / 256 * 256;
+}
+}  // namespace
+
+size_t sparse_dw_scratch_bytes(int64_t out, int64_t in, int64_t tokens) {
+  if (out <= 0 || in <= 0 || tokens <= 0 || out % 64 || tokens % 64) return 0;
+  return dw_layout_bytes_aligned(out, tokens) + 2 * size_t(out) * size_t(in);
+}
+
 struct SparseLinear::Impl {
   SparseLinearKind kind = SparseLinearKind::dense;
   bool sparse = false;
@@ -134,11 +146,14 @@ struct SparseLinear::Impl {
 
   // sparse_dw: the weight-gradient product (S = MVUE(dYᵀ) as A, K = tokens), S's
   // compressed buffer (written by cusparselt24_compress_mvue_t at every backward), the
-  // product's bf16 dW [out, in], the base seed and, in device memory, the draws made so
-  // far and the current draw's seed (sparse_dw_mvue_seed(dw_seed, draws)).
+  // product's bf16 dW [out, in] (in own_dw, or the caller's dw_scratch), the base seed
+  // and, in device memory, the draws made so far and the current draw's seed
+  // (sparse_dw_mvue_seed(dw_seed, draws)).
   SparseGemm24* dwg = nullptr;
   bool dwg_tuned = false;
-  DeviceBuffer c_dw, dw_bf16, dw_state;
+  DeviceBuffer own_dw, dw_state;
+  void* c_dw = nullptr;
+  bf16* dw_bf16 = nullptr;
   uint64_t dw_seed = 0;
 
   void ensure_workspace() {
@@ -231,8 +246,15 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
                  m.dwg->problem().key(),
                  " to be the one the fused MVUE kernel writes, and the check at construction found it is not (or "
                  "ESPLAG_CUSPARSELT_OWN_LAYOUT=0 turned the writer off); run this layer without sparse_dw");
-    m.c_dw.allocate(cusparselt24_layout_bytes(out, tokens), m.owner, "the compressed MVUE of dY^T");
-    m.dw_bf16.allocate(2 * size_t(out) * size_t(in), m.owner, "the bf16 dW of the 2:4 product");
+    uint8_t* scratch = static_cast<uint8_t*>(o.dw_scratch);
+    if (!scratch) {
+      m.own_dw.allocate(sparse_dw_scratch_bytes(out, in, tokens), m.owner, "the compressed MVUE of dY^T and bf16 dW");
+      scratch = static_cast<uint8_t*>(m.own_dw.get());
+    }
+    ESPLAG_CHECK(reinterpret_cast<uintptr_t>(scratch) % 256 == 0, "SparseLinear ", m.name,
+                 ": the sparse_dw scratch must be 256-byte aligned");
+    m.c_dw = scratch;
+    m.dw_bf16 = reinterpret_cast<bf16*>(scratch + dw_layout_bytes_aligned(out, tokens));
     m.dw_state.allocate(2 * sizeof(uint64_t), m.owner, "the MVUE draw count and seed");
     CUDA_CHECK(cudaMemset(m.dw_state.get(), 0, m.dw_state.bytes()));
   }
@@ -276,16 +298,17 @@ size_t SparseLinear::device_bytes() const {
   const Impl& m = *impl_;
   return m.gemm_arena.capacity() + m.pruned.bytes() + m.pruned_t.bytes() + m.tile_mask.bytes() +
          m.bwd_tile_mask.bytes() + m.c_fwd.bytes() + m.c_bwd.bytes() + m.scratch.bytes() + m.workspace.bytes() +
-         m.c_dw.bytes() + m.dw_bf16.bytes();
+         m.own_dw.bytes();
 }
 
 bool SparseLinear::sparse_dw() const { return impl_->dwg != nullptr; }
-void SparseLinear::set_dw_seed(uint64_t seed) {
+void SparseLinear::set_dw_seed(uint64_t seed, uint64_t draws) {
   Impl& m = *impl_;
   m.dw_seed = seed;
   if (!m.dw_state.get()) return;
   CUDA_CHECK(cudaDeviceSynchronize());  // no backward in flight still reads the count
-  CUDA_CHECK(cudaMemset(m.dw_state.get(), 0, m.dw_state.bytes()));
+  const uint64_t state[2] = {draws, 0};
+  CUDA_CHECK(cudaMemcpy(m.dw_state.get(), state, sizeof state, cudaMemcpyHostToDevice));
 }
 uint64_t SparseLinear::dw_draws() const {
   const Impl& m = *impl_;
@@ -468,13 +491,13 @@ void SparseLinear::backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, 
       uint64_t* state = static_cast<uint64_t*>(m.dw_state.get());
       advance_mvue_draw_kernel<<<1, 1, 0, s>>>(state, m.dw_seed);
       CUDA_CHECK_LAUNCH("advance_mvue_draw_kernel");
-      cusparselt24_compress_mvue_t(dy, m.tokens, m.out, state + 1, m.c_dw.get(), s);
-      m.tune(*m.dwg, m.dwg_tuned, m.dw_bf16.bf(), m.c_dw.get(), x, nullptr, s);
+      cusparselt24_compress_mvue_t(dy, m.tokens, m.out, state + 1, m.c_dw, s);
+      m.tune(*m.dwg, m.dwg_tuned, m.dw_bf16, m.c_dw, x, nullptr, s);
       m.ensure_workspace();
-      m.dwg->matmul(m.dw_bf16.bf(), m.c_dw.get(), x, nullptr, m.workspace.get(), m.workspace.bytes(), s);
+      m.dwg->matmul(m.dw_bf16, m.c_dw, x, nullptr, m.workspace.get(), m.workspace.bytes(), s);
       const int64_t n = m.out * m.in;
       const int threads = 256;
-      widen_dw_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, s>>>(dw, m.dw_bf16.bf(), n,
+      widen_dw_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, s>>>(dw, m.dw_bf16, n,
                                                                                            accumulate_dw);
       CUDA_CHECK_LAUNCH("widen_dw_kernel");
       return;

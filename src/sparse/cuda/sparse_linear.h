@@ -64,14 +64,14 @@
 //   2. the 2:4 product dW_bf16 [out, in] = S · X, X read as it lies (no transposed copy);
 //   3. dW (fp32) = or += the bf16 result, one pass.
 // Costs: device memory for S's buffer (out·N·9/8 bytes) and the bf16 dW (2 bytes per
-// weight), allocated at construction (the cuSPARSELt workspace is shared with the other
-// products); per step, one read of dY and a write of S's buffer (9/16 of dY's bytes), and
+// weight), allocated at construction or taken from SparseLinearOptions::dw_scratch (the
+// cuSPARSELt workspace is shared with the other products); per step, one read of dY and a write of S's buffer (9/16 of dY's bytes), and
 // a bf16 read plus an fp32 write (and read, when accumulating) of dW beyond the product.
 // dW is rounded to bf16 once before it is widened (the dense path accumulates in fp32
 // straight into dW), a small error next to the estimate's own spread.
 // The seed: the k-th backward of the layer that computes a sparse dW (k = 0, 1, ...) uses
 // sparse_dw_mvue_seed(dw_seed, k); SparseLinearOptions::dw_seed sets the base and
-// set_dw_seed() sets it again and restarts k at 0, so a run is reproducible from the base
+// set_dw_seed() sets it again and the next k (0 unless given: a resumed run's count), so a run is reproducible from the base
 // seeds and the number of steps. k lives in device memory and is advanced by a one-thread
 // kernel ahead of the MVUE kernel, which reads its seed there: a CUDA graph that captures
 // backward() takes a new draw at every replay. The base seed is a kernel argument, so a
@@ -113,11 +113,20 @@ SparseLinearKind parse_sparse_linear_kind(const std::string& name);
 // bases get unrelated uniforms (sparse/mvue.h mixes the seed with each group's index).
 uint64_t sparse_dw_mvue_seed(uint64_t base, uint64_t draw);
 
+// Bytes of the buffers a sparse_dw layer of this shape needs for one backward (S's
+// compressed buffer and the bf16 dW), for SparseLinearOptions::dw_scratch; 0 where
+// sparse_dw does not apply (out or tokens not multiples of 64).
+size_t sparse_dw_scratch_bytes(int64_t out, int64_t in, int64_t tokens);
+
 struct SparseLinearOptions {
   SparseLinearKind kind = SparseLinearKind::dense;
   // dW as the 2:4 product of the MVUE of dYᵀ (see above); the 2:4 kinds only.
   bool sparse_dw = false;
   uint64_t dw_seed = 0;  // sparse_dw: the base seed of the layer's MVUE draws
+  // sparse_dw: sparse_dw_scratch_bytes(out, in, tokens) bytes of device memory (256-byte
+  // aligned), owned by the caller, for the buffers only backward() uses: layers whose calls
+  // run in one stream order may share one. Null: the layer allocates its own.
+  void* dw_scratch = nullptr;
   // The forward adds a bias [out] (bf16): cuSPARSELt's bias epilogue on the 2:4 product
   // (one plan per bias address), cuBLASLt's on the dense one.
   bool bias = false;
@@ -197,10 +206,10 @@ class SparseLinear {
   // Whether backward's dW is the 2:4 product of the MVUE of dYᵀ (sparse_dw with
   // cuSPARSELt; false for the dense fallback).
   bool sparse_dw() const;
-  // Sets the base seed of the MVUE draws and restarts the draw count: the next sparse dW
-  // uses sparse_dw_mvue_seed(seed, 0). The draws made so far: dw_draws(). Both
-  // synchronise the device (the count lives there).
-  void set_dw_seed(uint64_t seed);
+  // Sets the base seed of the MVUE draws and the draw count: the next sparse dW uses
+  // sparse_dw_mvue_seed(seed, draws). The draws made so far: dw_draws(). Both synchronise
+  // the device (the count lives there).
+  void set_dw_seed(uint64_t seed, uint64_t draws = 0);
   uint64_t dw_draws() const;
 
   // What the last prepare() produced (device pointers, null when the kind has none):
