@@ -509,6 +509,6 @@ TEST_F(GpuSparsify, RejectsIllegalShapesAndPointers) {
 
 TEST_F(GpuSparsify, Timing) {
   const auto timings = esplag::bench_sparsify();
-  std::printf("%s\n%s", esplag::sparsify_timing_table(timings).c_str(), esplag::sparsify_timing_csv(timings).c_str());
+  std::printf("%s\n%s", esplag::sparsify_timing_table(timings).c_str(), esplag::sparsify_timing_csv(timings, "test").c_str());
   EXPECT_FALSE(timings.empty());
 }

@@ -222,7 +222,7 @@ int bench_sparsify(const std::vector<std::string>& argv) {
 #ifdef ESPLAG_HAVE_CUDA
   const std::vector<SparsifyTiming> t = esplag::bench_sparsify(default_sparsify_shapes(), 50, 10);
   std::cout << sparsify_timing_table(t);
-  if (a.has("csv")) append_csv(a.get("csv"), sparsify_timing_csv(t));
+  if (a.has("csv")) append_csv(a.get("csv"), sparsify_timing_csv(t, commit_id()));
   return 0;
 #else
   needs_cuda("sparsify");

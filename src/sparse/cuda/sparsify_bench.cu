@@ -149,13 +149,13 @@ std::string sparsify_timing_table(const std::vector<SparsifyTiming>& timings) {
   return s;
 }
 
-std::string sparsify_timing_csv(const std::vector<SparsifyTiming>& timings) {
-  std::string s = "kernel,outputs,rows,cols,bytes,median_ms,gbps,copy_median_ms,copy_gbps,vs_copy,device\n";
+std::string sparsify_timing_csv(const std::vector<SparsifyTiming>& timings, const std::string& commit) {
+  std::string s = "commit,kernel,outputs,rows,cols,bytes,median_ms,gbps,copy_median_ms,copy_gbps,vs_copy,device\n";
   char buf[512];
   for (const auto& t : timings) {
-    std::snprintf(buf, sizeof buf, "%s,%s,%lld,%lld,%.0f,%.6f,%.1f,%.6f,%.1f,%.4f,%s\n", t.kernel.c_str(),
-                  t.outputs.c_str(), static_cast<long long>(t.rows), static_cast<long long>(t.cols), t.bytes,
-                  t.median_ms, t.gbps, t.copy_median_ms, t.copy_gbps, t.vs_copy, t.device.c_str());
+    std::snprintf(buf, sizeof buf, "%s,%s,%s,%lld,%lld,%.0f,%.6f,%.1f,%.6f,%.1f,%.4f,%s\n", commit.c_str(),
+                  t.kernel.c_str(), t.outputs.c_str(), static_cast<long long>(t.rows), static_cast<long long>(t.cols),
+                  t.bytes, t.median_ms, t.gbps, t.copy_median_ms, t.copy_gbps, t.vs_copy, t.device.c_str());
     s += buf;
   }
   return s;

@@ -44,8 +44,9 @@ struct SparsifyTiming {
 std::vector<SparsifyTiming> bench_sparsify(const std::vector<SparsifyShape>& shapes = default_sparsify_shapes(),
                                            int iters = 50, int warmup = 10);
 
-// One human-readable line per timing, with a header; and a CSV (header line + one line each).
+// One human-readable line per timing, with a header; and a CSV (header line + one line each,
+// the commit measured first).
 std::string sparsify_timing_table(const std::vector<SparsifyTiming>& timings);
-std::string sparsify_timing_csv(const std::vector<SparsifyTiming>& timings);
+std::string sparsify_timing_csv(const std::vector<SparsifyTiming>& timings, const std::string& commit);
 
 }  // namespace esplag
