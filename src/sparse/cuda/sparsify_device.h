@@ -104,30 +104,41 @@ ESPLAG_SPARSIFY_HD void sort16_desc(uint32_t (&k)[16]) {
   run_sort_net16(k, std::make_index_sequence<kSortNet16.size>{});
 }
 
+// 1 << (n % 32): one funnel shift on the device.
+ESPLAG_SPARSIFY_HD uint32_t bit_at(uint32_t n) {
+#if defined(__CUDA_ARCH__)
+  return __funnelshift_l(0u, 1u, n);
+#else
+  return 1u << (n & 31u);
+#endif
+}
+
 // The greedy transposable mask of one 4×4 tile (cpu::transposable_mask_greedy): values
 // visited by magnitude descending, ties by lower row-major index, each kept while its row
 // and its column hold fewer than 2. mag[i] = magnitude_key of element i = 4·r + c; bit i of
 // the result is element i.
 //
-// The sort key is mag·16 + (15 - i): equal magnitudes order by lower index, and the key's
-// low nibble j = 15 - i names the element. The walk works on bit j (the tile reversed,
-// whose rows and columns are again nibbles and stride-4 bit sets) with four bit sets:
-// rows / columns holding one kept value and rows / columns that are full.
+// The sort key is mag·2¹³ + rc·2⁵ + (15 - i), where rc = (8 >> r)·16 + (8 >> c) names the
+// element's row and column as one bit each (both fall as i grows, so equal magnitudes still
+// order by lower index), and j = 15 - i names the element in the tile reversed (bit 4 stays
+// 0, so the key's low 5 bits are j). The walk
+// keeps two sets in the key's rc bits: the rows and columns holding one kept value (has)
+// and those that are full; a value is kept unless its row or column is full, which is a
+// handful of integer operations per step (the integer pipe bounds the kernels using this).
 ESPLAG_SPARSIFY_HD uint32_t greedy_tile_mask(const uint32_t (&mag)[16]) {
   uint32_t k[16];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) k[i] = (mag[i] << 4) | static_cast<uint32_t>(15 - i);
+  for (int i = 0; i < 16; ++i)
+    k[i] = (mag[i] << 13) | ((8u >> (i / 4)) << 9) | ((8u >> (i % 4)) << 5) | static_cast<uint32_t>(15 - i);
   sort16_desc(k);
-  uint32_t kept = 0, row_has = 0, col_has = 0, full = 0;
+  constexpr uint32_t kRowsCols = 0x1fe0u;
+  uint32_t kept = 0, has = 0, full = 0;
 #pragma unroll
   for (int s = 0; s < 16; ++s) {
-    const uint32_t j = k[s] & 15u, bit = 1u << j;
-    const uint32_t row = 0xfu << (j & 12u), col = 0x1111u << (j & 3u);
-    if (!(full & bit)) {
-      kept |= bit;
-      full |= (row_has & row) | (col_has & col);  // a second value fills its row / column
-      row_has |= row;
-      col_has |= col;
+    if (!(k[s] & full)) {
+      kept |= bit_at(k[s]);  // bit j: the shift counts modulo 32
+      full |= has & k[s];    // a second value fills its row / column
+      has |= k[s] & kRowsCols;
     }
   }
   return reverse16(kept);
