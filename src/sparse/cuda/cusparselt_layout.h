@@ -16,8 +16,8 @@
 // 11008×4096; the library's op T layout differs, so backward_data keeps the library's
 // compression and the 2:4 Linear kinds take their input gradient as a forward-form product
 // of Wᵀ instead. With it, semi_sparse's per-step preparation of an 11008×4096 W fell from
-// 1.80 to 0.16 ms (fused with the pruning; 0.11 ms since each thread works on whole 4×4
-// tiles, docs/sparse-gpu.md) and slope's from 3.06 to 0.36 ms
+// 1.80 to 0.16 ms (fused with the pruning; 0.094 ms for 4096×11008 since each thread works
+// on whole 4×4 tiles, docs/sparse-gpu.md) and slope's from 3.06 to 0.36 ms
 // (bench/results/layer-h100.csv).
 //
 // The layout, for the structured operand op(W) seen as a logical row-major M×K matrix,
