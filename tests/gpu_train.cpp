@@ -187,6 +187,13 @@ class GpuTrain : public ::testing::Test {
     delete dir_;
   }
   void SetUp() override { ASSERT_TRUE(has_device()) << "no CUDA device visible to the gpu tests"; }
+  // The config `yaml` for 12 steps on the suite's data, logging every step, a checkpoint
+  // at step 6.
+  static TrainConfig twelve_steps(const fs::path& yaml, const std::string& device) {
+    return load_train_config(yaml.string(), {"data.path=" + *data_, "train.device=" + device, "train.steps=12",
+                                             "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=6",
+                                             "train.keep_checkpoints=0"});
+  }
 
   static fs::path* dir_;
   static std::string* data_;
@@ -361,11 +368,7 @@ TEST_F(GpuTrain, SlopeRecipeTracksTheCpuAndResumes) {
   std::ofstream(yaml) << read_file(tiny_yaml())
                       << "recipe:\n  - slope: {params: ['re:blocks\\..*\\.(attn\\.\\w+|mlp\\.proj)\\.weight'], "
                          "start: 2, mask_change_freq: 3}\n";
-  auto cfg = [&](const std::string& device) {
-    return load_train_config(yaml.string(), {"data.path=" + *data_, "train.device=" + device, "train.steps=12",
-                                             "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=6",
-                                             "train.keep_checkpoints=0"});
-  };
+  auto cfg = [&](const std::string& device) { return twelve_steps(yaml, device); };
   const RunLog c = train(cfg("cpu"), *dir_ / "slope_cpu_run");
   const RunLog g = train(cfg("cuda"), *dir_ / "slope_gpu_run");
   for (int64_t s = 1; s <= 12; ++s)
@@ -403,11 +406,7 @@ TEST_F(GpuTrain, SparseDwRecipeTrainsAndResumes) {
   const fs::path yaml = *dir_ / "sparse_dw.yaml";
   std::ofstream(yaml) << read_file(tiny_yaml())
                       << "recipe:\n  - slope: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], sparse_dw: true}\n";
-  auto cfg = [&](const std::string& device) {
-    return load_train_config(yaml.string(), {"data.path=" + *data_, "train.device=" + device, "train.steps=12",
-                                             "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=6",
-                                             "train.keep_checkpoints=0"});
-  };
+  auto cfg = [&](const std::string& device) { return twelve_steps(yaml, device); };
   const RunLog c = train(cfg("cpu"), *dir_ / "sparse_dw_cpu_run");
   const RunLog g = train(cfg("cuda"), *dir_ / "sparse_dw_gpu_run");
   for (int64_t s = 1; s <= 12; ++s)
