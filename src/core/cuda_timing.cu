@@ -38,4 +38,12 @@ double median_event_ms(const std::function<void(int)>& call, int warmup, int ite
   return median_of(event_times_ms(call, warmup, iters, stream));
 }
 
+std::string current_gpu_name() {
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  return prop.name;
+}
+
 }  // namespace esplag

@@ -1,6 +1,6 @@
 // Timing device work with CUDA events, the one way every benchmark and measured choice
-// of the engine does it (benchmarks, per-layer dispatch): owned events and streams and
-// the median of timed calls.
+// of the engine does it (benchmarks, per-layer dispatch): owned events and streams, the
+// median of timed calls, and the name of the GPU the results belong to.
 //
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once
@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -55,5 +56,8 @@ double median_of(std::vector<double> v);
 
 // median_of(event_times_ms(...)).
 double median_event_ms(const std::function<void(int i)>& call, int warmup, int iters, cudaStream_t stream);
+
+// The current device's name ("NVIDIA H100 80GB HBM3"), as results and tuning caches record it.
+std::string current_gpu_name();
 
 }  // namespace esplag

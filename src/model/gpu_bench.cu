@@ -30,11 +30,7 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   r.steps = steps;
   r.warmup = warmup;
   r.peak_tflops = peak_tflops;
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  cudaDeviceProp prop{};
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  r.device = prop.name;
+  r.device = current_gpu_name();
   r.cuda_graph = options.cuda_graph;
   r.recompute = options.recompute;
   r.attention = gpu::attention_path_name(

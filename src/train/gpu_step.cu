@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "core/cuda_timing.h"
 #include "core/error.h"
 #include "core/parallel.h"
 #include "model/gpu_transformer.h"
@@ -195,11 +196,7 @@ class GpuStep final : public StepBackend {
     CUDA_CHECK(cudaMemsetAsync(health_, 0, sizeof(StepHealth), model_.stream()));
     x_.resize(size_t(cfg_.batch_size) * cfg_.seq_len);
     y_.resize(x_.size());
-    int dev = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    cudaDeviceProp prop{};
-    CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    gpu_name_ = prop.name;
+    gpu_name_ = current_gpu_name();
     model_.synchronize();
     CUDA_CHECK(cudaMallocHost(&host_health_, sizeof(StepHealth)));  // last: nothing throws after it
   }

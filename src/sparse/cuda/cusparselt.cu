@@ -57,6 +57,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "core/cuda_timing.h"
 #include "core/env.h"
 #include "core/error.h"
 
@@ -82,14 +83,6 @@ const char* product_name(SparseProduct p) {
 }
 const char* activation_name(SparseActivation a) {
   return a == SparseActivation::relu ? "relu" : a == SparseActivation::gelu ? "gelu" : "none";
-}
-
-std::string current_gpu_name() {
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  cudaDeviceProp prop{};
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  return prop.name;
 }
 
 }  // namespace

@@ -67,11 +67,7 @@ GemmBenchResult run_gemm_bench(const GemmBenchOptions& opt) {
   r.weight_operand = opt.weight_operand;
   r.warmup = opt.warmup;
   r.iters = opt.iters;
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  cudaDeviceProp prop{};
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  r.gpu = prop.name;
+  r.gpu = current_gpu_name();
   r.dtype = opt.dtype;
   const bool fp8 = opt.dtype == gpu::SparseDtype::e4m3;
   ESPLAG_CHECK(!fp8 || (!opt.backward_data && opt.weight_operand == gpu::SparseOperand::a),
@@ -84,7 +80,10 @@ GemmBenchResult run_gemm_bench(const GemmBenchOptions& opt) {
   const cudaStream_t s = stream.s;
   DeviceArena gemm_arena(gpu::Gemm::kDefaultWorkspaceBytes + gpu::Gemm::kScratchBytes + 4096, "bench gemm");
   gpu::Gemm gemm(gemm_arena);
-  const size_t l2 = prop.l2CacheSize > 0 ? size_t(prop.l2CacheSize) : (size_t(50) << 20);
+  int dev = 0, l2_bytes = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, dev));
+  const size_t l2 = l2_bytes > 0 ? size_t(l2_bytes) : (size_t(50) << 20);
 
   uint64_t seed = 1;
   for (const GemmBenchShape& sh : opt.shapes) {

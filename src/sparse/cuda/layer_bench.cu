@@ -55,11 +55,7 @@ LayerBenchResult run_layer_bench(const LayerBenchOptions& opt) {
   LayerBenchResult r;
   r.warmup = opt.warmup;
   r.iters = opt.iters;
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  cudaDeviceProp prop{};
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  r.gpu = prop.name;
+  r.gpu = current_gpu_name();
   r.cusparselt_version = gpu::cusparselt_version();
   if (!gpu::cusparselt_available()) r.cusparselt_unavailable = gpu::cusparselt_unavailable_reason();
 

@@ -75,11 +75,7 @@ SlopeMergedBenchResult bench_slope_merged(const std::vector<std::array<int64_t, 
                    " is outside [1, min(out, in) = ", std::min(out, in), "] for ", out, "x", in);
   }
   SlopeMergedBenchResult result;
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  cudaDeviceProp prop{};
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  result.device = prop.name;
+  result.device = current_gpu_name();
   result.cusparselt_version = cusparselt_version();
   result.warmup = warmup;
   result.iters = iters;

@@ -86,11 +86,7 @@ SparseAdamWBenchResult bench_sparse_adamw(const std::vector<std::array<int64_t, 
     largest = std::max(largest, rows * cols);
   }
   SparseAdamWBenchResult result;
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  cudaDeviceProp prop{};
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  result.device = prop.name;
+  result.device = current_gpu_name();
   if (shapes.empty()) return result;
 
   // Dense: master, m, v, grad fp32 + bf16 weight (18 B/element); sparse: dW fp32 and bf16,

@@ -40,10 +40,7 @@ std::vector<SparsifyTiming> bench_sparsify(const std::vector<SparsifyShape>& sha
   }
   if (shapes.empty()) return {};
 
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  cudaDeviceProp prop{};
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  const std::string gpu = current_gpu_name();
 
   // Two inputs, every output form, and a copy source and destination for the largest
   // traffic (dense + dense_t: 6 bytes per value, copied as 3 + 3).
@@ -115,7 +112,7 @@ std::vector<SparsifyTiming> bench_sparsify(const std::vector<SparsifyShape>& sha
       t.rows = R;
       t.cols = C;
       t.bytes = k.bytes;
-      t.device = prop.name;
+      t.device = gpu;
       t.median_ms = median_event_ms([&](int i) { k.run(in[i % 2]); }, warmup, iters, stream.s);
       const size_t half = (size_t(k.bytes / 2) + 15) / 16 * 16;
       if (!copy_ms.count(half))
