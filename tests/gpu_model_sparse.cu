@@ -355,13 +355,42 @@ void cpu_trainer_adamw(Transformer<float>& cm, std::map<std::string, std::vector
   cm.after_optimizer_step();
 }
 
-void compare_slope_step(const std::string& label, const ModelConfig& cfg, int maxB, int maxT, int B, int T) {
+// A rank-r adapter on every slope layer of both models, each as enable_lora(r, seed) starts
+// it (the GPU's from the same seed: checked equal), then R drawn nonzero (and both
+// factors rounded to bf16) on both, so that every product of the adapter matters.
+void add_adapters(Transformer<float>& cm, GpuTransformer& gm, int rank) {
+  Rng rng(17);
+  uint64_t seed = 40;
+  for (const auto& name : cm.linear_names()) {
+    auto& l = cpu_slope(cm, name);
+    l.enable_lora(rank, seed);
+    GpuTransformer::LinearKindSetting st{name, "slope", l.mask_change_freq()};
+    st.lora_rank = rank;
+    st.lora_seed = seed++;
+    gm.set_linear_kinds({st});
+    ASSERT_EQ(gm.lora_rank(name), rank);
+    GpuTransformer::LoraState a = gm.lora_state(name);
+    EXPECT_EQ(a.l, l.lora_l()) << name << ": the GPU's fresh L is not the CPU's";
+    EXPECT_TRUE(std::all_of(a.r.begin(), a.r.end(), [](float x) { return x == 0.f; })) << name;
+    for (auto& x : l.lora_l()) x = esplag::gpu_test::round_bf16(x);
+    for (auto& x : l.lora_r()) x = esplag::gpu_test::round_bf16(static_cast<float>(0.05 * rng.normal()));
+    a.l = l.lora_l();
+    a.r = l.lora_r();
+    gm.set_lora_state(name, a);
+  }
+}
+
+// One micro-batch of slope layers on both models (with rank-`rank` adapters when > 0): every
+// gradient, the kept values' and the adapters' included, within 3%.
+void compare_slope_step(const std::string& label, const ModelConfig& cfg, int maxB, int maxT, int B, int T,
+                        int rank = 0) {
   SCOPED_TRACE(label);
   Transformer<float> cm(cfg);
   cm.init_weights(5);
   for (size_t i = 0; i < cm.num_params(); ++i) cm.params()[i] = esplag::gpu_test::round_bf16(cm.params()[i]);
   GpuTransformer gm(cfg, maxB, maxT);
   make_slope(cm, gm, 100);
+  if (rank > 0) add_adapters(cm, gm, rank);
   const auto g = micro_batch_on_both(cm, gm, B, T, label);
   std::map<std::string, const float*> cpu_grad;
   for (const auto& p : cm.trainable_params()) cpu_grad[p.name] = p.grad;
@@ -381,10 +410,24 @@ void compare_slope_step(const std::string& label, const ModelConfig& cfg, int ma
     EXPECT_LT(e, 3e-2) << "gradient of " << info.name;
     worst = std::max(worst, e);
   }
+  for (const auto& name : cm.linear_names()) {
+    if (rank == 0) break;
+    const GpuTransformer::LoraState a = gm.lora_state(name);
+    const std::string module = name.substr(0, name.size() - 7);
+    const double el = rel_l2(a.grad_l.data(), cpu_grad.at(module + ".lora_l"), a.grad_l.size());
+    const double er = rel_l2(a.grad_r.data(), cpu_grad.at(module + ".lora_r"), a.grad_r.size());
+    EXPECT_LT(el, 3e-2) << "gradient of " << module << ".lora_l";
+    EXPECT_LT(er, 3e-2) << "gradient of " << module << ".lora_r";
+    worst = std::max({worst, el, er});
+  }
   std::printf("  worst gradient rel L2 error %.2e\n", worst);
-  int sparse_ops = 0;
-  for (const auto& op : gm.op_times()) sparse_ops += op.op.rfind("sparse gemm", 0) == 0;
+  int sparse_ops = 0, lora_ops = 0;
+  for (const auto& op : gm.op_times()) {
+    sparse_ops += op.op.rfind("sparse gemm", 0) == 0;
+    lora_ops += op.op.rfind("gemm lora", 0) == 0;
+  }
   EXPECT_EQ(sparse_ops, B * T == maxB * maxT ? 8 : 0) << "forward and dX of every Linear role on the 2:4 path";
+  EXPECT_EQ(lora_ops, rank > 0 ? 3 : 0) << "the adapters' forward, dX and dW products";
 }
 
 TEST_F(GpuModelSparse, SlopeMatchesCpu) {
@@ -392,6 +435,80 @@ TEST_F(GpuModelSparse, SlopeMatchesCpu) {
   compare_slope_step("gpt (bias + GELU around the 2:4 products)", gpt_config(), 4, 64, 4, 64);
   // Another token count: the dense products of W1 and of W2 (made again for the product).
   compare_slope_step("gpt, smaller micro-batch than sized", gpt_config(), 4, 64, 2, 48);
+}
+
+// SLoPe's lazy adapters: the adapter's products go into the forward before the GELU and
+// into dX before the GELU gradient, dL and dR follow the CPU's, with the 2:4 products and
+// with the dense ones of another token count; odd ranks too.
+TEST_F(GpuModelSparse, SlopeAdapterMatchesCpu) {
+  compare_slope_step("llama with rank-8 adapters", llama_config(), 2, 96, 2, 96, 8);
+  compare_slope_step("gpt with rank-4 adapters (GELU after the adapter)", gpt_config(), 4, 64, 4, 64, 4);
+  compare_slope_step("gpt with rank-3 adapters, smaller micro-batch than sized", gpt_config(), 4, 64, 2, 48, 3);
+}
+
+// 12 steps of slope layers with adapters follow the CPU trainer's AdamW over the kept
+// values and the adapters; the trained adapters (values and moments) end near the CPU's.
+// Laying the state out again (one layer back to dense, another adapter's rank changed)
+// keeps every other adapter bit for bit; the changed one starts again from its seed.
+TEST_F(GpuModelSparse, SlopeAdapterTrainsLikeTheCpuAndSurvivesLayoutChanges) {
+  const ModelConfig c = llama_config();
+  const int B = 2, T = 64, steps = 12;
+  Transformer<float> cm(c);
+  cm.init_weights(9);
+  GpuTransformer gm(c, B, T);
+  make_slope(cm, gm, 4);
+  add_adapters(cm, gm, 8);
+  esplag::GpuAdamW hyper;
+  hyper.lr = 3e-3;
+  hyper.weight_decay = 0.1;
+  std::map<std::string, std::vector<float>> m, v;
+  expect_curves_agree(
+      cm, gm, B, T, steps, 79, hyper, [&](int s) { cpu_trainer_adamw(cm, m, v, hyper, s + 1); }, 0.8);
+  std::map<std::string, GpuTransformer::LoraState> trained;
+  for (const auto& name : cm.linear_names()) {
+    auto& l = cpu_slope(cm, name);
+    const GpuTransformer::LoraState a = gm.lora_state(name);
+    const std::string module = name.substr(0, name.size() - 7);
+    EXPECT_LT(rel_l2(a.l.data(), l.lora_l().data(), a.l.size()), 2e-2) << name;
+    EXPECT_LT(rel_l2(a.r.data(), l.lora_r().data(), a.r.size()), 5e-2) << name;
+    EXPECT_LT(rel_l2(a.m_r.data(), m.at(module + ".lora_r").data(), a.m_r.size()), 0.1) << name;
+    trained[name] = a;
+  }
+  const auto names = cm.linear_names();
+  GpuTransformer::LinearKindSetting to_dense{names[0], "dense"};
+  GpuTransformer::LinearKindSetting rank4{names[1], "slope", 4};
+  rank4.lora_rank = 4;
+  rank4.lora_seed = 99;
+  gm.set_linear_kinds({to_dense, rank4});
+  EXPECT_EQ(gm.lora_rank(names[0]), 0);
+  EXPECT_THROW(gm.lora_state(names[0]), esplag::Error);
+  const GpuTransformer::LoraState fresh = gm.lora_state(names[1]);
+  EXPECT_EQ(fresh.l, esplag::SlopeLinear<float>::initial_lora_l(cm.linear(names[1]).params().out_features, 4, 99));
+  EXPECT_TRUE(std::all_of(fresh.m_l.begin(), fresh.m_l.end(), [](float x) { return x == 0.f; }));
+  for (size_t i = 2; i < names.size(); ++i) {
+    const GpuTransformer::LoraState a = gm.lora_state(names[i]);
+    const GpuTransformer::LoraState& b = trained.at(names[i]);
+    EXPECT_TRUE(a.l == b.l && a.r == b.r && a.m_l == b.m_l && a.v_l == b.v_l && a.m_r == b.m_r && a.v_r == b.v_r)
+        << names[i] << ": the adapter changed with another layer's layout";
+  }
+  // Refused: an adapter on another kind, a rank beyond the layer's.
+  GpuTransformer::LinearKindSetting bad{names[2], "semi_sparse"};
+  bad.lora_rank = 2;
+  EXPECT_THROW(gm.set_linear_kinds({bad}), esplag::Error);
+  bad.kind = "slope";
+  bad.lora_rank = 100000;
+  EXPECT_THROW(gm.set_linear_kinds({bad}), esplag::Error);
+}
+
+// Graphs of steps with adapters give the bits of eager steps.
+TEST_F(GpuModelSparse, SlopeAdapterGraphReplayGivesTheSameBitsAsEagerSteps) {
+  expect_graphs_give_eager_bits(gpt_config(), GpuModelOptions{}, 2, 64, 6,
+                                [](GpuTransformer& gm, const std::string& w) {
+                                  GpuTransformer::LinearKindSetting st{w, "slope", 2};
+                                  st.lora_rank = 4;
+                                  st.lora_seed = 5;
+                                  gm.set_linear_kinds({st});
+                                });
 }
 
 // 20 steps with the backward mask refreshed every 5: the GPU's updates follow the CPU

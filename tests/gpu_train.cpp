@@ -306,8 +306,9 @@ TEST_F(GpuTrain, AutoPicksTheGpuAndSparseRecipesAreRefused) {
 
   const std::string recipe =
       read_file(tiny_yaml()) +
-      "recipe:\n  - slope: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], lora_rank: 4, lora_start: 0.5}\n";
-  const fs::path yaml = *dir_ / "slope.yaml";
+      "recipe:\n  - gradual_magnitude: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], mask_type: '2:4', start: 0, "
+      "end: 1, update_every: 1}\n";
+  const fs::path yaml = *dir_ / "gmp.yaml";
   std::ofstream(yaml) << recipe;
   try {
     Trainer bad(load_train_config(yaml.string(), {"data.path=" + *data_, "train.device=cuda"}),
@@ -315,8 +316,8 @@ TEST_F(GpuTrain, AutoPicksTheGpuAndSparseRecipesAreRefused) {
     ADD_FAILURE() << "a sparse recipe trained on the GPU";
   } catch (const Error& e) {
     const std::string m = e.what();
-    EXPECT_NE(m.find("modifier slope with LoRA adapters"), std::string::npos) << m;
-    EXPECT_NE(m.find("the GPU trains dense, semi_sparse and slope (without low-rank adapters) Linear layers only so far"), std::string::npos) << m;
+    EXPECT_NE(m.find("modifier gradual_magnitude"), std::string::npos) << m;
+    EXPECT_NE(m.find("the GPU trains dense, semi_sparse and slope Linear layers only so far"), std::string::npos) << m;
   }
   EXPECT_FALSE(fs::exists(*dir_ / "slope_cuda"));
   // auto keeps such a run on the CPU and says why in the first line.
@@ -394,6 +395,43 @@ TEST_F(GpuTrain, SlopeRecipeTracksTheCpuAndResumes) {
   expect_curve(on_cpu, g, 7, 12, kLossTol, "slope gpu checkpoint resumed on cpu");
   const RunLog cpu_on_gpu = resume(*dir_ / "slope_cpu_run", "step-000006", *dir_ / "slope_cpu_resume_gpu", "cuda");
   expect_curve(cpu_on_gpu, c, 7, 12, kLossTol, "slope cpu checkpoint resumed on gpu");
+}
+
+// SLoPe's lazy adapters on the GPU: every block linear slope from the start, rank-4
+// adapters from step 4 (the last part of a short run). The curve follows the CPU run's,
+// the log says when the adapters come, the checkpoint at step 6 holds trained adapters
+// (values and moments, under the CPU's names) and resumes on the GPU and on the CPU.
+TEST_F(GpuTrain, SlopeAdapterRecipeTracksTheCpuAndResumes) {
+  if (!esplag::gpu::cusparselt_available()) GTEST_SKIP() << esplag::gpu::cusparselt_unavailable_reason();
+  const fs::path yaml = *dir_ / "slope_lora.yaml";
+  std::ofstream(yaml) << read_file(tiny_yaml())
+                      << "recipe:\n  - slope: {params: ['re:blocks\\..*\\.(attn|mlp)\\.\\w+\\.weight'], lora_rank: 4, "
+                         "lora_start: 4}\n";
+  auto cfg = [&](const std::string& device) { return twelve_steps(yaml, device); };
+  const RunLog c = train(cfg("cpu"), *dir_ / "slope_lora_cpu_run");
+  const RunLog g = train(cfg("cuda"), *dir_ / "slope_lora_gpu_run");
+  for (int64_t s = 1; s <= 12; ++s)
+    std::printf("  slope+adapter step %2lld loss cpu %.5f gpu %.5f\n", static_cast<long long>(s), c.loss.at(s),
+                g.loss.at(s));
+  expect_curve(g, c, 1, 12, kLossTol, "slope with adapters from step 4");
+  const auto adapters = std::count_if(g.log.begin(), g.log.end(), [](const std::string& l) {
+    return l.find("step 4: blocks.0.mlp.fc.weight") != std::string::npos && l.find("adapter r=4") != std::string::npos;
+  });
+  EXPECT_EQ(adapters, 1) << "the log does not say that the adapters came at step 4";
+
+  auto model = load_model((*dir_ / "slope_lora_gpu_run" / "step-000006").string());
+  const auto& l = dynamic_cast<const SlopeLinear<float>&>(model->linear("blocks.1.mlp.proj.weight"));
+  ASSERT_EQ(l.lora_rank(), 4);
+  auto& lr = const_cast<SlopeLinear<float>&>(l).lora_r();
+  EXPECT_TRUE(std::any_of(lr.begin(), lr.end(), [](float x) { return x != 0.f; })) << "R was not trained";
+
+  const RunLog on_gpu = resume(*dir_ / "slope_lora_gpu_run", "step-000006", *dir_ / "slope_lora_resume_gpu", "cuda");
+  expect_curve(on_gpu, g, 7, 12, 1e-3, "slope+adapter gpu checkpoint resumed on gpu");
+  const RunLog on_cpu = resume(*dir_ / "slope_lora_gpu_run", "step-000006", *dir_ / "slope_lora_resume_cpu", "cpu");
+  expect_curve(on_cpu, g, 7, 12, kLossTol, "slope+adapter gpu checkpoint resumed on cpu");
+  const RunLog cpu_on_gpu =
+      resume(*dir_ / "slope_lora_cpu_run", "step-000006", *dir_ / "slope_lora_cpu_resume_gpu", "cuda");
+  expect_curve(cpu_on_gpu, c, 7, 12, kLossTol, "slope+adapter cpu checkpoint resumed on gpu");
 }
 
 // sparse_dw on the GPU: the MLP's fc layers (384 outputs, 2048 tokens: multiples of 64)

@@ -74,7 +74,7 @@ TEST(TrainDevice, CudaNeedsACudaBuildAGpuAndADenseRun) {
 
   const std::string sparse = error_of([] { choose_train_device("cuda", kOneGpu, kBlocker); });
   EXPECT_TRUE(contains(sparse, "modifier slope on re:.*mlp.*")) << sparse;
-  EXPECT_TRUE(contains(sparse, "the GPU trains dense, semi_sparse and slope (without low-rank adapters) Linear layers only so far")) << sparse;
+  EXPECT_TRUE(contains(sparse, "the GPU trains dense, semi_sparse and slope Linear layers only so far")) << sparse;
   EXPECT_TRUE(contains(sparse, "use train.device=cpu")) << sparse;
 
   const DeviceChoice ok = choose_train_device("cuda", kOneGpu, "");
@@ -94,7 +94,7 @@ TEST(TrainDevice, AutoTakesTheGpuOnlyWhenCudaWould) {
   c = choose_train_device("auto", kOneGpu, kBlocker);
   EXPECT_EQ(c.device, "cpu");  // said in the run's first log line, not silent
   EXPECT_TRUE(contains(c.note, "modifier slope")) << c.note;
-  EXPECT_TRUE(contains(c.note, "the GPU trains dense, semi_sparse and slope (without low-rank adapters) Linear layers only so far")) << c.note;
+  EXPECT_TRUE(contains(c.note, "the GPU trains dense, semi_sparse and slope Linear layers only so far")) << c.note;
 
   c = choose_train_device("auto", kOneGpu, "");
   EXPECT_EQ(c.device, "cuda");
@@ -111,7 +111,7 @@ TEST(TrainDevice, BlockerNamesEveryModifierAndSparseKind) {
   const TrainConfig cfg = parse_train_config(kRecipe, "recipe.yaml", {"data.path=" + data});
   const std::string b = gpu_training_blocker(cfg);
   EXPECT_TRUE(contains(b, "modifier gradual_magnitude on blocks.0.mlp.fc.weight")) << b;
-  EXPECT_TRUE(contains(b, "modifier slope with LoRA adapters on blocks.0.attn.qkv.weight")) << b;
+  EXPECT_FALSE(contains(b, "modifier slope")) << "slope with its adapters trains on the GPU: " << b;
 
   // semi_sparse trains on the GPU: neither its modifier nor its layers block.
   const TrainConfig semi = parse_train_config(R"(
@@ -130,7 +130,7 @@ recipe:
                             "multiples of 16")) << why;
   odd.recipe_yaml = "- semi_sparse: {params: ['re:blocks\\.0\\.attn\\..*'], until: 5}\n";
   EXPECT_EQ(gpu_training_blocker(odd), "") << "the layers it claims are fine";
-  // slope without adapters trains on the GPU too, with the same shape rule.
+  // slope trains on the GPU too, with the same shape rule.
   TrainConfig slope = semi;
   slope.recipe_yaml = "- slope: {params: ['blocks.0.mlp.fc.weight'], mask_change_freq: 10}\n";
   EXPECT_EQ(gpu_training_blocker(slope), "");
@@ -165,8 +165,12 @@ recipe:
   plan.lora_rank = 4;
   plan.lora_enabled = true;
   apply_layer_plan(model, "blocks.0.mlp.proj.weight", plan, 1);
+  EXPECT_EQ(gpu_training_blocker(dense, &model), "") << "slope's own adapter trains on the GPU";
+  // Any other kind with an adapter is wrapped in LoRA, which the GPU does not train.
+  plan.kind = "semi_sparse";
+  apply_layer_plan(model, "blocks.0.mlp.proj.weight", plan, 1);
   const std::string lora = gpu_training_blocker(dense, &model);
-  EXPECT_TRUE(contains(lora, "blocks.0.mlp.proj.weight of kind slope with a low-rank adapter")) << lora;
+  EXPECT_TRUE(contains(lora, "blocks.0.mlp.proj.weight of kind semi_sparse+lora")) << lora;
 }
 
 // sparse_dw trains on the GPU where the fused MVUE kernel's 64×64 tiles fit: the claimed
@@ -266,7 +270,7 @@ TEST(TrainDevice, SparseRecipeOnCudaIsAnError) {
   const DeviceProbe probe = probe_devices();
   if (probe.cuda_build && probe.gpus > 0) {
     EXPECT_TRUE(contains(e, "modifier gradual_magnitude")) << e;
-    EXPECT_TRUE(contains(e, "the GPU trains dense, semi_sparse and slope (without low-rank adapters) Linear layers only so far")) << e;
+    EXPECT_TRUE(contains(e, "the GPU trains dense, semi_sparse and slope Linear layers only so far")) << e;
   } else {
     EXPECT_TRUE(contains(e, "train.device=cuda")) << e;
   }

@@ -42,7 +42,7 @@ const char* kBenchUsage = R"(usage:
   esplag bench train --model PRESET [--device cpu|cuda] [--batch 4] [--seq 256] [--steps N]
                      [--warmup 1] [--vocab N] [--peak-tflops 989] [--csv FILE]
                      [--semi-sparse all|REGEX [--always-sparse] | --slope all|REGEX [--no-baseline]]
-                     [--sparse-dw] [--op-profile STEPS]
+                     [--sparse-dw] [--lora-rank R] [--op-profile STEPS]
       cuda only: --semi-sparse makes the block linears whose weight names match semi_sparse
       (runtime transposable 2:4 on cuSPARSELt; each layer shape takes the 2:4 or the dense
       products of its pruned weight, whichever it measured faster, unless --always-sparse);
@@ -51,6 +51,7 @@ const char* kBenchUsage = R"(usage:
       dense model in the same process and prints the ratios (step time, tokens/s, the
       model's device memory), unless --no-baseline; --sparse-dw gives those layers the
       weight gradient from the MVUE 2:4 of dY^T (outputs and tokens multiples of 64);
+      --lora-rank gives the slope layers rank-R low-rank adapters (SLoPe's last phase);
       --op-profile times every op over STEPS more eager steps and prints where the time goes
   esplag bench gemm [--shapes default|OUTxINxTOKENS,...] [--products fwd,bwd] [--operand A|B]
                     [--dtype bf16|e4m3] [--no-search] [--tuning-cache FILE] [--warmup 10]
@@ -311,7 +312,7 @@ int bench_slope_merged(const std::vector<std::string>& argv) {
 int bench_train(const std::vector<std::string>& argv) {
   Args a(argv, "bench train",
          {"model", "device", "batch", "seq", "steps", "warmup", "vocab", "peak-tflops", "csv", "semi-sparse", "slope",
-          "op-profile"},
+          "op-profile", "lora-rank"},
          {"always-sparse", "no-baseline", "sparse-dw"});
   const std::string device = a.get("device", "cpu");
   ESPLAG_CHECK(device == "cpu" || device == "cuda", "bench train: --device must be cpu or cuda, got '", device, "'");
@@ -330,6 +331,9 @@ int bench_train(const std::vector<std::string>& argv) {
   ESPLAG_CHECK(!a.has("sparse-dw") || a.has("semi-sparse") || a.has("slope"),
                "bench train: --sparse-dw is for the layers of --semi-sparse or --slope");
   ESPLAG_CHECK(!(a.has("semi-sparse") && a.has("slope")), "bench train: give --semi-sparse or --slope, not both");
+  const int lora_rank = static_cast<int>(a.integer("lora-rank", 0));
+  ESPLAG_CHECK(lora_rank >= 0 && (lora_rank == 0 || a.has("slope")),
+               "bench train: --lora-rank is a positive rank for the adapters of --slope layers");
   ESPLAG_CHECK(!(a.has("slope") && a.has("always-sparse")),
                "bench train: --always-sparse is for --semi-sparse (slope layers always run their 2:4 products)");
   if (device == "cuda") {
@@ -346,7 +350,8 @@ int bench_train(const std::vector<std::string>& argv) {
     // The dense baseline first, in this process (its model is gone before the sparse one).
     if (!regex.empty() && !a.has("no-baseline"))
       runs.push_back(bench_train_gpu(mc, B, T, steps, warmup, peak, options));
-    runs.push_back(bench_train_gpu(mc, B, T, steps, warmup, peak, options, op_steps, regex, kind, a.has("sparse-dw")));
+    runs.push_back(
+        bench_train_gpu(mc, B, T, steps, warmup, peak, options, op_steps, regex, kind, a.has("sparse-dw"), lora_rank));
     std::cout << gpu_bench_table_header();
     for (const auto& r : runs) std::cout << gpu_bench_table_row(r);
     if (runs.size() == 2) std::cout << gpu_bench_comparison(runs[0], runs[1]);

@@ -18,7 +18,8 @@ namespace esplag {
 
 GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int steps, int warmup, double peak_tflops,
                                const GpuModelOptions& options, int op_profile_steps,
-                               const std::string& sparse_regex, const std::string& sparse_kind, bool sparse_dw) {
+                               const std::string& sparse_regex, const std::string& sparse_kind, bool sparse_dw,
+                               int lora_rank) {
   ESPLAG_CHECK(steps > 0 && warmup >= 0, "bench_train_gpu: steps must be positive and warmup not negative, got ",
                steps, " and ", warmup);
   ESPLAG_CHECK(op_profile_steps >= 0, "bench_train_gpu: negative op_profile_steps ", op_profile_steps);
@@ -41,6 +42,7 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   model.init_weights(1);
   ESPLAG_CHECK(sparse_kind == "semi_sparse" || sparse_kind == "slope", "bench_train_gpu: sparse kind '", sparse_kind,
                "' is not semi_sparse or slope");
+  ESPLAG_CHECK(lora_rank == 0 || sparse_kind == "slope", "bench_train_gpu: low-rank adapters are for slope layers");
   if (!sparse_regex.empty()) {
     std::regex re;
     try {
@@ -55,12 +57,16 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
       ++linears;
       if (!std::regex_match(info.name, re)) continue;
       settings.push_back({info.name, sparse_kind, 100, nullptr, sparse_dw, /*dw_seed=*/1});
+      settings.back().lora_rank = lora_rank;
+      settings.back().lora_seed = 1;
       ++sparse;
     }
     model.set_linear_kinds(settings);
     ESPLAG_CHECK(sparse > 0, "bench train: the regex '", sparse_regex, "' matches none of the ", linears,
                  " block linear weights (e.g. blocks.0.mlp.fc.weight)");
-    r.linears = sparse_kind + (sparse_dw ? "+sparse_dw " : " ") + std::to_string(sparse) + "/" + std::to_string(linears);
+    r.linears = sparse_kind + (sparse_dw ? "+sparse_dw" : "") +
+                (lora_rank > 0 ? "+lora" + std::to_string(lora_rank) : "") + " " + std::to_string(sparse) + "/" +
+                std::to_string(linears);
   }
   std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
   Rng rng(1);

@@ -61,12 +61,14 @@ struct GpuBenchResult {
 // linears whose weight name fully matches sparse_regex (ECMAScript; empty: none) are of
 // sparse_kind, "semi_sparse" or "slope" (GpuTransformer::set_linear_kind, slope with its
 // default mask_change_freq), from the start, with sparse_dw when asked (their weight
-// gradients from the MVUE 2:4 of dYᵀ). Throws Error when the model does not fit or the
-// regex is malformed or matches no block linear.
+// gradients from the MVUE 2:4 of dYᵀ) and, for slope, low-rank adapters of lora_rank when
+// > 0 (SLoPe's last phase). Throws Error when the model does not fit or the regex is
+// malformed or matches no block linear.
 GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int steps, int warmup,
                                double peak_tflops = kH100DenseBf16Tflops, const GpuModelOptions& options = {},
                                int op_profile_steps = 0, const std::string& sparse_regex = "",
-                               const std::string& sparse_kind = "semi_sparse", bool sparse_dw = false);
+                               const std::string& sparse_kind = "semi_sparse", bool sparse_dw = false,
+                               int lora_rank = 0);
 
 // One line comparing a sparse run with its dense baseline (same model and micro-batch,
 // timed in the same process): step time and tokens/s ratios, and the model's device

@@ -38,11 +38,13 @@
 #include <map>
 #include <optional>
 #include <string_view>
+#include <tuple>
 
 #include "core/cuda_check.h"
 #include "core/cuda_timing.h"
 #include "core/error.h"
 #include "core/op_trace.h"
+#include "model/linear_slope.h"
 #include "ops/gpu.h"
 #include "ops/gpu_fused.h"
 #include "sparse/cuda/cusparselt.h"
@@ -299,6 +301,10 @@ struct GpuTransformer::Impl {
     // semi_sparse and slope (set_linear_kind): the layer's 2:4 products; null for dense.
     gpu::SparseLinear* sp = nullptr;
     bool slope = false;
+    // slope's low-rank adapter (rank 0: none): L [out, rank], R [rank, in] and their gradients.
+    int rank = 0;
+    const bf16 *lora_l = nullptr, *lora_r = nullptr;
+    float *dlora_l = nullptr, *dlora_r = nullptr;
     bool sparse_for(int N) const { return sp && sp->sparse_products() && sp->tokens() == N; }
   };
   // A slope layer's schedule of backward-mask refreshes (SlopeLinear::on_step_begin).
@@ -410,6 +416,16 @@ struct GpuTransformer::Impl {
   bf16* slope_w1 = nullptr;
   bf16* slope_w2 = nullptr;
   float* slope_dw = nullptr;
+  // The slope layers' adapter ranks by weight name (rank > 0 only), and the scratch their
+  // products share: T = X·Rᵀ and dT = dY·L, [tokens, largest rank] each.
+  std::map<std::string, int> lora;
+  DeviceArena lora_scratch;
+  bf16 *lora_t = nullptr, *lora_dt = nullptr;
+  // y [N, OC] += (x [N, K] · Rᵀ) · Lᵀ, T left in lora_t.
+  void adapter_forward(const Lin& lin, bf16* y, const bf16* x, int N, int K, int OC, cudaStream_t s) {
+    gemm->forward(lora_t, x, lin.lora_r, nullptr, N, K, lin.rank, s);
+    gemm->forward_strided(y, OC, lora_t, lin.rank, lin.lora_l, N, lin.rank, OC, true, s);
+  }
   // Which slope layers (in `slope`'s order) the preparation running now refreshes.
   std::vector<bool> refreshing;
   // Ws of a semi_sparse layer whose 2:4 layers keep no pruned copy, made when a product
@@ -805,6 +821,22 @@ void GpuTransformer::lay_out_state() {
     i.offset = offset;
     offset += i.numel;
   }
+  // The adapters after every flat tensor, so that the flat tensors keep their indices.
+  for (const auto& [weight, rank] : im.lora) {
+    const ParamInfo& w = *std::find_if(infos_.begin(), infos_.end(), [&](const ParamInfo& i) { return i.name == weight; });
+    const std::string module = weight.substr(0, weight.size() - std::string(".weight").size());
+    for (const auto& [suffix, shape] : {std::pair<const char*, Shape>{".lora_l", {w.shape.at(0), rank}},
+                                        std::pair<const char*, Shape>{".lora_r", {rank, w.shape.at(1)}}}) {
+      ParamInfo a;
+      a.name = module + suffix;
+      a.shape = shape;
+      a.numel = size_t(shape_numel(shape));
+      a.decay = true;
+      a.offset = offset;
+      offset += a.numel;
+      im.stored.push_back(std::move(a));
+    }
+  }
   nstored_ = offset;
   // The old state goes first, so that the device never holds both.
   im.adamw.reset();
@@ -836,6 +868,12 @@ void GpuTransformer::lay_out_state() {
     l.dw = gp(n + ".weight");
     l.db = gp(n + ".bias");
     if (l.sp && !l.slope) l.sp->set_weight(l.w);  // a slope layer's reads slope_w1
+    const auto ad = im.lora.find(n + ".weight");
+    l.rank = ad == im.lora.end() ? 0 : ad->second;
+    l.lora_l = wp(n + ".lora_l");
+    l.lora_r = wp(n + ".lora_r");
+    l.dlora_l = gp(n + ".lora_l");
+    l.dlora_r = gp(n + ".lora_r");
   };
   im.wte = wp("embed.tokens.weight");
   im.dwte = gp("embed.tokens.weight");
@@ -1184,20 +1222,30 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
   const double n2 = 2.0 * N;
   const double attn_flops = 2.0 * B * NH * double(T) * T * HD;  // causal: QKᵀ and PV on half the square
   gpu::Gemm& gemm = *im.gemm;
-  // out = act(in · Wᵀ + b) [N, OC] from in [N, K]: the 2:4 product of a semi_sparse layer
-  // with the bias in its epilogue and GELU as a separate pass, else cuBLASLt with its epilogues.
+  // out = act(in · Wᵀ + b) [N, OC] from in [N, K]: the 2:4 product of a semi_sparse or
+  // slope layer with the bias in its epilogue and GELU as a separate pass, else cuBLASLt with
+  // its epilogues; a slope layer's adapter adds its products before the GELU.
   auto linear = [&](const Impl::Lin& lin, const char* name, bf16* out, const bf16* in, int K, int OC,
                     gpu::Gemm::Act act = gpu::Gemm::Act::none, bf16* pre_gelu = nullptr) {
     const double fl = n2 * K * OC;
-    if (!lin.sparse_for(N)) {
+    if (!lin.sparse_for(N) && lin.rank == 0) {
       mark(name, fl);
       gemm.forward(out, in, im.dense_weight(lin, OC, K, s), lin.b, N, K, OC, s, act, pre_gelu);
       return;
     }
     const bool gelu = act == gpu::Gemm::Act::gelu;
     bf16* y = gelu ? pre_gelu : out;
-    if (im.marking()) mark(std::string("sparse ") + name, fl);
-    lin.sp->forward(y, in, s, lin.b);  // the bias in cuSPARSELt's epilogue
+    if (lin.sparse_for(N)) {
+      if (im.marking()) mark(std::string("sparse ") + name, fl);
+      lin.sp->forward(y, in, s, lin.b);  // the bias in cuSPARSELt's epilogue
+    } else {
+      mark(name, fl);
+      gemm.forward(y, in, im.dense_weight(lin, OC, K, s), lin.b, N, K, OC, s);
+    }
+    if (lin.rank > 0) {
+      im.mark(s, "gemm lora fwd", n2 * lin.rank * (K + OC), im.tracing() ? op_trace_name(name, im.layer) + ".lora" : "");
+      im.adapter_forward(lin, y, in, N, K, OC, s);
+    }
     if (gelu) {
       mark("gelu fwd");
       gpu::gelu_forward(out, y, int64_t(N) * OC, s);
@@ -1305,8 +1353,8 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   // dinp [N, K] = dout [N, OC] · W (times gelu'(pre_gelu) when given): the 2:4 product of
   // a semi_sparse layer (then the GELU gradient as a separate pass), else cuBLASLt. The
   // weight gradients stay dense GEMMs (straight through the pruning).
-  auto linear_dx = [&](const Impl::Lin& lin, const char* name, bf16* dinp, const bf16* dout, int K, int OC,
-                       const bf16* pre_gelu = nullptr) {
+  auto weight_dx = [&](const Impl::Lin& lin, const char* name, bf16* dinp, const bf16* dout, int K, int OC,
+                       const bf16* pre_gelu) {
     const double fl = n2 * K * OC;
     if (lin.slope && !lin.sparse_for(N)) {
       // dinp = dout · W2 as the forward-form product of W2ᵀ [K, OC], made again now (the
@@ -1329,6 +1377,21 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     }
     if (im.marking()) mark(std::string("sparse ") + name, fl);
     lin.sp->backward(dinp, nullptr, dout, nullptr, false, s);
+    if (pre_gelu) {
+      mark("gelu bwd");
+      gpu::gelu_backward(dinp, pre_gelu, dinp, int64_t(N) * K, false, s);
+    }
+  };
+  // The same plus a slope adapter's part, dT = dout · L, dinp += dT · R, ahead of the GELU
+  // gradient.
+  auto linear_dx = [&](const Impl::Lin& lin, const char* name, bf16* dinp, const bf16* dout, int K, int OC,
+                       const bf16* pre_gelu = nullptr) {
+    if (lin.rank == 0) return weight_dx(lin, name, dinp, dout, K, OC, pre_gelu);
+    weight_dx(lin, name, dinp, dout, K, OC, nullptr);
+    const int r = lin.rank;
+    im.mark(s, "gemm lora dX", n2 * r * (K + OC), im.tracing() ? op_trace_name(name, im.layer) + ".lora" : "");
+    gemm.backward_input(im.lora_dt, dout, lin.lora_l, N, r, OC, false, s);
+    gemm.backward_input(dinp, im.lora_dt, lin.lora_r, N, K, r, true, s);
     if (pre_gelu) {
       mark("gelu bwd");
       gpu::gelu_backward(dinp, pre_gelu, dinp, int64_t(N) * K, false, s);
@@ -1377,7 +1440,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   // gives one. A slope layer's GEMM writes the dense dW into slope_dw, whose kept positions
   // are then gathered into the layer's stored gradient (its bias gradient then comes from
   // column sums).
-  auto linear_dw = [&](const Impl::Lin& lin, const char* name, const bf16* dout, const bf16* inp, int K, int OC) {
+  auto weight_dw = [&](const Impl::Lin& lin, const char* name, const bf16* dout, const bf16* inp, int K, int OC) {
     mark(name, n2 * K * OC);
     if (lin.sp && lin.sp->sparse_dw() && lin.sp->tokens() == N) {
       // The 2:4 product of the MVUE of doutᵀ (one draw), widened into dW or slope_dw.
@@ -1404,6 +1467,20 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     // Traced as part of the Linear's backward ("blocks.3.mlp.fc.bwd.dw.gather").
     im.mark(s, "slope grad gather", 0, im.tracing() ? op_trace_name(name, im.layer) + ".gather" : "");
     gpu::gather_kept_24(lin.dw, im.slope_dw, lin.sp->forward_tile_mask(), OC, K, acc, s);
+  };
+  // The same plus a slope adapter's gradients (zero_grad zeroes them; they always add):
+  // T = inp · Rᵀ and dT = dout · L again (cheaper than keeping them: rank r is small),
+  // dL += doutᵀ · T, dR += dTᵀ · inp.
+  auto linear_dw = [&](const Impl::Lin& lin, const char* name, const bf16* dout, const bf16* inp, int K, int OC) {
+    weight_dw(lin, name, dout, inp, K, OC);
+    if (lin.rank == 0) return;
+    const int r = lin.rank;
+    im.mark(s, "gemm lora dW", n2 * r * (2 * K + 2 * OC),
+            im.tracing() ? op_trace_name(name, im.layer) + ".lora" : "");
+    gemm.forward(im.lora_t, inp, lin.lora_r, nullptr, N, K, r, s);
+    gemm.backward_input(im.lora_dt, dout, lin.lora_l, N, r, OC, false, s);
+    gemm.backward_weight(lin.dlora_l, nullptr, dout, im.lora_t, N, r, OC, true, s);
+    gemm.backward_weight(lin.dlora_r, nullptr, im.lora_dt, inp, N, K, r, true, s);
   };
 
   mark("memset dres");
@@ -1603,6 +1680,7 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   };
   std::vector<Change> changes;
   bool relayout = false;  // the set of slope layers (or a slope layer's masks) changes
+  bool lora_change = false;  // an adapter comes, goes or changes its rank
   for (const auto& st : settings) {
     Impl::Lin* lin = find_linear(im, st.weight_name);
     ESPLAG_CHECK(lin, "GpuTransformer: '", st.weight_name, "' is not the weight of a block Linear layer");
@@ -1616,6 +1694,11 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
       if (i.name == st.weight_name) info = &i;
     const int64_t out = info->shape.at(0), in = info->shape.at(1);
     if (st.slope_masks) check_slope_masks(st.weight_name, *st.slope_masks, out, in);
+    ESPLAG_CHECK(st.lora_rank == 0 || st.kind == "slope", "GpuTransformer: ", st.weight_name,
+                 ": a low-rank adapter (lora_rank ", st.lora_rank, ") is for kind slope only, not ", st.kind);
+    ESPLAG_CHECK(st.lora_rank >= 0 && st.lora_rank <= std::min(out, in), "GpuTransformer: ", st.weight_name,
+                 ": adapter rank ", st.lora_rank, " is outside [0, min(out, in) = ", std::min(out, in), "]");
+    lora_change = lora_change || st.lora_rank != lora_rank(st.weight_name);
     const std::string was = linear_kind(st.weight_name);
     const int64_t tokens = int64_t(max_b_) * max_t_;
     ESPLAG_CHECK(!st.sparse_dw || st.kind != "dense", "GpuTransformer: ", st.weight_name,
@@ -1648,7 +1731,8 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   for (const auto& st : settings)
     if (auto it = im.slope.find(st.weight_name); it != im.slope.end() && st.kind == "slope")
       it->second.mask_change_freq = st.mask_change_freq;
-  if (changes.empty()) return;
+  if (changes.empty() && !lora_change) return;
+  relayout = relayout || lora_change;
   synchronize();  // nothing queued may still use a layer that goes away
 
   // A new layout: the state goes to the host in the flat layout and comes back into the
@@ -1656,9 +1740,11 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   // its moments start from zero whenever the layer becomes or stops being slope, as the
   // CPU trainer's do for a tensor it has not seen.
   std::vector<float> params, m, v;
+  std::map<std::string, LoraState> kept_lora;  // the adapters there are now
   if (relayout) {
     params = params_to_host();
     optimizer_state_to_host(m, v);
+    for (const auto& [weight, rank] : im.lora) kept_lora[weight] = lora_state(weight);
   }
   for (const Change& c : changes) {
     if (relayout && (c.was == "slope") != (c.setting->kind == "slope")) {
@@ -1710,11 +1796,44 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
       c.lin->sp->set_tile_masks(st.slope_masks->forward_tiles.data(), st.slope_masks->backward_tiles.data(), stream_);
     im.slope[st.weight_name] = Impl::Slope{st.mask_change_freq, st.slope_masks ? st.slope_masks->refresh_step : step_};
   }
+  // The adapters of the new layout and the scratch their products share.
+  std::map<std::string, uint64_t> lora_seeds;
+  for (const auto& st : settings) {
+    if (st.lora_rank > 0)
+      im.lora[st.weight_name] = st.lora_rank;
+    else
+      im.lora.erase(st.weight_name);
+    lora_seeds[st.weight_name] = st.lora_seed;
+  }
+  int max_rank = 0;
+  for (const auto& [weight, rank] : im.lora) max_rank = std::max(max_rank, rank);
+  const size_t lora_bytes = sizeof(bf16) * size_t(max_b_) * max_t_ * size_t(max_rank);
+  if (max_rank == 0) {
+    im.lora_scratch = DeviceArena();
+    im.lora_t = im.lora_dt = nullptr;
+  } else if (im.lora_scratch.capacity() < 2 * aligned(lora_bytes)) {
+    im.lora_scratch = DeviceArena(2 * aligned(lora_bytes), "low-rank adapter scratch");
+    im.lora_t = im.lora_scratch.allocate_array<bf16>("T", lora_bytes / sizeof(bf16));
+    im.lora_dt = im.lora_scratch.allocate_array<bf16>("dT", lora_bytes / sizeof(bf16));
+  }
   if (relayout) {
     const int64_t steps = step_;
     lay_out_state();
     set_params(params.data(), params.size());  // also prepares every sparse layer
     set_optimizer_state(m.data(), v.data(), m.size(), steps);
+    for (const auto& [weight, rank] : im.lora) {
+      auto kept = kept_lora.find(weight);
+      if (kept != kept_lora.end() && kept->second.rank == rank) {
+        set_lora_state(weight, kept->second);
+        continue;
+      }
+      const ParamInfo& info = *std::find_if(infos_.begin(), infos_.end(), [&](const auto& i) { return i.name == weight; });
+      LoraState fresh;  // as SlopeLinear::enable_lora starts one
+      fresh.rank = rank;
+      fresh.l = SlopeLinear<float>::initial_lora_l(info.shape.at(0), rank, lora_seeds.at(weight));
+      fresh.r.assign(size_t(rank) * size_t(info.shape.at(1)), 0.f);
+      set_lora_state(weight, fresh);
+    }
   }
 
   // New semi_sparse layers, which read the weight where it now lives.
@@ -1804,6 +1923,100 @@ GpuTransformer::SlopeState GpuTransformer::slope_state(const std::string& weight
   return st;
 }
 
+int GpuTransformer::lora_rank(const std::string& weight_name) const {
+  ESPLAG_CHECK(find_linear(*impl_, weight_name), "GpuTransformer: '", weight_name,
+               "' is not the weight of a block Linear layer");
+  const auto it = impl_->lora.find(weight_name);
+  return it == impl_->lora.end() ? 0 : it->second;
+}
+
+namespace {
+
+// The storage layout's entries of a layer's adapter: L, then R.
+std::pair<const ParamInfo*, const ParamInfo*> lora_entries(const std::vector<ParamInfo>& stored,
+                                                           const std::string& weight_name) {
+  const std::string module = module_of(weight_name);
+  const ParamInfo *l = nullptr, *r = nullptr;
+  for (const auto& i : stored) {
+    if (i.name == module + ".lora_l") l = &i;
+    if (i.name == module + ".lora_r") r = &i;
+  }
+  return {l, r};
+}
+
+}  // namespace
+
+GpuTransformer::LoraState GpuTransformer::lora_state(const std::string& weight_name) const {
+  const int rank = lora_rank(weight_name);
+  ESPLAG_CHECK(rank > 0, "GpuTransformer: ", weight_name, " has no low-rank adapter");
+  const auto [l, r] = lora_entries(impl_->stored, weight_name);
+  LoraState st;
+  st.rank = rank;
+  for (const auto& [info, value, m, v, grad] :
+       {std::tuple{l, &st.l, &st.m_l, &st.v_l, &st.grad_l}, std::tuple{r, &st.r, &st.m_r, &st.v_r, &st.grad_r}})
+    for (const auto& [field, out] : {std::pair{StateField::weight, value}, std::pair{StateField::m, m},
+                                     std::pair{StateField::v, v}, std::pair{StateField::grad, grad}}) {
+      out->resize(info->numel);
+      stored_to_host(field, info->offset, info->numel, out->data());
+    }
+  return st;
+}
+
+void GpuTransformer::set_lora_state(const std::string& weight_name, const LoraState& st) {
+  const int rank = lora_rank(weight_name);
+  ESPLAG_CHECK(rank > 0 && st.rank == rank, "GpuTransformer: ", weight_name, ": adapter of rank ", st.rank,
+               " given for a layer whose adapter has rank ", rank);
+  const auto [l, r] = lora_entries(impl_->stored, weight_name);
+  for (const auto& [info, value, m, v, what] : {std::tuple{l, &st.l, &st.m_l, &st.v_l, "L"},
+                                                std::tuple{r, &st.r, &st.m_r, &st.v_r, "R"}}) {
+    ESPLAG_CHECK(value->size() == info->numel && (m->empty() || m->size() == info->numel) &&
+                     (v->empty() || v->size() == info->numel),
+                 "GpuTransformer: ", weight_name, ": adapter ", what, " of ", value->size(), " values (moments ",
+                 m->size(), ", ", v->size(), ") for ", info->numel);
+    const std::vector<float> zeros(m->empty() || v->empty() ? info->numel : 0, 0.f);
+    stored_from_host(StateField::weight, info->offset, info->numel, value->data());
+    stored_from_host(StateField::m, info->offset, info->numel, m->empty() ? zeros.data() : m->data());
+    stored_from_host(StateField::v, info->offset, info->numel, v->empty() ? zeros.data() : v->data());
+  }
+  synchronize();
+}
+
+void GpuTransformer::stored_to_host(StateField f, size_t at, size_t n, float* host) const {
+  const Impl& im = *impl_;
+  if (f == StateField::weight) {  // joined in the shared region, chunk by chunk
+    float* stage = reinterpret_cast<float*>(im.shared);
+    const size_t chunk = im.sizes.total / sizeof(float);
+    for (size_t o = 0; o < n; o += chunk) {
+      const size_t k = std::min(chunk, n - o);
+      gpu::master_join(stage, im.w + at + o, im.w_lo + at + o, int64_t(k), stream_);
+      CUDA_CHECK(cudaMemcpyAsync(host + o, stage, sizeof(float) * k, cudaMemcpyDeviceToHost, stream_));
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
+    return;
+  }
+  if (f == StateField::grad) settle_zero_grad();
+  const float* base = f == StateField::grad ? im.grad : f == StateField::m ? im.m : im.v;
+  CUDA_CHECK(cudaMemcpyAsync(host, base + at, sizeof(float) * n, cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void GpuTransformer::stored_from_host(StateField f, size_t at, size_t n, const float* host) {
+  Impl& im = *impl_;
+  if (f == StateField::weight) {  // split from the shared region, chunk by chunk
+    float* stage = reinterpret_cast<float*>(im.shared);
+    const size_t chunk = im.sizes.total / sizeof(float);
+    for (size_t o = 0; o < n; o += chunk) {
+      const size_t k = std::min(chunk, n - o);
+      CUDA_CHECK(cudaMemcpyAsync(stage, host + o, sizeof(float) * k, cudaMemcpyHostToDevice, stream_));
+      gpu::master_split(im.w + at + o, im.w_lo + at + o, stage, int64_t(k), stream_);
+    }
+  } else {
+    float* base = f == StateField::grad ? im.grad : f == StateField::m ? im.m : im.v;
+    CUDA_CHECK(cudaMemcpyAsync(base + at, host, sizeof(float) * n, cudaMemcpyHostToDevice, stream_));
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
 const std::vector<GpuTransformer::SparseDispatch>& GpuTransformer::sparse_dispatch() const { return impl_->dispatch; }
 
 std::string GpuTransformer::sparse_dispatch_summary() const {
@@ -1843,7 +2056,8 @@ void* GpuTransformer::Impl::dw_scratch_for(const GpuTransformer& model, int64_t 
 }
 
 size_t GpuTransformer::sparse_device_bytes() const {
-  size_t n = impl_->prune_scratch.capacity() + impl_->slope_scratch.capacity() + impl_->dw_scratch.capacity();
+  size_t n = impl_->prune_scratch.capacity() + impl_->slope_scratch.capacity() + impl_->dw_scratch.capacity() +
+             impl_->lora_scratch.capacity();
   for (const auto& [name, sp] : impl_->sparse) n += sp->device_bytes();
   return n;
 }

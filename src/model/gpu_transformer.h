@@ -1,7 +1,8 @@
 // The transformer on the GPU: the CUDA counterpart of Transformer<float>
 // (model/transformer.h), with the same ModelConfig, the same parameter names and the same
 // flat parameter layout, so a CPU model's (or checkpoint's) flat vector loads directly.
-// Block Linear layers may be dense, semi_sparse or slope (set_linear_kind).
+// Block Linear layers may be dense, semi_sparse or slope (set_linear_kind), slope with its
+// lazy low-rank adapter.
 //
 // Device state, in two DeviceArenas. The parameter state: the bf16 weights that forward
 // and backward read together with the low 16 bits of the fp32 master weights
@@ -9,8 +10,8 @@
 // bytes per parameter, not 6), fp32 gradients and AdamW moments (fp32), in the storage
 // layout: the flat layout's tensors in its order, except that a slope layer's weight is
 // stored as its kept values only ([out, in/2], set_linear_kind), so its master, gradient
-// and moments take half the memory; the arena is laid out again when layers become or
-// stop being slope. The step arena, sized up front for the largest (B, T) the model will
+// and moments take half the memory, then the slope layers' low-rank adapters; the arena
+// is laid out again when layers become or stop being slope or an adapter changes. The step arena, sized up front for the largest (B, T) the model will
 // see: the activations saved for backward, one scratch region shared by the phases of the
 // step, and the GEMM workspace. A step allocates nothing and synchronises
 // with the host only to read the loss back (in the host-pointer forward_backward /
@@ -255,7 +256,21 @@ class GpuTransformer {
   // elsewhere (the CPU's, a checkpoint's) instead, also to a layer that is slope already
   // (its values outside the new forward mask are dropped); masks that are not 2:4 as
   // slope_state says (the forward one keeping exactly 2 of every 4 along each row) throw
-  // Error naming the layer and the first bad tile. No low-rank adapters.
+  // Error naming the layer and the first bad tile.
+  //
+  // slope's lazy low-rank adapter (lora_rank > 0; model/linear_slope.h): the layer's output
+  // becomes X·W1ᵀ + (X·Rᵀ)·Lᵀ with L [out, r] and R [r, in] trained next to the kept values
+  // (stored after every flat tensor, as "<module>.lora_l" and "<module>.lora_r": fp32
+  // master, gradient and moments, with weight decay, as the CPU's owned parameters). A new
+  // adapter starts as SlopeLinear::enable_lora starts it from lora_seed (L = N(0, 1/r)
+  // from that seed, R = 0: the layer's output is unchanged) with zero moments;
+  // set_lora_state replaces it. The 2:4 products stay as they are; the adapter adds four
+  // cuBLASLt products of rank r to the forward (T = X·Rᵀ, Y += T·Lᵀ, before the bias-free
+  // GELU of a GELU MLP) and to the backward (dT = dY·L, dX += dT·R before the GELU
+  // gradient; T again, dL += dYᵀ·T, dR += dTᵀ·X), through a scratch of 2 · tokens · r
+  // bf16 shared by the layers. A change of rank lays the state out again (the other
+  // adapters keep their values and moments); the rank of a layer that keeps its kind is
+  // changed like its kind. Only kind slope takes an adapter (Error otherwise).
   //
   // A kind change that makes layers become or stop being slope (or gives a slope layer new
   // masks) lays the parameter state out again: weights and moments go to the host and come
@@ -279,6 +294,8 @@ class GpuTransformer {
     const SlopeState* slope_masks = nullptr;
     bool sparse_dw = false;
     uint64_t dw_seed = 0, dw_draws = 0;
+    int lora_rank = 0;  // slope: the adapter's rank (0: none)
+    uint64_t lora_seed = 0;
   };
   void set_linear_kinds(const std::vector<LinearKindSetting>& settings);
   void set_linear_kind(const std::string& weight_name, const std::string& kind, int mask_change_freq = 100,
@@ -301,6 +318,17 @@ class GpuTransformer {
     int mask_change_freq = 100;
   };
   SlopeState slope_state(const std::string& weight_name) const;
+  // A slope layer's low-rank adapter in fp32 (host copies; row-major L [out, rank] and R
+  // [rank, in]): values, AdamW moments and gradients. lora_state throws Error for a layer
+  // without one. set_lora_state writes values and moments (empty moments: zero; the
+  // gradients given are ignored) and checks the rank and sizes.
+  struct LoraState {
+    int rank = 0;
+    std::vector<float> l, r, m_l, v_l, m_r, v_r, grad_l, grad_r;
+  };
+  int lora_rank(const std::string& weight_name) const;
+  LoraState lora_state(const std::string& weight_name) const;
+  void set_lora_state(const std::string& weight_name, const LoraState& state);
   // The dispatch decisions so far (GpuModelOptions::sparse_dispatch), one per layer shape
   // in the order they were made, and a one-line summary of them ("" when none).
   // With a GELU MLP, the 2:4 path runs the GELU of mlp.fc's output (forward) and its
@@ -357,6 +385,12 @@ class GpuTransformer {
   // or back, through the shared scratch region.
   struct Transfer;
   void transfer(const Transfer& t, bool to_store) const;
+  // n fp32 values of the storage layout at `at` (a tensor after the flat ones) to or from
+  // the host, through the shared scratch region: the master weights (split / joined), the
+  // gradients or a moment.
+  enum class StateField { weight, grad, m, v };
+  void stored_to_host(StateField f, size_t at, size_t n, float* host) const;
+  void stored_from_host(StateField f, size_t at, size_t n, const float* host);
   // The padded bf16 head weight follows set_params and init_weights (AdamW writes it too).
   void refresh_head_copy();
 

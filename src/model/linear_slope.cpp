@@ -178,13 +178,19 @@ void SlopeLinear<T>::enable_lora(int rank, uint64_t seed) {
   ESPLAG_CHECK(rank_ == 0, "linear '", p.name, "': the adapter already has rank ", rank_, ", cannot change it to ",
                rank);
   rank_ = rank;
-  Rng rng(seed);
-  const double std = 1.0 / std::sqrt(double(rank));
-  l_.resize(size_t(p.out_features) * rank);
-  for (auto& x : l_) x = static_cast<T>(rng.normal() * std);
+  l_ = initial_lora_l(p.out_features, rank, seed);
   r_.assign(size_t(rank) * p.in_features, T(0));
   dl_.assign(l_.size(), T(0));
   dr_.assign(r_.size(), T(0));
+}
+
+template <typename T>
+std::vector<T> SlopeLinear<T>::initial_lora_l(int64_t out, int rank, uint64_t seed) {
+  Rng rng(seed);
+  const double std = 1.0 / std::sqrt(double(rank));
+  std::vector<T> l(size_t(out) * size_t(rank));
+  for (auto& x : l) x = static_cast<T>(rng.normal() * std);
+  return l;
 }
 
 template <typename T>

@@ -70,6 +70,9 @@ class SlopeLinear final : public Linear<T> {
   // Adds the adapter (rank in [1, min(in, out)]). Enabling it again with the same rank
   // keeps the trained adapter; another rank throws.
   void enable_lora(int rank, uint64_t seed);
+  // The adapter's L [out, rank] as enable_lora draws it (N(0, 1/rank) from Rng(seed)), for
+  // a GPU model that starts an adapter where this layer would.
+  static std::vector<T> initial_lora_l(int64_t out, int rank, uint64_t seed);
   int lora_rank() const { return rank_; }
   // Inference: the forward's output in one pass per output element over the compressed
   // W1 and the adapter, equal bit for bit to forward().

@@ -130,10 +130,10 @@ std::vector<GpuTransformer::LinearKindSetting> host_kind_settings(
     const std::string kind = host.linear(name).kind();
     ESPLAG_CHECK(gpu_trains_kind(kind), who, ": ", name, " is of kind ", kind, "; ", kGpuKindsNote);
     if (SlopeLinear<float>* sl = host_slope(host, name)) {
-      ESPLAG_CHECK(sl->lora_rank() == 0, who, ": ", name, " has a low-rank adapter; ", kGpuKindsNote);
       const GpuTransformer::SlopeState* st =
           give_masks(name) ? &masks.emplace_back(gpu_slope_state(*sl, step)) : nullptr;
       settings.push_back({name, kind, sl->mask_change_freq(), st});
+      settings.back().lora_rank = sl->lora_rank();  // its values follow (adapter_to_gpu)
     } else {
       settings.push_back({name, kind});
     }
@@ -145,6 +145,38 @@ std::vector<GpuTransformer::LinearKindSetting> host_kind_settings(
     }
   }
   return settings;
+}
+
+// The names of a host slope layer's adapter tensors (its owned parameters "<module>.lora_l"
+// and "<module>.lora_r"), as the trainer keys their moments.
+std::pair<std::string, std::string> lora_names(SlopeLinear<float>& l) {
+  std::pair<std::string, std::string> names;
+  for (const auto& p : l.owned_params()) {
+    if (p.value == l.lora_l().data()) names.first = p.name;
+    if (p.value == l.lora_r().data()) names.second = p.name;
+  }
+  return names;
+}
+
+// A host slope layer's adapter into the GPU model: its values, and its moments where the
+// maps hold them (else zero, as for an adapter the trainer has not stepped yet).
+void adapter_to_gpu(GpuTransformer& g, SlopeLinear<float>& l, const std::string& name, const Moments* m = nullptr,
+                    const Moments* v = nullptr) {
+  GpuTransformer::LoraState st;
+  st.rank = l.lora_rank();
+  st.l = l.lora_l();
+  st.r = l.lora_r();
+  const auto [ln, rn] = lora_names(l);
+  auto moment = [](const Moments* ms, const std::string& n) {
+    if (!ms) return std::vector<float>{};
+    const auto it = ms->find(n);
+    return it == ms->end() ? std::vector<float>{} : it->second;
+  };
+  st.m_l = moment(m, ln);
+  st.v_l = moment(v, ln);
+  st.m_r = moment(m, rn);
+  st.v_r = moment(v, rn);
+  g.set_lora_state(name, st);
 }
 
 GpuModelOptions model_options() {
@@ -189,6 +221,9 @@ class GpuStep final : public StepBackend {
         std::copy(vi->second.begin(), vi->second.end(), vf.begin() + info.offset);
       }
       model_.set_optimizer_state(mf.data(), vf.data(), mf.size(), steps_done);
+      for (const auto& name : host_.linear_names())
+        if (SlopeLinear<float>* sl = host_slope(host_, name); sl && sl->lora_rank() > 0)
+          adapter_to_gpu(model_, *sl, name, &m, &v);
     } else {
       ESPLAG_CHECK(steps_done == 0, "GPU training: no optimizer state given after ", steps_done, " steps");
     }
@@ -276,6 +311,16 @@ class GpuStep final : public StepBackend {
       if (SlopeLinear<float>* sl = linear ? host_slope(host_, info.name) : nullptr) {
         const std::string values = info.name + ".values";
         slope.push_back({sl, &info, model_.slope_state(info.name), draws, &m_[values], &v_[values]});
+        if (sl->lora_rank() > 0) {  // the adapter's values and moments (the trainer's "<module>.lora_l", ...)
+          GpuTransformer::LoraState a = model_.lora_state(info.name);
+          const auto [ln, rn] = lora_names(*sl);
+          sl->lora_l() = std::move(a.l);
+          sl->lora_r() = std::move(a.r);
+          m_[ln] = std::move(a.m_l);
+          v_[ln] = std::move(a.v_l);
+          m_[rn] = std::move(a.m_r);
+          v_[rn] = std::move(a.v_r);
+        }
         continue;
       }
       if (linear && model_.sparse_dw(info.name)) set_host_draws(host_.linear(info.name), info.name, draws);
@@ -319,9 +364,16 @@ class GpuStep final : public StepBackend {
     // later steps leave the GPU's own (converting them costs a pass over the weight). One
     // call: the layers that become slope lay the parameter state out again once.
     std::vector<GpuTransformer::SlopeState> masks;
+    std::set<std::string> had_adapter;
+    for (const auto& name : linears_)
+      if (model_.lora_rank(name) > 0) had_adapter.insert(name);
     model_.set_linear_kinds(host_kind_settings(
         host_, "GPU training", model_.optimizer_steps(),
         [&](const std::string& name) { return model_.linear_kind(name) != "slope"; }, masks));
+    // An adapter enabled for this step starts from the host's (L drawn, R zero), moments zero.
+    for (const auto& name : linears_)
+      if (SlopeLinear<float>* sl = host_slope(host_, name); sl && sl->lora_rank() > 0 && !had_adapter.count(name))
+        adapter_to_gpu(model_, *sl, name);
     if (model_.sparse_dispatch().size() != dispatch_seen_) {
       dispatch_seen_ = model_.sparse_dispatch().size();
       notes_.push_back(model_.sparse_dispatch_summary());
@@ -366,6 +418,9 @@ std::function<double(const int32_t*, const int32_t*, int, int)> gpu_batch_loss(c
   std::vector<GpuTransformer::SlopeState> masks;
   model->set_linear_kinds(host_kind_settings(
       host_model, "GPU evaluation", 0, [](const std::string&) { return true; }, masks));
+  for (const auto& name : host_model.linear_names())
+    if (SlopeLinear<float>* sl = host_slope(host_model, name); sl && sl->lora_rank() > 0)
+      adapter_to_gpu(*model, *sl, name);
   return [model](const int32_t* tokens, const int32_t* targets, int b, int t) {
     return model->forward_loss(tokens, targets, b, t);
   };

@@ -13,7 +13,6 @@
 #include "core/error.h"
 #include "core/op_trace.h"
 #include "io/atomic_file.h"
-#include "model/linear_slope.h"
 #include "ops/adamw.h"
 #include "train/layer_kinds.h"
 #ifdef ESPLAG_HAVE_CUDA
@@ -229,7 +228,7 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
     for (const auto& m : recipe.modifiers()) {
       const std::string what = "modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") +
                                (m.sparse_dw ? " with sparse_dw" : "") + " on " + join(m.params, ", ");
-      if ((m.type != "semi_sparse" && m.type != "slope") || m.lora_rank > 0)
+      if (m.type != "semi_sparse" && m.type != "slope")
         parts.push_back(what);
       else if (const std::string why = sparse_24_gpu_shape_problem(config, m); !why.empty())
         parts.push_back(what + ": " + why + " (cuSPARSELt's 2:4 products need multiples of 16)");
@@ -238,10 +237,7 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
   if (model) {
     for (const auto& name : model->linear_names()) {
       const Linear<float>& l = model->linear(name);
-      if (!gpu_trains_kind(l.kind()))
-        parts.push_back(name + " of kind " + l.kind());
-      else if (const auto* sl = dynamic_cast<const SlopeLinear<float>*>(&l); sl && sl->lora_rank() > 0)
-        parts.push_back(name + " of kind slope with a low-rank adapter");
+      if (!gpu_trains_kind(l.kind())) parts.push_back(name + " of kind " + l.kind());
     }
   }
   if (parts.empty()) return "";
