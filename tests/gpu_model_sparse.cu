@@ -18,6 +18,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/error.h"
@@ -447,7 +448,10 @@ TEST_F(GpuModelSparse, SlopeAdapterMatchesCpu) {
 }
 
 // 12 steps of slope layers with adapters follow the CPU trainer's AdamW over the kept
-// values and the adapters; the trained adapters (values and moments) end near the CPU's.
+// values and the adapters (losses within 3%, the trained adapters near the CPU's: bf16
+// noise in small gradients moves Adam's steps, so they drift apart slowly). One more step
+// is AdamW's over the adapters exactly: from the GPU's own values, moments and gradients,
+// with weight decay and the clipping of the global norm (which counts the adapters).
 // Laying the state out again (one layer back to dense, another adapter's rank changed)
 // keeps every other adapter bit for bit; the changed one starts again from its seed.
 TEST_F(GpuModelSparse, SlopeAdapterTrainsLikeTheCpuAndSurvivesLayoutChanges) {
@@ -461,20 +465,52 @@ TEST_F(GpuModelSparse, SlopeAdapterTrainsLikeTheCpuAndSurvivesLayoutChanges) {
   esplag::GpuAdamW hyper;
   hyper.lr = 3e-3;
   hyper.weight_decay = 0.1;
+  hyper.grad_clip = 0.5;
   std::map<std::string, std::vector<float>> m, v;
   expect_curves_agree(
-      cm, gm, B, T, steps, 79, hyper, [&](int s) { cpu_trainer_adamw(cm, m, v, hyper, s + 1); }, 0.8);
-  std::map<std::string, GpuTransformer::LoraState> trained;
-  for (const auto& name : cm.linear_names()) {
+      cm, gm, B, T, steps, 79, hyper, [&](int s) { cpu_trainer_adamw(cm, m, v, hyper, s + 1); }, 0.95);
+  const auto names = cm.linear_names();
+  for (const auto& name : names) {
     auto& l = cpu_slope(cm, name);
     const GpuTransformer::LoraState a = gm.lora_state(name);
-    const std::string module = name.substr(0, name.size() - 7);
     EXPECT_LT(rel_l2(a.l.data(), l.lora_l().data(), a.l.size()), 2e-2) << name;
-    EXPECT_LT(rel_l2(a.r.data(), l.lora_r().data(), a.r.size()), 5e-2) << name;
-    EXPECT_LT(rel_l2(a.m_r.data(), m.at(module + ".lora_r").data(), a.m_r.size()), 0.1) << name;
-    trained[name] = a;
+    EXPECT_LT(rel_l2(a.r.data(), l.lora_r().data(), a.r.size()), 0.1) << name;
   }
-  const auto names = cm.linear_names();
+
+  std::vector<int32_t> x(B * T), y(B * T);
+  random_tokens(x, c.vocab_size, 31);
+  random_tokens(y, c.vocab_size, 32);
+  gm.zero_grad();
+  gm.forward_backward(x.data(), y.data(), B, T, 1.0);
+  std::map<std::string, GpuTransformer::LoraState> before;
+  for (const auto& name : names) before[name] = gm.lora_state(name);
+  gm.step_adamw(hyper);
+  const double clip = esplag::cpu::clip_scale(gm.last_grad_norm(), hyper.grad_clip);
+  EXPECT_LT(clip, 1.0) << "the step should clip";
+  std::map<std::string, GpuTransformer::LoraState> trained;
+  for (const auto& name : names) {
+    GpuTransformer::LoraState want = before.at(name);
+    for (auto [value, grad, mm, vv] : {std::tuple{&want.l, &want.grad_l, &want.m_l, &want.v_l},
+                                       std::tuple{&want.r, &want.grad_r, &want.m_r, &want.v_r}})
+      esplag::cpu::adamw_step(value->data(), grad->data(), mm->data(), vv->data(), int64_t(value->size()), hyper.lr,
+                              hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, gm.optimizer_steps(), clip);
+    const GpuTransformer::LoraState got = gm.lora_state(name);
+    auto update_error = [](const std::vector<float>& got, const std::vector<float>& want,
+                           const std::vector<float>& was) {
+      std::vector<float> dg(got.size()), dw(got.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        dg[i] = got[i] - was[i];
+        dw[i] = want[i] - was[i];
+      }
+      return rel_l2(dg.data(), dw.data(), dg.size());
+    };
+    EXPECT_LT(update_error(got.l, want.l, before.at(name).l), 1e-3) << name << ": AdamW's step of L";
+    EXPECT_LT(update_error(got.r, want.r, before.at(name).r), 1e-3) << name << ": AdamW's step of R";
+    EXPECT_LT(rel_l2(got.m_r.data(), want.m_r.data(), want.m_r.size()), 1e-5) << name;
+    EXPECT_LT(rel_l2(got.v_l.data(), want.v_l.data(), want.v_l.size()), 1e-5) << name;
+    trained[name] = got;
+  }
+
   GpuTransformer::LinearKindSetting to_dense{names[0], "dense"};
   GpuTransformer::LinearKindSetting rank4{names[1], "slope", 4};
   rank4.lora_rank = 4;
