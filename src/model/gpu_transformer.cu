@@ -301,10 +301,12 @@ struct GpuTransformer::Impl {
     // semi_sparse and slope (set_linear_kind): the layer's 2:4 products; null for dense.
     gpu::SparseLinear* sp = nullptr;
     bool slope = false;
-    // slope's low-rank adapter (rank 0: none): L [out, rank], R [rank, in] and their gradients.
+    // slope's low-rank adapter (rank 0: none): L [out, rank], R [rank, in] and their
+    // gradients, and T = X·Rᵀ [tokens, rank], saved by the forward for the backward.
     int rank = 0;
     const bf16 *lora_l = nullptr, *lora_r = nullptr;
     float *dlora_l = nullptr, *dlora_r = nullptr;
+    bf16* lora_t = nullptr;
     bool sparse_for(int N) const { return sp && sp->sparse_products() && sp->tokens() == N; }
   };
   // A slope layer's schedule of backward-mask refreshes (SlopeLinear::on_step_begin).
@@ -416,15 +418,23 @@ struct GpuTransformer::Impl {
   bf16* slope_w1 = nullptr;
   bf16* slope_w2 = nullptr;
   float* slope_dw = nullptr;
-  // The slope layers' adapter ranks by weight name (rank > 0 only), and the scratch their
-  // products share: T = X·Rᵀ and dT = dY·L, [tokens, largest rank] each.
+  // The slope layers' adapter ranks by weight name (rank > 0 only); their buffers: each
+  // layer's saved T (Lin::lora_t) and the dT = dY·L [tokens, largest rank] they share, which
+  // holds the dT of the layer lora_dt_of (a layer's dX and dW run one after the other).
   std::map<std::string, int> lora;
   DeviceArena lora_scratch;
-  bf16 *lora_t = nullptr, *lora_dt = nullptr;
-  // y [N, OC] += (x [N, K] · Rᵀ) · Lᵀ, T left in lora_t.
+  bf16* lora_dt = nullptr;
+  const Lin* lora_dt_of = nullptr;
+  // y [N, OC] += (x [N, K] · Rᵀ) · Lᵀ, T saved in lin.lora_t.
   void adapter_forward(const Lin& lin, bf16* y, const bf16* x, int N, int K, int OC, cudaStream_t s) {
-    gemm->forward(lora_t, x, lin.lora_r, nullptr, N, K, lin.rank, s);
-    gemm->forward_strided(y, OC, lora_t, lin.rank, lin.lora_l, N, lin.rank, OC, true, s);
+    gemm->forward(lin.lora_t, x, lin.lora_r, nullptr, N, K, lin.rank, s);
+    gemm->forward_strided(y, OC, lin.lora_t, lin.rank, lin.lora_l, N, lin.rank, OC, true, s);
+  }
+  // dT = dout [N, OC] · L of `lin`, computed once for its dX and dW.
+  const bf16* adapter_dt(const Lin& lin, const bf16* dout, int N, int OC, cudaStream_t s) {
+    if (lora_dt_of != &lin) gemm->backward_input(lora_dt, dout, lin.lora_l, N, lin.rank, OC, false, s);
+    lora_dt_of = &lin;
+    return lora_dt;
   }
   // Which slope layers (in `slope`'s order) the preparation running now refreshes.
   std::vector<bool> refreshing;
@@ -1390,8 +1400,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     weight_dx(lin, name, dinp, dout, K, OC, nullptr);
     const int r = lin.rank;
     im.mark(s, "gemm lora dX", n2 * r * (K + OC), im.tracing() ? op_trace_name(name, im.layer) + ".lora" : "");
-    gemm.backward_input(im.lora_dt, dout, lin.lora_l, N, r, OC, false, s);
-    gemm.backward_input(dinp, im.lora_dt, lin.lora_r, N, K, r, true, s);
+    gemm.backward_input(dinp, im.adapter_dt(lin, dout, N, OC, s), lin.lora_r, N, K, r, true, s);
     if (pre_gelu) {
       mark("gelu bwd");
       gpu::gelu_backward(dinp, pre_gelu, dinp, int64_t(N) * K, false, s);
@@ -1469,20 +1478,18 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     gpu::gather_kept_24(lin.dw, im.slope_dw, lin.sp->forward_tile_mask(), OC, K, acc, s);
   };
   // The same plus a slope adapter's gradients (zero_grad zeroes them; they always add):
-  // T = inp · Rᵀ and dT = dout · L again (cheaper than keeping them: rank r is small),
-  // dL += doutᵀ · T, dR += dTᵀ · inp.
+  // dL += doutᵀ · T (the forward's), dR += dTᵀ · inp.
   auto linear_dw = [&](const Impl::Lin& lin, const char* name, const bf16* dout, const bf16* inp, int K, int OC) {
     weight_dw(lin, name, dout, inp, K, OC);
     if (lin.rank == 0) return;
     const int r = lin.rank;
-    im.mark(s, "gemm lora dW", n2 * r * (2 * K + 2 * OC),
-            im.tracing() ? op_trace_name(name, im.layer) + ".lora" : "");
-    gemm.forward(im.lora_t, inp, lin.lora_r, nullptr, N, K, r, s);
-    gemm.backward_input(im.lora_dt, dout, lin.lora_l, N, r, OC, false, s);
-    gemm.backward_weight(lin.dlora_l, nullptr, dout, im.lora_t, N, r, OC, true, s);
-    gemm.backward_weight(lin.dlora_r, nullptr, im.lora_dt, inp, N, K, r, true, s);
+    im.mark(s, "gemm lora dW", n2 * r * (K + 2 * OC), im.tracing() ? op_trace_name(name, im.layer) + ".lora" : "");
+    const bf16* dt = im.adapter_dt(lin, dout, N, OC, s);
+    gemm.backward_weight(lin.dlora_l, nullptr, dout, lin.lora_t, N, r, OC, true, s);
+    gemm.backward_weight(lin.dlora_r, nullptr, dt, inp, N, K, r, true, s);
   };
 
+  im.lora_dt_of = nullptr;  // lora_dt holds a dT of the last micro-batch
   mark("memset dres");
   CUDA_CHECK(cudaMemsetAsync(dres, 0, sizeof(bf16) * size_t(N) * C, s));
   norm_bwd(im.nf, im.res_f, im.lnf_mean, im.lnf_rstd, im.blocks.back().mproj.db);  // dln holds dlnf from the head
@@ -1805,16 +1812,24 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
       im.lora.erase(st.weight_name);
     lora_seeds[st.weight_name] = st.lora_seed;
   }
+  const size_t tokens = size_t(max_b_) * max_t_;
   int max_rank = 0;
-  for (const auto& [weight, rank] : im.lora) max_rank = std::max(max_rank, rank);
-  const size_t lora_bytes = sizeof(bf16) * size_t(max_b_) * max_t_ * size_t(max_rank);
-  if (max_rank == 0) {
-    im.lora_scratch = DeviceArena();
-    im.lora_t = im.lora_dt = nullptr;
-  } else if (im.lora_scratch.capacity() < 2 * aligned(lora_bytes)) {
-    im.lora_scratch = DeviceArena(2 * aligned(lora_bytes), "low-rank adapter scratch");
-    im.lora_t = im.lora_scratch.allocate_array<bf16>("T", lora_bytes / sizeof(bf16));
-    im.lora_dt = im.lora_scratch.allocate_array<bf16>("dT", lora_bytes / sizeof(bf16));
+  size_t lora_bytes = 0;
+  for (const auto& [weight, rank] : im.lora) {
+    max_rank = std::max(max_rank, rank);
+    lora_bytes += aligned(sizeof(bf16) * tokens * size_t(rank));
+  }
+  lora_bytes += aligned(sizeof(bf16) * tokens * size_t(max_rank));
+  for (auto& blk : im.blocks)
+    for (Impl::Lin* lin : {&blk.qkv, &blk.proj, &blk.fc, &blk.mproj}) lin->lora_t = nullptr;
+  im.lora_scratch = DeviceArena();
+  im.lora_dt = nullptr;
+  im.lora_dt_of = nullptr;
+  if (max_rank > 0) {
+    im.lora_scratch = DeviceArena(lora_bytes, "low-rank adapter T and dT");
+    for (const auto& [weight, rank] : im.lora)
+      find_linear(im, weight)->lora_t = im.lora_scratch.allocate_array<bf16>(weight + " T", tokens * size_t(rank));
+    im.lora_dt = im.lora_scratch.allocate_array<bf16>("dT", tokens * size_t(max_rank));
   }
   if (relayout) {
     const int64_t steps = step_;

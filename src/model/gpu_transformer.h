@@ -264,13 +264,14 @@ class GpuTransformer {
   // master, gradient and moments, with weight decay, as the CPU's owned parameters). A new
   // adapter starts as SlopeLinear::enable_lora starts it from lora_seed (L = N(0, 1/r)
   // from that seed, R = 0: the layer's output is unchanged) with zero moments;
-  // set_lora_state replaces it. The 2:4 products stay as they are; the adapter adds four
-  // cuBLASLt products of rank r to the forward (T = X·Rᵀ, Y += T·Lᵀ, before the bias-free
-  // GELU of a GELU MLP) and to the backward (dT = dY·L, dX += dT·R before the GELU
-  // gradient; T again, dL += dYᵀ·T, dR += dTᵀ·X), through a scratch of 2 · tokens · r
-  // bf16 shared by the layers. A change of rank lays the state out again (the other
-  // adapters keep their values and moments); the rank of a layer that keeps its kind is
-  // changed like its kind. Only kind slope takes an adapter (Error otherwise).
+  // set_lora_state replaces it. The 2:4 products stay as they are; the adapter adds
+  // cuBLASLt products of rank r: T = X·Rᵀ and Y += T·Lᵀ in the forward (before a GELU
+  // MLP's activation), dT = dY·L, dX += dT·R (before the GELU gradient), dL += dYᵀ·T and
+  // dR += dTᵀ·X in the backward. Each adapter keeps its T [tokens, r] bf16 from the forward
+  // for the backward; dT is one buffer of the largest rank. A change of rank lays the
+  // state out again (the other adapters keep their values and moments); the rank of a
+  // layer that keeps its kind is changed like its kind. Only kind slope takes an adapter
+  // (Error otherwise).
   //
   // A kind change that makes layers become or stop being slope (or gives a slope layer new
   // masks) lays the parameter state out again: weights and moments go to the host and come
