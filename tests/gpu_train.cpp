@@ -194,6 +194,36 @@ class GpuTrain : public ::testing::Test {
                                              "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=6",
                                              "train.keep_checkpoints=0"});
   }
+  // tiny.yaml with `recipe` for twelve_steps, run on the CPU ("<name>_cpu_run") and on the
+  // GPU ("<name>_gpu_run"); both curves printed, the GPU's within `rel` of the CPU's.
+  struct Runs {
+    RunLog cpu, gpu;
+  };
+  static Runs recipe_on_both(const std::string& name, const std::string& recipe, double rel) {
+    const fs::path yaml = *dir_ / (name + ".yaml");
+    std::ofstream(yaml) << read_file(tiny_yaml()) << "recipe:\n  - " << recipe << "\n";
+    Runs r{train(twelve_steps(yaml, "cpu"), *dir_ / (name + "_cpu_run")),
+           train(twelve_steps(yaml, "cuda"), *dir_ / (name + "_gpu_run"))};
+    for (int64_t s = 1; s <= 12; ++s)
+      std::printf("  %s step %2lld loss cpu %.5f gpu %.5f\n", name.c_str(), static_cast<long long>(s),
+                  r.cpu.loss.at(s), r.gpu.loss.at(s));
+    expect_curve(r.gpu, r.cpu, 1, 12, rel, name.c_str());
+    return r;
+  }
+  // The step-6 checkpoints of recipe_on_both's runs resumed: the GPU's on the GPU (within
+  // 1e-3 of the GPU run) and on the CPU, the CPU's on the GPU (when given; within `rel` of
+  // the run they came from).
+  static void expect_resumes(const std::string& name, const Runs& r, double rel, bool cpu_checkpoint_on_gpu) {
+    const fs::path gpu_run = *dir_ / (name + "_gpu_run");
+    const RunLog on_gpu = resume(gpu_run, "step-000006", *dir_ / (name + "_resume_gpu"), "cuda");
+    expect_curve(on_gpu, r.gpu, 7, 12, 1e-3, (name + ": gpu checkpoint resumed on gpu").c_str());
+    const RunLog on_cpu = resume(gpu_run, "step-000006", *dir_ / (name + "_resume_cpu"), "cpu");
+    expect_curve(on_cpu, r.gpu, 7, 12, rel, (name + ": gpu checkpoint resumed on cpu").c_str());
+    if (!cpu_checkpoint_on_gpu) return;
+    const RunLog cpu_on_gpu =
+        resume(*dir_ / (name + "_cpu_run"), "step-000006", *dir_ / (name + "_cpu_resume_gpu"), "cuda");
+    expect_curve(cpu_on_gpu, r.cpu, 7, 12, rel, (name + ": cpu checkpoint resumed on gpu").c_str());
+  }
 
   static fs::path* dir_;
   static std::string* data_;
@@ -365,36 +395,22 @@ TEST_F(GpuTrain, SemiSparseRecipeTracksTheCpu) {
 // their moments, masks, refresh step) and resumes on the GPU and on the CPU.
 TEST_F(GpuTrain, SlopeRecipeTracksTheCpuAndResumes) {
   if (!esplag::gpu::cusparselt_available()) GTEST_SKIP() << esplag::gpu::cusparselt_unavailable_reason();
-  const fs::path yaml = *dir_ / "slope.yaml";
-  std::ofstream(yaml) << read_file(tiny_yaml())
-                      << "recipe:\n  - slope: {params: ['re:blocks\\..*\\.(attn\\.\\w+|mlp\\.proj)\\.weight'], "
-                         "start: 2, mask_change_freq: 3}\n";
-  auto cfg = [&](const std::string& device) { return twelve_steps(yaml, device); };
-  const RunLog c = train(cfg("cpu"), *dir_ / "slope_cpu_run");
-  const RunLog g = train(cfg("cuda"), *dir_ / "slope_gpu_run");
-  for (int64_t s = 1; s <= 12; ++s)
-    std::printf("  slope step %2lld loss cpu %.5f gpu %.5f\n", static_cast<long long>(s), c.loss.at(s), g.loss.at(s));
-  expect_curve(g, c, 1, 12, kLossTol, "slope from step 2");
-  const auto converted = std::count_if(g.log.begin(), g.log.end(), [](const std::string& l) {
+  const Runs r = recipe_on_both(
+      "slope", "slope: {params: ['re:blocks\\..*\\.(attn\\.\\w+|mlp\\.proj)\\.weight'], start: 2, mask_change_freq: 3}",
+      kLossTol);
+  const auto converted = std::count_if(r.gpu.log.begin(), r.gpu.log.end(), [](const std::string& l) {
     return l.find("step 2: blocks.0.attn.qkv.weight -> slope 2:4") != std::string::npos;
   });
   EXPECT_EQ(converted, 1) << "the log does not say that the layers became slope";
 
-  const fs::path ckpt = *dir_ / "slope_gpu_run" / "step-000006";
-  auto model = load_model(ckpt.string());
+  auto model = load_model((*dir_ / "slope_gpu_run" / "step-000006").string());
   const auto& l = dynamic_cast<const SlopeLinear<float>&>(model->linear("blocks.1.attn.proj.weight"));
   EXPECT_EQ(l.refresh_step(), 5) << "made at step 2, refreshed for step 5";
   // The flat weight holds W1: zero wherever the forward mask prunes.
   const float* w = model->linear_params("blocks.1.attn.proj.weight").weight;
   for (size_t i = 0; i < l.forward_mask().size(); ++i)
     if (!l.forward_mask()[i]) ASSERT_EQ(w[i], 0.f) << i;
-
-  const RunLog on_gpu = resume(*dir_ / "slope_gpu_run", "step-000006", *dir_ / "slope_resume_gpu", "cuda");
-  expect_curve(on_gpu, g, 7, 12, 1e-3, "slope gpu checkpoint resumed on gpu");
-  const RunLog on_cpu = resume(*dir_ / "slope_gpu_run", "step-000006", *dir_ / "slope_resume_cpu", "cpu");
-  expect_curve(on_cpu, g, 7, 12, kLossTol, "slope gpu checkpoint resumed on cpu");
-  const RunLog cpu_on_gpu = resume(*dir_ / "slope_cpu_run", "step-000006", *dir_ / "slope_cpu_resume_gpu", "cuda");
-  expect_curve(cpu_on_gpu, c, 7, 12, kLossTol, "slope cpu checkpoint resumed on gpu");
+  expect_resumes("slope", r, kLossTol, true);
 }
 
 // SLoPe's lazy adapters on the GPU: every block linear slope from the start, rank-4
@@ -403,35 +419,20 @@ TEST_F(GpuTrain, SlopeRecipeTracksTheCpuAndResumes) {
 // (values and moments, under the CPU's names) and resumes on the GPU and on the CPU.
 TEST_F(GpuTrain, SlopeAdapterRecipeTracksTheCpuAndResumes) {
   if (!esplag::gpu::cusparselt_available()) GTEST_SKIP() << esplag::gpu::cusparselt_unavailable_reason();
-  const fs::path yaml = *dir_ / "slope_lora.yaml";
-  std::ofstream(yaml) << read_file(tiny_yaml())
-                      << "recipe:\n  - slope: {params: ['re:blocks\\..*\\.(attn|mlp)\\.\\w+\\.weight'], lora_rank: 4, "
-                         "lora_start: 4}\n";
-  auto cfg = [&](const std::string& device) { return twelve_steps(yaml, device); };
-  const RunLog c = train(cfg("cpu"), *dir_ / "slope_lora_cpu_run");
-  const RunLog g = train(cfg("cuda"), *dir_ / "slope_lora_gpu_run");
-  for (int64_t s = 1; s <= 12; ++s)
-    std::printf("  slope+adapter step %2lld loss cpu %.5f gpu %.5f\n", static_cast<long long>(s), c.loss.at(s),
-                g.loss.at(s));
-  expect_curve(g, c, 1, 12, kLossTol, "slope with adapters from step 4");
-  const auto adapters = std::count_if(g.log.begin(), g.log.end(), [](const std::string& l) {
+  const Runs r = recipe_on_both(
+      "slope_lora", "slope: {params: ['re:blocks\\..*\\.(attn|mlp)\\.\\w+\\.weight'], lora_rank: 4, lora_start: 4}",
+      kLossTol);
+  const auto adapters = std::count_if(r.gpu.log.begin(), r.gpu.log.end(), [](const std::string& l) {
     return l.find("step 4: blocks.0.mlp.fc.weight") != std::string::npos && l.find("adapter r=4") != std::string::npos;
   });
   EXPECT_EQ(adapters, 1) << "the log does not say that the adapters came at step 4";
 
   auto model = load_model((*dir_ / "slope_lora_gpu_run" / "step-000006").string());
-  const auto& l = dynamic_cast<const SlopeLinear<float>&>(model->linear("blocks.1.mlp.proj.weight"));
+  auto& l = dynamic_cast<SlopeLinear<float>&>(model->linear("blocks.1.mlp.proj.weight"));
   ASSERT_EQ(l.lora_rank(), 4);
-  auto& lr = const_cast<SlopeLinear<float>&>(l).lora_r();
-  EXPECT_TRUE(std::any_of(lr.begin(), lr.end(), [](float x) { return x != 0.f; })) << "R was not trained";
-
-  const RunLog on_gpu = resume(*dir_ / "slope_lora_gpu_run", "step-000006", *dir_ / "slope_lora_resume_gpu", "cuda");
-  expect_curve(on_gpu, g, 7, 12, 1e-3, "slope+adapter gpu checkpoint resumed on gpu");
-  const RunLog on_cpu = resume(*dir_ / "slope_lora_gpu_run", "step-000006", *dir_ / "slope_lora_resume_cpu", "cpu");
-  expect_curve(on_cpu, g, 7, 12, kLossTol, "slope+adapter gpu checkpoint resumed on cpu");
-  const RunLog cpu_on_gpu =
-      resume(*dir_ / "slope_lora_cpu_run", "step-000006", *dir_ / "slope_lora_cpu_resume_gpu", "cuda");
-  expect_curve(cpu_on_gpu, c, 7, 12, kLossTol, "slope+adapter cpu checkpoint resumed on gpu");
+  EXPECT_TRUE(std::any_of(l.lora_r().begin(), l.lora_r().end(), [](float x) { return x != 0.f; }))
+      << "R was not trained";
+  expect_resumes("slope_lora", r, kLossTol, true);
 }
 
 // sparse_dw on the GPU: the MLP's fc layers (384 outputs, 2048 tokens: multiples of 64)
@@ -441,17 +442,9 @@ TEST_F(GpuTrain, SlopeAdapterRecipeTracksTheCpuAndResumes) {
 // same draws, on the GPU and on the CPU.
 TEST_F(GpuTrain, SparseDwRecipeTrainsAndResumes) {
   if (!esplag::gpu::cusparselt_available()) GTEST_SKIP() << esplag::gpu::cusparselt_unavailable_reason();
-  const fs::path yaml = *dir_ / "sparse_dw.yaml";
-  std::ofstream(yaml) << read_file(tiny_yaml())
-                      << "recipe:\n  - slope: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], sparse_dw: true}\n";
-  auto cfg = [&](const std::string& device) { return twelve_steps(yaml, device); };
-  const RunLog c = train(cfg("cpu"), *dir_ / "sparse_dw_cpu_run");
-  const RunLog g = train(cfg("cuda"), *dir_ / "sparse_dw_gpu_run");
-  for (int64_t s = 1; s <= 12; ++s)
-    std::printf("  sparse_dw step %2lld loss cpu %.5f gpu %.5f\n", static_cast<long long>(s), c.loss.at(s),
-                g.loss.at(s));
-  expect_curve(g, c, 1, 12, 5e-2, "slope with sparse_dw");
-  EXPECT_LT(g.loss.at(12), 0.8 * g.loss.at(1)) << "the GPU run with sparse_dw does not learn";
+  const Runs r =
+      recipe_on_both("sparse_dw", "slope: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], sparse_dw: true}", 5e-2);
+  EXPECT_LT(r.gpu.loss.at(12), 0.8 * r.gpu.loss.at(1)) << "the GPU run with sparse_dw does not learn";
 
   auto model = load_model((*dir_ / "sparse_dw_gpu_run" / "step-000006").string());
   for (const char* name : {"blocks.0.mlp.fc.weight", "blocks.1.mlp.fc.weight"}) {
@@ -459,10 +452,7 @@ TEST_F(GpuTrain, SparseDwRecipeTrainsAndResumes) {
     ASSERT_TRUE(l.sparse_dw()) << name;
     EXPECT_EQ(l.weight_grad().draws(), 6u) << name << ": one draw per micro-batch of the 6 steps";
   }
-  const RunLog on_gpu = resume(*dir_ / "sparse_dw_gpu_run", "step-000006", *dir_ / "sparse_dw_resume_gpu", "cuda");
-  expect_curve(on_gpu, g, 7, 12, 1e-3, "sparse_dw gpu checkpoint resumed on gpu");
-  const RunLog on_cpu = resume(*dir_ / "sparse_dw_gpu_run", "step-000006", *dir_ / "sparse_dw_resume_cpu", "cpu");
-  expect_curve(on_cpu, g, 7, 12, 5e-2, "sparse_dw gpu checkpoint resumed on cpu");
+  expect_resumes("sparse_dw", r, 5e-2, false);
 }
 
 // A learning rate of 1e30 diverges at once. Read only at the end (no logging, no

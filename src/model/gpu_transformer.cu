@@ -230,11 +230,16 @@ std::vector<ZeroChunk> zero_table(const ModelConfig& c, const std::vector<ParamI
   return table;
 }
 
+// The entry of tensor `name` (which must be there).
+const ParamInfo& info_named(const std::vector<ParamInfo>& infos, const std::string& name) {
+  const auto it = std::find_if(infos.begin(), infos.end(), [&](const ParamInfo& i) { return i.name == name; });
+  ESPLAG_CHECK(it != infos.end(), "GpuTransformer: no tensor named ", name);
+  return *it;
+}
+
 int head_segment(const ModelConfig& c, const std::vector<ParamInfo>& infos) {
-  const std::string name = c.tie_embeddings ? "embed.tokens.weight" : "lm_head.weight";
-  for (size_t i = 0; i < infos.size(); ++i)
-    if (infos[i].name == name) return static_cast<int>(i);
-  fail("GpuTransformer: no tensor named ", name);
+  const ParamInfo& head = info_named(infos, c.tie_embeddings ? "embed.tokens.weight" : "lm_head.weight");
+  return static_cast<int>(&head - infos.data());
 }
 
 // Sizes of the shared scratch region's uses for micro-batches of up to B x T.
@@ -833,7 +838,7 @@ void GpuTransformer::lay_out_state() {
   }
   // The adapters after every flat tensor, so that the flat tensors keep their indices.
   for (const auto& [weight, rank] : im.lora) {
-    const ParamInfo& w = *std::find_if(infos_.begin(), infos_.end(), [&](const ParamInfo& i) { return i.name == weight; });
+    const ParamInfo& w = info_named(infos_, weight);
     const std::string module = weight.substr(0, weight.size() - std::string(".weight").size());
     for (const auto& [suffix, shape] : {std::pair<const char*, Shape>{".lora_l", {w.shape.at(0), rank}},
                                         std::pair<const char*, Shape>{".lora_r", {rank, w.shape.at(1)}}}) {
@@ -1253,7 +1258,8 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
       gemm.forward(y, in, im.dense_weight(lin, OC, K, s), lin.b, N, K, OC, s);
     }
     if (lin.rank > 0) {
-      im.mark(s, "gemm lora fwd", n2 * lin.rank * (K + OC), im.tracing() ? op_trace_name(name, im.layer) + ".lora" : "");
+      im.mark(s, "gemm lora fwd", n2 * lin.rank * (K + OC),
+              im.tracing() ? op_trace_name(name, im.layer) + ".lora" : "");
       im.adapter_forward(lin, y, in, N, K, OC, s);
     }
     if (gelu) {
@@ -1696,9 +1702,7 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
                  "' is not available on the GPU (dense, semi_sparse and slope are)");
     ESPLAG_CHECK(!st.slope_masks || st.kind == "slope", "GpuTransformer: ", st.weight_name, ": masks given for kind ",
                  st.kind);
-    const ParamInfo* info = nullptr;
-    for (const auto& i : infos_)
-      if (i.name == st.weight_name) info = &i;
+    const ParamInfo* info = &info_named(infos_, st.weight_name);
     const int64_t out = info->shape.at(0), in = info->shape.at(1);
     if (st.slope_masks) check_slope_masks(st.weight_name, *st.slope_masks, out, in);
     ESPLAG_CHECK(st.lora_rank == 0 || st.kind == "slope", "GpuTransformer: ", st.weight_name,
@@ -1842,7 +1846,7 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
         set_lora_state(weight, kept->second);
         continue;
       }
-      const ParamInfo& info = *std::find_if(infos_.begin(), infos_.end(), [&](const auto& i) { return i.name == weight; });
+      const ParamInfo& info = info_named(infos_, weight);
       LoraState fresh;  // as SlopeLinear::enable_lora starts one
       fresh.rank = rank;
       fresh.l = SlopeLinear<float>::initial_lora_l(info.shape.at(0), rank, lora_seeds.at(weight));

@@ -11,11 +11,12 @@
 // layout: the flat layout's tensors in its order, except that a slope layer's weight is
 // stored as its kept values only ([out, in/2], set_linear_kind), so its master, gradient
 // and moments take half the memory, then the slope layers' low-rank adapters; the arena
-// is laid out again when layers become or stop being slope or an adapter changes. The step arena, sized up front for the largest (B, T) the model will
-// see: the activations saved for backward, one scratch region shared by the phases of the
-// step, and the GEMM workspace. A step allocates nothing and synchronises
-// with the host only to read the loss back (in the host-pointer forward_backward /
-// forward_loss); forward_backward_device and step_adamw never wait for the device.
+// is laid out again when layers become or stop being slope or an adapter changes. The
+// step arena, sized up front for the largest (B, T) the model will see: the activations
+// saved for backward, one scratch region shared by the phases of the step, and the GEMM
+// workspace. A step allocates nothing and synchronises with the host only to read the
+// loss back (in the host-pointer forward_backward / forward_loss);
+// forward_backward_device and step_adamw never wait for the device.
 //
 // Memory of a step (N = B·T rows, C model width, Q qkv width, F fc width, H MLP hidden):
 // - saved per layer: the residual stream before each half (2·N·C), qkv after RoPE (N·Q),
