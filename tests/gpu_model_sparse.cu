@@ -382,14 +382,15 @@ void add_adapters(Transformer<float>& cm, GpuTransformer& gm, int rank) {
 }
 
 // One micro-batch of slope layers on both models (with rank-`rank` adapters when > 0): every
-// gradient, the kept values' and the adapters' included, within 3%.
+// gradient, the kept values' and the adapters' included, within 3%. With `dispatch`, each
+// layer shape runs the products it measured faster.
 void compare_slope_step(const std::string& label, const ModelConfig& cfg, int maxB, int maxT, int B, int T,
-                        int rank = 0) {
+                        int rank = 0, bool dispatch = false) {
   SCOPED_TRACE(label);
   Transformer<float> cm(cfg);
   cm.init_weights(5);
   for (size_t i = 0; i < cm.num_params(); ++i) cm.params()[i] = esplag::gpu_test::round_bf16(cm.params()[i]);
-  GpuTransformer gm(cfg, maxB, maxT);
+  GpuTransformer gm(cfg, maxB, maxT, dispatch ? GpuModelOptions{} : always_sparse());
   make_slope(cm, gm, 100);
   if (rank > 0) add_adapters(cm, gm, rank);
   const auto g = micro_batch_on_both(cm, gm, B, T, label);
@@ -427,7 +428,23 @@ void compare_slope_step(const std::string& label, const ModelConfig& cfg, int ma
     sparse_ops += op.op.rfind("sparse gemm", 0) == 0;
     lora_ops += op.op.rfind("gemm lora", 0) == 0;
   }
-  EXPECT_EQ(sparse_ops, B * T == maxB * maxT ? 8 : 0) << "forward and dX of every Linear role on the 2:4 path";
+  int sparse_roles = 4;
+  if (dispatch) {
+    ASSERT_EQ(gm.sparse_dispatch().size(), 4u) << "one decision per layer shape";
+    sparse_roles = 0;
+    for (const auto& d : gm.sparse_dispatch()) {
+      EXPECT_EQ(d.kind, "slope");
+      EXPECT_GT(d.sparse_ms, 0);
+      EXPECT_GT(d.dense_ms, 0);
+      EXPECT_EQ(d.sparse, d.sparse_ms < d.dense_ms);
+      sparse_roles += d.sparse;
+    }
+    std::printf("  %s\n", gm.sparse_dispatch_summary().c_str());
+  } else {
+    EXPECT_TRUE(gm.sparse_dispatch().empty());
+  }
+  if (B * T != maxB * maxT) sparse_roles = 0;  // another token count: the dense products of W1 and W2
+  EXPECT_EQ(sparse_ops, 2 * sparse_roles) << "forward and dX of the Linear roles on the 2:4 path";
   EXPECT_EQ(lora_ops, rank > 0 ? 3 : 0) << "the adapters' forward, dX and dW products";
 }
 
@@ -436,6 +453,13 @@ TEST_F(GpuModelSparse, SlopeMatchesCpu) {
   compare_slope_step("gpt (bias + GELU around the 2:4 products)", gpt_config(), 4, 64, 4, 64);
   // Another token count: the dense products of W1 and of W2 (made again for the product).
   compare_slope_step("gpt, smaller micro-batch than sized", gpt_config(), 4, 64, 2, 48);
+}
+
+// Per-layer dispatch of slope layers: each shape's products as measured (2:4, or cuBLASLt's
+// of W1 and W2 expanded from the kept values), the same gradients either way.
+TEST_F(GpuModelSparse, SlopeDispatchByMeasurementMatchesCpu) {
+  compare_slope_step("llama, slope products chosen per layer shape", llama_config(), 2, 96, 2, 96, 0, true);
+  compare_slope_step("gpt, GELU passes counted against the 2:4 path", gpt_config(), 4, 64, 4, 64, 4, true);
 }
 
 // SLoPe's lazy adapters: the adapter's products go into the forward before the GELU and

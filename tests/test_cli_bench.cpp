@@ -70,7 +70,6 @@ TEST(CliBench, TrainSparseKindOptionErrors) {
   expect_error(run("bench train --slope all"),
                "--semi-sparse, --slope, --always-sparse, --no-baseline and --op-profile are for --device cuda");
   expect_error(run("bench train --device cuda --semi-sparse all --slope all"), "give --semi-sparse or --slope, not both");
-  expect_error(run("bench train --device cuda --slope all --always-sparse"), "--always-sparse is for --semi-sparse");
   expect_error(run("bench train --device cuda --no-baseline"), "--no-baseline is for --semi-sparse or --slope");
   expect_error(run("bench train --device cuda --semi-sparse all --lora-rank 8"),
                "--lora-rank is a positive rank for the adapters of --slope layers");

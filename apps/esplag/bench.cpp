@@ -41,13 +41,13 @@ namespace {
 const char* kBenchUsage = R"(usage:
   esplag bench train --model PRESET [--device cpu|cuda] [--batch 4] [--seq 256] [--steps N]
                      [--warmup 1] [--vocab N] [--peak-tflops 989] [--csv FILE]
-                     [--semi-sparse all|REGEX [--always-sparse] | --slope all|REGEX [--no-baseline]]
+                     [--semi-sparse all|REGEX | --slope all|REGEX] [--always-sparse] [--no-baseline]
                      [--sparse-dw] [--lora-rank R] [--op-profile STEPS]
       cuda only: --semi-sparse makes the block linears whose weight names match semi_sparse
-      (runtime transposable 2:4 on cuSPARSELt; each layer shape takes the 2:4 or the dense
-      products of its pruned weight, whichever it measured faster, unless --always-sparse);
-      --slope makes them slope (static row-wise 2:4, double-pruned backward refreshed every
-      100 steps, AdamW on the kept values; always the 2:4 products); either first times the
+      (runtime transposable 2:4 on cuSPARSELt), --slope makes them slope (static row-wise
+      2:4, double-pruned backward refreshed every 100 steps, AdamW on the kept values);
+      each layer shape takes the 2:4 or the dense products of its pruned weights, whichever
+      it measured faster, unless --always-sparse; either first times the
       dense model in the same process and prints the ratios (step time, tokens/s, the
       model's device memory), unless --no-baseline; --sparse-dw gives those layers the
       weight gradient from the MVUE 2:4 of dY^T (outputs and tokens multiples of 64);
@@ -334,8 +334,6 @@ int bench_train(const std::vector<std::string>& argv) {
   const int lora_rank = static_cast<int>(a.integer("lora-rank", 0));
   ESPLAG_CHECK(lora_rank >= 0 && (lora_rank == 0 || a.has("slope")),
                "bench train: --lora-rank is a positive rank for the adapters of --slope layers");
-  ESPLAG_CHECK(!(a.has("slope") && a.has("always-sparse")),
-               "bench train: --always-sparse is for --semi-sparse (slope layers always run their 2:4 products)");
   if (device == "cuda") {
 #ifdef ESPLAG_HAVE_CUDA
     const std::string kind = a.has("slope") ? "slope" : "semi_sparse";

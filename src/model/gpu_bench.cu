@@ -121,7 +121,7 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   if (!sparse_regex.empty()) {
     int sparse_shapes = 0;
     for (const auto& d : model.sparse_dispatch()) sparse_shapes += d.sparse;
-    r.linears += options.sparse_dispatch && sparse_kind == "semi_sparse" ? " (2:4 products for " + std::to_string(sparse_shapes) + " of " +
+    r.linears += options.sparse_dispatch ? " (2:4 products for " + std::to_string(sparse_shapes) + " of " +
                                                std::to_string(model.sparse_dispatch().size()) + " shapes)"
                                          : " (2:4 products everywhere)";
   }

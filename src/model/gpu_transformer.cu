@@ -306,13 +306,14 @@ struct GpuTransformer::Impl {
     // semi_sparse and slope (set_linear_kind): the layer's 2:4 products; null for dense.
     gpu::SparseLinear* sp = nullptr;
     bool slope = false;
+    bool dense_products = false;  // slope, per-layer dispatch: cuBLASLt products of W1 and W2
     // slope's low-rank adapter (rank 0: none): L [out, rank], R [rank, in] and their
     // gradients, and T = X·Rᵀ [tokens, rank], saved by the forward for the backward.
     int rank = 0;
     const bf16 *lora_l = nullptr, *lora_r = nullptr;
     float *dlora_l = nullptr, *dlora_r = nullptr;
     bf16* lora_t = nullptr;
-    bool sparse_for(int N) const { return sp && sp->sparse_products() && sp->tokens() == N; }
+    bool sparse_for(int N) const { return sp && !dense_products && sp->sparse_products() && sp->tokens() == N; }
   };
   // A slope layer's schedule of backward-mask refreshes (SlopeLinear::on_step_begin).
   struct Slope {
@@ -1625,6 +1626,7 @@ void GpuTransformer::prepare_sparse() {
       // needs the dense W1.
       const Impl::Lin& lin = *find_linear(im, name);
       const bool refresh = k < im.refreshing.size() && im.refreshing[k++];
+      if (lin.dense_products && !refresh) continue;  // its products expand W1 and W2ᵀ themselves
       if (refresh || !sp->prepare_from_kept(lin.w, stream_)) {
         im.expand_w1(lin, stream_);
         sp->prepare(stream_, refresh);
@@ -1656,6 +1658,46 @@ double time_gelu_pass(int64_t n, bool forward, cudaStream_t s) {
           gpu::gelu_backward(b, a, b, n, false, s);
       },
       2, 5, s);
+}
+
+// Both ways of a slope layer's per-step products (median of 10 after two untimed rounds
+// that tune them) on scratch inputs: the 2:4 way as prepare_sparse and the step run it
+// (both compressed copies from the kept values, or W1 expanded and compressed; the forward
+// and dX 2:4 products), the dense way as a layer with dense products runs it (W1 expanded
+// for cuBLASLt's forward, W1 and W2ᵀ again for its dX). The 2:4 way runs last, so the
+// layer's compressed copies are its weight's afterwards. Synchronises the stream.
+gpu::SparseLinear::ProductTimes time_slope_products(GpuTransformer::Impl& im, const GpuTransformer::Impl::Lin& lin,
+                                                    cudaStream_t s) {
+  gpu::SparseLinear& sp = *lin.sp;
+  const int N = static_cast<int>(sp.tokens()), out = static_cast<int>(sp.out_features()),
+            in = static_cast<int>(sp.in_features());
+  const size_t nx = size_t(N) * size_t(in), ny = size_t(N) * size_t(out);
+  DeviceArena scratch(2 * sizeof(bf16) * (nx + ny) + 4 * DeviceArena::kDefaultAlignment, "slope dispatch timing");
+  bf16* x = scratch.allocate_array<bf16>("x", nx);
+  bf16* dx = scratch.allocate_array<bf16>("dx", nx);
+  bf16* y = scratch.allocate_array<bf16>("y", ny);
+  bf16* dy = scratch.allocate_array<bf16>("dy", ny);
+  CUDA_CHECK(cudaMemsetAsync(x, 0x3C, sizeof(bf16) * nx, s));  // non-zero inputs: no shortcuts
+  CUDA_CHECK(cudaMemsetAsync(dy, 0x3B, sizeof(bf16) * ny, s));
+  gpu::SparseLinear::ProductTimes t;
+  t.dense_ms = median_event_ms(
+      [&](int) {
+        im.gemm->forward(y, x, im.expand_w1(lin, s), lin.b, N, in, out, s);
+        im.expand_w1(lin, s);
+        im.gemm->forward(dx, dy, sp.refill_backward_weight_t(s), nullptr, N, out, in, s);
+      },
+      2, 10, s);
+  t.sparse_ms = median_event_ms(
+      [&](int) {
+        if (!sp.prepare_from_kept(lin.w, s)) {
+          im.expand_w1(lin, s);
+          sp.prepare(s, false);
+        }
+        sp.forward(y, x, s, lin.b);
+        sp.backward(dx, nullptr, dy, nullptr, false, s);
+      },
+      2, 10, s);
+  return t;
 }
 
 // Masks given for a slope layer [out, in] (GpuTransformer::SlopeState) that the layer can
@@ -1764,6 +1806,7 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     }
     c.lin->sp = nullptr;
     c.lin->slope = false;
+    c.lin->dense_products = false;
     im.sparse.erase(c.setting->weight_name);
     im.slope.erase(c.setting->weight_name);
   }
@@ -1855,6 +1898,33 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     }
   }
 
+  // Per-layer dispatch: whether layers of `kind` and this one's shape run their 2:4
+  // products, timed (`time`) for the first of them. With a GELU MLP, fc's forward and
+  // mproj's dX carry a GELU pass on the 2:4 path (over fc's output, [tokens, out] of fc =
+  // [tokens, in] of mproj), timed and counted against it.
+  auto sparse_is_faster = [&](const std::string& kind, const std::string& weight_name, int64_t out, int64_t in,
+                              const std::function<gpu::SparseLinear::ProductTimes()>& time) {
+    const int64_t tokens = int64_t(max_b_) * max_t_;
+    const bool gelu_pass = cfg_.mlp == MlpKind::gelu && weight_name.find(".mlp.") != std::string::npos;
+    auto it = std::find_if(im.dispatch.begin(), im.dispatch.end(), [&](const SparseDispatch& d) {
+      return d.kind == kind && d.out == out && d.in == in && d.tokens == tokens && d.gelu_pass == gelu_pass;
+    });
+    if (it == im.dispatch.end()) {
+      const gpu::SparseLinear::ProductTimes t = time();
+      const bool is_fc = weight_name.find(".mlp.fc.") != std::string::npos;
+      const double extra = gelu_pass ? time_gelu_pass(tokens * (is_fc ? out : in), is_fc, stream_) : 0.0;
+      im.dispatch.push_back(
+          {kind, out, in, tokens, gelu_pass, t.sparse_ms + extra, t.dense_ms, t.sparse_ms + extra < t.dense_ms});
+      it = im.dispatch.end() - 1;
+    }
+    return it->sparse;
+  };
+  if (opt_.sparse_dispatch)  // the new slope layers, now that their kept values are stored
+    for (const Change& c : changes)
+      if (c.setting->kind == "slope")
+        c.lin->dense_products = !sparse_is_faster("slope", c.setting->weight_name, c.out, c.in,
+                                                  [&] { return time_slope_products(im, *c.lin, stream_); });
+
   // New semi_sparse layers, which read the weight where it now lives.
   for (const Change& c : changes) {
     const LinearKindSetting& st = *c.setting;
@@ -1869,24 +1939,9 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     if (st.sparse_dw) o.dw_scratch = im.dw_scratch_for(*this, tokens);
     auto sp = std::make_unique<gpu::SparseLinear>(o, out, in, tokens, c.lin->w, stream_);
     if (st.sparse_dw) sp->set_dw_seed(st.dw_seed, st.dw_draws);
-    if (opt_.sparse_dispatch) {
-      // GELU MLP: fc's forward and mproj's dX carry a GELU pass on the 2:4 path (over
-      // fc's output, [tokens, out] of fc = [tokens, in] of mproj).
-      const bool gelu_pass = cfg_.mlp == MlpKind::gelu && st.weight_name.find(".mlp.") != std::string::npos;
-      auto same = [&](const SparseDispatch& d) {
-        return d.out == out && d.in == in && d.tokens == tokens && d.gelu_pass == gelu_pass;
-      };
-      auto it = std::find_if(im.dispatch.begin(), im.dispatch.end(), same);
-      if (it == im.dispatch.end()) {
-        const gpu::SparseLinear::ProductTimes t = sp->time_products(stream_);
-        const bool is_fc = st.weight_name.find(".mlp.fc.") != std::string::npos;
-        const double extra = gelu_pass ? time_gelu_pass(tokens * (is_fc ? out : in), is_fc, stream_) : 0.0;
-        im.dispatch.push_back(
-            {out, in, tokens, gelu_pass, t.sparse_ms + extra, t.dense_ms, t.sparse_ms + extra < t.dense_ms});
-        it = im.dispatch.end() - 1;
-      }
-      sp->use_dense_products(!it->sparse);
-    }
+    if (opt_.sparse_dispatch)
+      sp->use_dense_products(
+          !sparse_is_faster("semi_sparse", st.weight_name, out, in, [&] { return sp->time_products(stream_); }));
     sp->prepare(stream_);
     const size_t w_bytes = sizeof(bf16) * size_t(out) * size_t(in);
     if (!sp->pruned_weight() && im.prune_scratch.capacity() < w_bytes + DeviceArena::kDefaultAlignment)
@@ -2040,14 +2095,21 @@ const std::vector<GpuTransformer::SparseDispatch>& GpuTransformer::sparse_dispat
 
 std::string GpuTransformer::sparse_dispatch_summary() const {
   std::string s;
-  for (const auto& d : impl_->dispatch) {
-    char buf[160];
-    std::snprintf(buf, sizeof buf, "%s%lldx%lld: %s (2:4 %.3f ms%s, dense %.3f ms)", s.empty() ? "" : "; ",
-                  static_cast<long long>(d.out), static_cast<long long>(d.in), d.sparse ? "2:4" : "dense",
-                  d.sparse_ms, d.gelu_pass ? " with its GELU pass" : "", d.dense_ms);
-    s += buf;
+  for (const char* kind : {"semi_sparse", "slope"}) {
+    std::string shapes;
+    for (const auto& d : impl_->dispatch) {
+      if (d.kind != kind) continue;
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "%s%lldx%lld: %s (2:4 %.3f ms%s, dense %.3f ms)", shapes.empty() ? "" : "; ",
+                    static_cast<long long>(d.out), static_cast<long long>(d.in), d.sparse ? "2:4" : "dense",
+                    d.sparse_ms, d.gelu_pass ? " with its GELU pass" : "", d.dense_ms);
+      shapes += buf;
+    }
+    if (!shapes.empty())
+      s += (s.empty() ? "" : " | ") + std::string(kind) +
+           " products by layer shape (prepare + forward + dX per step): " + shapes;
   }
-  return s.empty() ? s : "semi_sparse products by layer shape (prepare + forward + dX per step): " + s;
+  return s;
 }
 
 bool GpuTransformer::sparse_dw(const std::string& weight_name) const {

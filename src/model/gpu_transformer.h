@@ -104,10 +104,11 @@ struct GpuModelOptions {
   // Fused cuBLASLt epilogues (bias, GELU); off forces the separate kernels.
   bool gemm_epilogues = true;
   gpu::AttentionPath attention = gpu::AttentionPath::automatic;
-  // Per-layer dispatch of semi_sparse layers: the first layer of each shape times its 2:4
-  // products (with their per-step compression) against cuBLASLt's products of the same
-  // pruned weight and every layer of that shape takes the faster (sparse_dispatch()).
-  // Off: the 2:4 products everywhere. slope layers always run their 2:4 products.
+  // Per-layer dispatch of semi_sparse and slope layers: the first layer of each kind and
+  // shape times its 2:4 products (with their per-step compression) against cuBLASLt's
+  // products of the same pruned weights (semi_sparse: Ws; slope: W1 and W2ᵀ expanded from
+  // the kept values for each product) and every layer of that kind and shape takes the
+  // faster (sparse_dispatch()). Off: the 2:4 products everywhere.
   bool sparse_dispatch = true;
   // Added to the computed arena size (e.g. for callers that allocate from arena()).
   size_t extra_arena_bytes = 0;
@@ -331,13 +332,14 @@ class GpuTransformer {
   int lora_rank(const std::string& weight_name) const;
   LoraState lora_state(const std::string& weight_name) const;
   void set_lora_state(const std::string& weight_name, const LoraState& state);
-  // The dispatch decisions so far (GpuModelOptions::sparse_dispatch), one per layer shape
-  // in the order they were made, and a one-line summary of them ("" when none).
+  // The dispatch decisions so far (GpuModelOptions::sparse_dispatch), one per layer kind
+  // and shape in the order they were made, and a one-line summary of them ("" when none).
   // With a GELU MLP, the 2:4 path runs the GELU of mlp.fc's output (forward) and its
   // gradient before mlp.proj's dX (backward) as separate passes where cuBLASLt fuses them
   // into the dense products' epilogues: that pass is timed too and counted against the
   // 2:4 products of those layers (`gelu_pass`).
   struct SparseDispatch {
+    std::string kind;  // semi_sparse or slope
     int64_t out = 0, in = 0, tokens = 0;
     bool gelu_pass = false;              // the layer's 2:4 path adds a GELU pass
     double sparse_ms = 0, dense_ms = 0;  // prepare + forward + input gradient (+ that pass), median
