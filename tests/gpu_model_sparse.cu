@@ -5,8 +5,9 @@
 // against eager steps, micro-batches of another size than the model was sized for (the
 // dense products of the pruned weight), switching back to dense, and refused kinds. The
 // same for slope layers against SlopeLinear (model/linear_slope.h: the kept values'
-// gradients, the CPU trainer's AdamW over the kept values, backward-mask refreshes).
-// Needs cuSPARSELt (skipped with its reason otherwise).
+// gradients, the CPU trainer's AdamW over the kept values, backward-mask refreshes, the
+// lazy low-rank adapters, per-layer dispatch), and for masked layers against MaskedLinear
+// (model/linear_masked.h). Needs cuSPARSELt (skipped with its reason otherwise).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -26,6 +27,7 @@
 #include "core/rng.h"
 #include "model/gpu_transformer.h"
 #include "model/linear_kinds.h"
+#include "model/linear_masked.h"
 #include "model/linear_slope.h"
 #include "model/transformer.h"
 #include "ops/adamw.h"
@@ -299,7 +301,7 @@ TEST_F(GpuModelSparse, BackToDenseAndRefusedKinds) {
     return std::string("no error");
   };
   const std::string vnm = error_of(w, "vnm");
-  EXPECT_NE(vnm.find("'vnm' is not available on the GPU (dense, semi_sparse and slope are)"), std::string::npos)
+  EXPECT_NE(vnm.find("'vnm' is not available on the GPU (dense, masked, semi_sparse and slope are)"), std::string::npos)
       << vnm;
   for (const std::string bad : {"blocks.2.mlp.fc.weight", "blocks.1.mlp.fc.bias", "lm_head.weight", "blocks.x.attn"}) {
     const std::string e = error_of(bad, "semi_sparse");
@@ -868,6 +870,77 @@ TEST_F(GpuModelSparse, ProfilerSeesEveryOpWithTheCpuNames) {
     prev_end = r.end_ns;
     if (r.name.rfind("blocks.", 0) == 0) EXPECT_GE(r.layer, 0) << r.name;
   }
+}
+
+// --- masked --------------------------------------------------------------------------------
+
+// Gradual magnitude pruning's layers (model/linear_masked.h) on the GPU: every block linear
+// masked on both models with the CPU's masks (2:4 on the attention, unstructured 60% on the
+// MLP). One micro-batch gives the CPU's gradients (zero where pruned); 12 steps follow the
+// CPU trainer's curve with the pruned weights exactly 0 throughout; a new mask zeroes the
+// newly pruned weights at once.
+TEST_F(GpuModelSparse, MaskedMatchesCpuAndKeepsPrunedWeightsAtZero) {
+  const ModelConfig c = llama_config();
+  const int B = 2, T = 64, steps = 12;
+  Transformer<float> cm(c);
+  cm.init_weights(4);
+  GpuTransformer gm(c, B, T);
+  gm.set_params(cm.params(), cm.num_params());
+  auto masked = [&](uint64_t seed) {
+    for (const auto& name : cm.linear_names()) {
+      esplag::LayerPlan plan;
+      plan.kind = "masked";
+      const bool attn = name.find(".attn.") != std::string::npos;
+      plan.pattern = attn ? esplag::SparsityPattern::nm(2, 4) : esplag::SparsityPattern::unstructured(0.6);
+      plan.sparsity = attn ? 0.5 : 0.6;
+      esplag::apply_layer_plan(cm, name, plan, seed);
+      const auto& l = dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name));
+      GpuTransformer::LinearKindSetting st{name, "masked"};
+      st.mask = &l.mask();
+      gm.set_linear_kinds({st});
+      EXPECT_EQ(gm.linear_kind(name), "masked");
+    }
+  };
+  masked(1);
+  auto expect_pruned_zero = [&](const char* when) {
+    const auto p = gm.params_to_host();
+    for (const auto& name : cm.linear_names()) {
+      const auto& l = dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name));
+      const auto& info = *std::find_if(cm.param_infos().begin(), cm.param_infos().end(),
+                                       [&](const auto& i) { return i.name == name; });
+      for (size_t i = 0; i < info.numel; ++i)
+        if (!l.mask()[i]) ASSERT_EQ(p[info.offset + i], 0.f) << when << ": " << name << " pruned position " << i;
+    }
+  };
+  expect_pruned_zero("after the masks were set");
+  const auto g = micro_batch_on_both(cm, gm, B, T, "masked");
+  for (const auto& info : cm.param_infos())
+    EXPECT_LT(rel_l2(g.data() + info.offset, cm.grads() + info.offset, info.numel), 3e-2) << info.name;
+
+  esplag::GpuAdamW hyper;
+  hyper.lr = 3e-3;
+  std::map<std::string, std::vector<float>> m, v;
+  expect_curves_agree(
+      cm, gm, B, T, steps, 80, hyper, [&](int s) { cpu_trainer_adamw(cm, m, v, hyper, s + 1); }, 0.95);
+  expect_pruned_zero("after 12 steps");
+  // Sparser masks from the trained weights (the CPU's, as the next update of a ramp).
+  for (const auto& name : cm.linear_names()) {
+    esplag::LayerPlan plan;
+    plan.kind = "masked";
+    plan.pattern = esplag::SparsityPattern::unstructured(0.8);
+    plan.sparsity = 0.8;
+    esplag::apply_layer_plan(cm, name, plan, 2);
+    const auto& l = dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name));
+    GpuTransformer::LinearKindSetting st{name, "masked"};
+    st.mask = &l.mask();
+    gm.set_linear_kinds({st});
+  }
+  expect_pruned_zero("after new masks");
+  GpuTransformer::LinearKindSetting no_mask{cm.linear_names()[0], "masked"};
+  gm.set_linear_kinds({no_mask});  // keeps the layer's mask
+  expect_pruned_zero("after a setting without a mask");
+  GpuTransformer fresh(c, B, T);
+  EXPECT_THROW(fresh.set_linear_kinds({no_mask}), esplag::Error) << "a layer becoming masked needs its mask";
 }
 
 }  // namespace

@@ -33,6 +33,7 @@
 #include "data/prepare.h"
 #include "data/tokenizer.h"
 #include "io/atomic_file.h"
+#include "model/linear_masked.h"
 #include "model/linear_slope.h"
 #include "sparse/cuda/cusparselt.h"
 #include "train/checkpoint.h"
@@ -337,7 +338,7 @@ TEST_F(GpuTrain, AutoPicksTheGpuAndSparseRecipesAreRefused) {
   const std::string recipe =
       read_file(tiny_yaml()) +
       "recipe:\n  - gradual_magnitude: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], mask_type: '2:4', start: 0, "
-      "end: 1, update_every: 1}\n";
+      "end: 1, update_every: 1}\n  - kernel_replacement: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], start: 2}\n";
   const fs::path yaml = *dir_ / "gmp.yaml";
   std::ofstream(yaml) << recipe;
   try {
@@ -346,8 +347,10 @@ TEST_F(GpuTrain, AutoPicksTheGpuAndSparseRecipesAreRefused) {
     ADD_FAILURE() << "a sparse recipe trained on the GPU";
   } catch (const Error& e) {
     const std::string m = e.what();
-    EXPECT_NE(m.find("modifier gradual_magnitude"), std::string::npos) << m;
-    EXPECT_NE(m.find("the GPU trains dense, semi_sparse and slope Linear layers only so far"), std::string::npos) << m;
+    EXPECT_NE(m.find("modifier kernel_replacement"), std::string::npos) << m;
+    EXPECT_NE(m.find("the GPU trains dense, masked, semi_sparse and slope Linear layers only so far"),
+              std::string::npos)
+        << m;
   }
   EXPECT_FALSE(fs::exists(*dir_ / "slope_cuda"));
   // auto keeps such a run on the CPU and says why in the first line.
@@ -433,6 +436,31 @@ TEST_F(GpuTrain, SlopeAdapterRecipeTracksTheCpuAndResumes) {
   EXPECT_TRUE(std::any_of(l.lora_r().begin(), l.lora_r().end(), [](float x) { return x != 0.f; }))
       << "R was not trained";
   expect_resumes("slope_lora", r, kLossTol, true);
+}
+
+// Gradual magnitude pruning on the GPU (VENOM's and sparseml's first phase): the MLP
+// linears masked 2:4 from step 2, the mask chosen again on the host from the weights the
+// GPU trained every 2 steps until step 8 (the 2:4 ramp's rungs). The curve follows the CPU
+// run's; the checkpoint's weights are zero where its masks prune, and it resumes on the
+// GPU and on the CPU.
+TEST_F(GpuTrain, GradualMagnitudeRecipeTracksTheCpuAndResumes) {
+  const Runs r = recipe_on_both("gmp",
+                                "gradual_magnitude: {params: ['re:blocks\\..*\\.mlp\\.\\w+\\.weight'], "
+                                "mask_type: '2:4', start: 2, end: 8, update_every: 2}",
+                                kLossTol);
+  auto model = load_model((*dir_ / "gmp_gpu_run" / "step-000006").string());
+  for (const char* name : {"blocks.0.mlp.fc.weight", "blocks.1.mlp.proj.weight"}) {
+    const auto& l = dynamic_cast<const esplag::MaskedLinear<float>&>(model->linear(name));
+    const float* w = model->linear_params(name).weight;
+    size_t pruned = 0;
+    for (size_t i = 0; i < l.mask().size(); ++i)
+      if (!l.mask()[i]) {
+        ++pruned;
+        ASSERT_EQ(w[i], 0.f) << name << " pruned position " << i;
+      }
+    EXPECT_GT(pruned, l.mask().size() / 5) << name << ": the ramp has not pruned by step 6";
+  }
+  expect_resumes("gmp", r, kLossTol, true);
 }
 
 // sparse_dw on the GPU: the MLP's fc layers (384 outputs, 2048 tokens: multiples of 64)

@@ -129,6 +129,17 @@ __global__ void zero_chunks_kernel(const ZeroChunk* table, float* grad) {
   for (int64_t i = threadIdx.x; i < c.n; i += kThreads) grad[c.offset + i] = 0.f;
 }
 
+// Zeroes the entries of x [rows, cols] whose bit is 0 in `bits` ([rows, ceil(cols / 32)]
+// words, bit c % 32 of word c / 32 for column c): a masked layer's pruned weights (both
+// halves of the master) and gradients.
+template <typename T>
+__global__ void apply_mask_kernel(T* x, const uint32_t* bits, int64_t rows, int64_t cols) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= rows * cols) return;
+  const int64_t r = i / cols, c = i % cols;
+  if (!((bits[r * ((cols + 31) / 32) + c / 32] >> (c % 32)) & 1u)) x[i] = T{};
+}
+
 __global__ void fill_kernel(float* p, int64_t n, float value) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i < n) p[i] = value;
@@ -307,6 +318,8 @@ struct GpuTransformer::Impl {
     gpu::SparseLinear* sp = nullptr;
     bool slope = false;
     bool dense_products = false;  // slope, per-layer dispatch: cuBLASLt products of W1 and W2
+    // masked: the kept positions as bits ([out, ceil(in / 32)] words), device memory.
+    const uint32_t* mask = nullptr;
     // slope's low-rank adapter (rank 0: none): L [out, rank], R [rank, in] and their
     // gradients, and T = X·Rᵀ [tokens, rank], saved by the forward for the backward.
     int rank = 0;
@@ -441,6 +454,19 @@ struct GpuTransformer::Impl {
     if (lora_dt_of != &lin) gemm->backward_input(lora_dt, dout, lin.lora_l, N, lin.rank, OC, false, s);
     lora_dt_of = &lin;
     return lora_dt;
+  }
+  // The masked layers by weight name: their bit masks (Lin::mask points into them) and shapes.
+  struct Masked {
+    DeviceArena bits;
+    int64_t out = 0, in = 0;
+  };
+  std::map<std::string, Masked> masks;
+  // Zeroes a masked layer's pruned entries of x [out, in].
+  template <typename T>
+  static void apply_mask(T* x, const Lin& lin, int64_t out, int64_t in, cudaStream_t s) {
+    const auto grid = static_cast<unsigned>((out * in + kThreads - 1) / kThreads);
+    apply_mask_kernel<T><<<grid, kThreads, 0, s>>>(x, lin.mask, out, in);
+    CUDA_CHECK_LAUNCH("GpuTransformer (masked layer)");
   }
   // Which slope layers (in `slope`'s order) the preparation running now refreshes.
   std::vector<bool> refreshing;
@@ -1488,6 +1514,10 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   // dL += doutᵀ · T (the forward's), dR += dTᵀ · inp.
   auto linear_dw = [&](const Impl::Lin& lin, const char* name, const bf16* dout, const bf16* inp, int K, int OC) {
     weight_dw(lin, name, dout, inp, K, OC);
+    if (lin.mask) {  // masked: pruned weights get no gradient
+      mark("masked grad");
+      Impl::apply_mask(lin.dw, lin, OC, K, s);
+    }
     if (lin.rank == 0) return;
     const int r = lin.rank;
     im.mark(s, "gemm lora dW", n2 * r * (K + 2 * OC), im.tracing() ? op_trace_name(name, im.layer) + ".lora" : "");
@@ -1611,7 +1641,20 @@ void GpuTransformer::adamw_body() {
   im.mark(stream_, "adamw");
   gpu::adamw_update_split(*im.adamw, im.w, im.w_lo, im.m, im.v, im.grad, im.adam_params, norm_sq_, im.head_pad,
                           stream_);
+  if (!im.masks.empty()) im.mark(stream_, "masked weights");
+  mask_weights();
   prepare_sparse();
+}
+
+void GpuTransformer::mask_weights() {
+  Impl& im = *impl_;
+  // Neither weight decay nor moments from before a mask change revive a pruned weight.
+  for (const auto& [name, m] : im.masks) {
+    const Impl::Lin& lin = *find_linear(im, name);
+    bf16* hi = im.w + (lin.w - im.w);
+    Impl::apply_mask(hi, lin, m.out, m.in, stream_);
+    Impl::apply_mask(im.w_lo + (lin.w - im.w), lin, m.out, m.in, stream_);
+  }
 }
 
 void GpuTransformer::prepare_sparse() {
@@ -1739,14 +1782,18 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   for (const auto& st : settings) {
     Impl::Lin* lin = find_linear(im, st.weight_name);
     ESPLAG_CHECK(lin, "GpuTransformer: '", st.weight_name, "' is not the weight of a block Linear layer");
-    ESPLAG_CHECK(st.kind == "dense" || st.kind == "semi_sparse" || st.kind == "slope",
+    ESPLAG_CHECK(st.kind == "dense" || st.kind == "masked" || st.kind == "semi_sparse" || st.kind == "slope",
                  "GpuTransformer: ", st.weight_name, ": Linear kind '", st.kind,
-                 "' is not available on the GPU (dense, semi_sparse and slope are)");
+                 "' is not available on the GPU (dense, masked, semi_sparse and slope are)");
     ESPLAG_CHECK(!st.slope_masks || st.kind == "slope", "GpuTransformer: ", st.weight_name, ": masks given for kind ",
                  st.kind);
     const ParamInfo* info = &info_named(infos_, st.weight_name);
     const int64_t out = info->shape.at(0), in = info->shape.at(1);
     if (st.slope_masks) check_slope_masks(st.weight_name, *st.slope_masks, out, in);
+    ESPLAG_CHECK(!st.mask || st.kind == "masked", "GpuTransformer: ", st.weight_name, ": a mask given for kind ",
+                 st.kind);
+    ESPLAG_CHECK(!st.mask || st.mask->size() == size_t(out) * size_t(in), "GpuTransformer: ", st.weight_name,
+                 ": a mask of ", st.mask ? st.mask->size() : 0, " entries for a ", out, "x", in, " weight");
     ESPLAG_CHECK(st.lora_rank == 0 || st.kind == "slope", "GpuTransformer: ", st.weight_name,
                  ": a low-rank adapter (lora_rank ", st.lora_rank, ") is for kind slope only, not ", st.kind);
     ESPLAG_CHECK(st.lora_rank >= 0 && st.lora_rank <= std::min(out, in), "GpuTransformer: ", st.weight_name,
@@ -1759,7 +1806,14 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     ESPLAG_CHECK(!st.sparse_dw || (out % 64 == 0 && tokens % 64 == 0), "GpuTransformer: ", st.weight_name,
                  ": sparse_dw needs the layer's outputs (", out, ") and the micro-batch's tokens (", tokens,
                  ") to be multiples of 64");
-    if (st.kind == was && !st.slope_masks && st.sparse_dw == (lin->sp && lin->sp->sparse_dw())) continue;
+    if (st.kind == was && !st.slope_masks && !st.mask && st.sparse_dw == (lin->sp && lin->sp->sparse_dw())) continue;
+    ESPLAG_CHECK(st.kind != "masked" || st.mask, "GpuTransformer: ", st.weight_name,
+                 ": kind masked needs its mask (LinearKindSetting::mask)");
+    if (st.kind == "masked") {  // dense products of the masked weight
+      changes.push_back({&st, lin, info, was, out, in});
+      relayout = relayout || was == "slope";
+      continue;
+    }
     ESPLAG_CHECK(st.kind == "dense" || gpu::cusparselt_available(), "GpuTransformer: ", st.weight_name, ": ", st.kind,
                  " on the GPU needs cuSPARSELt: ", gpu::cusparselt_unavailable_reason());
     ESPLAG_CHECK(st.kind == "dense" || (out % 16 == 0 && in % 16 == 0 && tokens % 16 == 0),
@@ -1807,6 +1861,8 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     c.lin->sp = nullptr;
     c.lin->slope = false;
     c.lin->dense_products = false;
+    c.lin->mask = nullptr;
+    im.masks.erase(c.setting->weight_name);
     im.sparse.erase(c.setting->weight_name);
     im.slope.erase(c.setting->weight_name);
   }
@@ -1898,6 +1954,25 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     }
   }
 
+  // New masked layers: the mask as bits, and the weight masked at once.
+  for (const Change& c : changes) {
+    if (c.setting->kind != "masked") continue;
+    const int64_t words = (c.in + 31) / 32;
+    std::vector<uint32_t> bits(size_t(c.out * words), 0u);
+    const std::vector<uint8_t>& mask = *c.setting->mask;
+    for (int64_t o = 0; o < c.out; ++o)
+      for (int64_t i = 0; i < c.in; ++i)
+        if (mask[size_t(o * c.in + i)]) bits[size_t(o * words + i / 32)] |= 1u << (i % 32);
+    Impl::Masked& m = im.masks[c.setting->weight_name];
+    m.out = c.out;
+    m.in = c.in;
+    m.bits = DeviceArena(sizeof(uint32_t) * bits.size() + DeviceArena::kDefaultAlignment, "mask bits");
+    uint32_t* dev = m.bits.allocate_array<uint32_t>("bits", bits.size());
+    CUDA_CHECK(cudaMemcpy(dev, bits.data(), sizeof(uint32_t) * bits.size(), cudaMemcpyHostToDevice));
+    c.lin->mask = dev;
+  }
+  mask_weights();
+
   // Per-layer dispatch: whether layers of `kind` and this one's shape run their 2:4
   // products, timed (`time`) for the first of them. With a GELU MLP, fc's forward and
   // mproj's dX carry a GELU pass on the 2:4 path (over fc's output, [tokens, out] of fc =
@@ -1972,7 +2047,7 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
 std::string GpuTransformer::linear_kind(const std::string& weight_name) const {
   Impl::Lin* lin = find_linear(*impl_, weight_name);
   ESPLAG_CHECK(lin, "GpuTransformer: '", weight_name, "' is not the weight of a block Linear layer");
-  return lin->slope ? "slope" : lin->sp ? "semi_sparse" : "dense";
+  return lin->slope ? "slope" : lin->sp ? "semi_sparse" : lin->mask ? "masked" : "dense";
 }
 
 GpuTransformer::SlopeState GpuTransformer::slope_state(const std::string& weight_name) const {
@@ -2139,6 +2214,7 @@ void* GpuTransformer::Impl::dw_scratch_for(const GpuTransformer& model, int64_t 
 size_t GpuTransformer::sparse_device_bytes() const {
   size_t n = impl_->prune_scratch.capacity() + impl_->slope_scratch.capacity() + impl_->dw_scratch.capacity() +
              impl_->lora_scratch.capacity();
+  for (const auto& [name, m] : impl_->masks) n += m.bits.capacity();
   for (const auto& [name, sp] : impl_->sparse) n += sp->device_bytes();
   return n;
 }

@@ -222,10 +222,19 @@ class GpuTransformer {
 
   // --- Linear kinds ---------------------------------------------------------------------
   // The kind of a block Linear layer, by its weight's name ("blocks.3.mlp.fc.weight"):
-  // "dense" (the default), "semi_sparse" or "slope". Other kinds, or the sparse ones
+  // "dense" (the default), "masked", "semi_sparse" or "slope". Other kinds, or the 2:4 ones
   // without cuSPARSELt, throw Error. Changing a kind waits for the device and drops the
   // captured graphs. Each sparse layer is tuned at its first forward (one cuSPARSELt search
   // per shape and process, or the tuning cache's entry).
+  //
+  // masked (model/linear_masked.h: gradual magnitude pruning on dense kernels): the layer
+  // takes the mask given (LinearKindSetting::mask, u8 [out, in], 1 = kept: the host
+  // model's, chosen by magnitude there; required when the layer becomes masked, null
+  // afterwards keeps it, a new one replaces it) as bits on the device (1/8 byte per
+  // weight). Its products are the dense ones of the masked weight; the weight gradient is
+  // masked after each dW product, and the pruned weights are zeroed when the mask is set
+  // and after every AdamW step, as MaskedLinear::after_optimizer_step does. The parameter
+  // state stays dense (no new layout).
   //
   // semi_sparse (model/linear_semi_sparse.h's runtime 2:4): after every AdamW step, and
   // after set_params / init_weights, the transposable 4×4-tile 2:4 of the current W is
@@ -299,6 +308,7 @@ class GpuTransformer {
     uint64_t dw_seed = 0, dw_draws = 0;
     int lora_rank = 0;  // slope: the adapter's rank (0: none)
     uint64_t lora_seed = 0;
+    const std::vector<uint8_t>* mask = nullptr;  // masked: [out, in], 1 = kept (null: keep the layer's)
   };
   void set_linear_kinds(const std::vector<LinearKindSetting>& settings);
   void set_linear_kind(const std::string& weight_name, const std::string& kind, int mask_change_freq = 100,
@@ -383,6 +393,8 @@ class GpuTransformer {
   void adamw_body();
   // The semi_sparse layers' per-step weight work, from the current weights.
   void prepare_sparse();
+  // Zeroes the masked layers' pruned weights (both halves of the master).
+  void mask_weights();
   // The parameter state laid out again for the current set of slope layers (zeroed).
   void lay_out_state();
   // Every tensor, chunk by chunk, from the flat layout into the storage layout (to_store)

@@ -17,6 +17,7 @@
 #include "core/parallel.h"
 #include "model/gpu_transformer.h"
 #include "model/linear_kinds.h"
+#include "model/linear_masked.h"
 #include "model/linear_semi_sparse.h"
 #include "model/linear_slope.h"
 #include "sparse/masks.h"
@@ -116,9 +117,10 @@ void slope_to_host(SlopeLinear<float>& l, const std::string& name, const GpuTran
 }
 
 // The GPU kinds of the host model's block linears, for one set_linear_kinds call (`who`
-// names the caller in errors). Slope layers for which `give_masks(name)` holds take the
-// host's masks (refresh step `step` when the host has not refreshed yet), kept in `masks`,
-// which the settings point into and which must outlive them.
+// names the caller in errors). Slope and masked layers for which `give_masks(name)` holds
+// take the host's masks (slope: refresh step `step` when the host has not refreshed yet,
+// kept in `masks`; masked: the host layer's own), which the settings point into and which
+// must outlive them.
 std::vector<GpuTransformer::LinearKindSetting> host_kind_settings(
     Transformer<float>& host, const char* who, int64_t step, const std::function<bool(const std::string&)>& give_masks,
     std::vector<GpuTransformer::SlopeState>& masks) {
@@ -134,6 +136,9 @@ std::vector<GpuTransformer::LinearKindSetting> host_kind_settings(
           give_masks(name) ? &masks.emplace_back(gpu_slope_state(*sl, step)) : nullptr;
       settings.push_back({name, kind, sl->mask_change_freq(), st});
       settings.back().lora_rank = sl->lora_rank();  // its values follow (adapter_to_gpu)
+    } else if (const auto* ml = dynamic_cast<const MaskedLinear<float>*>(&host.linear(name))) {
+      settings.push_back({name, kind});
+      if (give_masks(name)) settings.back().mask = &ml->mask();
     } else {
       settings.push_back({name, kind});
     }
@@ -291,6 +296,7 @@ class GpuStep final : public StepBackend {
   // The moments of every tensor the host trains: the flat tensors' slices, and the kept
   // values of each slope layer (which the host trains instead of its flat weight).
   HostMoments state_to_host() override {
+    written_back_ = true;
     const std::vector<float> p = model_.params_to_host();
     std::copy(p.begin(), p.end(), host_.params());
     std::vector<float> mf, vf;
@@ -362,14 +368,22 @@ class GpuStep final : public StepBackend {
   void follow_host_kinds() {
     // A layer that becomes slope takes the host's masks (chosen from the fp32 weights);
     // later steps leave the GPU's own (converting them costs a pass over the weight). One
-    // call: the layers that become slope lay the parameter state out again once.
+    // call: the layers that become slope lay the parameter state out again once. A masked
+    // layer takes the host's mask when it becomes masked and after every write-back (which
+    // comes before each recipe update, where gradual magnitude pruning chooses new masks
+    // from the weights written back).
     std::vector<GpuTransformer::SlopeState> masks;
     std::set<std::string> had_adapter;
     for (const auto& name : linears_)
       if (model_.lora_rank(name) > 0) had_adapter.insert(name);
     model_.set_linear_kinds(host_kind_settings(
         host_, "GPU training", model_.optimizer_steps(),
-        [&](const std::string& name) { return model_.linear_kind(name) != "slope"; }, masks));
+        [&](const std::string& name) {
+          const std::string kind = host_.linear(name).kind();
+          return model_.linear_kind(name) != kind || (kind == "masked" && written_back_);
+        },
+        masks));
+    written_back_ = false;
     // An adapter enabled for this step starts from the host's (L drawn, R zero), moments zero.
     for (const auto& name : linears_)
       if (SlopeLinear<float>* sl = host_slope(host_, name); sl && sl->lora_rank() > 0 && !had_adapter.count(name))
@@ -388,6 +402,7 @@ class GpuStep final : public StepBackend {
   const std::set<std::string> linears_;  // the host's block Linear weights
   GpuTransformer model_;
   size_t dispatch_seen_ = 0;        // dispatch decisions already reported
+  bool written_back_ = false;       // state_to_host ran since the kinds were last followed
   std::vector<std::string> notes_;  // for take_notes
   StepHealth* health_ = nullptr;
   StepHealth* host_health_ = nullptr;  // pinned

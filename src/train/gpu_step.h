@@ -1,7 +1,7 @@
 // Training steps on the GPU: the StepBackend of train.device=cuda (train/trainer.h) over
 // GpuTransformer (model/gpu_transformer.h). Before every step the GPU model's block
 // linears take the kinds of the host model's (the recipe's plan for the step: dense,
-// semi_sparse or slope with its adapter); the per-layer dispatch decisions this makes are
+// masked, semi_sparse or slope with its adapter); the per-layer dispatch decisions this makes are
 // returned by take_notes for the run log.
 //
 // The trainer keeps the host model, the data, the schedule and the checkpoints; this
@@ -38,7 +38,7 @@ int cuda_device_count(std::string* why = nullptr);
 
 // The mean loss of one batch ([B·T] tokens and targets, host memory) on CUDA device 0:
 // a GPU model sized for B x T holding `host_model`'s weights and Linear kinds (dense,
-// semi_sparse, slope with its adapter; others throw), kept alive by the returned function.
+// masked, semi_sparse, slope with its adapter; others throw), kept alive by the returned function.
 std::function<double(const int32_t* tokens, const int32_t* targets, int B, int T)> gpu_batch_loss(
     const ModelConfig& config, Transformer<float>& host_model, int B, int T);
 

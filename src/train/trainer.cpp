@@ -188,7 +188,9 @@ DeviceProbe probe_devices() {
   return p;
 }
 
-bool gpu_trains_kind(const std::string& kind) { return kind == "dense" || kind == "semi_sparse" || kind == "slope"; }
+bool gpu_trains_kind(const std::string& kind) {
+  return kind == "dense" || kind == "masked" || kind == "semi_sparse" || kind == "slope";
+}
 
 namespace {
 
@@ -228,6 +230,7 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
     for (const auto& m : recipe.modifiers()) {
       const std::string what = "modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") +
                                (m.sparse_dw ? " with sparse_dw" : "") + " on " + join(m.params, ", ");
+      if (m.type == "gradual_magnitude") continue;  // masked layers: dense products, any shape
       if (m.type != "semi_sparse" && m.type != "slope")
         parts.push_back(what);
       else if (const std::string why = sparse_24_gpu_shape_problem(config, m); !why.empty())
