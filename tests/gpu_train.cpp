@@ -338,7 +338,7 @@ TEST_F(GpuTrain, AutoPicksTheGpuAndSparseRecipesAreRefused) {
   const std::string recipe =
       read_file(tiny_yaml()) +
       "recipe:\n  - gradual_magnitude: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], mask_type: '2:4', start: 0, "
-      "end: 1, update_every: 1}\n  - kernel_replacement: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], start: 2}\n";
+      "end: 0, update_every: 1}\n  - kernel_replacement: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], start: 0}\n";
   const fs::path yaml = *dir_ / "gmp.yaml";
   std::ofstream(yaml) << recipe;
   try {
