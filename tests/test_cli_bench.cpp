@@ -68,9 +68,12 @@ TEST(CliBench, OtherGpuBenchOptionErrors) {
 // The sparse layer kinds of `bench train` (checked before any GPU work).
 TEST(CliBench, TrainSparseKindOptionErrors) {
   expect_error(run("bench train --slope all"),
-               "--semi-sparse, --slope, --always-sparse, --no-baseline and --op-profile are for --device cuda");
-  expect_error(run("bench train --device cuda --semi-sparse all --slope all"), "give --semi-sparse or --slope, not both");
-  expect_error(run("bench train --device cuda --no-baseline"), "--no-baseline is for --semi-sparse or --slope");
+               "--semi-sparse, --slope, --masked, --always-sparse, --no-baseline and --op-profile are for --device cuda");
+  expect_error(run("bench train --masked all"), "are for --device cuda");
+  expect_error(run("bench train --device cuda --semi-sparse all --slope all"),
+               "give one of --semi-sparse, --slope and --masked");
+  expect_error(run("bench train --device cuda --masked all --slope all"), "give one of --semi-sparse, --slope and --masked");
+  expect_error(run("bench train --device cuda --no-baseline"), "--no-baseline is for --semi-sparse, --slope or --masked");
   expect_error(run("bench train --device cuda --semi-sparse all --lora-rank 8"),
                "--lora-rank is a positive rank for the adapters of --slope layers");
 }

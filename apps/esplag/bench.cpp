@@ -41,7 +41,8 @@ namespace {
 const char* kBenchUsage = R"(usage:
   esplag bench train --model PRESET [--device cpu|cuda] [--batch 4] [--seq 256] [--steps N]
                      [--warmup 1] [--vocab N] [--peak-tflops 989] [--csv FILE]
-                     [--semi-sparse all|REGEX | --slope all|REGEX] [--always-sparse] [--no-baseline]
+                     [--semi-sparse all|REGEX | --slope all|REGEX | --masked all|REGEX] [--always-sparse]
+                     [--no-baseline]
                      [--sparse-dw] [--lora-rank R] [--op-profile STEPS]
       cuda only: --semi-sparse makes the block linears whose weight names match semi_sparse
       (runtime transposable 2:4 on cuSPARSELt), --slope makes them slope (static row-wise
@@ -52,6 +53,8 @@ const char* kBenchUsage = R"(usage:
       model's device memory), unless --no-baseline; --sparse-dw gives those layers the
       weight gradient from the MVUE 2:4 of dY^T (outputs and tokens multiples of 64);
       --lora-rank gives the slope layers rank-R low-rank adapters (SLoPe's last phase);
+      --masked makes them masked (gradual magnitude pruning's kind: dense products, a fixed
+      2:4 mask applied to the weight gradients and the weights);
       --op-profile times every op over STEPS more eager steps and prints where the time goes
   esplag bench gemm [--shapes default|OUTxINxTOKENS,...] [--products fwd,bwd] [--operand A|B]
                     [--dtype bf16|e4m3] [--no-search] [--tuning-cache FILE] [--warmup 10]
@@ -312,7 +315,7 @@ int bench_slope_merged(const std::vector<std::string>& argv) {
 int bench_train(const std::vector<std::string>& argv) {
   Args a(argv, "bench train",
          {"model", "device", "batch", "seq", "steps", "warmup", "vocab", "peak-tflops", "csv", "semi-sparse", "slope",
-          "op-profile", "lora-rank"},
+          "masked", "op-profile", "lora-rank"},
          {"always-sparse", "no-baseline", "sparse-dw"});
   const std::string device = a.get("device", "cpu");
   ESPLAG_CHECK(device == "cpu" || device == "cuda", "bench train: --device must be cpu or cuda, got '", device, "'");
@@ -322,22 +325,23 @@ int bench_train(const std::vector<std::string>& argv) {
   const int steps = static_cast<int>(a.integer("steps", device == "cuda" ? 10 : 2));
   const int warmup = static_cast<int>(a.integer("warmup", device == "cuda" ? 3 : 1));
   ESPLAG_CHECK(steps > 0 && warmup >= 0, "bench train: --steps must be positive and --warmup not negative");
-  ESPLAG_CHECK(device == "cuda" || (!a.has("semi-sparse") && !a.has("slope") && !a.has("op-profile") &&
-                                    !a.has("always-sparse") && !a.has("no-baseline")),
-               "bench train: --semi-sparse, --slope, --always-sparse, --no-baseline and --op-profile are for --device "
-               "cuda");
-  ESPLAG_CHECK(!a.has("no-baseline") || a.has("semi-sparse") || a.has("slope"),
-               "bench train: --no-baseline is for --semi-sparse or --slope (the baseline is the dense model)");
+  const int kinds = a.has("semi-sparse") + a.has("slope") + a.has("masked");
+  ESPLAG_CHECK(device == "cuda" || (kinds == 0 && !a.has("op-profile") && !a.has("always-sparse") &&
+                                    !a.has("no-baseline")),
+               "bench train: --semi-sparse, --slope, --masked, --always-sparse, --no-baseline and --op-profile are for "
+               "--device cuda");
+  ESPLAG_CHECK(!a.has("no-baseline") || kinds > 0,
+               "bench train: --no-baseline is for --semi-sparse, --slope or --masked (the baseline is the dense model)");
   ESPLAG_CHECK(!a.has("sparse-dw") || a.has("semi-sparse") || a.has("slope"),
                "bench train: --sparse-dw is for the layers of --semi-sparse or --slope");
-  ESPLAG_CHECK(!(a.has("semi-sparse") && a.has("slope")), "bench train: give --semi-sparse or --slope, not both");
+  ESPLAG_CHECK(kinds <= 1, "bench train: give one of --semi-sparse, --slope and --masked");
   const int lora_rank = static_cast<int>(a.integer("lora-rank", 0));
   ESPLAG_CHECK(lora_rank >= 0 && (lora_rank == 0 || a.has("slope")),
                "bench train: --lora-rank is a positive rank for the adapters of --slope layers");
   if (device == "cuda") {
 #ifdef ESPLAG_HAVE_CUDA
-    const std::string kind = a.has("slope") ? "slope" : "semi_sparse";
-    std::string regex = a.get(a.has("slope") ? "slope" : "semi-sparse", "");
+    const std::string kind = a.has("slope") ? "slope" : a.has("masked") ? "masked" : "semi_sparse";
+    std::string regex = a.get(a.has("slope") ? "slope" : a.has("masked") ? "masked" : "semi-sparse", "");
     if (regex == "all") regex = R"(blocks\.\d+\..*\.weight)";
     const int op_steps = static_cast<int>(a.integer("op-profile", 0));
     ESPLAG_CHECK(op_steps >= 0, "bench train: --op-profile must not be negative");

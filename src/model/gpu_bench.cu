@@ -40,8 +40,8 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   GpuTransformer model(config, B, T, options);
   r.params = static_cast<int64_t>(model.num_params());
   model.init_weights(1);
-  ESPLAG_CHECK(sparse_kind == "semi_sparse" || sparse_kind == "slope", "bench_train_gpu: sparse kind '", sparse_kind,
-               "' is not semi_sparse or slope");
+  ESPLAG_CHECK(sparse_kind == "semi_sparse" || sparse_kind == "slope" || sparse_kind == "masked",
+               "bench_train_gpu: sparse kind '", sparse_kind, "' is not semi_sparse, slope or masked");
   ESPLAG_CHECK(lora_rank == 0 || sparse_kind == "slope", "bench_train_gpu: low-rank adapters are for slope layers");
   if (!sparse_regex.empty()) {
     std::regex re;
@@ -52,6 +52,8 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
     }
     int linears = 0, sparse = 0;
     std::vector<GpuTransformer::LinearKindSetting> settings;
+    std::vector<std::vector<uint8_t>> masks;  // masked: a fixed 2:4 pattern (the speed does not depend on it)
+    masks.reserve(model.param_infos().size());
     for (const auto& info : model.param_infos()) {
       if (info.shape.size() != 2 || info.name.rfind("blocks.", 0) != 0) continue;
       ++linears;
@@ -59,6 +61,11 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
       settings.push_back({info.name, sparse_kind, 100, nullptr, sparse_dw, /*dw_seed=*/1});
       settings.back().lora_rank = lora_rank;
       settings.back().lora_seed = 1;
+      if (sparse_kind == "masked") {
+        std::vector<uint8_t>& m = masks.emplace_back(info.numel);
+        for (size_t i = 0; i < m.size(); ++i) m[i] = i % 4 < 2;
+        settings.back().mask = &m;
+      }
       ++sparse;
     }
     model.set_linear_kinds(settings);
@@ -118,7 +125,7 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   r.device_used_bytes = total_b - free_b;
   r.sparse_bytes = model.sparse_device_bytes();
   r.dispatch = model.sparse_dispatch_summary();
-  if (!sparse_regex.empty()) {
+  if (!sparse_regex.empty() && sparse_kind != "masked") {
     int sparse_shapes = 0;
     for (const auto& d : model.sparse_dispatch()) sparse_shapes += d.sparse;
     r.linears += options.sparse_dispatch ? " (2:4 products for " + std::to_string(sparse_shapes) + " of " +

@@ -59,7 +59,7 @@ struct GpuBenchResult {
 // its graphs once warm-up has captured them: give warmup >= 2 to time replays only).
 // Then, if op_profile_steps > 0, that many more steps with per-op timing. The block
 // linears whose weight name fully matches sparse_regex (ECMAScript; empty: none) are of
-// sparse_kind, "semi_sparse" or "slope" (GpuTransformer::set_linear_kind, slope with its
+// sparse_kind, "semi_sparse", "slope" or "masked" (GpuTransformer::set_linear_kind, slope with its
 // default mask_change_freq), from the start, with sparse_dw when asked (their weight
 // gradients from the MVUE 2:4 of dYᵀ) and, for slope, low-rank adapters of lora_rank when
 // > 0 (SLoPe's last phase). Throws Error when the model does not fit or the regex is
