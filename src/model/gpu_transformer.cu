@@ -129,15 +129,21 @@ __global__ void zero_chunks_kernel(const ZeroChunk* table, float* grad) {
   for (int64_t i = threadIdx.x; i < c.n; i += kThreads) grad[c.offset + i] = 0.f;
 }
 
-// Zeroes the entries of x [rows, cols] whose bit is 0 in `bits` ([rows, ceil(cols / 32)]
-// words, bit c % 32 of word c / 32 for column c): a masked layer's pruned weights (both
-// halves of the master) and gradients.
-template <typename T>
-__global__ void apply_mask_kernel(T* x, const uint32_t* bits, int64_t rows, int64_t cols) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i >= rows * cols) return;
-  const int64_t r = i / cols, c = i % cols;
-  if (!((bits[r * ((cols + 31) / 32) + c / 32] >> (c % 32)) & 1u)) x[i] = T{};
+// Zeroes the entries of x [rows, cols] (and of x2 when given) whose bit is 0 in `bits`
+// ([rows, ceil(cols / 32)] words, bit c % 32 of word c / 32 for column c): a masked
+// layer's pruned gradients, or its pruned weights (x the master's high halves, x2 the low
+// ones). A thread per column, blocks of rows along y: no division per element, a warp's
+// 32 columns share one mask word, and only pruned entries are written.
+template <typename T, typename U>
+__global__ void apply_mask_kernel(T* x, U* x2, const uint32_t* bits, int64_t rows, int64_t cols) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (c >= cols) return;
+  const int64_t words = (cols + 31) / 32;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    if ((bits[r * words + c / 32] >> (c % 32)) & 1u) continue;
+    x[r * cols + c] = T{};
+    if (x2) x2[r * cols + c] = U{};
+  }
 }
 
 __global__ void fill_kernel(float* p, int64_t n, float value) {
@@ -461,11 +467,12 @@ struct GpuTransformer::Impl {
     int64_t out = 0, in = 0;
   };
   std::map<std::string, Masked> masks;
-  // Zeroes a masked layer's pruned entries of x [out, in].
-  template <typename T>
-  static void apply_mask(T* x, const Lin& lin, int64_t out, int64_t in, cudaStream_t s) {
-    const auto grid = static_cast<unsigned>((out * in + kThreads - 1) / kThreads);
-    apply_mask_kernel<T><<<grid, kThreads, 0, s>>>(x, lin.mask, out, in);
+  // Zeroes a masked layer's pruned entries of x [out, in] (and of x2).
+  template <typename T, typename U = T>
+  static void apply_mask(T* x, const Lin& lin, int64_t out, int64_t in, cudaStream_t s, U* x2 = nullptr) {
+    const dim3 grid(static_cast<unsigned>((in + kThreads - 1) / kThreads),
+                    static_cast<unsigned>(std::min<int64_t>(out, 65535)));
+    apply_mask_kernel<T, U><<<grid, kThreads, 0, s>>>(x, x2, lin.mask, out, in);
     CUDA_CHECK_LAUNCH("GpuTransformer (masked layer)");
   }
   // Which slope layers (in `slope`'s order) the preparation running now refreshes.
@@ -1651,9 +1658,8 @@ void GpuTransformer::mask_weights() {
   // Neither weight decay nor moments from before a mask change revive a pruned weight.
   for (const auto& [name, m] : im.masks) {
     const Impl::Lin& lin = *find_linear(im, name);
-    bf16* hi = im.w + (lin.w - im.w);
-    Impl::apply_mask(hi, lin, m.out, m.in, stream_);
-    Impl::apply_mask(im.w_lo + (lin.w - im.w), lin, m.out, m.in, stream_);
+    const ptrdiff_t at = lin.w - im.w;
+    Impl::apply_mask(im.w + at, lin, m.out, m.in, stream_, im.w_lo + at);
   }
 }
 
