@@ -300,9 +300,12 @@ TEST_F(GpuModelSparse, BackToDenseAndRefusedKinds) {
     }
     return std::string("no error");
   };
-  const std::string vnm = error_of(w, "vnm");
-  EXPECT_NE(vnm.find("'vnm' is not available on the GPU (dense, masked, semi_sparse and slope are)"), std::string::npos)
-      << vnm;
+  const std::string act = error_of(w, "semi_sparse_activation");
+  EXPECT_NE(act.find("'semi_sparse_activation' is not available on the GPU (dense, masked, vnm, semi_sparse and slope "
+                     "are)"),
+            std::string::npos)
+      << act;
+  EXPECT_NE(error_of(w, "vnm").find("kind vnm needs its mask"), std::string::npos);
   for (const std::string bad : {"blocks.2.mlp.fc.weight", "blocks.1.mlp.fc.bias", "lm_head.weight", "blocks.x.attn"}) {
     const std::string e = error_of(bad, "semi_sparse");
     EXPECT_NE(e.find("is not the weight of a block Linear layer"), std::string::npos) << bad << ": " << e;

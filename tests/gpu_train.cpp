@@ -35,6 +35,7 @@
 #include "io/atomic_file.h"
 #include "model/linear_masked.h"
 #include "model/linear_slope.h"
+#include "model/linear_vnm.h"
 #include "sparse/cuda/cusparselt.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
@@ -337,9 +338,8 @@ TEST_F(GpuTrain, AutoPicksTheGpuAndSparseRecipesAreRefused) {
 
   const std::string recipe =
       read_file(tiny_yaml()) +
-      "recipe:\n  - gradual_magnitude: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], mask_type: '2:4', start: 0, "
-      "end: 0, update_every: 1}\n  - kernel_replacement: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], start: 0}\n";
-  const fs::path yaml = *dir_ / "gmp.yaml";
+      "recipe:\n  - semi_sparse_activation: {params: ['re:blocks\\..*\\.mlp\\.proj\\.weight']}\n";
+  const fs::path yaml = *dir_ / "activation.yaml";
   std::ofstream(yaml) << recipe;
   try {
     Trainer bad(load_train_config(yaml.string(), {"data.path=" + *data_, "train.device=cuda"}),
@@ -347,8 +347,8 @@ TEST_F(GpuTrain, AutoPicksTheGpuAndSparseRecipesAreRefused) {
     ADD_FAILURE() << "a sparse recipe trained on the GPU";
   } catch (const Error& e) {
     const std::string m = e.what();
-    EXPECT_NE(m.find("modifier kernel_replacement"), std::string::npos) << m;
-    EXPECT_NE(m.find("the GPU trains dense, masked, semi_sparse and slope Linear layers only so far"),
+    EXPECT_NE(m.find("modifier semi_sparse_activation"), std::string::npos) << m;
+    EXPECT_NE(m.find("the GPU trains dense, masked, vnm, semi_sparse and slope Linear layers only so far"),
               std::string::npos)
         << m;
   }
@@ -461,6 +461,30 @@ TEST_F(GpuTrain, GradualMagnitudeRecipeTracksTheCpuAndResumes) {
     EXPECT_GT(pruned, l.mask().size() / 5) << name << ": the ramp has not pruned by step 6";
   }
   expect_resumes("gmp", r, kLossTol, true);
+}
+
+// VENOM on the GPU: the MLP's fc layers pruned to 64:2:8 by gradual magnitude pruning
+// (steps 1 to 4), then compressed (kind vnm, the mask frozen) from step 5, which the GPU
+// trains on the dense products of the masked weight. The curve follows the CPU run's; the
+// checkpoint at step 6 holds the CPU's vnm state (kept values and their moments) and
+// resumes on the GPU and on the CPU.
+TEST_F(GpuTrain, VenomRecipeTracksTheCpuAndResumes) {
+  const Runs r = recipe_on_both("venom",
+                                "gradual_magnitude: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], "
+                                "mask_type: '64:2:8', start: 1, end: 4, update_every: 1}\n"
+                                "  - kernel_replacement: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], start: 5}",
+                                kLossTol);
+  const auto replaced = std::count_if(r.gpu.log.begin(), r.gpu.log.end(), [](const std::string& l) {
+    return l.find("step 5: blocks.0.mlp.fc.weight -> vnm 64:2:8") != std::string::npos;
+  });
+  EXPECT_EQ(replaced, 1) << "the log does not say that the layers were compressed";
+  auto model = load_model((*dir_ / "venom_gpu_run" / "step-000006").string());
+  const auto& l = dynamic_cast<const VnmLinear<float>&>(model->linear("blocks.1.mlp.fc.weight"));
+  const std::vector<uint8_t> mask = l.mask();
+  const float* w = model->linear_params("blocks.1.mlp.fc.weight").weight;
+  for (size_t i = 0; i < mask.size(); ++i)
+    if (!mask[i]) ASSERT_EQ(w[i], 0.f) << i;
+  expect_resumes("venom", r, kLossTol, true);
 }
 
 // sparse_dw on the GPU: the MLP's fc layers (384 outputs, 2048 tokens: multiples of 64)

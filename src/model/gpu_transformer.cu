@@ -463,6 +463,7 @@ struct GpuTransformer::Impl {
   }
   // The masked layers by weight name: their bit masks (Lin::mask points into them) and shapes.
   struct Masked {
+    std::string kind;  // masked or vnm
     DeviceArena bits;
     int64_t out = 0, in = 0;
   };
@@ -1788,16 +1789,16 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   for (const auto& st : settings) {
     Impl::Lin* lin = find_linear(im, st.weight_name);
     ESPLAG_CHECK(lin, "GpuTransformer: '", st.weight_name, "' is not the weight of a block Linear layer");
-    ESPLAG_CHECK(st.kind == "dense" || st.kind == "masked" || st.kind == "semi_sparse" || st.kind == "slope",
-                 "GpuTransformer: ", st.weight_name, ": Linear kind '", st.kind,
-                 "' is not available on the GPU (dense, masked, semi_sparse and slope are)");
+    const bool masked = st.kind == "masked" || st.kind == "vnm";
+    ESPLAG_CHECK(st.kind == "dense" || masked || st.kind == "semi_sparse" || st.kind == "slope", "GpuTransformer: ",
+                 st.weight_name, ": Linear kind '", st.kind,
+                 "' is not available on the GPU (dense, masked, vnm, semi_sparse and slope are)");
     ESPLAG_CHECK(!st.slope_masks || st.kind == "slope", "GpuTransformer: ", st.weight_name, ": masks given for kind ",
                  st.kind);
     const ParamInfo* info = &info_named(infos_, st.weight_name);
     const int64_t out = info->shape.at(0), in = info->shape.at(1);
     if (st.slope_masks) check_slope_masks(st.weight_name, *st.slope_masks, out, in);
-    ESPLAG_CHECK(!st.mask || st.kind == "masked", "GpuTransformer: ", st.weight_name, ": a mask given for kind ",
-                 st.kind);
+    ESPLAG_CHECK(!st.mask || masked, "GpuTransformer: ", st.weight_name, ": a mask given for kind ", st.kind);
     ESPLAG_CHECK(!st.mask || st.mask->size() == size_t(out) * size_t(in), "GpuTransformer: ", st.weight_name,
                  ": a mask of ", st.mask ? st.mask->size() : 0, " entries for a ", out, "x", in, " weight");
     ESPLAG_CHECK(st.lora_rank == 0 || st.kind == "slope", "GpuTransformer: ", st.weight_name,
@@ -1813,9 +1814,9 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
                  ": sparse_dw needs the layer's outputs (", out, ") and the micro-batch's tokens (", tokens,
                  ") to be multiples of 64");
     if (st.kind == was && !st.slope_masks && !st.mask && st.sparse_dw == (lin->sp && lin->sp->sparse_dw())) continue;
-    ESPLAG_CHECK(st.kind != "masked" || st.mask, "GpuTransformer: ", st.weight_name,
-                 ": kind masked needs its mask (LinearKindSetting::mask)");
-    if (st.kind == "masked") {  // dense products of the masked weight
+    ESPLAG_CHECK(!masked || st.mask, "GpuTransformer: ", st.weight_name, ": kind ", st.kind,
+                 " needs its mask (LinearKindSetting::mask)");
+    if (masked) {  // dense products of the masked weight
       changes.push_back({&st, lin, info, was, out, in});
       relayout = relayout || was == "slope";
       continue;
@@ -1960,9 +1961,17 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     }
   }
 
-  // New masked layers: the mask as bits, and the weight masked at once.
+  // A layer that becomes or stops being vnm trains another tensor on the CPU (its kept
+  // values, "<weight>.values"): its moments start from zero, as the CPU trainer's do.
+  for (const Change& c : changes)
+    if ((c.was == "vnm") != (c.setting->kind == "vnm")) {
+      const ParamInfo& at = info_named(im.stored, c.setting->weight_name);
+      CUDA_CHECK(cudaMemsetAsync(im.m + at.offset, 0, sizeof(float) * at.numel, stream_));
+      CUDA_CHECK(cudaMemsetAsync(im.v + at.offset, 0, sizeof(float) * at.numel, stream_));
+    }
+  // New masked and vnm layers: the mask as bits, and the weight masked at once.
   for (const Change& c : changes) {
-    if (c.setting->kind != "masked") continue;
+    if (c.setting->kind != "masked" && c.setting->kind != "vnm") continue;
     const int64_t words = (c.in + 31) / 32;
     std::vector<uint32_t> bits(size_t(c.out * words), 0u);
     const std::vector<uint8_t>& mask = *c.setting->mask;
@@ -1970,6 +1979,7 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
       for (int64_t i = 0; i < c.in; ++i)
         if (mask[size_t(o * c.in + i)]) bits[size_t(o * words + i / 32)] |= 1u << (i % 32);
     Impl::Masked& m = im.masks[c.setting->weight_name];
+    m.kind = c.setting->kind;
     m.out = c.out;
     m.in = c.in;
     m.bits = DeviceArena(sizeof(uint32_t) * bits.size() + DeviceArena::kDefaultAlignment, "mask bits");
@@ -2053,7 +2063,8 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
 std::string GpuTransformer::linear_kind(const std::string& weight_name) const {
   Impl::Lin* lin = find_linear(*impl_, weight_name);
   ESPLAG_CHECK(lin, "GpuTransformer: '", weight_name, "' is not the weight of a block Linear layer");
-  return lin->slope ? "slope" : lin->sp ? "semi_sparse" : lin->mask ? "masked" : "dense";
+  if (lin->mask) return impl_->masks.at(weight_name).kind;
+  return lin->slope ? "slope" : lin->sp ? "semi_sparse" : "dense";
 }
 
 GpuTransformer::SlopeState GpuTransformer::slope_state(const std::string& weight_name) const {

@@ -222,10 +222,18 @@ class GpuTransformer {
 
   // --- Linear kinds ---------------------------------------------------------------------
   // The kind of a block Linear layer, by its weight's name ("blocks.3.mlp.fc.weight"):
-  // "dense" (the default), "masked", "semi_sparse" or "slope". Other kinds, or the 2:4 ones
+  // "dense" (the default), "masked", "vnm", "semi_sparse" or "slope". Other kinds, or the 2:4 ones
   // without cuSPARSELt, throw Error. Changing a kind waits for the device and drops the
   // captured graphs. Each sparse layer is tuned at its first forward (one cuSPARSELt search
   // per shape and process, or the tuning cache's entry).
+  //
+  // vnm (model/linear_vnm.h: VENOM's layers after kernel replacement, the mask frozen) is
+  // trained as masked is, with the mask it is given when it becomes vnm and its moments
+  // started from zero (the CPU trains its kept values, a new tensor): AdamW is elementwise
+  // and the pruned entries' gradients, moments and weights stay 0, so the kept values
+  // take the CPU's updates. Its products are the dense ones of the masked weight, not the
+  // V:N:M kernel (sparse/cuda/vnm_gemm.h), which measured slower than cuBLASLt's on the
+  // GPU (0.55-0.96x).
   //
   // masked (model/linear_masked.h: gradual magnitude pruning on dense kernels): the layer
   // takes the mask given (LinearKindSetting::mask, u8 [out, in], 1 = kept: the host
@@ -308,7 +316,7 @@ class GpuTransformer {
     uint64_t dw_seed = 0, dw_draws = 0;
     int lora_rank = 0;  // slope: the adapter's rank (0: none)
     uint64_t lora_seed = 0;
-    const std::vector<uint8_t>* mask = nullptr;  // masked: [out, in], 1 = kept (null: keep the layer's)
+    const std::vector<uint8_t>* mask = nullptr;  // masked, vnm: [out, in], 1 = kept (null: keep the layer's)
   };
   void set_linear_kinds(const std::vector<LinearKindSetting>& settings);
   void set_linear_kind(const std::string& weight_name, const std::string& kind, int mask_change_freq = 100,

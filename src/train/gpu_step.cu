@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <set>
 #include <utility>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "model/linear_masked.h"
 #include "model/linear_semi_sparse.h"
 #include "model/linear_slope.h"
+#include "model/linear_vnm.h"
 #include "sparse/masks.h"
 
 namespace esplag {
@@ -51,6 +53,21 @@ __global__ void finish_step_kernel(StepHealth* h, int micro_batches, long long s
 
 SlopeLinear<float>* host_slope(Transformer<float>& host, const std::string& name) {
   return dynamic_cast<SlopeLinear<float>*>(&host.linear(name));
+}
+
+// A host layer that trains its kept values ("<weight>.values": slope, vnm) instead of its
+// flat weight: where they sit in the dense weight, and the values themselves. Null for
+// the others.
+struct KeptValues {
+  linear_detail::SlotIndex slots;
+  std::vector<float>* values = nullptr;
+};
+std::optional<KeptValues> host_kept_values(Transformer<float>& host, const std::string& name) {
+  if (SlopeLinear<float>* sl = host_slope(host, name))
+    return KeptValues{linear_detail::slot_index(sl->forward_weight()), &sl->values()};
+  if (auto* vl = dynamic_cast<VnmLinear<float>*>(&host.linear(name)))
+    return KeptValues{linear_detail::slot_index(vl->weight()), &vl->values()};
+  return std::nullopt;
 }
 
 // The sparse dW estimator of a host layer (semi_sparse or slope), or null for the others.
@@ -116,18 +133,27 @@ void slope_to_host(SlopeLinear<float>& l, const std::string& name, const GpuTran
   l.load_state(state);  // rebuilds the flat weight and the backward copy from the values
 }
 
+// The masks the settings of host_kind_settings point into.
+struct HeldMasks {
+  std::vector<GpuTransformer::SlopeState> slope;
+  std::vector<std::vector<uint8_t>> vnm;
+};
+
 // The GPU kinds of the host model's block linears, for one set_linear_kinds call (`who`
-// names the caller in errors). Slope and masked layers for which `give_masks(name)` holds
-// take the host's masks (slope: refresh step `step` when the host has not refreshed yet,
-// kept in `masks`; masked: the host layer's own), which the settings point into and which
+// names the caller in errors). Slope, masked and vnm layers for which `give_masks(name)`
+// holds take the host's masks (slope: refresh step `step` when the host has not refreshed
+// yet), kept in `held` (or the host layer's own), which the settings point into and which
 // must outlive them.
 std::vector<GpuTransformer::LinearKindSetting> host_kind_settings(
     Transformer<float>& host, const char* who, int64_t step, const std::function<bool(const std::string&)>& give_masks,
-    std::vector<GpuTransformer::SlopeState>& masks) {
+    HeldMasks& held) {
   const auto names = host.linear_names();
   std::vector<GpuTransformer::LinearKindSetting> settings;
+  std::vector<GpuTransformer::SlopeState>& masks = held.slope;
   masks.clear();
-  masks.reserve(names.size());  // no reallocation: the settings point into it
+  masks.reserve(names.size());  // no reallocation: the settings point into them
+  held.vnm.clear();
+  held.vnm.reserve(names.size());
   for (const auto& name : names) {
     const std::string kind = host.linear(name).kind();
     ESPLAG_CHECK(gpu_trains_kind(kind), who, ": ", name, " is of kind ", kind, "; ", kGpuKindsNote);
@@ -139,6 +165,9 @@ std::vector<GpuTransformer::LinearKindSetting> host_kind_settings(
     } else if (const auto* ml = dynamic_cast<const MaskedLinear<float>*>(&host.linear(name))) {
       settings.push_back({name, kind});
       if (give_masks(name)) settings.back().mask = &ml->mask();
+    } else if (const auto* vl = dynamic_cast<const VnmLinear<float>*>(&host.linear(name))) {
+      settings.push_back({name, kind});
+      if (give_masks(name)) settings.back().mask = &held.vnm.emplace_back(vl->mask());
     } else {
       settings.push_back({name, kind});
     }
@@ -206,16 +235,15 @@ class GpuStep final : public StepBackend {
     if (!m.empty() || !v.empty()) {
       std::vector<float> mf(host_.num_params()), vf(host_.num_params());
       for (const auto& info : host_.param_infos()) {
-        if (SlopeLinear<float>* sl = is_linear_weight(info.name) ? host_slope(host_, info.name) : nullptr) {
+        if (const auto kept = is_linear_weight(info.name) ? host_kept_values(host_, info.name) : std::nullopt) {
           // The kept values' moments, spread over the dense weight (zero where pruned).
           auto mi = m.find(info.name + ".values"), vi = v.find(info.name + ".values");
-          const size_t n = sl->values().size();
-          if (mi == m.end() && vi == v.end()) continue;  // the layer became slope at this step
+          const size_t n = kept->values->size();
+          if (mi == m.end() && vi == v.end()) continue;  // the layer became slope or vnm at this step
           ESPLAG_CHECK(mi != m.end() && vi != v.end() && mi->second.size() == n && vi->second.size() == n,
                        "GPU training: the optimizer state for '", info.name, ".values' is missing or has the wrong size");
-          const auto slots = linear_detail::slot_index(sl->forward_weight());
-          linear_detail::scatter(mf.data() + info.offset, slots, mi->second.data());
-          linear_detail::scatter(vf.data() + info.offset, slots, vi->second.data());
+          linear_detail::scatter(mf.data() + info.offset, kept->slots, mi->second.data());
+          linear_detail::scatter(vf.data() + info.offset, kept->slots, vi->second.data());
           continue;
         }
         auto mi = m.find(info.name), vi = v.find(info.name);
@@ -329,6 +357,17 @@ class GpuStep final : public StepBackend {
         }
         continue;
       }
+      if (auto* vl = linear ? dynamic_cast<VnmLinear<float>*>(&host_.linear(info.name)) : nullptr) {
+        // The kept values and their moments from the dense (masked) GPU copies.
+        const auto slots = linear_detail::slot_index(vl->weight());
+        const std::string values = info.name + ".values";
+        linear_detail::gather(vl->values().data(), slots, p.data() + info.offset, nullptr);
+        m_[values].resize(vl->values().size());
+        v_[values].resize(vl->values().size());
+        linear_detail::gather(m_[values].data(), slots, mf.data() + info.offset, nullptr);
+        linear_detail::gather(v_[values].data(), slots, vf.data() + info.offset, nullptr);
+        continue;
+      }
       if (linear && model_.sparse_dw(info.name)) set_host_draws(host_.linear(info.name), info.name, draws);
       m_[info.name].assign(mf.begin() + info.offset, mf.begin() + info.offset + info.numel);
       v_[info.name].assign(vf.begin() + info.offset, vf.begin() + info.offset + info.numel);
@@ -372,7 +411,7 @@ class GpuStep final : public StepBackend {
     // layer takes the host's mask when it becomes masked and after every write-back (which
     // comes before each recipe update, where gradual magnitude pruning chooses new masks
     // from the weights written back).
-    std::vector<GpuTransformer::SlopeState> masks;
+    HeldMasks masks;
     std::set<std::string> had_adapter;
     for (const auto& name : linears_)
       if (model_.lora_rank(name) > 0) had_adapter.insert(name);
@@ -380,7 +419,7 @@ class GpuStep final : public StepBackend {
         host_, "GPU training", model_.optimizer_steps(),
         [&](const std::string& name) {
           const std::string kind = host_.linear(name).kind();
-          return model_.linear_kind(name) != kind || (kind == "masked" && written_back_);
+          return model_.linear_kind(name) != kind || (kind == "masked" && written_back_);  // vnm's is frozen
         },
         masks));
     written_back_ = false;
@@ -430,7 +469,7 @@ std::function<double(const int32_t*, const int32_t*, int, int)> gpu_batch_loss(c
                                                                              int T) {
   auto model = std::make_shared<GpuTransformer>(config, B, T);
   model->set_params(host_model.params(), host_model.num_params());
-  std::vector<GpuTransformer::SlopeState> masks;
+  HeldMasks masks;
   model->set_linear_kinds(host_kind_settings(
       host_model, "GPU evaluation", 0, [](const std::string&) { return true; }, masks));
   for (const auto& name : host_model.linear_names())

@@ -52,16 +52,17 @@ struct DeviceProbe {
 DeviceProbe probe_devices();
 
 // Linear kinds the GPU model trains (model/gpu_transformer.h): dense, masked (gradual
-// magnitude pruning), semi_sparse and slope (with its lazy low-rank adapter).
+// magnitude pruning), vnm (VENOM after kernel replacement, on dense products), semi_sparse
+// and slope (with its lazy low-rank adapter).
 bool gpu_trains_kind(const std::string& kind);
 inline constexpr const char* kGpuKindsNote =
-    "the GPU trains dense, masked, semi_sparse and slope Linear layers only so far";
+    "the GPU trains dense, masked, vnm, semi_sparse and slope Linear layers only so far";
 
 // What the GPU path cannot train of this run, "" when nothing: the recipe's modifiers
-// other than gradual_magnitude, semi_sparse and slope, semi_sparse and slope modifiers
-// claiming layers (or a micro-batch) that cuSPARSELt cannot take (multiples of 16; with
-// sparse_dw, outputs and tokens multiples of 64), and, when `model` is given, its Linear
-// kinds the GPU lacks (LoRA-wrapped layers of other kinds among them).
+// other than gradual_magnitude, kernel_replacement (without LoRA), semi_sparse and slope;
+// semi_sparse and slope modifiers claiming layers (or a micro-batch) that cuSPARSELt cannot
+// take (multiples of 16; with sparse_dw, outputs and tokens multiples of 64); and, when
+// `model` is given, its Linear kinds the GPU lacks (LoRA-wrapped layers among them).
 std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* model = nullptr);
 
 struct DeviceChoice {
