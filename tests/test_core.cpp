@@ -81,6 +81,41 @@ TEST(Rng, NormalHasUnitMomentsAndBelowIsInRange) {
   for (int i = 0; i < 1000; ++i) EXPECT_LT(r.below(7), 7u);
 }
 
+// fill_normal against the loop it replaces: the same bits and the same final state, for
+// sizes around its chunk of 65536 values, several thread counts, and a start whose first
+// uniform draw is 0 (a state with s[1] = 0 outputs 0), which normal() draws again.
+template <typename T>
+void expect_fill_normal_matches_the_loop(const Rng::State& start, size_t n, double scale) {
+  Rng seq, par;
+  seq.set_state(start);
+  par.set_state(start);
+  std::vector<T> want(n), got(n, T(-7));
+  for (auto& x : want) x = static_cast<T>(seq.normal() * scale);
+  fill_normal(par, got.data(), n, scale);
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], want[i]) << "value " << i << " of " << n;
+  EXPECT_EQ(par.state(), seq.state()) << n << " values";
+}
+
+TEST(Rng, FillNormalDrawsWhatTheLoopDraws) {
+  const int threads = num_threads();
+  const Rng::State zero_first = {1, 0, 2, 3};
+  ASSERT_EQ(Rng(0).state().size(), 4u);
+  {
+    Rng r;
+    r.set_state(zero_first);
+    ASSERT_EQ(r.next_u64() >> 11, 0u) << "the test's start must make normal() draw again";
+  }
+  for (int t : {1, 3}) {
+    set_num_threads(t);
+    for (size_t n : {size_t(0), size_t(1), size_t(65535), size_t(65536), size_t(65537), size_t(3 * 65536 + 17)}) {
+      expect_fill_normal_matches_the_loop<float>(Rng(42).state(), n, 0.02);
+      expect_fill_normal_matches_the_loop<double>(Rng(7).state(), n, 1.5);
+    }
+    expect_fill_normal_matches_the_loop<float>(zero_first, 65536 + 5, 0.02);
+  }
+  set_num_threads(threads);
+}
+
 TEST(Parallel, CoversEveryIndexOnce) {
   std::vector<std::atomic<int>> hits(10007);
   parallel_for(10007, [&](int64_t b, int64_t e) {

@@ -1,6 +1,10 @@
 #include "core/rng.h"
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
+
+#include "core/parallel.h"
 
 namespace esplag {
 
@@ -52,5 +56,38 @@ double Rng::normal() {
   const double u2 = uniform();
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
 }
+
+namespace {
+// Advances r past one normal(): its first uniform draw repeated while it is 0, then one more.
+void skip_normal(Rng& r) {
+  while ((r.next_u64() >> 11) == 0) {
+  }
+  r.next_u64();
+}
+constexpr size_t kNormalChunk = size_t(1) << 16;  // values per parallel chunk
+}  // namespace
+
+template <typename T>
+void fill_normal(Rng& rng, T* out, size_t n, double scale) {
+  const size_t chunks = (n + kNormalChunk - 1) / kNormalChunk;
+  std::vector<Rng::State> starts(chunks);
+  for (size_t c = 0; c < chunks; ++c) {
+    starts[c] = rng.state();
+    const size_t count = std::min(kNormalChunk, n - c * kNormalChunk);
+    for (size_t i = 0; i < count; ++i) skip_normal(rng);
+  }
+  parallel_for(int64_t(chunks), [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      Rng r;
+      r.set_state(starts[size_t(c)]);
+      T* o = out + size_t(c) * kNormalChunk;
+      const size_t count = std::min(kNormalChunk, n - size_t(c) * kNormalChunk);
+      for (size_t i = 0; i < count; ++i) o[i] = static_cast<T>(r.normal() * scale);
+    }
+  });
+}
+
+template void fill_normal<float>(Rng&, float*, size_t, double);
+template void fill_normal<double>(Rng&, double*, size_t, double);
 
 }  // namespace esplag

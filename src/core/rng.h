@@ -3,6 +3,7 @@
 // checkpoints save it and a resumed run draws exactly what the uninterrupted one would.
 #pragma once
 #include <array>
+#include <cstddef>
 #include <cstdint>
 
 namespace esplag {
@@ -24,5 +25,15 @@ class Rng {
  private:
   State s_{};
 };
+
+// out[i] = T(rng.normal() * scale) for i in [0, n): the values, and the state rng is left
+// in, are exactly those of that loop, but the values are drawn in parallel (core/parallel.h).
+// One sequential pass advances the generator as normal() would, taking its uniform draws
+// without the logarithm, root and cosine that make a normal about seven times dearer, and
+// records where each chunk of values starts; then the chunks are drawn concurrently.
+// For the initialisation of large models (llama-1b: 953M values, about 28 s one after the
+// other).
+template <typename T>
+void fill_normal(Rng& rng, T* out, size_t n, double scale);
 
 }  // namespace esplag

@@ -164,7 +164,7 @@ void Transformer<T>::init_weights(uint64_t seed) {
       const bool residual_out = info.name.find("attn.proj.weight") != std::string::npos ||
                                 info.name.find("mlp.proj.weight") != std::string::npos;
       const double std = cfg_.init_std * (residual_out ? residual_scale : 1.0);
-      for (size_t i = 0; i < info.numel; ++i) w[i] = static_cast<T>(rng.normal() * std);
+      fill_normal(rng, w, info.numel, std);
     }
   }
 }
