@@ -16,10 +16,18 @@ namespace esplag {
 
 namespace {
 
+// dst [cols, rows] = src [rows, cols]ᵀ, in 32 × 32 tiles (a 1B model's weights are
+// transposed at every SLoPe mask refresh and host write-back: row by row, every write of a
+// large matrix would miss the cache).
 template <typename T>
 void transpose(T* dst, const T* src, int64_t rows, int64_t cols) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+  constexpr int64_t kTile = 32;
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile)
+    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+      const int64_t r1 = std::min(rows, r0 + kTile), c1 = std::min(cols, c0 + kTile);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) dst[c * rows + r] = src[r * cols + c];
+    }
 }
 
 // out[N, rows] = x · Wᵀ + bias with W compressed 2:4: the sparse layer's reference for
@@ -51,9 +59,10 @@ SlopeLinear<T>::SlopeLinear(const LinearParams<T>& p, int mask_change_freq, Mvue
     w1_ = linear_detail::compress_24_masked(p.weight, fwd_mask_.data(), O, C, p.name);
     s1_ = linear_detail::slot_index(w1_);
   }
-  dvalues_.assign(w1_.values.size(), T(0));
+  dvalues_ = ZeroedArray<T>(w1_.values.size());
   linear_detail::scatter(p.weight, s1_, w1_.values.data());
   refresh_backward_mask();
+  release_work_buffers();
 }
 
 template <typename T>
@@ -73,13 +82,14 @@ SlopeLinear<T>::SlopeLinear(const LinearParams<T>& p, const SlopeLinear& prev, i
   w2t_ = prev.w2t_;
   s1_ = prev.s1_;
   s2t_ = prev.s2t_;
-  dvalues_.assign(w1_.values.size(), T(0));
+  dvalues_ = ZeroedArray<T>(w1_.values.size());
   rank_ = prev.rank_;
   l_ = prev.l_;
   r_ = prev.r_;
   dl_.assign(l_.size(), T(0));
   dr_.assign(r_.size(), T(0));
   sync();
+  release_work_buffers();
 }
 
 template <typename T>
@@ -373,6 +383,13 @@ void SlopeLinear<T>::load_state(const std::map<std::string, Tensor>& tensors) {
     }
   refresh_step_ = int64_t(rs);
   sync();
+  release_work_buffers();
+}
+
+template <typename T>
+void SlopeLinear<T>::release_work_buffers() {
+  std::vector<T>().swap(scratch_);
+  std::vector<T>().swap(tmp_);
 }
 
 template class SlopeLinear<float>;

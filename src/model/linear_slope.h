@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "core/zeroed_array.h"
 #include "model/linear.h"
 #include "model/linear_kinds.h"
 #include "model/linear_semi_sparse.h"
@@ -95,6 +96,10 @@ class SlopeLinear final : public Linear<T> {
  private:
   void sync();  // flat weight = W1; W2ᵀ values from W1
   void rebuild_backward_weight();  // W2ᵀ compressed from W1 and the backward mask
+  // Frees the dense-size work buffers (scratch_, tmp_) after a construction or a state
+  // load: a layer that never trains on the host (GPU training) should not hold 8 bytes
+  // per weight of them; the training paths grow them again on first use.
+  void release_work_buffers();
   void adapter_forward_add(T* out, const T* inp, int N);
   std::string adapter_name(const char* what) const;
 
@@ -103,7 +108,7 @@ class SlopeLinear final : public Linear<T> {
   std::vector<uint8_t> fwd_mask_, bwd_mask_, bwd_mask_t_;  // bwd_mask_t_: [in, out]
   Compressed24T<T> w1_, w2t_;
   linear_detail::SlotIndex s1_, s2t_;
-  std::vector<T> dvalues_;
+  ZeroedArray<T> dvalues_;
   int rank_ = 0;
   std::vector<T> l_, r_, dl_, dr_;
   std::vector<T> scratch_, tmp_, t_, dt_;

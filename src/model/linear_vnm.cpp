@@ -46,7 +46,7 @@ VnmLinear<T>::VnmLinear(const LinearParams<T>& p, const VnmLinear& prev)
   ESPLAG_CHECK(q.name == p.name && q.in_features == p.in_features && q.out_features == p.out_features,
                "linear '", p.name, "' [out ", p.out_features, ", in ", p.in_features,
                "]: cannot continue the vnm layer '", q.name, "' [out ", q.out_features, ", in ", q.in_features, "]");
-  dvalues_.assign(w_.inner.values.size(), T(0));
+  dvalues_ = ZeroedArray<T>(w_.inner.values.size());
   after_optimizer_step();
 }
 
@@ -72,7 +72,7 @@ void VnmLinear<T>::build(const std::vector<uint8_t>& mask) {
     }
   w_ = linear_detail::compress_vnm_masked(p.weight, mask.data(), O, C, v_, m_, p.name);
   s_ = linear_detail::slot_index(w_);
-  dvalues_.assign(w_.inner.values.size(), T(0));
+  dvalues_ = ZeroedArray<T>(w_.inner.values.size());
   after_optimizer_step();
 }
 

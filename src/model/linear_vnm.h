@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "core/zeroed_array.h"
 #include "model/linear.h"
 #include "model/linear_kinds.h"
 #include "sparse/compressed.h"
@@ -63,7 +64,8 @@ class VnmLinear final : public Linear<T> {
   int v_ = 0, m_ = 0;  // block shape of the stored form (v_ = 1 for 2:M)
   CompressedVNMT<T> w_;
   linear_detail::SlotIndex s_;
-  std::vector<T> dvalues_, scratch_;
+  ZeroedArray<T> dvalues_;
+  std::vector<T> scratch_;
 };
 
 }  // namespace esplag

@@ -75,8 +75,7 @@ Transformer<T>::Transformer(const ModelConfig& config) : cfg_(config) {
     total += info.numel;
   }
   params_.assign(total, T(0));
-  grads_.reset(static_cast<T*>(std::calloc(std::max<size_t>(total, 1), sizeof(T))));
-  ESPLAG_CHECK(grads_, "cannot allocate the gradients of a model with ", total, " parameters");
+  grads_ = ZeroedArray<T>(total);
 
   // Pointers into the flat buffers never move after this point: cache them.
   auto norm = [&](const std::string& name) {
@@ -132,7 +131,7 @@ T* Transformer<T>::p(const std::string& name) {
 }
 template <typename T>
 T* Transformer<T>::g(const std::string& name) {
-  return grads_.get() + param_info(name).offset;
+  return grads_.data() + param_info(name).offset;
 }
 
 template <typename T>
@@ -145,7 +144,7 @@ Tensor Transformer<T>::param(const std::string& name) const {
 template <typename T>
 Tensor Transformer<T>::grad(const std::string& name) const {
   const auto& info = param_info(name);
-  return Tensor::borrow(grads_.get() + info.offset, info.shape, sizeof(T) == 4 ? DType::f32 : DType::f64,
+  return Tensor::borrow(const_cast<T*>(grads_.data()) + info.offset, info.shape, sizeof(T) == 4 ? DType::f32 : DType::f64,
                         Device::cpu, name + ".grad");
 }
 
@@ -172,7 +171,7 @@ void Transformer<T>::init_weights(uint64_t seed) {
 
 template <typename T>
 void Transformer<T>::zero_grad() {
-  std::fill(grads_.get(), grads_.get() + params_.size(), T(0));
+  std::fill(grads_.begin(), grads_.end(), T(0));
   for (const auto& name : linear_names())
     for (auto& op : linear(name).owned_params()) std::fill(op.grad, op.grad + shape_numel(op.shape), T(0));
 }
@@ -189,7 +188,7 @@ std::vector<OwnedParam<T>> Transformer<T>::trainable_params() {
   std::vector<OwnedParam<T>> out;
   for (const auto& info : infos_) {
     if (std::find(skipped.begin(), skipped.end(), info.name) != skipped.end()) continue;
-    out.push_back({info.name, info.shape, params_.data() + info.offset, grads_.get() + info.offset, info.decay});
+    out.push_back({info.name, info.shape, params_.data() + info.offset, grads_.data() + info.offset, info.decay});
   }
   for (auto& op : owned) out.push_back(std::move(op));
   return out;
@@ -216,12 +215,12 @@ LinearParams<T> Transformer<T>::linear_params(const std::string& weight_name) {
   lp.out_features = static_cast<int>(info.shape[0]);
   lp.in_features = static_cast<int>(info.shape[1]);
   lp.weight = params_.data() + info.offset;
-  lp.dweight = grads_.get() + info.offset;
+  lp.dweight = grads_.data() + info.offset;
   const std::string bias_name = weight_name.substr(0, weight_name.size() - 7) + ".bias";  // "weight" -> "bias"
   for (const auto& bi : infos_)
     if (bi.name == bias_name) {
       lp.bias = params_.data() + bi.offset;
-      lp.dbias = grads_.get() + bi.offset;
+      lp.dbias = grads_.data() + bi.offset;
     }
   return lp;
 }

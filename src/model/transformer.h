@@ -4,12 +4,12 @@
 // T is float for training and double for the finite-difference gradient checks.
 #pragma once
 #include <cstdint>
-#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "core/tensor.h"
+#include "core/zeroed_array.h"
 #include "model/config.h"
 #include "model/linear.h"
 
@@ -38,7 +38,7 @@ class Transformer {
   const ParamInfo& param_info(const std::string& name) const;  // throws naming unknown params
   size_t num_params() const { return params_.size(); }
   T* params() { return params_.data(); }
-  T* grads() { return grads_.get(); }
+  T* grads() { return grads_.data(); }
   const T* params() const { return params_.data(); }
   // A view of one parameter (or its gradient) in the flat buffer.
   Tensor param(const std::string& name) const;
@@ -94,17 +94,10 @@ class Transformer {
   double head_loss(const int32_t* targets, int N, bool train, double loss_scale);
   void backward_body(const int32_t* inputs, int B, int Tlen);
 
-  struct FreeDeleter {
-    void operator()(T* p) const { std::free(p); }
-  };
-
   ModelConfig cfg_;
   std::vector<ParamInfo> infos_;
   std::vector<T> params_;
-  // calloc'd: a large block comes as fresh zero pages that the OS backs only when they are
-  // first written, so the gradients of a model that never runs backward on the host (GPU
-  // training keeps its own) cost neither memory nor the time to zero them.
-  std::unique_ptr<T[], FreeDeleter> grads_;
+  ZeroedArray<T> grads_;  // backed only once written: GPU training never touches it
   std::vector<Block> blocks_;
   Norm norm_f_;
   T *wte_ = nullptr, *dwte_ = nullptr, *wpe_ = nullptr, *dwpe_ = nullptr, *head_w_ = nullptr, *head_dw_ = nullptr;
