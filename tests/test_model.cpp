@@ -1,12 +1,10 @@
 // Whole-model checks: the explicit backward of the transformer against finite
 // differences in fp64, for the GPT-2 and the LLaMA flavour (RoPE, GQA, SwiGLU, RMSNorm).
 #include <gtest/gtest.h>
-#include <unistd.h>
-
-#include <fstream>
 
 #include "gradcheck.h"
 #include "model/transformer.h"
+#include "test_util.h"
 
 using namespace esplag;
 using esplag::testing::expect_close;
@@ -143,17 +141,9 @@ TEST(Model, ReplaceLinearRequiresTheSameLayer) {
 // The gradient buffer is zeros that take memory only once written: a model that never runs
 // backward on the host (GPU training) does not hold a second copy of its size. Measured as
 // the process's resident memory (Linux), on a model of 40M parameters (160 MB a buffer).
-namespace {
-double resident_mib() {
-  std::ifstream statm("/proc/self/statm");
-  size_t total = 0, resident = 0;
-  statm >> total >> resident;
-  return double(resident) * double(sysconf(_SC_PAGESIZE)) / double(1 << 20);
-}
-}  // namespace
-
 TEST(Model, GradientsTakeMemoryOnlyOnceWritten) {
-  if (!std::ifstream("/proc/self/statm")) GTEST_SKIP() << "no /proc/self/statm";
+  using esplag::testing::resident_mib;
+  if (resident_mib() < 0) GTEST_SKIP() << "no /proc/self/statm";
   ModelConfig c = model_preset("tiny");
   c.vocab_size = 65536;
   c.d_model = 512;

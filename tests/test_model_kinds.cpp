@@ -26,6 +26,7 @@
 #include "sparse/double_prune.h"
 #include "sparse/masks.h"
 #include "sparse/transposable.h"
+#include "test_util.h"
 
 using namespace esplag;
 using esplag::testing::dot;
@@ -606,6 +607,22 @@ TEST(LinearKinds, SlopeMergedForwardEqualsTrainingForward) {
     l.merged_forward(b.data(), x.data(), N);
     EXPECT_EQ(a, b) << "double, adapter, no bias";
   }
+}
+
+// A slope layer built on the host keeps what a GPU run needs from it (masks, both
+// compressed copies, their slot indices: about 11.5 bytes per weight) but not the dense
+// work buffers of its construction (8 bytes per weight) nor a written gradient (2 bytes).
+TEST(LinearKinds, SlopeLayerHoldsNoDenseWorkBuffersAfterConstruction) {
+  using esplag::testing::resident_mib;
+  if (resident_mib() < 0) GTEST_SKIP() << "no /proc/self/statm";
+  const int out = 4096, in = 4096;
+  const double weight_mib = double(out) * in / double(1 << 20);  // MiB per byte-per-weight
+  Buffers<float> f(out, in, 5, false);
+  const double before = resident_mib();
+  auto l = std::make_unique<SlopeLinear<float>>(f.p, 10);
+  const double held = resident_mib() - before;
+  EXPECT_LT(held, 15 * weight_mib) << "bytes per weight: " << held / weight_mib;
+  EXPECT_GT(held, 8 * weight_mib) << "the measurement misses the layer itself";
 }
 
 TEST(LinearKinds, SparseAdamWEqualsDenseAdamWRestrictedToMask) {

@@ -1,5 +1,5 @@
 // Small helpers shared by the CPU tests: a scratch directory per test, whole-file writes,
-// and the message of the Error a call throws.
+// the message of the Error a call throws, and the process's resident memory.
 #pragma once
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -12,6 +12,14 @@
 #include "core/error.h"
 
 namespace esplag::testing {
+
+// The process's resident memory in MiB (Linux's /proc/self/statm), or -1 without it.
+inline double resident_mib() {
+  std::ifstream statm("/proc/self/statm");
+  size_t total = 0, resident = 0;
+  if (!(statm >> total >> resident)) return -1;
+  return double(resident) * double(sysconf(_SC_PAGESIZE)) / double(1 << 20);
+}
 
 // A fresh directory for the running test (named by test and process, so ctest can run
 // cases in parallel), removed when the object goes away.
