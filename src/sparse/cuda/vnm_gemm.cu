@@ -44,18 +44,18 @@
 // per-thread state, and on sm_90a the sparse wgmma (wgmma.mma_async.sp) with the gathered
 // X tile written to shared memory once per row block.
 //
-// How far a sparse wgmma could go, from shared-memory bandwidth alone (128 bytes per cycle
-// per SM; dense bf16 peak 4096 FLOP per cycle per SM, cuBLASLt at ~80% of it here): a
-// wgmma.sp m64nNk32 takes its B operand (32 gathered columns × N tokens, 64·N bytes)
+// How far a sparse wgmma could go, from shared-memory bandwidth alone (128 bytes per
+// cycle per SM; dense bf16 peak 4096 FLOP per cycle per SM, cuBLASLt at ~80% of it here):
+// a wgmma.sp m64nNk32 takes its B operand (32 gathered columns × N tokens, 64·N bytes)
 // from shared memory and, at the 2:4 rate, issues every N/2 cycles, so reading B alone
-// needs all 128 bytes per cycle (which is also why cuSPARSELt's 2:4 products stay at
+// needs all 128 bytes per cycle (consistent with cuSPARSELt's 2:4 products staying at
 // 1.3-1.8x, not 2x). A V:N:M kernel must also write the gathered B tile into shared
 // memory (another 64·N bytes per step, at best by cp.async of Xᵀ's selected rows straight
 // from L2; a gather from an X tile already in shared memory reads 64·N more): one K step
 // (8·M columns of X) then needs 128·N to 192·N bytes, N to 1.5·N cycles, where dense peak
-// needs (8·M/16)·(N/2) = M·N/4 cycles for the same columns. For 64:2:8 (M = 8) that is 1.3-2x
-// dense peak, about 1.7-2.5x cuBLASLt: the 2.5x target sits at the bound of a perfect
-// kernel, with every row block (V = 64 rows) loading its own gathered tile.
+// needs (8·M/16)·(N/2) = M·N/4 cycles for the same columns. For 64:2:8 (M = 8) that is
+// 1.3-2x dense peak, about 1.7-2.5x cuBLASLt: the 2.5x target sits at the bound of a
+// perfect kernel, with every row block (V = 64 rows) loading its own gathered tile.
 #include "sparse/cuda/vnm_gemm.h"
 
 #include <algorithm>
