@@ -272,6 +272,8 @@ recipe:
   EXPECT_TRUE(logged("step 15: blocks.0.mlp.fc.weight -> masked 64:2:8"));
   EXPECT_TRUE(logged("step 20: blocks.0.mlp.fc.weight -> vnm 64:2:8"));
   EXPECT_TRUE(logged("step 30: blocks.0.mlp.fc.weight -> vnm+lora 64:2:8, low-rank adapter r=4"));
+  EXPECT_TRUE(logged("step 20: recipe update: host layers rebuilt in "));  // the stall's time, per update
+  EXPECT_FALSE(logged("step 21: recipe update"));
   EXPECT_EQ(full.model().linear("blocks.0.mlp.fc.weight").kind(), "vnm+lora");
   EXPECT_EQ(full.model().linear("blocks.0.attn.qkv.weight").kind(), "dense");
 

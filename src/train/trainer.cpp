@@ -410,15 +410,41 @@ void Trainer::save() {
 }
 
 double Trainer::advance() {
+  using clock = std::chrono::steady_clock;
+  const auto seconds_since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
   const int64_t step = state_.step;
-  if (!recipe_.empty() && recipe_.is_update_step(step)) {
+  const bool update = !recipe_.empty() && recipe_.is_update_step(step);
+  const bool device = backend_->device() != "cpu";
+  double write_back_s = 0, layers_s = 0;
+  if (update) {
     // Kinds built from the weights (slope's masks) must see the trained ones: a device
     // backend writes them back to the host model first.
-    if (backend_->device() != "cpu") backend_->state_to_host();
+    auto t = clock::now();
+    if (device) backend_->state_to_host();
+    write_back_s = seconds_since(t);
+    t = clock::now();
     apply_recipe_step(*model_, recipe_, step, cfg_.seed, log_);
+    layers_s = seconds_since(t);
   }
   const double lr = cfg_.schedule.at(step);
+  const auto t_step = clock::now();
   backend_->step(step, lr, *train_data_);
+  if (update) {
+    // A recipe step stalls the run on the host: say where the time went. A device step
+    // returns once its work is queued, so its time here is the host's part: handing the
+    // device the layers' new kinds and masks.
+    char buf[200];
+    if (device)
+      std::snprintf(buf, sizeof buf,
+                    "step %lld: recipe update took %.1f s (write-back from the device %.1f s, host layers %.1f s, "
+                    "new kinds to the device %.1f s)",
+                    static_cast<long long>(step), write_back_s + layers_s + seconds_since(t_step), write_back_s,
+                    layers_s, seconds_since(t_step));
+    else
+      std::snprintf(buf, sizeof buf, "step %lld: recipe update: host layers rebuilt in %.2f s",
+                    static_cast<long long>(step), layers_s);
+    log_(buf);
+  }
   for (const auto& note : backend_->take_notes()) log_("step " + std::to_string(step) + ": " + note);
   state_.step = step + 1;
   state_.tokens_seen += int64_t(cfg_.batch_size) * cfg_.seq_len * cfg_.grad_accum;
