@@ -134,9 +134,15 @@ void SlopeLinear<T>::sync() {
   const auto& p = this->p_;
   const int64_t O = p.out_features, C = p.in_features;
   linear_detail::scatter(p.weight, s1_, w1_.values.data());
-  tmp_.resize(size_t(O * C));
-  transpose(tmp_.data(), p.weight, O, C);
-  linear_detail::gather(w2t_.values.data(), s2t_, tmp_.data(), bwd_mask_t_.data());
+  // W2ᵀ[c, o] = W1[o, c] at the backward copy's slots (0 where a slot is padding), read
+  // straight from the flat weight without a transposed copy (consecutive rows c of W2ᵀ
+  // read neighbouring columns of W1, so a cache line read for one row serves the next).
+  const linear_detail::SlotIndex& s = s2t_;
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t j = 0; j < s.per_row; ++j) {
+      const int64_t o = s.col[c * s.per_row + j];
+      w2t_.values[c * s.per_row + j] = bwd_mask_t_[c * O + o] ? p.weight[o * C + c] : T(0);
+    }
 }
 
 template <typename T>
@@ -373,14 +379,11 @@ void SlopeLinear<T>::load_state(const std::map<std::string, Tensor>& tensors) {
   // backward mask is its slots within the forward mask.
   w2t_ = std::move(w2t);
   s2t_ = slot_index(w2t_);
-  bwd_mask_t_ = slot_mask(s2t_);
-  bwd_mask_.assign(size_t(O * C), 0);
-  for (int64_t o = 0; o < O; ++o)
-    for (int64_t c = 0; c < C; ++c) {
-      uint8_t& bt = bwd_mask_t_[c * O + o];
-      bt = bt && fwd_mask_[o * C + c];
-      bwd_mask_[o * C + c] = bt;
-    }
+  bwd_mask_.resize(size_t(O * C));
+  transpose(bwd_mask_.data(), slot_mask(s2t_).data(), C, O);
+  for (size_t i = 0; i < bwd_mask_.size(); ++i) bwd_mask_[i] = bwd_mask_[i] && fwd_mask_[i];
+  bwd_mask_t_.resize(size_t(O * C));
+  transpose(bwd_mask_t_.data(), bwd_mask_.data(), O, C);
   refresh_step_ = int64_t(rs);
   sync();
   release_work_buffers();
