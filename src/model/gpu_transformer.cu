@@ -254,6 +254,13 @@ const ParamInfo& info_named(const std::vector<ParamInfo>& infos, const std::stri
   return *it;
 }
 
+// The block index and the module of a block Linear's weight name (set_linear_kind checked
+// it): "blocks.3.mlp.fc.weight" -> 3, "blocks.3.mlp.fc".
+int layer_of(const std::string& weight_name) { return std::stoi(weight_name.substr(std::string("blocks.").size())); }
+std::string module_of(const std::string& weight_name) {
+  return weight_name.substr(0, weight_name.size() - std::string(".weight").size());
+}
+
 int head_segment(const ModelConfig& c, const std::vector<ParamInfo>& infos) {
   const ParamInfo& head = info_named(infos, c.tie_embeddings ? "embed.tokens.weight" : "lm_head.weight");
   return static_cast<int>(&head - infos.data());
@@ -874,7 +881,7 @@ void GpuTransformer::lay_out_state() {
   // The adapters after every flat tensor, so that the flat tensors keep their indices.
   for (const auto& [weight, rank] : im.lora) {
     const ParamInfo& w = info_named(infos_, weight);
-    const std::string module = weight.substr(0, weight.size() - std::string(".weight").size());
+    const std::string module = module_of(weight);
     for (const auto& [suffix, shape] : {std::pair<const char*, Shape>{".lora_l", {w.shape.at(0), rank}},
                                         std::pair<const char*, Shape>{".lora_r", {rank, w.shape.at(1)}}}) {
       ParamInfo a;
@@ -1613,13 +1620,6 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
 
 namespace {
 
-// The block index and the module of a block Linear's weight name (set_linear_kind checked
-// it): "blocks.3.mlp.fc.weight" -> 3, "blocks.3.mlp.fc".
-int layer_of(const std::string& weight_name) { return std::stoi(weight_name.substr(std::string("blocks.").size())); }
-std::string module_of(const std::string& weight_name) {
-  return weight_name.substr(0, weight_name.size() - std::string(".weight").size());
-}
-
 // The block Linear named by its weight ("blocks.3.mlp.fc.weight"), or null.
 GpuTransformer::Impl::Lin* find_linear(GpuTransformer::Impl& im, const std::string& weight_name) {
   static const std::pair<const char*, GpuTransformer::Impl::Lin GpuTransformer::Impl::Block::*> kSuffixes[] = {
@@ -2102,12 +2102,7 @@ namespace {
 std::pair<const ParamInfo*, const ParamInfo*> lora_entries(const std::vector<ParamInfo>& stored,
                                                            const std::string& weight_name) {
   const std::string module = module_of(weight_name);
-  const ParamInfo *l = nullptr, *r = nullptr;
-  for (const auto& i : stored) {
-    if (i.name == module + ".lora_l") l = &i;
-    if (i.name == module + ".lora_r") r = &i;
-  }
-  return {l, r};
+  return {&info_named(stored, module + ".lora_l"), &info_named(stored, module + ".lora_r")};
 }
 
 }  // namespace

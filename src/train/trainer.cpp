@@ -429,6 +429,7 @@ double Trainer::advance() {
   const double lr = cfg_.schedule.at(step);
   const auto t_step = clock::now();
   backend_->step(step, lr, *train_data_);
+  const double step_s = seconds_since(t_step);
   if (update) {
     // A recipe step stalls the run on the host: say where the time went. A device step
     // returns once its work is queued, so its time here is the host's part: handing the
@@ -438,8 +439,7 @@ double Trainer::advance() {
       std::snprintf(buf, sizeof buf,
                     "step %lld: recipe update took %.1f s (write-back from the device %.1f s, host layers %.1f s, "
                     "new kinds to the device %.1f s)",
-                    static_cast<long long>(step), write_back_s + layers_s + seconds_since(t_step), write_back_s,
-                    layers_s, seconds_since(t_step));
+                    static_cast<long long>(step), write_back_s + layers_s + step_s, write_back_s, layers_s, step_s);
     else
       std::snprintf(buf, sizeof buf, "step %lld: recipe update: host layers rebuilt in %.2f s",
                     static_cast<long long>(step), layers_s);
