@@ -340,8 +340,9 @@ int bench_train(const std::vector<std::string>& argv) {
                "bench train: --lora-rank is a positive rank for the adapters of --slope layers");
   if (device == "cuda") {
 #ifdef ESPLAG_HAVE_CUDA
-    const std::string kind = a.has("slope") ? "slope" : a.has("masked") ? "masked" : "semi_sparse";
-    std::string regex = a.get(a.has("slope") ? "slope" : a.has("masked") ? "masked" : "semi-sparse", "");
+    const std::string option = a.has("slope") ? "slope" : a.has("masked") ? "masked" : "semi-sparse";
+    const std::string kind = option == "semi-sparse" ? "semi_sparse" : option;
+    std::string regex = a.get(option, "");
     if (regex == "all") regex = R"(blocks\.\d+\..*\.weight)";
     const int op_steps = static_cast<int>(a.integer("op-profile", 0));
     ESPLAG_CHECK(op_steps >= 0, "bench train: --op-profile must not be negative");

@@ -203,9 +203,8 @@ void SlopeLinear<T>::enable_lora(int rank, uint64_t seed) {
 template <typename T>
 std::vector<T> SlopeLinear<T>::initial_lora_l(int64_t out, int rank, uint64_t seed) {
   Rng rng(seed);
-  const double std = 1.0 / std::sqrt(double(rank));
   std::vector<T> l(size_t(out) * size_t(rank));
-  for (auto& x : l) x = static_cast<T>(rng.normal() * std);
+  fill_normal(rng, l.data(), l.size(), 1.0 / std::sqrt(double(rank)));
   return l;
 }
 
