@@ -20,6 +20,13 @@
 //
 //   dw       S as A  out  in  N   S [out,N] row, op N       X [N,in] row, op N          [out,in] row, ld in
 //
+// semi_sparse_activation's forward (structured operand Xs, the input pruned 2:4 along its
+// features, A only):
+//
+//   xfwd     Xs as A N   out  in   Xs [N,in] row, op N       W [out,in] = [in,out] col, op N   [N,out] row, ld out
+//
+// Both operands K-major (the layout of tensor-core GEMMs), Y as the model holds it.
+//
 // S is op N because that is the layout the fused MVUE kernel writes (cusparselt_layout.h's
 // forward form, checked byte for byte against the library per problem; the library's op T
 // layout is a different one). With m = out and n = in, dW [out, in] as the optimizer holds
@@ -78,6 +85,7 @@ const char* product_name(SparseProduct p) {
     case SparseProduct::forward: return "fwd";
     case SparseProduct::backward_data: return "bwd";
     case SparseProduct::weight_grad: return "dw";
+    case SparseProduct::activation_forward: return "xfwd";
   }
   return "?";
 }
@@ -124,6 +132,16 @@ SparseGemm24Problem SparseGemm24Problem::linear_weight_grad(int64_t out, int64_t
   return p;
 }
 
+SparseGemm24Problem SparseGemm24Problem::linear_activation_forward(int64_t out, int64_t in, int64_t tokens) {
+  SparseGemm24Problem p;
+  p.product = SparseProduct::activation_forward;
+  p.out = out;
+  p.in = in;
+  p.tokens = tokens;
+  p.weight_operand = SparseOperand::a;
+  return p;
+}
+
 std::string SparseGemm24Problem::key() const {
   return detail::concat(product_name(product), " out=", out, " in=", in, " tokens=", tokens,
                         " w=", weight_operand == SparseOperand::a ? "A" : "B", " bias=", bias ? 1 : 0,
@@ -146,26 +164,27 @@ void check_sparse_gemm24_problem(const SparseGemm24Problem& p) {
   // cuSPARSELt's descriptors hold at most 2^31 - 1 elements per 16-bit matrix: the
   // structured operand, the dense operand and the output.
   const int64_t limit = (int64_t(1) << 31) - 1;
-  const bool dw = p.product == SparseProduct::weight_grad;
+  const bool dw = p.product == SparseProduct::weight_grad, xfwd = p.product == SparseProduct::activation_forward;
   const std::pair<const char*, int64_t> sizes[] = {
-      {dw ? "the structured dY^T" : "W", p.structured_rows() * p.structured_cols()},
-      {dw ? "X" : "the token-side input", p.tokens * (dw ? p.in : p.k())},
+      {dw ? "the structured dY^T" : xfwd ? "the structured X" : "W", p.structured_rows() * p.structured_cols()},
+      {dw ? "X" : xfwd ? "W" : "the token-side input", xfwd ? p.out * p.in : p.tokens * (dw ? p.in : p.k())},
       {dw ? "dW" : "the output",
-       dw ? p.out * p.in : p.tokens * (p.product == SparseProduct::forward ? p.out : p.in)}};
+       dw ? p.out * p.in : p.tokens * (p.product == SparseProduct::backward_data ? p.in : p.out)}};
   for (const auto& [name, v] : sizes)
     ESPLAG_CHECK(v <= limit, what, ": ", name, " has ", v, " elements, more than cuSPARSELt's 2^31 - 1");
   if (p.product != SparseProduct::forward) {
-    const char* which = dw ? "the weight-gradient product" : "the backward-data product";
+    const char* which = dw     ? "the weight-gradient product"
+                        : xfwd ? "the product of a 2:4 input (its bias would run along the tokens)"
+                               : "the backward-data product";
     ESPLAG_CHECK(!p.bias, what, ": ", which, " has no bias");
     ESPLAG_CHECK(p.activation == SparseActivation::none, what, ": ", which, " has no activation");
   }
-  // Only S as A is described (cusparselt.cu's table): as B, the structured operand would
-  // be dY [N, out] with K = N along its columns, a layout nothing here writes.
+  // Only S and Xs as A are described (cusparselt.cu's table): as B, the structured operand
+  // would be K-major along a dimension nothing here writes.
   ESPLAG_CHECK(!(dw && p.weight_operand == SparseOperand::b), what,
                ": the weight-gradient product takes its structured operand dY^T as operand A only");
-  ESPLAG_CHECK(!(p.bias && p.weight_operand == SparseOperand::b), what,
-               ": a fused bias needs the weight as operand A (with W as B the epilogue would add one value "
-               "per token, not per feature)");
+  ESPLAG_CHECK(!(xfwd && p.weight_operand == SparseOperand::b), what,
+               ": the product of a 2:4 input takes its structured operand X as operand A only");
   if (p.dtype == SparseDtype::e4m3) {
     // fp8 tensor cores read both operands K-major: the forward layout with W as A (W row-major
     // op N, X row-major op T) is that; the other layouts are not described for fp8 here.
@@ -915,7 +934,15 @@ SparseGemm24::SparseGemm24(const SparseGemm24Problem& p, Algorithm alg) : impl_(
   };
   const int64_t feat_in = fwd ? in : out;    // features of the token-side input
   const int64_t feat_out = fwd ? out : in;   // features of the output
-  if (p.product == SparseProduct::weight_grad) {
+  if (p.product == SparseProduct::activation_forward) {
+    structured(&m.a);  // Xs [N, in] row-major, op N
+    m.has_a = true;
+    dense(&m.b, in, out, in, CUSPARSE_ORDER_COL, in_type);  // W [out, in] as column-major [in, out], op N
+    m.has_b = true;
+    dense(&m.c, tok, out, out, CUSPARSE_ORDER_ROW, CUDA_R_16BF);  // Y [N, out] row-major
+    m.has_c = true;
+    m.op_a = m.op_b = m.op_w = N;
+  } else if (p.product == SparseProduct::weight_grad) {
     structured(&m.a);  // S [out, N] row-major, op N
     m.has_a = true;
     dense(&m.b, tok, in, in, CUSPARSE_ORDER_ROW, in_type);  // X [N, in] row-major, op N

@@ -97,7 +97,7 @@ __device__ inline unsigned mvue_pick_group(uint64_t v, uint32_t u, uint16_t* out
   return pick_group(kept, out0, out1);
 }
 
-enum class Source { dense, dense_pruned, kept, mvue_of_transpose };
+enum class Source { dense, dense_pruned, dense_rows, kept, mvue_of_transpose };
 
 // One 64×64 tile of W per block of 256 threads, one 4×4 tile of W per thread. A thread
 // loads its tile straight from global memory (a warp reads 128 contiguous bytes per row),
@@ -115,6 +115,9 @@ enum class Source { dense, dense_pruned, kept, mvue_of_transpose };
 //                 (gpu::transposable_24's rule and bits), written to `pruned` when that is
 //                 not null: the runtime 2:4 of a weight and both compressed copies in one
 //                 read of W.
+//   dense_rows    W pruned row-wise, the two largest |w| of every 4 along a row
+//                 (gpu::activation_24_rows's rule and bits), written to `pruned` when
+//                 that is not null; op N only (the result is 2:4 along the rows alone).
 //   kept          w holds a row-wise 2:4 weight W1's kept values [rows, cols/2], the masks
 //                 come as 4×4 tile bits [rows/4, cols/4]: op N compresses W1 (fwd_tiles),
 //                 op T W2 = W1 ⊙ bwd_tiles (slope's two copies from its stored kept values).
@@ -229,8 +232,8 @@ __global__ void __launch_bounds__(kLayoutThreads)
       tile_n.hi[r] = v.y;
     }
     nonzero_n = nonzero_bits(tile_n);
-    if constexpr (From == Source::dense_pruned) {
-      const uint32_t keep = greedy_mask(tile_n);
+    if constexpr (From == Source::dense_pruned || From == Source::dense_rows) {
+      const uint32_t keep = From == Source::dense_pruned ? greedy_mask(tile_n) : rows_top2_mask(tile_n);
       tile_n = prune_tile(tile_n, keep);
       nonzero_n &= keep;
       if (pruned) {
@@ -331,6 +334,20 @@ void cusparselt24_prune_compress(const bf16* w, int64_t rows, int64_t cols, bf16
   CUDA_CHECK_LAUNCH("compress_layout_kernel (pruning)");
 }
 
+void cusparselt24_prune_rows_compress(const bf16* w, int64_t rows, int64_t cols, bf16* pruned, void* dst_n,
+                                      cudaStream_t stream) {
+  check_shape("cusparselt24_prune_rows_compress", rows, cols, "X");
+  ESPLAG_CHECK(w != nullptr, "cusparselt24_prune_rows_compress: null X");
+  for (const void* p : {static_cast<const void*>(w), static_cast<const void*>(pruned), static_cast<const void*>(dst_n)})
+    ESPLAG_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0,
+                 "cusparselt24_prune_rows_compress: pointers must be 16-byte aligned");
+  const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
+  compress_layout_kernel<Source::dense_rows><<<grid, kLayoutThreads, 0, stream>>>(
+      reinterpret_cast<const uint16_t*>(w), rows, cols, static_cast<uint8_t*>(dst_n), nullptr,
+      reinterpret_cast<uint16_t*>(pruned), nullptr, nullptr, nullptr);
+  CUDA_CHECK_LAUNCH("compress_layout_kernel (row-wise pruning)");
+}
+
 void cusparselt24_compress_kept(const bf16* values, const uint16_t* forward_tiles, const uint16_t* backward_tiles,
                                 int64_t rows, int64_t cols, void* dst_n, void* dst_t, cudaStream_t stream) {
   check_shape("cusparselt24_compress_kept", rows, cols);
@@ -388,7 +405,8 @@ std::vector<uint16_t> random_transposable(int64_t rows, int64_t cols, uint64_t s
 }
 
 // The structured operand is the row-major rows × cols matrix of the problem (W [out, in],
-// or S [out, tokens] for weight_grad); backward_data applies op T to it, the others op N.
+// S [out, tokens] for weight_grad, Xs [tokens, in] for activation_forward); backward_data
+// applies op T to it, the others op N.
 bool check_problem(const SparseGemm24& g) {
   const SparseGemm24Problem& p = g.problem();
   if (p.weight_operand != SparseOperand::a) return false;

@@ -91,6 +91,14 @@ void cusparselt24_compress_kept(const bf16* values, const uint16_t* forward_tile
 void cusparselt24_prune_compress(const bf16* w, int64_t rows, int64_t cols, bf16* pruned, void* dst_n, void* dst_t,
                                  cudaStream_t stream);
 
+// The same with the row-wise 2:4 of X [rows, cols] instead (the two largest |x| of every 4
+// along a row, NaN as +inf, ties to the lower index: gpu::activation_24_rows's rule, bit
+// for bit): pruned (may be null) = X pruned, dst_n = its layout (op N only: the result is
+// 2:4 along its rows alone). semi_sparse_activation's row_24 input and its forward's
+// compressed operand (SparseProduct::activation_forward) in one read of X.
+void cusparselt24_prune_rows_compress(const bf16* x, int64_t rows, int64_t cols, bf16* pruned, void* dst_n,
+                                      cudaStream_t stream);
+
 // The weight-gradient product's structured operand from the output gradient, in one read
 // of it: dst_t = the layout of S = MVUE(Gᵀ), the MVUE 2:4 (sparse/mvue.h) of Gᵀ [cols, rows]
 // for `seed`, where G [rows, cols] is bf16, row-major, 16-byte aligned (SparseLinear's
@@ -109,7 +117,8 @@ void cusparselt24_compress_mvue_t(const bf16* g, int64_t rows, int64_t cols, con
 
 // Whether this layout is the one the loaded cuSPARSELt produces for g's structured operand:
 // operand A (the forward's op N, backward_data's op T of W; weight_grad's op N of S
-// [out, tokens], the forward form with M = out, K = tokens), the compressed size equal to
+// [out, tokens], the forward form with M = out, K = tokens; activation_forward's op N of
+// Xs [tokens, in], M = tokens, K = in), the compressed size equal to
 // cusparselt24_layout_bytes, and a random 2:4 (along both dimensions) matrix of the
 // operand's shape compressed both ways giving identical bytes. Decided once per (product,
 // structured operand's shape) and process (thread-safe); synchronises the device the first
