@@ -7,7 +7,9 @@
 // same for slope layers against SlopeLinear (model/linear_slope.h: the kept values'
 // gradients, the CPU trainer's AdamW over the kept values, backward-mask refreshes, the
 // lazy low-rank adapters, per-layer dispatch), and for masked layers against MaskedLinear
-// (model/linear_masked.h). Needs cuSPARSELt (skipped with its reason otherwise).
+// (model/linear_masked.h), and for semi_sparse_activation layers against
+// SemiSparseActivationLinear (both patterns, dispatch, training curve, graph replay).
+// Needs cuSPARSELt (skipped with its reason otherwise).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -300,16 +302,117 @@ TEST_F(GpuModelSparse, BackToDenseAndRefusedKinds) {
     }
     return std::string("no error");
   };
-  const std::string act = error_of(w, "semi_sparse_activation");
-  EXPECT_NE(act.find("'semi_sparse_activation' is not available on the GPU (dense, masked, vnm, semi_sparse and slope "
-                     "are)"),
+  const std::string unknown = error_of(w, "semi_dense");
+  EXPECT_NE(unknown.find("'semi_dense' is not available on the GPU (dense, masked, vnm, semi_sparse, "
+                         "semi_sparse_activation and slope are)"),
             std::string::npos)
-      << act;
+      << unknown;
   EXPECT_NE(error_of(w, "vnm").find("kind vnm needs its mask"), std::string::npos);
   for (const std::string bad : {"blocks.2.mlp.fc.weight", "blocks.1.mlp.fc.bias", "lm_head.weight", "blocks.x.attn"}) {
     const std::string e = error_of(bad, "semi_sparse");
     EXPECT_NE(e.find("is not the weight of a block Linear layer"), std::string::npos) << bad << ": " << e;
   }
+}
+
+// --- semi_sparse_activation ------------------------------------------------------------------
+
+// Every block linear of both models semi_sparse_activation with pattern `a`.
+void make_activation(Transformer<float>& cm, GpuTransformer& gm, esplag::ActivationSparsity a) {
+  esplag::LayerPlan plan;
+  plan.kind = "semi_sparse_activation";
+  plan.pattern = esplag::SparsityPattern::nm(2, 4);
+  plan.sparsity = 0.5;
+  plan.activation = a;
+  std::vector<GpuTransformer::LinearKindSetting> settings;
+  for (const auto& name : cm.linear_names()) {
+    esplag::apply_layer_plan(cm, name, plan, 1);
+    settings.push_back({name, "semi_sparse_activation"});
+    settings.back().activation = a;
+  }
+  gm.set_linear_kinds(settings);
+  for (const auto& name : cm.linear_names()) {
+    EXPECT_EQ(gm.linear_kind(name), "semi_sparse_activation");
+    EXPECT_EQ(gm.activation_sparsity(name), a);
+  }
+}
+
+// One micro-batch on both models with every block linear semi_sparse_activation: loss and
+// every gradient agree; the forwards of the layers on the 2:4 path (all of them without
+// dispatch, at the size the model was built for) run as "sparse gemm" ops, their dX and
+// dW as cuBLASLt's.
+void compare_activation_step(const std::string& label, const ModelConfig& cfg, esplag::ActivationSparsity a,
+                             int maxB, int maxT, int B, int T, bool dispatch) {
+  SCOPED_TRACE(label + " " + esplag::activation_sparsity_name(a));
+  Transformer<float> cm(cfg);
+  cm.init_weights(6);
+  for (size_t i = 0; i < cm.num_params(); ++i) cm.params()[i] = esplag::gpu_test::round_bf16(cm.params()[i]);
+  GpuModelOptions o;
+  o.sparse_dispatch = dispatch;
+  GpuTransformer gm(cfg, maxB, maxT, o);
+  gm.set_params(cm.params(), cm.num_params());
+  make_activation(cm, gm, a);
+  EXPECT_GT(gm.sparse_device_bytes(), 0u) << "the shared pruning scratch";
+  const auto g = micro_batch_on_both(cm, gm, B, T, label + " " + esplag::activation_sparsity_name(a));
+  double worst = 0;
+  for (const auto& info : cm.param_infos()) {
+    const double e = rel_l2(g.data() + info.offset, cm.grads() + info.offset, info.numel);
+    EXPECT_LT(e, 3e-2) << "gradient of " << info.name;
+    worst = std::max(worst, e);
+  }
+  std::printf("  worst gradient rel L2 error %.2e\n", worst);
+  int sparse_fwd = 0, sparse_other = 0;
+  for (const auto& op : gm.op_times())
+    if (op.op.rfind("sparse gemm", 0) == 0) ++(op.op.find(" fwd") != std::string::npos ? sparse_fwd : sparse_other);
+  int sparse_roles = 4;
+  if (dispatch) {
+    ASSERT_EQ(gm.sparse_dispatch().size(), 4u) << "one decision per layer shape";
+    sparse_roles = 0;
+    for (const auto& d : gm.sparse_dispatch()) {
+      EXPECT_EQ(d.kind, "semi_sparse_activation");
+      EXPECT_EQ(d.sparse, d.sparse_ms < d.dense_ms);
+      // only mlp.fc's 2:4 forward adds a GELU pass (the dX stays cuBLASLt's, GELU fused)
+      const bool fc = d.out == cfg.fc_dim() && d.in == cfg.d_model;
+      EXPECT_EQ(d.gelu_pass, fc && cfg.mlp == esplag::MlpKind::gelu) << d.out << "x" << d.in;
+      sparse_roles += d.sparse;
+    }
+    const std::string summary = gm.sparse_dispatch_summary();
+    EXPECT_NE(summary.find("semi_sparse_activation products by layer shape (input pruning + forward per step)"),
+              std::string::npos)
+        << summary;
+  }
+  if (B * T != maxB * maxT) sparse_roles = 0;
+  EXPECT_EQ(sparse_fwd, sparse_roles);
+  EXPECT_EQ(sparse_other, 0) << "dX and dW of semi_sparse_activation are dense";
+}
+
+TEST_F(GpuModelSparse, SemiSparseActivationMatchesCpu) {
+  for (auto a : {esplag::ActivationSparsity::row_24, esplag::ActivationSparsity::tile_24}) {
+    compare_activation_step("gpt (bias + GELU)", gpt_config(), a, 4, 64, 4, 64, false);
+    compare_activation_step("llama (SwiGLU, RoPE, GQA)", llama_config(), a, 2, 96, 2, 96, false);
+    compare_activation_step("llama, smaller micro-batch than sized", llama_config(), a, 2, 96, 1, 40, false);
+    compare_activation_step("gpt, dispatch by measurement", gpt_config(), a, 4, 64, 4, 64, true);
+  }
+}
+
+// A short training curve with the CPU's, and graph replay giving the bits of eager steps.
+TEST_F(GpuModelSparse, SemiSparseActivationTrainsLikeTheCpu) {
+  const ModelConfig c = llama_config();
+  const int B = 2, T = 64, steps = 15;
+  Transformer<float> cm(c);
+  cm.init_weights(9);
+  GpuTransformer gm(c, B, T, always_sparse());
+  gm.set_params(cm.params(), cm.num_params());
+  make_activation(cm, gm, esplag::ActivationSparsity::tile_24);
+  esplag::GpuAdamW hyper;
+  hyper.lr = 3e-3;
+  std::vector<float> m(cm.num_params()), v(cm.num_params());
+  expect_curves_agree(
+      cm, gm, B, T, steps, 78, hyper, [&](int s) { cpu_adamw_step(cm, m, v, hyper, s + 1); }, 0.8);
+  expect_graphs_give_eager_bits(llama_config(), always_sparse(), 2, 64, 4, [](GpuTransformer& gm, const std::string& w) {
+    GpuTransformer::LinearKindSetting st{w, "semi_sparse_activation"};
+    st.activation = esplag::ActivationSparsity::row_24;
+    gm.set_linear_kinds({st});
+  });
 }
 
 // --- slope ---------------------------------------------------------------------------------

@@ -338,8 +338,12 @@ TEST_F(GpuTrain, AutoPicksTheGpuAndSparseRecipesAreRefused) {
 
   const std::string recipe =
       read_file(tiny_yaml()) +
-      "recipe:\n  - semi_sparse_activation: {params: ['re:blocks\\..*\\.mlp\\.proj\\.weight']}\n";
-  const fs::path yaml = *dir_ / "activation.yaml";
+      "recipe:\n"
+      "  - gradual_magnitude: {params: ['re:blocks\\..*\\.mlp\\.proj\\.weight'], mask_type: '2:4', start: 0.0, "
+      "end: 0.5, update_every: 1}\n"
+      "  - kernel_replacement: {params: ['re:blocks\\..*\\.mlp\\.proj\\.weight'], start: 0.75, lora_rank: 2, "
+      "lora_start: 1.0}\n";
+  const fs::path yaml = *dir_ / "venom_lora.yaml";
   std::ofstream(yaml) << recipe;
   try {
     Trainer bad(load_train_config(yaml.string(), {"data.path=" + *data_, "train.device=cuda"}),
@@ -347,15 +351,15 @@ TEST_F(GpuTrain, AutoPicksTheGpuAndSparseRecipesAreRefused) {
     ADD_FAILURE() << "a sparse recipe trained on the GPU";
   } catch (const Error& e) {
     const std::string m = e.what();
-    EXPECT_NE(m.find("modifier semi_sparse_activation"), std::string::npos) << m;
-    EXPECT_NE(m.find("the GPU trains dense, masked, vnm, semi_sparse and slope Linear layers only so far"),
+    EXPECT_NE(m.find("modifier kernel_replacement with LoRA adapters"), std::string::npos) << m;
+    EXPECT_NE(m.find("the GPU trains dense, masked, vnm, semi_sparse, semi_sparse_activation and slope Linear layers only so far"),
               std::string::npos)
         << m;
   }
   EXPECT_FALSE(fs::exists(*dir_ / "slope_cuda"));
   // auto keeps such a run on the CPU and says why in the first line.
   std::vector<std::string> log2;
-  Trainer cpu(load_train_config(yaml.string(), {"data.path=" + *data_, "train.steps=1"}),
+  Trainer cpu(load_train_config(yaml.string(), {"data.path=" + *data_, "train.steps=4"}),
               (*dir_ / "slope_auto").string(), [&](const std::string& s) { log2.push_back(s); });
   EXPECT_EQ(cpu.device(), "cpu");
   cpu.run();
@@ -390,6 +394,27 @@ TEST_F(GpuTrain, SemiSparseRecipeTracksTheCpu) {
     return l.find("semi_sparse products by layer shape") != std::string::npos;
   });
   EXPECT_EQ(dispatch, 1) << "the log does not say which products each layer shape runs";
+}
+
+// torchao's runtime 2:4 of the activations on the GPU: the MLP linears prune their inputs
+// (tile_24) until step 8, then run dense. The curve follows the CPU run's, the log names the
+// pattern and the products chosen per layer shape, and the step-6 checkpoints resume on
+// either device.
+TEST_F(GpuTrain, SemiSparseActivationRecipeTracksTheCpuAndResumes) {
+  if (!esplag::gpu::cusparselt_available()) GTEST_SKIP() << esplag::gpu::cusparselt_unavailable_reason();
+  const Runs r = recipe_on_both(
+      "activation",
+      "semi_sparse_activation: {params: ['re:blocks\\..*\\.mlp\\..*\\.weight'], activation: tile_24, until: 8}",
+      kLossTol);
+  const auto converted = std::count_if(r.gpu.log.begin(), r.gpu.log.end(), [](const std::string& l) {
+    return l.find("blocks.0.mlp.fc.weight -> semi_sparse_activation (tile_24)") != std::string::npos;
+  });
+  EXPECT_EQ(converted, 1) << "the log does not say that the MLP linears prune their inputs";
+  const auto dispatch = std::count_if(r.gpu.log.begin(), r.gpu.log.end(), [](const std::string& l) {
+    return l.find("semi_sparse_activation products by layer shape") != std::string::npos;
+  });
+  EXPECT_EQ(dispatch, 1) << "the log does not say which products each layer shape runs";
+  expect_resumes("activation", r, kLossTol, true);
 }
 
 // SLoPe on the GPU: the attention and MLP-output linears become slope at step 2 (masks

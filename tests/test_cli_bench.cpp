@@ -34,9 +34,11 @@ TEST(CliBench, UnknownOrMissingSubcommandPrintsUsage) {
 }
 
 TEST(CliBench, LayerOptionErrors) {
-  expect_error(run("bench layer --kinds dense,bogus"), "--kinds item 'bogus' is not a kind");
+  expect_error(run("bench layer --kinds dense,bogus"),
+               "--kinds item 'bogus' is not one of dense, semi_sparse, slope, semi_sparse_activation");
   expect_error(run("bench layer --kinds slope,slope"), "--kinds lists 'slope' twice");
-  expect_error(run("bench layer --kinds ''"), "--kinds item '' is not a kind");
+  expect_error(run("bench layer --kinds ''"), "--kinds item '' is not one of");
+  expect_error(run("bench layer --activation row_24,rows"), "--activation item 'rows' is not one of row_24, tile_24");
   expect_error(run("bench layer --shapes 16x16"), "--shapes item '16x16' is not OUTxINxTOKENS");
   expect_error(run("bench layer --shapes 16x16x16,0x16x16"), "--shapes item '0x16x16'");
   expect_error(run("bench layer --shapes 16x16x16,"), "--shapes item ''");
@@ -67,13 +69,19 @@ TEST(CliBench, OtherGpuBenchOptionErrors) {
 
 // The sparse layer kinds of `bench train` (checked before any GPU work).
 TEST(CliBench, TrainSparseKindOptionErrors) {
-  expect_error(run("bench train --slope all"),
-               "--semi-sparse, --slope, --masked, --always-sparse, --no-baseline and --op-profile are for --device cuda");
+  expect_error(run("bench train --slope all"), "--semi-sparse, --slope, --masked, --activation, --always-sparse, "
+                                              "--no-baseline and --op-profile are for --device cuda");
   expect_error(run("bench train --masked all"), "are for --device cuda");
+  expect_error(run("bench train --activation all"), "are for --device cuda");
   expect_error(run("bench train --device cuda --semi-sparse all --slope all"),
-               "give one of --semi-sparse, --slope and --masked");
-  expect_error(run("bench train --device cuda --masked all --slope all"), "give one of --semi-sparse, --slope and --masked");
-  expect_error(run("bench train --device cuda --no-baseline"), "--no-baseline is for --semi-sparse, --slope or --masked");
+               "give one of --semi-sparse, --slope, --masked and --activation");
+  expect_error(run("bench train --device cuda --masked all --activation all"), "give one of --semi-sparse");
+  expect_error(run("bench train --device cuda --no-baseline"),
+               "--no-baseline is for --semi-sparse, --slope, --masked or --activation");
+  expect_error(run("bench train --device cuda --slope all --pattern tile_24"),
+               "--pattern is for the layers of --activation");
+  expect_error(run("bench train --device cuda --activation all --pattern cols"),
+               "--pattern must be row_24 or tile_24, got 'cols'");
   expect_error(run("bench train --device cuda --semi-sparse all --lora-rank 8"),
                "--lora-rank is a positive rank for the adapters of --slope layers");
 }

@@ -47,7 +47,7 @@ model: {preset: tiny, n_layer: 1, d_model: 32, n_head: 2, n_kv_head: 2, d_ff: 64
 train: {batch_size: 2, seq_len: 16, steps: 10}
 recipe:
   - gradual_magnitude: {params: ['blocks.0.mlp.fc.weight'], mask_type: "2:4", start: 2, end: 6, update_every: 2}
-  - kernel_replacement: {params: ['blocks.0.mlp.fc.weight'], start: 7}
+  - kernel_replacement: {params: ['blocks.0.mlp.fc.weight'], start: 7, lora_rank: 2, lora_start: 8}
   - semi_sparse_activation: {params: ['blocks.0.mlp.proj.weight']}
   - slope: {params: ['blocks.0.attn.qkv.weight'], lora_rank: 2, lora_start: 0.5}
 )";
@@ -76,7 +76,7 @@ TEST(TrainDevice, CudaNeedsACudaBuildAGpuAndADenseRun) {
 
   const std::string sparse = error_of([] { choose_train_device("cuda", kOneGpu, kBlocker); });
   EXPECT_TRUE(contains(sparse, "modifier slope on re:.*mlp.*")) << sparse;
-  EXPECT_TRUE(contains(sparse, "the GPU trains dense, masked, vnm, semi_sparse and slope Linear layers only so far")) << sparse;
+  EXPECT_TRUE(contains(sparse, "the GPU trains dense, masked, vnm, semi_sparse, semi_sparse_activation and slope Linear layers only so far")) << sparse;
   EXPECT_TRUE(contains(sparse, "use train.device=cpu")) << sparse;
 
   const DeviceChoice ok = choose_train_device("cuda", kOneGpu, "");
@@ -96,7 +96,7 @@ TEST(TrainDevice, AutoTakesTheGpuOnlyWhenCudaWould) {
   c = choose_train_device("auto", kOneGpu, kBlocker);
   EXPECT_EQ(c.device, "cpu");  // said in the run's first log line, not silent
   EXPECT_TRUE(contains(c.note, "modifier slope")) << c.note;
-  EXPECT_TRUE(contains(c.note, "the GPU trains dense, masked, vnm, semi_sparse and slope Linear layers only so far")) << c.note;
+  EXPECT_TRUE(contains(c.note, "the GPU trains dense, masked, vnm, semi_sparse, semi_sparse_activation and slope Linear layers only so far")) << c.note;
 
   c = choose_train_device("auto", kOneGpu, "");
   EXPECT_EQ(c.device, "cuda");
@@ -112,9 +112,9 @@ TEST(TrainDevice, BlockerNamesEveryModifierAndSparseKind) {
 
   const TrainConfig cfg = parse_train_config(kRecipe, "recipe.yaml", {"data.path=" + data});
   const std::string b = gpu_training_blocker(cfg);
-  EXPECT_TRUE(contains(b, "modifier semi_sparse_activation on blocks.0.mlp.proj.weight")) << b;
+  EXPECT_TRUE(contains(b, "modifier kernel_replacement with LoRA adapters on blocks.0.mlp.fc.weight")) << b;
   EXPECT_FALSE(contains(b, "modifier gradual_magnitude")) << "gradual magnitude pruning trains on the GPU: " << b;
-  EXPECT_FALSE(contains(b, "modifier kernel_replacement")) << "VENOM's vnm layers train on the GPU: " << b;
+  EXPECT_FALSE(contains(b, "modifier semi_sparse_activation")) << "semi_sparse_activation trains on the GPU: " << b;
   EXPECT_FALSE(contains(b, "modifier slope")) << "slope with its adapters trains on the GPU: " << b;
 
   // semi_sparse trains on the GPU: neither its modifier nor its layers block.
@@ -160,8 +160,7 @@ recipe:
   EXPECT_EQ(gpu_training_blocker(dense, &model), "");
   plan.kind = "semi_sparse_activation";
   apply_layer_plan(model, "blocks.0.mlp.proj.weight", plan, 1);
-  const std::string k = gpu_training_blocker(dense, &model);
-  EXPECT_TRUE(contains(k, "blocks.0.mlp.proj.weight of kind semi_sparse_activation")) << k;
+  EXPECT_EQ(gpu_training_blocker(dense, &model), "");
   plan.kind = "semi_sparse";
   apply_layer_plan(model, "blocks.0.mlp.proj.weight", plan, 1);
   EXPECT_EQ(gpu_training_blocker(dense, &model), "");
@@ -276,8 +275,8 @@ TEST(TrainDevice, SparseRecipeOnCudaIsAnError) {
   const std::string e = error_of([&] { Trainer(cfg, dir.file("run"), quiet); });
   const DeviceProbe probe = probe_devices();
   if (probe.cuda_build && probe.gpus > 0) {
-    EXPECT_TRUE(contains(e, "modifier semi_sparse_activation")) << e;
-    EXPECT_TRUE(contains(e, "the GPU trains dense, masked, vnm, semi_sparse and slope Linear layers only so far")) << e;
+    EXPECT_TRUE(contains(e, "modifier kernel_replacement with LoRA adapters")) << e;
+    EXPECT_TRUE(contains(e, "the GPU trains dense, masked, vnm, semi_sparse, semi_sparse_activation and slope Linear layers only so far")) << e;
   } else {
     EXPECT_TRUE(contains(e, "train.device=cuda")) << e;
   }

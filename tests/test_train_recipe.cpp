@@ -423,6 +423,28 @@ TEST(Recipe, SparseDwOnSemiSparseAndSlope) {
   EXPECT_EQ(make("- semi_sparse_activation: {params: ['re:.*mlp.*']}").to_yaml().find("sparse_dw"), std::string::npos);
 }
 
+// semi_sparse_activation's `activation` (row_24 by default, or tile_24) reaches the plans,
+// the description and the YAML it writes; a change of pattern is a change of plan.
+TEST(Recipe, SemiSparseActivationPattern) {
+  const Recipe r = make(R"(
+- semi_sparse_activation: {params: ['blocks.0.mlp.proj.weight'], until: 100}
+- semi_sparse_activation: {params: ['blocks.0.mlp.proj.weight'], start: 100, activation: tile_24}
+)");
+  const std::string w = "blocks.0.mlp.proj.weight";
+  EXPECT_EQ(r.plan_at(0).at(w).activation, ActivationSparsity::row_24);
+  EXPECT_EQ(r.plan_at(100).at(w).activation, ActivationSparsity::tile_24);
+  EXPECT_EQ(r.plan_at(100).at(w).kind, "semi_sparse_activation");
+  EXPECT_EQ(r.changed_at(100), std::vector<std::string>{w});
+  const std::string d = r.describe();
+  EXPECT_NE(d.find("(tile_24 of the input)"), std::string::npos) << d;
+  EXPECT_NE(d.find("(row_24 of the input)"), std::string::npos) << d;
+  const std::string text = r.to_yaml();
+  EXPECT_NE(text.find("activation: tile_24"), std::string::npos) << text;
+  const Recipe back = make(text);
+  EXPECT_EQ(back.to_yaml(), text);
+  for (int64_t s : {0, 99, 100, 199}) EXPECT_EQ(back.plan_at(s), r.plan_at(s)) << s;
+}
+
 // ---------------------------------------------------------------------------------------
 // Errors
 
@@ -504,7 +526,12 @@ TEST(Recipe, ValueErrors) {
                "key 'sparse_dw' must be a single value");
   // Only the kinds with a 2:4 weight know it.
   EXPECT_ERROR(Recipe::parse("- semi_sparse_activation: {params: ['re:.*'], sparse_dw: true}", "r.yaml"),
-               "r.yaml: recipe[0] (semi_sparse_activation): unknown key 'sparse_dw' (known: params, start, until)");
+               "r.yaml: recipe[0] (semi_sparse_activation): unknown key 'sparse_dw' (known: params, start, until, "
+               "activation)");
+  EXPECT_ERROR(Recipe::parse("- semi_sparse_activation: {params: ['re:.*'], activation: rows}", "r.yaml"),
+               "r.yaml: recipe[0] (semi_sparse_activation): key 'activation' must be row_24");
+  EXPECT_ERROR(Recipe::parse("- semi_sparse: {params: ['re:.*'], activation: tile_24}", "r.yaml"),
+               "recipe[0] (semi_sparse): unknown key 'activation'");
   EXPECT_ERROR(Recipe::parse("- kernel_replacement: {params: ['re:.*'], start: 5, sparse_dw: true}", "r.yaml"),
                "recipe[0] (kernel_replacement): unknown key 'sparse_dw'");
 }

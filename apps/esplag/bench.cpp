@@ -41,7 +41,8 @@ namespace {
 const char* kBenchUsage = R"(usage:
   esplag bench train --model PRESET [--device cpu|cuda] [--batch 4] [--seq 256] [--steps N]
                      [--warmup 1] [--vocab N] [--peak-tflops 989] [--csv FILE]
-                     [--semi-sparse all|REGEX | --slope all|REGEX | --masked all|REGEX] [--always-sparse]
+                     [--semi-sparse all|REGEX | --slope all|REGEX | --masked all|REGEX |
+                      --activation all|REGEX [--pattern row_24|tile_24]] [--always-sparse]
                      [--no-baseline]
                      [--sparse-dw] [--lora-rank R] [--op-profile STEPS]
       cuda only: --semi-sparse makes the block linears whose weight names match semi_sparse
@@ -54,7 +55,9 @@ const char* kBenchUsage = R"(usage:
       weight gradient from the MVUE 2:4 of dY^T (outputs and tokens multiples of 64);
       --lora-rank gives the slope layers rank-R low-rank adapters (SLoPe's last phase);
       --masked makes them masked (gradual magnitude pruning's kind: dense products, a fixed
-      2:4 mask applied to the weight gradients and the weights);
+      2:4 mask applied to the weight gradients and the weights); --activation makes them
+      semi_sparse_activation (their inputs pruned 2:4 by --pattern, default row_24, at every
+      step, the forward a 2:4 product);
       --op-profile times every op over STEPS more eager steps and prints where the time goes
   esplag bench gemm [--shapes default|OUTxINxTOKENS,...] [--products fwd,bwd] [--operand A|B]
                     [--dtype bf16|e4m3] [--no-search] [--tuning-cache FILE] [--warmup 10]
@@ -62,10 +65,12 @@ const char* kBenchUsage = R"(usage:
       dense cuBLASLt vs 2:4 cuSPARSELt (default and searched algorithm) for the GEMMs of a
       Linear W [OUT, IN] over TOKENS rows: fwd Y = X.W^T, bwd dX = dY.W; --dtype e4m3
       times the 2:4 forward product on fp8 W and X (bf16 out) against the bf16 dense one
-  esplag bench layer [--kinds dense,semi_sparse,slope] [--shapes default|OUTxINxTOKENS,...]
+  esplag bench layer [--kinds dense,semi_sparse,slope,semi_sparse_activation]
+                     [--activation row_24,tile_24] [--shapes default|OUTxINxTOKENS,...]
                      [--sparse-dw] [--tuning-cache FILE] [--warmup 5] [--iters 20] [--csv FILE]
       one Linear's training step (weight preparation, forward, backward dX and dW) of each
       kind against dense; default shapes: the llama-1b and llama-7b MLP at 8192 tokens;
+      semi_sparse_activation is timed with each --activation pattern (rows activation:P);
       --sparse-dw also times each sparse kind with its dW GEMM 2:4 (MVUE of dY)
   esplag bench sparsify [--csv FILE]       2:4 sparsification kernels against a copy
   esplag bench attention [--csv FILE]      attention paths, forward and backward
@@ -134,21 +139,24 @@ std::vector<std::array<int64_t, 3>> parse_shapes(const std::string& cmd, const s
   return shapes;
 }
 
-// A comma-separated list of Linear kinds for bench layer, each at most once.
-std::vector<std::string> parse_kinds(const std::string& spec) {
-  std::vector<std::string> kinds;
+// A comma-separated list for bench layer's `option`, each item one of `allowed` at most once.
+std::vector<std::string> parse_choices(const std::string& spec, const char* option,
+                                       const std::vector<std::string>& allowed) {
+  std::string names;
+  for (const std::string& a : allowed) names += (names.empty() ? "" : ", ") + a;
+  std::vector<std::string> items;
   size_t pos = 0;
   while (pos <= spec.size()) {
     const size_t comma = spec.find(',', pos);
     const std::string k = spec.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
     pos = comma == std::string::npos ? spec.size() + 1 : comma + 1;
-    ESPLAG_CHECK(k == "dense" || k == "semi_sparse" || k == "slope", "bench layer: --kinds item '", k,
-                 "' is not a kind (expected dense, semi_sparse or slope)");
-    ESPLAG_CHECK(std::find(kinds.begin(), kinds.end(), k) == kinds.end(), "bench layer: --kinds lists '", k,
+    ESPLAG_CHECK(std::find(allowed.begin(), allowed.end(), k) != allowed.end(), "bench layer: --", option, " item '",
+                 k, "' is not one of ", names);
+    ESPLAG_CHECK(std::find(items.begin(), items.end(), k) == items.end(), "bench layer: --", option, " lists '", k,
                  "' twice");
-    kinds.push_back(k);
+    items.push_back(k);
   }
-  return kinds;
+  return items;
 }
 
 int bench_gemm(const std::vector<std::string>& argv) {
@@ -193,8 +201,13 @@ int bench_gemm(const std::vector<std::string>& argv) {
 }
 
 int bench_layer(const std::vector<std::string>& argv) {
-  Args a(argv, "bench layer", {"kinds", "shapes", "tuning-cache", "warmup", "iters", "csv"}, {"sparse-dw"});
-  const std::vector<std::string> kinds = parse_kinds(a.get("kinds", "dense,semi_sparse,slope"));
+  Args a(argv, "bench layer", {"kinds", "activation", "shapes", "tuning-cache", "warmup", "iters", "csv"},
+         {"sparse-dw"});
+  const std::vector<std::string> kinds =
+      parse_choices(a.get("kinds", "dense,semi_sparse,slope,semi_sparse_activation"), "kinds",
+                    {"dense", "semi_sparse", "slope", "semi_sparse_activation"});
+  const std::vector<std::string> patterns =
+      parse_choices(a.get("activation", "row_24,tile_24"), "activation", {"row_24", "tile_24"});
   const std::string shape_spec = a.get("shapes", "default");
   const auto shapes = shape_spec == "default" ? std::vector<std::array<int64_t, 3>>{} : parse_shapes("layer", shape_spec);
   const int warmup = static_cast<int>(a.integer("warmup", 5)), iters = static_cast<int>(a.integer("iters", 20));
@@ -206,7 +219,12 @@ int bench_layer(const std::vector<std::string>& argv) {
     for (const auto& s : shapes) o.shapes.push_back({s[0], s[1], s[2]});
   }
   o.kinds.clear();
-  for (const std::string& k : kinds) o.kinds.push_back(gpu::parse_sparse_linear_kind(k));
+  o.activation.clear();
+  for (const std::string& k : kinds) {
+    if (k != "semi_sparse_activation") o.kinds.push_back(gpu::parse_sparse_linear_kind(k));
+    if (k == "semi_sparse_activation")
+      for (const std::string& p : patterns) o.activation.push_back(gpu::parse_activation_pattern(p));
+  }
   o.warmup = warmup;
   o.iters = iters;
   o.sparse_dw = a.has("sparse-dw");
@@ -315,7 +333,7 @@ int bench_slope_merged(const std::vector<std::string>& argv) {
 int bench_train(const std::vector<std::string>& argv) {
   Args a(argv, "bench train",
          {"model", "device", "batch", "seq", "steps", "warmup", "vocab", "peak-tflops", "csv", "semi-sparse", "slope",
-          "masked", "op-profile", "lora-rank"},
+          "masked", "activation", "pattern", "op-profile", "lora-rank"},
          {"always-sparse", "no-baseline", "sparse-dw"});
   const std::string device = a.get("device", "cpu");
   ESPLAG_CHECK(device == "cpu" || device == "cuda", "bench train: --device must be cpu or cuda, got '", device, "'");
@@ -325,23 +343,32 @@ int bench_train(const std::vector<std::string>& argv) {
   const int steps = static_cast<int>(a.integer("steps", device == "cuda" ? 10 : 2));
   const int warmup = static_cast<int>(a.integer("warmup", device == "cuda" ? 3 : 1));
   ESPLAG_CHECK(steps > 0 && warmup >= 0, "bench train: --steps must be positive and --warmup not negative");
-  const int kinds = a.has("semi-sparse") + a.has("slope") + a.has("masked");
+  const int kinds = a.has("semi-sparse") + a.has("slope") + a.has("masked") + a.has("activation");
   ESPLAG_CHECK(device == "cuda" || (kinds == 0 && !a.has("op-profile") && !a.has("always-sparse") &&
                                     !a.has("no-baseline")),
-               "bench train: --semi-sparse, --slope, --masked, --always-sparse, --no-baseline and --op-profile are for "
-               "--device cuda");
-  ESPLAG_CHECK(!a.has("no-baseline") || kinds > 0,
-               "bench train: --no-baseline is for --semi-sparse, --slope or --masked (the baseline is the dense model)");
+               "bench train: --semi-sparse, --slope, --masked, --activation, --always-sparse, --no-baseline and "
+               "--op-profile are for --device cuda");
+  ESPLAG_CHECK(!a.has("no-baseline") || kinds > 0, "bench train: --no-baseline is for --semi-sparse, --slope, "
+                                                   "--masked or --activation (the baseline is the dense model)");
+  const std::string pattern = a.get("pattern", "row_24");
+  ESPLAG_CHECK(!a.has("pattern") || a.has("activation"), "bench train: --pattern is for the layers of --activation");
+  ESPLAG_CHECK(pattern == "row_24" || pattern == "tile_24", "bench train: --pattern must be row_24 or tile_24, got '",
+               pattern, "'");
   ESPLAG_CHECK(!a.has("sparse-dw") || a.has("semi-sparse") || a.has("slope"),
                "bench train: --sparse-dw is for the layers of --semi-sparse or --slope");
-  ESPLAG_CHECK(kinds <= 1, "bench train: give one of --semi-sparse, --slope and --masked");
+  ESPLAG_CHECK(kinds <= 1, "bench train: give one of --semi-sparse, --slope, --masked and --activation");
   const int lora_rank = static_cast<int>(a.integer("lora-rank", 0));
   ESPLAG_CHECK(lora_rank >= 0 && (lora_rank == 0 || a.has("slope")),
                "bench train: --lora-rank is a positive rank for the adapters of --slope layers");
   if (device == "cuda") {
 #ifdef ESPLAG_HAVE_CUDA
-    const std::string option = a.has("slope") ? "slope" : a.has("masked") ? "masked" : "semi-sparse";
-    const std::string kind = option == "semi-sparse" ? "semi_sparse" : option;
+    const std::string option = a.has("slope")        ? "slope"
+                               : a.has("masked")     ? "masked"
+                               : a.has("activation") ? "activation"
+                                                     : "semi-sparse";
+    const std::string kind = option == "semi-sparse" ? "semi_sparse"
+                             : option == "activation" ? "semi_sparse_activation"
+                                                      : option;
     std::string regex = a.get(option, "");
     if (regex == "all") regex = R"(blocks\.\d+\..*\.weight)";
     const int op_steps = static_cast<int>(a.integer("op-profile", 0));
@@ -354,7 +381,8 @@ int bench_train(const std::vector<std::string>& argv) {
     if (!regex.empty() && !a.has("no-baseline"))
       runs.push_back(bench_train_gpu(mc, B, T, steps, warmup, peak, options));
     runs.push_back(
-        bench_train_gpu(mc, B, T, steps, warmup, peak, options, op_steps, regex, kind, a.has("sparse-dw"), lora_rank));
+        bench_train_gpu(mc, B, T, steps, warmup, peak, options, op_steps, regex, kind, a.has("sparse-dw"), lora_rank,
+                        pattern == "row_24" ? ActivationSparsity::row_24 : ActivationSparsity::tile_24));
     std::cout << gpu_bench_table_header();
     for (const auto& r : runs) std::cout << gpu_bench_table_row(r);
     if (runs.size() == 2) std::cout << gpu_bench_comparison(runs[0], runs[1]);

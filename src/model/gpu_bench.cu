@@ -19,7 +19,7 @@ namespace esplag {
 GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int steps, int warmup, double peak_tflops,
                                const GpuModelOptions& options, int op_profile_steps,
                                const std::string& sparse_regex, const std::string& sparse_kind, bool sparse_dw,
-                               int lora_rank) {
+                               int lora_rank, ActivationSparsity activation) {
   ESPLAG_CHECK(steps > 0 && warmup >= 0, "bench_train_gpu: steps must be positive and warmup not negative, got ",
                steps, " and ", warmup);
   ESPLAG_CHECK(op_profile_steps >= 0, "bench_train_gpu: negative op_profile_steps ", op_profile_steps);
@@ -40,8 +40,10 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   GpuTransformer model(config, B, T, options);
   r.params = static_cast<int64_t>(model.num_params());
   model.init_weights(1);
-  ESPLAG_CHECK(sparse_kind == "semi_sparse" || sparse_kind == "slope" || sparse_kind == "masked",
-               "bench_train_gpu: sparse kind '", sparse_kind, "' is not semi_sparse, slope or masked");
+  ESPLAG_CHECK(sparse_kind == "semi_sparse" || sparse_kind == "slope" || sparse_kind == "masked" ||
+                   sparse_kind == "semi_sparse_activation",
+               "bench_train_gpu: sparse kind '", sparse_kind,
+               "' is not semi_sparse, slope, masked or semi_sparse_activation");
   ESPLAG_CHECK(lora_rank == 0 || sparse_kind == "slope", "bench_train_gpu: low-rank adapters are for slope layers");
   if (!sparse_regex.empty()) {
     std::regex re;
@@ -61,6 +63,7 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
       settings.push_back({info.name, sparse_kind, 100, nullptr, sparse_dw, /*dw_seed=*/1});
       settings.back().lora_rank = lora_rank;
       settings.back().lora_seed = 1;
+      settings.back().activation = activation;
       if (sparse_kind == "masked") {
         std::vector<uint8_t>& m = masks.emplace_back(info.numel);
         for (size_t i = 0; i < m.size(); ++i) m[i] = i % 4 < 2;
@@ -71,7 +74,9 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
     model.set_linear_kinds(settings);
     ESPLAG_CHECK(sparse > 0, "bench train: the regex '", sparse_regex, "' matches none of the ", linears,
                  " block linear weights (e.g. blocks.0.mlp.fc.weight)");
-    r.linears = sparse_kind + (sparse_dw ? "+sparse_dw" : "") +
+    r.linears = sparse_kind +
+                (sparse_kind == "semi_sparse_activation" ? ":" + activation_sparsity_name(activation) : "") +
+                (sparse_dw ? "+sparse_dw" : "") +
                 (lora_rank > 0 ? "+lora" + std::to_string(lora_rank) : "") + " " + std::to_string(sparse) + "/" +
                 std::to_string(linears);
   }

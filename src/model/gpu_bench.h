@@ -59,16 +59,17 @@ struct GpuBenchResult {
 // its graphs once warm-up has captured them: give warmup >= 2 to time replays only).
 // Then, if op_profile_steps > 0, that many more steps with per-op timing. The block
 // linears whose weight name fully matches sparse_regex (ECMAScript; empty: none) are of
-// sparse_kind, "semi_sparse", "slope" or "masked" (GpuTransformer::set_linear_kind, slope with its
-// default mask_change_freq), from the start, with sparse_dw when asked (their weight
-// gradients from the MVUE 2:4 of dYᵀ) and, for slope, low-rank adapters of lora_rank when
-// > 0 (SLoPe's last phase). Throws Error when the model does not fit or the regex is
+// sparse_kind, "semi_sparse", "slope", "masked" or "semi_sparse_activation"
+// (GpuTransformer::set_linear_kind, slope with its default mask_change_freq,
+// semi_sparse_activation with the pattern `activation`), from the start, with sparse_dw
+// when asked (their weight gradients from the MVUE 2:4 of dYᵀ) and, for slope, low-rank
+// adapters of lora_rank when > 0 (SLoPe's last phase). Throws Error when the model does not fit or the regex is
 // malformed or matches no block linear.
 GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int steps, int warmup,
                                double peak_tflops = kH100DenseBf16Tflops, const GpuModelOptions& options = {},
                                int op_profile_steps = 0, const std::string& sparse_regex = "",
                                const std::string& sparse_kind = "semi_sparse", bool sparse_dw = false,
-                               int lora_rank = 0);
+                               int lora_rank = 0, ActivationSparsity activation = ActivationSparsity::row_24);
 
 // One line comparing a sparse run with its dense baseline (same model and micro-batch,
 // timed in the same process): step time and tokens/s ratios, and the model's device

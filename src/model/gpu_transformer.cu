@@ -49,6 +49,7 @@
 #include "ops/gpu_fused.h"
 #include "sparse/cuda/cusparselt.h"
 #include "sparse/cuda/kept_values.h"
+#include "sparse/cuda/sparse_activation_linear.h"
 #include "sparse/cuda/sparse_linear.h"
 #include "sparse/cuda/sparsify.h"
 
@@ -329,6 +330,8 @@ struct GpuTransformer::Impl {
     float *dw = nullptr, *db = nullptr;
     // semi_sparse and slope (set_linear_kind): the layer's 2:4 products; null for dense.
     gpu::SparseLinear* sp = nullptr;
+    // semi_sparse_activation: the layer's input pruning and its forward product.
+    gpu::SparseActivationLinear* act = nullptr;
     bool slope = false;
     bool dense_products = false;  // slope, per-layer dispatch: cuBLASLt products of W1 and W2
     // masked: the kept positions as bits ([out, ceil(in / 32)] words), device memory.
@@ -437,6 +440,11 @@ struct GpuTransformer::Impl {
   // decisions by layer shape.
   std::map<std::string, std::unique_ptr<gpu::SparseLinear>> sparse;
   std::vector<GpuTransformer::SparseDispatch> dispatch;
+  // The semi_sparse_activation layers by weight name (Lin::act points into them) and the
+  // scratch they share (the pruned input and its compressed form, for the largest block
+  // Linear; one stream orders their uses).
+  std::map<std::string, std::unique_ptr<gpu::SparseActivationLinear>> activation;
+  DeviceArena activation_scratch;
   // The slope layers by weight name, and the scratch all of them share (sized for the
   // largest; one stream orders their uses): W1 expanded from its kept values (slope_w1),
   // W2 and W2ᵀ (SparseLinearOptions::slope_scratch), and the dense fp32 dW (slope_dw).
@@ -1285,12 +1293,25 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
   auto linear = [&](const Impl::Lin& lin, const char* name, bf16* out, const bf16* in, int K, int OC,
                     gpu::Gemm::Act act = gpu::Gemm::Act::none, bf16* pre_gelu = nullptr) {
     const double fl = n2 * K * OC;
+    const bool gelu = act == gpu::Gemm::Act::gelu;
+    if (lin.act) {  // the input pruned, then the 2:4 product (or cuBLASLt's of the pruned input)
+      if (!(lin.act->sparse_products() && lin.act->tokens() == N))
+        mark(name, fl);
+      else if (im.marking())
+        mark(std::string("sparse ") + name, fl);
+      bf16* y = gelu ? pre_gelu : out;
+      lin.act->forward(y, in, lin.w, lin.b, N, s);
+      if (gelu) {
+        mark("gelu fwd");
+        gpu::gelu_forward(out, y, int64_t(N) * OC, s);
+      }
+      return;
+    }
     if (!lin.sparse_for(N) && lin.rank == 0) {
       mark(name, fl);
       gemm.forward(out, in, im.dense_weight(lin, OC, K, s), lin.b, N, K, OC, s, act, pre_gelu);
       return;
     }
-    const bool gelu = act == gpu::Gemm::Act::gelu;
     bf16* y = gelu ? pre_gelu : out;
     if (lin.sparse_for(N)) {
       if (im.marking()) mark(std::string("sparse ") + name, fl);
@@ -1512,6 +1533,10 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       }
       return;
     }
+    if (lin.act) {  // dW = doutᵀ · the input pruned again (the forward's Xs)
+      lin.act->backward(nullptr, lin.dw, gemm_bias(lin.db), dout, inp, nullptr, N, acc, s);
+      return;
+    }
     if (!lin.slope) {
       gemm.backward_weight(lin.dw, gemm_bias(lin.db), dout, inp, N, K, OC, acc, s);
       return;
@@ -1621,6 +1646,10 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
 namespace {
 
 // The block Linear named by its weight ("blocks.3.mlp.fc.weight"), or null.
+gpu::ActivationPattern activation_pattern(ActivationSparsity a) {
+  return a == ActivationSparsity::row_24 ? gpu::ActivationPattern::row_24 : gpu::ActivationPattern::tile_24;
+}
+
 GpuTransformer::Impl::Lin* find_linear(GpuTransformer::Impl& im, const std::string& weight_name) {
   static const std::pair<const char*, GpuTransformer::Impl::Lin GpuTransformer::Impl::Block::*> kSuffixes[] = {
       {".attn.qkv.weight", &GpuTransformer::Impl::Block::qkv},
@@ -1790,9 +1819,11 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     Impl::Lin* lin = find_linear(im, st.weight_name);
     ESPLAG_CHECK(lin, "GpuTransformer: '", st.weight_name, "' is not the weight of a block Linear layer");
     const bool masked = st.kind == "masked" || st.kind == "vnm";
-    ESPLAG_CHECK(st.kind == "dense" || masked || st.kind == "semi_sparse" || st.kind == "slope", "GpuTransformer: ",
-                 st.weight_name, ": Linear kind '", st.kind,
-                 "' is not available on the GPU (dense, masked, vnm, semi_sparse and slope are)");
+    const bool activation = st.kind == "semi_sparse_activation";
+    ESPLAG_CHECK(st.kind == "dense" || masked || activation || st.kind == "semi_sparse" || st.kind == "slope",
+                 "GpuTransformer: ", st.weight_name, ": Linear kind '", st.kind,
+                 "' is not available on the GPU (dense, masked, vnm, semi_sparse, semi_sparse_activation and slope "
+                 "are)");
     ESPLAG_CHECK(!st.slope_masks || st.kind == "slope", "GpuTransformer: ", st.weight_name, ": masks given for kind ",
                  st.kind);
     const ParamInfo* info = &info_named(infos_, st.weight_name);
@@ -1808,15 +1839,19 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     lora_change = lora_change || st.lora_rank != lora_rank(st.weight_name);
     const std::string was = linear_kind(st.weight_name);
     const int64_t tokens = int64_t(max_b_) * max_t_;
-    ESPLAG_CHECK(!st.sparse_dw || st.kind != "dense", "GpuTransformer: ", st.weight_name,
+    ESPLAG_CHECK(!st.sparse_dw || st.kind == "semi_sparse" || st.kind == "slope", "GpuTransformer: ", st.weight_name,
                  ": sparse_dw (the weight gradient from the MVUE 2:4 of dY^T) is for the kinds semi_sparse and slope");
     ESPLAG_CHECK(!st.sparse_dw || (out % 64 == 0 && tokens % 64 == 0), "GpuTransformer: ", st.weight_name,
                  ": sparse_dw needs the layer's outputs (", out, ") and the micro-batch's tokens (", tokens,
                  ") to be multiples of 64");
-    if (st.kind == was && !st.slope_masks && !st.mask && st.sparse_dw == (lin->sp && lin->sp->sparse_dw())) continue;
+    if (st.kind == was && !st.slope_masks && !st.mask && st.sparse_dw == (lin->sp && lin->sp->sparse_dw()) &&
+        (!activation || lin->act->pattern() == activation_pattern(st.activation)))
+      continue;
     ESPLAG_CHECK(!masked || st.mask, "GpuTransformer: ", st.weight_name, ": kind ", st.kind,
                  " needs its mask (LinearKindSetting::mask)");
-    if (masked) {  // dense products of the masked weight
+    ESPLAG_CHECK(!activation || in % 4 == 0, "GpuTransformer: ", st.weight_name, ": semi_sparse_activation needs ",
+                 "the layer's input features (", in, ") to be a multiple of 4 (2:4 groups of the input)");
+    if (masked || activation) {  // dense products of the masked weight; the input pruned
       changes.push_back({&st, lin, info, was, out, in});
       relayout = relayout || was == "slope";
       continue;
@@ -1866,11 +1901,13 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
       std::fill_n(v.begin() + ptrdiff_t(c.info->offset), c.info->numel, 0.f);
     }
     c.lin->sp = nullptr;
+    c.lin->act = nullptr;
     c.lin->slope = false;
     c.lin->dense_products = false;
     c.lin->mask = nullptr;
     im.masks.erase(c.setting->weight_name);
     im.sparse.erase(c.setting->weight_name);
+    im.activation.erase(c.setting->weight_name);
     im.slope.erase(c.setting->weight_name);
   }
 
@@ -1996,13 +2033,15 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   auto sparse_is_faster = [&](const std::string& kind, const std::string& weight_name, int64_t out, int64_t in,
                               const std::function<gpu::SparseLinear::ProductTimes()>& time) {
     const int64_t tokens = int64_t(max_b_) * max_t_;
-    const bool gelu_pass = cfg_.mlp == MlpKind::gelu && weight_name.find(".mlp.") != std::string::npos;
+    const bool is_fc = weight_name.find(".mlp.fc.") != std::string::npos;
+    // semi_sparse_activation's dX is cuBLASLt's, with the GELU gradient in its epilogue.
+    const bool gelu_pass = cfg_.mlp == MlpKind::gelu && weight_name.find(".mlp.") != std::string::npos &&
+                           (is_fc || kind != "semi_sparse_activation");
     auto it = std::find_if(im.dispatch.begin(), im.dispatch.end(), [&](const SparseDispatch& d) {
       return d.kind == kind && d.out == out && d.in == in && d.tokens == tokens && d.gelu_pass == gelu_pass;
     });
     if (it == im.dispatch.end()) {
       const gpu::SparseLinear::ProductTimes t = time();
-      const bool is_fc = weight_name.find(".mlp.fc.") != std::string::npos;
       const double extra = gelu_pass ? time_gelu_pass(tokens * (is_fc ? out : in), is_fc, stream_) : 0.0;
       im.dispatch.push_back(
           {kind, out, in, tokens, gelu_pass, t.sparse_ms + extra, t.dense_ms, t.sparse_ms + extra < t.dense_ms});
@@ -2040,6 +2079,34 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     c.lin->sp = sp.get();
     im.sparse[st.weight_name] = std::move(sp);
   }
+  // New semi_sparse_activation layers: their shared scratch (for the largest block Linear,
+  // made with the first of them), and the forward's dispatch.
+  for (const Change& c : changes) {
+    const LinearKindSetting& st = *c.setting;
+    if (st.kind != "semi_sparse_activation") continue;
+    const int64_t tokens = int64_t(max_b_) * max_t_;
+    if (im.activation_scratch.capacity() == 0) {
+      size_t largest = 0;
+      for (const auto& i : infos_)
+        if (find_linear(im, i.name))
+          largest = std::max(largest, gpu::sparse_activation_scratch_bytes(i.shape.at(0), i.shape.at(1), tokens));
+      im.activation_scratch = DeviceArena(largest + DeviceArena::kDefaultAlignment, "semi_sparse_activation scratch");
+    }
+    gpu::SparseActivationLinearOptions o;
+    o.pattern = activation_pattern(st.activation);
+    o.bias = c.lin->b != nullptr;
+    o.scratch = im.activation_scratch.base();
+    o.gemm = im.gemm.get();
+    auto act = std::make_unique<gpu::SparseActivationLinear>(o, c.out, c.in, tokens);
+    if (opt_.sparse_dispatch && act->sparse())
+      act->use_dense_products(!sparse_is_faster("semi_sparse_activation", st.weight_name, c.out, c.in, [&] {
+        const auto t = act->time_products(c.lin->w, stream_);
+        return gpu::SparseLinear::ProductTimes{t.sparse_ms, t.dense_ms};
+      }));
+    c.lin->act = act.get();
+    im.activation[st.weight_name] = std::move(act);
+  }
+  if (im.activation.empty()) im.activation_scratch = DeviceArena();
   // Scratch nobody needs any more.
   const bool any_semi = std::any_of(im.sparse.begin(), im.sparse.end(), [](const auto& e) {
     return e.second->kind() == gpu::SparseLinearKind::semi_sparse;
@@ -2064,7 +2131,15 @@ std::string GpuTransformer::linear_kind(const std::string& weight_name) const {
   Impl::Lin* lin = find_linear(*impl_, weight_name);
   ESPLAG_CHECK(lin, "GpuTransformer: '", weight_name, "' is not the weight of a block Linear layer");
   if (lin->mask) return impl_->masks.at(weight_name).kind;
+  if (lin->act) return "semi_sparse_activation";
   return lin->slope ? "slope" : lin->sp ? "semi_sparse" : "dense";
+}
+
+ActivationSparsity GpuTransformer::activation_sparsity(const std::string& weight_name) const {
+  Impl::Lin* lin = find_linear(*impl_, weight_name);
+  ESPLAG_CHECK(lin && lin->act, "GpuTransformer: ", weight_name, " is not a semi_sparse_activation layer");
+  return lin->act->pattern() == activation_pattern(ActivationSparsity::row_24) ? ActivationSparsity::row_24
+                                                                               : ActivationSparsity::tile_24;
 }
 
 GpuTransformer::SlopeState GpuTransformer::slope_state(const std::string& weight_name) const {
@@ -2182,7 +2257,7 @@ const std::vector<GpuTransformer::SparseDispatch>& GpuTransformer::sparse_dispat
 
 std::string GpuTransformer::sparse_dispatch_summary() const {
   std::string s;
-  for (const char* kind : {"semi_sparse", "slope"}) {
+  for (const std::string kind : {"semi_sparse", "semi_sparse_activation", "slope"}) {
     std::string shapes;
     for (const auto& d : impl_->dispatch) {
       if (d.kind != kind) continue;
@@ -2193,8 +2268,9 @@ std::string GpuTransformer::sparse_dispatch_summary() const {
       shapes += buf;
     }
     if (!shapes.empty())
-      s += (s.empty() ? "" : " | ") + std::string(kind) +
-           " products by layer shape (prepare + forward + dX per step): " + shapes;
+      s += (s.empty() ? "" : " | ") + kind + " products by layer shape (" +
+           (kind == "semi_sparse_activation" ? "input pruning + forward" : "prepare + forward + dX") +
+           " per step): " + shapes;
   }
   return s;
 }
@@ -2228,6 +2304,8 @@ size_t GpuTransformer::sparse_device_bytes() const {
              impl_->lora_scratch.capacity();
   for (const auto& [name, m] : impl_->masks) n += m.bits.capacity();
   for (const auto& [name, sp] : impl_->sparse) n += sp->device_bytes();
+  n += impl_->activation_scratch.capacity();
+  for (const auto& [name, act] : impl_->activation) n += act->device_bytes();
   return n;
 }
 

@@ -1,8 +1,8 @@
 // The transformer on the GPU: the CUDA counterpart of Transformer<float>
 // (model/transformer.h), with the same ModelConfig, the same parameter names and the same
 // flat parameter layout, so a CPU model's (or checkpoint's) flat vector loads directly.
-// Block Linear layers may be dense, semi_sparse or slope (set_linear_kind), slope with its
-// lazy low-rank adapter.
+// Block Linear layers may be dense, masked, vnm, semi_sparse, semi_sparse_activation or
+// slope (set_linear_kind), slope with its lazy low-rank adapter.
 //
 // Device state, in two DeviceArenas. The parameter state: the bf16 weights that forward
 // and backward read together with the low 16 bits of the fp32 master weights
@@ -76,6 +76,7 @@
 
 #include "core/device_arena.h"
 #include "model/config.h"
+#include "model/linear_semi_sparse.h"
 #include "model/transformer.h"
 #include "ops/gpu_attention.h"
 
@@ -104,11 +105,12 @@ struct GpuModelOptions {
   // Fused cuBLASLt epilogues (bias, GELU); off forces the separate kernels.
   bool gemm_epilogues = true;
   gpu::AttentionPath attention = gpu::AttentionPath::automatic;
-  // Per-layer dispatch of semi_sparse and slope layers: the first layer of each kind and
-  // shape times its 2:4 products (with their per-step compression) against cuBLASLt's
-  // products of the same pruned weights (semi_sparse: Ws; slope: W1 and W2ᵀ expanded from
-  // the kept values for each product) and every layer of that kind and shape takes the
-  // faster (sparse_dispatch()). Off: the 2:4 products everywhere.
+  // Per-layer dispatch of semi_sparse, semi_sparse_activation and slope layers: the first
+  // layer of each kind and shape times its 2:4 products (with their per-step compression)
+  // against cuBLASLt's products of the same pruned operands (semi_sparse: Ws; slope: W1 and
+  // W2ᵀ expanded from the kept values for each product; semi_sparse_activation: the
+  // forward of the pruned input) and every layer of that kind and shape takes the faster
+  // (sparse_dispatch()). Off: the 2:4 products everywhere.
   bool sparse_dispatch = true;
   // Added to the computed arena size (e.g. for callers that allocate from arena()).
   size_t extra_arena_bytes = 0;
@@ -222,8 +224,8 @@ class GpuTransformer {
 
   // --- Linear kinds ---------------------------------------------------------------------
   // The kind of a block Linear layer, by its weight's name ("blocks.3.mlp.fc.weight"):
-  // "dense" (the default), "masked", "vnm", "semi_sparse" or "slope". Other kinds, or the 2:4 ones
-  // without cuSPARSELt, throw Error. Changing a kind waits for the device and drops the
+  // "dense" (the default), "masked", "vnm", "semi_sparse", "semi_sparse_activation" or
+  // "slope". Other kinds, or semi_sparse and slope without cuSPARSELt, throw Error. Changing a kind waits for the device and drops the
   // captured graphs. Each sparse layer is tuned at its first forward (one cuSPARSELt search
   // per shape and process, or the tuning cache's entry).
   //
@@ -253,6 +255,18 @@ class GpuTransformer {
   // Each layer holds its two compressed copies (2.25 bytes per weight), and Ws (2 more)
   // where dispatch chose the dense products or cuSPARSELt's layout is not the writer's,
   // all outside the arena (sparse_device_bytes).
+  //
+  // semi_sparse_activation (model/linear_semi_sparse.h's SemiSparseActivationLinear, with
+  // LinearKindSetting::activation's pattern): the weight stays dense and is trained
+  // densely; the layer's input is pruned 2:4 along the features at every forward
+  // (sparse/cuda/sparse_activation_linear.h), whose product is cuSPARSELt's 2:4 GEMM of the
+  // pruned input for full-size micro-batches where cuSPARSELt and the shape allow it
+  // (multiples of 16) and per-layer dispatch found it faster, else cuBLASLt's product of
+  // the pruned input; a bias is a separate pass after the 2:4 product, GELU too. dX is the
+  // dense dY·W (straight through), dW = dYᵀ·Xs with Xs pruned again from the saved input.
+  // Nothing is stored per layer: all such layers share one scratch (Xs and its compressed
+  // form) sized for the largest block Linear. Without cuSPARSELt the kind runs its
+  // cuBLASLt products after one warning. in_features must be a multiple of 4.
   //
   // slope (model/linear_slope.h's SLoPe): the forward mask is the row-wise 2:4 of W when
   // the layer becomes slope, and never changes; the weight is W1 = W ⊙ that mask, stored
@@ -317,6 +331,7 @@ class GpuTransformer {
     int lora_rank = 0;  // slope: the adapter's rank (0: none)
     uint64_t lora_seed = 0;
     const std::vector<uint8_t>* mask = nullptr;  // masked, vnm: [out, in], 1 = kept (null: keep the layer's)
+    ActivationSparsity activation = ActivationSparsity::row_24;  // semi_sparse_activation's pattern
   };
   void set_linear_kinds(const std::vector<LinearKindSetting>& settings);
   void set_linear_kind(const std::string& weight_name, const std::string& kind, int mask_change_freq = 100,
@@ -324,6 +339,8 @@ class GpuTransformer {
     set_linear_kinds({{weight_name, kind, mask_change_freq, slope_masks}});
   }
   std::string linear_kind(const std::string& weight_name) const;
+  // A semi_sparse_activation layer's pattern (Error for other layers).
+  ActivationSparsity activation_sparsity(const std::string& weight_name) const;
   // Whether the layer computes a sparse dW (sparse_dw above), and the draws it has taken
   // (waits for the device; 0 without sparse_dw).
   bool sparse_dw(const std::string& weight_name) const;
@@ -355,9 +372,11 @@ class GpuTransformer {
   // With a GELU MLP, the 2:4 path runs the GELU of mlp.fc's output (forward) and its
   // gradient before mlp.proj's dX (backward) as separate passes where cuBLASLt fuses them
   // into the dense products' epilogues: that pass is timed too and counted against the
-  // 2:4 products of those layers (`gelu_pass`).
+  // 2:4 products of those layers (`gelu_pass`; semi_sparse_activation's mlp.fc only, its
+  // dX being the dense product). semi_sparse_activation times its forward only (its
+  // backward is the same either way).
   struct SparseDispatch {
-    std::string kind;  // semi_sparse or slope
+    std::string kind;  // semi_sparse, semi_sparse_activation or slope
     int64_t out = 0, in = 0, tokens = 0;
     bool gelu_pass = false;              // the layer's 2:4 path adds a GELU pass
     double sparse_ms = 0, dense_ms = 0;  // prepare + forward + input gradient (+ that pass), median

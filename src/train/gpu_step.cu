@@ -170,6 +170,8 @@ std::vector<GpuTransformer::LinearKindSetting> host_kind_settings(
       if (give_masks(name)) settings.back().mask = &held.vnm.emplace_back(vl->mask());
     } else {
       settings.push_back({name, kind});
+      if (const auto* al = dynamic_cast<const SemiSparseActivationLinear<float>*>(&host.linear(name)))
+        settings.back().activation = al->activation();
     }
     // sparse_dw: the host's base seed and draws, so the GPU goes on with the CPU's sequence.
     if (const MvueWeightGrad<float>* dw = host_weight_grad(host, name); dw && dw->on()) {

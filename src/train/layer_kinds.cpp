@@ -30,6 +30,7 @@ LinearOptions options_of(const LayerPlan& plan, uint64_t seed) {
   o.lora_rank = plan.lora_rank;
   o.lora_enabled = plan.lora_enabled;
   o.sparse_dw = plan.sparse_dw;
+  o.activation = plan.activation;
   o.seed = seed;
   return o;
 }
@@ -69,6 +70,7 @@ void apply_recipe_step(Transformer<float>& model, const Recipe& recipe, int64_t 
     if (l.pattern() != "dense") line << " " << l.pattern();
     if (p.lora_enabled) line << ", low-rank adapter r=" << p.lora_rank;
     if (p.sparse_dw) line << ", sparse dW";
+    if (p.kind == "semi_sparse_activation") line << " (" << activation_sparsity_name(p.activation) << ")";
     log(line.str());
   }
 }

@@ -38,7 +38,7 @@ const std::vector<TypeKeys>& type_keys() {
        {"params", "start", "end", "update_every"}},
       {kKernel, {"params", "start", "lora_rank", "lora_start"}, {"params", "start"}},
       {kSemi, {"params", "start", "until", "sparse_dw"}, {"params"}},
-      {kSemiAct, {"params", "start", "until"}, {"params"}},
+      {kSemiAct, {"params", "start", "until", "activation"}, {"params"}},
       {kSlope, {"params", "start", "mask_change_freq", "lora_rank", "lora_start", "sparse_dw"}, {"params"}},
   };
   return t;
@@ -188,7 +188,8 @@ std::string step_text(const StepValue& v, int64_t resolved) {
 
 bool LayerPlan::same_effect(const LayerPlan& o) const {
   return kind == o.kind && pattern == o.pattern && sparsity == o.sparsity && mask_change_freq == o.mask_change_freq &&
-         lora_rank == o.lora_rank && lora_enabled == o.lora_enabled && sparse_dw == o.sparse_dw;
+         lora_rank == o.lora_rank && lora_enabled == o.lora_enabled && sparse_dw == o.sparse_dw &&
+         activation == o.activation;
 }
 
 int64_t StepValue::resolve(int64_t total_steps) const {
@@ -343,6 +344,13 @@ void Recipe::parse_items(const YAML::Node& list) {
     } else if (type == kSemi || type == kSemiAct) {
       mod.has_until = kv.count("until") > 0;
       if (mod.has_until) mod.until = parse_step(w, "until", text("until"));
+      if (kv.count("activation")) {
+        const std::string a = text("activation");
+        ESPLAG_CHECK(a == "row_24" || a == "tile_24", w, ": key 'activation' must be row_24 (2 of every 4 input ",
+                     "features per token) or tile_24 (transposable 2:4 over 4x4 tiles of tokens x features), got '", a,
+                     "'");
+        mod.activation = a == "row_24" ? ActivationSparsity::row_24 : ActivationSparsity::tile_24;
+      }
     } else if (type == kSlope || type == kKernel) {
       if (kv.count("mask_change_freq"))
         mod.mask_change_freq = static_cast<int>(parse_int(w, "mask_change_freq", text("mask_change_freq"), 1));
@@ -521,6 +529,7 @@ LayerPlan Recipe::plan_of(int i, int64_t step) const {
     p.kind = m.type;
     p.pattern = SparsityPattern::nm(2, 4);
     p.sparse_dw = m.sparse_dw;
+    if (m.type == kSemiAct) p.activation = m.activation;
     if (m.type == kSlope) {
       p.mask_change_freq = m.mask_change_freq;
       p.lora_rank = m.lora_rank;
@@ -613,6 +622,7 @@ std::string Recipe::describe() const {
           os << ", no adapters";
       } else {
         os << " 2:4 " << range_text(b.start, m.has_until ? b.until : kForever);
+        if (m.type == kSemiAct) os << " (" << activation_sparsity_name(m.activation) << " of the input)";
         if (m.has_until) os << ", dense after";
       }
       if (m.sparse_dw) os << ", sparse dW (MVUE 2:4 of dYᵀ)";
@@ -643,8 +653,9 @@ std::string Recipe::to_yaml() const {
     if (m.type == kGmp) {
       e << YAML::Key << "end" << YAML::Value << m.end.text;
       e << YAML::Key << "update_every" << YAML::Value << m.update_every.text;
-    } else if ((m.type == kSemi || m.type == kSemiAct) && m.has_until) {
-      e << YAML::Key << "until" << YAML::Value << m.until.text;
+    } else if (m.type == kSemi || m.type == kSemiAct) {
+      if (m.has_until) e << YAML::Key << "until" << YAML::Value << m.until.text;
+      if (m.type == kSemiAct) e << YAML::Key << "activation" << YAML::Value << activation_sparsity_name(m.activation);
     } else if (m.type == kSlope) {
       e << YAML::Key << "mask_change_freq" << YAML::Value << m.mask_change_freq;
       e << YAML::Key << "lora_rank" << YAML::Value << m.lora_rank;

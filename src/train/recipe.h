@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "model/linear_semi_sparse.h"
 #include "sparse/pattern.h"
 
 namespace YAML {
@@ -41,6 +42,8 @@ struct LayerPlan {
   int lora_rank = 0;         // slope: adapter rank (0: no adapter)
   bool lora_enabled = false; // slope: the adapter is trained from this step on
   bool sparse_dw = false;    // semi_sparse, slope: dW from the MVUE 2:4 of dYᵀ (LinearOptions::sparse_dw)
+  // semi_sparse_activation: how the input is pruned (LinearOptions::activation)
+  ActivationSparsity activation = ActivationSparsity::row_24;
   int modifier = -1;         // index in the recipe of the modifier in charge; -1: none
 
   // Same effect on the layer (everything but `modifier`): what changed_at compares.
@@ -73,6 +76,8 @@ class Recipe {
     // semi_sparse, semi_sparse_activation
     bool has_until = false;
     StepValue until;
+    // semi_sparse_activation: `activation: row_24 | tile_24` (model/linear_semi_sparse.h)
+    ActivationSparsity activation = ActivationSparsity::row_24;
     // semi_sparse, slope: the weight gradient from the MVUE 2:4 of dYᵀ
     bool sparse_dw = false;
     // slope

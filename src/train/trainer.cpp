@@ -189,7 +189,8 @@ DeviceProbe probe_devices() {
 }
 
 bool gpu_trains_kind(const std::string& kind) {
-  return kind == "dense" || kind == "masked" || kind == "vnm" || kind == "semi_sparse" || kind == "slope";
+  return kind == "dense" || kind == "masked" || kind == "vnm" || kind == "semi_sparse" ||
+         kind == "semi_sparse_activation" || kind == "slope";
 }
 
 namespace {
@@ -230,8 +231,11 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
     for (const auto& m : recipe.modifiers()) {
       const std::string what = "modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") +
                                (m.sparse_dw ? " with sparse_dw" : "") + " on " + join(m.params, ", ");
-      // masked and vnm layers: dense products, any shape (LoRA wrappers are refused)
-      if (m.type == "gradual_magnitude" || (m.type == "kernel_replacement" && m.lora_rank == 0)) continue;
+      // masked and vnm layers: dense products, any shape (LoRA wrappers are refused);
+      // semi_sparse_activation: cuBLASLt's products where cuSPARSELt's cannot run
+      if (m.type == "gradual_magnitude" || (m.type == "kernel_replacement" && m.lora_rank == 0) ||
+          m.type == "semi_sparse_activation")
+        continue;
       if (m.type != "semi_sparse" && m.type != "slope")
         parts.push_back(what);
       else if (const std::string why = sparse_24_gpu_shape_problem(config, m); !why.empty())

@@ -52,11 +52,11 @@ struct DeviceProbe {
 DeviceProbe probe_devices();
 
 // Linear kinds the GPU model trains (model/gpu_transformer.h): dense, masked (gradual
-// magnitude pruning), vnm (VENOM after kernel replacement, on dense products), semi_sparse
-// and slope (with its lazy low-rank adapter).
+// magnitude pruning), vnm (VENOM after kernel replacement, on dense products), semi_sparse,
+// semi_sparse_activation and slope (with its lazy low-rank adapter).
 bool gpu_trains_kind(const std::string& kind);
 inline constexpr const char* kGpuKindsNote =
-    "the GPU trains dense, masked, vnm, semi_sparse and slope Linear layers only so far";
+    "the GPU trains dense, masked, vnm, semi_sparse, semi_sparse_activation and slope Linear layers only so far";
 
 // What the GPU path cannot train of this run, "" when nothing: the recipe's modifiers
 // other than gradual_magnitude, kernel_replacement (without LoRA), semi_sparse and slope;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <utility>
 
 #include "core/cuda_check.h"
@@ -63,12 +64,13 @@ LayerBenchResult run_layer_bench(const LayerBenchOptions& opt) {
   for (SparseLinearKind k : opt.kinds)
     if (std::find(kinds.begin(), kinds.end(), k) == kinds.end()) kinds.push_back(k);
   // The layers timed per shape: each kind as it is, each sparse kind again with sparse dW
-  // right after it when asked.
-  std::vector<std::pair<SparseLinearKind, bool>> variants;
+  // right after it when asked, then semi_sparse_activation's patterns.
+  std::vector<LayerBenchRow> variants;
   for (SparseLinearKind k : kinds) {
-    variants.emplace_back(k, false);
-    if (opt.sparse_dw && k != SparseLinearKind::dense) variants.emplace_back(k, true);
+    variants.push_back({.kind = k});
+    if (opt.sparse_dw && k != SparseLinearKind::dense) variants.push_back({.kind = k, .sparse_dw = true});
   }
+  for (gpu::ActivationPattern p : opt.activation) variants.push_back({.activation = true, .pattern = p});
 
   CudaStream stream;
   const cudaStream_t s = stream.s;
@@ -85,41 +87,54 @@ LayerBenchResult run_layer_bench(const LayerBenchOptions& opt) {
     fill_nonzero_bf16(dy.bf(), n_y, seed++ * 0x1234567ull, 1.0f, s);
     CUDA_CHECK(cudaStreamSynchronize(s));
     double dense_total = 0;
-    for (const auto& [kind, sparse_dw] : variants) {
-      LayerBenchRow row;
+    for (const LayerBenchRow& variant : variants) {
+      LayerBenchRow row = variant;
       row.shape = sh;
-      row.kind = kind;
-      row.sparse_dw = sparse_dw;
+      const bool baseline = !row.activation && row.kind == SparseLinearKind::dense;
       try {
-        gpu::SparseLinearOptions lo;
-        lo.kind = kind;
-        lo.sparse_dw = sparse_dw;
-        gpu::SparseLinear layer(lo, sh.out, sh.in, sh.tokens, w.bf(), s);
-        row.sparse = layer.sparse();
+        // The step's three parts of this row's layer.
+        std::unique_ptr<gpu::SparseLinear> layer;
+        std::unique_ptr<gpu::SparseActivationLinear> act;
+        std::function<void()> prepare = [] {}, forward, backward;
+        if (row.activation) {
+          act = std::make_unique<gpu::SparseActivationLinear>(
+              gpu::SparseActivationLinearOptions{.pattern = row.pattern}, sh.out, sh.in, sh.tokens);
+          row.sparse = act->sparse();
+          forward = [&] { act->forward(y.bf(), x.bf(), w.bf(), nullptr, sh.tokens, s); };
+          backward = [&] { act->backward(dx.bf(), dw.f32(), nullptr, dy.bf(), x.bf(), w.bf(), sh.tokens, false, s); };
+        } else {
+          gpu::SparseLinearOptions lo;
+          lo.kind = row.kind;
+          lo.sparse_dw = row.sparse_dw;
+          layer = std::make_unique<gpu::SparseLinear>(lo, sh.out, sh.in, sh.tokens, w.bf(), s);
+          row.sparse = layer->sparse();
+          prepare = [&] { layer->prepare(s); };
+          forward = [&] { layer->forward(y.bf(), x.bf(), s); };
+          backward = [&] { layer->backward(dx.bf(), dw.f32(), dy.bf(), x.bf(), false, s); };
+        }
         // The first step tunes the cuSPARSELt products (and may grow the workspace).
-        layer.prepare(s);
-        layer.forward(y.bf(), x.bf(), s);
-        layer.backward(dx.bf(), dw.f32(), dy.bf(), x.bf(), false, s);
+        prepare();
+        forward();
+        backward();
         CUDA_CHECK(cudaStreamSynchronize(s));
-        row.prep_ms = median_ms([&] { layer.prepare(s); }, opt.warmup, opt.iters, s);
-        row.fwd_ms = median_ms([&] { layer.forward(y.bf(), x.bf(), s); }, opt.warmup, opt.iters, s);
-        row.bwd_ms = median_ms([&] { layer.backward(dx.bf(), dw.f32(), dy.bf(), x.bf(), false, s); }, opt.warmup,
-                               opt.iters, s);
+        row.prep_ms = row.activation ? 0.0 : median_ms(prepare, opt.warmup, opt.iters, s);
+        row.fwd_ms = median_ms(forward, opt.warmup, opt.iters, s);
+        row.bwd_ms = median_ms(backward, opt.warmup, opt.iters, s);
         row.total_ms = median_ms(
             [&] {
-              layer.prepare(s);
-              layer.forward(y.bf(), x.bf(), s);
-              layer.backward(dx.bf(), dw.f32(), dy.bf(), x.bf(), false, s);
+              prepare();
+              forward();
+              backward();
             },
             opt.warmup, opt.iters, s);
         row.ran = true;
       } catch (const Error& e) {
-        if (kind == SparseLinearKind::dense) throw;
+        if (baseline) throw;
         row.note = e.what();
         cudaStreamSynchronize(s);
         cudaGetLastError();
       }
-      if (kind == SparseLinearKind::dense) dense_total = row.total_ms;
+      if (baseline) dense_total = row.total_ms;
       if (row.ran && dense_total > 0) row.speedup = dense_total / row.total_ms;
       r.rows.push_back(row);
     }
@@ -128,6 +143,7 @@ LayerBenchResult run_layer_bench(const LayerBenchOptions& opt) {
 }
 
 std::string layer_bench_kind_label(const LayerBenchRow& row) {
+  if (row.activation) return "activation:" + gpu::activation_pattern_name(row.pattern);
   return gpu::sparse_linear_kind_name(row.kind) + (row.sparse_dw ? "+sparse_dw" : "");
 }
 
@@ -143,15 +159,15 @@ std::string layer_bench_table(const LayerBenchResult& r) {
     o += "cuSPARSELt is not available (" + r.cusparselt_unavailable + "): the sparse kinds run dense\n";
   // The kind column fits "semi_sparse+sparse_dw*" when sparse-dW rows are present.
   const bool any_dw = std::any_of(r.rows.begin(), r.rows.end(), [](const LayerBenchRow& w) { return w.sparse_dw; });
-  const int kw = any_dw ? 22 : 12;
+  const int kw = any_dw ? 22 : 19;
   std::snprintf(buf, sizeof buf, "%-*s %-18s %9s %9s %9s %9s %9s\n", kw, "kind", "out x in x tokens", "prep_ms",
                 "fwd_ms", "bwd_ms", "total_ms", "vs_dense");
   o += buf;
   std::vector<std::string> meets;
   size_t compared = 0;
   for (const LayerBenchRow& w : r.rows) {
-    const std::string kind =
-        layer_bench_kind_label(w) + (w.kind != gpu::SparseLinearKind::dense && w.ran && !w.sparse ? "*" : "");
+    const bool is_dense = !w.activation && w.kind == gpu::SparseLinearKind::dense;
+    const std::string kind = layer_bench_kind_label(w) + (!is_dense && w.ran && !w.sparse ? "*" : "");
     if (!w.ran) {
       std::snprintf(buf, sizeof buf, "%-*s %-18s  did not run: ", kw, kind.c_str(), shape_text(w.shape).c_str());
       o += buf + w.note + "\n";
@@ -160,7 +176,7 @@ std::string layer_bench_table(const LayerBenchResult& r) {
     std::snprintf(buf, sizeof buf, "%-*s %-18s %9.3f %9.3f %9.3f %9.3f %8.2fx\n", kw, kind.c_str(),
                   shape_text(w.shape).c_str(), w.prep_ms, w.fwd_ms, w.bwd_ms, w.total_ms, w.speedup);
     o += buf;
-    if (w.kind == gpu::SparseLinearKind::dense || !w.sparse) continue;
+    if (is_dense || !w.sparse) continue;
     ++compared;
     if (w.speedup >= 1.3) {
       std::snprintf(buf, sizeof buf, "%s %s (%.2fx)", layer_bench_kind_label(w).c_str(), shape_text(w.shape).c_str(),
@@ -169,9 +185,11 @@ std::string layer_bench_table(const LayerBenchResult& r) {
     }
   }
   if (std::any_of(r.rows.begin(), r.rows.end(), [](const LayerBenchRow& w) {
-        return w.ran && !w.sparse && w.kind != gpu::SparseLinearKind::dense;
+        return w.ran && !w.sparse && (w.activation || w.kind != gpu::SparseLinearKind::dense);
       }))
     o += "* ran dense (no cuSPARSELt)\n";
+  if (std::any_of(r.rows.begin(), r.rows.end(), [](const LayerBenchRow& w) { return w.activation; }))
+    o += "activation:P = semi_sparse_activation with pattern P (X pruned 2:4 per step, the forward 2:4)\n";
   o += gpu::target_summary(meets, compared, 1.3, "2:4 steps", "", "no 2:4 steps timed");
   return o;
 }

@@ -15,6 +15,11 @@
 // widening into fp32 count in bwd and total), as an extra row labelled
 // "<kind>+sparse_dw" right after the kind's own row, against the same dense baseline.
 //
+// semi_sparse_activation (sparse/cuda/sparse_activation_linear.h: X pruned 2:4 at every
+// forward, the forward a 2:4 product of the pruned X, dX and dW dense) is timed once per
+// pattern in `activation`, rows labelled "activation:row_24" / "activation:tile_24"; it has
+// no weight preparation (prep 0: the pruning of X is part of fwd and, again for dW, of bwd).
+//
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once
 
@@ -26,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "sparse/cuda/sparse_activation_linear.h"
 #include "sparse/cuda/sparse_linear.h"
 
 namespace esplag {
@@ -44,6 +50,8 @@ struct LayerBenchOptions {
   // Dense is always timed first (the baseline), whether listed or not.
   std::vector<gpu::SparseLinearKind> kinds = {gpu::SparseLinearKind::dense, gpu::SparseLinearKind::semi_sparse,
                                               gpu::SparseLinearKind::slope};
+  // semi_sparse_activation's patterns to time (empty: none), after the kinds.
+  std::vector<gpu::ActivationPattern> activation = {gpu::ActivationPattern::row_24, gpu::ActivationPattern::tile_24};
   // Also time every sparse kind with sparse dW (rows "<kind>+sparse_dw"); shapes whose out
   // or tokens are not multiples of 64 give those rows with the reason instead.
   bool sparse_dw = false;
@@ -55,6 +63,9 @@ struct LayerBenchRow {
   LayerBenchShape shape;
   gpu::SparseLinearKind kind = gpu::SparseLinearKind::dense;
   bool sparse_dw = false;  // the layer was built with sparse_dw (label "<kind>+sparse_dw")
+  // A semi_sparse_activation row (kind unused), with its pattern.
+  bool activation = false;
+  gpu::ActivationPattern pattern = gpu::ActivationPattern::row_24;
   bool ran = false;
   bool sparse = false;  // 2:4 products ran (false: dense, or the fallback without cuSPARSELt)
   std::string note;     // why it did not run
@@ -75,7 +86,7 @@ struct LayerBenchResult {
 LayerBenchResult run_layer_bench(const LayerBenchOptions& options);
 
 // A row's kind as the table and the CSV write it: the kind's name, "+sparse_dw" appended
-// for the rows timed with sparse dW.
+// for the rows timed with sparse dW; "activation:<pattern>" for semi_sparse_activation.
 std::string layer_bench_kind_label(const LayerBenchRow& row);
 
 // The human table (kind, shape, prep / fwd / bwd / total ms, speed-up); it ends with the
