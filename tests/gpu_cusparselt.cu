@@ -354,6 +354,25 @@ TEST(CusparseLtRules, ShapesThatCannotRunThrowClearErrors) {
   EXPECT_TRUE(contains(msg, "operand A only")) << msg;
   msg = error_of([] { gpu::check_sparse_gemm24_problem(SparseGemm24Problem::linear_weight_grad(65536, 64, 65536)); });
   EXPECT_TRUE(contains(msg, "structured dY^T") && contains(msg, "2^31")) << msg;
+  // semi_sparse_activation's products: the structured operand is the pruned input Xs
+  // [tokens, in] (forward, K = in) or its transpose [in, tokens] (weight gradient, K =
+  // tokens); no epilogue, operand A only.
+  const SparseGemm24Problem xf = SparseGemm24Problem::linear_activation_forward(4096, 1024, 8192);
+  const SparseGemm24Problem xd = SparseGemm24Problem::linear_activation_weight_grad(4096, 1024, 8192);
+  EXPECT_EQ(xf.key(), "xfwd out=4096 in=1024 tokens=8192 w=A bias=0 act=none bf16");
+  EXPECT_EQ(xd.key(), "xdw out=4096 in=1024 tokens=8192 w=A bias=0 act=none bf16");
+  EXPECT_EQ(xf.k(), 1024);
+  EXPECT_EQ(xd.k(), 8192);
+  EXPECT_EQ(std::make_pair(xf.structured_rows(), xf.structured_cols()), std::make_pair(int64_t(8192), int64_t(1024)));
+  EXPECT_EQ(std::make_pair(xd.structured_rows(), xd.structured_cols()), std::make_pair(int64_t(1024), int64_t(8192)));
+  for (SparseGemm24Problem q : {xf, xd}) {
+    EXPECT_EQ(error_of([&] { gpu::check_sparse_gemm24_problem(q); }), "(no error)");
+    q.bias = true;
+    EXPECT_TRUE(contains(error_of([&] { gpu::check_sparse_gemm24_problem(q); }), "has no bias")) << q.key();
+    q.bias = false;
+    q.weight_operand = SparseOperand::b;
+    EXPECT_TRUE(contains(error_of([&] { gpu::check_sparse_gemm24_problem(q); }), "operand A only")) << q.key();
+  }
   // fp8 (e4m3) operands: the forward product with W as A, no epilogue, multiples of 32.
   SparseGemm24Problem f8 = SparseGemm24Problem::linear_forward(4096, 1024, 8192);
   f8.dtype = gpu::SparseDtype::e4m3;

@@ -336,16 +336,32 @@ void make_activation(Transformer<float>& cm, GpuTransformer& gm, esplag::Activat
   }
 }
 
-// One micro-batch on both models with every block linear semi_sparse_activation: loss and
-// every gradient agree; the forwards of the layers on the 2:4 path (all of them without
-// dispatch, at the size the model was built for) run as "sparse gemm" ops, their dX and
-// dW as cuBLASLt's.
+// One micro-batch on both models with every block linear semi_sparse_activation: the
+// losses agree, and every gradient is near the CPU's. Not as near as for the weight kinds:
+// the GPU ranks its bf16 activations, the CPU its fp32 ones, so where two activations of a
+// group are within bf16 rounding the models keep different ones, and each such swap moves
+// an output by a whole term (the two activations meet different weights). So the gradients
+// must also be much nearer the CPU's sparse model than its dense one (the same weights and
+// tokens without pruning), which the pruning of the wrong inputs, or none, would not give.
+// The forwards of the layers on the 2:4 path (all without dispatch, at the size the model
+// was built for) run as "sparse gemm" ops, with tile_24 their dW too where it can be; dX is
+// cuBLASLt's.
 void compare_activation_step(const std::string& label, const ModelConfig& cfg, esplag::ActivationSparsity a,
                              int maxB, int maxT, int B, int T, bool dispatch) {
   SCOPED_TRACE(label + " " + esplag::activation_sparsity_name(a));
   Transformer<float> cm(cfg);
   cm.init_weights(6);
-  for (size_t i = 0; i < cm.num_params(); ++i) cm.params()[i] = esplag::gpu_test::round_bf16(cm.params()[i]);
+  std::vector<float> dense_grads;
+  {
+    Transformer<float> dense(cfg);
+    std::copy_n(cm.params(), cm.num_params(), dense.params());
+    std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
+    random_tokens(x, cfg.vocab_size, 11);  // micro_batch_on_both's tokens
+    random_tokens(y, cfg.vocab_size, 12);
+    dense.zero_grad();
+    dense.forward_backward(x.data(), y.data(), B, T, 1.0);
+    dense_grads.assign(dense.grads(), dense.grads() + dense.num_params());
+  }
   GpuModelOptions o;
   o.sparse_dispatch = dispatch;
   GpuTransformer gm(cfg, maxB, maxT, o);
@@ -353,16 +369,28 @@ void compare_activation_step(const std::string& label, const ModelConfig& cfg, e
   make_activation(cm, gm, a);
   EXPECT_GT(gm.sparse_device_bytes(), 0u) << "the shared pruning scratch";
   const auto g = micro_batch_on_both(cm, gm, B, T, label + " " + esplag::activation_sparsity_name(a));
-  double worst = 0;
+  double worst = 0, worst_ratio = 0;
+  const auto linears = cm.linear_names();
   for (const auto& info : cm.param_infos()) {
     const double e = rel_l2(g.data() + info.offset, cm.grads() + info.offset, info.numel);
-    EXPECT_LT(e, 3e-2) << "gradient of " << info.name;
+    const double to_dense = rel_l2(g.data() + info.offset, dense_grads.data() + info.offset, info.numel);
+    EXPECT_LT(e, 0.3) << "gradient of " << info.name;
+    if (std::find(linears.begin(), linears.end(), info.name) != linears.end()) {
+      EXPECT_LT(e, 0.5 * to_dense) << "gradient of " << info.name << ": " << e << " from the CPU's sparse model, "
+                                   << to_dense << " from its dense one";
+      worst_ratio = std::max(worst_ratio, e / to_dense);
+    }
     worst = std::max(worst, e);
   }
-  std::printf("  worst gradient rel L2 error %.2e\n", worst);
-  int sparse_fwd = 0, sparse_other = 0;
-  for (const auto& op : gm.op_times())
-    if (op.op.rfind("sparse gemm", 0) == 0) ++(op.op.find(" fwd") != std::string::npos ? sparse_fwd : sparse_other);
+  std::printf("  worst gradient rel L2 error %.2e; of the linear weights' errors, at most %.2f of the distance "
+              "to the dense model's\n",
+              worst, worst_ratio);
+  int sparse_fwd = 0, sparse_dw = 0, sparse_other = 0;
+  for (const auto& op : gm.op_times()) {
+    if (op.op.rfind("sparse gemm", 0) != 0) continue;
+    ++(op.op.find(" fwd") != std::string::npos ? sparse_fwd : op.op.find(" dW") != std::string::npos ? sparse_dw
+                                                                                                     : sparse_other);
+  }
   int sparse_roles = 4;
   if (dispatch) {
     ASSERT_EQ(gm.sparse_dispatch().size(), 4u) << "one decision per layer shape";
@@ -382,7 +410,15 @@ void compare_activation_step(const std::string& label, const ModelConfig& cfg, e
   }
   if (B * T != maxB * maxT) sparse_roles = 0;
   EXPECT_EQ(sparse_fwd, sparse_roles);
-  EXPECT_EQ(sparse_other, 0) << "dX and dW of semi_sparse_activation are dense";
+  // tile_24's dW is 2:4 too where the tokens and the layer's inputs are multiples of 64
+  // (and the bias gradient comes from the fused norm backward, as here).
+  int dw_roles = 0;
+  if (a == esplag::ActivationSparsity::tile_24 && B * T % 64 == 0 && B * T == maxB * maxT && !dispatch)
+    for (int64_t in : {int64_t(cfg.d_model), int64_t(cfg.n_head) * cfg.head_dim(), int64_t(cfg.d_model),
+                       int64_t(cfg.d_ff)})
+      dw_roles += in % 64 == 0;
+  if (!dispatch) EXPECT_EQ(sparse_dw, dw_roles);
+  EXPECT_EQ(sparse_other, 0) << "dX of semi_sparse_activation is dense";
 }
 
 TEST_F(GpuModelSparse, SemiSparseActivationMatchesCpu) {

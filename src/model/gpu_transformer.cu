@@ -1519,6 +1519,16 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   // are then gathered into the layer's stored gradient (its bias gradient then comes from
   // column sums).
   auto weight_dw = [&](const Impl::Lin& lin, const char* name, const bf16* dout, const bf16* inp, int K, int OC) {
+    if (lin.act) {  // dW = doutᵀ · the input pruned again (the forward's Xs), 2:4 where it can be
+      const bool sparse = lin.act->sparse_weight_grad() && lin.act->sparse_products() && lin.act->tokens() == N &&
+                          !gemm_bias(lin.db);
+      if (!sparse)
+        mark(name, n2 * K * OC);
+      else if (im.marking())
+        mark(std::string("sparse ") + name, n2 * K * OC);
+      lin.act->backward(nullptr, lin.dw, gemm_bias(lin.db), dout, inp, nullptr, N, acc, s);
+      return;
+    }
     mark(name, n2 * K * OC);
     if (lin.sp && lin.sp->sparse_dw() && lin.sp->tokens() == N) {
       // The 2:4 product of the MVUE of doutᵀ (one draw), widened into dW or slope_dw.
@@ -1531,10 +1541,6 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
         im.mark(s, "slope grad gather", 0, im.tracing() ? op_trace_name(name, im.layer) + ".gather" : "");
         gpu::gather_kept_24(lin.dw, im.slope_dw, lin.sp->forward_tile_mask(), OC, K, acc, s);
       }
-      return;
-    }
-    if (lin.act) {  // dW = doutᵀ · the input pruned again (the forward's Xs)
-      lin.act->backward(nullptr, lin.dw, gemm_bias(lin.db), dout, inp, nullptr, N, acc, s);
       return;
     }
     if (!lin.slope) {
@@ -2079,8 +2085,8 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     c.lin->sp = sp.get();
     im.sparse[st.weight_name] = std::move(sp);
   }
-  // New semi_sparse_activation layers: their shared scratch (for the largest block Linear,
-  // made with the first of them), and the forward's dispatch.
+  // New semi_sparse_activation layers: their shared scratch (for the largest block Linear
+  // and the pattern needing more, tile_24, made with the first of them), and the dispatch.
   for (const Change& c : changes) {
     const LinearKindSetting& st = *c.setting;
     if (st.kind != "semi_sparse_activation") continue;
@@ -2089,7 +2095,8 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
       size_t largest = 0;
       for (const auto& i : infos_)
         if (find_linear(im, i.name))
-          largest = std::max(largest, gpu::sparse_activation_scratch_bytes(i.shape.at(0), i.shape.at(1), tokens));
+          largest = std::max(largest, gpu::sparse_activation_scratch_bytes(i.shape.at(0), i.shape.at(1), tokens,
+                                                                            gpu::ActivationPattern::tile_24));
       im.activation_scratch = DeviceArena(largest + DeviceArena::kDefaultAlignment, "semi_sparse_activation scratch");
     }
     gpu::SparseActivationLinearOptions o;

@@ -25,7 +25,13 @@
 //
 //   xfwd     Xs as A N   out  in   Xs [N,in] row, op N       W [out,in] = [in,out] col, op N   [N,out] row, ld out
 //
-// Both operands K-major (the layout of tensor-core GEMMs), Y as the model holds it.
+// Both operands K-major (the layout of tensor-core GEMMs), Y as the model holds it. Its weight
+// gradient where Xs is 2:4 along the tokens too (tile_24), the structured operand Xsᵀ as
+// the fused pruning kernel writes its layout (the transposed orientation, from X as it lies):
+//
+//   xdw      Xsᵀ as A  in  out  N   Xsᵀ [in,N] row, op N     dY [N,out] row, op N       [in,out] col, ld in
+//
+// a column-major [in, out] D being the row-major dW [out, in] the optimizer holds.
 //
 // S is op N because that is the layout the fused MVUE kernel writes (cusparselt_layout.h's
 // forward form, checked byte for byte against the library per problem; the library's op T
@@ -86,6 +92,7 @@ const char* product_name(SparseProduct p) {
     case SparseProduct::backward_data: return "bwd";
     case SparseProduct::weight_grad: return "dw";
     case SparseProduct::activation_forward: return "xfwd";
+    case SparseProduct::activation_weight_grad: return "xdw";
   }
   return "?";
 }
@@ -142,6 +149,12 @@ SparseGemm24Problem SparseGemm24Problem::linear_activation_forward(int64_t out, 
   return p;
 }
 
+SparseGemm24Problem SparseGemm24Problem::linear_activation_weight_grad(int64_t out, int64_t in, int64_t tokens) {
+  SparseGemm24Problem p = linear_activation_forward(out, in, tokens);
+  p.product = SparseProduct::activation_weight_grad;
+  return p;
+}
+
 std::string SparseGemm24Problem::key() const {
   return detail::concat(product_name(product), " out=", out, " in=", in, " tokens=", tokens,
                         " w=", weight_operand == SparseOperand::a ? "A" : "B", " bias=", bias ? 1 : 0,
@@ -164,27 +177,37 @@ void check_sparse_gemm24_problem(const SparseGemm24Problem& p) {
   // cuSPARSELt's descriptors hold at most 2^31 - 1 elements per 16-bit matrix: the
   // structured operand, the dense operand and the output.
   const int64_t limit = (int64_t(1) << 31) - 1;
-  const bool dw = p.product == SparseProduct::weight_grad, xfwd = p.product == SparseProduct::activation_forward;
+  // The three matrices of each product: the structured one, the dense input, the output.
+  struct Sizes {
+    const char *structured, *dense, *output;
+    int64_t dense_n, output_n;
+  };
+  const int64_t so = p.tokens * p.out, si = p.tokens * p.in, w = p.out * p.in;
+  Sizes z{"W", "the token-side input", "the output", si, so};
+  const char* which = "the forward product";
+  switch (p.product) {
+    case SparseProduct::forward: break;
+    case SparseProduct::backward_data: z = {"W", "dY", "dX", so, si}, which = "the backward-data product"; break;
+    case SparseProduct::weight_grad: z = {"the structured dY^T", "X", "dW", si, w}, which = "the weight-gradient product"; break;
+    case SparseProduct::activation_forward:
+      z = {"the structured X", "W", "the output", w, so}, which = "the product of a 2:4 input"; break;
+    case SparseProduct::activation_weight_grad:
+      z = {"the structured X^T", "dY", "dW", so, w}, which = "the weight-gradient product of a 2:4 input"; break;
+  }
   const std::pair<const char*, int64_t> sizes[] = {
-      {dw ? "the structured dY^T" : xfwd ? "the structured X" : "W", p.structured_rows() * p.structured_cols()},
-      {dw ? "X" : xfwd ? "W" : "the token-side input", xfwd ? p.out * p.in : p.tokens * (dw ? p.in : p.k())},
-      {dw ? "dW" : "the output",
-       dw ? p.out * p.in : p.tokens * (p.product == SparseProduct::backward_data ? p.in : p.out)}};
+      {z.structured, p.structured_rows() * p.structured_cols()}, {z.dense, z.dense_n}, {z.output, z.output_n}};
   for (const auto& [name, v] : sizes)
     ESPLAG_CHECK(v <= limit, what, ": ", name, " has ", v, " elements, more than cuSPARSELt's 2^31 - 1");
   if (p.product != SparseProduct::forward) {
-    const char* which = dw     ? "the weight-gradient product"
-                        : xfwd ? "the product of a 2:4 input (its bias would run along the tokens)"
-                               : "the backward-data product";
+    // (a bias of the products with a 2:4 input would run along the tokens, not the features)
     ESPLAG_CHECK(!p.bias, what, ": ", which, " has no bias");
     ESPLAG_CHECK(p.activation == SparseActivation::none, what, ": ", which, " has no activation");
   }
-  // Only S and Xs as A are described (cusparselt.cu's table): as B, the structured operand
-  // would be K-major along a dimension nothing here writes.
-  ESPLAG_CHECK(!(dw && p.weight_operand == SparseOperand::b), what,
-               ": the weight-gradient product takes its structured operand dY^T as operand A only");
-  ESPLAG_CHECK(!(xfwd && p.weight_operand == SparseOperand::b), what,
-               ": the product of a 2:4 input takes its structured operand X as operand A only");
+  // Only W has a described layout as B (cusparselt.cu's table): as B, the other structured
+  // operands would be K-major along a dimension nothing here writes.
+  const bool weight_products = p.product == SparseProduct::forward || p.product == SparseProduct::backward_data;
+  ESPLAG_CHECK(weight_products || p.weight_operand == SparseOperand::a, what, ": ", which,
+               " takes its structured operand ", z.structured, " as operand A only");
   if (p.dtype == SparseDtype::e4m3) {
     // fp8 tensor cores read both operands K-major: the forward layout with W as A (W row-major
     // op N, X row-major op T) is that; the other layouts are not described for fp8 here.
@@ -564,6 +587,24 @@ bool cusparselt_tuning_lookup(const SparseGemm24Problem& p, SparseGemm24Config* 
   return true;
 }
 
+namespace {
+
+__global__ void widen_kernel(float* __restrict__ dst, const bf16* __restrict__ src, int64_t n, bool accumulate) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float v = __bfloat162float(src[i]);
+  dst[i] = accumulate ? dst[i] + v : v;
+}
+
+}  // namespace
+
+void widen_sparse_output(float* dst, const bf16* src, int64_t n, bool accumulate, cudaStream_t stream) {
+  if (n <= 0) return;
+  const int threads = 256;
+  widen_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, stream>>>(dst, src, n, accumulate);
+  CUDA_CHECK_LAUNCH("widen_sparse_output");
+}
+
 void warn_cusparselt_fallback_once(std::string_view who, std::string_view why) {
   static std::mutex mu;
   static std::set<std::string, std::less<>> warned;
@@ -940,6 +981,14 @@ SparseGemm24::SparseGemm24(const SparseGemm24Problem& p, Algorithm alg) : impl_(
     dense(&m.b, in, out, in, CUSPARSE_ORDER_COL, in_type);  // W [out, in] as column-major [in, out], op N
     m.has_b = true;
     dense(&m.c, tok, out, out, CUSPARSE_ORDER_ROW, CUDA_R_16BF);  // Y [N, out] row-major
+    m.has_c = true;
+    m.op_a = m.op_b = m.op_w = N;
+  } else if (p.product == SparseProduct::activation_weight_grad) {
+    structured(&m.a);  // Xs^T [in, N] row-major, op N
+    m.has_a = true;
+    dense(&m.b, tok, out, out, CUSPARSE_ORDER_ROW, in_type);  // dY [N, out] row-major, op N
+    m.has_b = true;
+    dense(&m.c, in, out, in, CUSPARSE_ORDER_COL, CUDA_R_16BF);  // dW^T [in, out] column-major = dW [out, in] row-major
     m.has_c = true;
     m.op_a = m.op_b = m.op_w = N;
   } else if (p.product == SparseProduct::weight_grad) {

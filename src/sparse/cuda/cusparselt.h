@@ -10,6 +10,7 @@
 //   backward_data  dX [N, in]  = dY [N, out] · W                                     K = out
 //   weight_grad    dW [out, in] = S [out, N] · X [N, in]                             K = N
 //   activation_forward  Y [N, out] = Xs [N, in] · Wᵀ                                K = in
+//   activation_weight_grad  dW [out, in] = dYᵀ [out, N] · Xs [N, in]               K = N
 // cuSPARSELt needs the sparse operand 2:4 along K, so the forward needs W 2:4 along its
 // rows and the backward-data product needs W 2:4 along its columns. prune() uses the 4×4
 // tile mode, whose masks keep exactly 2 values in every row and every column of each
@@ -22,7 +23,9 @@
 // here (cuSPARSELt's bf16 inputs give bf16 outputs), to be widened by the caller.
 // activation_forward is semi_sparse_activation's forward (sparse/cuda/sparse_activation_linear.h):
 // its structured operand is the input Xs [N, in], pruned 2:4 along the features at every
-// call, and W is the dense operand.
+// call, and W is the dense operand. activation_weight_grad is that kind's weight gradient
+// where Xs is 2:4 along the tokens as well (the tile_24 pattern): its structured operand is
+// Xsᵀ [in, N], dY the dense one, and dW comes out in bf16 like every output here.
 //
 // Layouts (cuSPARSELt computes D[m,n] = op(A)[m,k] · op(B)[k,n]; see cusparselt.cu):
 //   weight as A (default): the output is described column-major [m = features, n = N],
@@ -37,6 +40,8 @@
 //   activation_forward (structured operand A only): Xs row-major [N, in] with op N, W
 //     [out, in] described column-major [in, out] with op N, Y row-major [N, out]; no bias
 //     (the epilogue's bias runs along the rows of D, here the tokens), no activation.
+//   activation_weight_grad (structured operand A only): Xsᵀ row-major [in, N] with op N,
+//     dY row-major [N, out] with op N, D column-major [in, out] (= dW row-major [out, in]).
 //
 // Sizes: out, in and N must be multiples of 16 (cuSPARSELt's rule for 16-bit operands:
 // rows, columns and leading dimensions); anything else throws esplag::Error naming the
@@ -88,10 +93,10 @@ void warn_cusparselt_fallback_once(std::string_view who, std::string_view why = 
 // ---------------------------------------------------------------------------------------
 // Problems
 
-enum class SparseProduct : uint8_t { forward, backward_data, weight_grad, activation_forward };
+enum class SparseProduct : uint8_t { forward, backward_data, weight_grad, activation_forward, activation_weight_grad };
 // The cuSPARSELt operand that holds the structured (2:4) matrix: W for forward and
-// backward_data, S (the 2:4 estimate of dYᵀ) for weight_grad and the pruned input Xs for
-// activation_forward, which take A only.
+// backward_data, S (the 2:4 estimate of dYᵀ) for weight_grad, the pruned input Xs for
+// activation_forward and its transpose for activation_weight_grad, which take A only.
 enum class SparseOperand : uint8_t { a, b };
 enum class SparseActivation : uint8_t { none, relu, gelu };
 // The element type of both input operands (the output is bf16 either way, accumulation
@@ -118,22 +123,30 @@ struct SparseGemm24Problem {
   static SparseGemm24Problem linear_weight_grad(int64_t out, int64_t in, int64_t tokens);
   // Y [tokens, out] = Xs [tokens, in] · Wᵀ, Xs structured (operand A, op N), W dense.
   static SparseGemm24Problem linear_activation_forward(int64_t out, int64_t in, int64_t tokens);
+  // dW [out, in] = dYᵀ [out, tokens] · Xs [tokens, in], Xsᵀ [in, tokens] structured (A, op N).
+  static SparseGemm24Problem linear_activation_weight_grad(int64_t out, int64_t in, int64_t tokens);
 
   // Stable text naming every field (the key of both caches), e.g.
   // "fwd out=4096 in=4096 tokens=8192 w=A bias=1 act=gelu bf16",
   // "dw out=4096 in=4096 tokens=8192 w=A bias=0 act=none bf16" (w: the structured operand),
-  // "xfwd out=4096 in=4096 tokens=8192 w=A bias=0 act=none bf16",
+  // "xfwd out=4096 in=4096 tokens=8192 w=A bias=0 act=none bf16" (and "xdw ..."),
   // "fwd out=4096 in=4096 tokens=8192 w=A bias=0 act=none e4m3".
   std::string key() const;
   // The reduction dimension K of the product.
-  int64_t k() const {
-    return product == SparseProduct::backward_data ? out : product == SparseProduct::weight_grad ? tokens : in;
+  bool reduces_tokens() const {
+    return product == SparseProduct::weight_grad || product == SparseProduct::activation_weight_grad;
   }
+  int64_t k() const { return product == SparseProduct::backward_data ? out : reduces_tokens() ? tokens : in; }
   // The structured operand as the logical row-major matrix cuSPARSELt compresses (rows ×
   // cols): W [out, in] for forward and backward_data (whatever op applies to it), S
-  // [out, tokens] for weight_grad, Xs [tokens, in] for activation_forward.
-  int64_t structured_rows() const { return product == SparseProduct::activation_forward ? tokens : out; }
-  int64_t structured_cols() const { return product == SparseProduct::weight_grad ? tokens : in; }
+  // [out, tokens] for weight_grad, Xs [tokens, in] for activation_forward, Xsᵀ [in, tokens]
+  // for activation_weight_grad.
+  int64_t structured_rows() const {
+    return product == SparseProduct::activation_forward       ? tokens
+           : product == SparseProduct::activation_weight_grad ? in
+                                                              : out;
+  }
+  int64_t structured_cols() const { return reduces_tokens() ? tokens : in; }
   double flops() const { return 2.0 * double(out) * double(in) * double(tokens); }
   size_t element_bytes() const { return dtype == SparseDtype::e4m3 ? 1 : 2; }  // of the inputs
 
@@ -147,8 +160,8 @@ bool sparse_gemm24_activation_supported(SparseActivation act);
 
 // Throws esplag::Error saying which rule a problem breaks (sizes not positive or not
 // multiples of 16, a matrix over 2^31 - 1 elements, bias or activation on any product but
-// the forward, bias with W as B, weight_grad or activation_forward with the structured
-// operand as B).
+// the forward, bias with W as B, any product but forward and backward_data with the
+// structured operand as B).
 void check_sparse_gemm24_problem(const SparseGemm24Problem& p);
 
 // The algorithm configuration of a plan (what the tuning cache stores).
@@ -194,8 +207,8 @@ class SparseGemm24 {
 
   // prune / is_pruned / compress work on the structured operand as it lies in memory:
   // W [out, in] for forward and backward_data, S [out, tokens] for weight_grad, Xs
-  // [tokens, in] for activation_forward (problem().structured_rows() × structured_cols(),
-  // row-major).
+  // [tokens, in] for activation_forward, Xsᵀ [in, tokens] for activation_weight_grad
+  // (problem().structured_rows() × structured_cols(), row-major).
   // pruned = the operand with 2 of every 4 values zeroed along this product's K, by the
   // 4×4 tile rule (2 kept per row and per column of each tile, largest magnitude), so the
   // result is 2:4 along both dimensions. pruned may equal dense (in place).
@@ -212,7 +225,8 @@ class SparseGemm24 {
   //                 output's type, bf16);
   // backward_data:  out = dX [N, in],  dense = dY [N, out], bias null;
   // weight_grad:    out = dW [out, in] (bf16), dense = X [N, in], bias null;
-  // activation_forward: out = Y [N, out], dense = W [out, in], bias null.
+  // activation_forward: out = Y [N, out], dense = W [out, in], bias null;
+  // activation_weight_grad: out = dW [out, in] (bf16), dense = dY [N, out], bias null.
   // The structured and dense operands are of the problem's dtype (bf16 or e4m3), `out`
   // and the bias bf16. `out` is overwritten (never read). Throws Error when workspace_bytes <
   // workspace_bytes(). A plan is kept per bias pointer (see cusparselt.cu), so each
@@ -243,6 +257,11 @@ class SparseGemm24 {
  private:
   std::unique_ptr<Impl> impl_;
 };
+
+// dst (fp32) = or += (accumulate) the bf16 output of a product, n values (a weight
+// gradient widened for the optimizer: one pass, both arrays read and written in order).
+// Asynchronous on `stream`.
+void widen_sparse_output(float* dst, const bf16* src, int64_t n, bool accumulate, cudaStream_t stream);
 
 // Drops every cached SparseGemm24 (references from get() become invalid).
 void clear_sparse_gemm24_cache();

@@ -37,6 +37,12 @@ bool sparse_shape(int64_t out, int64_t in, int64_t tokens) {
   return out % 16 == 0 && in % 16 == 0 && tokens % 16 == 0 && cusparselt_available();
 }
 
+// Whether tile_24's weight gradient can be the 2:4 product of Xsᵀ: the fused kernel's
+// 64×64 tiles (in and tokens), on top of the forward's rule; the layout check comes later.
+bool sparse_dw_shape(ActivationPattern pattern, int64_t out, int64_t in, int64_t tokens) {
+  return pattern == ActivationPattern::tile_24 && sparse_shape(out, in, tokens) && in % 64 == 0 && tokens % 64 == 0;
+}
+
 }  // namespace
 
 std::string activation_pattern_name(ActivationPattern p) { return p == ActivationPattern::tile_24 ? "tile_24" : "row_24"; }
@@ -55,11 +61,16 @@ void prune_activation(ActivationPattern pattern, bf16* xs, const bf16* x, int64_
     activation_24_tiles(x, rows, in, Sparse24Out{xs}, Sparse24Out{}, stream);
 }
 
-size_t sparse_activation_scratch_bytes(int64_t out, int64_t in, int64_t tokens) {
+size_t sparse_activation_scratch_bytes(int64_t out, int64_t in, int64_t tokens, ActivationPattern pattern) {
   size_t bytes = aligned(2 * size_t(tokens) * size_t(in));
-  if (sparse_shape(out, in, tokens))
-    bytes += aligned(SparseGemm24::get(SparseGemm24Problem::linear_activation_forward(out, in, tokens)).compressed_bytes());
-  return bytes;
+  if (!sparse_shape(out, in, tokens)) return bytes;
+  size_t compressed = SparseGemm24::get(SparseGemm24Problem::linear_activation_forward(out, in, tokens)).compressed_bytes();
+  if (sparse_dw_shape(pattern, out, in, tokens)) {
+    const auto& dw = SparseGemm24::get(SparseGemm24Problem::linear_activation_weight_grad(out, in, tokens));
+    compressed = std::max(compressed, dw.compressed_bytes());
+    bytes += aligned(2 * size_t(out) * size_t(in));  // the bf16 dW
+  }
+  return bytes + aligned(compressed);
 }
 
 struct SparseActivationLinear::Impl {
@@ -71,9 +82,13 @@ struct SparseActivationLinear::Impl {
 
   bool sparse = false, dense_products = false, own = false, tuned = false;
   SparseGemm24* fwd = nullptr;
+  // tile_24: the weight gradient's 2:4 product (null where it cannot run) and its bf16 output.
+  SparseGemm24* dwg = nullptr;
+  bool dwg_tuned = false;
+  bf16* dw_bf16 = nullptr;
   DeviceBuffer own_scratch, compress_scratch, workspace;
-  bf16* xs = nullptr;         // [tokens, in], in the scratch
-  void* compressed = nullptr;  // the 2:4 forward's operand, in the scratch
+  bf16* xs = nullptr;          // [tokens, in], in the scratch
+  void* compressed = nullptr;  // the 2:4 operand of the product running (Xs or Xsᵀ), in the scratch
 
   Gemm* gemm_ = nullptr;
   DeviceArena gemm_arena;
@@ -88,8 +103,19 @@ struct SparseActivationLinear::Impl {
   }
 
   void ensure_workspace() {
-    if (fwd->workspace_bytes() > workspace.bytes())
-      workspace.allocate(fwd->workspace_bytes(), owner, "the cuSPARSELt workspace");
+    const size_t need = std::max(fwd->workspace_bytes(), dwg ? dwg->workspace_bytes() : 0);
+    if (need > workspace.bytes()) workspace.allocate(need, owner, "the cuSPARSELt workspace");
+  }
+  // The first use of a product tunes it (a search once per problem and process, or the
+  // tuning cache's entry), which may ask for a larger workspace.
+  void run(SparseGemm24& g, bool& tuned_flag, bf16* out, const void* dense, cudaStream_t s) {
+    if (!tuned_flag) {
+      ensure_workspace();
+      g.tune(out, compressed, dense, nullptr, workspace.get(), workspace.bytes(), s);
+      tuned_flag = true;
+    }
+    ensure_workspace();  // a plan shared with another layer may have been tuned since
+    g.matmul(out, compressed, dense, nullptr, workspace.get(), workspace.bytes(), s);
   }
 
   void check_rows(int64_t rows) const {
@@ -108,13 +134,15 @@ struct SparseActivationLinear::Impl {
       prune_activation(pattern, xs, x, tokens, in, s);
       fwd->compress(compressed, xs, compress_scratch.get(), compress_scratch.bytes(), s);
     }
-    if (!tuned) {
-      ensure_workspace();
-      fwd->tune(y, compressed, w, nullptr, workspace.get(), workspace.bytes(), s);
-      tuned = true;
-    }
-    ensure_workspace();  // a plan shared with another layer may have been tuned since
-    fwd->matmul(y, compressed, w, nullptr, workspace.get(), workspace.bytes(), s);
+    run(*fwd, tuned, y, w, s);
+  }
+
+  // tile_24: dW (fp32, = or +=) = dYᵀ · Xs as the 2:4 product of Xsᵀ, whose layout the
+  // pruning kernel writes in its transposed orientation from X in one pass.
+  void sparse_weight_grad(float* dw, const bf16* dy, const bf16* x, bool accumulate, cudaStream_t s) {
+    cusparselt24_prune_compress(x, tokens, in, nullptr, nullptr, compressed, s);
+    run(*dwg, dwg_tuned, dw_bf16, dy, s);
+    widen_sparse_output(dw, dw_bf16, out * in, accumulate, s);
   }
 };
 
@@ -141,17 +169,27 @@ SparseActivationLinear::SparseActivationLinear(const SparseActivationLinearOptio
   if (m.sparse) {
     m.fwd = &SparseGemm24::get(SparseGemm24Problem::linear_activation_forward(out, in, tokens));
     m.own = cusparselt24_layout_matches(*m.fwd);
-    m.compress_scratch.allocate(m.fwd->compress_scratch_bytes(), m.owner, "the compression scratch");
+    if (m.own && sparse_dw_shape(m.pattern, out, in, tokens)) {
+      m.dwg = &SparseGemm24::get(SparseGemm24Problem::linear_activation_weight_grad(out, in, tokens));
+      if (!cusparselt24_layout_matches(*m.dwg)) m.dwg = nullptr;  // nothing else writes Xsᵀ's layout
+    }
+    if (!m.own)  // cusparseLtSpMMACompress's scratch (our writer needs none)
+      m.compress_scratch.allocate(m.fwd->compress_scratch_bytes(), m.owner, "the compression scratch");
     m.ensure_workspace();
   }
   uint8_t* scratch = static_cast<uint8_t*>(o.scratch);
   if (!scratch) {
-    m.own_scratch.allocate(sparse_activation_scratch_bytes(out, in, tokens), m.owner, "the pruned input");
+    m.own_scratch.allocate(sparse_activation_scratch_bytes(out, in, tokens, o.pattern), m.owner, "the pruned input");
     scratch = static_cast<uint8_t*>(m.own_scratch.get());
   }
   ESPLAG_CHECK(reinterpret_cast<uintptr_t>(scratch) % kAlign == 0, m.owner, ": the scratch must be 256-byte aligned");
   m.xs = reinterpret_cast<bf16*>(scratch);
-  if (m.sparse) m.compressed = scratch + aligned(2 * size_t(tokens) * size_t(in));
+  scratch += aligned(2 * size_t(tokens) * size_t(in));
+  if (m.dwg) {
+    m.dw_bf16 = reinterpret_cast<bf16*>(scratch);
+    scratch += aligned(2 * size_t(out) * size_t(in));
+  }
+  if (m.sparse) m.compressed = scratch;
 }
 
 SparseActivationLinear::~SparseActivationLinear() = default;
@@ -163,6 +201,7 @@ int64_t SparseActivationLinear::tokens() const { return impl_->tokens; }
 bool SparseActivationLinear::sparse() const { return impl_->sparse; }
 bool SparseActivationLinear::sparse_products() const { return impl_->sparse && !impl_->dense_products; }
 bool SparseActivationLinear::own_layout() const { return impl_->own; }
+bool SparseActivationLinear::sparse_weight_grad() const { return impl_->dwg != nullptr; }
 void SparseActivationLinear::use_dense_products(bool on) { impl_->dense_products = on; }
 
 void SparseActivationLinear::forward(bf16* y, const bf16* x, const bf16* w, const bf16* bias, int64_t rows,
@@ -193,6 +232,10 @@ void SparseActivationLinear::backward(bf16* dx, float* dw, float* db, const bf16
   ESPLAG_CHECK(!db || dw, m.owner, ": the bias gradient comes with the weight gradient's product (give dw with db)");
   if (dx) m.gemm().backward_input(dx, dy, w, int(rows), int(m.in), int(m.out), false, s);
   if (!dw) return;
+  if (m.dwg && !db && sparse_products() && rows == m.tokens) {
+    m.sparse_weight_grad(dw, dy, x, accumulate_dw, s);
+    return;
+  }
   prune_activation(m.pattern, m.xs, x, rows, m.in, s);  // the forward's Xs again
   m.gemm().backward_weight(dw, db, dy, m.xs, int(rows), int(m.in), int(m.out), accumulate_dw, s);
 }
@@ -202,7 +245,7 @@ SparseActivationLinear::ProductTimes SparseActivationLinear::time_products(const
   ESPLAG_CHECK(m.sparse && iters > 0 && w, m.owner, ": time_products needs the 2:4 forward (cuSPARSELt) and a weight");
   const bool was_dense = m.dense_products;
   const size_t nx = size_t(m.tokens) * size_t(m.in), ny = size_t(m.tokens) * size_t(m.out);
-  DeviceBuffer x(2 * nx, m.owner, "the timing input"), y(2 * ny, m.owner, "the timing output"), b;
+  DeviceBuffer x(2 * nx, m.owner, "the timing input"), y(2 * ny, m.owner, "the timing output"), b, dy, dw;
   if (m.bias) {
     b.allocate(2 * size_t(m.out), m.owner, "the timing bias");
     CUDA_CHECK(cudaMemsetAsync(b.get(), 0, b.bytes(), s));
@@ -210,9 +253,19 @@ SparseActivationLinear::ProductTimes SparseActivationLinear::time_products(const
   // Non-zero inputs whose low mantissa bits vary: the pruning and the products' speed do
   // not depend on the values, but all-zero inputs could take shortcuts.
   CUDA_CHECK(cudaMemsetAsync(x.get(), 0x3C, 2 * nx, s));
+  if (m.dwg) {  // the weight gradient differs between the two ways too
+    dy.allocate(2 * ny, m.owner, "the timing output gradient");
+    dw.allocate(4 * size_t(m.out) * size_t(m.in), m.owner, "the timing weight gradient");
+    CUDA_CHECK(cudaMemsetAsync(dy.get(), 0x3B, 2 * ny, s));
+  }
   auto median_ms = [&](bool dense) {
     use_dense_products(dense);
-    return median_event_ms([&](int) { forward(y.bf(), x.bf(), w, b.bf(), m.tokens, s); }, 2, iters, s);
+    return median_event_ms(
+        [&](int) {
+          forward(y.bf(), x.bf(), w, b.bf(), m.tokens, s);
+          if (m.dwg) backward(nullptr, dw.f32(), nullptr, dy.bf(), x.bf(), w, m.tokens, false, s);
+        },
+        2, iters, s);
   };
   ProductTimes r;
   r.sparse_ms = median_ms(false);

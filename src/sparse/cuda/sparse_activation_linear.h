@@ -23,17 +23,24 @@
 // would run along the tokens). Elsewhere the forward prunes X into the scratch and runs
 // cuBLASLt's product of Xs, the same function up to rounding order; without cuSPARSELt
 // the layer warns once (warn_cusparselt_fallback_once) and sparse() says false.
-// dX and dW are always cuBLASLt's products: dX of the dense W, dW of Xs pruned again from
-// X into the scratch (the pruning is deterministic, so it is the forward's Xs; nothing is
-// kept between forward and backward).
+// dX is always cuBLASLt's product of the dense W. dW = dYᵀ · Xs reduces over the tokens:
+// with tile_24, Xsᵀ is 2:4 along the tokens too, so where the forward is 2:4, in and the
+// tokens are multiples of 64 and cusparselt_layout's writer has the library's layout of the
+// product (SparseProduct::activation_weight_grad), dW is the 2:4 product of Xsᵀ (its layout
+// written from X in one pass, pruning included), in bf16 widened into fp32 (one rounding
+// more than the dense product's fp32 accumulation; sparse_weight_grad()); a call that also
+// asks for the bias gradient takes the dense dW. Elsewhere dW is cuBLASLt's product of Xs
+// pruned again from X into the scratch. Either way the pruning is deterministic, so the
+// backward's Xs is the forward's: nothing is kept between forward and backward.
 //
-// Per-layer dispatch: time_products() times the forward both ways on the layer's shape;
-// use_dense_products(true) makes the forward prune and run cuBLASLt instead.
+// Per-layer dispatch: time_products() times the forward (and a 2:4 dW) both ways on the
+// layer's shape; use_dense_products(true) makes the forward prune and run cuBLASLt instead
+// (and dW too).
 //
-// Memory: the scratch (Xs [tokens, in] bf16 and the compressed Xs, sized by
-// sparse_activation_scratch_bytes) may be shared by layers whose calls run in one stream
-// order (SparseActivationLinearOptions::scratch); the layer itself holds its cuSPARSELt
-// workspace and compression scratch only.
+// Memory: the scratch (Xs [tokens, in] bf16, the compressed Xs or Xsᵀ, and for a 2:4 dW
+// its bf16 output [out, in]; sized by sparse_activation_scratch_bytes) may be shared by
+// layers whose calls run in one stream order (SparseActivationLinearOptions::scratch);
+// the layer itself holds its cuSPARSELt workspace and compression scratch only.
 //
 // Sizes: in a multiple of 4 (the pattern's groups; Error otherwise), out and in positive and
 // within the dense GEMM's int arguments; rows per call in [1, tokens]. Pointers 16-byte
@@ -70,14 +77,14 @@ ActivationPattern parse_activation_pattern(const std::string& name);
 void prune_activation(ActivationPattern pattern, bf16* xs, const bf16* x, int64_t rows, int64_t in,
                       cudaStream_t stream);
 
-// Bytes of the scratch a layer of this shape needs (Xs and, where the 2:4 forward can run,
-// its compressed form), 256-byte aligned parts.
-size_t sparse_activation_scratch_bytes(int64_t out, int64_t in, int64_t tokens);
+// Bytes of the scratch a layer of this shape and pattern needs (Xs and, where the 2:4
+// products can run, the compressed operand and the bf16 dW), 256-byte aligned parts.
+size_t sparse_activation_scratch_bytes(int64_t out, int64_t in, int64_t tokens, ActivationPattern pattern);
 
 struct SparseActivationLinearOptions {
   ActivationPattern pattern = ActivationPattern::row_24;
   bool bias = false;  // the forward adds a bias [out] (bf16)
-  // sparse_activation_scratch_bytes(out, in, tokens) bytes of device memory (256-byte
+  // sparse_activation_scratch_bytes(out, in, tokens, pattern) bytes of device memory (256-byte
   // aligned), owned by the caller; layers whose calls run in one stream order may share
   // one. Null: the layer allocates its own.
   void* scratch = nullptr;
@@ -102,6 +109,7 @@ class SparseActivationLinear {
   bool sparse() const;           // the 2:4 forward is possible (cuSPARSELt, shape)
   bool sparse_products() const;  // ... and in use (not use_dense_products)
   bool own_layout() const;       // the 2:4 forward's compression is our one-pass writer
+  bool sparse_weight_grad() const;  // tile_24: dW can be the 2:4 product of Xsᵀ (see above)
   void use_dense_products(bool on);
 
   // y [rows, out] (overwritten) = prune(x [rows, in]) · wᵀ (+ bias, given exactly when the
@@ -113,7 +121,7 @@ class SparseActivationLinear {
   void backward(bf16* dx, float* dw, float* db, const bf16* dy, const bf16* x, const bf16* w, int64_t rows,
                 bool accumulate_dw, cudaStream_t stream);
 
-  // The forward both ways on this layer's shape (median of `iters` after two untimed
+  // The forward (and a 2:4 dW) both ways on this layer's shape (median of `iters` after two untimed
   // rounds that tune the products), on scratch inputs allocated for the call, with the
   // caller's weight w; the layer's mode is kept. Synchronises the stream. Error unless
   // sparse().

@@ -36,15 +36,6 @@ __global__ void apply_tile_mask_kernel(bf16* w1, const bf16* w, const uint16_t* 
   reinterpret_cast<uint2*>(w1)[i] = o;
 }
 
-// dw (fp32) = or += the bf16 dW of the 2:4 product, one thread per value (both arrays
-// read and written in order: coalesced).
-__global__ void widen_dw_kernel(float* __restrict__ dw, const bf16* __restrict__ src, int64_t n, bool accumulate) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const float v = __bfloat162float(src[i]);
-  dw[i] = accumulate ? dw[i] + v : v;
-}
-
 std::string shape_text(int64_t out, int64_t in, int64_t tokens) {
   return "[out " + std::to_string(out) + ", in " + std::to_string(in) + "] over " + std::to_string(tokens) +
          " tokens";
@@ -495,11 +486,7 @@ void SparseLinear::backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, 
       m.tune(*m.dwg, m.dwg_tuned, m.dw_bf16, m.c_dw, x, nullptr, s);
       m.ensure_workspace();
       m.dwg->matmul(m.dw_bf16, m.c_dw, x, nullptr, m.workspace.get(), m.workspace.bytes(), s);
-      const int64_t n = m.out * m.in;
-      const int threads = 256;
-      widen_dw_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, s>>>(dw, m.dw_bf16, n,
-                                                                                           accumulate_dw);
-      CUDA_CHECK_LAUNCH("widen_dw_kernel");
+      widen_sparse_output(dw, m.dw_bf16, m.out * m.in, accumulate_dw, s);
       return;
     }
     // Straight through the pruning (semi_sparse) / the optimizer keeps the kept slots
