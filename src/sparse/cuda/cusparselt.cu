@@ -208,6 +208,9 @@ void check_sparse_gemm24_problem(const SparseGemm24Problem& p) {
   const bool weight_products = p.product == SparseProduct::forward || p.product == SparseProduct::backward_data;
   ESPLAG_CHECK(weight_products || p.weight_operand == SparseOperand::a, what, ": ", which,
                " takes its structured operand ", z.structured, " as operand A only");
+  ESPLAG_CHECK(!(p.bias && p.weight_operand == SparseOperand::b), what,
+               ": a fused bias needs the weight as operand A (with W as B the epilogue would add one value "
+               "per token, not per feature)");
   if (p.dtype == SparseDtype::e4m3) {
     // fp8 tensor cores read both operands K-major: the forward layout with W as A (W row-major
     // op N, X row-major op T) is that; the other layouts are not described for fp8 here.
