@@ -19,6 +19,7 @@
 #include "core/cuda_check.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/rng.h"
 #include "model/linear_semi_sparse.h"
 #include "sparse/cuda/cusparselt.h"
 #include "sparse/cuda/cusparselt_layout.h"
@@ -146,6 +147,39 @@ TEST(GpuSparseActivationLinear, RowPruningCompressesInOnePass) {
   EXPECT_EQ(bits_to_float(dxs.get<uint16_t>()), xs);
   EXPECT_TRUE(dc.get<uint8_t>() == want) << "the compressed layout differs from the host reference's";
   EXPECT_THROW(gpu::cusparselt24_prune_rows_compress(dx.bf(), rows, 100, nullptr, dc.p, nullptr), esplag::Error);
+}
+
+// Inputs full of equal magnitudes (bf16 activations often are: a GELU or a norm output
+// rounds many values alike): the fused pruning + compression kernels keep exactly what
+// prune_activation and the CPU layer keep, ties broken the same way, and the compressed
+// forward operand gives the product of those values.
+TEST(GpuSparseActivationLinear, TiesPruneAlikeInEveryKernel) {
+  if (!has_device()) GTEST_SKIP() << "no CUDA device";
+  const int64_t rows = 128, in = 256;
+  esplag::Rng rng(77);
+  const float levels[] = {0.f, 0.5f, -0.5f, 1.f, -1.f, 2.f, -0.f};
+  Bits xb(size_t(rows * in));
+  VF xf(xb.size());
+  for (size_t i = 0; i < xb.size(); ++i) {
+    xf[i] = levels[rng.below(7)];
+    xb[i] = esplag::float_to_bf16(xf[i]);
+  }
+  Dev dx(xb.size() * 2), a(xb.size() * 2), b(xb.size() * 2), c(gpu::cusparselt24_layout_bytes(rows, in));
+  dx.put(xb.data());
+  for (ActivationPattern pattern : kPatterns) {
+    SCOPED_TRACE(gpu::activation_pattern_name(pattern));
+    a.poison();
+    b.poison();
+    gpu::prune_activation(pattern, a.bf(), dx.bf(), rows, in, nullptr);
+    if (pattern == ActivationPattern::row_24)
+      gpu::cusparselt24_prune_rows_compress(dx.bf(), rows, in, b.bf(), c.p, nullptr);
+    else
+      gpu::cusparselt24_prune_compress(dx.bf(), rows, in, b.bf(), c.p, nullptr, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const VF want = cpu_pruned(pattern, xf, rows, in);
+    EXPECT_EQ(bits_to_float(a.get<uint16_t>()), want) << "prune_activation";
+    EXPECT_EQ(bits_to_float(b.get<uint16_t>()), want) << "the fused pruning";
+  }
 }
 
 struct Shape {
