@@ -34,25 +34,7 @@ namespace gpu = esplag::gpu;
 using esplag::ActivationSparsity;
 using gpu::ActivationPattern;
 
-// A device buffer freed on scope exit, poisoned with all bits set (NaN in bf16 and fp32).
-struct Dev {
-  void* p = nullptr;
-  size_t bytes = 0;
-  explicit Dev(size_t b) : bytes(b) { CUDA_CHECK(cudaMalloc(&p, b)); }
-  ~Dev() { cudaFree(p); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  bf16* bf() const { return static_cast<bf16*>(p); }
-  float* f32() const { return static_cast<float*>(p); }
-  void poison() const { CUDA_CHECK(cudaMemset(p, 0xFF, bytes)); }
-  void put(const void* host) const { CUDA_CHECK(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice)); }
-  template <typename T>
-  std::vector<T> get() const {
-    std::vector<T> v(bytes / sizeof(T));
-    CUDA_CHECK(cudaMemcpy(v.data(), p, bytes, cudaMemcpyDeviceToHost));
-    return v;
-  }
-};
+using Dev = esplag::gpu_test::DeviceBlock;
 
 ActivationSparsity cpu_pattern(ActivationPattern p) {
   return p == ActivationPattern::row_24 ? ActivationSparsity::row_24 : ActivationSparsity::tile_24;
@@ -71,39 +53,6 @@ VF cpu_pruned(ActivationPattern pattern, const VF& x, int64_t rows, int64_t in) 
   VF xs(x.size());
   layer.sparsify_input(xs.data(), x.data(), int(rows));
   return xs;
-}
-
-// C [M, Nn] = A [M, K] · Bᵀ with B [Nn, K] (bt) or A · B with B [K, Nn]; fp64.
-VD matmul(const VF& a, const VF& b, int64_t M, int64_t K, int64_t Nn, bool bt) {
-  VD c(size_t(M * Nn), 0.0);
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < Nn; ++j) {
-      double s = 0;
-      for (int64_t k = 0; k < K; ++k) s += double(a[i * K + k]) * double(bt ? b[j * K + k] : b[k * Nn + j]);
-      c[i * Nn + j] = s;
-    }
-  return c;
-}
-VF transpose(const VF& a, int64_t rows, int64_t cols) {
-  VF t(a.size());
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) t[c * rows + r] = a[r * cols + c];
-  return t;
-}
-
-// Every element within rel·|ref| + abs_frac·max|ref| (NaN fails).
-void expect_close(const VF& got, const VD& ref, double rel, double abs_frac, const std::string& what) {
-  ASSERT_EQ(got.size(), ref.size());
-  double mx = 0;
-  for (double r : ref) mx = std::max(mx, std::fabs(r));
-  int bad = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double tol = rel * std::fabs(ref[i]) + abs_frac * mx;
-    if (!(std::fabs(double(got[i]) - ref[i]) <= tol) && ++bad <= 3)
-      ADD_FAILURE() << what << "[" << i << "]: " << got[i] << " vs " << ref[i] << " (tol " << tol << ")";
-  }
-  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << ref.size() << " outside tolerance";
-  EXPECT_GT(mx, 0) << what << ": the reference is all zero, the check would be vacuous";
 }
 
 const ActivationPattern kPatterns[] = {ActivationPattern::row_24, ActivationPattern::tile_24};
@@ -232,23 +181,23 @@ void run_layer(ActivationPattern pattern, const Shape& sh, uint64_t seed, bool b
     CUDA_CHECK(cudaDeviceSynchronize());
 
     const VF xs = cpu_pruned(pattern, x.f, N, I);
-    VD y_ref = matmul(xs, w.f, N, I, O, true);
+    VD y_ref = matmul_f64(xs, w.f, N, I, O, true);
     if (bias)
       for (int64_t n = 0; n < N; ++n)
         for (int64_t j = 0; j < O; ++j) y_ref[size_t(n * O + j)] += b.f[size_t(j)];
-    VD dw_ref = matmul(transpose(dy.f, N, O), xs, O, N, I, false);
+    VD dw_ref = matmul_f64(transposed(dy.f, N, O), xs, O, N, I, false);
     if (accumulate)
       for (double& v : dw_ref) v += 1.0;
     // bf16 outputs (the sparse path's bias is a second rounding), fp32 dW (rounded to bf16
     // once by the 2:4 product).
-    expect_close(bits_to_float(ddy.get<uint16_t>()), y_ref, 1.2e-2, 3e-3, "Y");
-    expect_close(bits_to_float(ddx.get<uint16_t>()), matmul(dy.f, w.f, N, O, I, false), 8e-3, 2e-3, "dX");
-    expect_close(ddw.get<float>(), dw_ref, dw_bf16 ? 8e-3 : 1e-4, dw_bf16 ? 2e-3 : 1e-5, "dW");
+    expect_close_to(bits_to_float(ddy.get<uint16_t>()), y_ref, 1.2e-2, 3e-3, "Y");
+    expect_close_to(bits_to_float(ddx.get<uint16_t>()), matmul_f64(dy.f, w.f, N, O, I, false), 8e-3, 2e-3, "dX");
+    expect_close_to(ddw.get<float>(), dw_ref, dw_bf16 ? 8e-3 : 1e-4, dw_bf16 ? 2e-3 : 1e-5, "dW");
     if (bias) {
       VD db_ref(size_t(O), 0.0);
       for (int64_t n = 0; n < N; ++n)
         for (int64_t j = 0; j < O; ++j) db_ref[size_t(j)] += dy.f[size_t(n * O + j)];
-      expect_close(ddb.get<float>(), db_ref, 1e-4, 1e-5, "db");
+      expect_close_to(ddb.get<float>(), db_ref, 1e-4, 1e-5, "db");
     }
     w = random_bf16(w.f.size(), seed + 30 + step, 0.5);
   }
@@ -290,8 +239,8 @@ TEST(GpuSparseActivationLinear, FewerRowsRunDense) {
   dy.poison();
   layer.forward(dy.bf(), dx.bf(), dw.bf(), nullptr, rows, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
-  expect_close(bits_to_float(dy.get<uint16_t>()),
-               matmul(cpu_pruned(ActivationPattern::row_24, x.f, rows, I), w.f, rows, I, O, true), 8e-3, 2e-3, "Y");
+  expect_close_to(bits_to_float(dy.get<uint16_t>()),
+               matmul_f64(cpu_pruned(ActivationPattern::row_24, x.f, rows, I), w.f, rows, I, O, true), 8e-3, 2e-3, "Y");
 }
 
 TEST(GpuSparseActivationLinear, TimingKeepsTheModeAndRefusals) {

@@ -63,18 +63,7 @@ bool has_device() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
-// A device buffer freed on scope exit.
-struct Dev {
-  void* p = nullptr;
-  size_t bytes = 0;
-  explicit Dev(size_t b) : bytes(b) { CUDA_CHECK(cudaMalloc(&p, b)); }
-  ~Dev() { cudaFree(p); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  bf16* bf() const { return static_cast<bf16*>(p); }
-  float* f32() const { return static_cast<float*>(p); }
-  void poison() const { CUDA_CHECK(cudaMemset(p, 0xFF, bytes)); }
-};
+using Dev = esplag::gpu_test::DeviceBlock;
 
 Bits random_bf16(size_t n, double scale, Rng& rng) {
   Bits b(n);
@@ -102,39 +91,9 @@ VF download_f32(const float* p, size_t n) {
   return f;
 }
 
-// C [M, Nn] = A [M, K] · B, with B given as [Nn, K] (transposed) when bt, else [K, Nn]; fp64.
-VD matmul(const VF& a, const VF& b, int64_t M, int64_t K, int64_t Nn, bool bt) {
-  VD c(size_t(M * Nn), 0.0);
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < Nn; ++j) {
-      double s = 0;
-      for (int64_t k = 0; k < K; ++k) s += double(a[i * K + k]) * double(bt ? b[j * K + k] : b[k * Nn + j]);
-      c[i * Nn + j] = s;
-    }
-  return c;
-}
-VF transpose(const VF& a, int64_t rows, int64_t cols) {
-  VF t(a.size());
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) t[c * rows + r] = a[r * cols + c];
-  return t;
-}
-
-// Every element within rel·|ref| + abs_frac·max|ref| (NaN fails).
-void expect_close(const VF& got, const VD& ref, double rel, double abs_frac, const std::string& what) {
-  ASSERT_EQ(got.size(), ref.size());
-  double mx = 0;
-  for (double r : ref) mx = std::max(mx, std::fabs(r));
-  int bad = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double tol = rel * std::fabs(ref[i]) + abs_frac * mx;
-    if (!(std::fabs(double(got[i]) - ref[i]) <= tol)) {
-      if (++bad <= 3) ADD_FAILURE() << what << "[" << i << "]: " << got[i] << " vs " << ref[i] << " (tol " << tol << ")";
-    }
-  }
-  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << ref.size() << " outside tolerance";
-  EXPECT_GT(mx, 0) << what << ": the reference is all zero, the check would be vacuous";
-}
+using esplag::gpu_test::expect_close_to;
+using esplag::gpu_test::matmul_f64;
+using esplag::gpu_test::transposed;
 
 VF masked(const VF& w, const cpu::Mask& m) {
   VF o(w.size());
@@ -214,21 +173,21 @@ void run_kind(SparseLinearKind kind, const Shape& sh, uint64_t seed, bool dense_
         layer.refill_backward_weight_t(s);
         CUDA_CHECK(cudaStreamSynchronize(s));
         const VF pt = to_float(download_bits(layer.backward_weight_t(), size_t(O * I)));
-        EXPECT_EQ(pt, transpose(w_bwd, O, I)) << "W2^T";
+        EXPECT_EQ(pt, transposed(w_bwd, O, I)) << "W2^T";
       }
     }
-    VD y_ref = matmul(xf, w_fwd, N, I, O, true);  // X · Wfᵀ (+ b)
+    VD y_ref = matmul_f64(xf, w_fwd, N, I, O, true);  // X · Wfᵀ (+ b)
     if (bias)
       for (int64_t n = 0; n < N; ++n)
         for (int64_t j = 0; j < O; ++j) y_ref[size_t(n * O + j)] += esplag::bf16_to_float(b[size_t(j)]);
-    const VD dx_ref = matmul(dyf, w_bwd, N, O, I, false);  // dY · Wb
-    VD dw_ref = matmul(transpose(dyf, N, O), xf, O, N, I, false);  // dYᵀ · X
+    const VD dx_ref = matmul_f64(dyf, w_bwd, N, O, I, false);  // dY · Wb
+    VD dw_ref = matmul_f64(transposed(dyf, N, O), xf, O, N, I, false);  // dYᵀ · X
     if (accumulate)
       for (double& v : dw_ref) v += 1.0;
     // bf16 outputs: one rounding (2^-9 relative) plus fp32 accumulation; dW is fp32.
-    expect_close(to_float(download_bits(ddy.p, size_t(N * O))), y_ref, 8e-3, 2e-3, "Y");
-    expect_close(to_float(download_bits(ddx.p, size_t(N * I))), dx_ref, 8e-3, 2e-3, "dX");
-    expect_close(download_f32(ddw.f32(), size_t(O * I)), dw_ref, 1e-4, 1e-5, "dW");
+    expect_close_to(to_float(download_bits(ddy.p, size_t(N * O))), y_ref, 8e-3, 2e-3, "Y");
+    expect_close_to(to_float(download_bits(ddx.p, size_t(N * I))), dx_ref, 8e-3, 2e-3, "dX");
+    expect_close_to(download_f32(ddw.f32(), size_t(O * I)), dw_ref, 1e-4, 1e-5, "dW");
 
     // The optimizer step: W moves; the next prepare() must follow it.
     const Bits delta = random_bf16(w.size(), 0.5, rng);
@@ -346,7 +305,7 @@ TEST(GpuSparseLinear, SlopeMaskIsStatic) {
   CUDA_CHECK(cudaDeviceSynchronize());
   const VF expect = masked(masked(f2, m0), b1);
   EXPECT_EQ(to_float(download_bits(layer.pruned_weight(), size_t(O * I))), expect);
-  EXPECT_EQ(to_float(download_bits(layer.refill_backward_weight_t(nullptr), size_t(O * I))), transpose(expect, O, I));
+  EXPECT_EQ(to_float(download_bits(layer.refill_backward_weight_t(nullptr), size_t(O * I))), transposed(expect, O, I));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -537,7 +496,7 @@ TEST(GpuSparseLinear, SparseDwIsUnbiased) {
   upload(w, random_bf16(size_t(O * I), 0.5, rng));
   upload(dx, x);
   upload(ddy, dy);
-  const VD dense = matmul(transpose(to_float(dy), N, O), to_float(x), O, N, I, false);  // dYᵀ · X
+  const VD dense = matmul_f64(transposed(to_float(dy), N, O), to_float(x), O, N, I, false);  // dYᵀ · X
   SparseLinearOptions o;
   o.kind = SparseLinearKind::slope;
   o.sparse_dw = true;

@@ -81,6 +81,26 @@ inline VF random_f32(size_t n, uint64_t seed, double scale = 1.0, double mean = 
 }
 
 // ---------------------------------------------------------------------------------------
+// One device block freed on scope exit, for tests whose buffers change from step to step.
+struct DeviceBlock {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBlock(size_t b) : bytes(b) { CUDA_CHECK(cudaMalloc(&p, b)); }
+  ~DeviceBlock() { cudaFree(p); }
+  DeviceBlock(const DeviceBlock&) = delete;
+  DeviceBlock& operator=(const DeviceBlock&) = delete;
+  bf16* bf() const { return static_cast<bf16*>(p); }
+  float* f32() const { return static_cast<float*>(p); }
+  void poison() const { CUDA_CHECK(cudaMemset(p, 0xFF, bytes)); }  // NaN as bf16 and as fp32
+  void put(const void* host) const { CUDA_CHECK(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice)); }
+  template <typename T>
+  std::vector<T> get() const {
+    std::vector<T> v(bytes / sizeof(T));
+    CUDA_CHECK(cudaMemcpy(v.data(), p, bytes, cudaMemcpyDeviceToHost));
+    return v;
+  }
+};
+
 // Device buffers, all from one arena per test, and the test's stream. Tests with other
 // layouts (guard elements, misaligned pointers) derive and replace put / poisoned / get.
 
@@ -161,6 +181,41 @@ inline size_t count_non_finite(const VF& got, size_t* first) {
   for (size_t i = 0; i < got.size(); ++i)
     if (!std::isfinite(got[i]) && bad++ == 0) *first = i;
   return bad;
+}
+
+// C [M, Nn] = A [M, K] · B in fp64, with B given as [Nn, K] (transposed) when bt, else [K, Nn].
+inline VD matmul_f64(const VF& a, const VF& b, int64_t M, int64_t K, int64_t Nn, bool bt) {
+  VD c(size_t(M * Nn), 0.0);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < Nn; ++j) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += double(a[i * K + k]) * double(bt ? b[j * K + k] : b[k * Nn + j]);
+      c[i * Nn + j] = s;
+    }
+  return c;
+}
+
+inline VF transposed(const VF& a, int64_t rows, int64_t cols) {
+  VF t(a.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) t[c * rows + r] = a[r * cols + c];
+  return t;
+}
+
+// Every element within rel·|ref| + abs_frac·max|ref| (NaN fails; the first three misses
+// are named), and the reference not all zero (the check would be vacuous).
+inline void expect_close_to(const VF& got, const VD& ref, double rel, double abs_frac, const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size());
+  double mx = 0;
+  for (double r : ref) mx = std::max(mx, std::fabs(r));
+  int bad = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double tol = rel * std::fabs(ref[i]) + abs_frac * mx;
+    if (!(std::fabs(double(got[i]) - ref[i]) <= tol) && ++bad <= 3)
+      ADD_FAILURE() << what << "[" << i << "]: " << got[i] << " vs " << ref[i] << " (tol " << tol << ")";
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << ref.size() << " outside tolerance";
+  EXPECT_GT(mx, 0) << what << ": the reference is all zero, the check would be vacuous";
 }
 
 // The accuracy rule of the op tests: against the fp64 reference, the GPU's RMS and max
