@@ -422,9 +422,10 @@ double Trainer::advance() {
   double write_back_s = 0, layers_s = 0;
   if (update) {
     // Kinds built from the weights (slope's masks) must see the trained ones: a device
-    // backend writes them back to the host model first.
+    // backend writes them back to the host model first (not the moments, which only a
+    // checkpoint needs).
     auto t = clock::now();
-    if (device) backend_->state_to_host();
+    backend_->weights_to_host();
     write_back_s = seconds_since(t);
     t = clock::now();
     apply_recipe_step(*model_, recipe_, step, cfg_.seed, log_);

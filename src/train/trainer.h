@@ -105,6 +105,10 @@ class StepBackend {
     const Moments& v;
   };
   virtual HostMoments state_to_host() = 0;
+  // The current weights into the host model, without the moments: what a recipe update
+  // needs (masks and kinds are chosen from the weights). The CPU backend trains the host
+  // model itself: nothing to do.
+  virtual void weights_to_host() {}
   // Lines for the run log that the last step produced (e.g. the GPU's per-layer choice of
   // products when a layer became semi_sparse); empty by default.
   virtual std::vector<std::string> take_notes() { return {}; }
