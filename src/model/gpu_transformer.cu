@@ -44,6 +44,7 @@
 #include "core/cuda_timing.h"
 #include "core/error.h"
 #include "core/op_trace.h"
+#include "core/parallel.h"
 #include "model/linear_slope.h"
 #include "ops/gpu.h"
 #include "ops/gpu_fused.h"
@@ -2018,9 +2019,11 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     const int64_t words = (c.in + 31) / 32;
     std::vector<uint32_t> bits(size_t(c.out * words), 0u);
     const std::vector<uint8_t>& mask = *c.setting->mask;
-    for (int64_t o = 0; o < c.out; ++o)
-      for (int64_t i = 0; i < c.in; ++i)
-        if (mask[size_t(o * c.in + i)]) bits[size_t(o * words + i / 32)] |= 1u << (i % 32);
+    parallel_for(c.out, [&](int64_t o0, int64_t o1) {  // rows own their words
+      for (int64_t o = o0; o < o1; ++o)
+        for (int64_t i = 0; i < c.in; ++i)
+          if (mask[size_t(o * c.in + i)]) bits[size_t(o * words + i / 32)] |= 1u << (i % 32);
+    });
     Impl::Masked& m = im.masks[c.setting->weight_name];
     m.kind = c.setting->kind;
     m.out = c.out;
