@@ -435,11 +435,12 @@ TEST_F(GpuModelSparse, SemiSparseActivationTrainsLikeTheCpu) {
   std::vector<float> m(cm.num_params()), v(cm.num_params());
   expect_curves_agree(
       cm, gm, B, T, steps, 78, hyper, [&](int s) { cpu_adamw_step(cm, m, v, hyper, s + 1); }, 0.8);
-  expect_graphs_give_eager_bits(llama_config(), always_sparse(), 2, 64, 4, [](GpuTransformer& gm, const std::string& w) {
-    GpuTransformer::LinearKindSetting st{w, "semi_sparse_activation"};
-    st.activation = esplag::ActivationSparsity::row_24;
-    gm.set_linear_kinds({st});
-  });
+  expect_graphs_give_eager_bits(llama_config(), always_sparse(), 2, 64, 4,
+                                [](GpuTransformer& gm, const std::string& w) {
+                                  GpuTransformer::LinearKindSetting st{w, "semi_sparse_activation"};
+                                  st.activation = esplag::ActivationSparsity::row_24;
+                                  gm.set_linear_kinds({st});
+                                });
 }
 
 // --- slope ---------------------------------------------------------------------------------

@@ -63,7 +63,8 @@ TEST(GpuSparseActivationLinear, PruningMatchesTheCpuLayer) {
   uint64_t seed = 5;
   for (ActivationPattern pattern : kPatterns)
     for (const auto& [rows, in] : shapes) {
-      SCOPED_TRACE(gpu::activation_pattern_name(pattern) + " rows=" + std::to_string(rows) + " in=" + std::to_string(in));
+      SCOPED_TRACE(gpu::activation_pattern_name(pattern) + " rows=" + std::to_string(rows) +
+                   " in=" + std::to_string(in));
       const Data x = random_bf16(size_t(rows * in), seed++);
       Dev dx(x.bits.size() * 2), dxs(x.bits.size() * 2);
       dx.put(x.bits.data());

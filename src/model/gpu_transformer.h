@@ -225,9 +225,10 @@ class GpuTransformer {
   // --- Linear kinds ---------------------------------------------------------------------
   // The kind of a block Linear layer, by its weight's name ("blocks.3.mlp.fc.weight"):
   // "dense" (the default), "masked", "vnm", "semi_sparse", "semi_sparse_activation" or
-  // "slope". Other kinds, or semi_sparse and slope without cuSPARSELt, throw Error. Changing a kind waits for the device and drops the
-  // captured graphs. Each sparse layer is tuned at its first forward (one cuSPARSELt search
-  // per shape and process, or the tuning cache's entry).
+  // "slope". Other kinds, or semi_sparse and slope without cuSPARSELt, throw Error.
+  // Changing a kind waits for the device and drops the captured graphs. Each sparse layer
+  // is tuned at its first forward (one cuSPARSELt search per shape and process, or the
+  // tuning cache's entry).
   //
   // vnm (model/linear_vnm.h: VENOM's layers after kernel replacement, the mask frozen) is
   // trained as masked is, with the mask it is given when it becomes vnm and its moments

@@ -177,23 +177,28 @@ void check_sparse_gemm24_problem(const SparseGemm24Problem& p) {
   // cuSPARSELt's descriptors hold at most 2^31 - 1 elements per 16-bit matrix: the
   // structured operand, the dense operand and the output.
   const int64_t limit = (int64_t(1) << 31) - 1;
-  // The three matrices of each product: the structured one, the dense input, the output.
-  struct Sizes {
-    const char *structured, *dense, *output;
+  // Each product's name and its three matrices: the structured one, the dense input, the
+  // output (with their element counts).
+  struct Roles {
+    const char *which, *structured, *dense, *output;
     int64_t dense_n, output_n;
   };
   const int64_t so = p.tokens * p.out, si = p.tokens * p.in, w = p.out * p.in;
-  Sizes z{"W", "the token-side input", "the output", si, so};
-  const char* which = "the forward product";
+  Roles z{"the forward product", "W", "the token-side input", "the output", si, so};
   switch (p.product) {
     case SparseProduct::forward: break;
-    case SparseProduct::backward_data: z = {"W", "dY", "dX", so, si}, which = "the backward-data product"; break;
-    case SparseProduct::weight_grad: z = {"the structured dY^T", "X", "dW", si, w}, which = "the weight-gradient product"; break;
+    case SparseProduct::backward_data: z = {"the backward-data product", "W", "dY", "dX", so, si}; break;
+    case SparseProduct::weight_grad:
+      z = {"the weight-gradient product", "the structured dY^T", "X", "dW", si, w};
+      break;
     case SparseProduct::activation_forward:
-      z = {"the structured X", "W", "the output", w, so}, which = "the product of a 2:4 input"; break;
+      z = {"the product of a 2:4 input", "the structured X", "W", "the output", w, so};
+      break;
     case SparseProduct::activation_weight_grad:
-      z = {"the structured X^T", "dY", "dW", so, w}, which = "the weight-gradient product of a 2:4 input"; break;
+      z = {"the weight-gradient product of a 2:4 input", "the structured X^T", "dY", "dW", so, w};
+      break;
   }
+  const char* which = z.which;
   const std::pair<const char*, int64_t> sizes[] = {
       {z.structured, p.structured_rows() * p.structured_cols()}, {z.dense, z.dense_n}, {z.output, z.output_n}};
   for (const auto& [name, v] : sizes)

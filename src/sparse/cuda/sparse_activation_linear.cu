@@ -45,7 +45,9 @@ bool sparse_dw_shape(ActivationPattern pattern, int64_t out, int64_t in, int64_t
 
 }  // namespace
 
-std::string activation_pattern_name(ActivationPattern p) { return p == ActivationPattern::tile_24 ? "tile_24" : "row_24"; }
+std::string activation_pattern_name(ActivationPattern p) {
+  return p == ActivationPattern::tile_24 ? "tile_24" : "row_24";
+}
 
 ActivationPattern parse_activation_pattern(const std::string& name) {
   if (name == "row_24") return ActivationPattern::row_24;
@@ -64,7 +66,8 @@ void prune_activation(ActivationPattern pattern, bf16* xs, const bf16* x, int64_
 size_t sparse_activation_scratch_bytes(int64_t out, int64_t in, int64_t tokens, ActivationPattern pattern) {
   size_t bytes = aligned(2 * size_t(tokens) * size_t(in));
   if (!sparse_shape(out, in, tokens)) return bytes;
-  size_t compressed = SparseGemm24::get(SparseGemm24Problem::linear_activation_forward(out, in, tokens)).compressed_bytes();
+  const auto& fwd = SparseGemm24::get(SparseGemm24Problem::linear_activation_forward(out, in, tokens));
+  size_t compressed = fwd.compressed_bytes();
   if (sparse_dw_shape(pattern, out, in, tokens)) {
     const auto& dw = SparseGemm24::get(SparseGemm24Problem::linear_activation_weight_grad(out, in, tokens));
     compressed = std::max(compressed, dw.compressed_bytes());
