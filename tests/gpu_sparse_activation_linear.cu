@@ -32,16 +32,11 @@ namespace {
 using namespace esplag::gpu_test;
 namespace gpu = esplag::gpu;
 using esplag::ActivationSparsity;
-using gpu::ActivationPattern;
 
 using Dev = esplag::gpu_test::DeviceBlock;
 
-ActivationSparsity cpu_pattern(ActivationPattern p) {
-  return p == ActivationPattern::row_24 ? ActivationSparsity::row_24 : ActivationSparsity::tile_24;
-}
-
 // The CPU layer's Xs for x [rows, in] (its weight plays no part in the pruning).
-VF cpu_pruned(ActivationPattern pattern, const VF& x, int64_t rows, int64_t in) {
+VF cpu_pruned(ActivationSparsity pattern, const VF& x, int64_t rows, int64_t in) {
   VF w(size_t(4 * in), 0.f);
   esplag::LinearParams<float> p;
   p.name = "blocks.0.mlp.fc.weight";
@@ -49,21 +44,21 @@ VF cpu_pruned(ActivationPattern pattern, const VF& x, int64_t rows, int64_t in) 
   p.in_features = in;
   p.out_features = 4;
   p.weight = w.data();
-  esplag::SemiSparseActivationLinear<float> layer(p, cpu_pattern(pattern));
+  esplag::SemiSparseActivationLinear<float> layer(p, pattern);
   VF xs(x.size());
   layer.sparsify_input(xs.data(), x.data(), int(rows));
   return xs;
 }
 
-const ActivationPattern kPatterns[] = {ActivationPattern::row_24, ActivationPattern::tile_24};
+const ActivationSparsity kPatterns[] = {ActivationSparsity::row_24, ActivationSparsity::tile_24};
 
 TEST(GpuSparseActivationLinear, PruningMatchesTheCpuLayer) {
   if (!has_device()) GTEST_SKIP() << "no CUDA device";
   const std::pair<int64_t, int64_t> shapes[] = {{1, 4}, {7, 12}, {33, 48}, {64, 128}, {130, 20}};
   uint64_t seed = 5;
-  for (ActivationPattern pattern : kPatterns)
+  for (ActivationSparsity pattern : kPatterns)
     for (const auto& [rows, in] : shapes) {
-      SCOPED_TRACE(gpu::activation_pattern_name(pattern) + " rows=" + std::to_string(rows) +
+      SCOPED_TRACE(esplag::activation_sparsity_name(pattern) + " rows=" + std::to_string(rows) +
                    " in=" + std::to_string(in));
       const Data x = random_bf16(size_t(rows * in), seed++);
       Dev dx(x.bits.size() * 2), dxs(x.bits.size() * 2);
@@ -82,7 +77,7 @@ TEST(GpuSparseActivationLinear, RowPruningCompressesInOnePass) {
   if (!has_device()) GTEST_SKIP() << "no CUDA device";
   const int64_t rows = 128, in = 192;
   const Data x = random_bf16(size_t(rows * in), 41);
-  const VF xs = cpu_pruned(ActivationPattern::row_24, x.f, rows, in);
+  const VF xs = cpu_pruned(ActivationSparsity::row_24, x.f, rows, in);
   Bits xs_bits(xs.size());
   for (size_t i = 0; i < xs.size(); ++i) xs_bits[i] = esplag::float_to_bf16(xs[i]);
   const size_t bytes = gpu::cusparselt24_layout_bytes(rows, in);
@@ -116,12 +111,12 @@ TEST(GpuSparseActivationLinear, TiesPruneAlikeInEveryKernel) {
   }
   Dev dx(xb.size() * 2), a(xb.size() * 2), b(xb.size() * 2), c(gpu::cusparselt24_layout_bytes(rows, in));
   dx.put(xb.data());
-  for (ActivationPattern pattern : kPatterns) {
-    SCOPED_TRACE(gpu::activation_pattern_name(pattern));
+  for (ActivationSparsity pattern : kPatterns) {
+    SCOPED_TRACE(esplag::activation_sparsity_name(pattern));
     a.poison();
     b.poison();
     gpu::prune_activation(pattern, a.bf(), dx.bf(), rows, in, nullptr);
-    if (pattern == ActivationPattern::row_24)
+    if (pattern == ActivationSparsity::row_24)
       gpu::cusparselt24_prune_rows_compress(dx.bf(), rows, in, b.bf(), c.p, nullptr);
     else
       gpu::cusparselt24_prune_compress(dx.bf(), rows, in, b.bf(), c.p, nullptr, nullptr);
@@ -137,8 +132,8 @@ struct Shape {
 };
 
 // Three steps of one layer; between steps the weight moves as an optimizer's would.
-void run_layer(ActivationPattern pattern, const Shape& sh, uint64_t seed, bool bias, bool dense_products) {
-  SCOPED_TRACE(gpu::activation_pattern_name(pattern) + " out=" + std::to_string(sh.out) + " in=" +
+void run_layer(ActivationSparsity pattern, const Shape& sh, uint64_t seed, bool bias, bool dense_products) {
+  SCOPED_TRACE(esplag::activation_sparsity_name(pattern) + " out=" + std::to_string(sh.out) + " in=" +
                std::to_string(sh.in) + " tokens=" + std::to_string(sh.tokens) + (bias ? " bias" : "") +
                (dense_products ? " dense products" : ""));
   const int64_t O = sh.out, I = sh.in, N = sh.tokens;
@@ -152,7 +147,7 @@ void run_layer(ActivationPattern pattern, const Shape& sh, uint64_t seed, bool b
   EXPECT_EQ(layer.sparse_products(), can_be_sparse && !dense_products);
   // tile_24's dW as the 2:4 product of Xsᵀ: where the fused writer's 64×64 tiles fit (and
   // its layout is the library's, as it is wherever the forward uses it).
-  const bool dw_sparse = pattern == ActivationPattern::tile_24 && layer.own_layout() && I % 64 == 0 && N % 64 == 0;
+  const bool dw_sparse = pattern == ActivationSparsity::tile_24 && layer.own_layout() && I % 64 == 0 && N % 64 == 0;
   EXPECT_EQ(layer.sparse_weight_grad(), dw_sparse);
   // ... which the backward takes unless it computes the bias gradient too.
   const bool dw_bf16 = dw_sparse && !dense_products && !bias;
@@ -210,7 +205,7 @@ const Shape kShapes[] = {{32, 64, 48}, {48, 16, 32}, {80, 48, 112}, {64, 64, 64}
 TEST(GpuSparseActivationLinear, MatchesTheCpuLayer) {
   if (!has_device()) GTEST_SKIP() << "no CUDA device";
   uint64_t seed = 100;
-  for (ActivationPattern pattern : kPatterns)
+  for (ActivationSparsity pattern : kPatterns)
     for (const Shape& sh : kShapes) {
       run_layer(pattern, sh, seed, false, false);
       seed += 50;
@@ -220,7 +215,7 @@ TEST(GpuSparseActivationLinear, MatchesTheCpuLayer) {
 TEST(GpuSparseActivationLinear, BiasAndDenseProducts) {
   if (!has_device()) GTEST_SKIP() << "no CUDA device";
   uint64_t seed = 900;
-  for (ActivationPattern pattern : kPatterns)
+  for (ActivationSparsity pattern : kPatterns)
     for (const Shape& sh : {Shape{32, 64, 48}, Shape{64, 128, 128}}) {
       run_layer(pattern, sh, seed, true, false);
       run_layer(pattern, sh, seed + 1, false, true);
@@ -241,14 +236,14 @@ TEST(GpuSparseActivationLinear, FewerRowsRunDense) {
   layer.forward(dy.bf(), dx.bf(), dw.bf(), nullptr, rows, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
   expect_close_to(bits_to_float(dy.get<uint16_t>()),
-               matmul_f64(cpu_pruned(ActivationPattern::row_24, x.f, rows, I), w.f, rows, I, O, true), 8e-3, 2e-3, "Y");
+               matmul_f64(cpu_pruned(ActivationSparsity::row_24, x.f, rows, I), w.f, rows, I, O, true), 8e-3, 2e-3, "Y");
 }
 
 TEST(GpuSparseActivationLinear, TimingKeepsTheModeAndRefusals) {
   if (!has_device()) GTEST_SKIP() << "no CUDA device";
   EXPECT_THROW(gpu::SparseActivationLinear({}, 32, 18, 64), esplag::Error);  // in % 4
   EXPECT_THROW(gpu::SparseActivationLinear({}, 0, 16, 64), esplag::Error);
-  EXPECT_THROW(gpu::parse_activation_pattern("rows"), esplag::Error);
+  EXPECT_THROW(esplag::parse_activation_sparsity("rows"), esplag::Error);
   gpu::SparseActivationLinear layer({}, 64, 64, 64);
   Dev w(64 * 64 * 2), x(64 * 64 * 2), y(64 * 64 * 2);
   CUDA_CHECK(cudaMemset(w.p, 0, w.bytes));

@@ -223,7 +223,7 @@ int bench_layer(const std::vector<std::string>& argv) {
   for (const std::string& k : kinds) {
     if (k != "semi_sparse_activation") o.kinds.push_back(gpu::parse_sparse_linear_kind(k));
     if (k == "semi_sparse_activation")
-      for (const std::string& p : patterns) o.activation.push_back(gpu::parse_activation_pattern(p));
+      for (const std::string& p : patterns) o.activation.push_back(parse_activation_sparsity(p));
   }
   o.warmup = warmup;
   o.iters = iters;
@@ -382,7 +382,7 @@ int bench_train(const std::vector<std::string>& argv) {
       runs.push_back(bench_train_gpu(mc, B, T, steps, warmup, peak, options));
     runs.push_back(
         bench_train_gpu(mc, B, T, steps, warmup, peak, options, op_steps, regex, kind, a.has("sparse-dw"), lora_rank,
-                        pattern == "row_24" ? ActivationSparsity::row_24 : ActivationSparsity::tile_24));
+                        parse_activation_sparsity(pattern)));
     std::cout << gpu_bench_table_header();
     for (const auto& r : runs) std::cout << gpu_bench_table_row(r);
     if (runs.size() == 2) std::cout << gpu_bench_comparison(runs[0], runs[1]);

@@ -1296,7 +1296,7 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
     const double fl = n2 * K * OC;
     const bool gelu = act == gpu::Gemm::Act::gelu;
     if (lin.act) {  // the input pruned, then the 2:4 product (or cuBLASLt's of the pruned input)
-      if (!(lin.act->sparse_products() && lin.act->tokens() == N))
+      if (!lin.act->sparse_forward_for(N))
         mark(name, fl);
       else if (im.marking())
         mark(std::string("sparse ") + name, fl);
@@ -1521,9 +1521,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   // column sums).
   auto weight_dw = [&](const Impl::Lin& lin, const char* name, const bf16* dout, const bf16* inp, int K, int OC) {
     if (lin.act) {  // dW = doutᵀ · the input pruned again (the forward's Xs), 2:4 where it can be
-      const bool sparse = lin.act->sparse_weight_grad() && lin.act->sparse_products() && lin.act->tokens() == N &&
-                          !gemm_bias(lin.db);
-      if (!sparse)
+      if (!lin.act->sparse_weight_grad_for(N, gemm_bias(lin.db) != nullptr))
         mark(name, n2 * K * OC);
       else if (im.marking())
         mark(std::string("sparse ") + name, n2 * K * OC);
@@ -1653,10 +1651,6 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
 namespace {
 
 // The block Linear named by its weight ("blocks.3.mlp.fc.weight"), or null.
-gpu::ActivationPattern activation_pattern(ActivationSparsity a) {
-  return a == ActivationSparsity::row_24 ? gpu::ActivationPattern::row_24 : gpu::ActivationPattern::tile_24;
-}
-
 GpuTransformer::Impl::Lin* find_linear(GpuTransformer::Impl& im, const std::string& weight_name) {
   static const std::pair<const char*, GpuTransformer::Impl::Lin GpuTransformer::Impl::Block::*> kSuffixes[] = {
       {".attn.qkv.weight", &GpuTransformer::Impl::Block::qkv},
@@ -1852,7 +1846,7 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
                  ": sparse_dw needs the layer's outputs (", out, ") and the micro-batch's tokens (", tokens,
                  ") to be multiples of 64");
     if (st.kind == was && !st.slope_masks && !st.mask && st.sparse_dw == (lin->sp && lin->sp->sparse_dw()) &&
-        (!activation || lin->act->pattern() == activation_pattern(st.activation)))
+        (!activation || lin->act->pattern() == st.activation))
       continue;
     ESPLAG_CHECK(!masked || st.mask, "GpuTransformer: ", st.weight_name, ": kind ", st.kind,
                  " needs its mask (LinearKindSetting::mask)");
@@ -2099,11 +2093,11 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
       for (const auto& i : infos_)
         if (find_linear(im, i.name))
           largest = std::max(largest, gpu::sparse_activation_scratch_bytes(i.shape.at(0), i.shape.at(1), tokens,
-                                                                            gpu::ActivationPattern::tile_24));
+                                                                            ActivationSparsity::tile_24));
       im.activation_scratch = DeviceArena(largest + DeviceArena::kDefaultAlignment, "semi_sparse_activation scratch");
     }
     gpu::SparseActivationLinearOptions o;
-    o.pattern = activation_pattern(st.activation);
+    o.pattern = st.activation;
     o.bias = c.lin->b != nullptr;
     o.scratch = im.activation_scratch.base();
     o.gemm = im.gemm.get();
@@ -2148,8 +2142,7 @@ std::string GpuTransformer::linear_kind(const std::string& weight_name) const {
 ActivationSparsity GpuTransformer::activation_sparsity(const std::string& weight_name) const {
   Impl::Lin* lin = find_linear(*impl_, weight_name);
   ESPLAG_CHECK(lin && lin->act, "GpuTransformer: ", weight_name, " is not a semi_sparse_activation layer");
-  return lin->act->pattern() == activation_pattern(ActivationSparsity::row_24) ? ActivationSparsity::row_24
-                                                                               : ActivationSparsity::tile_24;
+  return lin->act->pattern();
 }
 
 GpuTransformer::SlopeState GpuTransformer::slope_state(const std::string& weight_name) const {

@@ -27,10 +27,6 @@ void check_dims_24(const LinearParams<T>& p, const char* kind) {
 
 }  // namespace
 
-std::string activation_sparsity_name(ActivationSparsity a) {
-  return a == ActivationSparsity::row_24 ? "row_24" : "tile_24";
-}
-
 // --- sparse_dw ------------------------------------------------------------------------------
 
 template <typename T>

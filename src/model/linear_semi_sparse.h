@@ -24,6 +24,7 @@
 
 #include "core/tensor.h"
 #include "model/linear.h"
+#include "sparse/pattern.h"
 
 namespace esplag {
 
@@ -71,15 +72,6 @@ class MvueWeightGrad {
   std::vector<float> g_, s_;  // dYᵀ and S, [out, N]
   std::vector<T> st_;         // Sᵀ, [N, out]
 };
-
-// How semi_sparse_activation prunes X [N, in]:
-//   row_24:  the 2 largest |x| of every 4 consecutive features of each row (exactly 50%).
-//   tile_24: the transposable greedy mask over 4×4 tiles of X (tokens × features; N is
-//            padded with zero rows to a multiple of 4), so Xsᵀ is 2:4 along the tokens too
-//            and the dW GEMM (reduction over tokens) can also run on sparse tensor cores;
-//            what torchao does. May keep fewer than 50%.
-enum class ActivationSparsity : uint8_t { row_24, tile_24 };
-std::string activation_sparsity_name(ActivationSparsity a);  // "row_24", "tile_24"
 
 template <typename T>
 class SemiSparseLinear final : public Linear<T> {

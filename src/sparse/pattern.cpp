@@ -149,4 +149,14 @@ void check_divisible(const SparsityPattern& p, int64_t rows, int64_t cols, const
                  ") is not a multiple of V = ", p.v, " required by sparsity pattern ", p.to_string());
 }
 
+std::string activation_sparsity_name(ActivationSparsity a) {
+  return a == ActivationSparsity::row_24 ? "row_24" : "tile_24";
+}
+
+ActivationSparsity parse_activation_sparsity(const std::string& name) {
+  if (name == "row_24") return ActivationSparsity::row_24;
+  if (name == "tile_24") return ActivationSparsity::tile_24;
+  fail("unknown activation sparsity pattern '", name, "' (expected row_24 or tile_24)");
+}
+
 }  // namespace esplag

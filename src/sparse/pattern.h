@@ -42,6 +42,18 @@ struct SparsityPattern {
   friend bool operator==(const SparsityPattern&, const SparsityPattern&) = default;
 };
 
+// How semi_sparse_activation prunes its input X [N, in] (model/linear_semi_sparse.h on the
+// CPU, sparse/cuda/sparse_activation_linear.h on the GPU):
+//   row_24:  the 2 largest |x| of every 4 consecutive features of each row (exactly 50%).
+//   tile_24: the transposable greedy mask over 4×4 tiles of X (tokens × features; N is
+//            padded with zero rows to a multiple of 4), so Xsᵀ is 2:4 along the tokens too
+//            and the dW GEMM (reduction over tokens) can also run on sparse tensor cores;
+//            what torchao does. May keep fewer than 50%.
+enum class ActivationSparsity : uint8_t { row_24, tile_24 };
+std::string activation_sparsity_name(ActivationSparsity a);  // "row_24", "tile_24"
+// Throws Error naming the accepted spellings.
+ActivationSparsity parse_activation_sparsity(const std::string& name);
+
 // Throws Error naming `tensor_name` (with its shape and the pattern) unless
 // cols % M == 0 (N:M, V:N:M) and rows % V == 0 (V:N:M). Dense and unstructured always pass.
 void check_divisible(const SparsityPattern& pattern, int64_t rows, int64_t cols, const std::string& tensor_name);

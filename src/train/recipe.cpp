@@ -349,7 +349,7 @@ void Recipe::parse_items(const YAML::Node& list) {
         ESPLAG_CHECK(a == "row_24" || a == "tile_24", w, ": key 'activation' must be row_24 (2 of every 4 input ",
                      "features per token) or tile_24 (transposable 2:4 over 4x4 tiles of tokens x features), got '", a,
                      "'");
-        mod.activation = a == "row_24" ? ActivationSparsity::row_24 : ActivationSparsity::tile_24;
+        mod.activation = parse_activation_sparsity(a);
       }
     } else if (type == kSlope || type == kKernel) {
       if (kv.count("mask_change_freq"))

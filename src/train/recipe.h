@@ -17,7 +17,6 @@
 #include <utility>
 #include <vector>
 
-#include "model/linear_semi_sparse.h"
 #include "sparse/pattern.h"
 
 namespace YAML {

@@ -105,54 +105,44 @@ const char* activation_name(SparseActivation a) {
 // ---------------------------------------------------------------------------------------
 // Problems
 
-SparseGemm24Problem SparseGemm24Problem::linear_forward(int64_t out, int64_t in, int64_t tokens, bool bias,
-                                                        SparseActivation act, SparseOperand op) {
+namespace {
+// A problem of `product` over W [out, in] and `tokens` rows, without epilogue, the structured
+// operand as `op`.
+SparseGemm24Problem problem_of(SparseProduct product, int64_t out, int64_t in, int64_t tokens,
+                               SparseOperand op = SparseOperand::a) {
   SparseGemm24Problem p;
-  p.product = SparseProduct::forward;
+  p.product = product;
   p.out = out;
   p.in = in;
   p.tokens = tokens;
+  p.weight_operand = op;
+  return p;
+}
+}  // namespace
+
+SparseGemm24Problem SparseGemm24Problem::linear_forward(int64_t out, int64_t in, int64_t tokens, bool bias,
+                                                        SparseActivation act, SparseOperand op) {
+  SparseGemm24Problem p = problem_of(SparseProduct::forward, out, in, tokens, op);
   p.bias = bias;
   p.activation = act;
-  p.weight_operand = op;
   return p;
 }
 
 SparseGemm24Problem SparseGemm24Problem::linear_backward_data(int64_t out, int64_t in, int64_t tokens,
                                                               SparseOperand op) {
-  SparseGemm24Problem p;
-  p.product = SparseProduct::backward_data;
-  p.out = out;
-  p.in = in;
-  p.tokens = tokens;
-  p.weight_operand = op;
-  return p;
+  return problem_of(SparseProduct::backward_data, out, in, tokens, op);
 }
 
 SparseGemm24Problem SparseGemm24Problem::linear_weight_grad(int64_t out, int64_t in, int64_t tokens) {
-  SparseGemm24Problem p;
-  p.product = SparseProduct::weight_grad;
-  p.out = out;
-  p.in = in;
-  p.tokens = tokens;
-  p.weight_operand = SparseOperand::a;
-  return p;
+  return problem_of(SparseProduct::weight_grad, out, in, tokens);
 }
 
 SparseGemm24Problem SparseGemm24Problem::linear_activation_forward(int64_t out, int64_t in, int64_t tokens) {
-  SparseGemm24Problem p;
-  p.product = SparseProduct::activation_forward;
-  p.out = out;
-  p.in = in;
-  p.tokens = tokens;
-  p.weight_operand = SparseOperand::a;
-  return p;
+  return problem_of(SparseProduct::activation_forward, out, in, tokens);
 }
 
 SparseGemm24Problem SparseGemm24Problem::linear_activation_weight_grad(int64_t out, int64_t in, int64_t tokens) {
-  SparseGemm24Problem p = linear_activation_forward(out, in, tokens);
-  p.product = SparseProduct::activation_weight_grad;
-  return p;
+  return problem_of(SparseProduct::activation_weight_grad, out, in, tokens);
 }
 
 std::string SparseGemm24Problem::key() const {

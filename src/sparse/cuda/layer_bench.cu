@@ -70,7 +70,7 @@ LayerBenchResult run_layer_bench(const LayerBenchOptions& opt) {
     variants.push_back({.kind = k});
     if (opt.sparse_dw && k != SparseLinearKind::dense) variants.push_back({.kind = k, .sparse_dw = true});
   }
-  for (gpu::ActivationPattern p : opt.activation) variants.push_back({.activation = true, .pattern = p});
+  for (ActivationSparsity p : opt.activation) variants.push_back({.activation = true, .pattern = p});
 
   CudaStream stream;
   const cudaStream_t s = stream.s;
@@ -143,7 +143,7 @@ LayerBenchResult run_layer_bench(const LayerBenchOptions& opt) {
 }
 
 std::string layer_bench_kind_label(const LayerBenchRow& row) {
-  if (row.activation) return "activation:" + gpu::activation_pattern_name(row.pattern);
+  if (row.activation) return "activation:" + activation_sparsity_name(row.pattern);
   return gpu::sparse_linear_kind_name(row.kind) + (row.sparse_dw ? "+sparse_dw" : "");
 }
 

@@ -51,7 +51,7 @@ struct LayerBenchOptions {
   std::vector<gpu::SparseLinearKind> kinds = {gpu::SparseLinearKind::dense, gpu::SparseLinearKind::semi_sparse,
                                               gpu::SparseLinearKind::slope};
   // semi_sparse_activation's patterns to time (empty: none), after the kinds.
-  std::vector<gpu::ActivationPattern> activation = {gpu::ActivationPattern::row_24, gpu::ActivationPattern::tile_24};
+  std::vector<ActivationSparsity> activation = {ActivationSparsity::row_24, ActivationSparsity::tile_24};
   // Also time every sparse kind with sparse dW (rows "<kind>+sparse_dw"); shapes whose out
   // or tokens are not multiples of 64 give those rows with the reason instead.
   bool sparse_dw = false;
@@ -65,7 +65,7 @@ struct LayerBenchRow {
   bool sparse_dw = false;  // the layer was built with sparse_dw (label "<kind>+sparse_dw")
   // A semi_sparse_activation row (kind unused), with its pattern.
   bool activation = false;
-  gpu::ActivationPattern pattern = gpu::ActivationPattern::row_24;
+  ActivationSparsity pattern = ActivationSparsity::row_24;
   bool ran = false;
   bool sparse = false;  // 2:4 products ran (false: dense, or the fallback without cuSPARSELt)
   std::string note;     // why it did not run

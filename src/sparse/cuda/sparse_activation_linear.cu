@@ -39,31 +39,21 @@ bool sparse_shape(int64_t out, int64_t in, int64_t tokens) {
 
 // Whether tile_24's weight gradient can be the 2:4 product of Xsᵀ: the fused kernel's
 // 64×64 tiles (in and tokens), on top of the forward's rule; the layout check comes later.
-bool sparse_dw_shape(ActivationPattern pattern, int64_t out, int64_t in, int64_t tokens) {
-  return pattern == ActivationPattern::tile_24 && sparse_shape(out, in, tokens) && in % 64 == 0 && tokens % 64 == 0;
+bool sparse_dw_shape(ActivationSparsity pattern, int64_t out, int64_t in, int64_t tokens) {
+  return pattern == ActivationSparsity::tile_24 && sparse_shape(out, in, tokens) && in % 64 == 0 && tokens % 64 == 0;
 }
 
 }  // namespace
 
-std::string activation_pattern_name(ActivationPattern p) {
-  return p == ActivationPattern::tile_24 ? "tile_24" : "row_24";
-}
-
-ActivationPattern parse_activation_pattern(const std::string& name) {
-  if (name == "row_24") return ActivationPattern::row_24;
-  if (name == "tile_24") return ActivationPattern::tile_24;
-  fail("unknown activation sparsity pattern '", name, "' (expected row_24 or tile_24)");
-}
-
-void prune_activation(ActivationPattern pattern, bf16* xs, const bf16* x, int64_t rows, int64_t in,
+void prune_activation(ActivationSparsity pattern, bf16* xs, const bf16* x, int64_t rows, int64_t in,
                       cudaStream_t stream) {
-  if (pattern == ActivationPattern::row_24)
+  if (pattern == ActivationSparsity::row_24)
     activation_24_rows(x, rows, in, Sparse24Out{xs}, stream);
   else
     activation_24_tiles(x, rows, in, Sparse24Out{xs}, Sparse24Out{}, stream);
 }
 
-size_t sparse_activation_scratch_bytes(int64_t out, int64_t in, int64_t tokens, ActivationPattern pattern) {
+size_t sparse_activation_scratch_bytes(int64_t out, int64_t in, int64_t tokens, ActivationSparsity pattern) {
   size_t bytes = aligned(2 * size_t(tokens) * size_t(in));
   if (!sparse_shape(out, in, tokens)) return bytes;
   const auto& fwd = SparseGemm24::get(SparseGemm24Problem::linear_activation_forward(out, in, tokens));
@@ -77,7 +67,7 @@ size_t sparse_activation_scratch_bytes(int64_t out, int64_t in, int64_t tokens, 
 }
 
 struct SparseActivationLinear::Impl {
-  ActivationPattern pattern = ActivationPattern::row_24;
+  ActivationSparsity pattern = ActivationSparsity::row_24;
   bool bias = false;
   int64_t out = 0, in = 0, tokens = 0;
   std::string name;  // pattern and shape, for messages
@@ -129,7 +119,7 @@ struct SparseActivationLinear::Impl {
   // Y = Xs · Wᵀ through cuSPARSELt: Xs compressed (with the pruning, in one pass, where
   // our writer has the library's layout), then the product.
   void sparse_forward(bf16* y, const bf16* x, const bf16* w, cudaStream_t s) {
-    if (own && pattern == ActivationPattern::row_24) {
+    if (own && pattern == ActivationSparsity::row_24) {
       cusparselt24_prune_rows_compress(x, tokens, in, nullptr, compressed, s);
     } else if (own) {
       cusparselt24_prune_compress(x, tokens, in, nullptr, compressed, nullptr, s);
@@ -159,7 +149,7 @@ SparseActivationLinear::SparseActivationLinear(const SparseActivationLinearOptio
   m.in = in;
   m.tokens = tokens;
   m.gemm_ = o.gemm;
-  m.name = activation_pattern_name(o.pattern) + " [out " + std::to_string(out) + ", in " + std::to_string(in) +
+  m.name = activation_sparsity_name(o.pattern) + " [out " + std::to_string(out) + ", in " + std::to_string(in) +
            "] over " + std::to_string(tokens) + " tokens";
   m.owner = "SparseActivationLinear " + m.name;
   ESPLAG_CHECK(out > 0 && in > 0 && tokens > 0, m.owner, ": sizes must be positive");
@@ -197,7 +187,7 @@ SparseActivationLinear::SparseActivationLinear(const SparseActivationLinearOptio
 
 SparseActivationLinear::~SparseActivationLinear() = default;
 
-ActivationPattern SparseActivationLinear::pattern() const { return impl_->pattern; }
+ActivationSparsity SparseActivationLinear::pattern() const { return impl_->pattern; }
 int64_t SparseActivationLinear::out_features() const { return impl_->out; }
 int64_t SparseActivationLinear::in_features() const { return impl_->in; }
 int64_t SparseActivationLinear::tokens() const { return impl_->tokens; }
@@ -205,6 +195,12 @@ bool SparseActivationLinear::sparse() const { return impl_->sparse; }
 bool SparseActivationLinear::sparse_products() const { return impl_->sparse && !impl_->dense_products; }
 bool SparseActivationLinear::own_layout() const { return impl_->own; }
 bool SparseActivationLinear::sparse_weight_grad() const { return impl_->dwg != nullptr; }
+bool SparseActivationLinear::sparse_forward_for(int64_t rows) const {
+  return sparse_products() && rows == impl_->tokens;
+}
+bool SparseActivationLinear::sparse_weight_grad_for(int64_t rows, bool bias_grad) const {
+  return sparse_weight_grad() && !bias_grad && sparse_forward_for(rows);
+}
 void SparseActivationLinear::use_dense_products(bool on) { impl_->dense_products = on; }
 
 void SparseActivationLinear::forward(bf16* y, const bf16* x, const bf16* w, const bf16* bias, int64_t rows,
@@ -214,7 +210,7 @@ void SparseActivationLinear::forward(bf16* y, const bf16* x, const bf16* w, cons
   ESPLAG_CHECK(y && x && w, m.owner, ": forward needs y, x and the weight");
   ESPLAG_CHECK((bias != nullptr) == m.bias, m.owner, m.bias ? ": the layer has a bias and none was given"
                                                             : ": a bias was given to a layer built without one");
-  if (!(sparse_products() && rows == m.tokens)) {
+  if (!sparse_forward_for(rows)) {
     prune_activation(m.pattern, m.xs, x, rows, m.in, s);
     m.gemm().forward(y, m.xs, w, bias, int(rows), int(m.in), int(m.out), s);
     return;
@@ -235,7 +231,7 @@ void SparseActivationLinear::backward(bf16* dx, float* dw, float* db, const bf16
   ESPLAG_CHECK(!db || dw, m.owner, ": the bias gradient comes with the weight gradient's product (give dw with db)");
   if (dx) m.gemm().backward_input(dx, dy, w, int(rows), int(m.in), int(m.out), false, s);
   if (!dw) return;
-  if (m.dwg && !db && sparse_products() && rows == m.tokens) {
+  if (sparse_weight_grad_for(rows, db != nullptr)) {
     m.sparse_weight_grad(dw, dy, x, accumulate_dw, s);
     return;
   }

@@ -6,7 +6,7 @@
 //   forward   Y [N, out] = Xs · Wᵀ (+ bias)     Xs = X pruned (the pattern below)
 //   backward  dX [N, in] = dY · W               dW [out, in] (fp32) = dYᵀ · Xs
 //
-// Patterns (the CPU's ActivationSparsity):
+// Patterns (sparse/pattern.h's ActivationSparsity):
 //   row_24   the two largest |x| of every 4 consecutive features of each row (exactly 50%);
 //   tile_24  the transposable greedy mask over 4×4 tiles of X (tokens × features, the
 //            tokens padded with zero rows to a multiple of 4), which may keep fewer.
@@ -62,27 +62,24 @@
 #include <memory>
 #include <string>
 
+#include "sparse/pattern.h"
+
 namespace esplag::gpu {
 
 using bf16 = __nv_bfloat16;
 class Gemm;
 
-enum class ActivationPattern : uint8_t { row_24, tile_24 };
-std::string activation_pattern_name(ActivationPattern p);  // "row_24", "tile_24"
-// Throws Error naming the accepted patterns.
-ActivationPattern parse_activation_pattern(const std::string& name);
-
 // xs [rows, in] = x pruned by `pattern`. in a multiple of 4, any rows >= 1; xs must not
 // overlap x. Asynchronous on `stream`.
-void prune_activation(ActivationPattern pattern, bf16* xs, const bf16* x, int64_t rows, int64_t in,
+void prune_activation(ActivationSparsity pattern, bf16* xs, const bf16* x, int64_t rows, int64_t in,
                       cudaStream_t stream);
 
 // Bytes of the scratch a layer of this shape and pattern needs (Xs and, where the 2:4
 // products can run, the compressed operand and the bf16 dW), 256-byte aligned parts.
-size_t sparse_activation_scratch_bytes(int64_t out, int64_t in, int64_t tokens, ActivationPattern pattern);
+size_t sparse_activation_scratch_bytes(int64_t out, int64_t in, int64_t tokens, ActivationSparsity pattern);
 
 struct SparseActivationLinearOptions {
-  ActivationPattern pattern = ActivationPattern::row_24;
+  ActivationSparsity pattern = ActivationSparsity::row_24;
   bool bias = false;  // the forward adds a bias [out] (bf16)
   // sparse_activation_scratch_bytes(out, in, tokens, pattern) bytes of device memory (256-byte
   // aligned), owned by the caller; layers whose calls run in one stream order may share
@@ -102,7 +99,7 @@ class SparseActivationLinear {
   SparseActivationLinear(const SparseActivationLinear&) = delete;
   SparseActivationLinear& operator=(const SparseActivationLinear&) = delete;
 
-  ActivationPattern pattern() const;
+  ActivationSparsity pattern() const;
   int64_t out_features() const;
   int64_t in_features() const;
   int64_t tokens() const;
@@ -110,6 +107,11 @@ class SparseActivationLinear {
   bool sparse_products() const;  // ... and in use (not use_dense_products)
   bool own_layout() const;       // the 2:4 forward's compression is our one-pass writer
   bool sparse_weight_grad() const;  // tile_24: dW can be the 2:4 product of Xsᵀ (see above)
+  // What forward() and backward() run for a call of `rows` rows (for callers that label
+  // the work): the 2:4 forward, and the 2:4 dW (which a call asking for the bias gradient
+  // too does not take).
+  bool sparse_forward_for(int64_t rows) const;
+  bool sparse_weight_grad_for(int64_t rows, bool bias_grad) const;
   void use_dense_products(bool on);
 
   // y [rows, out] (overwritten) = prune(x [rows, in]) · wᵀ (+ bias, given exactly when the
