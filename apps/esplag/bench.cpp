@@ -221,8 +221,9 @@ int bench_layer(const std::vector<std::string>& argv) {
   o.kinds.clear();
   o.activation.clear();
   for (const std::string& k : kinds) {
-    if (k != "semi_sparse_activation") o.kinds.push_back(gpu::parse_sparse_linear_kind(k));
-    if (k == "semi_sparse_activation")
+    if (k != "semi_sparse_activation")
+      o.kinds.push_back(gpu::parse_sparse_linear_kind(k));
+    else
       for (const std::string& p : patterns) o.activation.push_back(parse_activation_sparsity(p));
   }
   o.warmup = warmup;

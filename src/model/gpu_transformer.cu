@@ -2103,10 +2103,8 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     o.gemm = im.gemm.get();
     auto act = std::make_unique<gpu::SparseActivationLinear>(o, c.out, c.in, tokens);
     if (opt_.sparse_dispatch && act->sparse())
-      act->use_dense_products(!sparse_is_faster("semi_sparse_activation", st.weight_name, c.out, c.in, [&] {
-        const auto t = act->time_products(c.lin->w, stream_);
-        return gpu::SparseLinear::ProductTimes{t.sparse_ms, t.dense_ms};
-      }));
+      act->use_dense_products(!sparse_is_faster("semi_sparse_activation", st.weight_name, c.out, c.in,
+                                                [&] { return act->time_products(c.lin->w, stream_); }));
     c.lin->act = act.get();
     im.activation[st.weight_name] = std::move(act);
   }

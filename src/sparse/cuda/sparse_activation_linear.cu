@@ -73,8 +73,8 @@ struct SparseActivationLinear::Impl {
   std::string name;  // pattern and shape, for messages
   std::string owner;
 
-  bool sparse = false, dense_products = false, own = false, tuned = false;
-  SparseGemm24* fwd = nullptr;
+  bool dense_products = false, own = false, tuned = false;
+  SparseGemm24* fwd = nullptr;  // the 2:4 forward's plan; null where it cannot run
   // tile_24: the weight gradient's 2:4 product (null where it cannot run) and its bf16 output.
   SparseGemm24* dwg = nullptr;
   bool dwg_tuned = false;
@@ -157,9 +157,8 @@ SparseActivationLinear::SparseActivationLinear(const SparseActivationLinearOptio
                ": sizes must fit the dense GEMM's int arguments");
   ESPLAG_CHECK(in % 4 == 0, m.owner, ": in = ", in, " is not a multiple of 4 (2:4 groups of the input features)");
 
-  m.sparse = sparse_shape(out, in, tokens);
   if (!cusparselt_available()) warn_cusparselt_fallback_once("semi_sparse_activation");
-  if (m.sparse) {
+  if (sparse_shape(out, in, tokens)) {
     m.fwd = &SparseGemm24::get(SparseGemm24Problem::linear_activation_forward(out, in, tokens));
     m.own = cusparselt24_layout_matches(*m.fwd);
     if (m.own && sparse_dw_shape(m.pattern, out, in, tokens)) {
@@ -182,7 +181,7 @@ SparseActivationLinear::SparseActivationLinear(const SparseActivationLinearOptio
     m.dw_bf16 = reinterpret_cast<bf16*>(scratch);
     scratch += aligned(2 * size_t(out) * size_t(in));
   }
-  if (m.sparse) m.compressed = scratch;
+  if (m.fwd) m.compressed = scratch;
 }
 
 SparseActivationLinear::~SparseActivationLinear() = default;
@@ -191,8 +190,8 @@ ActivationSparsity SparseActivationLinear::pattern() const { return impl_->patte
 int64_t SparseActivationLinear::out_features() const { return impl_->out; }
 int64_t SparseActivationLinear::in_features() const { return impl_->in; }
 int64_t SparseActivationLinear::tokens() const { return impl_->tokens; }
-bool SparseActivationLinear::sparse() const { return impl_->sparse; }
-bool SparseActivationLinear::sparse_products() const { return impl_->sparse && !impl_->dense_products; }
+bool SparseActivationLinear::sparse() const { return impl_->fwd != nullptr; }
+bool SparseActivationLinear::sparse_products() const { return sparse() && !impl_->dense_products; }
 bool SparseActivationLinear::own_layout() const { return impl_->own; }
 bool SparseActivationLinear::sparse_weight_grad() const { return impl_->dwg != nullptr; }
 bool SparseActivationLinear::sparse_forward_for(int64_t rows) const {
@@ -241,7 +240,7 @@ void SparseActivationLinear::backward(bf16* dx, float* dw, float* db, const bf16
 
 SparseActivationLinear::ProductTimes SparseActivationLinear::time_products(const bf16* w, cudaStream_t s, int iters) {
   Impl& m = *impl_;
-  ESPLAG_CHECK(m.sparse && iters > 0 && w, m.owner, ": time_products needs the 2:4 forward (cuSPARSELt) and a weight");
+  ESPLAG_CHECK(m.fwd && iters > 0 && w, m.owner, ": time_products needs the 2:4 forward (cuSPARSELt) and a weight");
   const bool was_dense = m.dense_products;
   const size_t nx = size_t(m.tokens) * size_t(m.in), ny = size_t(m.tokens) * size_t(m.out);
   DeviceBuffer x(2 * nx, m.owner, "the timing input"), y(2 * ny, m.owner, "the timing output"), b, dy, dw;

@@ -62,6 +62,7 @@
 #include <memory>
 #include <string>
 
+#include "sparse/cuda/sparse_linear.h"
 #include "sparse/pattern.h"
 
 namespace esplag::gpu {
@@ -127,9 +128,7 @@ class SparseActivationLinear {
   // rounds that tune the products), on scratch inputs allocated for the call, with the
   // caller's weight w; the layer's mode is kept. Synchronises the stream. Error unless
   // sparse().
-  struct ProductTimes {
-    double sparse_ms = 0, dense_ms = 0;
-  };
+  using ProductTimes = SparseLinear::ProductTimes;
   ProductTimes time_products(const bf16* w, cudaStream_t stream, int iters = 10);
 
   // Device bytes the layer holds itself (its scratch when not given, its cuSPARSELt
