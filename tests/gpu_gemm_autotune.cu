@@ -4,7 +4,7 @@
 // inside a capture must not tune there), and with autotuning off the algorithm must be
 // the heuristic's first pick.
 //
-// Accuracy rule as in gpu_ops.cu (DESIGN.md): against the fp64 CPU reference, the GPU's
+// Accuracy rule as in gpu_ops.cu (docs/architecture.md): against the fp64 CPU reference, the GPU's
 // error must be no worse than twice the error of the same computation on the CPU in fp32
 // with the same bf16 roundings, in RMS and max norm, with small floors; bf16 outputs also
 // within 1e-2 relative RMS.

@@ -5,7 +5,7 @@
 // accumulates into are pre-filled with random values. Sizes are deliberately awkward
 // (C = 771, N = 37, ...) next to aligned ones, so both the scalar and the 16-byte paths run.
 //
-// Accuracy rule (DESIGN.md): against the fp64 CPU reference, the GPU's error must be no
+// Accuracy rule (docs/architecture.md): against the fp64 CPU reference, the GPU's error must be no
 // worse than twice the error of the same computation done on the CPU in fp32 with the
 // same bf16 roundings ("low"), in RMS and in max norm, with a floor of 1e-6 relative RMS
 // (bf16 outputs; max: one bf16 ulp at the largest value) or 1e-5 (fp32 outputs) for

@@ -1,7 +1,7 @@
 // Helpers shared by the GPU tests (tests/gpu_*.cu): the device check, seeded
 // bf16-representable inputs, bf16 conversions, device buffers from one arena per test
 // (uploads, outputs poisoned with NaN, downloads) and the error metrics of the accuracy
-// rule (DESIGN.md): the GPU's error against an fp64 CPU reference next to the error of
+// rule (docs/architecture.md): the GPU's error against an fp64 CPU reference next to the error of
 // the same computation done on the CPU in low precision.
 #pragma once
 #include <cuda_runtime.h>

@@ -1,4 +1,4 @@
-// The one seam every sparsity method plugs into (DESIGN.md, "Linear"): a linear layer
+// The one seam every sparsity method plugs into (docs/architecture.md, "Seam 2"): a linear layer
 // y = x·Wᵀ + b with an explicit forward and backward. The dense weight and bias (and their
 // gradients) live in the model's flat parameter buffers; a Linear holds views into them
 // plus whatever extra state its kind needs (masks, compressed copies, adapters).
