@@ -179,8 +179,8 @@ TEST(ProfileCli, MalformedWhatIfSpecsFailBeforeTheRun) {
   write_text(root() / "bad.csv", "pattern,factor\nmlp,2\nattention,fast\n");
   expect_error(profile("--what-if-from " + (root() / "bad.csv").string()), "bad.csv:3:");
   expect_error(profile("--what-if-from " + (root() / "missing.csv").string()), "cannot open");
-  expect_error(profile("--steps 0"), "--steps must be at least 1");
-  expect_error(profile("--validate --calibration-steps 0"), "--calibration-steps must be at least 1");
+  expect_error(profile("--steps 0"), "--steps must be an integer in [1, 2147483647], got '0'");
+  expect_error(profile("--validate --calibration-steps 0"), "--calibration-steps must be an integer in [1, 2147483647], got '0'");
   expect_error(profile("--calibration-steps 2"), "only applies with --validate");
   expect_error(profile("--validate=yes"), "--validate takes no value");
   EXPECT_FALSE(fs::exists(out)) << "a failed command must not have started the run";
