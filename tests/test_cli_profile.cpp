@@ -185,3 +185,16 @@ TEST(ProfileCli, MalformedWhatIfSpecsFailBeforeTheRun) {
   expect_error(profile("--validate=yes"), "--validate takes no value");
   EXPECT_FALSE(fs::exists(out)) << "a failed command must not have started the run";
 }
+
+TEST(ProfileCli, AWhatIfSpecThatMatchesNoOpWarnsWithWhatItCouldMatch) {
+  const fs::path out = root() / "unmatched";
+  const Result r = run("profile --config " + fixture().dense_config.string() +
+                       " --what-if 're:no_such_op=2' --what-if 'attention=2' --out " + out.string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("warning: what-if spec 're:no_such_op=2' matches no op of the "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("categories here: "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("dense_gemm"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("op names such as "), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "only the unmatched spec warns: " << r.err;
+  EXPECT_NE(r.out.find("re:no_such_op=2: 0 ops"), std::string::npos) << r.out;
+}
