@@ -106,7 +106,8 @@ int64_t parse_integer(const std::string& command, const Option& o, const std::st
   const char* last = v.data() + v.size();
   const auto [end, ec] = std::from_chars(v.data(), last, x);
   const bool whole = !v.empty() && end == last;
-  ESPLAG_CHECK(whole && ec == std::errc() && x >= o.int_min && x <= o.int_max, prefix(command), "--", o.name, " must be ",
+  ESPLAG_CHECK(whole && ec == std::errc() && x >= o.int_min && x <= o.int_max, prefix(command), "--", o.name,
+               " must be ",
                o.range_text(), ", got '", v, "'");
   return x;
 }
@@ -115,7 +116,8 @@ double parse_number(const std::string& command, const Option& o, const std::stri
   double x = 0;
   ESPLAG_CHECK(parse_whole_real(v, x), prefix(command), "--", o.name, " must be ", o.range_text(), ", got '", v, "'");
   ESPLAG_CHECK(std::isfinite(x), prefix(command), "--", o.name, " must be a finite number, got '", v, "'");
-  ESPLAG_CHECK(x >= o.min && (o.max_excluded ? x < o.max : x <= o.max), prefix(command), "--", o.name, " must be ", o.range_text(), ", got '", v, "'");
+  const bool below_max = o.max_excluded ? x < o.max : x <= o.max;
+  ESPLAG_CHECK(x >= o.min && below_max, prefix(command), "--", o.name, " must be ", o.range_text(), ", got '", v, "'");
   return x;
 }
 

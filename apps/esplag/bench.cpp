@@ -13,7 +13,6 @@
 #include <filesystem>
 #include <iostream>
 
-
 #include "args.h"
 #include "commands.h"
 #include "core/parallel.h"
@@ -452,7 +451,8 @@ const Command kBenchSparsify = {
     "bench sparsify", "2:4 sparsification kernels against a copy (cuda)", "", {csv_option()}, bench_sparsify};
 const Command kBenchAttention = {
     "bench attention", "attention paths, forward and backward (cuda)", "", {csv_option()}, bench_attention};
-const Command kBenchVnm = {"bench vnm", "V:2:M sparse GEMM against dense cuBLASLt (cuda)", "", {csv_option()}, bench_vnm};
+const Command kBenchVnm = {
+    "bench vnm", "V:2:M sparse GEMM against dense cuBLASLt (cuda)", "", {csv_option()}, bench_vnm};
 const Command kBenchSparseAdamw = {
     "bench sparse-adamw", "SLoPe's sparse AdamW against dense AdamW (cuda)", "", {csv_option()}, bench_sparse_adamw};
 

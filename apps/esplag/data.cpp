@@ -37,7 +37,7 @@ int tokenizer_train(const Args& a) {
   if (bpe.vocab_size() < asked)
     std::printf("note: %d tokens fewer than the %d asked for: %s\n", asked - bpe.vocab_size(), asked,
                 text.empty() ? "the input is empty"
-                             : "no pair of adjacent tokens occurs twice more in the input (a larger corpus learns more)");
+                             : "no pair of adjacent tokens occurs twice more in the input (a larger corpus has more)");
   return 0;
 }
 

@@ -21,7 +21,8 @@ namespace {
 
 bool is_checkpoint_dir(const fs::path& d) {
   const std::string name = d.filename().string();
-  const bool step_name = name.rfind("step-", 0) == 0 && name.size() > 5 && std::isdigit(static_cast<unsigned char>(name[5]));
+  const bool step_name =
+      name.rfind("step-", 0) == 0 && name.size() > 5 && std::isdigit(static_cast<unsigned char>(name[5]));
   return step_name || fs::exists(d / "model.safetensors") || fs::exists(d / "state.json");
 }
 

@@ -289,7 +289,8 @@ std::string unmatched_what_if_warnings(const OpGraph& graph, const WhatIfResult&
   std::vector<OpCategory> categories;
   std::vector<std::string> names;
   for (const GraphNode& n : graph.nodes()) {
-    if (std::find(categories.begin(), categories.end(), n.category) == categories.end()) categories.push_back(n.category);
+    if (std::find(categories.begin(), categories.end(), n.category) == categories.end())
+      categories.push_back(n.category);
     if (static_cast<int>(names.size()) < examples && std::find(names.begin(), names.end(), n.name) == names.end())
       names.push_back(n.name);
   }
