@@ -220,3 +220,61 @@ TEST(Cli, SparsityReportAndDenseExportOfASparseRun) {
   EXPECT_EQ(dense.find(".values"), std::string::npos);
   expect_error(run("export --checkpoint " + run_dir.string() + " --out " + out.string()), "--dense");
 }
+
+TEST(Cli, ExportNeverWritesIntoACheckpointOrRunNorOverAFileWithoutForce) {
+  const auto& f = fixture();
+  const std::string before = checkpoint_bytes();
+  const fs::path ck = f.run / "step-000004";
+  const std::string export_of = "export --checkpoint " + f.run.string() + " --dense --out ";
+  for (const std::string force : {"", " --force"}) {
+    expect_error(run(export_of + (ck / "model.safetensors").string() + force),
+                 "export: --out '" + (ck / "model.safetensors").string() + "' is inside the checkpoint directory '" +
+                     ck.string() + "'");
+    expect_error(run(export_of + (ck / "dense.safetensors").string() + force), "is inside the checkpoint directory");
+    expect_error(run(export_of + (f.run / "step-000002" / ".." / "dense.safetensors").string() + force),
+                 "is inside the run directory '" + f.run.string() + "'");
+    expect_error(run(export_of + (f.run / "latest").string() + force), "is inside the run directory");
+  }
+  expect_error(run(export_of + root().string()), "is a directory");
+  EXPECT_EQ(checkpoint_bytes(), before);
+  EXPECT_EQ(esplag::read_file((f.run / "latest").string()), "step-000004\n");
+  EXPECT_FALSE(fs::exists(ck / "dense.safetensors"));
+  EXPECT_FALSE(fs::exists(f.run / "dense.safetensors"));
+
+  const fs::path out = root() / "export_twice.safetensors";
+  fs::remove(out);
+  ASSERT_EQ(run(export_of + out.string()).code, 0);
+  write(out, "keep me");
+  expect_error(run(export_of + out.string()), "export: --out '" + out.string() + "' already exists; give --force");
+  EXPECT_EQ(esplag::read_file(out.string()), "keep me");
+  const Result forced = run(export_of + out.string() + " --force");
+  ASSERT_EQ(forced.code, 0) << forced.err;
+  EXPECT_NE(esplag::read_file(out.string()), "keep me");
+  Result ev = run("eval --checkpoint " + f.run.string());
+  EXPECT_EQ(ev.code, 0) << ev.err;
+}
+
+TEST(Cli, TokenizerTrainPrintsTheVocabularyItWrote) {
+  const fs::path empty = root() / "empty.txt", small = root() / "small.txt", out = root() / "tok.json";
+  write(empty, "");
+  Result r = run("tokenizer train --input " + empty.string() + " --vocab-size 512 --out " + out.string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("wrote " + out.string() + ": vocabulary 257 (0 merges)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("note: 255 tokens fewer than the 512 asked for: the input is empty"), std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("vocabulary 512"), std::string::npos) << r.out;
+  write(small, "abab abab");
+  r = run("tokenizer train --input " + small.string() + " --vocab-size 300 --out " + out.string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("tokens fewer than the 300 asked for: no pair of adjacent tokens occurs twice"),
+            std::string::npos)
+      << r.out;
+  // Asked for exactly what the corpus gives: no note.
+  std::string text;
+  for (int i = 0; i < 50; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i) + "\n";
+  write(small, text);
+  r = run("tokenizer train --input " + small.string() + " --vocab-size 260 --out " + out.string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find(": vocabulary 260 ("), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("note:"), std::string::npos) << r.out;
+}

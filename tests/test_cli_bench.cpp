@@ -43,10 +43,10 @@ TEST(CliBench, LayerOptionErrors) {
   expect_error(run("bench layer --shapes 16x16x16,0x16x16"), "--shapes item '0x16x16'");
   expect_error(run("bench layer --shapes 16x16x16,"), "--shapes item ''");
   expect_error(run("bench layer --shapes 16xAx16"), "--shapes item '16xAx16'");
-  expect_error(run("bench layer --iters 0"), "--iters must be positive");
-  expect_error(run("bench layer --warmup -1"), "--warmup not negative");
-  expect_error(run("bench layer --iters many"), "--iters must be a number");
-  expect_error(run("bench layer --iters 2.5"), "--iters must be an integer");
+  expect_error(run("bench layer --iters 0"), "--iters must be an integer in [1, 2147483647], got '0'");
+  expect_error(run("bench layer --warmup -1"), "--warmup must be an integer in [0, 2147483647], got '-1'");
+  expect_error(run("bench layer --iters many"), "--iters must be an integer in [1, 2147483647], got 'many'");
+  expect_error(run("bench layer --iters 2.5"), "--iters must be an integer in [1, 2147483647], got '2.5'");
   expect_error(run("bench layer --bogus 1"), "bench layer: unknown option --bogus");
   expect_error(run("bench layer --sparse-dw=1"), "--sparse-dw takes no value");
   expect_error(run("bench layer --csv"), "--csv needs a value");
@@ -64,7 +64,7 @@ TEST(CliBench, OtherGpuBenchOptionErrors) {
   expect_error(run("bench slope-merged --ranks 16,x"), "--ranks item 'x' is not a positive integer");
   expect_error(run("bench slope-merged --ranks 0"), "--ranks item '0' is not a positive integer");
   expect_error(run("bench slope-merged --shapes 16x16"), "--shapes item '16x16' is not OUTxINxTOKENS");
-  expect_error(run("bench slope-merged --warmup 0"), "--warmup at least 1");
+  expect_error(run("bench slope-merged --warmup 0"), "--warmup must be an integer in [1, 2147483647], got '0'");
 }
 
 // The sparse layer kinds of `bench train` (checked before any GPU work).

@@ -179,9 +179,22 @@ TEST(ProfileCli, MalformedWhatIfSpecsFailBeforeTheRun) {
   write_text(root() / "bad.csv", "pattern,factor\nmlp,2\nattention,fast\n");
   expect_error(profile("--what-if-from " + (root() / "bad.csv").string()), "bad.csv:3:");
   expect_error(profile("--what-if-from " + (root() / "missing.csv").string()), "cannot open");
-  expect_error(profile("--steps 0"), "--steps must be at least 1");
-  expect_error(profile("--validate --calibration-steps 0"), "--calibration-steps must be at least 1");
+  expect_error(profile("--steps 0"), "--steps must be an integer in [1, 2147483647], got '0'");
+  expect_error(profile("--validate --calibration-steps 0"), "--calibration-steps must be an integer in [1, 2147483647], got '0'");
   expect_error(profile("--calibration-steps 2"), "only applies with --validate");
   expect_error(profile("--validate=yes"), "--validate takes no value");
   EXPECT_FALSE(fs::exists(out)) << "a failed command must not have started the run";
+}
+
+TEST(ProfileCli, AWhatIfSpecThatMatchesNoOpWarnsWithWhatItCouldMatch) {
+  const fs::path out = root() / "unmatched";
+  const Result r = run("profile --config " + fixture().dense_config.string() +
+                       " --what-if 're:no_such_op=2' --what-if 'attention=2' --out " + out.string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("warning: what-if spec 're:no_such_op=2' matches no op of the "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("categories here: "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("dense_gemm"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("op names such as "), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "only the unmatched spec warns: " << r.err;
+  EXPECT_NE(r.out.find("re:no_such_op=2: 0 ops"), std::string::npos) << r.out;
 }

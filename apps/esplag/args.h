@@ -1,81 +1,104 @@
-// A small command-line parser: `--name value`, `--name=value`, repeatable options, flags.
-// Anything it does not know is an error that names the option.
+// The command-line options of esplag: each command declares its options once, in a table
+// (name, value placeholder, default, range, one line of help) that both the parser and the
+// --help text read, so the two cannot drift apart. Adding an option is one line there.
+//
+// Parsing: `--name value`, `--name=value`, flags, repeatable options. Anything unknown, a
+// missing required option, or a number that is malformed, non-finite or outside its
+// declared range is an Error naming the command, the option, the value and what was
+// expected, raised before the command does any work. `-h`/`--help` anywhere asks for the
+// help (after the options were checked to be the command's).
 #pragma once
+#include <cstdint>
+#include <limits>
 #include <map>
-#include <set>
 #include <string>
 #include <vector>
 
-#include "core/error.h"
-
 namespace esplag::cli {
 
-class Args {
- public:
-  // `options` take a value, `flags` do not; `repeated` options may be given many times.
-  Args(const std::vector<std::string>& argv, const std::string& command, const std::set<std::string>& options,
-       const std::set<std::string>& flags = {}, const std::set<std::string>& repeated = {})
-      : command_(command) {
-    for (size_t i = 0; i < argv.size(); ++i) {
-      std::string a = argv[i], value;
-      ESPLAG_CHECK(a.rfind("--", 0) == 0, command, ": unexpected argument '", a, "'");
-      a = a.substr(2);
-      const auto eq = a.find('=');
-      const bool inline_value = eq != std::string::npos;
-      if (inline_value) {
-        value = a.substr(eq + 1);
-        a = a.substr(0, eq);
-      }
-      if (flags.count(a)) {
-        ESPLAG_CHECK(!inline_value, command, ": --", a, " takes no value");
-        flags_.insert(a);
-        continue;
-      }
-      ESPLAG_CHECK(options.count(a) || repeated.count(a), command, ": unknown option --", a);
-      if (!inline_value) {
-        ESPLAG_CHECK(i + 1 < argv.size(), command, ": --", a, " needs a value");
-        value = argv[++i];
-      }
-      ESPLAG_CHECK(repeated.count(a) || !values_.count(a), command, ": --", a, " given twice");
-      values_[a].push_back(value);
-    }
-  }
+constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+constexpr double kRealMax = std::numeric_limits<double>::max();
 
-  bool has(const std::string& name) const { return values_.count(name) || flags_.count(name); }
-  std::string get(const std::string& name, const std::string& fallback = "") const {
-    auto it = values_.find(name);
-    return it == values_.end() ? fallback : it->second.front();
-  }
-  std::string required(const std::string& name) const {
-    ESPLAG_CHECK(values_.count(name), command_, ": --", name, " is required");
-    return get(name);
-  }
-  std::vector<std::string> all(const std::string& name) const {
-    auto it = values_.find(name);
-    return it == values_.end() ? std::vector<std::string>{} : it->second;
-  }
-  double number(const std::string& name, double fallback) const {
-    if (!values_.count(name)) return fallback;
-    const std::string v = get(name);
-    try {
-      size_t used = 0;
-      const double d = std::stod(v, &used);
-      if (used == v.size()) return d;
-    } catch (const std::exception&) {
-    }
-    fail(command_, ": --", name, " must be a number, got '", v, "'");
-  }
-  long long integer(const std::string& name, long long fallback) const {
-    const double d = number(name, static_cast<double>(fallback));
-    ESPLAG_CHECK(d == static_cast<double>(static_cast<long long>(d)), command_, ": --", name,
-                 " must be an integer, got '", get(name), "'");
-    return static_cast<long long>(d);
-  }
+struct Option {
+  enum class Type { text, integer, number, flag };
+
+  std::string name;      // without the leading "--"
+  std::string value;     // the placeholder the help shows ("N", "FILE"); empty for a flag
+  std::string fallback;  // the default value the parser returns; empty: none, or one the help text describes
+  std::string help;      // one line
+  Type type = Type::text;
+  int64_t int_min = 0, int_max = 0;  // integer: the accepted range, inclusive
+  double min = 0, max = 0;           // number: the accepted range, inclusive unless max_excluded
+  bool max_excluded = false;
+  bool required = false;
+  bool repeated = false;
+
+  static Option text(std::string name, std::string value, std::string fallback, std::string help);
+  static Option integer(std::string name, std::string fallback, int64_t min, int64_t max, std::string help);
+  static Option number(std::string name, std::string fallback, double min, double max, std::string help);
+  static Option flag(std::string name, std::string help);
+  // Given any number of times; Args::all returns the values in order.
+  static Option list(std::string name, std::string value, std::string help);
+  // The same option, required (the help marks it so and the parser checks it is given).
+  Option mandatory() const;
+  // The same number option with its range open at the top: [min, max).
+  Option below_max() const;
+
+  // What the help says of the accepted values, e.g. "integer in [1, 2147483647]".
+  std::string range_text() const;
+};
+
+struct Args;
+
+struct Command {
+  std::string name;         // "train", "bench gemm"
+  std::string summary;      // one line, for the overview of all commands
+  std::string description;  // what --help prints under the usage line (may be several lines)
+  std::vector<Option> options;
+  int (*run)(const Args&) = nullptr;
+};
+
+// The options every command accepts (placed anywhere on the command line): --threads.
+const std::vector<Option>& common_options();
+
+// The --help text of `command`: usage, description, each option with its value, range,
+// default and help line, then the common options.
+std::string help_text(const Command& command);
+
+// Parses `value` as the integer or number option `option` of `command` ("" for a common
+// option), range-checked.
+int64_t parse_integer(const std::string& command, const Option& option, const std::string& value);
+double parse_number(const std::string& command, const Option& option, const std::string& value);
+
+struct Args {
+  // Parses the arguments after the command's name against its table and checks every
+  // value (types, ranges, required options) unless help was asked for.
+  Args(const std::vector<std::string>& argv, const Command& command);
+
+  bool help() const { return help_; }
+  bool has(const std::string& name) const;
+  // A text option's value, or its declared default ("" when it has none).
+  std::string get(const std::string& name) const;
+  // ... or `fallback` for an option whose default the table leaves to the code.
+  std::string get(const std::string& name, const std::string& fallback) const;
+  std::vector<std::string> all(const std::string& name) const;
+  int64_t integer(const std::string& name) const;
+  int64_t integer(const std::string& name, int64_t fallback) const;
+  // integer() for options whose declared range fits an int.
+  int int32(const std::string& name) const;
+  int int32(const std::string& name, int fallback) const;
+  double number(const std::string& name) const;
+  double number(const std::string& name, double fallback) const;
 
  private:
-  std::string command_;
+  const Option& option(const std::string& name, Option::Type type) const;
+  // The value given, or the declared default; the code's fallback only where none is declared.
+  const std::string* given(const Option& o) const;
+
+  const Command* command_;
+  bool help_ = false;
   std::map<std::string, std::vector<std::string>> values_;
-  std::set<std::string> flags_;
 };
 
 }  // namespace esplag::cli

@@ -12,7 +12,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
-#include <map>
 
 #include "args.h"
 #include "commands.h"
@@ -37,52 +36,6 @@ namespace fs = std::filesystem;
 namespace esplag::cli {
 
 namespace {
-
-const char* kBenchUsage = R"(usage:
-  esplag bench train --model PRESET [--device cpu|cuda] [--batch 4] [--seq 256] [--steps N]
-                     [--warmup 1] [--vocab N] [--peak-tflops 989] [--csv FILE]
-                     [--semi-sparse all|REGEX | --slope all|REGEX | --masked all|REGEX |
-                      --activation all|REGEX [--pattern row_24|tile_24]] [--always-sparse]
-                     [--no-baseline]
-                     [--sparse-dw] [--lora-rank R] [--op-profile STEPS]
-      cuda only: --semi-sparse makes the block linears whose weight names match semi_sparse
-      (runtime transposable 2:4 on cuSPARSELt), --slope makes them slope (static row-wise
-      2:4, double-pruned backward refreshed every 100 steps, AdamW on the kept values);
-      each layer shape takes the 2:4 or the dense products of its pruned weights, whichever
-      it measured faster, unless --always-sparse; either first times the
-      dense model in the same process and prints the ratios (step time, tokens/s, the
-      model's device memory), unless --no-baseline; --sparse-dw gives those layers the
-      weight gradient from the MVUE 2:4 of dY^T (outputs and tokens multiples of 64);
-      --lora-rank gives the slope layers rank-R low-rank adapters (SLoPe's last phase);
-      --masked makes them masked (gradual magnitude pruning's kind: dense products, a fixed
-      2:4 mask applied to the weight gradients and the weights); --activation makes them
-      semi_sparse_activation (their inputs pruned 2:4 by --pattern, default row_24, at every
-      step, the forward a 2:4 product);
-      --op-profile times every op over STEPS more eager steps and prints where the time goes
-  esplag bench gemm [--shapes default|OUTxINxTOKENS,...] [--products fwd,bwd] [--operand A|B]
-                    [--dtype bf16|e4m3] [--no-search] [--tuning-cache FILE] [--warmup 10]
-                    [--iters 50] [--csv FILE]
-      dense cuBLASLt vs 2:4 cuSPARSELt (default and searched algorithm) for the GEMMs of a
-      Linear W [OUT, IN] over TOKENS rows: fwd Y = X.W^T, bwd dX = dY.W; --dtype e4m3
-      times the 2:4 forward product on fp8 W and X (bf16 out) against the bf16 dense one
-  esplag bench layer [--kinds dense,semi_sparse,slope,semi_sparse_activation]
-                     [--activation row_24,tile_24] [--shapes default|OUTxINxTOKENS,...]
-                     [--sparse-dw] [--tuning-cache FILE] [--warmup 5] [--iters 20] [--csv FILE]
-      one Linear's training step (weight preparation, forward, backward dX and dW) of each
-      kind against dense; default shapes: the llama-1b and llama-7b MLP at 8192 tokens;
-      semi_sparse_activation is timed with each --activation pattern (rows activation:P);
-      --sparse-dw also times each sparse kind with its dW GEMM 2:4 (MVUE of dY)
-  esplag bench sparsify [--csv FILE]       2:4 sparsification kernels against a copy
-  esplag bench attention [--csv FILE]      attention paths, forward and backward
-  esplag bench vnm [--csv FILE]            V:2:M sparse GEMM against dense cuBLASLt
-  esplag bench sparse-adamw [--csv FILE]   SLoPe's sparse AdamW against dense AdamW
-  esplag bench slope-merged [--shapes default|OUTxINxTOKENS,...] [--ranks 16,64] [--warmup 5]
-                            [--iters 20] [--csv FILE]
-      SLoPe's inference product Y = X.W1^T + b + (X.R^T).L^T as one 2:4 GEMM over [W1 | L]
-      against dense cuBLASLt and against the adapter added in separate passes
-All but `train --device cpu` need the CUDA build. CSV files get the header when new and
-the rows appended (rewritten atomically); the gemm and layer CSVs' commit column comes
-from $ESPLAG_COMMIT.)";
 
 [[maybe_unused]] std::string commit_id() {
   const char* c = std::getenv("ESPLAG_COMMIT");
@@ -159,22 +112,19 @@ std::vector<std::string> parse_choices(const std::string& spec, const char* opti
   return items;
 }
 
-int bench_gemm(const std::vector<std::string>& argv) {
-  Args a(argv, "bench gemm", {"shapes", "products", "operand", "dtype", "tuning-cache", "warmup", "iters", "csv"},
-         {"no-search"});
-  const std::string dtype = a.get("dtype", "bf16");
+int bench_gemm(const Args& a) {
+  const std::string dtype = a.get("dtype");
   ESPLAG_CHECK(dtype == "bf16" || dtype == "e4m3", "bench gemm: --dtype must be bf16 or e4m3, got '", dtype, "'");
   const std::string products = a.get("products", dtype == "e4m3" ? "fwd" : "fwd,bwd");
   ESPLAG_CHECK(dtype == "bf16" || products == "fwd",
                "bench gemm: --dtype e4m3 runs the forward product only (--products fwd)");
   ESPLAG_CHECK(products == "fwd" || products == "bwd" || products == "fwd,bwd" || products == "bwd,fwd",
                "bench gemm: --products must be fwd, bwd or fwd,bwd, got '", products, "'");
-  const std::string operand = a.get("operand", "A");
+  const std::string operand = a.get("operand");
   ESPLAG_CHECK(operand == "A" || operand == "B" || operand == "a" || operand == "b",
                "bench gemm: --operand must be A or B (the cuSPARSELt operand that holds W), got '", operand, "'");
-  const int warmup = static_cast<int>(a.integer("warmup", 10)), iters = static_cast<int>(a.integer("iters", 50));
-  ESPLAG_CHECK(warmup >= 0 && iters > 0, "bench gemm: --iters must be positive and --warmup not negative");
-  const std::string shape_spec = a.get("shapes", "default");
+  const int warmup = a.int32("warmup"), iters = a.int32("iters");
+  const std::string shape_spec = a.get("shapes");
   const auto shapes = shape_spec == "default" ? std::vector<std::array<int64_t, 3>>{} : parse_shapes("gemm", shape_spec);
 #ifdef ESPLAG_HAVE_CUDA
   GemmBenchOptions o;
@@ -200,18 +150,13 @@ int bench_gemm(const std::vector<std::string>& argv) {
 #endif
 }
 
-int bench_layer(const std::vector<std::string>& argv) {
-  Args a(argv, "bench layer", {"kinds", "activation", "shapes", "tuning-cache", "warmup", "iters", "csv"},
-         {"sparse-dw"});
+int bench_layer(const Args& a) {
   const std::vector<std::string> kinds =
-      parse_choices(a.get("kinds", "dense,semi_sparse,slope,semi_sparse_activation"), "kinds",
-                    {"dense", "semi_sparse", "slope", "semi_sparse_activation"});
-  const std::vector<std::string> patterns =
-      parse_choices(a.get("activation", "row_24,tile_24"), "activation", {"row_24", "tile_24"});
-  const std::string shape_spec = a.get("shapes", "default");
+      parse_choices(a.get("kinds"), "kinds", {"dense", "semi_sparse", "slope", "semi_sparse_activation"});
+  const std::vector<std::string> patterns = parse_choices(a.get("activation"), "activation", {"row_24", "tile_24"});
+  const std::string shape_spec = a.get("shapes");
   const auto shapes = shape_spec == "default" ? std::vector<std::array<int64_t, 3>>{} : parse_shapes("layer", shape_spec);
-  const int warmup = static_cast<int>(a.integer("warmup", 5)), iters = static_cast<int>(a.integer("iters", 20));
-  ESPLAG_CHECK(warmup >= 0 && iters > 0, "bench layer: --iters must be positive and --warmup not negative");
+  const int warmup = a.int32("warmup"), iters = a.int32("iters");
 #ifdef ESPLAG_HAVE_CUDA
   LayerBenchOptions o;
   if (!shapes.empty()) {
@@ -240,8 +185,7 @@ int bench_layer(const std::vector<std::string>& argv) {
 #endif
 }
 
-int bench_sparsify(const std::vector<std::string>& argv) {
-  Args a(argv, "bench sparsify", {"csv"}, {});
+int bench_sparsify([[maybe_unused]] const Args& a) {
 #ifdef ESPLAG_HAVE_CUDA
   const std::vector<SparsifyTiming> t = esplag::bench_sparsify(default_sparsify_shapes(), 50, 10);
   std::cout << sparsify_timing_table(t);
@@ -252,8 +196,7 @@ int bench_sparsify(const std::vector<std::string>& argv) {
 #endif
 }
 
-int bench_attention(const std::vector<std::string>& argv) {
-  Args a(argv, "bench attention", {"csv"}, {});
+int bench_attention([[maybe_unused]] const Args& a) {
 #ifdef ESPLAG_HAVE_CUDA
   const auto rows = gpu::bench_attention(gpu::attention_bench_shapes(), gpu::AttentionBenchOptions{});
   std::cout << gpu::format_attention_bench(rows);
@@ -264,8 +207,7 @@ int bench_attention(const std::vector<std::string>& argv) {
 #endif
 }
 
-int bench_vnm(const std::vector<std::string>& argv) {
-  Args a(argv, "bench vnm", {"csv"}, {});
+int bench_vnm([[maybe_unused]] const Args& a) {
 #ifdef ESPLAG_HAVE_CUDA
   const auto results = gpu::vnm_bench(gpu::vnm_bench_default_shapes(), gpu::vnm_bench_default_patterns(), 5, 20);
   std::cout << gpu::vnm_bench_table(results);
@@ -276,8 +218,7 @@ int bench_vnm(const std::vector<std::string>& argv) {
 #endif
 }
 
-int bench_sparse_adamw(const std::vector<std::string>& argv) {
-  Args a(argv, "bench sparse-adamw", {"csv"}, {});
+int bench_sparse_adamw([[maybe_unused]] const Args& a) {
 #ifdef ESPLAG_HAVE_CUDA
   const gpu::SparseAdamWBenchResult r = gpu::bench_sparse_adamw({{4096, 11008}, {2048, 5632}}, 5, 50);
   std::cout << gpu::sparse_adamw_bench_table(r);
@@ -309,19 +250,16 @@ std::vector<int> parse_ranks(const std::string& spec) {
   return ranks;
 }
 
-int bench_slope_merged(const std::vector<std::string>& argv) {
-  Args a(argv, "bench slope-merged", {"shapes", "ranks", "warmup", "iters", "csv"}, {});
-  const std::string shape_spec = a.get("shapes", "default");
+int bench_slope_merged(const Args& a) {
+  const std::string shape_spec = a.get("shapes");
   const auto shapes =
       shape_spec == "default" ? std::vector<std::array<int64_t, 3>>{} : parse_shapes("slope-merged", shape_spec);
-  const std::vector<int> ranks = a.has("ranks") ? parse_ranks(a.get("ranks")) : std::vector<int>{};
-  const int warmup = static_cast<int>(a.integer("warmup", 5)), iters = static_cast<int>(a.integer("iters", 20));
-  ESPLAG_CHECK(warmup >= 1 && iters > 0,
-               "bench slope-merged: --iters must be positive and --warmup at least 1 (the first call tunes)");
+  const std::vector<int> ranks = parse_ranks(a.get("ranks"));
+  const int warmup = a.int32("warmup"), iters = a.int32("iters");
 #ifdef ESPLAG_HAVE_CUDA
   const gpu::SlopeMergedBenchResult r =
       gpu::bench_slope_merged(shapes.empty() ? gpu::slope_merged_bench_default_shapes() : shapes,
-                              ranks.empty() ? gpu::slope_merged_bench_default_ranks() : ranks, warmup, iters);
+                              ranks, warmup, iters);
   std::cout << gpu::slope_merged_bench_table(r);
   if (a.has("csv"))
     append_csv(a.get("csv"), gpu::slope_merged_bench_csv_header(), gpu::slope_merged_bench_csv_rows(r, commit_id()));
@@ -331,19 +269,14 @@ int bench_slope_merged(const std::vector<std::string>& argv) {
 #endif
 }
 
-int bench_train(const std::vector<std::string>& argv) {
-  Args a(argv, "bench train",
-         {"model", "device", "batch", "seq", "steps", "warmup", "vocab", "peak-tflops", "csv", "semi-sparse", "slope",
-          "masked", "activation", "pattern", "op-profile", "lora-rank"},
-         {"always-sparse", "no-baseline", "sparse-dw"});
-  const std::string device = a.get("device", "cpu");
+int bench_train(const Args& a) {
+  const std::string device = a.get("device");
   ESPLAG_CHECK(device == "cpu" || device == "cuda", "bench train: --device must be cpu or cuda, got '", device, "'");
-  ModelConfig mc = model_preset(a.get("model", "tiny"));
-  mc.vocab_size = static_cast<int>(a.integer("vocab", mc.vocab_size ? mc.vocab_size : 257));
-  const int B = static_cast<int>(a.integer("batch", 4)), T = static_cast<int>(a.integer("seq", 256));
-  const int steps = static_cast<int>(a.integer("steps", device == "cuda" ? 10 : 2));
-  const int warmup = static_cast<int>(a.integer("warmup", device == "cuda" ? 3 : 1));
-  ESPLAG_CHECK(steps > 0 && warmup >= 0, "bench train: --steps must be positive and --warmup not negative");
+  ModelConfig mc = model_preset(a.get("model"));
+  mc.vocab_size = a.int32("vocab", mc.vocab_size ? mc.vocab_size : 257);
+  const int B = a.int32("batch"), T = a.int32("seq");
+  const int steps = a.int32("steps", device == "cuda" ? 10 : 2);
+  const int warmup = a.int32("warmup", device == "cuda" ? 3 : 1);
   const int kinds = a.has("semi-sparse") + a.has("slope") + a.has("masked") + a.has("activation");
   ESPLAG_CHECK(device == "cuda" || (kinds == 0 && !a.has("op-profile") && !a.has("always-sparse") &&
                                     !a.has("no-baseline")),
@@ -351,15 +284,15 @@ int bench_train(const std::vector<std::string>& argv) {
                "--op-profile are for --device cuda");
   ESPLAG_CHECK(!a.has("no-baseline") || kinds > 0, "bench train: --no-baseline is for --semi-sparse, --slope, "
                                                    "--masked or --activation (the baseline is the dense model)");
-  const std::string pattern = a.get("pattern", "row_24");
+  const std::string pattern = a.get("pattern");
   ESPLAG_CHECK(!a.has("pattern") || a.has("activation"), "bench train: --pattern is for the layers of --activation");
   ESPLAG_CHECK(pattern == "row_24" || pattern == "tile_24", "bench train: --pattern must be row_24 or tile_24, got '",
                pattern, "'");
   ESPLAG_CHECK(!a.has("sparse-dw") || a.has("semi-sparse") || a.has("slope"),
                "bench train: --sparse-dw is for the layers of --semi-sparse or --slope");
   ESPLAG_CHECK(kinds <= 1, "bench train: give one of --semi-sparse, --slope, --masked and --activation");
-  const int lora_rank = static_cast<int>(a.integer("lora-rank", 0));
-  ESPLAG_CHECK(lora_rank >= 0 && (lora_rank == 0 || a.has("slope")),
+  const int lora_rank = a.int32("lora-rank");
+  ESPLAG_CHECK(lora_rank == 0 || a.has("slope"),
                "bench train: --lora-rank is a positive rank for the adapters of --slope layers");
   if (device == "cuda") {
 #ifdef ESPLAG_HAVE_CUDA
@@ -370,13 +303,12 @@ int bench_train(const std::vector<std::string>& argv) {
     const std::string kind = option == "semi-sparse" ? "semi_sparse"
                              : option == "activation" ? "semi_sparse_activation"
                                                       : option;
-    std::string regex = a.get(option, "");
+    std::string regex = a.has(option) ? a.get(option) : "";
     if (regex == "all") regex = R"(blocks\.\d+\..*\.weight)";
-    const int op_steps = static_cast<int>(a.integer("op-profile", 0));
-    ESPLAG_CHECK(op_steps >= 0, "bench train: --op-profile must not be negative");
+    const int op_steps = a.int32("op-profile");
     GpuModelOptions options;
     options.sparse_dispatch = !a.has("always-sparse");
-    const double peak = a.number("peak-tflops", kH100DenseBf16Tflops);
+    const double peak = a.number("peak-tflops");
     std::vector<GpuBenchResult> runs;
     // The dense baseline first, in this process (its model is gone before the sparse one).
     if (!regex.empty() && !a.has("no-baseline"))
@@ -430,22 +362,122 @@ int bench_train(const std::vector<std::string>& argv) {
   return 0;
 }
 
+
+Option csv_option() {
+  return Option::text("csv", "FILE", "", "append the rows to FILE (the header first when it is new)");
+}
+Option shapes_option(const std::string& fallback_help) {
+  return Option::text("shapes", "default|OUTxINxTOKENS,...", "default",
+                      "Linear shapes W [OUT, IN] over TOKENS rows, or 'default': " + fallback_help);
+}
+Option tuning_cache_option() {
+  return Option::text("tuning-cache", "FILE", "", "the cuSPARSELt tuning cache (default: see docs/sparse-gpu.md)");
+}
+
+const Command kBenchTrain = {
+    "bench train",
+    "training steps of a model preset: step time, tokens/s (CPU, or the GPU model with sparse kinds)",
+    "On cuda, --semi-sparse makes the block linears whose weight names match semi_sparse (runtime transposable\n"
+    "2:4 on cuSPARSELt), --slope makes them slope (static row-wise 2:4, double-pruned backward refreshed every\n"
+    "100 steps, AdamW on the kept values), --masked makes them masked (dense products, a fixed 2:4 mask on the\n"
+    "weight gradients and weights), --activation makes them semi_sparse_activation (inputs pruned 2:4 by\n"
+    "--pattern at every step, the forward a 2:4 product). Each layer shape takes the 2:4 or the dense products,\n"
+    "whichever it measured faster, unless --always-sparse. The dense model is timed first in the same process\n"
+    "and the ratios printed (step time, tokens/s, device memory), unless --no-baseline.",
+    {
+        Option::text("model", "PRESET", "tiny", "the model preset"),
+        Option::text("device", "cpu|cuda", "cpu", "where the steps run"),
+        Option::integer("batch", "4", 1, kIntMax, "sequences per step"),
+        Option::integer("seq", "256", 1, kIntMax, "tokens per sequence"),
+        Option::integer("steps", "", 1, kIntMax, "timed steps (default: 2 on cpu, 10 on cuda)"),
+        Option::integer("warmup", "", 0, kIntMax, "untimed steps first (default: 1 on cpu, 3 on cuda)"),
+        Option::integer("vocab", "", 1, kIntMax, "vocabulary size (default: the preset's, else 257)"),
+        Option::number("peak-tflops", "989", 0.001, 1e6, "the GPU's dense peak, for the MFU column (cuda)"),
+        csv_option(),
+        Option::text("semi-sparse", "all|REGEX", "", "cuda: these block linears semi_sparse"),
+        Option::text("slope", "all|REGEX", "", "cuda: these block linears slope"),
+        Option::text("masked", "all|REGEX", "", "cuda: these block linears masked"),
+        Option::text("activation", "all|REGEX", "", "cuda: these block linears semi_sparse_activation"),
+        Option::text("pattern", "row_24|tile_24", "row_24", "the activation pattern of --activation"),
+        Option::flag("always-sparse", "cuda: the 2:4 products even where dense measured faster"),
+        Option::flag("no-baseline", "cuda: skip the dense baseline"),
+        Option::flag("sparse-dw", "weight gradient from the MVUE 2:4 of dY^T (--semi-sparse, --slope)"),
+        Option::integer("lora-rank", "0", 0, kIntMax, "rank-R low-rank adapters on the --slope layers"),
+        Option::integer("op-profile", "0", 0, kIntMax, "cuda: time every op over this many eager steps"),
+    },
+    bench_train,
+};
+
+const Command kBenchGemm = {
+    "bench gemm",
+    "dense cuBLASLt against 2:4 cuSPARSELt for the GEMMs of a Linear (cuda)",
+    "fwd Y = X.W^T, bwd dX = dY.W, with the default and the searched cuSPARSELt algorithm; --dtype e4m3 times\n"
+    "the 2:4 forward product on fp8 W and X (bf16 out) against the bf16 dense one. The CSV's commit column comes\n"
+    "from $ESPLAG_COMMIT.",
+    {
+        shapes_option("LLM layer shapes (docs/sparse-gpu.md)"),
+        Option::text("products", "fwd,bwd", "", "the products to time (default: fwd,bwd; fwd with --dtype e4m3)"),
+        Option::text("operand", "A|B", "A", "the cuSPARSELt operand that holds W"),
+        Option::text("dtype", "bf16|e4m3", "bf16", "the data type of the 2:4 product"),
+        Option::flag("no-search", "skip the algorithm search"),
+        tuning_cache_option(),
+        Option::integer("warmup", "10", 0, kIntMax, "untimed calls first"),
+        Option::integer("iters", "50", 1, kIntMax, "timed calls (the median is reported)"),
+        csv_option(),
+    },
+    bench_gemm,
+};
+
+const Command kBenchLayer = {
+    "bench layer",
+    "one Linear's training step of each kind against dense (cuda)",
+    "Weight preparation, forward, backward dX and dW. semi_sparse_activation is timed with each --activation\n"
+    "pattern (rows activation:P); --sparse-dw also times each sparse kind with its dW GEMM 2:4 (MVUE of dY).\n"
+    "The CSV's commit column comes from $ESPLAG_COMMIT.",
+    {
+        Option::text("kinds", "KIND,...", "dense,semi_sparse,slope,semi_sparse_activation", "the kinds to time"),
+        Option::text("activation", "PATTERN,...", "row_24,tile_24", "the patterns of semi_sparse_activation"),
+        shapes_option("the llama-1b and llama-7b MLP at 8192 tokens"),
+        Option::flag("sparse-dw", "also time each sparse kind with a 2:4 dW GEMM"),
+        tuning_cache_option(),
+        Option::integer("warmup", "5", 0, kIntMax, "untimed steps first"),
+        Option::integer("iters", "20", 1, kIntMax, "timed steps (the median is reported)"),
+        csv_option(),
+    },
+    bench_layer,
+};
+
+const Command kBenchSparsify = {
+    "bench sparsify", "2:4 sparsification kernels against a copy (cuda)", "", {csv_option()}, bench_sparsify};
+const Command kBenchAttention = {
+    "bench attention", "attention paths, forward and backward (cuda)", "", {csv_option()}, bench_attention};
+const Command kBenchVnm = {
+    "bench vnm", "V:2:M sparse GEMM against dense cuBLASLt (cuda)", "", {csv_option()}, bench_vnm};
+const Command kBenchSparseAdamw = {
+    "bench sparse-adamw", "SLoPe's sparse AdamW against dense AdamW (cuda)", "", {csv_option()}, bench_sparse_adamw};
+
+const Command kBenchSlopeMerged = {
+    "bench slope-merged",
+    "SLoPe's inference product with its adapter as one 2:4 GEMM (cuda)",
+    "Y = X.W1^T + b + (X.R^T).L^T as one 2:4 GEMM over [W1 | L], against dense cuBLASLt and against the adapter\n"
+    "added in separate passes.",
+    {
+        shapes_option("the llama-1b and llama-7b MLP at 8192 tokens"),
+        Option::text("ranks", "R,...", "16,64", "adapter ranks"),
+        Option::integer("warmup", "5", 1, kIntMax, "untimed calls first (at least 1: the first call tunes)"),
+        Option::integer("iters", "20", 1, kIntMax, "timed calls"),
+        csv_option(),
+    },
+    bench_slope_merged,
+};
+
 }  // namespace
 
-int cmd_bench(const std::vector<std::string>& argv) {
-  using Sub = int (*)(const std::vector<std::string>&);
-  static const std::map<std::string, Sub> subs = {
-      {"train", bench_train},         {"gemm", bench_gemm}, {"layer", bench_layer},
-      {"sparsify", bench_sparsify},   {"attention", bench_attention}, {"vnm", bench_vnm},
-      {"sparse-adamw", bench_sparse_adamw}, {"slope-merged", bench_slope_merged}};
-  if (!argv.empty() && (argv[0] == "--help" || argv[0] == "-h" || argv[0] == "help")) {
-    std::cout << kBenchUsage;
-    return 0;
-  }
-  const auto it = argv.empty() ? subs.end() : subs.find(argv[0]);
-  ESPLAG_CHECK(it != subs.end(), "esplag bench: ",
-               argv.empty() ? "missing subcommand" : "unknown subcommand '" + argv[0] + "'", "\n", kBenchUsage);
-  return it->second({argv.begin() + 1, argv.end()});
+const std::vector<const Command*>& bench_commands() {
+  static const std::vector<const Command*> commands = {&kBenchTrain,    &kBenchGemm,      &kBenchLayer,
+                                                       &kBenchSparsify, &kBenchAttention, &kBenchVnm,
+                                                       &kBenchSparseAdamw, &kBenchSlopeMerged};
+  return commands;
 }
 
 }  // namespace esplag::cli

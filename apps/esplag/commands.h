@@ -1,12 +1,27 @@
-// Subcommands of the esplag CLI that live in their own files. Each takes the arguments
-// after its name, returns the exit code, and throws esplag::Error on bad input.
+// The commands of the esplag CLI, one file each (bench: its subcommands in bench.cpp).
+// Each is a Command (args.h): its option table, its help, and the function that runs it
+// with the parsed options, returns the exit code, and throws esplag::Error on bad input.
 #pragma once
+#include <iostream>
 #include <string>
 #include <vector>
 
+#include "args.h"
+
 namespace esplag::cli {
 
-// esplag bench train|gemm|layer|sparsify|attention|vnm|sparse-adamw  (apps/esplag/bench.cpp)
-int cmd_bench(const std::vector<std::string>& argv);
+extern const Command kDataPrepare;     // data.cpp
+extern const Command kTokenizerTrain;  // data.cpp
+extern const Command kTrain;           // train.cpp
+extern const Command kEval;            // eval.cpp
+extern const Command kSample;          // sample.cpp
+extern const Command kProfile;         // profile.cpp
+extern const Command kSparsity;        // sparsity.cpp
+extern const Command kExport;          // export.cpp
+// bench train|gemm|layer|attention|sparsify|sparse-adamw|vnm|slope-merged (bench.cpp)
+const std::vector<const Command*>& bench_commands();
+
+// Progress lines of the library, printed as they come.
+inline void print_line(const std::string& s) { std::cout << s << std::endl; }
 
 }  // namespace esplag::cli

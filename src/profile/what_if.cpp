@@ -1,5 +1,6 @@
 #include "profile/what_if.h"
 
+#include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cmath>
@@ -282,6 +283,29 @@ WhatIfResult what_if(const OpGraph& graph, const std::vector<WhatIfSpec>& specs)
     r.per_spec.push_back(std::move(p));
   }
   return r;
+}
+
+std::string unmatched_what_if_warnings(const OpGraph& graph, const WhatIfResult& result, int examples) {
+  std::vector<OpCategory> categories;
+  std::vector<std::string> names;
+  for (const GraphNode& n : graph.nodes()) {
+    if (std::find(categories.begin(), categories.end(), n.category) == categories.end())
+      categories.push_back(n.category);
+    if (static_cast<int>(names.size()) < examples && std::find(names.begin(), names.end(), n.name) == names.end())
+      names.push_back(n.name);
+  }
+  std::string known;
+  for (const OpCategory c : categories) known += (known.empty() ? "" : ", ") + std::string(op_category_name(c));
+  std::string some;
+  for (const std::string& n : names) some += (some.empty() ? "" : ", ") + n;
+  std::ostringstream os;
+  for (const WhatIfPatternResult& p : result.per_spec) {
+    if (p.matched_ops > 0) continue;
+    os << "warning: what-if spec '" << p.spec << "' matches no op of the " << graph.size()
+       << " profiled; categories here: " << (known.empty() ? "none" : known) << "; op names such as "
+       << (some.empty() ? "none" : some) << "\n";
+  }
+  return os.str();
 }
 
 }  // namespace esplag

@@ -75,4 +75,9 @@ struct WhatIfResult {
 
 WhatIfResult what_if(const OpGraph& graph, const std::vector<WhatIfSpec>& specs);
 
+// One warning line per spec of `result` that matched no op of `graph` (a typo predicts a
+// speed-up of exactly 1.00x): the spec, the categories the graph's ops have and up to
+// `examples` distinct op names, so the pattern can be corrected. Empty when all matched.
+std::string unmatched_what_if_warnings(const OpGraph& graph, const WhatIfResult& result, int examples = 6);
+
 }  // namespace esplag

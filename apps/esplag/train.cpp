@@ -1,0 +1,59 @@
+// esplag train: a new run from a config, or the continuation of a saved one.
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+
+#include "commands.h"
+#include "core/error.h"
+#include "train/trainer.h"
+
+namespace fs = std::filesystem;
+
+namespace esplag::cli {
+
+namespace {
+
+int train(const Args& a) {
+  std::unique_ptr<Trainer> trainer;
+  if (a.has("resume")) {
+    ESPLAG_CHECK(!a.has("config") && a.all("set").empty() && !a.has("out"),
+                 "train --resume continues a run with its saved config in its own directory; --config, --set and "
+                 "--out do not apply");
+    trainer = Trainer::resume(a.get("resume"), print_line, a.integer("steps", 0), a.get("device", ""));
+  } else {
+    ESPLAG_CHECK(a.has("config"), "train: --config is required (or --resume RUN_DIR; see esplag train --help)");
+    const std::string config_path = a.get("config");
+    TrainConfig cfg = load_train_config(config_path, a.all("set"));
+    if (a.has("steps")) cfg.steps = cfg.schedule.total_steps = a.integer("steps", 0);
+    if (a.has("device")) cfg.device = a.get("device", "");
+    const std::string out = a.get("out", "runs/" + fs::path(config_path).stem().string());
+    trainer = std::make_unique<Trainer>(cfg, out, print_line);
+  }
+  const TrainResult r = trainer->run();
+  std::printf("done: %lld steps, loss %.4f -> %.4f, val loss %.4f, checkpoint %s\n",
+              static_cast<long long>(r.steps), r.first_loss, r.last_loss, r.final_val_loss,
+              r.last_checkpoint.c_str());
+  return 0;
+}
+
+}  // namespace
+
+const Command kTrain = {
+    "train",
+    "train a model from a config, or resume a run",
+    "  esplag train --config FILE.yaml [--set key=value]... [--out RUN_DIR]\n"
+    "  esplag train --resume RUN_OR_CHECKPOINT_DIR [--steps N]\n"
+    "The config keys are described in docs/config.md; a resumed run continues from its latest checkpoint\n"
+    "(or the step-NNNNNN directory given) with the config saved in it.",
+    {
+        Option::text("config", "FILE.yaml", "", "the run's config (a new run)"),
+        Option::list("set", "KEY=VALUE", "override one config key, e.g. train.steps=100"),
+        Option::text("out", "RUN_DIR", "", "the run directory (default: runs/<config name>)"),
+        Option::text("resume", "DIR", "", "continue the run in DIR (or from its checkpoint step-NNNNNN)"),
+        Option::integer("steps", "", 1, kInt64Max, "total optimizer steps (default: train.steps of the config)"),
+        Option::text("device", "cpu|cuda|auto", "", "where the steps run (default: train.device of the config)"),
+    },
+    train,
+};
+
+}  // namespace esplag::cli
