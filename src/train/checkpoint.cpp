@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <set>
@@ -38,7 +40,20 @@ Tensor moment_view(const Moments& moments, const OwnedParam<float>& p, const std
   return Tensor::borrow(const_cast<float*>(it->second.data()), p.shape, DType::f32, Device::cpu, prefix + p.name);
 }
 
-// Copies tensor `name` of `file` into dst (numel elements), checking its shape.
+bool floating(DType t) { return t == DType::f32 || t == DType::f64 || t == DType::bf16 || t == DType::f16; }
+
+// Throws when `values` holds a NaN or an infinity: loading must not hand damaged weights
+// to training, evaluation or export.
+template <typename T>
+void check_finite(const T* values, int64_t n, const std::string& path, const std::string& name) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(values[i]))
+      fail(path, ": tensor '", name, "' holds a non-finite value (", double(values[i]), " at element ", i,
+           "): the checkpoint is damaged; use an earlier one");
+}
+
+// Copies tensor `name` of `file` into dst (numel elements), checking its shape, its dtype
+// (a floating-point one, converted to f32: an integer tensor is not a weight) and its values.
 void read_tensor(const SafetensorsFile& file, const std::string& path, const std::string& name, const Shape& shape,
                  float* dst) {
   auto it = file.tensors.find(name);
@@ -47,8 +62,93 @@ void read_tensor(const SafetensorsFile& file, const std::string& path, const std
   if (t.shape() != shape)
     fail(path, ": shape mismatch for tensor '", name, "': the model expects ", shape_str(shape),
          ", the file holds ", shape_str(t.shape()));
+  ESPLAG_CHECK(floating(t.dtype()), path, ": tensor '", name, "' is stored as ", dtype_safetensors(t.dtype()),
+               ", but it is a trained tensor: expected F32 (or F64, BF16, F16)");
   const Tensor f32 = t.dtype() == DType::f32 ? t : t.to(DType::f32);
   std::copy_n(f32.data<float>(), shape_numel(shape), dst);
+  check_finite(dst, shape_numel(shape), path, name);
+}
+
+// The step of a step directory's name ("step-000150" -> 150), or -1 for any other name.
+int64_t step_of_dir_name(const std::string& name) {
+  const std::string digits = name.rfind("step-", 0) == 0 ? name.substr(5) : "";
+  if (digits.size() < 6 || digits.size() > 18 || digits.find_first_not_of("0123456789") != std::string::npos)
+    return -1;
+  return std::stoll(digits);
+}
+
+// A non-negative integer written as text (the metadata's values are strings).
+int64_t parse_count(const std::string& text, const std::string& path, const char* key) {
+  const bool digits = !text.empty() && text.size() <= 18 && text.find_first_not_of("0123456789") == std::string::npos;
+  ESPLAG_CHECK(digits, path, ": metadata key '", key, "' must be a non-negative integer, got '", text, "'");
+  return std::stoll(text);
+}
+
+// The trainer state of state.json; an Error of one sentence naming the file and the field.
+TrainerState parse_trainer_state(const std::string& path, const std::string& text) {
+  nlohmann::json js;
+  try {
+    js = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    fail(path, " is not valid JSON (the parser stopped at byte ", e.byte, ")");
+  }
+  ESPLAG_CHECK(js.is_object(), path, " must hold a JSON object, it holds ", js.type_name());
+  auto count = [&](const char* key) {
+    ESPLAG_CHECK(js.contains(key), path, ": field '", key, "' is missing");
+    const auto& v = js[key];
+    ESPLAG_CHECK(v.is_number_integer() && (v.is_number_unsigned() || v.get<int64_t>() >= 0) &&
+                     v.get<uint64_t>() <= uint64_t(INT64_MAX),
+                 path, ": field '", key, "' must be a non-negative integer, got ", v.dump());
+    return v.get<int64_t>();
+  };
+  if (js.contains("format"))
+    ESPLAG_CHECK(js["format"] == kFormat, path, ": field 'format' must be \"", kFormat, "\", got ",
+                 js["format"].dump());
+  TrainerState st;
+  st.step = count("step");
+  st.tokens_seen = count("tokens_seen");
+  st.data.epoch = count("data_epoch");
+  st.data.position = count("data_position");
+  ESPLAG_CHECK(js.contains("rng"), path, ": field 'rng' is missing");
+  const auto& rng = js["rng"];
+  bool words = rng.is_array() && rng.size() == st.rng.size();
+  for (size_t i = 0; words && i < rng.size(); ++i) words = rng[i].is_number_unsigned();
+  ESPLAG_CHECK(words, path, ": field 'rng' must be a list of ", st.rng.size(), " unsigned integers, got ", rng.dump());
+  for (size_t i = 0; i < rng.size(); ++i) st.rng[i] = rng[i].get<uint64_t>();
+  return st;
+}
+
+// Fills c.state from the checkpoint's state.json (all but the step, already the
+// metadata's) and says whether it can resume the run.
+void read_state_file(const fs::path& checkpoint_dir, CheckpointContents& c) {
+  using StateFile = CheckpointContents::StateFile;
+  const int64_t step = c.state.step;
+  const fs::path dir = checkpoint_dir.has_filename() ? checkpoint_dir : checkpoint_dir.parent_path();  // "ck/"
+  const std::string model_path = (dir / "model.safetensors").string();
+  const int64_t named = step_of_dir_name(dir.filename().string());
+  if (named >= 0 && named != step) {
+    c.state_file = StateFile::invalid;
+    c.state_problem = "checkpoint directory '" + dir.string() + "' is named for step " +
+                      std::to_string(named) + " but " + model_path + " says step " + std::to_string(step);
+    return;
+  }
+  const fs::path path = dir / "state.json";
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    c.state_file = StateFile::missing;
+    c.state_problem = path.string() + " is missing";
+    return;
+  }
+  try {
+    const TrainerState st = parse_trainer_state(path.string(), read_file(path.string()));
+    ESPLAG_CHECK(st.step == step, path.string(), ": field 'step' is ", st.step, " but ", model_path, " says step ",
+                 step);
+    c.state = st;
+    c.state_file = StateFile::valid;
+  } catch (const Error& e) {
+    c.state_file = StateFile::invalid;
+    c.state_problem = e.what();
+  }
 }
 
 }  // namespace
@@ -76,7 +176,9 @@ std::string save_checkpoint(const std::string& run_dir, Transformer<float>& mode
     const std::map<std::string, std::string> meta = {{"format", kFormat},
                                                      {"config", to_yaml(config)},
                                                      {"tokenizer", tokenizer},
-                                                     {"step", std::to_string(state.step)}};
+                                                     {"step", std::to_string(state.step)},
+                                                     {"schedule_total_steps",
+                                                      std::to_string(config.schedule.total_steps)}};
     save_safetensors((tmp_dir / "model.safetensors").string(), weights, meta);
     std::vector<Tensor> moments;
     for (const auto& p : trainable) moments.push_back(moment_view(m, p, "m."));
@@ -114,6 +216,9 @@ std::string resolve_checkpoint(const std::string& dir) {
   ESPLAG_CHECK(fs::exists(d / "latest"), "'", dir, "' holds neither model.safetensors nor a 'latest' file");
   std::string name = read_file((d / "latest").string());
   while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  // Anything else (an absolute path, "..") could point a resumed run at another run's files.
+  ESPLAG_CHECK(step_of_dir_name(name) >= 0, (d / "latest").string(),
+               " must hold the name of a step directory of its run (step-NNNNNN), it holds '", name, "'");
   const fs::path ck = d / name;
   ESPLAG_CHECK(fs::exists(ck / "model.safetensors"), (d / "latest").string(), " names '", name,
                "', which holds no model.safetensors");
@@ -131,22 +236,12 @@ CheckpointContents read_checkpoint_info(const std::string& checkpoint_dir) {
   ESPLAG_CHECK(get("format") == kFormat, model_path, ": unsupported checkpoint format '", get("format"), "'");
   CheckpointContents c;
   c.config = parse_train_config(get("config"), model_path + " (config metadata)");
+  // Checkpoints from before the schedule's total was saved ran a schedule of train.steps.
+  if (meta.count("schedule_total_steps"))
+    c.config.schedule.total_steps = parse_count(get("schedule_total_steps"), model_path, "schedule_total_steps");
   c.tokenizer = get("tokenizer");
-  c.state.step = std::stoll(get("step"));
-  const fs::path state_path = fs::path(checkpoint_dir) / "state.json";
-  if (fs::exists(state_path)) {
-    nlohmann::json js;
-    try {
-      js = nlohmann::json::parse(read_file(state_path.string()));
-      c.state.step = js.at("step").get<int64_t>();
-      c.state.tokens_seen = js.at("tokens_seen").get<int64_t>();
-      c.state.rng = js.at("rng").get<Rng::State>();
-      c.state.data.epoch = js.at("data_epoch").get<int64_t>();
-      c.state.data.position = js.at("data_position").get<int64_t>();
-    } catch (const nlohmann::json::exception& e) {
-      fail(state_path.string(), ": invalid trainer state: ", e.what());
-    }
-  }
+  c.state.step = parse_count(get("step"), model_path, "step");
+  read_state_file(fs::path(checkpoint_dir), c);
   return c;
 }
 
@@ -166,6 +261,12 @@ void load_checkpoint_weights(const std::string& checkpoint_dir, Transformer<floa
       auto it = file.tensors.find(key);
       ESPLAG_CHECK(it != file.tensors.end(), model_path, ": tensor '", key, "' of the ", l.kind(),
                    " layer is missing (was the checkpoint saved with another recipe?)");
+      const Tensor& saved = it->second;
+      ESPLAG_CHECK(saved.dtype() == t.dtype(), model_path, ": tensor '", key, "' of the ", l.kind(),
+                   " layer is stored as ", dtype_safetensors(saved.dtype()), ", expected ",
+                   dtype_safetensors(t.dtype()));
+      if (saved.dtype() == DType::f32) check_finite(saved.data<float>(), saved.numel(), model_path, key);
+      if (saved.dtype() == DType::f64) check_finite(saved.data<double>(), saved.numel(), model_path, key);
       state[key] = it->second;
       used.insert(key);
     }

@@ -2,10 +2,14 @@
 // into place, so a crash or a full disk never leaves a half-written checkpoint and never
 // touches an existing one.
 //
-//   RUN/step-000100/model.safetensors      weights (f32), config + tokenizer in __metadata__
+//   RUN/step-000100/model.safetensors      weights (f32); config, tokenizer, step and the
+//                                          schedule's total in __metadata__
 //   RUN/step-000100/optimizer.safetensors  AdamW moments "m.<param>", "v.<param>"
 //   RUN/step-000100/state.json             step, RNG state, data position, tokens seen
-//   RUN/latest                             name of the newest complete checkpoint
+//   RUN/latest                             name of the newest complete checkpoint (step-NNNNNN)
+//
+// Loading checks every tensor: a dtype its role does not allow, or a non-finite value, is
+// an Error naming the tensor.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -31,9 +35,15 @@ struct TrainerState {
 using Moments = std::map<std::string, std::vector<float>>;
 
 struct CheckpointContents {
-  TrainConfig config;
+  TrainConfig config;     // with schedule.total_steps as the run's schedule had it
   std::string tokenizer;  // tokenizer spec of the data the model was trained on
+  // state.step is the model metadata's step; the rest comes from state.json when it is
+  // `valid`: present, well formed, and at the step of the metadata and of the directory's
+  // name. Only resuming needs it: inference and export read the metadata alone.
   TrainerState state;
+  enum class StateFile { valid, missing, invalid };
+  StateFile state_file = StateFile::missing;
+  std::string state_problem;  // when not valid: one sentence naming the file and the field
 };
 
 // Writes RUN/step-XXXXXX (atomically) and updates RUN/latest. Returns the checkpoint
@@ -45,10 +55,12 @@ std::string save_checkpoint(const std::string& run_dir, Transformer<float>& mode
                             const Moments& v);
 
 // Resolves DIR to a checkpoint directory: DIR itself if it holds model.safetensors,
-// else the checkpoint named by DIR/latest.
+// else the checkpoint named by DIR/latest, which must be the bare name of a step directory
+// of DIR (step-NNNNNN: no path, no "..").
 std::string resolve_checkpoint(const std::string& dir);
 
-// Reads the config and metadata of a checkpoint (no weights).
+// Reads the config and metadata of a checkpoint (no weights), and its trainer state
+// (never an Error for state.json: see CheckpointContents::state_file).
 CheckpointContents read_checkpoint_info(const std::string& checkpoint_dir);
 
 // Loads the trained tensors into `model`, whose Linear kinds must already be those the

@@ -18,6 +18,14 @@ std::string to_string(DecayKind k) {
   return k == DecayKind::cosine ? "cosine" : k == DecayKind::linear ? "linear" : "constant";
 }
 
+ScheduleOnResume schedule_on_resume_from(const std::string& s) {
+  if (s == "keep") return ScheduleOnResume::keep;
+  if (s == "stretch") return ScheduleOnResume::stretch;
+  fail("the schedule on resume must be keep or stretch, got '", s, "'");
+}
+
+std::string to_string(ScheduleOnResume s) { return s == ScheduleOnResume::keep ? "keep" : "stretch"; }
+
 double LrSchedule::at(int64_t step) const {
   // Warmup reaches the full rate at step warmup_steps - 1 (step 0 already gets lr/warmup).
   if (step < warmup_steps) return lr * double(step + 1) / double(warmup_steps);

@@ -17,8 +17,16 @@ struct LrSchedule {
   DecayKind decay = DecayKind::cosine;
   double min_lr_ratio = 0.1;
 
-  // Learning rate for 0-based step `step`.
+  // Learning rate for 0-based step `step`; steps past total_steps keep the final rate.
   double at(int64_t step) const;
 };
+
+// What a resumed run with another total of steps does to the schedule. `keep` (the
+// default): the schedule stays the one the run started with, so the rate does not jump;
+// steps past its end continue at its final rate. `stretch`: the schedule is recomputed
+// for the new total (the rate jumps to where the longer schedule would be at that step).
+enum class ScheduleOnResume { keep, stretch };
+ScheduleOnResume schedule_on_resume_from(const std::string& s);  // "keep" | "stretch"
+std::string to_string(ScheduleOnResume s);
 
 }  // namespace esplag

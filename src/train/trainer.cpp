@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -14,7 +15,10 @@
 #include "core/op_trace.h"
 #include "io/atomic_file.h"
 #include "ops/adamw.h"
+#include "train/host_memory.h"
 #include "train/layer_kinds.h"
+#include "train/progress.h"
+#include "train/stop_signal.h"
 #ifdef ESPLAG_HAVE_CUDA
 #include "train/gpu_step.h"
 #endif
@@ -40,26 +44,6 @@ DataMeta read_data_meta(const std::string& data_dir) {
   } catch (const nlohmann::json::exception& e) {
     fail(path, ": invalid dataset metadata: ", e.what());
   }
-}
-
-std::string format_duration(double s) {
-  char buf[32];
-  if (s >= 3600)
-    std::snprintf(buf, sizeof buf, "%dh%02dm", int(s / 3600), int(std::fmod(s, 3600) / 60));
-  else
-    std::snprintf(buf, sizeof buf, "%dm%02ds", int(s / 60), int(std::fmod(s, 60)));
-  return buf;
-}
-
-std::string format_rate(double tokens_per_s) {
-  char buf[32];
-  if (tokens_per_s >= 1e6)
-    std::snprintf(buf, sizeof buf, "%.2fM", tokens_per_s / 1e6);
-  else if (tokens_per_s >= 1e3)
-    std::snprintf(buf, sizeof buf, "%.1fK", tokens_per_s / 1e3);
-  else
-    std::snprintf(buf, sizeof buf, "%.0f", tokens_per_s);
-  return buf;
 }
 
 constexpr const char* kDivergedHint =
@@ -281,14 +265,8 @@ Trainer::Trainer(TrainConfig config, std::string run_dir, LogFn log)
                ") is smaller than the dataset's vocabulary (", meta.vocab_size, ")");
   cfg_.validate();
   resolve_device();
-
-  std::error_code ec;
-  fs::create_directories(run_dir_, ec);
-  ESPLAG_CHECK(!ec, "cannot create run directory '", run_dir_, "': ", ec.message());
-  ESPLAG_CHECK(!fs::exists(fs::path(run_dir_) / "latest"), "run directory '", run_dir_,
-               "' already holds checkpoints: continue it with --resume or choose another --out");
-  write_file_atomic((fs::path(run_dir_) / "config.yaml").string(), to_yaml(cfg_));
-  fs::remove(fs::path(run_dir_) / "metrics.jsonl", ec);
+  check_no_checkpoints();  // before the minutes a large model's initialisation can take
+  check_host_memory(cfg_, device_, available_host_bytes());
 
   // Initialised on the host whatever the device, so a CPU and a GPU run of one config
   // start from the same weights.
@@ -298,39 +276,97 @@ Trainer::Trainer(TrainConfig config, std::string run_dir, LogFn log)
   setup_recipe();
   setup_data();
   make_backend({}, {});
+
+  // Everything the run needs is checked: only now is anything created or written.
+  std::error_code ec;
+  fs::create_directories(run_dir_, ec);
+  ESPLAG_CHECK(!ec, "cannot create run directory '", run_dir_, "': ", ec.message());
+  claim_run_dir();
+  check_no_checkpoints();  // again under the lock: another run may have saved meanwhile
+  write_file_atomic((fs::path(run_dir_) / "config.yaml").string(), to_yaml(cfg_));
+  fs::remove(fs::path(run_dir_) / "metrics.jsonl", ec);
 }
 
-std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, int64_t steps, const std::string& device) {
+void Trainer::check_no_checkpoints() const {
+  ESPLAG_CHECK(!fs::exists(fs::path(run_dir_) / "latest"), "run directory '", run_dir_,
+               "' already holds checkpoints: continue it with --resume or choose another --out");
+}
+
+void Trainer::claim_run_dir() {
+  lock_ = std::make_unique<RunLock>(run_dir_);
+  const RemovedLeftovers removed = remove_dead_writers(run_dir_);
+  if (!removed.names.empty())
+    log_("removed unfinished writes of processes no longer running from " + run_dir_ + ": " +
+         join(removed.names, ", ") + " (" + format_bytes(removed.bytes) + ")");
+}
+
+std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, const ResumeOptions& options) {
+  using StateFile = CheckpointContents::StateFile;
   const std::string ck = resolve_checkpoint(dir);
-  CheckpointContents info = read_checkpoint_info(ck);
+  const CheckpointContents info = read_checkpoint_info(ck);
+  ESPLAG_CHECK(info.state_file != StateFile::invalid, info.state_problem,
+               ": the run cannot resume from this checkpoint (eval, sample and export still read its weights)");
+  ESPLAG_CHECK(info.state_file == StateFile::valid || options.allow_inexact, info.state_problem,
+               ": resuming would lose the data position and the RNG state; allow an inexact resume "
+               "(--allow-inexact) to continue from the weights, moments and step alone, or resume another checkpoint");
   std::unique_ptr<Trainer> t(new Trainer(std::move(log)));
   t->cfg_ = info.config;
-  if (steps > 0 && steps != t->cfg_.steps && !t->cfg_.recipe_yaml.empty()) {
-    // A fraction resolves against train.steps: another total would move the recipe's
-    // phases under a run already part-way through them (a layer back to sparse, say).
-    const auto moved = Recipe::parse(t->cfg_.recipe_yaml, "recipe").fractional_steps();
-    ESPLAG_CHECK(moved.empty(), "train --resume --steps ", steps, ": the recipe gives steps as fractions of train.steps (",
-                 join(moved, "; "), "), which would move from the ", t->cfg_.steps, "-step schedule the run follows; ",
-                 "keep --steps ", t->cfg_.steps, " or write those steps as step numbers in a new run");
-  }
-  if (steps > 0) {
-    t->cfg_.steps = steps;
-    t->cfg_.schedule.total_steps = steps;
-  }
-  if (!device.empty()) t->cfg_.device = device;
-  t->run_dir_ = fs::path(ck).parent_path().string();
   t->tokenizer_ = info.tokenizer;
   t->state_ = info.state;
+  t->last_checkpoint_ = ck;
+  fs::path ck_path(ck);
+  if (!ck_path.has_filename()) ck_path = ck_path.parent_path();  // "run/step-000100/"
+  t->run_dir_ = ck_path.parent_path().string();
+  if (t->run_dir_.empty()) t->run_dir_ = ".";
+
+  const int64_t saved = t->state_.step;
+  const int64_t total = options.steps > 0 ? options.steps : t->cfg_.steps;
+  if (saved < total) {
+    if (options.steps > 0 && options.steps != t->cfg_.steps && !t->cfg_.recipe_yaml.empty()) {
+      // A fraction resolves against train.steps: another total would move the recipe's
+      // phases under a run already part-way through them (a layer back to sparse, say).
+      const auto moved = Recipe::parse(t->cfg_.recipe_yaml, "recipe").fractional_steps();
+      ESPLAG_CHECK(moved.empty(), "train --resume --steps ", options.steps,
+                   ": the recipe gives steps as fractions of train.steps (", join(moved, "; "),
+                   "), which would move from the ", t->cfg_.steps, "-step schedule the run follows; ",
+                   "keep --steps ", t->cfg_.steps, " or write those steps as step numbers in a new run");
+    }
+    if (options.steps > 0) {
+      t->cfg_.steps = options.steps;
+      if (options.schedule == ScheduleOnResume::stretch) t->cfg_.schedule.total_steps = options.steps;
+    }
+  } else {
+    // Nothing to train: the checkpoint is still loaded in full (and so checked), and
+    // nothing is written.
+    t->nothing_to_do_ = "nothing to do: " + ck + " is at step " + std::to_string(saved) + ", and the run " +
+                        (options.steps > 0 ? "is asked for " + std::to_string(total) + " steps in all"
+                                           : "ends at train.steps = " + std::to_string(total)) +
+                        "; to train further, resume with a total above " + std::to_string(saved) + " (--steps)";
+  }
+  if (!options.device.empty()) t->cfg_.device = options.device;
+  t->resolve_device();  // without the model's kinds yet: enough to know what host memory it takes
+  check_host_memory(t->cfg_, t->device_, available_host_bytes());
   t->model_ = std::make_unique<Transformer<float>>(t->cfg_.model);
   t->setup_recipe();
-  build_kinds_after(*t->model_, t->recipe_, t->state_.step, t->cfg_.seed);
+  build_kinds_after(*t->model_, t->recipe_, saved, t->cfg_.seed);
   Moments m, v;
   load_checkpoint_weights(ck, *t->model_, &m, &v);
+  if (!t->nothing_to_do_.empty()) return t;
   t->resolve_device();
   t->setup_data();
-  t->train_data_->set_state(t->state_.data);
+  if (info.state_file == StateFile::valid) {
+    t->train_data_->set_state(t->state_.data);
+  } else {
+    t->state_.tokens_seen = saved * t->cfg_.batch_size * t->cfg_.seq_len * t->cfg_.grad_accum;
+    t->state_.rng = Rng(t->cfg_.seed).state();
+    t->log_("inexact resume: " + info.state_problem + ", so the data restarts from its first batch (the batches of " +
+            "the first " + std::to_string(saved) + " steps are seen again) and the RNG state from train.seed; " +
+            "weights, optimizer moments and schedule continue exactly");
+  }
   t->make_backend(std::move(m), std::move(v));
-  t->last_checkpoint_ = ck;
+
+  // Everything is checked: only now is the run directory touched.
+  t->claim_run_dir();
   // Metrics logged after this checkpoint belong to a timeline that is being replaced.
   const fs::path metrics = fs::path(t->run_dir_) / "metrics.jsonl";
   if (fs::exists(metrics)) {
@@ -339,15 +375,23 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, int6
     while (std::getline(in, line)) {
       if (line.empty()) continue;
       try {
-        if (nlohmann::json::parse(line).value("step", int64_t(0)) <= t->state_.step) kept += line + "\n";
+        if (nlohmann::json::parse(line).value("step", int64_t(0)) <= saved) kept += line + "\n";
       } catch (const nlohmann::json::exception&) {
         // a torn last line from an interrupted run: drop it
       }
     }
     write_file_atomic(metrics.string(), kept);
   }
-  t->log_("resuming " + ck + " at step " + std::to_string(t->state_.step) + " of " + std::to_string(t->cfg_.steps) +
-          " | device " + t->backend_->describe() + (t->device_note_.empty() ? "" : " (" + t->device_note_ + ")"));
+  const LrSchedule& schedule = t->cfg_.schedule;
+  std::string plan = "schedule over " + std::to_string(schedule.total_steps) + " steps";
+  if (t->cfg_.steps > schedule.total_steps) {
+    char rate[32];
+    std::snprintf(rate, sizeof rate, "%.2e", schedule.at(schedule.total_steps));
+    plan += " (kept; steps past it at its final lr " + std::string(rate) + ")";
+  }
+  t->log_("resuming " + ck + " at step " + std::to_string(saved) + " of " + std::to_string(t->cfg_.steps) + " | " +
+          plan + " | device " + t->backend_->describe() +
+          (t->device_note_.empty() ? "" : " (" + t->device_note_ + ")"));
   return t;
 }
 
@@ -466,6 +510,13 @@ TrainResult Trainer::run() {
   using clock = std::chrono::steady_clock;
   const int64_t tokens_per_step = int64_t(cfg_.batch_size) * cfg_.seq_len * cfg_.grad_accum;
   TrainResult result;
+  result.steps = state_.step;
+  result.last_checkpoint = last_checkpoint_;
+  if (!nothing_to_do_.empty()) {
+    log_(nothing_to_do_);
+    return result;
+  }
+  if (!lock_) lock_ = std::make_unique<RunLock>(run_dir_);  // run() again after a stop
   if (state_.step == 0) {
     char buf[256];
     std::snprintf(buf, sizeof buf, "model %s: %.2fM parameters | %d layers, d=%d, %d heads | %lld tokens/step | device ",
@@ -482,9 +533,11 @@ TrainResult Trainer::run() {
     const double lr = advance();
     window_tokens += tokens_per_step;
     const bool last = state_.step == cfg_.steps;
-    const bool log_now = state_.step % cfg_.log_every == 0 || last || state_.step == first_step + 1;
-    const bool eval_now = (cfg_.eval_every > 0 && state_.step % cfg_.eval_every == 0) || last;
-    const bool save_now = (cfg_.checkpoint_every > 0 && state_.step % cfg_.checkpoint_every == 0) || last;
+    // A stop signal ends the run here, the step done: logged and saved, not evaluated.
+    const bool stop = stop_requested() && !last;
+    const bool log_now = state_.step % cfg_.log_every == 0 || last || stop || state_.step == first_step + 1;
+    const bool eval_now = (cfg_.eval_every > 0 && state_.step % cfg_.eval_every == 0 && !stop) || last;
+    const bool save_now = (cfg_.checkpoint_every > 0 && state_.step % cfg_.checkpoint_every == 0) || last || stop;
     if (!log_now && !eval_now && !save_now) continue;
     // The loop waits for a device only here: the step's loss and norm are read (and every
     // step since the last read checked for divergence) before anything is reported,
@@ -523,9 +576,17 @@ TrainResult Trainer::run() {
       result.final_val_loss = ev.loss;
     }
     if (save_now) save();
+    if (stop) {
+      result.interrupted = true;
+      log_(std::string("stopped by ") + (stop_signal() == SIGTERM ? "SIGTERM" : "SIGINT") + " after step " + std::to_string(state_.step) +
+           " of " + std::to_string(cfg_.steps) + "; saved " + last_checkpoint_);
+      break;
+    }
   }
   result.steps = state_.step;
+  result.steps_run = state_.step - first_step;
   result.last_checkpoint = last_checkpoint_;
+  lock_.reset();  // the run's writes are over: another process or trainer may continue it
   return result;
 }
 

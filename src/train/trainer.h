@@ -10,6 +10,7 @@
 // checkpoints are the trainer's and the same for both, so a checkpoint of either device
 // resumes on the other.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -21,6 +22,8 @@
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/recipe.h"
+#include "train/run_dir.h"
+#include "train/schedule.h"
 
 namespace esplag {
 
@@ -33,9 +36,14 @@ struct EvalResult {
 };
 
 struct TrainResult {
-  double first_loss = 0, last_loss = 0;
-  double final_val_loss = 0;
-  int64_t steps = 0;
+  // Losses of the first and last step this call ran (NaN when it ran none).
+  double first_loss = std::nan(""), last_loss = std::nan("");
+  double final_val_loss = std::nan("");  // of the last evaluation this call ran (NaN when none)
+  int64_t steps = 0;      // the step the run has reached
+  int64_t steps_run = 0;  // steps this call ran: 0 when a resumed run had nothing to do
+  // A stop signal (train/stop_signal.h) ended the run early: the step reached is saved in
+  // last_checkpoint, and resuming the run directory continues it.
+  bool interrupted = false;
   std::string last_checkpoint;
 };
 
@@ -118,16 +126,39 @@ class StepBackend {
   [[noreturn]] static void diverged(const char* what, double value, int64_t step);
 };
 
+struct ResumeOptions {
+  int64_t steps = 0;   // > 0: the run's new total (train.steps), longer or shorter
+  std::string device;  // auto | cpu | cuda: replaces the saved train.device when not empty
+  ScheduleOnResume schedule = ScheduleOnResume::keep;  // what a new total does to the LR schedule
+  // Resume a checkpoint whose state.json is missing, from the weights, moments and step
+  // alone: the data restarts from its first batch and the RNG state from train.seed (the
+  // log says so). Without it such a checkpoint is refused.
+  bool allow_inexact = false;
+};
+
 class Trainer {
  public:
-  // A new run in `run_dir` (created; it must not already hold checkpoints).
+  // A new run in `run_dir` (created; it must not already hold checkpoints). Everything
+  // (config, model, data, device, host memory) is checked before the directory is
+  // created or anything written. The run directory is locked (train/run_dir.h) for the
+  // trainer's lifetime or until run() returns, and unfinished writes of dead processes in
+  // it are removed.
   Trainer(TrainConfig config, std::string run_dir, LogFn log);
-  // Continues the run whose checkpoint (or run directory) is `dir`; `steps` > 0 extends
-  // or shortens the total; `device` (auto | cpu | cuda) replaces the saved train.device
-  // when not empty.
+  // Continues the run whose checkpoint (or run directory) is `dir`. The checkpoint must be
+  // consistent (state.json, the model's metadata and the directory's name at one step) and
+  // complete (state.json present unless options.allow_inexact); nothing in the run
+  // directory is touched before all of it is checked and the run's lock is taken. When the
+  // checkpoint is already at (or past) the total, the trainer has nothing to do: run()
+  // says so and returns steps_run = 0 without writing anything.
+  static std::unique_ptr<Trainer> resume(const std::string& dir, LogFn log, const ResumeOptions& options);
   static std::unique_ptr<Trainer> resume(const std::string& dir, LogFn log, int64_t steps = 0,
-                                         const std::string& device = "");
+                                         const std::string& device = "") {
+    return resume(dir, std::move(log), ResumeOptions{steps, device});
+  }
 
+  // Trains to train.steps, logging, evaluating and saving as configured. After each step
+  // it polls stop_requested() (train/stop_signal.h): on a stop signal it saves the step
+  // reached and returns with `interrupted` set.
   TrainResult run();
 
   // One optimizer step (all micro-batches, clipping, AdamW, the Linear kinds' hooks);
@@ -158,6 +189,11 @@ class Trainer {
   EvalResult evaluate();
   void save();
   void append_metrics(const std::string& json_line);
+  // Throws when run_dir_ already holds checkpoints (a new run must not overwrite them).
+  void check_no_checkpoints() const;
+  // Takes the run's lock and removes the unfinished writes of dead processes: what a run
+  // does before its first write.
+  void claim_run_dir();
 
   TrainConfig cfg_;
   std::string run_dir_, tokenizer_;
@@ -170,6 +206,8 @@ class Trainer {
   TrainerState state_;
   Recipe recipe_;  // empty for dense training
   std::string last_checkpoint_;
+  std::unique_ptr<RunLock> lock_;
+  std::string nothing_to_do_;  // why a resumed run has no step to run ("" when it has)
 };
 
 // Loss and perplexity of a checkpoint on a data split ("val" or "train"), on `device`:

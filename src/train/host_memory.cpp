@@ -1,0 +1,99 @@
+#include "train/host_memory.h"
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+#include "core/error.h"
+#include "train/progress.h"
+
+namespace esplag {
+
+namespace {
+
+constexpr uint64_t kFloat = sizeof(float);
+
+// Floats of model/transformer.cpp's Activations for B×T tokens: what forward saves for
+// backward in every block, the final norm, backward's scratch and the chunked logits.
+uint64_t activation_floats(const ModelConfig& m, int B, int T) {
+  const uint64_t N = uint64_t(B) * T, C = m.d_model, Q = m.qkv_dim(), F = m.fc_dim(), H = m.d_ff;
+  const uint64_t AC = uint64_t(m.n_head) * m.head_dim();
+  const uint64_t att = uint64_t(B) * m.n_head * T * T;
+  const uint64_t per_layer = N * (5 * C + Q + AC + F + H) + 4 * N + att;
+  const uint64_t chunk = std::min<uint64_t>(N, 256);  // model/transformer.cpp's kHeadChunk
+  return uint64_t(m.n_layer) * per_layer + N * (2 * C + 2) + N * (3 * C + Q + AC + F + H) +
+         chunk * (2 * uint64_t(m.vocab_size) + 1);
+}
+
+// The first number of the line of /proc/meminfo that starts with `key`, in bytes; 0 without it.
+uint64_t meminfo_bytes(const std::string& key) {
+  std::ifstream in("/proc/meminfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(key, 0) == 0) {
+      std::istringstream fields(line.substr(key.size()));
+      uint64_t kib = 0;
+      fields >> kib;
+      return kib * 1024;
+    }
+  return 0;
+}
+
+// A single number in a cgroup file ("max" or no file: 0).
+uint64_t cgroup_value(const char* path) {
+  std::ifstream in(path);
+  uint64_t v = 0;
+  return (in >> v) ? v : 0;
+}
+
+}  // namespace
+
+uint64_t host_bytes_for_training(const TrainConfig& config, const std::string& device) {
+  const uint64_t params = uint64_t(config.model.num_params());
+  if (device == "cuda") return params * 3 * kFloat;
+  return params * 4 * kFloat + activation_floats(config.model, config.batch_size, config.seq_len) * kFloat;
+}
+
+uint64_t available_host_bytes() {
+  uint64_t available = meminfo_bytes("MemAvailable:");
+  const uint64_t limit = cgroup_value("/sys/fs/cgroup/memory.max");
+  const uint64_t used = cgroup_value("/sys/fs/cgroup/memory.current");
+  if (limit > 0) {
+    const uint64_t left = limit > used ? limit - used : 0;
+    available = available == 0 ? left : std::min(available, left);
+  }
+  return available;
+}
+
+void check_host_memory(const TrainConfig& config, const std::string& device, uint64_t available) {
+  const uint64_t need = host_bytes_for_training(config, device);
+  if (available == 0 || need <= available) return;
+  std::string fits;
+  TrainConfig smaller = config;
+  smaller.batch_size = 1;
+  if (host_bytes_for_training(smaller, device) <= available) {
+    // The weights fit: the activations grow with the batch, so the largest batch that fits.
+    while (host_bytes_for_training(smaller, device) <= available) ++smaller.batch_size;
+    fits = "train.batch_size " + std::to_string(smaller.batch_size - 1) + " would fit (with train.grad_accum for the " +
+           "same tokens per step)";
+  } else {
+    std::string best;
+    int64_t best_params = 0;
+    for (const auto& name : model_preset_names()) {
+      TrainConfig preset = config;
+      preset.model = model_preset(name);
+      preset.model.vocab_size = config.model.vocab_size;
+      preset.seq_len = std::min(config.seq_len, preset.model.max_seq_len);
+      if (host_bytes_for_training(preset, device) <= available && preset.model.num_params() > best_params) {
+        best = name;
+        best_params = preset.model.num_params();
+      }
+    }
+    fits = best.empty() ? "no model preset fits either" : "model.preset " + best + " would fit";
+  }
+  fail("model ", config.model.preset, " (", config.model.num_params(), " parameters) needs about ", format_bytes(need),
+       " of host memory to train on ", device, " with train.batch_size ", config.batch_size, " and train.seq_len ",
+       config.seq_len, ", but ", format_bytes(available), " is available; ", fits);
+}
+
+}  // namespace esplag

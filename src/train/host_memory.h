@@ -1,0 +1,28 @@
+// The host memory a run needs, checked before anything is allocated or written, so a
+// model too large for the machine is refused with numbers instead of dying in an
+// allocation after the run directory exists.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "train/config.h"
+
+namespace esplag {
+
+// Bytes of host memory training `config` needs on `device` ("cpu" or "cuda"), in fp32: on
+// the CPU the weights, their gradients, the two AdamW moments and the activations of one
+// micro-batch (model/transformer.cpp's Activations); on the GPU the host copy of the
+// weights and of the moments that checkpoints are written from. model.vocab_size must be
+// resolved (not 0). An estimate from below: Linear kinds' own state and the data come on top.
+uint64_t host_bytes_for_training(const TrainConfig& config, const std::string& device);
+
+// MemAvailable of /proc/meminfo, lowered to what the cgroup's memory.max leaves; 0 when
+// neither can be read (no check then).
+uint64_t available_host_bytes();
+
+// Throws an Error when `config` needs more than `available` bytes (0: unknown, no check),
+// giving both numbers and what would fit: the largest train.batch_size when the weights
+// fit but the activations do not, else the largest model preset.
+void check_host_memory(const TrainConfig& config, const std::string& device, uint64_t available);
+
+}  // namespace esplag
