@@ -278,3 +278,42 @@ TEST(Cli, TokenizerTrainPrintsTheVocabularyItWrote) {
   EXPECT_NE(r.out.find(": vocabulary 260 ("), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("note:"), std::string::npos) << r.out;
 }
+
+// The first SIGINT finishes the step under way, saves it and exits with 130, saying how to
+// continue; the run then resumes from that step.
+TEST(Cli, SigintSavesTheStepReachedAndExitsWith130) {
+  const auto& f = fixture();
+  const fs::path run_dir = root() / "interrupted";
+  fs::remove_all(run_dir);
+  // Long enough never to finish; no periodic checkpoint, so only the signal's is saved.
+  const std::string train = std::string(ESPLAG_BINARY) + " --threads 1 train --config " + f.config.string() +
+                            " --set train.steps=100000 --set train.checkpoint_every=0 --set train.eval_every=0" +
+                            " --out " + run_dir.string();
+  const fs::path script = root() / "interrupt.sh";
+  write(script, train + " &\npid=$!\nfor i in $(seq 600); do\n  grep -q step '" + (run_dir / "metrics.jsonl").string() +
+                    "' 2>/dev/null && break\n  sleep 0.1\ndone\nkill -INT $pid\nwait $pid\n");
+  Result r = esplag::testing::run_command("sh '" + script.string() + "'", root() / "sig.out", root() / "sig.err");
+  EXPECT_EQ(r.code, 130) << r.err;
+  EXPECT_NE(r.err.find("continue with: esplag train --resume " + run_dir.string()), std::string::npos) << r.err;
+  const std::string latest = esplag::read_file((run_dir / "latest").string());
+  ASSERT_EQ(latest.rfind("step-", 0), 0u) << latest;
+  const int saved = std::stoi(latest.substr(5));
+  EXPECT_GT(saved, 0);
+  Result resumed = run("train --resume " + run_dir.string() + " --steps " + std::to_string(saved + 1));
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  EXPECT_TRUE(fs::exists(run_dir / ("step-" + std::string(6 - std::to_string(saved + 1).size(), '0') +
+                                    std::to_string(saved + 1))));
+}
+
+TEST(Cli, ResumeWithNothingToDoSaysSoAndWritesNothing) {
+  const auto& f = fixture();
+  const fs::path copy = root() / "nothing_to_do";
+  fs::remove_all(copy);
+  fs::copy(f.run, copy, fs::copy_options::recursive);
+  const std::string metrics = esplag::read_file((copy / "metrics.jsonl").string());
+  Result r = run("train --resume " + copy.string() + " --steps 3");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("nothing to do"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("done:"), std::string::npos) << r.out;
+  EXPECT_EQ(esplag::read_file((copy / "metrics.jsonl").string()), metrics);
+}

@@ -169,6 +169,7 @@ class Trainer {
   };
   StepStats train_step();
   const TrainConfig& config() const { return cfg_; }
+  const std::string& run_dir() const { return run_dir_; }
   // "cpu" or "cuda": where the steps run.
   const std::string& device() const { return device_; }
   // The host model. With a GPU backend it holds the weights of the last checkpoint (and
