@@ -711,3 +711,33 @@ TEST(Recipe, IntegerKeysAreRangeChecked) {
   EXPECT_ERROR(Recipe::parse("- slope: {params: ['re:.*'], mask_change_freq: 99999999999999999999}", "r.yaml"),
                "key 'mask_change_freq' must be in [1, 2147483647], got 99999999999999999999");
 }
+
+// docs/recipes.md shows the messages a config file's recipe errors print, with the file's
+// name as their prefix.
+TEST(Recipe, DocsShowTheMessagesTheCodePrints) {
+  const std::string docs = slurp(std::filesystem::path(ESPLAG_SOURCE_DIR) / "docs" / "recipes.md");
+  auto load = [](const std::string& recipe, const std::vector<std::string>& set = {}) {
+    return error_of([&] { parse_train_config("model: {preset: tiny}\ntrain: {steps: 600}\nrecipe:\n" + recipe, "run.yaml", set); });
+  };
+  const std::string prefix = "run.yaml: recipe[0] (gradual_magnitude): ";
+  EXPECT_NE(docs.find("(after `" + prefix + "`)"), std::string::npos);
+  const std::string gmp = "  - gradual_magnitude: {params: [blocks.0.mlp.fc.weight], final_sparsity: 0.5, start: 0, ";
+  for (const std::string& err : {load(gmp + "end: 700, update_every: 10}"), load(gmp + "end: 70, update_every: 0}")}) {
+    ASSERT_EQ(err.rfind(prefix, 0), 0u) << err;
+    EXPECT_NE(docs.find("`" + err.substr(prefix.size()) + "`"), std::string::npos) << err;
+  }
+  const std::string type = load("  - magnitude_pruning: {params: [x]}");
+  EXPECT_NE(docs.find("`" + type.substr(0, type.find("(known: ") + 8) + "...)`"), std::string::npos) << type;
+  const std::string overlap = load("  - semi_sparse: {params: [blocks.0.mlp.fc.weight]}\n"
+                                   "  - slope: {params: [blocks.0.mlp.fc.weight], start: 50}");
+  EXPECT_NE(docs.find("`" + overlap + "`"), std::string::npos) << overlap;
+  const std::string slope = "  - slope: {params: [blocks.0.mlp.fc.weight], lora_rank: 4294967297}";
+  const std::string rank = load(slope);
+  ASSERT_EQ(rank.rfind("run.yaml: recipe[0] (slope): ", 0), 0u) << rank;
+  EXPECT_NE(docs.find("`" + rank.substr(29) + "`"), std::string::npos) << rank;
+  const std::string two = gmp + "end: 70, update_every: 10}\n  - semi_sparse: {params: [blocks.0.attn.proj.weight]}";
+  for (const char* set : {"recipe.0.slope.start=3", "recipe.0.gradual_magnitude.endd=3", "recipe.2.semi_sparse.start=3"}) {
+    const std::string err = load(two, {set});
+    EXPECT_NE(docs.find("    " + err + "\n"), std::string::npos) << err;
+  }
+}
