@@ -126,7 +126,8 @@ TEST(TrainConfig, NumericKeysAreRangeChecked) {
   // A config built in code is checked against the same ranges.
   TrainConfig c;
   c.eval_batches = -3;
-  EXPECT_EQ(error_of([&] { c.validate(); }), "config key 'train.eval_batches' must be an integer in [1, 2147483647], got -3");
+  EXPECT_EQ(error_of([&] { c.validate(); }),
+            "config key 'train.eval_batches' must be an integer in [1, 2147483647], got -3");
 }
 
 TEST(TrainConfig, EveryNumericKeyHasARange) {
@@ -200,16 +201,19 @@ TEST(TrainConfig, RecipeKeysCanBeSet) {
     EXPECT_EQ(c.recipe().modifiers()[0].end.steps, 30) << key;
     EXPECT_EQ(c.recipe().modifiers()[0].start.steps, 10) << key;
   }
-  const TrainConfig p = parse_train_config(kGmpConfig, "run.yaml", {"recipe.1.semi_sparse.params=[blocks.1.attn.proj.weight]",
-                                                                    "recipe.1.semi_sparse.until=0.25"});
+  const TrainConfig p = parse_train_config(
+      kGmpConfig, "run.yaml", {"recipe.1.semi_sparse.params=[blocks.1.attn.proj.weight]", "recipe.1.semi_sparse.until=0.25"});
   EXPECT_EQ(p.recipe().modifiers()[1].params, std::vector<std::string>{"blocks.1.attn.proj.weight"});
   EXPECT_EQ(p.recipe().modifiers()[1].until.text, "0.25");
 
-  auto err = [](const std::string& set) { return error_of([&] { parse_train_config(kGmpConfig, "run.yaml", {set}); }); };
+  auto err = [](const std::string& set) {
+    return error_of([&] { parse_train_config(kGmpConfig, "run.yaml", {set}); });
+  };
   EXPECT_EQ(err("recipe.0.gradual_magnitude.endd=30"),
             "--set recipe.0.gradual_magnitude.endd=30: unknown key 'endd' of gradual_magnitude (known: params, mask_type, "
             "init_sparsity, final_sparsity, start, end, update_every)");
-  EXPECT_EQ(err("recipe.0.slope.start=3"), "--set recipe.0.slope.start=3: recipe[0] is a 'gradual_magnitude' modifier, not 'slope'");
+  EXPECT_EQ(err("recipe.0.slope.start=3"),
+            "--set recipe.0.slope.start=3: recipe[0] is a 'gradual_magnitude' modifier, not 'slope'");
   EXPECT_EQ(err("recipe.2.semi_sparse.start=3"),
             "--set recipe.2.semi_sparse.start=3: the config's recipe has 2 modifiers (recipe.0 to recipe.1)");
   EXPECT_EQ(err("recipe.0.end=3"),

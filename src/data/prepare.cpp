@@ -186,7 +186,8 @@ PrepareResult prepare_dataset(const std::string& input_text_path, const Tokenize
 
 DatasetMeta read_dataset_meta(const std::string& dir) {
   const std::string path = (fs::path(dir) / "meta.json").string();
-  ESPLAG_CHECK(fs::exists(path), "data directory '", dir, "' has no meta.json: prepare it first with `esplag data prepare`");
+  ESPLAG_CHECK(fs::exists(path), "data directory '", dir,
+               "' has no meta.json: prepare it first with `esplag data prepare`");
   try {
     const auto js = nlohmann::json::parse(data_files::read_all(path, "dataset metadata"));
     const int64_t vocab = js.at("vocab_size").get<int64_t>();
