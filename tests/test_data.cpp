@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -105,6 +106,26 @@ TEST(Shard, WriteRejectsTokensOutsideTheVocabulary) {
   const std::string msg = error_of([&] { write_shard(dir.file("x.bin"), std::vector<int32_t>{1, 300, 2}, 257); });
   EXPECT_NE(msg.find("token 1 is 300, outside the vocabulary [0, 257)"), std::string::npos) << msg;
   EXPECT_FALSE(fs::exists(dir.file("x.bin")));
+}
+
+TEST(Shard, ReadChecksEveryTokenAgainstTheVocabulary) {
+  TempDir dir;
+  const std::string v1 = dir.file("v1.bin"), v2 = dir.file("v2.bin");
+  write_shard(v1, std::vector<int32_t>{1, 2, 300, 5, 400}, 65536);
+  EXPECT_EQ(read_shard(v1).tokens.size(), 5u);  // no vocabulary given: any id of the format
+  EXPECT_EQ(error_of([&] { read_shard(v1, 257); }),
+            "shard '" + v1 + "': token 2 (byte offset 1028) is 300, outside the vocabulary [0, 257)");
+  write_shard(v2, std::vector<int32_t>{7, 69999}, 70000);
+  EXPECT_EQ(error_of([&] { read_shard(v2, 66000); }),
+            "shard '" + v2 + "': token 1 (byte offset 1028) is 69999, outside the vocabulary [0, 66000)");
+  // A version-2 id beyond int32 (the in-memory type) is refused whatever the vocabulary.
+  std::ifstream in(v2, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  in.close();
+  bytes.replace(1024 + 4, 4, std::string("\xff\xff\xff\xf0", 4));
+  write_bytes(v2, bytes);
+  EXPECT_EQ(error_of([&] { read_shard(v2); }),
+            "shard '" + v2 + "': token 1 (byte offset 1028) is 4043309055, outside the vocabulary [0, 2147483648)");
 }
 
 TEST(Shard, MissingFile) {

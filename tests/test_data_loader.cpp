@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <set>
@@ -216,6 +217,29 @@ TEST(DataLoader, TooLittleDataOrNoShards) {
 
 // ---- prepare ---------------------------------------------------------------------------
 
+TEST(DataLoader, OpenScansEveryShardAgainstTheDatasetVocabulary) {
+  TempDir dir;
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "a line of text number " + std::to_string(i) + "\n";
+  write_text(dir.file("in.txt"), text);
+  const std::string data = dir.file("data");
+  prepare_dataset(dir.file("in.txt"), ByteTokenizer(), data, 0.1, 1000);
+  const std::string shard = data + "/train_000002.bin";
+  EXPECT_NO_THROW(DataLoader(data, "train", 2, 8, 1));
+  // Id 300 (beyond the byte vocabulary of meta.json, within the uint16 format) at token 17
+  // of the third shard, a batch that the first ones would not reach.
+  std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(kShardHeaderBytes + 2 * 17);
+  f.write("\x2c\x01", 2);
+  f.close();
+  const std::string expected =
+      "shard '" + shard + "': token 17 (byte offset 1058) is 300, outside the vocabulary [0, 257)";
+  EXPECT_EQ(error_of([&] { DataLoader(data, "train", 2, 8, 1); }), expected);
+  EXPECT_EQ(error_of([&] { DataLoader(shard, "train", 2, 8, 1); }), expected);  // one file: its directory's meta.json
+  // A vocabulary given by the caller wins over meta.json.
+  EXPECT_NO_THROW(DataLoader(data, "train", 2, 8, 1, 301));
+}
+
 TEST(Prepare, ByteLevelShardsMetaAndHeldOutValidation) {
   TempDir dir;
   std::string doc1, doc2;
@@ -340,4 +364,40 @@ TEST(Prepare, Errors) {
   opt.input = dir.file("blank.txt");
   opt.tokenizer = "byte";
   EXPECT_TRUE(contains(error_of([&] { prepare_dataset(opt); }), "holds no text"));
+}
+
+namespace {
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// Byte tokens, with every 'x' encoded as an id its vocabulary does not have.
+class FaultyTokenizer final : public Tokenizer {
+ public:
+  std::vector<int32_t> encode(std::string_view text) const override {
+    std::vector<int32_t> ids;
+    for (const char c : text) ids.push_back(c == 'x' ? 999 : static_cast<unsigned char>(c));
+    return ids;
+  }
+  std::string decode(const std::vector<int32_t>&) const override { return ""; }
+  int vocab_size() const override { return 257; }
+  int32_t eot_token() const override { return 256; }
+  std::string name() const override { return "faulty"; }
+};
+
+}  // namespace
+
+TEST(Prepare, RefusesIdsOutsideTheVocabularyBeforeTouchingTheOutput) {
+  TempDir dir;
+  write_text(dir.file("good.txt"), std::string(2000, 'a'));
+  write_text(dir.file("bad.txt"), "abc x abc");
+  const std::string out = dir.file("data");
+  prepare_dataset(dir.file("good.txt"), ByteTokenizer(), out, 0.1, 1000);
+  const std::string meta = slurp(out + "/meta.json");
+  EXPECT_EQ(error_of([&] { prepare_dataset(dir.file("bad.txt"), FaultyTokenizer(), out, 0.1, 1000); }),
+            "prepare: tokenizer 'faulty' produced id 999 at token 5, outside its vocabulary [0, 257); nothing was written");
+  EXPECT_EQ(slurp(out + "/meta.json"), meta);  // the dataset there is intact
+  EXPECT_NO_THROW(DataLoader(out, "train", 2, 8, 1));
 }

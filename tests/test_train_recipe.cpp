@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "model/transformer.h"
 #include "train/config.h"
+#include "train/layer_kinds.h"
 #include "train/recipe.h"
 #include "train/trainer.h"
 #include "test_util.h"
@@ -65,8 +66,8 @@ const std::string kFc0 = "blocks.0.mlp.fc.weight";
 
 // ---------------------------------------------------------------------------------------
 // The GPU configs (configs/gpu): their models are too large to build here, so the block
-// linears' shapes come from the config (Transformer's layout: qkv [Q, C], proj [C, H·D],
-// fc [F, C], mlp.proj [C, d_ff]).
+// linears' shapes come from the config (linear_shapes(ModelConfig), checked against a
+// model's below).
 
 TEST(Recipe, GpuConfigsParseAndTheirRecipesValidate) {
   const std::filesystem::path dir = std::filesystem::path(ESPLAG_SOURCE_DIR) / "configs" / "gpu";
@@ -78,15 +79,7 @@ TEST(Recipe, GpuConfigsParseAndTheirRecipesValidate) {
     EXPECT_EQ(c.device, "cuda");
     EXPECT_EQ(gpu_training_blocker(c), "") << "the config would not run on the GPU";
     if (c.recipe_yaml.empty()) continue;
-    const ModelConfig& m = c.model;
-    LinearShapes shapes;
-    for (int l = 0; l < m.n_layer; ++l) {
-      const std::string b = "blocks." + std::to_string(l) + ".";
-      shapes[b + "attn.qkv.weight"] = {m.qkv_dim(), m.d_model};
-      shapes[b + "attn.proj.weight"] = {m.d_model, m.n_head * m.head_dim()};
-      shapes[b + "mlp.fc.weight"] = {m.fc_dim(), m.d_model};
-      shapes[b + "mlp.proj.weight"] = {m.d_model, m.d_ff};
-    }
+    const LinearShapes shapes = linear_shapes(c.model);
     Recipe r = Recipe::parse(c.recipe_yaml, entry.path().string());
     r.validate(shapes, c.steps);
     for (int64_t step : {int64_t(0), c.steps - 1}) {
@@ -465,7 +458,7 @@ TEST(Recipe, SyntaxErrors) {
   EXPECT_ERROR(Recipe::parse("- slope: {start: 3}", "r.yaml"), "recipe[0] (slope): missing required key 'params'");
   EXPECT_ERROR(Recipe::parse("- slope: {params: []}", "r.yaml"), "key 'params' must be a non-empty list");
   EXPECT_ERROR(Recipe::parse("- slope: {params: ['re:.*'], mask_change_freq: 0}", "r.yaml"),
-               "key 'mask_change_freq' must be at least 1, got 0");
+               "key 'mask_change_freq' must be in [1, 2147483647], got 0");
   EXPECT_ERROR(Recipe::parse("- slope: {params: ['re:.*'], lora_rank: four}", "r.yaml"),
                "key 'lora_rank' must be an integer, got 'four'");
   EXPECT_ERROR(Recipe::parse("- slope: {params: ['re:.*'], start: [1]}", "r.yaml"), "key 'start' must be a single value");
@@ -673,7 +666,8 @@ TEST(Recipe, ToYamlRoundTripsAndNodeOverload) {
   EXPECT_EQ(d.source(), "node");
 
   // The recipe kept by the run config parses the same.
-  const TrainConfig cfg = parse_train_config("model: {preset: tiny}\nrecipe:\n" + yaml, "cfg.yaml");
+  const TrainConfig cfg =
+      parse_train_config("model: {preset: tiny, n_layer: 2, d_model: 64, d_ff: 256}\nrecipe:\n" + yaml, "cfg.yaml");
   EXPECT_EQ(make(cfg.recipe_yaml).to_yaml(), text);
 }
 
@@ -699,4 +693,51 @@ TEST(Recipe, DescribeNamesEveryModifier) {
   EXPECT_NE(d.find("[1] semi_sparse on 1 weight: 2:4 steps [0, 100), dense after"), std::string::npos) << d;
   EXPECT_NE(d.find("[2] slope on 2 weights: 2:4 from step 0"), std::string::npos) << d;
   EXPECT_NE(d.find("rank-2 adapters from step 180"), std::string::npos) << d;
+}
+
+TEST(Recipe, LinearShapesOfAConfigAreThoseOfItsModel) {
+  for (const char* preset : {"tiny", "llama-tiny"}) {
+    ModelConfig c = model_preset(preset);
+    c.vocab_size = 257;
+    Transformer<float> model(c);
+    EXPECT_EQ(linear_shapes(c), linear_shapes(model)) << preset;
+  }
+}
+
+TEST(Recipe, IntegerKeysAreRangeChecked) {
+  // 2^32 + 1 used to become rank 1.
+  EXPECT_ERROR(Recipe::parse("- slope: {params: ['re:.*'], lora_rank: 4294967297}", "r.yaml"),
+               "r.yaml: recipe[0] (slope): key 'lora_rank' must be in [0, 2147483647], got 4294967297");
+  EXPECT_ERROR(Recipe::parse("- slope: {params: ['re:.*'], mask_change_freq: 99999999999999999999}", "r.yaml"),
+               "key 'mask_change_freq' must be in [1, 2147483647], got 99999999999999999999");
+}
+
+// docs/recipes.md shows the messages a config file's recipe errors print, with the file's
+// name as their prefix.
+TEST(Recipe, DocsShowTheMessagesTheCodePrints) {
+  const std::string docs = slurp(std::filesystem::path(ESPLAG_SOURCE_DIR) / "docs" / "recipes.md");
+  auto load = [](const std::string& recipe, const std::vector<std::string>& set = {}) {
+    return error_of([&] { parse_train_config("model: {preset: tiny}\ntrain: {steps: 600}\nrecipe:\n" + recipe, "run.yaml", set); });
+  };
+  const std::string prefix = "run.yaml: recipe[0] (gradual_magnitude): ";
+  EXPECT_NE(docs.find("(after `" + prefix + "`)"), std::string::npos);
+  const std::string gmp = "  - gradual_magnitude: {params: [blocks.0.mlp.fc.weight], final_sparsity: 0.5, start: 0, ";
+  for (const std::string& err : {load(gmp + "end: 700, update_every: 10}"), load(gmp + "end: 70, update_every: 0}")}) {
+    ASSERT_EQ(err.rfind(prefix, 0), 0u) << err;
+    EXPECT_NE(docs.find("`" + err.substr(prefix.size()) + "`"), std::string::npos) << err;
+  }
+  const std::string type = load("  - magnitude_pruning: {params: [x]}");
+  EXPECT_NE(docs.find("`" + type.substr(0, type.find("(known: ") + 8) + "...)`"), std::string::npos) << type;
+  const std::string overlap = load("  - semi_sparse: {params: [blocks.0.mlp.fc.weight]}\n"
+                                   "  - slope: {params: [blocks.0.mlp.fc.weight], start: 50}");
+  EXPECT_NE(docs.find("`" + overlap + "`"), std::string::npos) << overlap;
+  const std::string slope = "  - slope: {params: [blocks.0.mlp.fc.weight], lora_rank: 4294967297}";
+  const std::string rank = load(slope);
+  ASSERT_EQ(rank.rfind("run.yaml: recipe[0] (slope): ", 0), 0u) << rank;
+  EXPECT_NE(docs.find("`" + rank.substr(29) + "`"), std::string::npos) << rank;
+  const std::string two = gmp + "end: 70, update_every: 10}\n  - semi_sparse: {params: [blocks.0.attn.proj.weight]}";
+  for (const char* set : {"recipe.0.slope.start=3", "recipe.0.gradual_magnitude.endd=3", "recipe.2.semi_sparse.start=3"}) {
+    const std::string err = load(two, {set});
+    EXPECT_NE(docs.find("    " + err + "\n"), std::string::npos) << err;
+  }
 }

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "data/prepare.h"
 #include "data/shard.h"
 
 namespace esplag {
@@ -79,7 +80,7 @@ std::vector<std::string> find_shards(const std::string& dir_or_glob, const std::
 }
 
 DataLoader::DataLoader(const std::string& dir_or_glob, const std::string& split, int batch_size, int seq_len,
-                       uint64_t seed)
+                       uint64_t seed, int64_t vocab_size)
     : source_(dir_or_glob),
       split_(split),
       batch_size_(batch_size),
@@ -91,9 +92,13 @@ DataLoader::DataLoader(const std::string& dir_or_glob, const std::string& split,
   shards_ = find_shards(dir_or_glob, split);
   ESPLAG_CHECK(!shards_.empty(), "no '", split, "' shards found in '", dir_or_glob, "' (expected files such as ", split,
                "_000000.bin; prepare data with `esplag data prepare`)");
+  if (vocab_size == 0) {
+    const fs::path dir = fs::path(shards_.front()).parent_path();
+    if (fs::exists(dir / "meta.json")) vocab_size = read_dataset_meta(dir.string()).vocab_size;
+  }
   const int64_t window = int64_t(seq_len) + 1;
   for (const auto& path : shards_) {
-    Shard s = read_shard(path);
+    Shard s = read_shard(path, vocab_size);
     const int64_t base = static_cast<int64_t>(tokens_.size());
     const int64_t n = static_cast<int64_t>(s.tokens.size());
     for (int64_t w = 0; w + window <= n; w += window) window_start_.push_back(base + w);

@@ -16,6 +16,11 @@
 // (train_000000.bin, tinyshakespeare_val.bin, fineweb_train_000001.bin); given a pattern
 // with * or ? in its last component, the matching files that belong to the split; given a
 // single file, that file. Files are read in name order.
+//
+// Opening reads every shard whole and checks every token id against the vocabulary: the
+// one given, else the meta.json of the directory holding the shards (what `esplag data
+// prepare` writes), else only that ids fit an int32. A bad id is an error naming the shard,
+// the token's byte offset and the id, before any batch is made (docs/config.md, "data", gives the cost).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -30,7 +35,9 @@ class DataLoader {
     int64_t position = 0;  // windows already taken in this epoch
   };
 
-  DataLoader(const std::string& dir_or_glob, const std::string& split, int batch_size, int seq_len, uint64_t seed);
+  // `vocab_size` 0: the vocabulary of the shards' meta.json, where there is one.
+  DataLoader(const std::string& dir_or_glob, const std::string& split, int batch_size, int seq_len, uint64_t seed,
+             int64_t vocab_size = 0);
 
   // Fills inputs[B*T] and targets[B*T] (row-major, row b = one window) and advances.
   void next_batch(int32_t* inputs, int32_t* targets);

@@ -1,5 +1,6 @@
 #include "data/prepare.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -106,6 +107,11 @@ PrepareResult prepare_dataset(const std::string& input_text_path, const Tokenize
     std::vector<int32_t>().swap(encoded[i]);
   }
   const int64_t n = static_cast<int64_t>(tokens.size());
+  // Checked before anything in out_dir is touched, so a faulty tokenizer costs no dataset.
+  const int64_t vocab = tokenizer.vocab_size();
+  const auto bad = std::find_if(tokens.begin(), tokens.end(), [&](int32_t t) { return t < 0 || t >= vocab; });
+  ESPLAG_CHECK(bad == tokens.end(), "prepare: tokenizer '", tokenizer.name(), "' produced id ", *bad, " at token ",
+               bad - tokens.begin(), ", outside its vocabulary [0, ", vocab, "); nothing was written");
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   char line[160];
   std::snprintf(line, sizeof line, "prepare: %lld tokens (%.3f per byte) in %.1f s", static_cast<long long>(n),
@@ -176,6 +182,20 @@ PrepareResult prepare_dataset(const std::string& input_text_path, const Tokenize
   write_file_atomic((fs::path(out_dir) / "meta.json").string(), meta.dump(2) + "\n");
   report("prepare: wrote " + (fs::path(out_dir) / "meta.json").string());
   return r;
+}
+
+DatasetMeta read_dataset_meta(const std::string& dir) {
+  const std::string path = (fs::path(dir) / "meta.json").string();
+  ESPLAG_CHECK(fs::exists(path), "data directory '", dir,
+               "' has no meta.json: prepare it first with `esplag data prepare`");
+  try {
+    const auto js = nlohmann::json::parse(data_files::read_all(path, "dataset metadata"));
+    const int64_t vocab = js.at("vocab_size").get<int64_t>();
+    ESPLAG_CHECK(vocab > 0 && vocab <= INT32_MAX, path, ": vocab_size must be in [1, ", INT32_MAX, "], got ", vocab);
+    return {static_cast<int>(vocab), js.at("tokenizer").get<std::string>()};
+  } catch (const nlohmann::json::exception& e) {
+    fail(path, ": invalid dataset metadata: ", e.what());
+  }
 }
 
 PrepareResult prepare_dataset(const PrepareOptions& options, const ProgressFn& progress) {

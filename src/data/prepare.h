@@ -40,6 +40,14 @@ struct PrepareResult {
 
 PrepareResult prepare_dataset(const PrepareOptions& options, const ProgressFn& progress = {});
 
+// What a dataset's meta.json says about its tokens.
+struct DatasetMeta {
+  int vocab_size = 0;
+  std::string tokenizer;
+};
+// Reads DIR/meta.json; an Error naming the file when it is missing or malformed.
+DatasetMeta read_dataset_meta(const std::string& dir);
+
 // The same with a tokenizer already loaded; meta.json records tokenizer.name().
 PrepareResult prepare_dataset(const std::string& input_text_path, const Tokenizer& tokenizer,
                               const std::string& out_dir, double val_fraction, int64_t shard_tokens,

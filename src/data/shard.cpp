@@ -100,7 +100,7 @@ int write_shard(const std::string& path, std::span<const int32_t> tokens, int64_
   return version;
 }
 
-Shard read_shard(const std::string& path) {
+Shard read_shard(const std::string& path, int64_t vocab_size) {
   const std::string bytes = data_files::read_all(path, "shard");
   const auto* u = reinterpret_cast<const unsigned char*>(bytes.data());
   const Header h = check_header(path, u, static_cast<int64_t>(bytes.size()));
@@ -108,15 +108,24 @@ Shard read_shard(const std::string& path) {
   s.version = h.version;
   s.tokens.resize(h.num_tokens);
   const unsigned char* p = u + kShardHeaderBytes;
+  // Ids above INT32_MAX (version 2) read as negative: one scan below finds them with the rest.
   if (h.version == 1) {
     for (int64_t i = 0; i < h.num_tokens; ++i) s.tokens[i] = int32_t(p[2 * i]) | (int32_t(p[2 * i + 1]) << 8);
   } else {
-    for (int64_t i = 0; i < h.num_tokens; ++i) {
-      const uint32_t t = get_u32(p + 4 * i);
-      ESPLAG_CHECK(t <= uint32_t(INT32_MAX), "shard '", path, "': token ", i, " is ", t,
-                   ", larger than the largest supported id ", INT32_MAX);
-      s.tokens[i] = static_cast<int32_t>(t);
-    }
+    for (int64_t i = 0; i < h.num_tokens; ++i) s.tokens[i] = static_cast<int32_t>(get_u32(p + 4 * i));
+  }
+  const int64_t largest = int64_t(INT32_MAX) + 1;  // ids are int32 in memory
+  const int64_t vocab = vocab_size > 0 ? std::min(vocab_size, largest) : largest;
+  const auto limit = static_cast<uint32_t>(vocab);
+  // A branch-free pass (it vectorises) over the whole shard, then a search only on failure.
+  uint32_t top = 0;
+  for (const int32_t t : s.tokens) top = std::max(top, static_cast<uint32_t>(t));
+  if (top >= limit) {
+    const auto bad = std::find_if(s.tokens.begin(), s.tokens.end(), [&](int32_t t) { return uint32_t(t) >= limit; });
+    const int64_t i = bad - s.tokens.begin();
+    const uint32_t id = h.version == 1 ? uint32_t(*bad) : get_u32(p + 4 * i);
+    fail("shard '", path, "': token ", i, " (byte offset ", kShardHeaderBytes + i * bytes_per_token(h.version), ") is ",
+         id, ", outside the vocabulary [0, ", vocab, ")");
   }
   return s;
 }

@@ -33,8 +33,10 @@ int shard_version_for(int64_t vocab_size);
 // Returns the version written.
 int write_shard(const std::string& path, std::span<const int32_t> tokens, int64_t vocab_size);
 
-// Reads a whole shard, checking the header against the file size.
-Shard read_shard(const std::string& path);
+// Reads a whole shard, checking the header against the file size and, when `vocab_size` is
+// positive, every token against [0, vocab_size) (the error names the token's index, byte
+// offset and id).
+Shard read_shard(const std::string& path, int64_t vocab_size = 0);
 
 // Reads only the header (checked against the file size); returns the token count.
 int64_t read_shard_token_count(const std::string& path);

@@ -1,20 +1,34 @@
 #include "model/config.h"
 
+#include <cstdint>
+#include <utility>
+
 #include "core/error.h"
 
 namespace esplag {
 
 void ModelConfig::validate() const {
   ESPLAG_CHECK(vocab_size > 0, "model.vocab_size must be positive, got ", vocab_size);
-  ESPLAG_CHECK(max_seq_len > 0, "model.max_seq_len must be positive, got ", max_seq_len);
-  ESPLAG_CHECK(n_layer > 0, "model.n_layer must be positive, got ", n_layer);
-  ESPLAG_CHECK(n_head > 0 && d_model % n_head == 0, "model.d_model (", d_model,
-               ") must be a positive multiple of model.n_head (", n_head, ")");
-  ESPLAG_CHECK(n_kv_head > 0 && n_head % n_kv_head == 0, "model.n_head (", n_head,
-               ") must be a multiple of model.n_kv_head (", n_kv_head, ")");
-  ESPLAG_CHECK(d_ff > 0, "model.d_ff must be positive, got ", d_ff);
-  ESPLAG_CHECK(pos != PosKind::rope || head_dim() % 2 == 0, "RoPE needs an even head dimension, got ",
-               head_dim());
+  validate_shape();
+}
+
+void ModelConfig::validate_shape() const {
+  const std::pair<const char*, int> sizes[] = {{"model.max_seq_len", max_seq_len}, {"model.n_layer", n_layer},
+                                                {"model.n_head", n_head},           {"model.n_kv_head", n_kv_head},
+                                                {"model.d_model", d_model},         {"model.d_ff", d_ff}};
+  for (const auto& [key, value] : sizes) ESPLAG_CHECK(value > 0, key, " must be positive, got ", value);
+  ESPLAG_CHECK(d_model % n_head == 0, "model.d_model (", d_model, ") must be a multiple of model.n_head (", n_head,
+               "): the head size is d_model / n_head");
+  ESPLAG_CHECK(n_head % n_kv_head == 0, "model.n_head (", n_head, ") must be a multiple of model.n_kv_head (",
+               n_kv_head, ")");
+  ESPLAG_CHECK(pos != PosKind::rope || head_dim() % 2 == 0, "model.pos rope needs an even head size (model.d_model / ",
+               "model.n_head), got ", d_model, " / ", n_head, " = ", head_dim());
+  // The widths of the fused linears are ints.
+  const int64_t qkv = (int64_t(n_head) + 2 * int64_t(n_kv_head)) * head_dim();
+  const int64_t fc = (mlp == MlpKind::swiglu ? 2 : 1) * int64_t(d_ff);
+  ESPLAG_CHECK(qkv <= INT32_MAX, "model.d_model (", d_model, ") and model.n_kv_head (", n_kv_head,
+               ") give a qkv width of ", qkv, ", more than ", INT32_MAX);
+  ESPLAG_CHECK(fc <= INT32_MAX, "model.d_ff (", d_ff, ") gives an MLP width of ", fc, ", more than ", INT32_MAX);
 }
 
 int64_t ModelConfig::num_params() const {

@@ -33,8 +33,10 @@ struct ModelConfig {
   int qkv_dim() const { return (n_head + 2 * n_kv_head) * head_dim(); }
   // Width of the first MLP linear: SwiGLU needs gate and up halves.
   int fc_dim() const { return mlp == MlpKind::swiglu ? 2 * d_ff : d_ff; }
-  // Throws Error naming the field when the shape is impossible.
+  // Throws Error naming the key (model.d_model, ...) when the shape is impossible.
   void validate() const;
+  // The same, but for vocab_size (0 in a config: the dataset's vocabulary, filled in later).
+  void validate_shape() const;
   int64_t num_params() const;
   // FLOPs of one training step per token (6·N for the matmuls + attention), for MFU.
   double train_flops_per_token(int seq_len) const;

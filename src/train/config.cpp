@@ -2,109 +2,196 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <filesystem>
 #include <functional>
-#include <set>
+#include <limits>
 #include <sstream>
 
 #include "core/error.h"
+#include "train/layer_kinds.h"
 
 namespace esplag {
 
 namespace {
 
-// One entry per config key: how to read it from text and how to print it.
+// One entry per config key: how to read it from text (type and range checked), how to
+// print it, and how to check a value set in code against the same range.
 struct Field {
   std::string key;
   std::function<void(TrainConfig&, const std::string&)> set;
   std::function<std::string(const TrainConfig&)> get;
+  std::function<void(const TrainConfig&)> check;
 };
 
 template <typename V>
-V parse_value(const std::string& key, const std::string& text) {
-  try {
-    return YAML::Load(text).as<V>();
-  } catch (const YAML::Exception&) {
-    const char* what = std::is_same_v<V, bool> ? "a boolean"
-                       : std::is_integral_v<V> ? "an integer"
-                       : std::is_floating_point_v<V> ? "a number"
-                                                     : "a string";
-    fail("config key '", key, "' must be ", what, ", got '", text, "'");
-  }
-}
+using Ref = std::function<V&(TrainConfig&)>;
 
 template <typename V>
-std::string print_value(const V& v) {
-  if constexpr (std::is_same_v<V, bool>) {
-    return v ? "true" : "false";
-  } else if constexpr (std::is_floating_point_v<V>) {
-    std::ostringstream os;
-    os.precision(17);
-    os << v;
-    return os.str();
-  } else if constexpr (std::is_same_v<V, std::string>) {
-    return v;
-  } else {
-    return std::to_string(v);
-  }
-}
-
-template <typename V>
-Field field(const std::string& key, V TrainConfig::*member) {
-  return {key, [key, member](TrainConfig& c, const std::string& t) { c.*member = parse_value<V>(key, t); },
-          [member](const TrainConfig& c) { return print_value(c.*member); }};
+Ref<V> ref(V TrainConfig::*member) {
+  return [member](TrainConfig& c) -> V& { return c.*member; };
 }
 template <typename S, typename V>
-Field field(const std::string& key, S TrainConfig::*section, V S::*member) {
-  return {key,
-          [key, section, member](TrainConfig& c, const std::string& t) { c.*section.*member = parse_value<V>(key, t); },
-          [section, member](const TrainConfig& c) { return print_value(c.*section.*member); }};
+Ref<V> ref(S TrainConfig::*section, V S::*member) {
+  return [section, member](TrainConfig& c) -> V& { return c.*section.*member; };
 }
-template <typename S, typename E>
-Field enum_field(const std::string& key, S TrainConfig::*section, E S::*member, E (*from)(const std::string&),
-                 std::string (*to)(E)) {
-  return {key, [section, member, from](TrainConfig& c, const std::string& t) { c.*section.*member = from(t); },
-          [section, member, to](const TrainConfig& c) { return to(c.*section.*member); }};
+template <typename V>
+const V& read(const Ref<V>& r, const TrainConfig& c) {
+  return r(const_cast<TrainConfig&>(c));
 }
 
+std::string real_text(double v) {
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  std::ostringstream os;
+  os.precision(17);
+  os << v;
+  return os.str();
+}
+
+bool is_integer_text(const std::string& s) {
+  const size_t first = (!s.empty() && (s[0] == '+' || s[0] == '-')) ? 1 : 0;
+  return s.size() > first && std::all_of(s.begin() + first, s.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+}
+
+// An integer key (int, int64_t or uint64_t member) whose values lie in [min, max].
+template <typename V>
+Field integer(const std::string& key, Ref<V> r, V min, V max) {
+  const std::string range = detail::concat("[", min, ", ", max, "]");
+  auto out_of_range = [key, range](const std::string& got) {
+    fail("config key '", key, "' must be an integer in ", range, ", got ", got);
+  };
+  auto set = [=](TrainConfig& c, const std::string& text) {
+    ESPLAG_CHECK(is_integer_text(text), "config key '", key, "' must be an integer in ", range, ", got '", text, "'");
+    const char* begin = text.data() + (text[0] == '+' ? 1 : 0);
+    V v{};
+    const auto [end, ec] = std::from_chars(begin, text.data() + text.size(), v);
+    // A negative value of an unsigned key, or one beyond the member's type, is out of range too.
+    if (ec != std::errc() || end != text.data() + text.size() || v < min || v > max) out_of_range(text);
+    r(c) = v;
+  };
+  auto check = [=](const TrainConfig& c) {
+    const V v = read(r, c);
+    if (v < min || v > max) out_of_range(std::to_string(v));
+  };
+  return {key, set, [r](const TrainConfig& c) { return std::to_string(read(r, c)); }, check};
+}
+
+// A real-number key in the interval from `min` to `max` (open at an end marked so); NaN is never in it.
+struct Interval {
+  double min, max;
+  bool min_open, max_open;
+  bool contains(double v) const {
+    return (min_open ? v > min : v >= min) && (max_open ? v < max : v <= max);
+  }
+  std::string text() const {
+    return detail::concat(min_open ? "(" : "[", real_text(min), ", ", real_text(max), max_open ? ")" : "]");
+  }
+};
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+Field real(const std::string& key, Ref<double> r, Interval in) {
+  auto out_of_range = [key, in](const std::string& got) {
+    fail("config key '", key, "' must be a number in ", in.text(), ", got ", got);
+  };
+  auto set = [=](TrainConfig& c, const std::string& text) {
+    double v = 0;
+    try {
+      v = YAML::Load(text).as<double>();
+    } catch (const YAML::Exception&) {
+      fail("config key '", key, "' must be a number in ", in.text(), ", got '", text, "'");
+    }
+    if (!in.contains(v)) out_of_range(text);
+    r(c) = v;
+  };
+  auto check = [=](const TrainConfig& c) {
+    if (!in.contains(read(r, c))) out_of_range(real_text(read(r, c)));
+  };
+  return {key, set, [r](const TrainConfig& c) { return real_text(read(r, c)); }, check};
+}
+
+Field boolean(const std::string& key, Ref<bool> r) {
+  auto set = [=](TrainConfig& c, const std::string& text) {
+    try {
+      r(c) = YAML::Load(text).as<bool>();
+    } catch (const YAML::Exception&) {
+      fail("config key '", key, "' must be true or false, got '", text, "'");
+    }
+  };
+  return {key, set, [r](const TrainConfig& c) { return read(r, c) ? "true" : "false"; }, {}};
+}
+
+// A text key; with `choices`, one of them.
+Field text(const std::string& key, Ref<std::string> r, std::vector<std::string> choices = {}) {
+  auto check = [=](const TrainConfig& c) {
+    const std::string& v = read(r, c);
+    if (choices.empty() || std::find(choices.begin(), choices.end(), v) != choices.end()) return;
+    std::string list;
+    for (size_t i = 0; i < choices.size(); ++i)
+      list += (i == 0 ? "" : i + 1 == choices.size() ? " or " : ", ") + choices[i];
+    fail("config key '", key, "' must be ", list, ", got '", v, "'");
+  };
+  auto set = [=](TrainConfig& c, const std::string& t) {
+    r(c) = t;
+    check(c);
+  };
+  return {key, set, [r](const TrainConfig& c) { return read(r, c); }, check};
+}
+
+template <typename E>
+Field choice(const std::string& key, Ref<E> r, E (*from)(const std::string&), std::string (*to)(E)) {
+  return {key, [r, from](TrainConfig& c, const std::string& t) { r(c) = from(t); },
+          [r, to](const TrainConfig& c) { return to(read(r, c)); }, {}};
+}
+
+constexpr int kIntMax = std::numeric_limits<int>::max();
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+
+// Every config key with its type and range: the one place that declares them.
 const std::vector<Field>& fields() {
+  using M = ModelConfig;
+  using T = TrainConfig;
+  using O = OptimizerConfig;
+  using S = LrSchedule;
   static const std::vector<Field> f = {
       // model.preset is applied first (it resets the model section), see parse_train_config.
-      field("model.preset", &TrainConfig::model, &ModelConfig::preset),
-      field("model.vocab_size", &TrainConfig::model, &ModelConfig::vocab_size),
-      field("model.max_seq_len", &TrainConfig::model, &ModelConfig::max_seq_len),
-      field("model.n_layer", &TrainConfig::model, &ModelConfig::n_layer),
-      field("model.n_head", &TrainConfig::model, &ModelConfig::n_head),
-      field("model.n_kv_head", &TrainConfig::model, &ModelConfig::n_kv_head),
-      field("model.d_model", &TrainConfig::model, &ModelConfig::d_model),
-      field("model.d_ff", &TrainConfig::model, &ModelConfig::d_ff),
-      enum_field("model.norm", &TrainConfig::model, &ModelConfig::norm, norm_kind_from, to_string),
-      enum_field("model.pos", &TrainConfig::model, &ModelConfig::pos, pos_kind_from, to_string),
-      enum_field("model.mlp", &TrainConfig::model, &ModelConfig::mlp, mlp_kind_from, to_string),
-      field("model.tie_embeddings", &TrainConfig::model, &ModelConfig::tie_embeddings),
-      field("model.bias", &TrainConfig::model, &ModelConfig::bias),
-      field("model.rope_theta", &TrainConfig::model, &ModelConfig::rope_theta),
-      field("model.init_std", &TrainConfig::model, &ModelConfig::init_std),
-      field("data.path", &TrainConfig::data_path),
-      field("train.batch_size", &TrainConfig::batch_size),
-      field("train.seq_len", &TrainConfig::seq_len),
-      field("train.grad_accum", &TrainConfig::grad_accum),
-      field("train.steps", &TrainConfig::steps),
-      field("train.seed", &TrainConfig::seed),
-      field("train.device", &TrainConfig::device),
-      field("train.log_every", &TrainConfig::log_every),
-      field("train.eval_every", &TrainConfig::eval_every),
-      field("train.eval_batches", &TrainConfig::eval_batches),
-      field("train.checkpoint_every", &TrainConfig::checkpoint_every),
-      field("train.keep_checkpoints", &TrainConfig::keep_checkpoints),
-      field("optimizer.lr", &TrainConfig::optimizer, &OptimizerConfig::lr),
-      field("optimizer.beta1", &TrainConfig::optimizer, &OptimizerConfig::beta1),
-      field("optimizer.beta2", &TrainConfig::optimizer, &OptimizerConfig::beta2),
-      field("optimizer.eps", &TrainConfig::optimizer, &OptimizerConfig::eps),
-      field("optimizer.weight_decay", &TrainConfig::optimizer, &OptimizerConfig::weight_decay),
-      field("optimizer.grad_clip", &TrainConfig::optimizer, &OptimizerConfig::grad_clip),
-      field("schedule.warmup_steps", &TrainConfig::schedule, &LrSchedule::warmup_steps),
-      enum_field("schedule.decay", &TrainConfig::schedule, &LrSchedule::decay, decay_kind_from, to_string),
-      field("schedule.min_lr_ratio", &TrainConfig::schedule, &LrSchedule::min_lr_ratio),
+      text("model.preset", ref(&T::model, &M::preset)),
+      integer("model.vocab_size", ref(&T::model, &M::vocab_size), 0, kIntMax),  // 0: from the dataset
+      integer("model.max_seq_len", ref(&T::model, &M::max_seq_len), 1, kIntMax),
+      integer("model.n_layer", ref(&T::model, &M::n_layer), 1, kIntMax),
+      integer("model.n_head", ref(&T::model, &M::n_head), 1, kIntMax),
+      integer("model.n_kv_head", ref(&T::model, &M::n_kv_head), 1, kIntMax),
+      integer("model.d_model", ref(&T::model, &M::d_model), 1, kIntMax),
+      integer("model.d_ff", ref(&T::model, &M::d_ff), 1, kIntMax),
+      choice("model.norm", ref(&T::model, &M::norm), norm_kind_from, to_string),
+      choice("model.pos", ref(&T::model, &M::pos), pos_kind_from, to_string),
+      choice("model.mlp", ref(&T::model, &M::mlp), mlp_kind_from, to_string),
+      boolean("model.tie_embeddings", ref(&T::model, &M::tie_embeddings)),
+      boolean("model.bias", ref(&T::model, &M::bias)),
+      real("model.rope_theta", ref(&T::model, &M::rope_theta), {0, kInf, true, true}),
+      real("model.init_std", ref(&T::model, &M::init_std), {0, kInf, false, true}),
+      text("data.path", ref(&T::data_path)),
+      integer("train.batch_size", ref(&T::batch_size), 1, kIntMax),
+      integer("train.seq_len", ref(&T::seq_len), 1, kIntMax),
+      integer("train.grad_accum", ref(&T::grad_accum), 1, kIntMax),
+      integer<int64_t>("train.steps", ref(&T::steps), 1, kInt64Max),
+      integer<uint64_t>("train.seed", ref(&T::seed), 0, std::numeric_limits<uint64_t>::max()),
+      text("train.device", ref(&T::device), {"auto", "cpu", "cuda"}),
+      integer<int64_t>("train.log_every", ref(&T::log_every), 1, kInt64Max),
+      integer<int64_t>("train.eval_every", ref(&T::eval_every), 0, kInt64Max),
+      integer("train.eval_batches", ref(&T::eval_batches), 1, kIntMax),
+      integer<int64_t>("train.checkpoint_every", ref(&T::checkpoint_every), 0, kInt64Max),
+      integer("train.keep_checkpoints", ref(&T::keep_checkpoints), 0, kIntMax),
+      real("optimizer.lr", ref(&T::optimizer, &O::lr), {0, kInf, true, true}),
+      real("optimizer.beta1", ref(&T::optimizer, &O::beta1), {0, 1, false, true}),
+      real("optimizer.beta2", ref(&T::optimizer, &O::beta2), {0, 1, false, true}),
+      real("optimizer.eps", ref(&T::optimizer, &O::eps), {0, kInf, true, true}),
+      real("optimizer.weight_decay", ref(&T::optimizer, &O::weight_decay), {0, kInf, false, true}),
+      real("optimizer.grad_clip", ref(&T::optimizer, &O::grad_clip), {-kInf, kInf, true, true}),  // <= 0: off
+      integer<int64_t>("schedule.warmup_steps", ref(&T::schedule, &S::warmup_steps), 0, kInt64Max),
+      choice("schedule.decay", ref(&T::schedule, &S::decay), decay_kind_from, to_string),
+      real("schedule.min_lr_ratio", ref(&T::schedule, &S::min_lr_ratio), {0, 1, false, false}),
   };
   return f;
 }
@@ -115,10 +202,14 @@ const Field* find_field(const std::string& key) {
   return nullptr;
 }
 
+// A config key and its value, with where it was given ("run.yaml" or "--set k=v") for errors.
+struct Entry {
+  std::string key, value, origin;
+};
+
 // Walks a YAML mapping two levels deep (section -> key -> scalar) into dotted keys; the
-// `recipe` section, a list of modifiers, is kept whole as YAML text.
-void collect(const YAML::Node& root, const std::string& source, std::vector<std::pair<std::string, std::string>>& out,
-             std::string& recipe) {
+// `recipe` section, a list of modifiers, is kept whole.
+void collect(const YAML::Node& root, const std::string& source, std::vector<Entry>& out, YAML::Node& recipe) {
   if (!root || root.IsNull()) return;
   ESPLAG_CHECK(root.IsMap(), source, ": the config must be a mapping of sections (model, data, train, ...)");
   for (const auto& sec : root) {
@@ -126,11 +217,7 @@ void collect(const YAML::Node& root, const std::string& source, std::vector<std:
     if (section == "recipe") {
       ESPLAG_CHECK(sec.second.IsSequence() || sec.second.IsNull(), source,
                    ": `recipe` must be a list of modifiers (see docs/recipes.md)");
-      if (sec.second.IsSequence() && sec.second.size() > 0) {
-        YAML::Emitter e;
-        e << sec.second;
-        recipe = e.c_str();
-      }
+      if (sec.second.IsSequence()) recipe = sec.second;
       continue;
     }
     ESPLAG_CHECK(sec.second.IsMap(), source, ": config section '", section, "' must be a mapping of keys");
@@ -138,35 +225,80 @@ void collect(const YAML::Node& root, const std::string& source, std::vector<std:
       const std::string key = section + "." + kv.first.as<std::string>();
       ESPLAG_CHECK(find_field(key), source, ": unknown config key '", key, "'");
       ESPLAG_CHECK(kv.second.IsScalar(), source, ": config key '", key, "' must be a single value");
-      out.emplace_back(key, kv.second.Scalar());
+      out.push_back({key, kv.second.Scalar(), source});
     }
   }
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& s : v) out += (out.empty() ? "" : ", ") + s;
+  return out;
+}
+
+bool is_recipe_key(const std::string& key) { return key.rfind("recipe.", 0) == 0 || key.rfind("recipe[", 0) == 0; }
+
+// `--set recipe.<i>.<type>.<key>=V` (or `recipe[<i>].<type>.<key>=V`): sets one key of the
+// recipe's modifier i, which must be of that type and know the key. V is YAML (a scalar, or
+// a list for params).
+void apply_recipe_override(YAML::Node& recipe, const std::string& override_text, const std::string& key,
+                           const std::string& value) {
+  const std::string origin = "--set " + override_text;
+  std::string path = key;
+  if (path.rfind("recipe[", 0) == 0) {  // recipe[i].rest -> recipe.i.rest
+    const size_t close = path.find("].");
+    ESPLAG_CHECK(close != std::string::npos, origin, ": a recipe key is recipe.<index>.<modifier>.<key>, e.g. ",
+                 "recipe.0.gradual_magnitude.end=0.8");
+    path = "recipe." + path.substr(7, close - 7) + path.substr(close + 1);
+  }
+  std::vector<std::string> parts;
+  for (size_t begin = 0;;) {
+    const size_t dot = path.find('.', begin);
+    parts.push_back(path.substr(begin, dot - begin));
+    if (dot == std::string::npos) break;
+    begin = dot + 1;
+  }
+  ESPLAG_CHECK(parts.size() == 4 && !parts[1].empty() && std::all_of(parts[1].begin(), parts[1].end(), ::isdigit) &&
+                   parts[1].size() < 10 && !parts[2].empty() && !parts[3].empty(),
+               origin, ": a recipe key is recipe.<index>.<modifier>.<key>, e.g. recipe.0.gradual_magnitude.end=0.8");
+  const size_t index = std::stoul(parts[1]);
+  const std::string& type = parts[2];
+  const std::string& name = parts[3];
+  const size_t n = recipe.IsSequence() ? recipe.size() : 0;
+  ESPLAG_CHECK(index < n, origin, ": the config's recipe has ", n, " modifier", n == 1 ? "" : "s",
+               n == 0 ? "" : detail::concat(" (recipe.0 to recipe.", n - 1, ")"));
+  YAML::Node item = recipe[index];
+  const std::string actual = item.IsMap() && item.size() == 1 ? item.begin()->first.as<std::string>() : "";
+  ESPLAG_CHECK(actual == type, origin, ": recipe[", index, "] is a '", actual, "' modifier, not '", type, "'");
+  const std::vector<std::string> keys = Recipe::modifier_keys(type);
+  ESPLAG_CHECK(std::find(keys.begin(), keys.end(), name) != keys.end(), origin, ": unknown key '", name, "' of ", type,
+               " (known: ", join(keys), ")");
+  YAML::Node v;
+  try {
+    v = YAML::Load(value);
+  } catch (const YAML::Exception& e) {
+    fail(origin, ": invalid value: ", e.what());
+  }
+  item.begin()->second[name] = v;
 }
 
 }  // namespace
 
 void TrainConfig::validate() const {
-  ESPLAG_CHECK(batch_size > 0, "train.batch_size must be positive, got ", batch_size);
-  ESPLAG_CHECK(seq_len > 0, "train.seq_len must be positive, got ", seq_len);
+  for (const auto& f : fields())
+    if (f.check) f.check(*this);
   ESPLAG_CHECK(seq_len <= model.max_seq_len, "train.seq_len (", seq_len, ") exceeds model.max_seq_len (",
                model.max_seq_len, ")");
-  ESPLAG_CHECK(grad_accum > 0, "train.grad_accum must be positive, got ", grad_accum);
-  ESPLAG_CHECK(steps > 0, "train.steps must be positive, got ", steps);
-  ESPLAG_CHECK(log_every > 0, "train.log_every must be positive, got ", log_every);
-  ESPLAG_CHECK(eval_every >= 0 && checkpoint_every >= 0 && keep_checkpoints >= 0,
-               "train.eval_every, train.checkpoint_every and train.keep_checkpoints must not be negative");
-  ESPLAG_CHECK(eval_batches > 0, "train.eval_batches must be positive, got ", eval_batches);
-  ESPLAG_CHECK(device == "auto" || device == "cpu" || device == "cuda", "train.device must be auto, cpu or cuda, got '",
-               device, "'");
-  ESPLAG_CHECK(optimizer.lr > 0, "optimizer.lr must be positive, got ", optimizer.lr);
-  ESPLAG_CHECK(optimizer.beta1 >= 0 && optimizer.beta1 < 1 && optimizer.beta2 >= 0 && optimizer.beta2 < 1,
-               "optimizer.beta1 and optimizer.beta2 must be in [0, 1)");
-  ESPLAG_CHECK(optimizer.eps > 0, "optimizer.eps must be positive");
-  ESPLAG_CHECK(optimizer.weight_decay >= 0, "optimizer.weight_decay must not be negative");
-  ESPLAG_CHECK(schedule.warmup_steps >= 0, "schedule.warmup_steps must not be negative");
-  ESPLAG_CHECK(schedule.min_lr_ratio >= 0 && schedule.min_lr_ratio <= 1, "schedule.min_lr_ratio must be in [0, 1]");
-  if (model.vocab_size != 0) model.validate();
+  ESPLAG_CHECK(schedule.warmup_steps <= steps, "schedule.warmup_steps (", schedule.warmup_steps,
+               ") is larger than train.steps (", steps, "): the run would end before the learning rate is reached");
+  if (model.vocab_size == 0)
+    model.validate_shape();  // the dataset's vocabulary fills it in
+  else
+    model.validate();
+  if (!recipe_yaml.empty()) recipe().validate(linear_shapes(model), steps);
 }
+
+Recipe TrainConfig::recipe() const { return Recipe::parse(recipe_yaml, source); }
 
 TrainConfig parse_train_config(const std::string& yaml_text, const std::string& source,
                                const std::vector<std::string>& overrides) {
@@ -176,33 +308,64 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   } catch (const YAML::Exception& e) {
     fail(source, ": invalid YAML: ", e.what());
   }
-  std::vector<std::pair<std::string, std::string>> entries;
-  std::string recipe;
+  std::vector<Entry> entries;
+  YAML::Node recipe;
   collect(root, source, entries, recipe);
   for (const auto& o : overrides) {
     const auto eq = o.find('=');
     ESPLAG_CHECK(eq != std::string::npos && eq > 0, "--set expects key=value, got '", o, "'");
     const std::string key = o.substr(0, eq);
+    if (is_recipe_key(key)) {
+      apply_recipe_override(recipe, o, key, o.substr(eq + 1));
+      continue;
+    }
     ESPLAG_CHECK(find_field(key), "--set ", o, ": unknown config key '", key, "'");
-    entries.emplace_back(key, o.substr(eq + 1));
+    entries.push_back({key, o.substr(eq + 1), "--set " + o});
   }
   TrainConfig c;
-  c.recipe_yaml = recipe;
+  c.source = source;
+  if (recipe && recipe.IsSequence() && recipe.size() > 0) {
+    YAML::Emitter e;
+    e << recipe;
+    c.recipe_yaml = e.c_str();
+  }
   // The preset (last one given wins) sets the whole model section before any model.* key.
-  for (const auto& [k, v] : entries)
-    if (k == "model.preset") c.model = model_preset(v);
-  for (const auto& [k, v] : entries)
-    if (k != "model.preset") find_field(k)->set(c, v);
+  for (const auto& [k, v, origin] : entries) {
+    try {
+      if (k == "model.preset") c.model = model_preset(v);
+    } catch (const Error& e) {
+      fail(origin, ": ", e.what());
+    }
+  }
+  for (const auto& [k, v, origin] : entries) {
+    try {
+      if (k != "model.preset") find_field(k)->set(c, v);
+    } catch (const Error& e) {
+      fail(origin, ": ", e.what());
+    }
+  }
   c.schedule.lr = c.optimizer.lr;
   c.schedule.total_steps = c.steps;
-  c.validate();
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    // Recipe errors already start with the source.
+    const std::string what = e.what();
+    if (what.rfind(source + ":", 0) == 0) throw;
+    fail(source, ": ", what);
+  }
   return c;
 }
 
 TrainConfig load_train_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  ESPLAG_CHECK(!std::filesystem::is_directory(path, ec), "config file '", path, "' is a directory");
   std::string text;
   try {
     YAML::Node n = YAML::LoadFile(path);
+    ESPLAG_CHECK(n && !n.IsNull() && !(n.IsMap() && n.size() == 0), "config file '", path,
+                 "' is empty: give at least the data and the model to train (see configs/tiny.yaml and "
+                 "docs/config.md)");
     std::ostringstream os;
     os << n;
     text = os.str();

@@ -1,7 +1,9 @@
 // The run configuration: one YAML file with sections model, data, train, optimizer and
-// schedule. Every key is known: an unknown key, a value of the wrong type, or an
-// impossible combination is an Error naming the key. `--set key=value` overrides use
-// the same dotted keys (e.g. `--set optimizer.lr=1e-3`).
+// schedule, and the sparsity `recipe` list. Every key is known and has a type and a range
+// (one table in config.cpp): an unknown key, a value of the wrong type or out of its range,
+// or an impossible combination is an Error naming the file, the key and the value, before
+// anything is created. `--set key=value` overrides use the same dotted keys (e.g.
+// `--set optimizer.lr=1e-3`); a recipe modifier's key is `recipe.<index>.<type>.<key>`.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -9,6 +11,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "train/recipe.h"
 #include "train/schedule.h"
 
 namespace esplag {
@@ -41,8 +44,15 @@ struct TrainConfig {
   // The top-level `recipe:` list (sparsity modifiers, see docs/recipes.md) as YAML text;
   // empty for dense training. Parsed and validated against the model by the trainer.
   std::string recipe_yaml;
+  // The file the config was read from (parse_train_config's `source`): recipe errors and the
+  // recipe summary name it. Not a config key, not saved.
+  std::string source = "config";
 
+  // Checks every key's range, the model's shape (all but a vocab_size of 0, which the
+  // dataset fills in) and the recipe against the model's linear weights and train.steps.
   void validate() const;
+  // The recipe list, parsed (errors and describe() name `source`); empty for dense training.
+  Recipe recipe() const;
 };
 
 // Flat "section.key" -> scalar text view of a config, in a stable order.

@@ -19,6 +19,18 @@ LinearShapes linear_shapes(Transformer<float>& model) {
   return shapes;
 }
 
+LinearShapes linear_shapes(const ModelConfig& c) {
+  LinearShapes shapes;
+  for (int l = 0; l < c.n_layer; ++l) {
+    const std::string b = "blocks." + std::to_string(l) + ".";
+    shapes[b + "attn.qkv.weight"] = {c.qkv_dim(), c.d_model};
+    shapes[b + "attn.proj.weight"] = {c.d_model, c.n_head * c.head_dim()};
+    shapes[b + "mlp.fc.weight"] = {c.fc_dim(), c.d_model};
+    shapes[b + "mlp.proj.weight"] = {c.d_model, c.d_ff};
+  }
+  return shapes;
+}
+
 namespace {
 
 LinearOptions options_of(const LayerPlan& plan, uint64_t seed) {

@@ -14,6 +14,9 @@ namespace esplag {
 
 // Weight name -> (out, in) of every block linear: what Recipe::validate checks against.
 LinearShapes linear_shapes(Transformer<float>& model);
+// The same from the config alone (Transformer's layout: qkv [Q, C], attn.proj [C, H·D],
+// mlp.fc [F, C], mlp.proj [C, d_ff]), so a recipe is checked before a model is built.
+LinearShapes linear_shapes(const ModelConfig& config);
 
 // Rebuilds the layer `name` as `plan` says (from the layer it replaces, so kernel
 // replacement keeps a mask and SLoPe keeps its state). `seed` (the run's) seeds adapters

@@ -78,12 +78,12 @@ bool parse_double(const std::string& s, double& out) {
   return end == s.c_str() + s.size() && std::isfinite(out);
 }
 
-int64_t parse_int(const std::string& where, const std::string& key, const std::string& text, int64_t min) {
-  ESPLAG_CHECK(is_integer_text(text) && text.size() <= 18, where, ": key '", key, "' must be an integer, got '", text,
-               "'");
-  const int64_t v = std::stoll(text);
-  ESPLAG_CHECK(v >= min, where, ": key '", key, "' must be at least ", min, ", got ", v);
-  return v;
+int parse_int(const std::string& where, const std::string& key, const std::string& text, int min) {
+  constexpr int max = std::numeric_limits<int>::max();
+  ESPLAG_CHECK(is_integer_text(text), where, ": key '", key, "' must be an integer, got '", text, "'");
+  const bool fits = text.size() <= 18 && std::stoll(text) >= min && std::stoll(text) <= max;
+  ESPLAG_CHECK(fits, where, ": key '", key, "' must be in [", min, ", ", max, "], got ", text);
+  return static_cast<int>(std::stoll(text));
 }
 
 // A YAML boolean (true / false, and YAML's other spellings of them, as the config's keys).
@@ -224,6 +224,11 @@ std::vector<std::string> Recipe::fractional_steps() const {
   return out;
 }
 
+std::vector<std::string> Recipe::modifier_keys(const std::string& type) {
+  const TypeKeys* t = find_type(type);
+  return t ? t->keys : std::vector<std::string>{};
+}
+
 std::string Recipe::where(int i) const {
   return detail::concat(source_, ": recipe[", i, "] (", modifiers_[i].type, ")");
 }
@@ -353,8 +358,8 @@ void Recipe::parse_items(const YAML::Node& list) {
       }
     } else if (type == kSlope || type == kKernel) {
       if (kv.count("mask_change_freq"))
-        mod.mask_change_freq = static_cast<int>(parse_int(w, "mask_change_freq", text("mask_change_freq"), 1));
-      if (kv.count("lora_rank")) mod.lora_rank = static_cast<int>(parse_int(w, "lora_rank", text("lora_rank"), 0));
+        mod.mask_change_freq = parse_int(w, "mask_change_freq", text("mask_change_freq"), 1);
+      if (kv.count("lora_rank")) mod.lora_rank = parse_int(w, "lora_rank", text("lora_rank"), 0);
       mod.lora_start = kv.count("lora_start") ? parse_step(w, "lora_start", text("lora_start")) : fraction_step(0.99);
     }
     // Only semi_sparse and slope know the key (the others refused it above).
@@ -387,7 +392,8 @@ void Recipe::validate(const LinearShapes& shapes, int64_t total_steps) {
     auto resolve = [&](const StepValue& v, const char* key) {
       const int64_t s = v.resolve(total_steps);
       ESPLAG_CHECK(s <= total_steps, w, ": key '", key, "': step ", s, " is beyond the end of training (train.steps = ",
-                   total_steps, ")");
+                   total_steps, "); a step number does not scale with train.steps: write the recipe's steps as ",
+                   "fractions of train.steps (e.g. 0.8) for a recipe that fits any run length");
       return s;
     };
 

@@ -4,7 +4,7 @@
 // says by building Linear kinds. docs/recipes.md is the user-facing reference.
 //
 // Life of a recipe:
-//   Recipe r = Recipe::parse(cfg.recipe_yaml, "run.yaml");  // syntax, keys, values
+//   Recipe r = Recipe::parse(cfg.recipe_yaml, "run.yaml");  // syntax, keys, values (TrainConfig::recipe())
 //   r.validate(shapes_of_the_model, cfg.steps);              // names, shapes, clashes; binds steps
 //   at start / resume step s: apply r.plan_at(s) to every layer in it
 //   before each later step s: apply r.plan_at(s) to the layers in r.changed_at(s)
@@ -92,6 +92,8 @@ class Recipe {
   // null text is the empty recipe. `source` (the config file) prefixes every error.
   static Recipe parse(const std::string& yaml_list_text, const std::string& source);
   static Recipe parse(const YAML::Node& list, const std::string& source);
+  // The keys a modifier type knows (params, start, ...); empty for an unknown type.
+  static std::vector<std::string> modifier_keys(const std::string& type);
 
   // Checks the recipe against the model's linear weights and binds it to the run length:
   // resolves regexes and fractions of `total_steps`, checks shapes and that no weight is
