@@ -193,8 +193,8 @@ class GpuTrain : public ::testing::Test {
   // at step 6.
   static TrainConfig twelve_steps(const fs::path& yaml, const std::string& device) {
     return load_train_config(yaml.string(), {"data.path=" + *data_, "train.device=" + device, "train.steps=12",
-                                             "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=6",
-                                             "train.keep_checkpoints=0"});
+                                             "schedule.warmup_steps=12", "train.log_every=1", "train.eval_every=0",
+                                             "train.checkpoint_every=6", "train.keep_checkpoints=0"});
   }
   // tiny.yaml with `recipe` for twelve_steps, run on the CPU ("<name>_cpu_run") and on the
   // GPU ("<name>_gpu_run"); both curves printed, the GPU's within `rel` of the CPU's.
@@ -319,7 +319,7 @@ TEST_F(GpuTrain, LogCadenceChangesNoLoggedValue) {
 
 TEST_F(GpuTrain, GradientAccumulationMatchesTheCpu) {
   const std::vector<std::string> o = {"train.batch_size=8", "train.grad_accum=2", "train.steps=10",
-                                      "train.checkpoint_every=0"};
+                                      "schedule.warmup_steps=10", "train.checkpoint_every=0"};
   const RunLog c = train(tiny(*data_, "cpu", o), *dir_ / "accum_cpu");
   const RunLog g = train(tiny(*data_, "cuda", o), *dir_ / "accum_gpu");
   for (int64_t s = 1; s <= 10; ++s)
@@ -330,7 +330,7 @@ TEST_F(GpuTrain, GradientAccumulationMatchesTheCpu) {
 
 TEST_F(GpuTrain, AutoPicksTheGpuAndSparseRecipesAreRefused) {
   std::vector<std::string> log;
-  Trainer t(tiny(*data_, "auto", {"train.steps=2"}), (*dir_ / "auto").string(),
+  Trainer t(tiny(*data_, "auto", {"train.steps=2", "schedule.warmup_steps=2"}), (*dir_ / "auto").string(),
             [&](const std::string& s) { log.push_back(s); });
   EXPECT_EQ(t.device(), "cuda");
   EXPECT_EQ(t.run().steps, 2);
@@ -357,8 +357,9 @@ TEST_F(GpuTrain, AutoPicksTheGpuAndSparseRecipesAreRefused) {
   EXPECT_FALSE(fs::exists(*dir_ / "slope_cuda"));
   // auto keeps such a run on the CPU and says why in the first line.
   std::vector<std::string> log2;
-  Trainer cpu(load_train_config(yaml.string(), {"data.path=" + *data_, "train.steps=4"}),
-              (*dir_ / "slope_auto").string(), [&](const std::string& s) { log2.push_back(s); });
+  Trainer cpu(
+      load_train_config(yaml.string(), {"data.path=" + *data_, "train.steps=4", "schedule.warmup_steps=4"}),
+      (*dir_ / "slope_auto").string(), [&](const std::string& s) { log2.push_back(s); });
   EXPECT_EQ(cpu.device(), "cpu");
   cpu.run();
   const auto first = std::find_if(log2.begin(), log2.end(), [](const std::string& l) { return l.rfind("model ", 0) == 0; });
@@ -376,7 +377,8 @@ TEST_F(GpuTrain, SemiSparseRecipeTracksTheCpu) {
                       << "recipe:\n  - semi_sparse: {params: ['re:blocks\\..*\\.mlp\\..*\\.weight'], until: 6}\n";
   auto cfg = [&](const std::string& device) {
     return load_train_config(yaml.string(), {"data.path=" + *data_, "train.device=" + device, "train.steps=10",
-                                             "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0"});
+                                             "schedule.warmup_steps=10", "train.log_every=1", "train.eval_every=0",
+                                             "train.checkpoint_every=0"});
   };
   const RunLog c = train(cfg("cpu"), *dir_ / "semi_cpu");
   const RunLog g = train(cfg("cuda"), *dir_ / "semi_gpu");

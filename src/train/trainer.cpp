@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "core/op_trace.h"
+#include "data/prepare.h"
 #include "io/atomic_file.h"
 #include "ops/adamw.h"
 #include "train/host_memory.h"
@@ -28,23 +29,6 @@ namespace esplag {
 namespace fs = std::filesystem;
 
 namespace {
-
-struct DataMeta {
-  int vocab_size = 0;
-  std::string tokenizer;
-};
-
-DataMeta read_data_meta(const std::string& data_dir) {
-  const std::string path = (fs::path(data_dir) / "meta.json").string();
-  ESPLAG_CHECK(fs::exists(path), "data directory '", data_dir,
-               "' has no meta.json: prepare it first with `esplag data prepare`");
-  try {
-    const auto js = nlohmann::json::parse(read_file(path));
-    return {js.at("vocab_size").get<int>(), js.at("tokenizer").get<std::string>()};
-  } catch (const nlohmann::json::exception& e) {
-    fail(path, ": invalid dataset metadata: ", e.what());
-  }
-}
 
 constexpr const char* kDivergedHint =
     " (try a lower optimizer.lr or a longer schedule.warmup_steps); checkpoints so far are intact";
@@ -211,7 +195,7 @@ std::string sparse_24_gpu_shape_problem(const TrainConfig& config, const Recipe:
 std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* model) {
   std::vector<std::string> parts;
   if (!config.recipe_yaml.empty()) {
-    const Recipe recipe = Recipe::parse(config.recipe_yaml, "recipe");
+    const Recipe recipe = config.recipe();
     for (const auto& m : recipe.modifiers()) {
       const std::string what = "modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") +
                                (m.sparse_dw ? " with sparse_dw" : "") + " on " + join(m.params, ", ");
@@ -258,7 +242,7 @@ DeviceChoice choose_train_device(const std::string& requested, const DeviceProbe
 
 Trainer::Trainer(TrainConfig config, std::string run_dir, LogFn log)
     : cfg_(std::move(config)), run_dir_(std::move(run_dir)), log_(std::move(log)) {
-  const DataMeta meta = read_data_meta(cfg_.data_path);
+  const DatasetMeta meta = read_dataset_meta(cfg_.data_path);
   tokenizer_ = meta.tokenizer;
   if (cfg_.model.vocab_size == 0) cfg_.model.vocab_size = meta.vocab_size;
   ESPLAG_CHECK(cfg_.model.vocab_size >= meta.vocab_size, "model.vocab_size (", cfg_.model.vocab_size,
@@ -325,7 +309,7 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, cons
     if (options.steps > 0 && options.steps != t->cfg_.steps && !t->cfg_.recipe_yaml.empty()) {
       // A fraction resolves against train.steps: another total would move the recipe's
       // phases under a run already part-way through them (a layer back to sparse, say).
-      const auto moved = Recipe::parse(t->cfg_.recipe_yaml, "recipe").fractional_steps();
+      const auto moved = t->cfg_.recipe().fractional_steps();
       ESPLAG_CHECK(moved.empty(), "train --resume --steps ", options.steps,
                    ": the recipe gives steps as fractions of train.steps (", join(moved, "; "),
                    "), which would move from the ", t->cfg_.steps, "-step schedule the run follows; ",
@@ -417,7 +401,7 @@ void Trainer::make_backend(Moments m, Moments v) {
 
 void Trainer::setup_recipe() {
   if (cfg_.recipe_yaml.empty()) return;
-  recipe_ = Recipe::parse(cfg_.recipe_yaml, "recipe");
+  recipe_ = cfg_.recipe();
   recipe_.validate(linear_shapes(*model_), cfg_.steps);
   log_("sparsity recipe:\n" + recipe_.describe());
 }
@@ -594,7 +578,7 @@ EvalResult evaluate_checkpoint(const std::string& checkpoint, const std::string&
                                int max_batches, int batch_size, int seq_len, const std::string& device) {
   const std::string ck = resolve_checkpoint(checkpoint);
   const CheckpointContents info = read_checkpoint_info(ck);
-  const DataMeta meta = read_data_meta(data_dir);
+  const DatasetMeta meta = read_dataset_meta(data_dir);
   ESPLAG_CHECK(meta.tokenizer == info.tokenizer, "data '", data_dir, "' was tokenized with '", meta.tokenizer,
                "' but the checkpoint was trained with '", info.tokenizer, "'");
   ESPLAG_CHECK(device == "cpu" || device == "cuda" || device == "auto",
