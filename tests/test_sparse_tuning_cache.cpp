@@ -38,8 +38,8 @@ std::string read_text(const std::string& path) {
   return ss.str();
 }
 
-// What the cache's earlier hand-written writer produced: one entry a line, search_ms with three
-// decimals. Such files must keep loading.
+// What the cache's earlier hand-written writer produced, verbatim (one entry a line, search_ms with
+// three decimals). Such files must keep loading.
 const char* kEarlierFile = R"({
   "format": "esplag-cusparselt-tuning",
   "version": 1,
@@ -96,7 +96,8 @@ TEST(CusparseltTuningFile, BadFilesSayWhatIsWrong) {
       {"not json at all", "not valid JSON (at byte 2)"},
       {head + R"({"gpu": )", "not valid JSON"},
       {"[]", "the top level is not an object"},
-      {R"({"format": "something-else", "version": 1, "entries": []})", "\"format\" is not \"esplag-cusparselt-tuning\""},
+      {R"({"format": "something-else", "version": 1, "entries": []})",
+       "\"format\" is not \"esplag-cusparselt-tuning\""},
       {R"({"format": "esplag-cusparselt-tuning", "version": 2, "entries": []})", "\"version\" is not 1"},
       {R"({"format": "esplag-cusparselt-tuning", "entries": []})", "\"version\" is not 1"},
       {R"({"format": "esplag-cusparselt-tuning", "version": 1, "entries": {}})", "\"entries\" is not an array"},
@@ -158,8 +159,8 @@ TEST(CusparseltTuningCache, LoadsAFileOfTheEarlierWriter) {
 TEST(CusparseltTuningCache, CorruptOrOtherVersionFileWarnsAndIsRewritten) {
   TempDir dir;
   const std::string path = dir.file("tuning.json");
-  for (const std::string& bad : {std::string("not json at all"),
-                                 std::string(R"({"format": "esplag-cusparselt-tuning", "version": 2, "entries": []})")}) {
+  const std::string other_version = R"({"format": "esplag-cusparselt-tuning", "version": 2, "entries": []})";
+  for (const std::string& bad : {std::string("not json at all"), other_version}) {
     SCOPED_TRACE(bad);
     write_text(path, bad);
     ::testing::internal::CaptureStderr();
