@@ -69,6 +69,8 @@
 #include <string>
 #include <string_view>
 
+#include "sparse/cuda/cusparselt_tuning_cache.h"
+
 namespace esplag::gpu {
 
 using bf16 = __nv_bfloat16;
@@ -163,15 +165,6 @@ bool sparse_gemm24_activation_supported(SparseActivation act);
 // the forward, bias with W as B, any product but forward and backward_data with the
 // structured operand as B).
 void check_sparse_gemm24_problem(const SparseGemm24Problem& p);
-
-// The algorithm configuration of a plan (what the tuning cache stores).
-struct SparseGemm24Config {
-  int alg_id = 0;
-  int split_k = 1;
-  int split_k_mode = 0;  // cusparseLtSplitKMode_t
-  int split_k_buffers = 1;
-  friend bool operator==(const SparseGemm24Config&, const SparseGemm24Config&) = default;
-};
 
 // ---------------------------------------------------------------------------------------
 // One problem's plan
@@ -268,27 +261,8 @@ void clear_sparse_gemm24_cache();
 size_t sparse_gemm24_cached_plans();
 
 // ---------------------------------------------------------------------------------------
-// Tuning cache
-//
-// A JSON file {"format": "esplag-cusparselt-tuning", "version": 1, "entries": [{"gpu",
-// "cusparselt", "problem", "alg_id", "split_k", "split_k_mode", "split_k_buffers",
-// "max_alg_id", "search_ms"}, ...]}. Path: set_cusparselt_tuning_path(), else $ESPLAG_CUSPARSELT_TUNING, else
-// $XDG_CACHE_HOME/esplag/cusparselt-tuning.json, else ~/.cache/esplag/cusparselt-tuning.json.
-// Loaded on first use; every new entry rewrites the file atomically (temporary file +
-// rename), folders created as needed. A file that cannot be read or parsed gives one
-// warning on stderr and is treated as empty (problems are searched again and the file is
-// rewritten); a failed write warns and tuning continues in memory.
+// Tuning cache (its file, path and switch: sparse/cuda/cusparselt_tuning_cache.h)
 
-std::string cusparselt_tuning_path();
-// Sets the path ("" = the default) and reloads the cache from it.
-void set_cusparselt_tuning_path(const std::string& path);
-// Re-reads the file (dropping entries not written to it).
-void reload_cusparselt_tuning_cache();
-// Tuning on (default) or off ($ESPLAG_CUSPARSELT_SEARCH=0 turns it off at start).
-void set_cusparselt_search(bool on);
-bool cusparselt_search_enabled();
-// Entries in memory (all GPUs and versions).
-size_t cusparselt_tuning_entries();
 // The stored configuration of `p` for the current GPU and library, if any.
 bool cusparselt_tuning_lookup(const SparseGemm24Problem& p, SparseGemm24Config* config);
 
