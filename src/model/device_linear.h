@@ -99,8 +99,6 @@ struct DeviceTensorView {
   bf16* w = nullptr;
   int16_t* w_lo = nullptr;
   float* grad = nullptr;
-  float *m = nullptr, *v = nullptr;
-  size_t numel = 0;
 };
 
 // A tensor a layer keeps in the parameter state besides its weight and bias, named
