@@ -2,7 +2,8 @@
 // (model/transformer.h), with the same ModelConfig, the same parameter names and the same
 // flat parameter layout, so a CPU model's (or checkpoint's) flat vector loads directly.
 // Block Linear layers may be dense, masked, vnm, semi_sparse, semi_sparse_activation or
-// slope (set_linear_kind), slope with its lazy low-rank adapter.
+// slope (set_linear_kind), slope with its lazy low-rank adapter: each a DeviceLinear
+// (model/device_linear.h) of its kind's class, which the model calls without knowing the kind.
 //
 // Device state, in two DeviceArenas. The parameter state: the bf16 weights that forward
 // and backward read together with the low 16 bits of the fp32 master weights
@@ -82,6 +83,10 @@
 
 namespace esplag {
 
+class DeviceLinear;
+struct DeviceLinearParams;
+struct DeviceTensorView;
+
 struct GpuModelOptions {
   // Rows of the LM head computed at once (logits chunk [rows, vocab] in bf16). 0: the
   // largest multiple of 128 whose chunk fits in head_chunk_bytes (or in the shared
@@ -156,8 +161,7 @@ class GpuTransformer {
   GpuTransformer(const GpuTransformer&) = delete;
   GpuTransformer& operator=(const GpuTransformer&) = delete;
 
-  // The parameter layout of Transformer<T>(config) (names, shapes, offsets, decay), in
-  // the same order, computed without building a CPU model.
+  // The parameter layout of Transformer<T>(config): transformer_param_layout.
   static std::vector<ParamInfo> param_layout(const ModelConfig& config);
   static GpuMemoryPlan memory_plan(const ModelConfig& config, int max_batch, int max_seq_len,
                                    const GpuModelOptions& options = {});
@@ -419,12 +423,17 @@ class GpuTransformer {
   // Finishes a zero_grad whose zeros the backward was to write.
   void settle_zero_grad() const;
   void adamw_body();
-  // The semi_sparse layers' per-step weight work, from the current weights.
-  void prepare_sparse();
-  // Zeroes the masked layers' pruned weights (both halves of the master).
-  void mask_weights();
-  // The parameter state laid out again for the current set of slope layers (zeroed).
+  // The Linear layers' per-step work from the current weights (prepare), refreshing the
+  // masks of the layers `impl_->refreshing` says (none when it is empty).
+  void prepare_layers();
+  // The block Linear layers, all of the first kind (dense), and what they share.
+  void make_linears();
+  // The parameter state laid out again for the current Linear layers (zeroed).
   void lay_out_state();
+  // Views of a tensor of the storage layout (empty when there is none), and a block Linear's
+  // (with the extra tensors of `layer` when given).
+  DeviceTensorView view(const std::string& name) const;
+  DeviceLinearParams linear_views(const std::string& weight_name, const DeviceLinear* layer) const;
   // Every tensor, chunk by chunk, from the flat layout into the storage layout (to_store)
   // or back, through the shared scratch region.
   struct Transfer;

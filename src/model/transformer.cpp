@@ -43,37 +43,50 @@ struct Transformer<T>::Activations {
   std::vector<T> dres, dln, dqkv, datty, dfc, dact, dlnf, logits, dlogits, losses;
 };
 
+std::vector<ParamInfo> transformer_param_layout(const ModelConfig& cfg) {
+  cfg.validate();
+  std::vector<ParamInfo> infos;
+  auto add = [&](const std::string& name, const Shape& shape, bool decay) {
+    ParamInfo i;
+    i.name = name;
+    i.shape = shape;
+    i.numel = static_cast<size_t>(shape_numel(shape));
+    i.decay = decay;
+    i.offset = infos.empty() ? 0 : infos.back().offset + infos.back().numel;
+    infos.push_back(std::move(i));
+  };
+  const int C = cfg.d_model, V = cfg.vocab_size;
+  const bool ln = cfg.norm == NormKind::layernorm;
+  add("embed.tokens.weight", {V, C}, true);
+  if (cfg.pos == PosKind::learned) add("embed.positions.weight", {cfg.max_seq_len, C}, true);
+  for (int l = 0; l < cfg.n_layer; ++l) {
+    const std::string b = block_prefix(l);
+    auto linear = [&](const std::string& name, int out, int in) {
+      add(b + name + ".weight", {out, in}, true);
+      if (cfg.bias) add(b + name + ".bias", {out}, false);
+    };
+    add(b + "norm1.weight", {C}, false);
+    if (ln) add(b + "norm1.bias", {C}, false);
+    linear("attn.qkv", cfg.qkv_dim(), C);
+    linear("attn.proj", C, cfg.n_head * cfg.head_dim());
+    add(b + "norm2.weight", {C}, false);
+    if (ln) add(b + "norm2.bias", {C}, false);
+    linear("mlp.fc", cfg.fc_dim(), C);
+    linear("mlp.proj", C, cfg.d_ff);
+  }
+  add("norm_f.weight", {C}, false);
+  if (ln) add("norm_f.bias", {C}, false);
+  if (!cfg.tie_embeddings) add("lm_head.weight", {V, C}, true);
+  return infos;
+}
+
 template <typename T>
 Transformer<T>::Transformer(const ModelConfig& config) : cfg_(config) {
   cfg_.validate();
-  const int C = cfg_.d_model, V = cfg_.vocab_size, L = cfg_.n_layer;
+  const int L = cfg_.n_layer;
   const bool ln = cfg_.norm == NormKind::layernorm;
-  add_param("embed.tokens.weight", {V, C}, true);
-  if (cfg_.pos == PosKind::learned) add_param("embed.positions.weight", {cfg_.max_seq_len, C}, true);
-  for (int l = 0; l < L; ++l) {
-    const std::string b = block_prefix(l);
-    auto linear = [&](const std::string& name, int out, int in) {
-      add_param(b + name + ".weight", {out, in}, true);
-      if (cfg_.bias) add_param(b + name + ".bias", {out}, false);
-    };
-    add_param(b + "norm1.weight", {C}, false);
-    if (ln) add_param(b + "norm1.bias", {C}, false);
-    linear("attn.qkv", cfg_.qkv_dim(), C);
-    linear("attn.proj", C, cfg_.n_head * cfg_.head_dim());
-    add_param(b + "norm2.weight", {C}, false);
-    if (ln) add_param(b + "norm2.bias", {C}, false);
-    linear("mlp.fc", cfg_.fc_dim(), C);
-    linear("mlp.proj", C, cfg_.d_ff);
-  }
-  add_param("norm_f.weight", {C}, false);
-  if (ln) add_param("norm_f.bias", {C}, false);
-  if (!cfg_.tie_embeddings) add_param("lm_head.weight", {V, C}, true);
-
-  size_t total = 0;
-  for (auto& info : infos_) {
-    info.offset = total;
-    total += info.numel;
-  }
+  infos_ = transformer_param_layout(cfg_);
+  const size_t total = infos_.back().offset + infos_.back().numel;
   params_.assign(total, T(0));
   grads_ = ZeroedArray<T>(total);
 
@@ -107,16 +120,6 @@ Transformer<T>::Transformer(const ModelConfig& config) : cfg_(config) {
 
 template <typename T>
 Transformer<T>::~Transformer() = default;
-
-template <typename T>
-void Transformer<T>::add_param(const std::string& name, const Shape& shape, bool decay) {
-  ParamInfo info;
-  info.name = name;
-  info.shape = shape;
-  info.numel = static_cast<size_t>(shape_numel(shape));
-  info.decay = decay;
-  infos_.push_back(std::move(info));
-}
 
 template <typename T>
 const ParamInfo& Transformer<T>::param_info(const std::string& name) const {

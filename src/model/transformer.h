@@ -23,6 +23,10 @@ struct ParamInfo {
   bool decay = false;  // AdamW weight decay applies to matrices, not to norms and biases
 };
 
+// The flat parameter layout of a model of `config` (names, shapes, offsets, decay) in the
+// order of its flat buffers: the one definition Transformer and GpuTransformer both use.
+std::vector<ParamInfo> transformer_param_layout(const ModelConfig& config);
+
 template <typename T>
 class Transformer {
  public:
@@ -84,7 +88,6 @@ class Transformer {
   void norm_forward(const Norm& n, T* out, T* mean, T* rstd, const T* x, int N, int layer);
   void norm_backward(const Norm& n, T* dinp, const T* dout, const T* x, const T* mean, const T* rstd, int N,
                      int layer);
-  void add_param(const std::string& name, const Shape& shape, bool decay);
   T* p(const std::string& name);
   T* g(const std::string& name);
   void ensure_activations(int B, int Tlen);

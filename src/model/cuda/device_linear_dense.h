@@ -1,0 +1,19 @@
+// dense on the GPU: cuBLASLt's products of W with their epilogues (bias, GELU and its
+// gradient, the bias gradient). The base of masked and vnm.
+//
+// Only for the CUDA build (ESPLAG_CUDA=ON).
+#pragma once
+
+#include "model/device_linear.h"
+
+namespace esplag {
+
+class DeviceDenseLinear : public DeviceLinear {
+ public:
+  explicit DeviceDenseLinear(const DeviceLinearSetup& s, const std::string& kind = "dense") : DeviceLinear(kind, s) {}
+  void forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) override;
+  void backward_dx(bf16* dinp, const bf16* dout, int N, const bf16* pre_act, const char* op) override;
+  void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad, const char* op) override;
+};
+
+}  // namespace esplag

@@ -1,0 +1,76 @@
+// The kinds of block Linear the GPU trains (model/device_linear.h's kind table).
+#include "core/error.h"
+#include "model/cuda/device_linear_dense.h"
+#include "model/cuda/device_linear_masked.h"
+#include "model/cuda/device_linear_semi_sparse.h"
+#include "model/cuda/device_linear_semi_sparse_activation.h"
+#include "model/cuda/device_linear_slope.h"
+#include "model/cuda/device_linear_vnm.h"
+
+namespace esplag {
+
+namespace {
+
+template <typename L>
+std::function<std::unique_ptr<DeviceLinear>(const DeviceLinearSetup&)> maker() {
+  return [](const DeviceLinearSetup& s) -> std::unique_ptr<DeviceLinear> { return std::make_unique<L>(s); };
+}
+
+std::vector<DeviceLinearKind> make_kinds() {
+  std::vector<DeviceLinearKind> kinds(6);
+  DeviceLinearKind& dense = kinds[0];
+  dense.name = "dense";
+  dense.make = maker<DeviceDenseLinear>();
+
+  DeviceLinearKind& masked = kinds[1];
+  masked.name = "masked";
+  masked.takes_mask = true;
+  masked.make = maker<DeviceMaskedLinear>();
+
+  DeviceLinearKind& vnm = kinds[2];
+  vnm.name = "vnm";
+  vnm.takes_mask = true;
+  vnm.trains_own_tensor = true;
+  vnm.make = maker<DeviceVnmLinear>();
+
+  DeviceLinearKind& semi = kinds[3];
+  semi.name = "semi_sparse";
+  semi.takes_sparse_dw = true;
+  semi.needs_cusparselt = true;
+  semi.build_order = 2;  // reads the weight where the new layout put it
+  semi.make = maker<DeviceSemiSparseLinear>();
+
+  DeviceLinearKind& act = kinds[4];
+  act.name = "semi_sparse_activation";
+  act.build_order = 3;
+  act.dispatch_times = "input pruning + forward";
+  act.check_change = [](const GpuTransformer::LinearKindSetting& st, int64_t, int64_t in) {
+    ESPLAG_CHECK(in % 4 == 0, "GpuTransformer: ", st.weight_name, ": semi_sparse_activation needs ",
+                 "the layer's input features (", in, ") to be a multiple of 4 (2:4 groups of the input)");
+  };
+  act.make = maker<DeviceSemiSparseActivationLinear>();
+
+  DeviceLinearKind& slope = kinds[5];
+  slope.name = "slope";
+  slope.takes_slope_masks = true;
+  slope.takes_adapter = true;
+  slope.takes_sparse_dw = true;
+  slope.needs_cusparselt = true;
+  slope.stores_other_weight = true;
+  slope.trains_own_tensor = true;
+  slope.build_order = 0;  // its masks define the new layout
+  slope.check = [](const GpuTransformer::LinearKindSetting& st, int64_t out, int64_t in) {
+    if (st.slope_masks) DeviceSlopeLinear::check_masks(st.weight_name, *st.slope_masks, out, in);
+  };
+  slope.make = maker<DeviceSlopeLinear>();
+  return kinds;
+}
+
+}  // namespace
+
+const std::vector<DeviceLinearKind>& device_linear_kinds() {
+  static const std::vector<DeviceLinearKind> kinds = make_kinds();
+  return kinds;
+}
+
+}  // namespace esplag

@@ -1,0 +1,71 @@
+#include "model/cuda/device_linear_masked.h"
+
+#include <algorithm>
+
+#include "core/cuda_check.h"
+#include "core/parallel.h"
+#include "model/cuda/step_marks.h"
+
+namespace esplag {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// Zeroes the entries of x [rows, cols] (and of x2 when given) whose bit is 0 in `bits`
+// ([rows, ceil(cols / 32)] words, bit c % 32 of word c / 32 for column c): a masked
+// layer's pruned gradients, or its pruned weights (x the master's high halves, x2 the low
+// ones). A thread per column, blocks of rows along y: no division per element, a warp's
+// 32 columns share one mask word, and only pruned entries are written.
+template <typename T, typename U>
+__global__ void apply_mask_kernel(T* x, U* x2, const uint32_t* bits, int64_t rows, int64_t cols) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (c >= cols) return;
+  const int64_t words = (cols + 31) / 32;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    if ((bits[r * words + c / 32] >> (c % 32)) & 1u) continue;
+    x[r * cols + c] = T{};
+    if (x2) x2[r * cols + c] = U{};
+  }
+}
+
+// Zeroes the pruned entries of x [out, in] (and of x2).
+template <typename T, typename U = T>
+void apply_mask(T* x, const uint32_t* mask, int64_t out, int64_t in, cudaStream_t s, U* x2 = nullptr) {
+  const dim3 grid(static_cast<unsigned>((in + kThreads - 1) / kThreads),
+                  static_cast<unsigned>(std::min<int64_t>(out, 65535)));
+  apply_mask_kernel<T, U><<<grid, kThreads, 0, s>>>(x, x2, mask, out, in);
+  CUDA_CHECK_LAUNCH("GpuTransformer (masked layer)");
+}
+
+}  // namespace
+
+DeviceMaskedLinear::DeviceMaskedLinear(const DeviceLinearSetup& s, const std::string& kind)
+    : DeviceDenseLinear(s, kind) {
+  const int64_t words = (in_ + 31) / 32;
+  std::vector<uint32_t> bits(size_t(out_ * words), 0u);
+  const std::vector<uint8_t>& mask = *s.setting->mask;
+  parallel_for(out_, [&](int64_t o0, int64_t o1) {  // rows own their words
+    for (int64_t o = o0; o < o1; ++o)
+      for (int64_t i = 0; i < in_; ++i)
+        if (mask[size_t(o * in_ + i)]) bits[size_t(o * words + i / 32)] |= 1u << (i % 32);
+  });
+  bits_ = DeviceArena(sizeof(uint32_t) * bits.size() + DeviceArena::kDefaultAlignment, "mask bits");
+  uint32_t* dev = bits_.allocate_array<uint32_t>("bits", bits.size());
+  CUDA_CHECK(cudaMemcpy(dev, bits.data(), sizeof(uint32_t) * bits.size(), cudaMemcpyHostToDevice));
+  mask_ = dev;
+}
+
+void DeviceMaskedLinear::after_optimizer_step() {
+  // Neither weight decay nor moments from before a mask change revive a pruned weight.
+  apply_mask(p_.weight.w, mask_, out_, in_, ctx_.stream, p_.weight.w_lo);
+}
+
+void DeviceMaskedLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad,
+                                     const char* op) {
+  DeviceDenseLinear::backward_dw(dout, inp, N, accumulate, bias_grad, op);
+  ctx_.marks->mark(ctx_.stream, "masked grad");  // pruned weights get no gradient
+  apply_mask(p_.weight.grad, mask_, out_, in_, ctx_.stream);
+}
+
+}  // namespace esplag

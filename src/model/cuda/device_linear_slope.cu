@@ -1,0 +1,247 @@
+#include "model/cuda/device_linear_slope.h"
+
+#include <bit>
+
+#include "core/cuda_check.h"
+#include "core/cuda_timing.h"
+#include "core/device_arena.h"
+#include "core/error.h"
+#include "model/cuda/device_linear_semi_sparse.h"
+#include "model/cuda/step_marks.h"
+#include "ops/gpu_fused.h"
+#include "sparse/cuda/kept_values.h"
+
+namespace esplag {
+
+namespace {
+constexpr const char* kScratchName = "slope";
+}  // namespace
+
+// W1 expanded from the kept values (w1), W2 and W2ᵀ (SparseLinearOptions::slope_scratch)
+// and the dense fp32 dW, for the largest block Linear; one stream orders their uses.
+struct DeviceSlopeLinear::Scratch : SharedScratch::Part {
+  DeviceArena arena;
+  bf16 *w1 = nullptr, *w2 = nullptr;
+  float* dw = nullptr;
+  size_t bytes() const override { return arena.capacity(); }
+};
+
+DeviceSlopeLinear::DeviceSlopeLinear(const DeviceLinearSetup& s)
+    : DeviceLinear("slope", s), scratch_(s.context->scratch.get<Scratch>(kScratchName, [&] {
+        const size_t largest = s.context->largest([](int64_t out, int64_t in) { return size_t(out * in); });
+        const size_t a = DeviceArena::kDefaultAlignment;
+        auto p = std::make_unique<Scratch>();
+        p->arena = DeviceArena(3 * (sizeof(bf16) * largest + a) + sizeof(float) * largest + a, "slope scratch");
+        p->w2 = p->arena.allocate_array<bf16>("W2, W2^T", 2 * largest);
+        p->w1 = p->arena.allocate_array<bf16>("W1", largest);
+        p->dw = p->arena.allocate_array<float>("dW", largest);
+        return p;
+      })) {
+  const Setting& st = *s.setting;
+  cudaStream_t stream = ctx_.stream;
+  gpu::SparseLinearOptions o;
+  o.kind = gpu::SparseLinearKind::slope;
+  o.bias = s.bias;
+  o.slope_scratch = scratch_.w2;
+  o.slope_weight_is_w1 = true;  // the layer reads w1, expanded from the kept values
+  o.sparse_dw = st.sparse_dw;
+  o.dw_seed = st.dw_seed;
+  if (st.sparse_dw) o.dw_scratch = sparse_dw_scratch(ctx_);
+  // A slope layer rebuilt as slope (sparse_dw turned on or off) keeps its masks unless given
+  // new ones: its weight is stored as kept values, so they cannot be chosen again.
+  const GpuTransformer::SlopeState* masks = st.slope_masks;
+  GpuTransformer::SlopeState kept;
+  if (auto* prev = dynamic_cast<const DeviceSlopeLinear*>(s.previous); prev && !masks) {
+    kept = prev->state();
+    masks = &kept;
+  }
+  // The masks come from W as it is now (dense: the layer was not slope), the forward one
+  // row-wise 2:4, the backward one W1's double pruning, unless given.
+  const size_t n_w = size_t(out_) * size_t(in_);
+  if (masks)
+    CUDA_CHECK(cudaMemsetAsync(scratch_.w1, 0, sizeof(bf16) * n_w, stream));
+  else
+    CUDA_CHECK(cudaMemcpyAsync(scratch_.w1, p_.weight.w, sizeof(bf16) * n_w, cudaMemcpyDeviceToDevice, stream));
+  sp_ = std::make_unique<gpu::SparseLinear>(o, out_, in_, ctx_.tokens, scratch_.w1, stream);
+  if (st.sparse_dw) sp_->set_dw_seed(st.dw_seed, st.dw_draws);
+  if (masks) sp_->set_tile_masks(masks->forward_tiles.data(), masks->backward_tiles.data(), stream);
+  mask_change_freq_ = st.mask_change_freq;
+  refresh_step_ = masks ? masks->refresh_step : s.step;
+}
+
+DeviceSlopeLinear::~DeviceSlopeLinear() = default;
+
+GpuTransformer::SlopeState DeviceSlopeLinear::state() const {
+  const size_t tiles = size_t(out_ / 4) * size_t(in_ / 4);
+  GpuTransformer::SlopeState st;
+  st.forward_tiles.resize(tiles);
+  st.backward_tiles.resize(tiles);
+  CUDA_CHECK(cudaMemcpyAsync(st.forward_tiles.data(), sp_->forward_tile_mask(), 2 * tiles, cudaMemcpyDeviceToHost,
+                             ctx_.stream));
+  CUDA_CHECK(cudaMemcpyAsync(st.backward_tiles.data(), sp_->backward_tile_mask(), 2 * tiles, cudaMemcpyDeviceToHost,
+                             ctx_.stream));
+  CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
+  // A refresh over zero-valued W1 entries may keep pruned positions (ties among zeros):
+  // their W2 is 0 either way, and the mask reported stays inside the forward one.
+  for (size_t t = 0; t < tiles; ++t) st.backward_tiles[t] &= st.forward_tiles[t];
+  st.refresh_step = refresh_step_;
+  st.mask_change_freq = mask_change_freq_;
+  return st;
+}
+
+void DeviceSlopeLinear::check_masks(const std::string& weight_name, const GpuTransformer::SlopeState& st,
+                                    int64_t out, int64_t in) {
+  const int64_t groups = in / 4;
+  const size_t tiles = size_t(out / 4) * size_t(groups);
+  ESPLAG_CHECK(st.forward_tiles.size() == tiles && st.backward_tiles.size() == tiles, "GpuTransformer: ", weight_name,
+               ": slope masks of ", st.forward_tiles.size(), " and ", st.backward_tiles.size(), " tiles for a ", out,
+               "x", in, " weight (", tiles, " tiles)");
+  for (size_t t = 0; t < tiles; ++t) {
+    const unsigned f = st.forward_tiles[t], b = st.backward_tiles[t];
+    bool ok = (b & ~f) == 0;
+    for (int j = 0; j < 4 && ok; ++j)  // rows of the forward mask, columns of the backward one
+      ok = std::popcount((f >> (4 * j)) & 0xFu) == 2 && std::popcount(b & (0x1111u << j)) <= 2;
+    ESPLAG_CHECK(ok, "GpuTransformer: ", weight_name, ": slope mask tile ", t, " (row ", t / groups * 4, ", column ",
+                 t % groups * 4, ") is not 2:4 (forward 0x", std::hex, f, ", backward 0x", b, std::dec,
+                 "; the forward mask keeps exactly 2 of every 4 along each row, the backward one lies inside it, "
+                 "2 of every 4 down each column)");
+  }
+}
+
+void DeviceSlopeLinear::weight_to_stored(float* stored, const float* dense, int64_t row0, int64_t rows) const {
+  const uint16_t* tiles = sp_->forward_tile_mask() + (row0 / 4) * (in_ / 4);
+  gpu::gather_kept_24(stored, dense, tiles, rows, in_, false, ctx_.stream);
+}
+
+void DeviceSlopeLinear::weight_from_stored(float* dense, const float* stored, int64_t row0, int64_t rows) const {
+  const uint16_t* tiles = sp_->forward_tile_mask() + (row0 / 4) * (in_ / 4);
+  gpu::scatter_kept_24(dense, stored, tiles, rows, in_, ctx_.stream);
+}
+
+void DeviceSlopeLinear::shared_parts(std::set<std::string>& used) const {
+  used.insert(kScratchName);
+  if (sp_->sparse_dw()) used.insert(kSparseDwScratch);
+}
+
+const bf16* DeviceSlopeLinear::expand_w1() const {
+  gpu::scatter_kept_24(scratch_.w1, p_.weight.w, sp_->forward_tile_mask(), out_, in_, ctx_.stream);
+  return scratch_.w1;
+}
+
+void DeviceSlopeLinear::prepare(bool refresh) {
+  // From the stored kept values in one pass; a refresh (or the library's layouts) needs the
+  // dense W1. With dense products they expand W1 and W2ᵀ themselves.
+  if (dense_products_ && !refresh) return;
+  if (refresh || !sp_->prepare_from_kept(p_.weight.w, ctx_.stream)) {
+    expand_w1();
+    sp_->prepare(ctx_.stream, refresh);
+  }
+}
+
+void DeviceSlopeLinear::attach() {
+  if (ctx_.sparse_dispatch)  // now that the kept values are stored
+    dense_products_ = !ctx_.sparse_is_faster("slope", weight_name_, out_, in_, true, [&] { return time_products(); });
+}
+
+// Both ways of the per-step products (median of 10 after two untimed rounds that tune them)
+// on scratch inputs: the 2:4 way as prepare and the step run it (both compressed copies from
+// the kept values, or W1 expanded and compressed; the forward and dX 2:4 products), the dense
+// way as a layer with dense products runs it (W1 expanded for cuBLASLt's forward, W1 and W2ᵀ
+// again for its dX). The 2:4 way runs last, so the layer's compressed copies are its weight's
+// afterwards. Synchronises the stream.
+gpu::SparseLinear::ProductTimes DeviceSlopeLinear::time_products() {
+  gpu::SparseLinear& sp = *sp_;
+  cudaStream_t s = ctx_.stream;
+  const int N = static_cast<int>(sp.tokens()), out = static_cast<int>(out_), in = static_cast<int>(in_);
+  const size_t nx = size_t(N) * size_t(in), ny = size_t(N) * size_t(out);
+  DeviceArena scratch(2 * sizeof(bf16) * (nx + ny) + 4 * DeviceArena::kDefaultAlignment, "slope dispatch timing");
+  bf16* x = scratch.allocate_array<bf16>("x", nx);
+  bf16* dx = scratch.allocate_array<bf16>("dx", nx);
+  bf16* y = scratch.allocate_array<bf16>("y", ny);
+  bf16* dy = scratch.allocate_array<bf16>("dy", ny);
+  CUDA_CHECK(cudaMemsetAsync(x, 0x3C, sizeof(bf16) * nx, s));  // non-zero inputs: no shortcuts
+  CUDA_CHECK(cudaMemsetAsync(dy, 0x3B, sizeof(bf16) * ny, s));
+  gpu::SparseLinear::ProductTimes t;
+  t.dense_ms = median_event_ms(
+      [&](int) {
+        ctx_.gemm->forward(y, x, expand_w1(), p_.bias.w, N, in, out, s);
+        expand_w1();
+        ctx_.gemm->forward(dx, dy, sp.refill_backward_weight_t(s), nullptr, N, out, in, s);
+      },
+      2, 10, s);
+  t.sparse_ms = median_event_ms(
+      [&](int) {
+        if (!sp.prepare_from_kept(p_.weight.w, s)) {
+          expand_w1();
+          sp.prepare(s, false);
+        }
+        sp.forward(y, x, s, p_.bias.w);
+        sp.backward(dx, nullptr, dy, nullptr, false, s);
+      },
+      2, 10, s);
+  return t;
+}
+
+void DeviceSlopeLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) {
+  const int K = int(in_), OC = int(out_);
+  const double fl = 2.0 * N * K * OC;
+  cudaStream_t s = ctx_.stream;
+  if (!sparse_for(N)) {
+    ctx_.marks->mark(s, op, fl);
+    ctx_.gemm->forward(out, in, expand_w1(), p_.bias.w, N, K, OC, s, act, pre_act);
+    return;
+  }
+  const bool gelu = act == Act::gelu;
+  bf16* y = gelu ? pre_act : out;
+  ctx_.marks->mark_product(s, op, fl, true);
+  sp_->forward(y, in, s, p_.bias.w);  // the bias in cuSPARSELt's epilogue
+  if (gelu) {
+    ctx_.marks->mark(s, "gelu fwd");
+    gpu::gelu_forward(out, y, int64_t(N) * OC, s);
+  }
+}
+
+void DeviceSlopeLinear::backward_dx(bf16* dinp, const bf16* dout, int N, const bf16* pre_act, const char* op) {
+  const int K = int(in_), OC = int(out_);
+  const double fl = 2.0 * N * K * OC;
+  cudaStream_t s = ctx_.stream;
+  if (!sparse_for(N)) {
+    // dinp = dout · W2 as the forward-form product of W2ᵀ [K, OC], made again now (the slope
+    // layers share the scratch it lives in).
+    ctx_.marks->mark(s, "sparse prepare (2:4 prune + compress)");
+    expand_w1();
+    const bf16* w2t = sp_->refill_backward_weight_t(s);
+    ctx_.marks->mark(s, op, fl);
+    ctx_.gemm->forward(dinp, dout, w2t, nullptr, N, OC, K, s);
+  } else {
+    ctx_.marks->mark_product(s, op, fl, true);
+    sp_->backward(dinp, nullptr, dout, nullptr, false, s);
+  }
+  if (pre_act) {
+    ctx_.marks->mark(s, "gelu bwd");
+    gpu::gelu_backward(dinp, pre_act, dinp, int64_t(N) * K, false, s);
+  }
+}
+
+void DeviceSlopeLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad,
+                                    const char* op) {
+  // The dense dW (or sparse_dw's 2:4 product of the MVUE of doutᵀ, one draw) into the
+  // scratch, its kept positions gathered into the stored gradient; the bias gradient from
+  // column sums.
+  const int K = int(in_), OC = int(out_);
+  cudaStream_t s = ctx_.stream;
+  ctx_.marks->mark(s, op, 2.0 * N * K * OC);
+  if (sp_->sparse_dw() && sp_->tokens() == N)
+    sp_->backward(nullptr, scratch_.dw, dout, inp, false, s);
+  else
+    ctx_.gemm->backward_weight(scratch_.dw, nullptr, dout, inp, N, K, OC, false, s);
+  if (bias_grad && p_.bias.grad) {
+    ctx_.marks->mark(s, "bias grad");
+    gpu::column_sum_add(p_.bias.grad, dout, N, OC, ctx_.colsum_scratch, ctx_.colsum_scratch_bytes, s);
+  }
+  // Traced as part of the Linear's backward ("blocks.3.mlp.fc.bwd.dw.gather").
+  ctx_.marks->mark_part(s, "slope grad gather", 0, op, ".gather");
+  gpu::gather_kept_24(p_.weight.grad, scratch_.dw, sp_->forward_tile_mask(), OC, K, accumulate, s);
+}
+
+}  // namespace esplag

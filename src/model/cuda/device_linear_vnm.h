@@ -1,0 +1,21 @@
+// vnm on the GPU (model/linear_vnm.h: VENOM's layers after kernel replacement, the mask
+// frozen): trained as masked is, with the mask it is given when it becomes vnm. The CPU
+// trains its kept values, a new tensor: its moments start from zero (the kind table's
+// trains_own_tensor); AdamW is elementwise and the pruned entries' gradients, moments and
+// weights stay 0, so the kept values take the CPU's updates. Its products are the dense
+// ones of the masked weight, not the V:N:M kernel (sparse/cuda/vnm_gemm.h), which measured
+// slower than cuBLASLt's on the GPU (0.55-0.96x).
+//
+// Only for the CUDA build (ESPLAG_CUDA=ON).
+#pragma once
+
+#include "model/cuda/device_linear_masked.h"
+
+namespace esplag {
+
+class DeviceVnmLinear : public DeviceMaskedLinear {
+ public:
+  explicit DeviceVnmLinear(const DeviceLinearSetup& s) : DeviceMaskedLinear(s, "vnm") {}
+};
+
+}  // namespace esplag

@@ -1,0 +1,229 @@
+// GpuTransformer's insides, shared by the files that implement it (model/gpu_transformer.cu:
+// construction, the step and AdamW; model/cuda/gpu_transformer_state.cu: the parameter state
+// and its host copies; model/cuda/gpu_transformer_kinds.cu: Linear kind changes).
+//
+// Only for the CUDA build (ESPLAG_CUDA=ON).
+#pragma once
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/device_arena.h"
+#include "core/error.h"
+#include "model/cuda/step_marks.h"
+#include "model/device_linear.h"
+#include "model/gpu_transformer.h"
+#include "ops/gpu.h"
+#include "ops/gpu_attention.h"
+#include "ops/gpu_fused.h"
+
+namespace esplag {
+namespace gpu_model {
+
+constexpr int kThreads = 256;
+
+inline unsigned blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
+
+inline size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+inline size_t aligned(size_t bytes) { return round_up(bytes, DeviceArena::kDefaultAlignment); }
+
+// Either counts what an allocation sequence needs (arena == null) or performs it, so the
+// memory plan and the real layout can never disagree.
+struct Take {
+  DeviceArena* arena = nullptr;
+  size_t* bucket = nullptr;
+  template <typename T>
+  T* arr(const std::string& name, size_t count) {
+    const size_t bytes = std::max<size_t>(count, 1) * sizeof(T);
+    if (bucket) *bucket += aligned(bytes);
+    return arena ? arena->allocate_array<T>(name, std::max<size_t>(count, 1)) : nullptr;
+  }
+};
+
+inline bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// The LM head works on a vocabulary padded to a multiple of 128: an odd row length (GPT-2's
+// 50257) leaves cuBLASLt only its slow 2-byte-aligned kernels, which cost more than all
+// the other GEMMs of the step together. Padding rows of the head weight are zero and the
+// cross-entropy writes zero gradients there, so the padding changes no result.
+inline int padded_vocab(const ModelConfig& c) {
+  return c.vocab_size % 64 == 0 ? c.vocab_size : static_cast<int>(round_up(size_t(c.vocab_size), 128));
+}
+
+// The entry of tensor `name` (which must be there).
+inline const ParamInfo& info_named(const std::vector<ParamInfo>& infos, const std::string& name) {
+  const auto it = std::find_if(infos.begin(), infos.end(), [&](const ParamInfo& i) { return i.name == name; });
+  ESPLAG_CHECK(it != infos.end(), "GpuTransformer: no tensor named ", name);
+  return *it;
+}
+
+// The block index and the module of a block Linear's weight name (a block Linear's): "blocks.3.mlp.fc.weight" -> 3, "blocks.3.mlp.fc".
+inline int layer_of(const std::string& weight_name) { return std::stoi(weight_name.substr(std::string("blocks.").size())); }
+inline std::string module_of(const std::string& weight_name) {
+  return weight_name.substr(0, weight_name.size() - std::string(".weight").size());
+}
+
+struct ZeroChunk {
+  int64_t offset, n;
+};
+constexpr int64_t kZeroChunk = 16384;
+
+inline GpuMemoryPlan operator+(const GpuMemoryPlan& a, const GpuMemoryPlan& b) {
+  GpuMemoryPlan r;
+  r.params = a.params + b.params;
+  r.grads = a.grads + b.grads;
+  r.optimizer = a.optimizer + b.optimizer;
+  r.activations = a.activations + b.activations;
+  r.scratch = a.scratch + b.scratch;
+  r.workspace = a.workspace + b.workspace;
+  return r;
+}
+
+// Sizes of the shared scratch region's uses for micro-batches of up to B x T.
+struct SharedSizes {
+  size_t attn_ws = 0;       // the attention workspace (forward and backward)
+  size_t dqkv = 0;          // dqkv in the attention backward
+  size_t datty_slot = 0;    // datty, then (with recompute) ln1
+  bool attn_in_fc = false;  // dqkv + datty slot fit in a layer's fc storage
+  size_t gelu_dfc = 0;      // GELU: dfc in the MLP backward (ln2 follows it)
+  size_t other = 0;         // the region's size without the LM head
+  int head_rows = 0;
+  size_t total = 0;
+};
+
+}  // namespace gpu_model
+
+struct GpuTransformer::Impl {
+  struct Norm {
+    const bf16 *w = nullptr, *b = nullptr;
+    float *dw = nullptr, *db = nullptr;
+  };
+  // A block Linear: its layer (the adapter around it when it has one) and its bias gradient.
+  struct Slot {
+    std::unique_ptr<DeviceLinear> base, adapter;
+    float* db = nullptr;
+    DeviceLinear& top() const { return adapter ? *adapter : *base; }
+  };
+  struct Block {
+    Norm n1, n2;
+    Slot *qkv = nullptr, *proj = nullptr, *fc = nullptr, *mproj = nullptr;
+  };
+  // Saved for backward, per layer (ln1, ln2, act null when recomputed).
+  struct Layer {
+    bf16 *res_in = nullptr, *ln1 = nullptr, *qkv = nullptr, *atty = nullptr, *res_mid = nullptr, *ln2 = nullptr,
+         *fc = nullptr, *act = nullptr;
+    float *ln1_mean = nullptr, *ln1_rstd = nullptr, *lse = nullptr, *ln2_mean = nullptr, *ln2_rstd = nullptr;
+  };
+
+  // One captured graph and the state of its capture.
+  struct Graph {
+    bool seen = false;    // ran once eagerly
+    bool failed = false;  // capture refused: stays eager
+    cudaGraphExec_t exec = nullptr;
+    void reset() {
+      if (exec) cudaGraphExecDestroy(exec);
+      exec = nullptr;
+      seen = failed = false;
+    }
+    ~Graph() { reset(); }
+  };
+  struct StepGraph {
+    const int32_t* tokens = nullptr;
+    const int32_t* targets = nullptr;
+    int B = 0, T = 0;
+    double loss_scale = 0;
+    bool overwrite = false;
+    std::unique_ptr<Graph> graph;
+    uint64_t last_use = 0;
+  };
+
+  std::unique_ptr<gpu::Gemm> gemm;
+  std::unique_ptr<gpu::SplitAdamWPlan> adamw;
+  // What the Linear layers share (declared before them: they hold its scratch), and the
+  // layers by weight name (the order of their preparation and of the storage layout's extra
+  // tensors).
+  StepMarks marks;
+  DeviceLinearContext ctx;
+  std::map<std::string, Slot> linears;
+  // Which layers (in `linears`' order) the preparation running now refreshes the masks of.
+  std::vector<bool> refreshing;
+  Slot* find_linear(const std::string& weight_name) {
+    auto it = linears.find(weight_name);
+    return it == linears.end() ? nullptr : &it->second;
+  }
+  const Slot* find_linear(const std::string& weight_name) const {
+    auto it = linears.find(weight_name);
+    return it == linears.end() ? nullptr : &it->second;
+  }
+  gpu::AdamWStepParams* adam_params = nullptr;  // device
+
+  gpu_model::ZeroChunk* zero_chunks = nullptr;  // zero_grad's table (device)
+  int64_t num_zero_chunks = 0;
+  bool zero_pending = false;  // zero_grad ran; the backward is to overwrite the rest
+
+  // The parameter state (GpuTransformer::lay_out_state) in the storage layout `stored`:
+  // the flat layout's tensors, a slope weight as its kept values [out, in/2].
+  std::vector<ParamInfo> stored;
+  DeviceArena state;
+  GpuMemoryPlan step_plan;   // the step arena's share of the memory plan
+  bf16* w = nullptr;         // bf16 weights (the high halves of the master weights)
+  int16_t* w_lo = nullptr;   // low halves
+  float *grad = nullptr, *m = nullptr, *v = nullptr;
+
+  std::vector<Block> blocks;
+  Norm nf;
+  int Vp = 0;                     // padded vocabulary of the LM head
+  bf16* head_pad = nullptr;       // [Vp, C] zero-padded copy of the head weight (when Vp > V)
+  float* head_dw_pad = nullptr;   // [Vp, C] head weight gradient of one micro-batch (when Vp > V)
+  const bf16 *wte = nullptr, *wpe = nullptr, *head_w = nullptr;
+  float *dwte = nullptr, *dwpe = nullptr, *head_dw = nullptr;
+
+  std::vector<Layer> layers;
+  bf16* res_f = nullptr;
+  float *lnf_mean = nullptr, *lnf_rstd = nullptr;
+  bf16 *s0 = nullptr, *s1 = nullptr;
+  unsigned char* shared = nullptr;
+  gpu_model::SharedSizes sizes;
+  float* losses = nullptr;
+  void *norm_scratch = nullptr, *gnorm_scratch = nullptr, *emb_ws = nullptr;
+  size_t norm_scratch_bytes = 0, emb_ws_bytes = 0;
+  bool fused_norm = false;  // GpuModelOptions::fused_norm_backward, where d_model allows it
+  void *fnorm_scratch = nullptr, *colsum_scratch = nullptr;
+  size_t fnorm_scratch_bytes = 0, colsum_scratch_bytes = 0;
+
+  int32_t* staging = nullptr;  // pinned host, 2 · max N
+  double* host_loss = nullptr;
+  float* host_norm = nullptr;
+  cudaEvent_t staged = nullptr;
+
+  std::vector<StepGraph> step_graphs;
+  // AdamW + the layers' preparation, one graph per set of layers refreshing their
+  // masks in it (`refreshing`; usually none, or all of them).
+  std::map<std::vector<bool>, Graph> adam_graphs;
+  uint64_t graph_uses = 0;
+  int64_t graph_launches = 0;
+
+  ~Impl() {
+    if (staging) cudaFreeHost(staging);
+    if (host_loss) cudaFreeHost(host_loss);
+    if (host_norm) cudaFreeHost(host_norm);
+    if (staged) cudaEventDestroy(staged);
+  }
+};
+
+namespace gpu_model {
+
+// The parameter state of a storage layout (GpuTransformer::lay_out_state), in one order,
+// for counting (take.arena null) and for real (then also AdamW's chunk table and
+// zero_grad's table, the buffers in `im`).
+void lay_out_state_buffers(const ModelConfig& c, const std::vector<ParamInfo>& stored, GpuTransformer::Impl& im,
+                           GpuMemoryPlan& plan, Take take);
+
+}  // namespace gpu_model
+
+}  // namespace esplag

@@ -1,0 +1,423 @@
+// GpuTransformer's parameter state: its storage layout (the flat layout's tensors, each
+// Linear weight in its layer's stored form, then the layers' extra tensors) and its host
+// copies in the flat layout (see model/gpu_transformer.h).
+#include <cmath>
+#include <functional>
+
+#include "core/cuda_check.h"
+#include "model/cuda/gpu_transformer_impl.h"
+
+namespace esplag {
+
+using namespace gpu_model;
+
+namespace {
+
+// Zeroes the gradient ranges of a table (what zero_grad writes), one block per entry.
+__global__ void zero_chunks_kernel(const ZeroChunk* table, float* grad) {
+  const ZeroChunk c = table[blockIdx.x];
+  for (int64_t i = threadIdx.x; i < c.n; i += kThreads) grad[c.offset + i] = 0.f;
+}
+
+// The flat-layout segments AdamW updates, and the index of the head weight's segment.
+std::vector<gpu::ParamSegment> segments_of(const std::vector<ParamInfo>& infos) {
+  std::vector<gpu::ParamSegment> segs;
+  for (const auto& i : infos) segs.push_back({int64_t(i.offset), int64_t(i.numel), i.decay});
+  return segs;
+}
+
+// The gradient ranges zero_grad writes: every tensor but the Linear weights of the blocks
+// and the LM head's weight, which the next backward's GEMMs (or the padded head's
+// gradient copy) overwrite. Cut into chunks of at most kZeroChunk, adjacent tensors merged.
+std::vector<ZeroChunk> zero_table(const ModelConfig& c, const std::vector<ParamInfo>& infos) {
+  const std::string head = c.tie_embeddings ? "embed.tokens.weight" : "lm_head.weight";
+  auto overwritten = [&](const std::string& n) {
+    if (n == head) return true;
+    if (n.rfind("blocks.", 0) != 0 || !ends_with(n, ".weight")) return false;
+    return n.find(".attn.") != std::string::npos || n.find(".mlp.") != std::string::npos;
+  };
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (const auto& i : infos) {
+    if (overwritten(i.name) || i.numel == 0) continue;
+    const int64_t o = int64_t(i.offset), n = int64_t(i.numel);
+    if (!ranges.empty() && ranges.back().first + ranges.back().second == o)
+      ranges.back().second += n;
+    else
+      ranges.push_back({o, n});
+  }
+  std::vector<ZeroChunk> table;
+  for (const auto& [o, n] : ranges)
+    for (int64_t k = 0; k < n; k += kZeroChunk) table.push_back({o + k, std::min(kZeroChunk, n - k)});
+  return table;
+}
+
+int head_segment(const ModelConfig& c, const std::vector<ParamInfo>& infos) {
+  const ParamInfo& head = info_named(infos, c.tie_embeddings ? "embed.tokens.weight" : "lm_head.weight");
+  return static_cast<int>(&head - infos.data());
+}
+
+__global__ void fill_kernel(float* p, int64_t n, float value) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i < n) p[i] = value;
+}
+
+__host__ __device__ inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Counter-based normals: element i of a tensor draws one 64-bit hash of (key, i), split
+// into two 24-bit uniforms for Box-Muller, so the values do not depend on the launch (nor
+// on the chunks the tensor is generated in: p holds elements [base, base + n)).
+__global__ void normal_kernel(float* p, int64_t n, int64_t base, uint64_t key, float stddev) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= n) return;
+  const uint64_t h = splitmix64(key ^ splitmix64(static_cast<uint64_t>(base + i)));
+  const float u1 = (static_cast<float>(h >> 40) + 1.f) * (1.f / 16777216.f);  // (0, 1]
+  const float u2 = static_cast<float>(h & 0xFFFFFFull) * (1.f / 16777216.f);  // [0, 1)
+  p[i] = stddev * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
+}
+
+}  // namespace
+
+void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<ParamInfo>& stored,
+                                      GpuTransformer::Impl& im, GpuMemoryPlan& plan, Take take) {
+  const size_t n = stored.empty() ? 0 : stored.back().offset + stored.back().numel;
+  const auto segments = segments_of(stored);
+  const auto zeros = zero_table(c, stored);
+  take.bucket = &plan.params;
+  im.w = take.arr<bf16>("params.bf16", n);
+  im.w_lo = take.arr<int16_t>("params.master_low", n);
+  take.bucket = &plan.grads;
+  im.grad = take.arr<float>("params.grad", n);
+  im.zero_chunks = take.arr<ZeroChunk>("grad.zero_table", zeros.size());
+  take.bucket = &plan.optimizer;
+  im.m = take.arr<float>("adamw.m", n);
+  im.v = take.arr<float>("adamw.v", n);
+  plan.optimizer += gpu::SplitAdamWPlan::table_bytes_bound(segments);
+  if (!take.arena) return;
+  im.adamw = std::make_unique<gpu::SplitAdamWPlan>(segments, *take.arena, im.head_pad ? head_segment(c, stored) : -1);
+  im.num_zero_chunks = static_cast<int64_t>(zeros.size());
+  if (!zeros.empty())
+    CUDA_CHECK(cudaMemcpy(im.zero_chunks, zeros.data(), zeros.size() * sizeof(ZeroChunk), cudaMemcpyHostToDevice));
+}
+
+void GpuTransformer::lay_out_state() {
+  Impl& im = *impl_;
+  synchronize();  // nothing queued may still use the old state
+  im.stored = infos_;
+  size_t offset = 0;
+  for (auto& i : im.stored) {
+    if (const Impl::Slot* slot = im.find_linear(i.name)) {  // the layer's form of its weight
+      i.shape = slot->top().stored_weight_shape();
+      i.numel = size_t(shape_numel(i.shape));
+    }
+    i.offset = offset;
+    offset += i.numel;
+  }
+  // The layers' own tensors after every flat tensor, so that the flat tensors keep their
+  // indices.
+  for (const auto& [weight, slot] : im.linears)
+    for (const DeviceLinearTensor& t : slot.top().extra_tensors()) {
+      ParamInfo a;
+      a.name = module_of(weight) + t.suffix;
+      a.shape = t.shape;
+      a.numel = size_t(shape_numel(t.shape));
+      a.decay = true;
+      a.offset = offset;
+      offset += a.numel;
+      im.stored.push_back(std::move(a));
+    }
+  nstored_ = offset;
+  // The old state goes first, so that the device never holds both.
+  im.adamw.reset();
+  im.state = DeviceArena();
+  GpuMemoryPlan state;
+  lay_out_state_buffers(cfg_, im.stored, im, state, Take{});
+  im.state = DeviceArena(state.total(), "parameter state");
+  GpuMemoryPlan counted;
+  lay_out_state_buffers(cfg_, im.stored, im, counted, Take{&im.state, nullptr});
+  plan_ = im.step_plan + state;
+
+  // Parameter views, fixed until the next layout.
+  auto wp = [&](const std::string& n) { return view(n).w; };
+  auto gp = [&](const std::string& n) { return view(n).grad; };
+  auto norm = [&](const std::string& n) {
+    return Impl::Norm{wp(n + ".weight"), wp(n + ".bias"), gp(n + ".weight"), gp(n + ".bias")};
+  };
+  im.wte = wp("embed.tokens.weight");
+  im.dwte = gp("embed.tokens.weight");
+  im.wpe = wp("embed.positions.weight");
+  im.dwpe = gp("embed.positions.weight");
+  im.head_w = cfg_.tie_embeddings ? im.wte : wp("lm_head.weight");
+  im.head_dw = cfg_.tie_embeddings ? im.dwte : gp("lm_head.weight");
+  im.nf = norm("norm_f");
+  for (int l = 0; l < cfg_.n_layer; ++l) {
+    const std::string b = "blocks." + std::to_string(l) + ".";
+    im.blocks[l].n1 = norm(b + "norm1");
+    im.blocks[l].n2 = norm(b + "norm2");
+  }
+  for (auto& [weight, slot] : im.linears) {  // each keeps its kind
+    slot.top().bind(linear_views(weight, &slot.top()));
+    slot.db = gp(module_of(weight) + ".bias");
+  }
+
+  // A defined start: zero parameters, gradients and moments.
+  CUDA_CHECK(cudaMemsetAsync(im.w, 0, sizeof(bf16) * nstored_, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.w_lo, 0, sizeof(int16_t) * nstored_, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * nstored_, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.m, 0, sizeof(float) * nstored_, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.v, 0, sizeof(float) * nstored_, stream_));
+  im.zero_pending = false;
+  // The captured graphs baked the old buffers in.
+  im.step_graphs.clear();
+  im.adam_graphs.clear();
+  synchronize();
+}
+
+DeviceTensorView GpuTransformer::view(const std::string& name) const {
+  const Impl& im = *impl_;
+  const auto it = std::find_if(im.stored.begin(), im.stored.end(), [&](const ParamInfo& i) { return i.name == name; });
+  if (it == im.stored.end()) return {};
+  const size_t o = it->offset;
+  return {im.w + o, im.w_lo + o, im.grad + o};
+}
+
+DeviceLinearParams GpuTransformer::linear_views(const std::string& weight_name, const DeviceLinear* layer) const {
+  const std::string module = module_of(weight_name);
+  DeviceLinearParams p{view(weight_name), view(module + ".bias"), {}};
+  if (layer)
+    for (const DeviceLinearTensor& t : layer->extra_tensors()) p.extra.push_back(view(module + t.suffix));
+  return p;
+}
+
+void GpuTransformer::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+// --- parameters ---------------------------------------------------------------------------
+//
+// Host copies of the parameter state go through the shared scratch region in fp32 chunks
+// (it is idle between steps, and stream order keeps it so), tensor by tensor: a Linear
+// weight stored in another form (slope's kept values) moves in chunks of whole row groups,
+// mapped to (or from) its form by its layer in the second part of the region.
+
+struct GpuTransformer::Transfer {
+  // Elements [o, o + n) of flat tensor k, dense fp32 in `stage` (device): written there
+  // (into the storage layout) or handed over (out of it).
+  std::function<void(size_t k, size_t o, size_t n, float* stage)> dense;
+  // n values of the storage layout at offset `at`: written from `buf` (into the storage
+  // layout) or read into `buf` (out of it), device fp32.
+  std::function<void(size_t at, float* buf, size_t n)> stored;
+};
+
+namespace {
+
+// The rows of a weight one transfer moves when it is stored in another form: `cols` dense
+// values and `stored_cols` stored ones per row, in whole groups of `group` rows.
+size_t transfer_rows(const ParamInfo& info, int64_t stored_cols, int64_t group, size_t stage_floats) {
+  const size_t cols = size_t(info.shape.at(1));
+  const size_t rows = stage_floats / (cols + size_t(stored_cols)) / size_t(group) * size_t(group);
+  ESPLAG_CHECK(rows > 0, "GpuTransformer: rows of ", info.name, " (", cols,
+               " columns) do not fit the shared scratch region for host copies");
+  return rows;
+}
+
+}  // namespace
+
+void GpuTransformer::transfer(const Transfer& t, bool to_store) const {
+  const Impl& im = *impl_;
+  float* stage = reinterpret_cast<float*>(im.shared);
+  const size_t floats = im.sizes.total / sizeof(float);
+  for (size_t k = 0; k < infos_.size(); ++k) {
+    const ParamInfo& info = infos_[k];
+    const ParamInfo& st = im.stored[k];
+    if (st.numel == info.numel) {  // stored as it is
+      for (size_t o = 0; o < info.numel; o += floats) {
+        const size_t n = std::min(floats, info.numel - o);
+        if (to_store) t.dense(k, o, n, stage);
+        t.stored(st.offset + o, stage, n);
+        if (!to_store) t.dense(k, o, n, stage);
+      }
+      continue;
+    }
+    // A Linear weight in its layer's form, after the dense chunk in the stage.
+    const DeviceLinear& layer = im.find_linear(info.name)->top();
+    const int64_t cols = info.shape.at(1), scols = st.shape.at(1);
+    const size_t chunk = transfer_rows(info, scols, layer.stored_row_group(), floats) * size_t(cols);
+    for (size_t o = 0; o < info.numel; o += chunk) {
+      const size_t n = std::min(chunk, info.numel - o);
+      const int64_t row0 = int64_t(o) / cols, rows = int64_t(n) / cols;
+      if (to_store) t.dense(k, o, n, stage);
+      if (to_store) layer.weight_to_stored(stage + n, stage, row0, rows);
+      t.stored(st.offset + size_t(row0 * scols), stage + n, size_t(rows * scols));
+      if (!to_store) layer.weight_from_stored(stage, stage + n, row0, rows);
+      if (!to_store) t.dense(k, o, n, stage);
+    }
+  }
+}
+
+namespace {
+
+// A Transfer::dense that copies the chunk into the host flat vector h (and waits: the
+// stage is reused by the next chunk).
+std::function<void(size_t, size_t, size_t, float*)> to_host(std::vector<float>& h, const std::vector<ParamInfo>& infos,
+                                                            cudaStream_t s) {
+  return [&h, &infos, s](size_t k, size_t o, size_t n, float* stage) {
+    CUDA_CHECK(cudaMemcpyAsync(h.data() + infos[k].offset + o, stage, sizeof(float) * n, cudaMemcpyDeviceToHost, s));
+    CUDA_CHECK(cudaStreamSynchronize(s));
+  };
+}
+
+// A Transfer::stored that copies device fp32 values between buf and base.
+std::function<void(size_t, float*, size_t)> copy_stored(float* base, bool into_base, cudaStream_t s) {
+  return [base, into_base, s](size_t at, float* buf, size_t n) {
+    CUDA_CHECK(cudaMemcpyAsync(into_base ? base + at : buf, into_base ? buf : base + at, sizeof(float) * n,
+                               cudaMemcpyDeviceToDevice, s));
+  };
+}
+
+std::function<void(size_t, size_t, size_t, float*)> from_host(const float* h, const std::vector<ParamInfo>& infos,
+                                                              cudaStream_t s) {
+  return [h, &infos, s](size_t k, size_t o, size_t n, float* stage) {
+    CUDA_CHECK(cudaMemcpyAsync(stage, h + infos[k].offset + o, sizeof(float) * n, cudaMemcpyHostToDevice, s));
+  };
+}
+
+// A Transfer::stored that writes fp32 values into the split master weights (hi, lo).
+std::function<void(size_t, float*, size_t)> split_into_master(GpuTransformer::Impl& im, cudaStream_t s) {
+  return [&im, s](size_t at, float* buf, size_t n) { gpu::master_split(im.w + at, im.w_lo + at, buf, int64_t(n), s); };
+}
+
+}  // namespace
+
+void GpuTransformer::set_params(const float* host, size_t n) {
+  ESPLAG_CHECK(n == nparams_, "GpuTransformer::set_params: got ", n, " values, the model has ", nparams_,
+               " parameters");
+  Impl& im = *impl_;
+  transfer({from_host(host, infos_, stream_), split_into_master(im, stream_)}, true);
+  refresh_head_copy();
+  prepare_layers();
+  synchronize();
+}
+
+std::vector<float> GpuTransformer::params_to_host() const {
+  const Impl& im = *impl_;
+  std::vector<float> h(nparams_);
+  transfer(
+      {to_host(h, infos_, stream_),
+       [&](size_t at, float* buf, size_t n) { gpu::master_join(buf, im.w + at, im.w_lo + at, int64_t(n), stream_); }},
+      false);
+  return h;
+}
+
+std::vector<float> GpuTransformer::grads_to_host() const {
+  settle_zero_grad();
+  std::vector<float> h(nparams_);
+  transfer({to_host(h, infos_, stream_), copy_stored(impl_->grad, false, stream_)}, false);
+  return h;
+}
+
+void GpuTransformer::set_optimizer_state(const float* m, const float* v, size_t n, int64_t steps) {
+  ESPLAG_CHECK(n == nparams_, "GpuTransformer::set_optimizer_state: got ", n, " moments, the model has ", nparams_,
+               " parameters");
+  ESPLAG_CHECK(steps >= 0, "GpuTransformer::set_optimizer_state: negative step count ", steps);
+  transfer({from_host(m, infos_, stream_), copy_stored(impl_->m, true, stream_)}, true);
+  transfer({from_host(v, infos_, stream_), copy_stored(impl_->v, true, stream_)}, true);
+  synchronize();
+  step_ = steps;
+}
+
+void GpuTransformer::optimizer_state_to_host(std::vector<float>& m, std::vector<float>& v) const {
+  m.assign(nparams_, 0.f);
+  v.assign(nparams_, 0.f);
+  transfer({to_host(m, infos_, stream_), copy_stored(impl_->m, false, stream_)}, false);
+  transfer({to_host(v, infos_, stream_), copy_stored(impl_->v, false, stream_)}, false);
+}
+
+void GpuTransformer::init_weights(uint64_t seed) {
+  Impl& im = *impl_;
+  const double residual_scale = 1.0 / std::sqrt(2.0 * cfg_.n_layer);
+  // Elements [o, o + cnt) of tensor k, drawn as if the tensor were drawn whole.
+  auto draw = [&](size_t k, size_t o, size_t cnt, float* stage) {
+    const ParamInfo& info = infos_[k];
+    const bool is_norm = info.name.find("norm") != std::string::npos;
+    const bool bias = ends_with(info.name, ".bias");
+    const bool residual_out = info.name.find("attn.proj.weight") != std::string::npos ||
+                              info.name.find("mlp.proj.weight") != std::string::npos;
+    const double stddev = cfg_.init_std * (residual_out ? residual_scale : 1.0);
+    const uint64_t key = splitmix64(seed) ^ splitmix64(k + 1);
+    const int64_t n = int64_t(cnt);
+    if (bias || is_norm)
+      fill_kernel<<<blocks(n), kThreads, 0, stream_>>>(stage, n, bias ? 0.f : 1.f);
+    else
+      normal_kernel<<<blocks(n), kThreads, 0, stream_>>>(stage, n, int64_t(o), key, static_cast<float>(stddev));
+    CUDA_CHECK_LAUNCH("GpuTransformer::init_weights");
+  };
+  transfer({draw, split_into_master(im, stream_)}, true);
+  refresh_head_copy();
+  prepare_layers();
+  synchronize();
+}
+
+void GpuTransformer::refresh_head_copy() {
+  const Impl& im = *impl_;
+  if (!im.head_pad) return;
+  CUDA_CHECK(cudaMemcpyAsync(im.head_pad, im.head_w, sizeof(bf16) * size_t(cfg_.vocab_size) * cfg_.d_model,
+                             cudaMemcpyDeviceToDevice, stream_));
+}
+
+void GpuTransformer::stored_to_host(StateField f, size_t at, size_t n, float* host) const {
+  const Impl& im = *impl_;
+  if (f == StateField::weight) {  // joined in the shared region, chunk by chunk
+    float* stage = reinterpret_cast<float*>(im.shared);
+    const size_t chunk = im.sizes.total / sizeof(float);
+    for (size_t o = 0; o < n; o += chunk) {
+      const size_t k = std::min(chunk, n - o);
+      gpu::master_join(stage, im.w + at + o, im.w_lo + at + o, int64_t(k), stream_);
+      CUDA_CHECK(cudaMemcpyAsync(host + o, stage, sizeof(float) * k, cudaMemcpyDeviceToHost, stream_));
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
+    return;
+  }
+  if (f == StateField::grad) settle_zero_grad();
+  const float* base = f == StateField::grad ? im.grad : f == StateField::m ? im.m : im.v;
+  CUDA_CHECK(cudaMemcpyAsync(host, base + at, sizeof(float) * n, cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void GpuTransformer::stored_from_host(StateField f, size_t at, size_t n, const float* host) {
+  Impl& im = *impl_;
+  if (f == StateField::weight) {  // split from the shared region, chunk by chunk
+    float* stage = reinterpret_cast<float*>(im.shared);
+    const size_t chunk = im.sizes.total / sizeof(float);
+    for (size_t o = 0; o < n; o += chunk) {
+      const size_t k = std::min(chunk, n - o);
+      CUDA_CHECK(cudaMemcpyAsync(stage, host + o, sizeof(float) * k, cudaMemcpyHostToDevice, stream_));
+      gpu::master_split(im.w + at + o, im.w_lo + at + o, stage, int64_t(k), stream_);
+    }
+  } else {
+    float* base = f == StateField::grad ? im.grad : f == StateField::m ? im.m : im.v;
+    CUDA_CHECK(cudaMemcpyAsync(base + at, host, sizeof(float) * n, cudaMemcpyHostToDevice, stream_));
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void GpuTransformer::zero_grad() {
+  Impl& im = *impl_;
+  if (im.zero_pending) return;
+  if (im.num_zero_chunks > 0) {
+    zero_chunks_kernel<<<static_cast<unsigned>(im.num_zero_chunks), kThreads, 0, stream_>>>(im.zero_chunks, im.grad);
+    CUDA_CHECK_LAUNCH("GpuTransformer::zero_grad");
+  }
+  im.zero_pending = true;
+}
+
+void GpuTransformer::settle_zero_grad() const {
+  Impl& im = *impl_;
+  if (!im.zero_pending) return;
+  CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * nstored_, stream_));
+  im.zero_pending = false;
+}
+
+}  // namespace esplag

@@ -1,0 +1,148 @@
+#include "model/device_linear.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <iterator>
+
+#include "core/cuda_check.h"
+#include "core/cuda_timing.h"
+#include "core/error.h"
+#include "sparse/cuda/cusparselt.h"
+
+namespace esplag {
+
+void SharedScratch::keep_only(const std::set<std::string>& used) {
+  for (auto it = parts_.begin(); it != parts_.end();)
+    it = used.count(it->first) ? std::next(it) : parts_.erase(it);
+}
+
+size_t SharedScratch::bytes() const {
+  size_t n = 0;
+  for (const auto& [name, part] : parts_) n += part->bytes();
+  return n;
+}
+
+size_t DeviceLinearContext::largest(const std::function<size_t(int64_t, int64_t)>& f) const {
+  size_t n = 0;
+  for (const auto& [out, in] : shapes) n = std::max(n, f(out, in));
+  return n;
+}
+
+namespace {
+
+// Median time of the separate GELU pass over n values (forward, or the gradient given the
+// pre-activation), on scratch buffers; synchronises the stream.
+double time_gelu_pass(int64_t n, bool forward, cudaStream_t s) {
+  DeviceArena scratch(2 * sizeof(bf16) * size_t(n) + 2 * DeviceArena::kDefaultAlignment, "GELU timing");
+  bf16* a = scratch.allocate_array<bf16>("a", size_t(n));
+  bf16* b = scratch.allocate_array<bf16>("b", size_t(n));
+  CUDA_CHECK(cudaMemsetAsync(a, 0x3C, sizeof(bf16) * size_t(n), s));
+  CUDA_CHECK(cudaMemsetAsync(b, 0x3B, sizeof(bf16) * size_t(n), s));
+  return median_event_ms(
+      [&](int) {
+        if (forward)
+          gpu::gelu_forward(b, a, n, s);
+        else
+          gpu::gelu_backward(b, a, b, n, false, s);
+      },
+      2, 5, s);
+}
+
+}  // namespace
+
+bool DeviceLinearContext::sparse_is_faster(const std::string& kind, const std::string& weight_name, int64_t out,
+                                           int64_t in, bool gelu_dx, const std::function<ProductTimes()>& time) {
+  const bool is_fc = weight_name.find(".mlp.fc.") != std::string::npos;
+  const bool gelu_pass = gelu_mlp && weight_name.find(".mlp.") != std::string::npos && (is_fc || gelu_dx);
+  auto it = std::find_if(dispatch.begin(), dispatch.end(), [&](const GpuTransformer::SparseDispatch& d) {
+    return d.kind == kind && d.out == out && d.in == in && d.tokens == tokens && d.gelu_pass == gelu_pass;
+  });
+  if (it == dispatch.end()) {
+    const ProductTimes t = time();
+    const double extra = gelu_pass ? time_gelu_pass(tokens * (is_fc ? out : in), is_fc, stream) : 0.0;
+    dispatch.push_back(
+        {kind, out, in, tokens, gelu_pass, t.sparse_ms + extra, t.dense_ms, t.sparse_ms + extra < t.dense_ms});
+    it = dispatch.end() - 1;
+  }
+  return it->sparse;
+}
+
+DeviceLinear::DeviceLinear(const std::string& kind, const DeviceLinearSetup& s)
+    : kind_(kind), weight_name_(s.setting->weight_name), out_(s.out), in_(s.in), ctx_(*s.context), p_(s.params) {}
+
+bool DeviceLinear::keeps(const Setting& s) const {
+  return s.kind == kind_ && !s.slope_masks && !s.mask && s.sparse_dw == sparse_dw();
+}
+
+const DeviceLinearKind& device_linear_kind(const std::string& kind, const std::string& weight_name) {
+  for (const auto& k : device_linear_kinds())
+    if (k.name == kind) return k;
+  fail("GpuTransformer: ", weight_name, ": Linear kind '", kind, "' is not available on the GPU (",
+       device_linear_kind_names([](const DeviceLinearKind&) { return true; }), " are)");
+}
+
+std::string device_linear_kind_names(const std::function<bool(const DeviceLinearKind&)>& pick) {
+  std::vector<std::string> names;
+  for (const auto& k : device_linear_kinds())
+    if (pick(k)) names.push_back(k.name);
+  std::string s;
+  for (size_t i = 0; i < names.size(); ++i)
+    s += (i == 0 ? "" : i + 1 == names.size() ? " and " : ", ") + names[i];
+  return s;
+}
+
+void check_device_linear_setting(const GpuTransformer::LinearKindSetting& st, const DeviceLinearKind& kind,
+                                 int64_t out, int64_t in, int64_t tokens) {
+  ESPLAG_CHECK(!st.slope_masks || kind.takes_slope_masks, "GpuTransformer: ", st.weight_name,
+               ": masks given for kind ", st.kind);
+  if (kind.check) kind.check(st, out, in);
+  ESPLAG_CHECK(!st.mask || kind.takes_mask, "GpuTransformer: ", st.weight_name, ": a mask given for kind ", st.kind);
+  ESPLAG_CHECK(!st.mask || st.mask->size() == size_t(out) * size_t(in), "GpuTransformer: ", st.weight_name,
+               ": a mask of ", st.mask ? st.mask->size() : 0, " entries for a ", out, "x", in, " weight");
+  ESPLAG_CHECK(st.lora_rank == 0 || kind.takes_adapter, "GpuTransformer: ", st.weight_name,
+               ": a low-rank adapter (lora_rank ", st.lora_rank, ") is for kind ",
+               device_linear_kind_names([](const DeviceLinearKind& k) { return k.takes_adapter; }), " only, not ",
+               st.kind);
+  ESPLAG_CHECK(st.lora_rank >= 0 && st.lora_rank <= std::min(out, in), "GpuTransformer: ", st.weight_name,
+               ": adapter rank ", st.lora_rank, " is outside [0, min(out, in) = ", std::min(out, in), "]");
+  ESPLAG_CHECK(!st.sparse_dw || kind.takes_sparse_dw, "GpuTransformer: ", st.weight_name,
+               ": sparse_dw (the weight gradient from the MVUE 2:4 of dY^T) is for the kinds ",
+               device_linear_kind_names([](const DeviceLinearKind& k) { return k.takes_sparse_dw; }));
+  ESPLAG_CHECK(!st.sparse_dw || (out % 64 == 0 && tokens % 64 == 0), "GpuTransformer: ", st.weight_name,
+               ": sparse_dw needs the layer's outputs (", out, ") and the micro-batch's tokens (", tokens,
+               ") to be multiples of 64");
+}
+
+void check_device_linear_change(const GpuTransformer::LinearKindSetting& st, const DeviceLinearKind& kind,
+                                int64_t out, int64_t in, int64_t tokens) {
+  ESPLAG_CHECK(!kind.takes_mask || st.mask, "GpuTransformer: ", st.weight_name, ": kind ", st.kind,
+               " needs its mask (LinearKindSetting::mask)");
+  if (kind.check_change) kind.check_change(st, out, in);
+  if (!kind.needs_cusparselt) return;
+  ESPLAG_CHECK(gpu::cusparselt_available(), "GpuTransformer: ", st.weight_name, ": ", st.kind,
+               " on the GPU needs cuSPARSELt: ", gpu::cusparselt_unavailable_reason());
+  ESPLAG_CHECK(out % 16 == 0 && in % 16 == 0 && tokens % 16 == 0, "GpuTransformer: ", st.weight_name, ": ", st.kind,
+               " needs the layer's shape (", out, "x", in, ") and the micro-batch's tokens (", tokens,
+               ") to be multiples of 16 (cuSPARSELt)");
+}
+
+std::string sparse_dispatch_summary(const std::vector<GpuTransformer::SparseDispatch>& decisions) {
+  std::string s;
+  for (const auto& kind : device_linear_kinds()) {
+    std::string shapes;
+    for (const auto& d : decisions) {
+      if (d.kind != kind.name) continue;
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "%s%lldx%lld: %s (2:4 %.3f ms%s, dense %.3f ms)", shapes.empty() ? "" : "; ",
+                    static_cast<long long>(d.out), static_cast<long long>(d.in), d.sparse ? "2:4" : "dense",
+                    d.sparse_ms, d.gelu_pass ? " with its GELU pass" : "", d.dense_ms);
+      shapes += buf;
+    }
+    if (!shapes.empty())
+      s += (s.empty() ? "" : " | ") + kind.name + " products by layer shape (" + kind.dispatch_times +
+           " per step): " + shapes;
+  }
+  return s;
+}
+
+}  // namespace esplag
