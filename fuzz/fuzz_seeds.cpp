@@ -79,6 +79,18 @@ void tokenizer_seeds() {
 
 void config_seeds() {
   write_text(seed("config", "defaults.yaml"), to_yaml(TrainConfig{}));
+  // YAML's other forms (flow collections, explicit keys, anchors, tags, quoting), which the
+  // shipped configs do not use and a mutator rarely invents.
+  write_text(seed("config", "yaml-forms.yaml"), R"(model: &m {preset: tiny, d_model: 64, n_head: !!int 4}
+? train
+: {steps: 10, device: "cpu", seed: 0x10}
+data: {path: 'data/kjv'}
+optimizer: {lr: .5e-3, beta1: 0.9}
+recipe:
+  - semi_sparse: {params: ["re:blocks\.[0-9]+\.mlp\..*"], until: 0.5}
+)");
+  write_text(seed("recipe", "yaml-forms.yaml"), R"([{gradual_magnitude: {params: [re:blocks\.0\..*], start: 0, end: 0.5,
+  update_every: 10, mask_type: "2:4"}}, {slope: &s {params: ["blocks.1.attn.qkv.weight"], lora_rank: 4}}])");
   int n = 0;
   for (const auto& e : fs::recursive_directory_iterator(fs::path(ESPLAG_SOURCE_DIR) / "configs")) {
     if (e.path().extension() != ".yaml") continue;
