@@ -16,13 +16,20 @@
 #   scripts/gpu-check.sh --benches A,B      only these benchmarks (implies --bench): train,
 #                                           gemm, layer, attention, sparsify, sparse-adamw,
 #                                           vnm, slope-merged
+#   scripts/gpu-check.sh --sanitize         instead of ctest: compute-sanitizer memcheck over the
+#                                           gpu tests and racecheck over those of the kernels
+#                                           that use shared memory (list below), within
+#                                           ESPLAG_SANITIZE_BUDGET seconds of the script's start
 #   scripts/gpu-check.sh --configure-only   stop after configuring (no GPU needed)
 #   scripts/gpu-check.sh --deps-only        also hide the system's /usr packages from
 #                                           CMake, to prove .deps/ suffices
 # Environment: ESPLAG_GPU_BUILD_DIR (default build/cuda), ESPLAG_CUDA_ARCHS (default 90),
 # ESPLAG_COMMIT (recorded with the results instead of the copy's git HEAD),
 # ESPLAG_CUSPARSELT_LIB (where libcusparseLt.so.0 is; default: the loader's search, or the
-# nvidia-cusparselt wheel of python3's environment).
+# nvidia-cusparselt wheel of python3's environment), ESPLAG_SANITIZE_BUDGET (default 540:
+# the sanitizer runs stop starting, and a running one is stopped, that many seconds after
+# the script started, so that a build and the runs fit a 10-minute call; runs left out are
+# listed) and ESPLAG_SANITIZE_TIMEOUT (default 150, the most seconds one run may take).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -31,12 +38,14 @@ configure_only=0
 deps_only=0
 bench=0
 tests=1
+sanitize=0
 test_regex=""
 benches="train,gemm,layer,attention,sparsify,sparse-adamw,vnm,slope-merged"
 while (($#)); do
   case "$1" in
     --bench) bench=1 ;;
     --bench-only) bench=1; tests=0 ;;
+    --sanitize) sanitize=1; tests=0 ;;
     --configure-only) configure_only=1 ;;
     --deps-only) deps_only=1 ;;
     --tests) shift; test_regex=${1:?gpu-check: --tests needs a regular expression} ;;
@@ -124,6 +133,79 @@ if ((status == 0)) && ((tests)); then
   fi
 fi
 
+# compute-sanitizer: memcheck (invalid or misaligned global, local and shared accesses)
+# over the gpu tests, racecheck (shared-memory hazards) over the tests of the kernels that
+# use shared memory. Timings and benchmarks are left out (they measure speed, and a
+# sanitizer slows kernels 10-100x), and so are the longest training curves; most
+# important first, since the budget may stop the list. CUDA API errors are not reported:
+# several tests provoke them on purpose (out of memory, bad arguments).
+sanitizer_runs=(
+  "memcheck gpu_core *"
+  "memcheck gpu_ops *"
+  "memcheck gpu_attention_cudnn *"
+  "memcheck gpu_sparsify *-*Timing*"
+  "memcheck gpu_vnm *-*Timing*"
+  "memcheck gpu_sparse_adamw *-*Timing*"
+  "memcheck gpu_cusparselt_layout *"
+  "racecheck gpu_ops GpuOps.Embedding*:GpuOps.*Norm*:GpuOps.CrossEntropy*:GpuOps.AdamW*"
+  "racecheck gpu_attention_cudnn GpuAttention.*"
+  "racecheck gpu_model GpuFused.*:GpuModel.TinyMatchesCpu"
+  "racecheck gpu_sparsify *-*Timing*"
+  "racecheck gpu_vnm *-*Timing*"
+  "racecheck gpu_sparse_adamw *-*Timing*"
+  "racecheck gpu_cusparselt_layout *"
+  "memcheck gpu_cusparselt *"
+  "memcheck gpu_sparse_linear *-*Timing*"
+  "memcheck gpu_sparse_activation_linear *"
+  "memcheck gpu_kept_values *"
+  "memcheck gpu_slope_merged *"
+  "memcheck gpu_gemm_autotune *"
+  "memcheck gpu_profile *"
+  "memcheck gpu_model *-*Llama*:*TrainingCurve*"
+  "memcheck gpu_model_sparse *-*TrainingCurve*:*TrainsLikeTheCpu*"
+  "memcheck gpu_train GpuTrain.LossCurveMatchesTheCpu:GpuTrain.GpuCheckpointResumesOnTheGpuAndOnTheCpu:GpuTrain.Semi*"
+)
+sanitize_results=()
+if ((status == 0)) && ((sanitize)); then
+  stage=sanitize
+  budget=${ESPLAG_SANITIZE_BUDGET:-540}
+  run_limit=${ESPLAG_SANITIZE_TIMEOUT:-150}
+  echo "== compute-sanitizer (until ${budget}s after the start, at most ${run_limit}s a run)"
+  if ! command -v compute-sanitizer >/dev/null; then
+    echo "gpu-check: compute-sanitizer not found (it comes with the CUDA toolkit, in /usr/local/cuda/bin)" >&2
+    status=2
+    sanitizer_runs=()
+  fi
+  for run in "${sanitizer_runs[@]}"; do
+    read -r tool bin filter <<<"$run"
+    log="$logs/$tool-$bin.log"
+    left=$((budget - SECONDS))
+    if ((left < 10)); then
+      sanitize_results+=("$tool $bin not-run(budget-spent)")
+      continue
+    fi
+    if [ ! -x "$build/tests/$bin" ]; then
+      sanitize_results+=("$tool $bin not-built")
+      status=1
+      continue
+    fi
+    limit=$((left < run_limit ? left : run_limit))
+    start=$SECONDS
+    rc=0
+    timeout -k 10 "$limit" compute-sanitizer --tool "$tool" --error-exitcode 99 --report-api-errors no \
+      "$build/tests/$bin" --gtest_filter="$filter" >"$log" 2>&1 || rc=$?
+    # "ERROR SUMMARY: N errors" (memcheck), "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)"
+    errors=$(sed -nE 's/^=+ (ERROR SUMMARY: ([0-9]+) error|RACECHECK SUMMARY: .*\(([0-9]+) error).*/\2\3/p' "$log" | tail -1)
+    case $rc in
+      0) result=clean ;;
+      99) result="${errors:-?}-errors"; status=1 ;;
+      124 | 137) result="timeout(partial,${errors:-0}-errors)"; [ "${errors:-0}" = 0 ] || status=1 ;;
+      *) result="test-failed(exit-$rc)"; status=1 ;;
+    esac
+    sanitize_results+=("$tool $bin $result $((SECONDS - start))")
+  done
+fi
+
 # The benchmarks (timings are not tests), each appending to its CSV under $logs.
 if ((status == 0)) && ((bench)); then
   stage=bench
@@ -151,7 +233,7 @@ if ((status == 0)) && ((bench)); then
 fi
 
 echo
-if ((status != 0)) && [ "$stage" != test ]; then
+if ((status != 0)) && [ "$stage" != test ] && [ "$stage" != sanitize ]; then
   echo "gpu-check: $stage FAILED (exit $status); last lines of $logs/$stage.log:"
   tail -n 40 "$logs/$stage.log"
   exit "$status"
@@ -163,6 +245,14 @@ if ((tests)); then
   sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) \.*[ *]*([A-Za-z][A-Za-z: ]*[A-Za-z]) +([0-9.]+) sec.*/\1 \2 \3/p' \
     "$logs/ctest.log" | awk '{ r = $2; for (i = 3; i < NF; ++i) r = r " " $i; printf "%-52s %-8s %s\n", $1, r, $NF }'
   grep -E "tests passed|tests failed" "$logs/ctest.log" || echo "(no ctest summary: see $logs/ctest.log)"
+fi
+if ((sanitize)); then
+  printf '%-10s %-30s %-28s %s\n' "tool" "tests" "result" "seconds"
+  for r in "${sanitize_results[@]}"; do
+    read -r tool bin result secs <<<"$r"
+    printf '%-10s %-30s %-28s %s\n' "$tool" "$bin" "$result" "${secs:-}"
+  done
+  echo "(logs: $logs/<tool>-<tests>.log; filters: scripts/gpu-check.sh, sanitizer_runs)"
 fi
 if ((bench)); then
   echo "== bench (full output in $logs/bench.log)"

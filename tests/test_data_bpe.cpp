@@ -302,13 +302,15 @@ TEST(BpeTrainer, SavedTokenizerLoadsBackAndRoundTrips) {
   for (const char* w : {" the", " and", " lord", " unto", "the"}) EXPECT_EQ(tok.encode(w).size(), 1u) << w;
   EXPECT_EQ(tok.encode(" café").size(), 1u);
 
+  // Its length is sizeof less the final NUL (strlen would stop at the first byte, a NUL).
+  static constexpr char kRawBytes[] = "\x00\x01\xff\xfe raw bytes";
   const std::vector<std::string> samples = {
       "And the lord said unto them, that day shall be 1234.\n\nThe end!",
       "naïve café — 日本語の文章 😀, Ünïcödé and tabs\tand  double  spaces \n",
       "  leading and trailing   ",
       "it's I'll we've they're 'quoted' \"double\" <tag> a_b-c",
       "<|endoftext|>the<|endoftext|>",
-      std::string("\x00\x01\xff\xfe raw bytes", 16),
+      std::string(kRawBytes, sizeof kRawBytes - 1),
   };
   for (const auto& s : samples) {
     const auto ids = tok.encode(s);

@@ -1,0 +1,39 @@
+// The trainer state (state.json of a checkpoint, read by train/checkpoint.h's
+// read_checkpoint_info, which --resume, eval, sample and export call) on arbitrary files,
+// inside a real checkpoint written once by save_checkpoint.
+#include <filesystem>
+
+#include "fuzz_input.h"
+#include "model/transformer.h"
+#include "train/checkpoint.h"
+
+using namespace esplag;
+
+namespace {
+
+// A checkpoint of the default model, step 100; each input replaces its state.json.
+const std::string& checkpoint_dir() {
+  static const std::string dir = [] {
+    TrainConfig config;
+    config.model.vocab_size = 257;
+    Transformer<float> model(config.model);
+    Moments m, v;
+    for (const auto& p : model.trainable_params()) {
+      m[p.name].assign(shape_numel(p.shape), 0.0f);
+      v[p.name].assign(shape_numel(p.shape), 0.0f);
+    }
+    TrainerState state;
+    state.step = 100;
+    return save_checkpoint((fuzz::scratch_dir() / "run").string(), model, config, "byte", state, m, v);
+  }();
+  return dir;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string& dir = checkpoint_dir();
+  fuzz::write_bytes((std::filesystem::path(dir) / "state.json").string(), data, size);
+  fuzz::accepts([&] { (void)read_checkpoint_info(dir); });
+  return 0;
+}
