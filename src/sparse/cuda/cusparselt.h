@@ -195,6 +195,11 @@ class SparseGemm24 {
   // and of the workspace matmul() needs with the current configuration (may change after
   // tune()).
   size_t compressed_bytes() const;
+  // What to allocate for the compressed operand: compressed_bytes() and a slack, because
+  // cuSPARSELt 0.8's sm90 kernels read up to one bulk copy (seen: 1 KiB) past the size the
+  // library reports (compute-sanitizer memcheck, during cusparseLtMatmulSearch).
+  size_t compressed_allocation_bytes() const { return compressed_bytes() + kCompressedReadSlack; }
+  static constexpr size_t kCompressedReadSlack = 4096;
   size_t compress_scratch_bytes() const;
   size_t workspace_bytes() const;
 

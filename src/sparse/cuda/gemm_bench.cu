@@ -157,7 +157,7 @@ GemmBenchResult run_gemm_bench(const GemmBenchOptions& opt) {
             def.prune(pruned.get(), weight(k), s);
             if (k == 0)
               ESPLAG_CHECK(def.is_pruned(pruned.get(), s), "cuSPARSELt's pruned weight fails its own 2:4 check");
-            C.emplace_back(def.compressed_bytes(), "bench gemm", "compressed W");
+            C.emplace_back(def.compressed_allocation_bytes(), "bench gemm", "compressed W");
             def.compress(C[k].get(), pruned.get(), scratch.get(), scratch.bytes(), s);
           }
           DeviceBuffer ws(def.workspace_bytes(), "bench gemm", "cuSPARSELt workspace");

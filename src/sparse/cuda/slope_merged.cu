@@ -112,7 +112,7 @@ SlopeMergedLinear::SlopeMergedLinear(int64_t out, int64_t in, int rank, int64_t 
   // [W1 | L̃] is 2:4 exactly when W1 is: the adapter part is by construction.
   ESPLAG_CHECK(m.product->is_pruned(merged.bf(), stream), m.name,
                ": W1 is not 2:4 along its rows (some group of 4 input features keeps more than 2 values)");
-  m.weight.allocate(m.product->compressed_bytes(), m.name, "the compressed merged weight");
+  m.weight.allocate(m.product->compressed_allocation_bytes(), m.name, "the compressed merged weight");
   DeviceBuffer scratch(m.product->compress_scratch_bytes(), m.name, "the compression scratch");
   m.product->compress(m.weight.get(), merged.bf(), scratch.get(), scratch.bytes(), stream);
   CUDA_CHECK(cudaStreamSynchronize(stream));  // before `merged` and `scratch` are freed

@@ -57,10 +57,10 @@ size_t sparse_activation_scratch_bytes(int64_t out, int64_t in, int64_t tokens, 
   size_t bytes = aligned(2 * size_t(tokens) * size_t(in));
   if (!sparse_shape(out, in, tokens)) return bytes;
   const auto& fwd = SparseGemm24::get(SparseGemm24Problem::linear_activation_forward(out, in, tokens));
-  size_t compressed = fwd.compressed_bytes();
+  size_t compressed = fwd.compressed_allocation_bytes();
   if (sparse_dw_shape(pattern, out, in, tokens)) {
     const auto& dw = SparseGemm24::get(SparseGemm24Problem::linear_activation_weight_grad(out, in, tokens));
-    compressed = std::max(compressed, dw.compressed_bytes());
+    compressed = std::max(compressed, dw.compressed_allocation_bytes());
     bytes += aligned(2 * size_t(out) * size_t(in));  // the bf16 dW
   }
   return bytes + aligned(compressed);

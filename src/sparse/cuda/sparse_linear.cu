@@ -249,8 +249,8 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
     m.dw_state.allocate(2 * sizeof(uint64_t), m.owner, "the MVUE draw count and seed");
     CUDA_CHECK(cudaMemset(m.dw_state.get(), 0, m.dw_state.bytes()));
   }
-  m.c_fwd.allocate(m.fwd->compressed_bytes(), m.owner, "the forward's compressed weight");
-  m.c_bwd.allocate(m.bwd->compressed_bytes(), m.owner, "the input gradient's compressed weight");
+  m.c_fwd.allocate(m.fwd->compressed_allocation_bytes(), m.owner, "the forward's compressed weight");
+  m.c_bwd.allocate(m.bwd->compressed_allocation_bytes(), m.owner, "the input gradient's compressed weight");
   m.scratch.allocate(std::max(m.fwd->compress_scratch_bytes(), m.bwd->compress_scratch_bytes()),
                      m.owner, "the compression scratch");
   m.ensure_workspace();
