@@ -351,3 +351,16 @@ TEST(BpeTrainer, SkipsEndOfTextMarkersAndStopsWhenPairsRunOut) {
   for (size_t id = 256; id + 1 < m.tokens.size(); ++id) EXPECT_EQ(m.tokens[id].find('<'), std::string::npos) << id;
   EXPECT_THROW(train_bpe("abc", 256), Error);
 }
+
+// A few entries with huge ids would make the per-id tables take gigabytes for a tiny file
+// (found by fuzzing: 2.7 GB for 67 bytes).
+TEST(BpeTokenizer, SparseIdsAreRefusedBeforeAllocating) {
+  TempDir dir;
+  write_text(dir.file("gap.json"), R"({"model": {"type": "BPE", "vocab": {"a": 67108863}, "merges": []}})");
+  EXPECT_NE(esplag::testing::error_of([&] { BpeTokenizer t(dir.file("gap.json")); })
+                .find("ids go up to 67108863 for only 1 tokens"),
+            std::string::npos);
+  // Small gaps, as real vocabularies have around their special tokens, load.
+  write_text(dir.file("small_gap.json"), R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 900}, "merges": []}})");
+  EXPECT_EQ(BpeTokenizer(dir.file("small_gap.json")).vocab_size(), 901);
+}

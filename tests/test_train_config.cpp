@@ -250,3 +250,12 @@ TEST(TrainConfig, RecipeErrorsAndSummaryNameTheConfigFile) {
   const std::string summary = load_train_config(path).recipe().describe();
   EXPECT_EQ(summary.rfind("recipe (" + path + "): 1 modifier\n", 0), 0u) << summary;
 }
+
+// Found by fuzzing: a key that is not a plain word escaped as yaml-cpp's "bad conversion".
+TEST(TrainConfig, KeysThatAreNotWordsAreAnError) {
+  EXPECT_NE(error_of([] { parse_train_config("[a]: b\n", "k.yaml"); }).find("k.yaml: a config section name"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { parse_train_config("train: {[steps]: 4}\n", "k.yaml"); })
+                .find("a key of config section 'train' must be a plain word"),
+            std::string::npos);
+}

@@ -741,3 +741,9 @@ TEST(Recipe, DocsShowTheMessagesTheCodePrints) {
     EXPECT_NE(docs.find("    " + err + "\n"), std::string::npos) << err;
   }
 }
+
+// Found by fuzzing: libstdc++'s regex compiler overflows on counts of many digits.
+TEST(Recipe, RegexWithHugeNumbersIsRefused) {
+  EXPECT_ERROR(Recipe::parse("- semi_sparse: {params: ['re:a{11111111111111111111}']}", "r.yaml"),
+               "holds a number of 10 or more digits");
+}

@@ -186,6 +186,11 @@ void BpeTokenizer::load(const std::string& text) {
   }
   for (const auto& [id, content] : added_by_id) max_id = std::max<int64_t>(max_id, id);
   ESPLAG_CHECK(max_id >= 0, "tokenizer file '", where, "': the vocabulary is empty");
+  // Ids are dense in real vocabularies; a few entries with huge ids would make the tables
+  // below (one slot per id) take gigabytes for a tiny file.
+  const int64_t entries = int64_t(vocab.size() + added_by_id.size());
+  ESPLAG_CHECK(max_id < 2 * entries + 1024, "tokenizer file '", where, "': ids go up to ", max_id, " for only ",
+               entries, " tokens; a vocabulary's ids must be (nearly) contiguous from 0");
   vocab_size_ = static_cast<int>(max_id + 1);
   id_bytes_.assign(vocab_size_, std::string());
   id_valid_.assign(vocab_size_, 0);

@@ -213,6 +213,7 @@ void collect(const YAML::Node& root, const std::string& source, std::vector<Entr
   if (!root || root.IsNull()) return;
   ESPLAG_CHECK(root.IsMap(), source, ": the config must be a mapping of sections (model, data, train, ...)");
   for (const auto& sec : root) {
+    ESPLAG_CHECK(sec.first.IsScalar(), source, ": a config section name must be a plain word (model, data, ...)");
     const std::string section = sec.first.as<std::string>();
     if (section == "recipe") {
       ESPLAG_CHECK(sec.second.IsSequence() || sec.second.IsNull(), source,
@@ -222,6 +223,7 @@ void collect(const YAML::Node& root, const std::string& source, std::vector<Entr
     }
     ESPLAG_CHECK(sec.second.IsMap(), source, ": config section '", section, "' must be a mapping of keys");
     for (const auto& kv : sec.second) {
+      ESPLAG_CHECK(kv.first.IsScalar(), source, ": a key of config section '", section, "' must be a plain word");
       const std::string key = section + "." + kv.first.as<std::string>();
       ESPLAG_CHECK(find_field(key), source, ": unknown config key '", key, "'");
       ESPLAG_CHECK(kv.second.IsScalar(), source, ": config key '", key, "' must be a single value");

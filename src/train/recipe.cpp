@@ -306,6 +306,10 @@ void Recipe::parse_items(const YAML::Node& list) {
       const std::string s = p.Scalar();
       if (s.rfind("re:", 0) == 0) {
         ESPLAG_CHECK(s.size() > 3, w, ": key 'params': empty regex 're:'");
+        // libstdc++'s regex compiler overflows (undefined behaviour) on counts and
+        // back-references of more digits; no weight name needs them.
+        ESPLAG_CHECK(!std::regex_search(s, std::regex("[0-9]{10}")), w, ": key 'params': regex '", s.substr(3),
+                     "' holds a number of 10 or more digits");
         try {
           std::regex rx(s.substr(3), std::regex::ECMAScript);
         } catch (const std::regex_error& e) {
