@@ -7,6 +7,7 @@
 #include "core/cuda_check.h"
 #include "core/cuda_timing.h"
 #include "core/error.h"
+#include "model/cuda/step_marks.h"
 #include "sparse/cuda/cusparselt.h"
 
 namespace esplag {
@@ -72,6 +73,32 @@ DeviceLinear::DeviceLinear(const std::string& kind, const DeviceLinearSetup& s)
 
 bool DeviceLinear::keeps(const Setting& s) const {
   return s.kind == kind_ && !s.slope_masks && !s.mask && s.sparse_dw == sparse_dw();
+}
+
+void DeviceLinear::forward_24(gpu::SparseLinear& sp, bf16* out, const bf16* in, int N, Act act, bf16* pre_act,
+                              const char* op) {
+  cudaStream_t s = ctx_.stream;
+  const bool gelu = act == Act::gelu;
+  bf16* y = gelu ? pre_act : out;
+  ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
+  sp.forward(y, in, s, p_.bias.w);
+  if (gelu) {
+    ctx_.marks->mark(s, "gelu fwd");
+    gpu::gelu_forward(out, y, int64_t(N) * out_, s);
+  }
+}
+
+void DeviceLinear::backward_dx_24(gpu::SparseLinear& sp, bf16* dinp, const bf16* dout, int N, const bf16* pre_act,
+                                  const char* op) {
+  ctx_.marks->mark_product(ctx_.stream, op, 2.0 * N * in_ * out_, true);
+  sp.backward(dinp, nullptr, dout, nullptr, false, ctx_.stream);
+  gelu_backward_pass(dinp, pre_act, N);
+}
+
+void DeviceLinear::gelu_backward_pass(bf16* dinp, const bf16* pre_act, int N) {
+  if (!pre_act) return;
+  ctx_.marks->mark(ctx_.stream, "gelu bwd");
+  gpu::gelu_backward(dinp, pre_act, dinp, int64_t(N) * in_, false, ctx_.stream);
 }
 
 const DeviceLinearKind& device_linear_kind(const std::string& kind, const std::string& weight_name) {

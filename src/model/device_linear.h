@@ -194,6 +194,15 @@ class DeviceLinear {
   virtual uint64_t sparse_dw_draws() const { return 0; }
 
  protected:
+  // The 2:4 forward and input gradient of a layer whose gpu::SparseLinear runs them: the bias
+  // in cuSPARSELt's epilogue, the MLP's GELU and its gradient as passes of their own (the
+  // dense products fuse them into cuBLASLt's epilogues).
+  void forward_24(gpu::SparseLinear& sp, bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op);
+  void backward_dx_24(gpu::SparseLinear& sp, bf16* dinp, const bf16* dout, int N, const bf16* pre_act,
+                      const char* op);
+  // dinp *= gelu'(pre_act), when pre_act is given.
+  void gelu_backward_pass(bf16* dinp, const bf16* pre_act, int N);
+
   const std::string kind_, weight_name_;
   const int64_t out_, in_;
   DeviceLinearContext& ctx_;

@@ -89,39 +89,15 @@ const bf16* DeviceSemiSparseLinear::dense_weight() {
 }
 
 void DeviceSemiSparseLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) {
-  const int K = int(in_), OC = int(out_);
-  const double fl = 2.0 * N * K * OC;
-  cudaStream_t s = ctx_.stream;
-  if (!sparse_for(N)) {
-    ctx_.marks->mark(s, op, fl);
-    ctx_.gemm->forward(out, in, dense_weight(), p_.bias.w, N, K, OC, s, act, pre_act);
-    return;
-  }
-  const bool gelu = act == Act::gelu;
-  bf16* y = gelu ? pre_act : out;
-  ctx_.marks->mark_product(s, op, fl, true);
-  sp_->forward(y, in, s, p_.bias.w);  // the bias in cuSPARSELt's epilogue
-  if (gelu) {
-    ctx_.marks->mark(s, "gelu fwd");
-    gpu::gelu_forward(out, y, int64_t(N) * OC, s);
-  }
+  if (sparse_for(N)) return forward_24(*sp_, out, in, N, act, pre_act, op);
+  ctx_.marks->mark(ctx_.stream, op, 2.0 * N * in_ * out_);
+  ctx_.gemm->forward(out, in, dense_weight(), p_.bias.w, N, int(in_), int(out_), ctx_.stream, act, pre_act);
 }
 
 void DeviceSemiSparseLinear::backward_dx(bf16* dinp, const bf16* dout, int N, const bf16* pre_act, const char* op) {
-  const int K = int(in_), OC = int(out_);
-  const double fl = 2.0 * N * K * OC;
-  cudaStream_t s = ctx_.stream;
-  if (!sparse_for(N)) {
-    ctx_.marks->mark(s, op, fl);
-    ctx_.gemm->backward_input(dinp, dout, dense_weight(), N, K, OC, false, s, pre_act);
-    return;
-  }
-  ctx_.marks->mark_product(s, op, fl, true);
-  sp_->backward(dinp, nullptr, dout, nullptr, false, s);
-  if (pre_act) {
-    ctx_.marks->mark(s, "gelu bwd");
-    gpu::gelu_backward(dinp, pre_act, dinp, int64_t(N) * K, false, s);
-  }
+  if (sparse_for(N)) return backward_dx_24(*sp_, dinp, dout, N, pre_act, op);
+  ctx_.marks->mark(ctx_.stream, op, 2.0 * N * in_ * out_);
+  ctx_.gemm->backward_input(dinp, dout, dense_weight(), N, int(in_), int(out_), false, ctx_.stream, pre_act);
 }
 
 void DeviceSemiSparseLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad,

@@ -183,44 +183,22 @@ gpu::SparseLinear::ProductTimes DeviceSlopeLinear::time_products() {
 }
 
 void DeviceSlopeLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) {
-  const int K = int(in_), OC = int(out_);
-  const double fl = 2.0 * N * K * OC;
-  cudaStream_t s = ctx_.stream;
-  if (!sparse_for(N)) {
-    ctx_.marks->mark(s, op, fl);
-    ctx_.gemm->forward(out, in, expand_w1(), p_.bias.w, N, K, OC, s, act, pre_act);
-    return;
-  }
-  const bool gelu = act == Act::gelu;
-  bf16* y = gelu ? pre_act : out;
-  ctx_.marks->mark_product(s, op, fl, true);
-  sp_->forward(y, in, s, p_.bias.w);  // the bias in cuSPARSELt's epilogue
-  if (gelu) {
-    ctx_.marks->mark(s, "gelu fwd");
-    gpu::gelu_forward(out, y, int64_t(N) * OC, s);
-  }
+  if (sparse_for(N)) return forward_24(*sp_, out, in, N, act, pre_act, op);
+  ctx_.marks->mark(ctx_.stream, op, 2.0 * N * in_ * out_);
+  ctx_.gemm->forward(out, in, expand_w1(), p_.bias.w, N, int(in_), int(out_), ctx_.stream, act, pre_act);
 }
 
 void DeviceSlopeLinear::backward_dx(bf16* dinp, const bf16* dout, int N, const bf16* pre_act, const char* op) {
-  const int K = int(in_), OC = int(out_);
-  const double fl = 2.0 * N * K * OC;
+  if (sparse_for(N)) return backward_dx_24(*sp_, dinp, dout, N, pre_act, op);
+  // dinp = dout · W2 as the forward-form product of W2ᵀ [K, OC], made again now (the slope
+  // layers share the scratch it lives in).
   cudaStream_t s = ctx_.stream;
-  if (!sparse_for(N)) {
-    // dinp = dout · W2 as the forward-form product of W2ᵀ [K, OC], made again now (the slope
-    // layers share the scratch it lives in).
-    ctx_.marks->mark(s, "sparse prepare (2:4 prune + compress)");
-    expand_w1();
-    const bf16* w2t = sp_->refill_backward_weight_t(s);
-    ctx_.marks->mark(s, op, fl);
-    ctx_.gemm->forward(dinp, dout, w2t, nullptr, N, OC, K, s);
-  } else {
-    ctx_.marks->mark_product(s, op, fl, true);
-    sp_->backward(dinp, nullptr, dout, nullptr, false, s);
-  }
-  if (pre_act) {
-    ctx_.marks->mark(s, "gelu bwd");
-    gpu::gelu_backward(dinp, pre_act, dinp, int64_t(N) * K, false, s);
-  }
+  ctx_.marks->mark(s, "sparse prepare (2:4 prune + compress)");
+  expand_w1();
+  const bf16* w2t = sp_->refill_backward_weight_t(s);
+  ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
+  ctx_.gemm->forward(dinp, dout, w2t, nullptr, N, int(out_), int(in_), s);
+  gelu_backward_pass(dinp, pre_act, N);
 }
 
 void DeviceSlopeLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad,
