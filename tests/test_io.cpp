@@ -19,7 +19,9 @@
 #include "core/rng.h"
 #include "core/tensor.h"
 #include "io/atomic_file.h"
+#include "io/json.h"
 #include "io/safetensors.h"
+#include "test_util.h"
 
 using namespace esplag;
 namespace fs = std::filesystem;
@@ -454,4 +456,26 @@ TEST_F(IoTest, SafetensorsCorruptionErrors) {
 
   expect_error([&] { load_safetensors(path("nope.safetensors")); }, {path("nope.safetensors"), "does not exist"});
   expect_error([&] { load_safetensors(dir_.string()); }, {dir_.string(), "not a regular file"});
+}
+
+// Found by fuzzing: a number too large for any type in the header escaped as nlohmann's
+// out_of_range exception.
+TEST(Safetensors, HeaderWithAnOverflowingNumberIsAnError) {
+  esplag::testing::TempDir dir;
+  const std::string header = R"({"a": {"dtype": "F32", "shape": [22222e222222222], "data_offsets": [0, 4]}})";
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[i] = char((header.size() >> (8 * i)) & 0xff);
+  bytes += header + std::string(4, '\0');
+  esplag::testing::write_text(dir.file("n.safetensors"), bytes);
+  const std::string e = esplag::testing::error_of([&] { esplag::load_safetensors(dir.file("n.safetensors")); });
+  EXPECT_NE(e.find("header is not valid JSON (a number out of range)"), std::string::npos) << e;
+}
+
+TEST(Json, AccessErrorsLoseTheLibraryPrefix) {
+  try {
+    (void)nlohmann::json::parse(R"({"a": 1})").at("b");
+    FAIL() << "no exception";
+  } catch (const nlohmann::json::exception& e) {
+    EXPECT_EQ(esplag::json_error_text(e), "key 'b' not found");
+  }
 }

@@ -12,6 +12,7 @@
 #include "data/byte_level.h"
 #include "data/file_util.h"
 #include "io/atomic_file.h"
+#include "io/json.h"
 #include "data/shard.h"
 
 namespace esplag {
@@ -189,12 +190,12 @@ DatasetMeta read_dataset_meta(const std::string& dir) {
   ESPLAG_CHECK(fs::exists(path), "data directory '", dir,
                "' has no meta.json: prepare it first with `esplag data prepare`");
   try {
-    const auto js = nlohmann::json::parse(data_files::read_all(path, "dataset metadata"));
+    const auto js = parse_json(data_files::read_all(path, "dataset metadata"), path);
     const int64_t vocab = js.at("vocab_size").get<int64_t>();
     ESPLAG_CHECK(vocab > 0 && vocab <= INT32_MAX, path, ": vocab_size must be in [1, ", INT32_MAX, "], got ", vocab);
     return {static_cast<int>(vocab), js.at("tokenizer").get<std::string>()};
   } catch (const nlohmann::json::exception& e) {
-    fail(path, ": invalid dataset metadata: ", e.what());
+    fail(path, ": invalid dataset metadata: ", json_error_text(e));
   }
 }
 

@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "data/byte_level.h"
 #include "data/file_util.h"
+#include "io/json.h"
 
 namespace esplag {
 
@@ -91,7 +92,7 @@ BpeTokenizer::BpeTokenizer(const std::string& tokenizer_json_path) : cache_(new 
   try {
     load(text);
   } catch (const json::exception& e) {
-    fail("tokenizer file '", tokenizer_json_path, "': ", e.what());
+    fail("tokenizer file '", tokenizer_json_path, "': ", json_error_text(e));
   }
 }
 
@@ -99,12 +100,7 @@ BpeTokenizer::~BpeTokenizer() = default;
 
 void BpeTokenizer::load(const std::string& text) {
   const std::string& where = path_;
-  json js;
-  try {
-    js = json::parse(text);
-  } catch (const json::parse_error& e) {
-    fail("tokenizer file '", where, "' is not valid JSON: ", e.what());
-  }
+  json js = parse_json(text, "tokenizer file '" + where + "'");
   ESPLAG_CHECK(js.is_object() && js.contains("model") && js["model"].is_object(), "tokenizer file '", where,
                "' has no \"model\" object (not a Hugging Face tokenizer.json?)");
   const json& model = js["model"];

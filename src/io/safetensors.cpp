@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "io/atomic_file.h"
+#include "io/json.h"
 
 namespace esplag {
 
@@ -123,18 +124,13 @@ void parse_header(const std::string& path, const std::string& text, uint64_t buf
   // twice is corrupt, so the parser callback watches the top-level keys.
   std::set<std::string> seen;
   std::string duplicate;
-  json root;
-  try {
-    root = json::parse(text, [&](int depth, json::parse_event_t event, json& parsed) {
-      if (depth == 1 && event == json::parse_event_t::key && duplicate.empty()) {
-        const std::string& k = parsed.get_ref<const std::string&>();
-        if (!seen.insert(k).second) duplicate = k;
-      }
-      return true;
-    });
-  } catch (const json::parse_error& e) {
-    fail(path, ": header is not valid JSON: ", e.what());
-  }
+  const json root = parse_json(text, path + ": header", [&](int depth, json::parse_event_t event, json& parsed) {
+    if (depth == 1 && event == json::parse_event_t::key && duplicate.empty()) {
+      const std::string& k = parsed.get_ref<const std::string&>();
+      if (!seen.insert(k).second) duplicate = k;
+    }
+    return true;
+  });
   if (!root.is_object()) fail(path, ": header is a JSON ", root.type_name(), ", expected an object");
   if (!duplicate.empty()) fail(path, ": header names '", duplicate, "' more than once");
 

@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "io/atomic_file.h"
+#include "io/json.h"
 #include "io/safetensors.h"
 #include "train/layer_kinds.h"
 
@@ -86,12 +87,7 @@ int64_t parse_count(const std::string& text, const std::string& path, const char
 
 // The trainer state of state.json; an Error of one sentence naming the file and the field.
 TrainerState parse_trainer_state(const std::string& path, const std::string& text) {
-  nlohmann::json js;
-  try {
-    js = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    fail(path, " is not valid JSON (the parser stopped at byte ", e.byte, ")");
-  }
+  const nlohmann::json js = parse_json(text, path);
   ESPLAG_CHECK(js.is_object(), path, " must hold a JSON object, it holds ", js.type_name());
   auto count = [&](const char* key) {
     ESPLAG_CHECK(js.contains(key), path, ": field '", key, "' is missing");
