@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <sstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -159,6 +161,19 @@ TEST(LinearRegistry, MessagesAreQueriesOfIt) {
   EXPECT_TRUE(gpu_trains_kind("slope"));
   EXPECT_FALSE(gpu_trains_kind("masked+lora"));
   EXPECT_FALSE(gpu_trains_kind("sparse_magic"));
+}
+
+TEST(LinearRegistry, TheDocsHaveARowAndASectionForEveryBuiltInKind) {
+  std::ifstream in(std::string(ESPLAG_SOURCE_DIR) + "/docs/linear-kinds.md");
+  ASSERT_TRUE(in) << "docs/linear-kinds.md";
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string doc = text.str();
+  for (size_t i = 0; i < 6; ++i) {
+    const std::string& name = linear_kinds()[i].name;
+    EXPECT_TRUE(contains(doc, "\n| `" + name + "` |")) << name << ": no row in the summary table";
+    if (name != dense_linear_kind()) EXPECT_TRUE(contains(doc, "\n## " + name + "\n")) << name << ": no section";
+  }
 }
 
 TEST(LinearRegistry, RegistrationRefusesBadKinds) {
