@@ -352,7 +352,7 @@ TEST_F(GpuTrain, AutoPicksTheGpuAndSparseRecipesAreRefused) {
   } catch (const Error& e) {
     const std::string m = e.what();
     EXPECT_NE(m.find("modifier kernel_replacement with LoRA adapters"), std::string::npos) << m;
-    EXPECT_NE(m.find(kGpuKindsNote), std::string::npos) << m;
+    EXPECT_NE(m.find(gpu_kinds_note()), std::string::npos) << m;
   }
   EXPECT_FALSE(fs::exists(*dir_ / "slope_cuda"));
   // auto keeps such a run on the CPU and says why in the first line.

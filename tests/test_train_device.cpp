@@ -76,7 +76,7 @@ TEST(TrainDevice, CudaNeedsACudaBuildAGpuAndADenseRun) {
 
   const std::string sparse = error_of([] { choose_train_device("cuda", kOneGpu, kBlocker); });
   EXPECT_TRUE(contains(sparse, "modifier slope on re:.*mlp.*")) << sparse;
-  EXPECT_TRUE(contains(sparse, kGpuKindsNote)) << sparse;
+  EXPECT_TRUE(contains(sparse, gpu_kinds_note())) << sparse;
   EXPECT_TRUE(contains(sparse, "use train.device=cpu")) << sparse;
 
   const DeviceChoice ok = choose_train_device("cuda", kOneGpu, "");
@@ -96,7 +96,7 @@ TEST(TrainDevice, AutoTakesTheGpuOnlyWhenCudaWould) {
   c = choose_train_device("auto", kOneGpu, kBlocker);
   EXPECT_EQ(c.device, "cpu");  // said in the run's first log line, not silent
   EXPECT_TRUE(contains(c.note, "modifier slope")) << c.note;
-  EXPECT_TRUE(contains(c.note, kGpuKindsNote)) << c.note;
+  EXPECT_TRUE(contains(c.note, gpu_kinds_note())) << c.note;
 
   c = choose_train_device("auto", kOneGpu, "");
   EXPECT_EQ(c.device, "cuda");
@@ -276,7 +276,7 @@ TEST(TrainDevice, SparseRecipeOnCudaIsAnError) {
   const DeviceProbe probe = probe_devices();
   if (probe.cuda_build && probe.gpus > 0) {
     EXPECT_TRUE(contains(e, "modifier kernel_replacement with LoRA adapters")) << e;
-    EXPECT_TRUE(contains(e, kGpuKindsNote)) << e;
+    EXPECT_TRUE(contains(e, gpu_kinds_note())) << e;
   } else {
     EXPECT_TRUE(contains(e, "train.device=cuda")) << e;
   }

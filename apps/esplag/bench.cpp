@@ -18,6 +18,7 @@
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "io/atomic_file.h"
+#include "model/linear_registry.h"
 #include "model/transformer.h"
 #include "ops/adamw.h"
 #ifdef ESPLAG_HAVE_CUDA
@@ -166,7 +167,7 @@ int bench_layer(const Args& a) {
   o.kinds.clear();
   o.activation.clear();
   for (const std::string& k : kinds) {
-    if (k != "semi_sparse_activation")
+    if (!find_linear_kind(k, "bench layer").takes_activation)
       o.kinds.push_back(gpu::parse_sparse_linear_kind(k));
     else
       for (const std::string& p : patterns) o.activation.push_back(parse_activation_sparsity(p));
@@ -269,6 +270,22 @@ int bench_slope_merged(const Args& a) {
 #endif
 }
 
+// bench train's options that make block linears sparse, each with the Linear kind it gives
+// (model/linear_registry.h says what the kind takes).
+const std::pair<const char*, const char*> kTrainKindOptions[] = {
+    {"semi-sparse", "semi_sparse"}, {"slope", "slope"}, {"masked", "masked"}, {"activation", "semi_sparse_activation"}};
+
+// "--semi-sparse or --slope": the kind options whose kind `pick` accepts.
+std::string train_kind_options(const std::function<bool(const LinearKindInfo&)>& pick) {
+  std::vector<std::string> options;
+  for (const auto& [option, kind] : kTrainKindOptions)
+    if (pick(find_linear_kind(kind, "bench train"))) options.push_back(std::string("--") + option);
+  std::string out;
+  for (size_t i = 0; i < options.size(); ++i)
+    out += (i == 0 ? "" : i + 1 == options.size() ? " or " : ", ") + options[i];
+  return out;
+}
+
 int bench_train(const Args& a) {
   const std::string device = a.get("device");
   ESPLAG_CHECK(device == "cpu" || device == "cuda", "bench train: --device must be cpu or cuda, got '", device, "'");
@@ -277,7 +294,16 @@ int bench_train(const Args& a) {
   const int B = a.int32("batch"), T = a.int32("seq");
   const int steps = a.int32("steps", device == "cuda" ? 10 : 2);
   const int warmup = a.int32("warmup", device == "cuda" ? 3 : 1);
-  const int kinds = a.has("semi-sparse") + a.has("slope") + a.has("masked") + a.has("activation");
+  int kinds = 0;
+  // The kind option given and its kind (without one: the first, with no layers to change).
+  std::string option = kTrainKindOptions[0].first, kind = kTrainKindOptions[0].second;
+  for (const auto& [o, k] : kTrainKindOptions)
+    if (a.has(o)) {
+      ++kinds;
+      option = o;
+      kind = k;
+    }
+  const LinearKindInfo* info = kinds == 1 ? &find_linear_kind(kind, "bench train") : nullptr;
   ESPLAG_CHECK(device == "cuda" || (kinds == 0 && !a.has("op-profile") && !a.has("always-sparse") &&
                                     !a.has("no-baseline")),
                "bench train: --semi-sparse, --slope, --masked, --activation, --always-sparse, --no-baseline and "
@@ -288,21 +314,17 @@ int bench_train(const Args& a) {
   ESPLAG_CHECK(!a.has("pattern") || a.has("activation"), "bench train: --pattern is for the layers of --activation");
   ESPLAG_CHECK(pattern == "row_24" || pattern == "tile_24", "bench train: --pattern must be row_24 or tile_24, got '",
                pattern, "'");
-  ESPLAG_CHECK(!a.has("sparse-dw") || a.has("semi-sparse") || a.has("slope"),
-               "bench train: --sparse-dw is for the layers of --semi-sparse or --slope");
+  auto takes_sparse_dw = [](const LinearKindInfo& k) { return k.takes_sparse_dw; };
+  ESPLAG_CHECK(!a.has("sparse-dw") || kinds > 1 || (info && info->takes_sparse_dw),
+               "bench train: --sparse-dw is for the layers of ", train_kind_options(takes_sparse_dw));
   ESPLAG_CHECK(kinds <= 1, "bench train: give one of --semi-sparse, --slope, --masked and --activation");
   const int lora_rank = a.int32("lora-rank");
-  ESPLAG_CHECK(lora_rank == 0 || a.has("slope"),
-               "bench train: --lora-rank is a positive rank for the adapters of --slope layers");
+  auto own_adapter = [](const LinearKindInfo& k) { return k.adapter == AdapterStyle::own; };
+  ESPLAG_CHECK(lora_rank == 0 || (info && own_adapter(*info)),
+               "bench train: --lora-rank is a positive rank for the adapters of ", train_kind_options(own_adapter),
+               " layers");
   if (device == "cuda") {
 #ifdef ESPLAG_HAVE_CUDA
-    const std::string option = a.has("slope")        ? "slope"
-                               : a.has("masked")     ? "masked"
-                               : a.has("activation") ? "activation"
-                                                     : "semi-sparse";
-    const std::string kind = option == "semi-sparse" ? "semi_sparse"
-                             : option == "activation" ? "semi_sparse_activation"
-                                                      : option;
     std::string regex = a.has(option) ? a.get(option) : "";
     if (regex == "all") regex = R"(blocks\.\d+\..*\.weight)";
     const int op_steps = a.int32("op-profile");

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "io/atomic_file.h"
 #include "model/linear.h"
+#include "model/linear_registry.h"
 #include "profile/profiler.h"
 #include "train/trainer.h"
 
@@ -56,7 +57,7 @@ int profile_validate(const TrainConfig& cfg, const std::vector<WhatIfSpec>& spec
   std::vector<std::string> modules;
   for (const auto& name : sparse_trainer.model().linear_names()) {
     const Linear<float>& l = sparse_trainer.model().linear(name);
-    if (l.kind() != "dense") modules.push_back(l.params().module);
+    if (l.kind() != dense_linear_kind()) modules.push_back(l.params().module);
   }
   if (modules.empty() && !cfg.recipe_yaml.empty())
     print_line("note: every Linear was still dense in the profiled steps (does the recipe start later than step " +

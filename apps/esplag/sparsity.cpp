@@ -5,6 +5,7 @@
 
 #include "commands.h"
 #include "model/linear.h"
+#include "model/linear_registry.h"
 #include "model/transformer.h"
 #include "sparse/masks.h"
 #include "sparse/pattern.h"
@@ -53,8 +54,8 @@ int sparsity(const Args& a) {
     const double density = double(nonzeros) / double(w.size());
     // Kinds that store a pruned weight are checked; runtime kinds keep a dense master.
     std::string check = "-";
-    const std::string base_kind = l.kind().substr(0, l.kind().find('+'));
-    const bool stored_sparse = base_kind == "masked" || base_kind == "slope" || base_kind == "vnm";
+    const bool stored_sparse =
+        find_linear_kind(base_linear_kind(l.kind()), "linear '" + name + "'").stores_sparse_weight;
     if (stored_sparse && l.pattern().rfind("unstructured", 0) != 0) {
       const auto r = cpu::check_pattern(w.data(), p.out_features, p.in_features, SparsityPattern::parse(l.pattern()));
       check = r.ok ? "ok" : "BROKEN: " + r.detail;

@@ -11,6 +11,8 @@
 #include "core/cuda_timing.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "model/device_linear.h"
+#include "model/linear_registry.h"
 #include "ops/gpu.h"
 #include "ops/gpu_attention.h"
 
@@ -40,11 +42,13 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   GpuTransformer model(config, B, T, options);
   r.params = static_cast<int64_t>(model.num_params());
   model.init_weights(1);
-  ESPLAG_CHECK(sparse_kind == "semi_sparse" || sparse_kind == "slope" || sparse_kind == "masked" ||
-                   sparse_kind == "semi_sparse_activation",
-               "bench_train_gpu: sparse kind '", sparse_kind,
-               "' is not semi_sparse, slope, masked or semi_sparse_activation");
-  ESPLAG_CHECK(lora_rank == 0 || sparse_kind == "slope", "bench_train_gpu: low-rank adapters are for slope layers");
+  auto sparse_gpu_kind = [](const LinearKindInfo& k) { return k.gpu && k.name != dense_linear_kind(); };
+  const LinearKindInfo& info = find_linear_kind(sparse_kind, "bench_train_gpu");
+  ESPLAG_CHECK(sparse_gpu_kind(info), "bench_train_gpu: sparse kind '", sparse_kind, "' is not ",
+               linear_kind_list(sparse_gpu_kind, "or"));
+  const DeviceLinearKind& kind = device_linear_kind(sparse_kind, "bench_train_gpu");
+  ESPLAG_CHECK(lora_rank == 0 || kind.takes_adapter, "bench_train_gpu: low-rank adapters are for ",
+               device_linear_kind_names([](const DeviceLinearKind& k) { return k.takes_adapter; }), " layers");
   if (!sparse_regex.empty()) {
     std::regex re;
     try {
@@ -54,7 +58,7 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
     }
     int linears = 0, sparse = 0;
     std::vector<GpuTransformer::LinearKindSetting> settings;
-    std::vector<std::vector<uint8_t>> masks;  // masked: a fixed 2:4 pattern (the speed does not depend on it)
+    std::vector<std::vector<uint8_t>> masks;  // masked, vnm: a fixed 2:4 pattern (the speed does not depend on it)
     masks.reserve(model.param_infos().size());
     for (const auto& info : model.param_infos()) {
       if (info.shape.size() != 2 || info.name.rfind("blocks.", 0) != 0) continue;
@@ -64,7 +68,7 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
       settings.back().lora_rank = lora_rank;
       settings.back().lora_seed = 1;
       settings.back().activation = activation;
-      if (sparse_kind == "masked") {
+      if (kind.takes_mask) {
         std::vector<uint8_t>& m = masks.emplace_back(info.numel);
         for (size_t i = 0; i < m.size(); ++i) m[i] = i % 4 < 2;
         settings.back().mask = &m;
@@ -75,7 +79,7 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
     ESPLAG_CHECK(sparse > 0, "bench train: the regex '", sparse_regex, "' matches none of the ", linears,
                  " block linear weights (e.g. blocks.0.mlp.fc.weight)");
     r.linears = sparse_kind +
-                (sparse_kind == "semi_sparse_activation" ? ":" + activation_sparsity_name(activation) : "") +
+                (info.takes_activation ? ":" + activation_sparsity_name(activation) : "") +
                 (sparse_dw ? "+sparse_dw" : "") +
                 (lora_rank > 0 ? "+lora" + std::to_string(lora_rank) : "") + " " + std::to_string(sparse) + "/" +
                 std::to_string(linears);
@@ -130,7 +134,7 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
   r.device_used_bytes = total_b - free_b;
   r.sparse_bytes = model.sparse_device_bytes();
   r.dispatch = model.sparse_dispatch_summary();
-  if (!sparse_regex.empty() && sparse_kind != "masked") {
+  if (!sparse_regex.empty() && !kind.takes_mask) {  // kinds taking a mask (masked, vnm) run dense products
     int sparse_shapes = 0;
     for (const auto& d : model.sparse_dispatch()) sparse_shapes += d.sparse;
     r.linears += options.sparse_dispatch ? " (2:4 products for " + std::to_string(sparse_shapes) + " of " +

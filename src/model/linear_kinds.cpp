@@ -7,16 +7,15 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "model/linear_lora.h"
-#include "model/linear_masked.h"
+#include "model/linear_registry.h"
 #include "model/linear_semi_sparse.h"
 #include "model/linear_slope.h"
-#include "model/linear_vnm.h"
 
 namespace esplag {
 
-const std::vector<std::string>& linear_kind_names() {
-  static const std::vector<std::string> names = {"dense", "masked", "semi_sparse", "semi_sparse_activation",
-                                                 "slope", "vnm"};
+std::vector<std::string> linear_kind_names() {
+  std::vector<std::string> names;
+  for (const auto& k : linear_kinds()) names.push_back(k.name);
   return names;
 }
 
@@ -47,62 +46,25 @@ const MvueWeightGrad<T>* previous_draws(const Linear<T>* previous) {
 
 template <typename T>
 std::unique_ptr<Linear<T>> make_linear(const LinearParams<T>& p, const LinearOptions& o, const Linear<T>* previous) {
-  const auto& names = linear_kind_names();
-  if (std::find(names.begin(), names.end(), o.kind) == names.end()) {
-    std::string known;
-    for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
-    fail("linear '", p.name, "': unknown kind '", o.kind, "' (known kinds: ", known, ")");
-  }
+  const LinearKindInfo& kind = find_linear_kind(o.kind, "linear '" + p.name + "'");
   if (previous)
     ESPLAG_CHECK(previous->params().name == p.name, "linear '", p.name, "': the layer it replaces is '",
                  previous->params().name, "'");
+  ESPLAG_CHECK(!o.sparse_dw || kind.takes_sparse_dw, "linear '", p.name,
+               "': sparse_dw (the weight gradient from the MVUE 2:4 of dY^T) is an option of the kinds ",
+               linear_kind_list([](const LinearKindInfo& k) { return k.takes_sparse_dw; }), ", not of ", o.kind);
   const auto* prev_lora = dynamic_cast<const LoraLinear<T>*>(previous);
-  const Linear<T>* prev = prev_lora ? &prev_lora->inner() : previous;
-  const bool adapter = o.lora_enabled && o.lora_rank > 0;
-  const uint64_t seed = layer_seed(o.seed, p.name);
-  ESPLAG_CHECK(!o.sparse_dw || o.kind == "semi_sparse" || o.kind == "slope", "linear '", p.name,
-               "': sparse_dw (the weight gradient from the MVUE 2:4 of dY^T) is an option of the kinds semi_sparse "
-               "and slope, not of ", o.kind);
-  MvueWeightGrad<T> dw;
+  LinearBuild<T> build{p, o, prev_lora ? &prev_lora->inner() : previous, {}};
+  build.adapter = o.lora_enabled && o.lora_rank > 0;
+  build.adapter_seed = layer_seed(o.seed, p.name);
   if (o.sparse_dw) {
-    dw = MvueWeightGrad<T>(sparse_dw_seed(o.seed, p.name));
-    if (const MvueWeightGrad<T>* before = previous_draws(prev)) dw.continue_from(*before);
+    build.dw = MvueWeightGrad<T>(sparse_dw_seed(o.seed, p.name));
+    if (const MvueWeightGrad<T>* before = previous_draws(build.previous)) build.dw.continue_from(*before);
   }
+  std::unique_ptr<Linear<T>> impl = kind.make_cpu<T>()(build);
 
-  std::unique_ptr<Linear<T>> impl;
-  if (o.kind == "dense") {
-    impl = std::make_unique<DenseLinear<T>>(p);
-  } else if (o.kind == "masked") {
-    impl = std::make_unique<MaskedLinear<T>>(p, o.pattern, o.sparsity > 0 ? o.sparsity : o.pattern.sparsity);
-  } else if (o.kind == "semi_sparse") {
-    impl = std::make_unique<SemiSparseLinear<T>>(p, std::move(dw));
-  } else if (o.kind == "semi_sparse_activation") {
-    impl = std::make_unique<SemiSparseActivationLinear<T>>(p, o.activation);
-  } else if (o.kind == "slope") {
-    std::unique_ptr<SlopeLinear<T>> s;
-    if (const auto* ps = dynamic_cast<const SlopeLinear<T>*>(prev))
-      s = std::make_unique<SlopeLinear<T>>(p, *ps, o.mask_change_freq, std::move(dw));
-    else
-      s = std::make_unique<SlopeLinear<T>>(p, o.mask_change_freq, std::move(dw));
-    if (adapter) s->enable_lora(o.lora_rank, seed);
-    impl = std::move(s);
-  } else {  // vnm
-    if (const auto* pv = dynamic_cast<const VnmLinear<T>*>(prev)) {
-      ESPLAG_CHECK(o.pattern.kind == SparsityPattern::Kind::dense || o.pattern == pv->sparsity_pattern(),
-                   "linear '", p.name, "': kind vnm with pattern ", o.pattern.to_string(),
-                   " cannot continue a vnm layer of pattern ", pv->sparsity_pattern().to_string());
-      impl = std::make_unique<VnmLinear<T>>(p, *pv);
-    } else if (const auto* pm = dynamic_cast<const MaskedLinear<T>*>(prev)) {
-      // Kernel replacement: the mask GMP arrived at is kept as it is.
-      const SparsityPattern pat = o.pattern.kind == SparsityPattern::Kind::dense ? pm->sparsity_pattern() : o.pattern;
-      impl = std::make_unique<VnmLinear<T>>(p, pat, pm->mask());
-    } else {
-      impl = std::make_unique<VnmLinear<T>>(p, o.pattern);
-    }
-  }
-
-  if (!adapter || o.kind == "slope") return impl;
-  auto wrapped = std::make_unique<LoraLinear<T>>(std::move(impl), o.lora_rank, o.lora_alpha, seed);
+  if (!build.adapter || kind.adapter == AdapterStyle::own) return impl;
+  auto wrapped = std::make_unique<LoraLinear<T>>(std::move(impl), o.lora_rank, o.lora_alpha, build.adapter_seed);
   if (prev_lora && prev_lora->rank() == o.lora_rank) wrapped->copy_adapter_from(*prev_lora);
   return wrapped;
 }

@@ -1,6 +1,6 @@
 // Building Linear kinds by name (docs/linear-kinds.md): the options a recipe step turns
-// into, the factory, and the compressed-form helpers the compressed kinds (slope, vnm)
-// share.
+// into, the factory (a lookup in the kind registry, model/linear_registry.h), and the
+// compressed-form helpers the compressed kinds (slope, vnm) share.
 //
 //   LinearOptions o;  o.kind = "vnm";  o.pattern = SparsityPattern::vnm(64, 2, 8);
 //   auto impl = make_linear(model.linear_params(name), o, &model.linear(name));
@@ -57,10 +57,13 @@ struct LinearOptions {
   uint64_t seed = 0;
 };
 
-// "dense", "masked", "semi_sparse", "semi_sparse_activation", "slope", "vnm".
-const std::vector<std::string>& linear_kind_names();
+// The names of linear_kinds() (model/linear_registry.h): "dense", "masked", "semi_sparse",
+// "semi_sparse_activation", "slope", "vnm", then any registered kinds.
+std::vector<std::string> linear_kind_names();
 
-// Throws Error naming the layer for an unknown kind (listing the known ones), a shape the
+// Builds the registered kind o.kind (its make_cpu), wrapped in the LoRA adapter where asked
+// for and the kind has no adapter of its own. Throws Error naming the layer for an unknown
+// kind (listing the known ones), an option the kind does not take (sparse_dw), a shape the
 // kind cannot use, or a `previous` layer whose state does not fit.
 template <typename T>
 std::unique_ptr<Linear<T>> make_linear(const LinearParams<T>& params, const LinearOptions& options,

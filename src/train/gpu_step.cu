@@ -19,6 +19,7 @@
 #include "model/gpu_transformer.h"
 #include "model/linear_kinds.h"
 #include "model/linear_masked.h"
+#include "model/linear_registry.h"
 #include "model/linear_semi_sparse.h"
 #include "model/linear_slope.h"
 #include "model/linear_vnm.h"
@@ -159,7 +160,7 @@ std::vector<GpuTransformer::LinearKindSetting> host_kind_settings(
   held.vnm.reserve(names.size());
   for (const auto& name : names) {
     const std::string kind = host.linear(name).kind();
-    ESPLAG_CHECK(gpu_trains_kind(kind), who, ": ", name, " is of kind ", kind, "; ", kGpuKindsNote);
+    ESPLAG_CHECK(gpu_trains_kind(kind), who, ": ", name, " is of kind ", kind, "; ", gpu_kinds_note());
     if (SlopeLinear<float>* sl = host_slope(host, name)) {
       const GpuTransformer::SlopeState* st =
           give_masks(name) ? &masks.emplace_back(gpu_slope_state(*sl, step)) : nullptr;
@@ -418,7 +419,7 @@ class GpuStep final : public StepBackend {
                    "' on the GPU (or differs in offset, size or decay)");
     for (const auto& name : host_.linear_names())
       ESPLAG_CHECK(gpu_trains_kind(host_.linear(name).kind()), "GPU training: ", name, " is of kind ",
-                   host_.linear(name).kind(), "; ", kGpuKindsNote, " (use train.device=cpu)");
+                   host_.linear(name).kind(), "; ", gpu_kinds_note(), " (use train.device=cpu)");
   }
   // Gives every block Linear of the GPU model the kind of its host twin (a no-op when
   // nothing changed; a change is rare: the recipe's start and end steps).
@@ -437,7 +438,8 @@ class GpuStep final : public StepBackend {
         host_, "GPU training", model_.optimizer_steps(),
         [&](const std::string& name) {
           const std::string kind = host_.linear(name).kind();
-          return model_.linear_kind(name) != kind || (kind == "masked" && written_back_);  // vnm's is frozen
+          return model_.linear_kind(name) != kind ||
+                 (find_linear_kind(kind, "GPU training").host_rechooses_mask && written_back_);  // vnm's is frozen
         },
         masks));
     written_back_ = false;

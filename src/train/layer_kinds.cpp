@@ -7,6 +7,7 @@
 
 #include "core/parallel.h"
 #include "model/linear_kinds.h"
+#include "model/linear_registry.h"
 
 namespace esplag {
 
@@ -82,7 +83,8 @@ void apply_recipe_step(Transformer<float>& model, const Recipe& recipe, int64_t 
     if (l.pattern() != "dense") line << " " << l.pattern();
     if (p.lora_enabled) line << ", low-rank adapter r=" << p.lora_rank;
     if (p.sparse_dw) line << ", sparse dW";
-    if (p.kind == "semi_sparse_activation") line << " (" << activation_sparsity_name(p.activation) << ")";
+    if (find_linear_kind(p.kind, "linear '" + name + "'").takes_activation)
+      line << " (" << activation_sparsity_name(p.activation) << ")";
     log(line.str());
   }
 }
@@ -91,7 +93,7 @@ void build_kinds_after(Transformer<float>& model, const Recipe& recipe, int64_t 
   if (steps_done <= 0 || recipe.empty()) return;
   std::vector<std::pair<std::string, LayerPlan>> plans;
   for (const auto& [name, plan] : recipe.plan_at(steps_done - 1))
-    if (plan.kind != "dense") plans.emplace_back(name, plan);
+    if (plan.kind != dense_linear_kind()) plans.emplace_back(name, plan);
   apply_layer_plans(model, plans, seed);
 }
 

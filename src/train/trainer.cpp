@@ -15,6 +15,7 @@
 #include "core/op_trace.h"
 #include "data/prepare.h"
 #include "io/atomic_file.h"
+#include "model/linear_registry.h"
 #include "ops/adamw.h"
 #include "train/host_memory.h"
 #include "train/layer_kinds.h"
@@ -157,8 +158,13 @@ DeviceProbe probe_devices() {
 }
 
 bool gpu_trains_kind(const std::string& kind) {
-  return kind == "dense" || kind == "masked" || kind == "vnm" || kind == "semi_sparse" ||
-         kind == "semi_sparse_activation" || kind == "slope";
+  const LinearKindInfo* k = lookup_linear_kind(kind);
+  return k && k->gpu;
+}
+
+std::string gpu_kinds_note() {
+  return "the GPU trains " + linear_kind_list([](const LinearKindInfo& k) { return k.gpu; }) +
+         " Linear layers only so far";
 }
 
 namespace {
@@ -230,13 +236,13 @@ DeviceChoice choose_train_device(const std::string& requested, const DeviceProbe
     ESPLAG_CHECK(probe.cuda_build, "train.device=cuda: this esplag was built without the CUDA backend (configure with "
                                    "-DESPLAG_CUDA=ON, the cuda preset); use train.device=cpu");
     ESPLAG_CHECK(probe.gpus > 0, "train.device=cuda: no CUDA device is visible", none, "; use train.device=cpu");
-    ESPLAG_CHECK(gpu_blocker.empty(), "train.device=cuda: ", gpu_blocker, "; ", kGpuKindsNote,
+    ESPLAG_CHECK(gpu_blocker.empty(), "train.device=cuda: ", gpu_blocker, "; ", gpu_kinds_note(),
                  "; use train.device=cpu");
     return {"cuda", ""};
   }
   if (!probe.cuda_build) return {"cpu", ""};
   if (probe.gpus == 0) return {"cpu", "auto: no CUDA device is visible" + none};
-  if (!gpu_blocker.empty()) return {"cpu", "auto: " + gpu_blocker + "; " + kGpuKindsNote};
+  if (!gpu_blocker.empty()) return {"cpu", "auto: " + gpu_blocker + "; " + gpu_kinds_note()};
   return {"cuda", ""};
 }
 
@@ -599,7 +605,7 @@ EvalResult evaluate_checkpoint(const std::string& checkpoint, const std::string&
       ESPLAG_CHECK(probe.cuda_build,
                    "eval --device cuda: this esplag was built without the CUDA backend; use --device cpu");
       ESPLAG_CHECK(probe.gpus > 0, "eval --device cuda: no CUDA device is visible", none, "; use --device cpu");
-      ESPLAG_CHECK(blocker.empty(), "eval --device cuda: ", blocker, "; ", kGpuKindsNote, "; use --device cpu");
+      ESPLAG_CHECK(blocker.empty(), "eval --device cuda: ", blocker, "; ", gpu_kinds_note(), "; use --device cpu");
     }
     if (probe.cuda_build && probe.gpus > 0 && blocker.empty()) where = "cuda";
   }

@@ -5,7 +5,7 @@
 //
 // Where the arithmetic of a step runs is one seam, StepBackend: the CPU reference on the
 // host model itself, or (train.device=cuda, CUDA build) the GPU model of
-// train/gpu_step.h (dense, semi_sparse and slope Linear layers) working on a device copy that is
+// train/gpu_step.h (the Linear kinds of gpu_trains_kind) working on a device copy that is
 // written back to the host model for checkpoints. Data, schedule, recipe, logging and
 // checkpoints are the trainer's and the same for both, so a checkpoint of either device
 // resumes on the other.
@@ -59,12 +59,12 @@ struct DeviceProbe {
 };
 DeviceProbe probe_devices();
 
-// Linear kinds the GPU model trains (model/gpu_transformer.h): dense, masked (gradual
-// magnitude pruning), vnm (VENOM after kernel replacement, on dense products), semi_sparse,
-// semi_sparse_activation and slope (with its lazy low-rank adapter).
+// Whether the GPU model trains Linear kind `kind` (Linear::kind()): a registered kind whose
+// registry entry says so (model/linear_registry.h); LoRA-wrapped layers ("masked+lora") not.
 bool gpu_trains_kind(const std::string& kind);
-inline constexpr const char* kGpuKindsNote =
-    "the GPU trains dense, masked, vnm, semi_sparse, semi_sparse_activation and slope Linear layers only so far";
+// "the GPU trains dense, masked, ... and vnm Linear layers only so far": the kinds of
+// gpu_trains_kind, for the errors and notes that refuse the GPU.
+std::string gpu_kinds_note();
 
 // What the GPU path cannot train of this run, "" when nothing: the recipe's modifiers
 // other than gradual_magnitude, kernel_replacement (without LoRA), semi_sparse and slope;

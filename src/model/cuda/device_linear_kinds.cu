@@ -1,4 +1,6 @@
 // The kinds of block Linear the GPU trains (model/device_linear.h's kind table).
+#include <algorithm>
+
 #include "core/error.h"
 #include "model/cuda/device_linear_dense.h"
 #include "model/cuda/device_linear_masked.h"
@@ -6,6 +8,7 @@
 #include "model/cuda/device_linear_semi_sparse_activation.h"
 #include "model/cuda/device_linear_slope.h"
 #include "model/cuda/device_linear_vnm.h"
+#include "model/linear_registry.h"
 
 namespace esplag {
 
@@ -66,10 +69,24 @@ std::vector<DeviceLinearKind> make_kinds() {
   return kinds;
 }
 
+// The table and the kind registry (model/linear_registry.h) name the same kinds: each entry
+// a registered kind whose `gpu` flag is set, and an entry for every such kind (registered
+// later ones included), so the trainer's device rule and this table cannot disagree.
+void check_against_registry(const std::vector<DeviceLinearKind>& kinds) {
+  for (const auto& k : kinds)
+    ESPLAG_CHECK(find_linear_kind(k.name, "the GPU's kind table").gpu, "the GPU's kind table has '", k.name,
+                 "', whose registry entry does not say the GPU trains it (LinearKindInfo::gpu)");
+  for (const auto& k : linear_kinds())
+    ESPLAG_CHECK(!k.gpu || std::any_of(kinds.begin(), kinds.end(), [&](const auto& d) { return d.name == k.name; }),
+                 "Linear kind '", k.name, "' says the GPU trains it (LinearKindInfo::gpu) but the GPU's kind table "
+                 "(model/cuda/device_linear_kinds.cu) has no entry for it");
+}
+
 }  // namespace
 
 const std::vector<DeviceLinearKind>& device_linear_kinds() {
   static const std::vector<DeviceLinearKind> kinds = make_kinds();
+  check_against_registry(kinds);
   return kinds;
 }
 
