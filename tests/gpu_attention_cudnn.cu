@@ -25,7 +25,7 @@
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "ops/attention.h"
-#include "ops/attention_bench.h"
+#include "bench/lib/attention.h"
 #include "ops/gpu_attention.h"
 
 #include "gpu_test_util.h"

@@ -45,7 +45,7 @@
 #include "ops/activation.h"
 #include "ops/norm.h"
 #include "ops/gpu_fused.h"
-#include "model/gpu_bench.h"
+#include "bench/lib/train.h"
 
 #include "gpu_test_util.h"
 

@@ -36,7 +36,7 @@
 #include "ops/adamw.h"
 #include "sparse/compressed.h"
 #include "sparse/cuda/sparse_adamw.h"
-#include "sparse/cuda/sparse_adamw_bench.h"
+#include "bench/lib/sparse_adamw.h"
 #include "sparse/double_prune.h"
 #include "sparse/masks.h"
 

@@ -31,7 +31,7 @@
 #include "model/linear_semi_sparse.h"
 #include "sparse/compressed.h"
 #include "sparse/cuda/sparsify.h"
-#include "sparse/cuda/sparsify_bench.h"
+#include "bench/lib/sparsify.h"
 #include "sparse/cuda/sparsify_device.h"
 #include "sparse/double_prune.h"
 #include "sparse/masks.h"

@@ -28,7 +28,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "sparse/compressed.h"
-#include "sparse/cuda/vnm_bench.h"
+#include "bench/lib/vnm.h"
 #include "sparse/cuda/vnm_gemm.h"
 #include "sparse/masks.h"
 

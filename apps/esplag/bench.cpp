@@ -22,14 +22,14 @@
 #include "model/transformer.h"
 #include "ops/adamw.h"
 #ifdef ESPLAG_HAVE_CUDA
-#include "model/gpu_bench.h"
-#include "ops/attention_bench.h"
-#include "sparse/cuda/gemm_bench.h"
-#include "sparse/cuda/layer_bench.h"
-#include "sparse/cuda/slope_merged_bench.h"
-#include "sparse/cuda/sparse_adamw_bench.h"
-#include "sparse/cuda/sparsify_bench.h"
-#include "sparse/cuda/vnm_bench.h"
+#include "bench/lib/attention.h"
+#include "bench/lib/gemm.h"
+#include "bench/lib/layer.h"
+#include "bench/lib/slope_merged.h"
+#include "bench/lib/sparse_adamw.h"
+#include "bench/lib/sparsify.h"
+#include "bench/lib/train.h"
+#include "bench/lib/vnm.h"
 #endif
 
 namespace fs = std::filesystem;

@@ -8,7 +8,7 @@
 #pragma once
 
 #ifndef ESPLAG_HAVE_CUDA
-#error "ops/attention_bench.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#error "bench/lib/attention.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
 #endif
 
 #include <cstddef>

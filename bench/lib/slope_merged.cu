@@ -1,4 +1,4 @@
-#include "sparse/cuda/slope_merged_bench.h"
+#include "bench/lib/slope_merged.h"
 
 #include <algorithm>
 #include <climits>
@@ -6,8 +6,8 @@
 #include <cstdio>
 #include <functional>
 
+#include "bench/lib/fill.h"
 #include "core/cuda_check.h"
-#include "core/cuda_fill.h"
 #include "core/cuda_timing.h"
 #include "core/device_arena.h"
 #include "core/device_buffer.h"

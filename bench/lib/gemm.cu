@@ -1,4 +1,4 @@
-#include "sparse/cuda/gemm_bench.h"
+#include "bench/lib/gemm.h"
 
 #include <cuda_fp8.h>
 
@@ -8,14 +8,14 @@
 #include <functional>
 #include <memory>
 
+#include "bench/lib/fill.h"
+#include "bench/lib/summary.h"
 #include "core/cuda_check.h"
-#include "core/cuda_fill.h"
 #include "core/cuda_timing.h"
 #include "core/device_arena.h"
 #include "core/device_buffer.h"
 #include "core/error.h"
 #include "ops/gpu.h"
-#include "sparse/cuda/bench_summary.h"
 
 namespace esplag {
 

@@ -1,4 +1,4 @@
-#include "sparse/cuda/sparse_adamw_bench.h"
+#include "bench/lib/sparse_adamw.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -1,4 +1,4 @@
-#include "core/cuda_fill.h"
+#include "bench/lib/fill.h"
 
 #include "core/cuda_check.h"
 

@@ -1,4 +1,4 @@
-#include "sparse/cuda/layer_bench.h"
+#include "bench/lib/layer.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,14 +7,14 @@
 #include <memory>
 #include <utility>
 
+#include "bench/lib/fill.h"
+#include "bench/lib/summary.h"
 #include "core/cuda_check.h"
-#include "core/cuda_fill.h"
 #include "core/cuda_timing.h"
 #include "core/device_arena.h"
 #include "core/device_buffer.h"
 #include "core/error.h"
 #include "sparse/cuda/cusparselt.h"
-#include "sparse/cuda/bench_summary.h"
 
 namespace esplag {
 

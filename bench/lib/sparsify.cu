@@ -1,4 +1,4 @@
-#include "sparse/cuda/sparsify_bench.h"
+#include "bench/lib/sparsify.h"
 
 #include <cuda_runtime.h>
 
@@ -8,8 +8,8 @@
 #include <map>
 #include <string>
 
+#include "bench/lib/fill.h"
 #include "core/cuda_check.h"
-#include "core/cuda_fill.h"
 #include "core/cuda_timing.h"
 #include "core/device_arena.h"
 #include "core/error.h"

@@ -1,4 +1,4 @@
-#include "model/gpu_bench.h"
+#include "bench/lib/train.h"
 
 #include <algorithm>
 #include <cmath>

@@ -5,7 +5,7 @@
 #pragma once
 
 #ifndef ESPLAG_HAVE_CUDA
-#error "model/gpu_bench.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#error "bench/lib/train.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
 #endif
 
 #include <cstddef>

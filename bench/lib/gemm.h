@@ -11,7 +11,7 @@
 #pragma once
 
 #ifndef ESPLAG_HAVE_CUDA
-#error "sparse/cuda/gemm_bench.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#error "bench/lib/gemm.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
 #endif
 
 #include <cstdint>

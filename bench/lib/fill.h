@@ -6,7 +6,7 @@
 #pragma once
 
 #ifndef ESPLAG_HAVE_CUDA
-#error "core/cuda_fill.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#error "bench/lib/fill.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
 #endif
 
 #include <cuda_bf16.h>

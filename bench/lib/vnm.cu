@@ -1,4 +1,4 @@
-#include "sparse/cuda/vnm_bench.h"
+#include "bench/lib/vnm.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,8 +6,8 @@
 #include <functional>
 #include <sstream>
 
+#include "bench/lib/fill.h"
 #include "core/cuda_check.h"
-#include "core/cuda_fill.h"
 #include "core/cuda_timing.h"
 #include "core/device_arena.h"
 #include "core/dtype.h"

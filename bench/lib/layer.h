@@ -24,7 +24,7 @@
 #pragma once
 
 #ifndef ESPLAG_HAVE_CUDA
-#error "sparse/cuda/layer_bench.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#error "bench/lib/layer.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
 #endif
 
 #include <cstdint>

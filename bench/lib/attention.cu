@@ -1,15 +1,15 @@
-// Timing of the attention paths (see ops/attention_bench.h).
+// Timing of the attention paths (see bench/lib/attention.h).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <sstream>
 
+#include "bench/lib/attention.h"
 #include "core/cuda_check.h"
 #include "core/cuda_timing.h"
 #include "core/device_arena.h"
 #include "core/dtype.h"
 #include "core/error.h"
-#include "ops/attention_bench.h"
 #include "ops/cuda/common.cuh"
 
 namespace esplag::gpu {

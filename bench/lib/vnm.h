@@ -12,7 +12,7 @@
 #pragma once
 
 #ifndef ESPLAG_HAVE_CUDA
-#error "sparse/cuda/vnm_bench.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#error "bench/lib/vnm.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
 #endif
 
 #include <cstdint>

@@ -6,7 +6,7 @@
 #pragma once
 
 #ifndef ESPLAG_HAVE_CUDA
-#error "sparse/cuda/sparsify_bench.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#error "bench/lib/sparsify.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
 #endif
 
 #include <cstdint>

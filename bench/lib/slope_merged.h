@@ -6,7 +6,7 @@
 #pragma once
 
 #ifndef ESPLAG_HAVE_CUDA
-#error "sparse/cuda/slope_merged_bench.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#error "bench/lib/slope_merged.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
 #endif
 
 #include <array>
