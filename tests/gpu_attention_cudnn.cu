@@ -1,6 +1,6 @@
 // The cuDNN attention paths (ops/gpu_attention.h, ops/cuda/attention_cudnn.cu) against the
 // CPU reference (ops/attention.h, fp64 and fp32) and against our own kernels, and the
-// timing table of ops/attention_bench.h.
+// timing table of bench/lib/attention.h.
 //
 // Inputs are seeded bf16-representable normals; every output is poisoned with NaN before
 // the call, so an element cuDNN does not write fails the test. Shapes: GPT-2 heads
@@ -363,7 +363,7 @@ TEST_F(GpuAttentionCudnn, ExplicitCudnnSaysWhyItCannotRun) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Timing (no assertions on speed): the table of ops/attention_bench.h for the training
+// Timing (no assertions on speed): the table of bench/lib/attention.h for the training
 // shapes; ESPLAG_ATTENTION_BENCH_CSV names a file to write it to as CSV.
 
 TEST_F(GpuAttentionCudnn, Timing) {

@@ -59,8 +59,8 @@ struct GpuBenchResult {
 // its graphs once warm-up has captured them: give warmup >= 2 to time replays only).
 // Then, if op_profile_steps > 0, that many more steps with per-op timing. The block
 // linears whose weight name fully matches sparse_regex (ECMAScript; empty: none) are of
-// sparse_kind, "semi_sparse", "slope", "masked" or "semi_sparse_activation"
-// (GpuTransformer::set_linear_kind, slope with its default mask_change_freq,
+// sparse_kind, a kind other than dense that the GPU trains (kinds that take a mask get a
+// fixed 2:4 one; GpuTransformer::set_linear_kind, slope with its default mask_change_freq,
 // semi_sparse_activation with the pattern `activation`), from the start, with sparse_dw
 // when asked (their weight gradients from the MVUE 2:4 of dYᵀ) and, for slope, low-rank
 // adapters of lora_rank when > 0 (SLoPe's last phase). Throws Error when the model does not fit or the regex is
