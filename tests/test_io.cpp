@@ -21,6 +21,7 @@
 #include "io/atomic_file.h"
 #include "io/json.h"
 #include "io/safetensors.h"
+#include "io/utf8.h"
 #include "test_util.h"
 
 using namespace esplag;
@@ -478,4 +479,15 @@ TEST(Json, AccessErrorsLoseTheLibraryPrefix) {
   } catch (const nlohmann::json::exception& e) {
     EXPECT_EQ(esplag::json_error_text(e), "key 'b' not found");
   }
+}
+
+TEST(Utf8, FindsTheFirstByteThatIsNotUtf8) {
+  EXPECT_EQ(invalid_utf8_at("plain ascii"), std::string_view::npos);
+  EXPECT_EQ(invalid_utf8_at("caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"), std::string_view::npos);
+  EXPECT_EQ(invalid_utf8_at("ab\xff"), 2u);             // never a UTF-8 byte
+  EXPECT_EQ(invalid_utf8_at("a\xc3"), 1u);              // truncated sequence
+  EXPECT_EQ(invalid_utf8_at("\xc0\xaf"), 0u);           // overlong '/'
+  EXPECT_EQ(invalid_utf8_at("x\xed\xa0\x80"), 1u);      // a surrogate
+  EXPECT_EQ(invalid_utf8_at("\xf4\x90\x80\x80"), 0u);   // above U+10FFFF
+  EXPECT_EQ(invalid_utf8_at("\xe2\x28\xa1"), 0u);       // bad continuation
 }

@@ -747,3 +747,13 @@ TEST(Recipe, RegexWithHugeNumbersIsRefused) {
   EXPECT_ERROR(Recipe::parse("- semi_sparse: {params: ['re:a{11111111111111111111}']}", "r.yaml"),
                "holds a number of 10 or more digits");
 }
+
+// Found by fuzzing: bytes that are not UTF-8 in a regex did not survive to_yaml (the
+// checkpoint's copy of the recipe), so a resumed run would have followed another recipe.
+TEST(Recipe, TextThatIsNotUtf8IsRefused) {
+  EXPECT_ERROR(Recipe::parse("- semi_sparse: {params: ['re:blocks\\.\xff.*']}", "r.yaml"),
+               "r.yaml: recipe: not UTF-8 text (byte 37)");
+  EXPECT_NE(esplag::testing::error_of([] { parse_train_config("train: {steps: 4}\n# \xfe\n", "c.yaml"); })
+                .find("c.yaml: not UTF-8 text (byte 20)"),
+            std::string::npos);
+}

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "io/utf8.h"
 #include "train/layer_kinds.h"
 
 namespace esplag {
@@ -304,6 +305,10 @@ Recipe TrainConfig::recipe() const { return Recipe::parse(recipe_yaml, source); 
 
 TrainConfig parse_train_config(const std::string& yaml_text, const std::string& source,
                                const std::vector<std::string>& overrides) {
+  const size_t bad = invalid_utf8_at(yaml_text);
+  ESPLAG_CHECK(bad == std::string::npos, source, ": not UTF-8 text (byte ", bad, ")");
+  for (const auto& o : overrides)
+    ESPLAG_CHECK(invalid_utf8_at(o) == std::string::npos, "--set ", o, ": not UTF-8 text");
   YAML::Node root;
   try {
     root = YAML::Load(yaml_text);

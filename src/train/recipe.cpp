@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "io/utf8.h"
 
 namespace esplag {
 
@@ -237,6 +238,8 @@ std::string Recipe::where(int i) const {
 // parse
 
 Recipe Recipe::parse(const std::string& yaml_list_text, const std::string& source) {
+  const size_t bad = invalid_utf8_at(yaml_list_text);
+  ESPLAG_CHECK(bad == std::string::npos, source, ": recipe: not UTF-8 text (byte ", bad, ")");
   YAML::Node n;
   try {
     n = YAML::Load(yaml_list_text);
