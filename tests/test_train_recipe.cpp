@@ -757,3 +757,18 @@ TEST(Recipe, TextThatIsNotUtf8IsRefused) {
                 .find("c.yaml: not UTF-8 text (byte 20)"),
             std::string::npos);
 }
+
+// Found by fuzzing: 're:blocks\.\d+\***...' made std::regex backtrack for minutes. A
+// repetition of something already quantified is refused; the patterns recipes use pass.
+TEST(Recipe, NestedRepetitionInARegexIsRefused) {
+  for (const char* rx : {"a**", "blocks\\.\\d+\\*+*x", "(a+)*", "(?:b(a*))+", "x{2}*", "(a?)+"}) {
+    SCOPED_TRACE(rx);
+    EXPECT_ERROR(Recipe::parse(std::string("- semi_sparse: {params: ['re:") + rx + "']}", "r.yaml"),
+                 "whose matching can take exponential time");
+  }
+  for (const char* rx : {"blocks\\.\\d+\\.mlp\\..*", "blocks\\.(0|1)\\.attn\\.(qkv|proj)\\.weight", "(ab)+c*", "a*?b",
+                         "[*+]+x", "(a)?b+", "a\\**"}) {
+    SCOPED_TRACE(rx);
+    EXPECT_NO_THROW(Recipe::parse(std::string("- semi_sparse: {params: ['re:") + rx + "']}", "r.yaml"));
+  }
+}

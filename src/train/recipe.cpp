@@ -3,6 +3,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
@@ -206,6 +207,46 @@ bool param_matches(const std::string& param, const std::string& name) {
   return std::regex_match(name, std::regex(param.substr(3), std::regex::ECMAScript));
 }
 
+// Why matching `rx` could take exponential time in a backtracking matcher (libstdc++'s
+// std::regex is one), or "": a repetition (*, + or {n,m}) of something that is itself
+// quantified, as in 'a**' or '(a+)*'. Weight names never need one; a recipe that had one
+// would hang the run's start.
+std::string nested_repetition(const std::string& rx) {
+  std::vector<bool> group_quantified{false};  // per open group: holds a quantifier
+  bool after_quantifier = false, after_quantified_group = false;
+  for (size_t i = 0; i < rx.size(); ++i) {
+    const char c = rx[i];
+    const bool brace = c == '{' && i + 1 < rx.size() && std::isdigit(static_cast<unsigned char>(rx[i + 1]));
+    if (c == '*' || c == '+' || c == '?' || brace) {
+      if (c == '?' && after_quantifier) continue;  // lazy: *? +? ??
+      if (brace) i = std::min(rx.find('}', i), rx.size() - 1);
+      if (c != '?' && (after_quantifier || after_quantified_group))
+        return after_quantifier ? "a repetition of a quantifier" : "a repetition of a group that holds a quantifier";
+      group_quantified.back() = true;
+      after_quantifier = true;
+      after_quantified_group = false;
+      continue;
+    }
+    after_quantifier = after_quantified_group = false;
+    if (c == '\\') {
+      ++i;
+    } else if (c == '[') {  // a class: up to its closing bracket (a first ']' is literal)
+      size_t j = i + 1 + (i + 1 < rx.size() && rx[i + 1] == '^');
+      if (j < rx.size() && rx[j] == ']') ++j;
+      while (j < rx.size() && rx[j] != ']') j += rx[j] == '\\' ? 2 : 1;
+      i = j;
+    } else if (c == '(') {
+      group_quantified.push_back(false);
+      if (i + 1 < rx.size() && rx[i + 1] == '?') i += 2;  // (?: (?= (?!
+    } else if (c == ')' && group_quantified.size() > 1) {
+      after_quantified_group = group_quantified.back();
+      group_quantified.pop_back();
+      if (after_quantified_group) group_quantified.back() = true;
+    }
+  }
+  return "";
+}
+
 }  // namespace
 
 bool Recipe::Modifier::claims(const std::string& weight_name) const {
@@ -313,6 +354,9 @@ void Recipe::parse_items(const YAML::Node& list) {
         // back-references of more digits; no weight name needs them.
         ESPLAG_CHECK(!std::regex_search(s, std::regex("[0-9]{10}")), w, ": key 'params': regex '", s.substr(3),
                      "' holds a number of 10 or more digits");
+        const std::string nested = nested_repetition(s.substr(3));
+        ESPLAG_CHECK(nested.empty(), w, ": key 'params': regex '", s.substr(3), "' holds ", nested,
+                     ", whose matching can take exponential time; write it without");
         try {
           std::regex rx(s.substr(3), std::regex::ECMAScript);
         } catch (const std::regex_error& e) {
