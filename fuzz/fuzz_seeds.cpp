@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "data/bpe_trainer.h"
+#include "fuzz_checkpoint.h"
 #include "data/shard.h"
 #include "io/safetensors.h"
 #include "model/transformer.h"
@@ -104,20 +105,8 @@ recipe:
 }
 
 void state_seeds() {
-  TrainConfig config;
-  config.model.vocab_size = 257;
-  Transformer<float> model(config.model);
-  Moments m, v;
-  for (const auto& p : model.trainable_params()) {
-    m[p.name].assign(shape_numel(p.shape), 0.0f);
-    v[p.name].assign(shape_numel(p.shape), 0.0f);
-  }
-  TrainerState state;
-  state.step = 100;
-  state.tokens_seen = 102400;
-  state.data.position = 100;
   const fs::path run = g_out / "state-run";
-  const fs::path dir = save_checkpoint(run.string(), model, config, "byte", state, m, v);
+  const fs::path dir = fuzz::save_default_checkpoint(run.string());
   fs::copy_file(dir / "state.json", seed("state", "state.json"), fs::copy_options::overwrite_existing);
   fs::remove_all(run);
 }

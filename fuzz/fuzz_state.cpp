@@ -3,8 +3,8 @@
 // inside a real checkpoint written once by save_checkpoint.
 #include <filesystem>
 
+#include "fuzz_checkpoint.h"
 #include "fuzz_input.h"
-#include "model/transformer.h"
 #include "train/checkpoint.h"
 
 using namespace esplag;
@@ -13,19 +13,7 @@ namespace {
 
 // A checkpoint of the default model, step 100; each input replaces its state.json.
 const std::string& checkpoint_dir() {
-  static const std::string dir = [] {
-    TrainConfig config;
-    config.model.vocab_size = 257;
-    Transformer<float> model(config.model);
-    Moments m, v;
-    for (const auto& p : model.trainable_params()) {
-      m[p.name].assign(shape_numel(p.shape), 0.0f);
-      v[p.name].assign(shape_numel(p.shape), 0.0f);
-    }
-    TrainerState state;
-    state.step = 100;
-    return save_checkpoint((fuzz::scratch_dir() / "run").string(), model, config, "byte", state, m, v);
-  }();
+  static const std::string dir = fuzz::save_default_checkpoint((fuzz::scratch_dir() / "run").string());
   return dir;
 }
 
