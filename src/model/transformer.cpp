@@ -262,6 +262,16 @@ void Transformer<T>::replace_linear(const std::string& weight_name, std::unique_
   fail("model has no linear layer with weight '", weight_name, "'");
 }
 
+size_t transformer_activation_elements(const ModelConfig& c, int B, int Tlen) {
+  const size_t N = size_t(B) * Tlen, C = c.d_model, Q = c.qkv_dim(), F = c.fc_dim(), H = c.d_ff;
+  const size_t att = size_t(B) * c.n_head * Tlen * Tlen;
+  const size_t AC = size_t(c.n_head) * c.head_dim();
+  const size_t per_layer = N * (4 * C + Q + AC + F + H) + 4 * N + att;  // as Activations::Layer
+  const size_t chunk = std::min<size_t>(N, kHeadChunk);
+  return N * C + size_t(c.n_layer) * per_layer + N * (C + 2) + N * (3 * C + Q + AC + F + H) +
+         chunk * (2 * size_t(c.vocab_size) + 1);
+}
+
 template <typename T>
 void Transformer<T>::ensure_activations(int B, int Tlen) {
   ESPLAG_CHECK(Tlen > 0 && Tlen <= cfg_.max_seq_len, "sequence length ", Tlen, " outside [1, max_seq_len=",

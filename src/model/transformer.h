@@ -26,6 +26,10 @@ struct ParamInfo {
 // The flat parameter layout of a model of `config` (names, shapes, offsets, decay) in the
 // order of its flat buffers: the one definition Transformer and GpuTransformer both use.
 std::vector<ParamInfo> transformer_param_layout(const ModelConfig& config);
+// Elements of the activations Transformer<T> keeps for micro-batches of B×T tokens: what the
+// forward saves for the backward in every block, the final norm, the backward's scratch
+// and the chunked logits (what ensure_activations allocates).
+size_t transformer_activation_elements(const ModelConfig& config, int B, int T);
 
 template <typename T>
 class Transformer {

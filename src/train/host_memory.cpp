@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "model/transformer.h"
 #include "train/progress.h"
 
 namespace esplag {
@@ -12,18 +13,6 @@ namespace esplag {
 namespace {
 
 constexpr uint64_t kFloat = sizeof(float);
-
-// Floats of model/transformer.cpp's Activations for B×T tokens: what forward saves for
-// backward in every block, the final norm, backward's scratch and the chunked logits.
-uint64_t activation_floats(const ModelConfig& m, int B, int T) {
-  const uint64_t N = uint64_t(B) * T, C = m.d_model, Q = m.qkv_dim(), F = m.fc_dim(), H = m.d_ff;
-  const uint64_t AC = uint64_t(m.n_head) * m.head_dim();
-  const uint64_t att = uint64_t(B) * m.n_head * T * T;
-  const uint64_t per_layer = N * (5 * C + Q + AC + F + H) + 4 * N + att;
-  const uint64_t chunk = std::min<uint64_t>(N, 256);  // model/transformer.cpp's kHeadChunk
-  return uint64_t(m.n_layer) * per_layer + N * (2 * C + 2) + N * (3 * C + Q + AC + F + H) +
-         chunk * (2 * uint64_t(m.vocab_size) + 1);
-}
 
 // The first number of the line of /proc/meminfo that starts with `key`, in bytes; 0 without it.
 uint64_t meminfo_bytes(const std::string& key) {
@@ -51,7 +40,7 @@ uint64_t cgroup_value(const char* path) {
 uint64_t host_bytes_for_training(const TrainConfig& config, const std::string& device) {
   const uint64_t params = uint64_t(config.model.num_params());
   if (device == "cuda") return params * 3 * kFloat;
-  return params * 4 * kFloat + activation_floats(config.model, config.batch_size, config.seq_len) * kFloat;
+  return params * 4 * kFloat + transformer_activation_elements(config.model, config.batch_size, config.seq_len) * kFloat;
 }
 
 uint64_t available_host_bytes() {
