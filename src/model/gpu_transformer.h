@@ -344,6 +344,8 @@ class GpuTransformer {
     set_linear_kinds({{weight_name, kind, mask_change_freq, slope_masks}});
   }
   std::string linear_kind(const std::string& weight_name) const;
+  // What the last set_linear_kinds that changed a layer spent its time on ("" before one).
+  const std::string& kind_change_report() const { return kind_change_report_; }
   // A semi_sparse_activation layer's pattern (Error for other layers).
   ActivationSparsity activation_sparsity(const std::string& weight_name) const;
   // Whether the layer computes a sparse dW (sparse_dw above), and the draws it has taken
@@ -455,6 +457,7 @@ class GpuTransformer {
   int max_b_ = 0, max_t_ = 0, head_chunk_ = 0;
   int64_t step_ = 0;
   GpuMemoryPlan plan_;
+  std::string kind_change_report_;
   std::unique_ptr<DeviceArena> arena_;
   cudaStream_t stream_ = nullptr;
   int32_t* tokens_ = nullptr;

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -430,23 +431,37 @@ class GpuStep final : public StepBackend {
     // layer takes the host's mask when it becomes masked and after every write-back (which
     // comes before each recipe update, where gradual magnitude pruning chooses new masks
     // from the weights written back).
+    using clock = std::chrono::steady_clock;
+    const auto t0 = clock::now();
     HeldMasks masks;
     std::set<std::string> had_adapter;
     for (const auto& name : linears_)
       if (model_.lora_rank(name) > 0) had_adapter.insert(name);
-    model_.set_linear_kinds(host_kind_settings(
+    const auto settings = host_kind_settings(
         host_, "GPU training", model_.optimizer_steps(),
         [&](const std::string& name) {
           const std::string kind = host_.linear(name).kind();
           return model_.linear_kind(name) != kind ||
                  (find_linear_kind(kind, "GPU training").host_rechooses_mask && written_back_);  // vnm's is frozen
         },
-        masks));
+        masks);
+    const auto t1 = clock::now();
+    const std::string before = model_.kind_change_report();
+    model_.set_linear_kinds(settings);
+    const auto t2 = clock::now();
     written_back_ = false;
     // An adapter enabled for this step starts from the host's (L drawn, R zero), moments zero.
     for (const auto& name : linears_)
       if (SlopeLinear<float>* sl = host_slope(host_, name); sl && sl->lora_rank() > 0 && !had_adapter.count(name))
         adapter_to_gpu(model_, *sl, name);
+    const auto t3 = clock::now();
+    if (model_.kind_change_report() != before || t3 - t0 > std::chrono::milliseconds(500)) {
+      const auto s = [](auto d) { return std::chrono::duration<double>(d).count(); };
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "kinds to the device %.2f s (host settings %.2f s, model %.2f s, adapters %.2f s): ",
+                    s(t3 - t0), s(t1 - t0), s(t2 - t1), s(t3 - t2));
+      notes_.push_back(buf + model_.kind_change_report());
+    }
     if (model_.sparse_dispatch().size() != dispatch_seen_) {
       dispatch_seen_ = model_.sparse_dispatch().size();
       notes_.push_back(model_.sparse_dispatch_summary());

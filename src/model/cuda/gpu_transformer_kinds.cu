@@ -1,5 +1,7 @@
 // GpuTransformer's Linear layers: making them, kind changes (set_linear_kinds) and the
 // kind-specific parts of its interface (see model/gpu_transformer.h).
+#include <chrono>
+#include <cstdio>
 #include <set>
 #include <tuple>
 
@@ -80,6 +82,16 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   for (const auto& st : settings)  // options that change without a rebuild (slope's schedule)
     if (Impl::Slot* slot = im.find_linear(st.weight_name); slot->base->kind() == st.kind) slot->base->update(st);
   if (changes.empty()) return;
+  // Where a change spends its time (kind_change_report): each phase ends in a synchronize.
+  using clock = std::chrono::steady_clock;
+  auto mark = clock::now();
+  double phase_s[4] = {};  // state out, layers made, state back, attached
+  auto lap = [&](int phase) {
+    synchronize();
+    const auto now = clock::now();
+    phase_s[phase] += std::chrono::duration<double>(now - mark).count();
+    mark = now;
+  };
   synchronize();  // nothing queued may still use a layer that goes away
 
   // A new layout: the state goes to the host in the flat layout (the layers' own tensors by
@@ -99,6 +111,7 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
       }
     }
   }
+  lap(0);
   auto setup = [&](const Change& c, const DeviceLinear* previous) {
     return DeviceLinearSetup{c.setting, &im.ctx, c.out, c.in, cfg_.bias,
                              linear_views(c.setting->weight_name, nullptr), step_, previous};
@@ -113,6 +126,7 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     if (c.rebuild && c.kind->build_order == 0) c.slot->base = c.kind->make(setup(c, c.slot->base.get()));
   for (Change& c : changes)
     if (c.setting->lora_rank > 0) c.slot->adapter = make_device_adapter(setup(c, nullptr), *c.slot->base);
+  lap(1);
 
   if (relayout) {
     const int64_t steps = step_;
@@ -142,6 +156,7 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
       CUDA_CHECK(cudaMemsetAsync(im.m + at.offset, 0, sizeof(float) * at.numel, stream_));
       CUDA_CHECK(cudaMemsetAsync(im.v + at.offset, 0, sizeof(float) * at.numel, stream_));
     }
+  lap(2);
   // The layers made after the layout, in their kinds' order; every new layer attached
   // (masks applied, per-layer dispatch).
   std::vector<const Change*> made;
@@ -160,7 +175,13 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   // The captured steps baked the old products in.
   im.step_graphs.clear();
   im.adam_graphs.clear();
-  synchronize();
+  lap(3);
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "%zu layers changed in %.2f s (state %s %.2f s and back %.2f s, layers made %.2f s, attached %.2f s)",
+                changes.size(), phase_s[0] + phase_s[1] + phase_s[2] + phase_s[3],
+                relayout ? "laid out again: out" : "kept: checks", phase_s[0], phase_s[2], phase_s[1], phase_s[3]);
+  kind_change_report_ = buf;
 }
 
 std::string GpuTransformer::linear_kind(const std::string& weight_name) const {
