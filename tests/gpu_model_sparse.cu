@@ -611,12 +611,18 @@ TEST_F(GpuModelSparse, SlopeAdapterMatchesCpu) {
 // with weight decay and the clipping of the global norm (which counts the adapters).
 // Laying the state out again (one layer back to dense, another adapter's rank changed)
 // keeps every other adapter bit for bit; the changed one starts again from its seed.
-TEST_F(GpuModelSparse, SlopeAdapterTrainsLikeTheCpuAndSurvivesLayoutChanges) {
+// A new layout moves the state on the device, or through the host where there is no room
+// for both (GpuModelOptions::kind_change_on_device): either way the same bits.
+class GpuModelRelayout : public GpuModelSparse, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(GpuModelRelayout, SlopeAdapterTrainsLikeTheCpuAndSurvivesLayoutChanges) {
   const ModelConfig c = llama_config();
   const int B = 2, T = 64, steps = 12;
   Transformer<float> cm(c);
   cm.init_weights(9);
-  GpuTransformer gm(c, B, T);
+  GpuModelOptions o;
+  o.kind_change_on_device = GetParam();
+  GpuTransformer gm(c, B, T, o);
   make_slope(cm, gm, 4);
   add_adapters(cm, gm, 8);
   esplag::GpuAdamW hyper;
@@ -754,12 +760,14 @@ TEST_F(GpuModelSparse, SlopeGraphReplayGivesTheSameBitsAsEagerSteps) {
 // parameter state shrinks by 16 bytes per pruned position, and a change of layout keeps
 // every other tensor's weights and moments bit for bit (the layers that become or stop
 // being slope restart their moments at zero, and keep W1).
-TEST_F(GpuModelSparse, SlopeStoresKeptValuesAndLayoutChangesKeepTheRest) {
+TEST_P(GpuModelRelayout, SlopeStoresKeptValuesAndLayoutChangesKeepTheRest) {
   const ModelConfig c = llama_config();
   const int B = 2, T = 64;
   Transformer<float> cm(c);
   cm.init_weights(3);
-  GpuTransformer gm(c, B, T);
+  GpuModelOptions o;
+  o.kind_change_on_device = GetParam();
+  GpuTransformer gm(c, B, T, o);
   gm.set_params(cm.params(), cm.num_params());
   std::vector<int32_t> x(B * T), y(B * T);
   random_tokens(x, c.vocab_size, 5);
@@ -824,6 +832,9 @@ TEST_F(GpuModelSparse, SlopeStoresKeptValuesAndLayoutChangesKeepTheRest) {
   step();  // and it trains on
   EXPECT_TRUE(std::isfinite(gm.last_grad_norm()));
 }
+
+INSTANTIATE_TEST_SUITE_P(OnDeviceAndThroughHost, GpuModelRelayout, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "OnDevice" : "ThroughHost"; });
 
 TEST_F(GpuModelSparse, SlopeRefusesMasksThatAreNot24) {
   const ModelConfig c = gpt_config();

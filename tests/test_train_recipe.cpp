@@ -311,6 +311,9 @@ TEST(Recipe, SparseThenDenseWithUntil) {
   EXPECT_EQ(r.changed_at(50).size(), 2u);
   EXPECT_EQ(r.changed_at(150).size(), 2u);
   EXPECT_TRUE(r.changed_at(151).empty());
+  EXPECT_TRUE(r.reads_weights_at(50));
+  EXPECT_TRUE(r.reads_weights_at(150));
+  EXPECT_FALSE(r.reads_weights_at(151));
 
   // A weight may move from one method to another once the first one has let go of it.
   const Recipe seq = make(R"(
@@ -332,6 +335,10 @@ TEST(Recipe, SlopeLoraStart) {
   EXPECT_TRUE(r.plan_at(594).at(q).lora_enabled);
   EXPECT_EQ(r.changed_at(594).size(), 4u);
   EXPECT_TRUE(r.changed_at(593).empty());
+  // Slope's masks at its start come from the weights; its adapter reads none of them.
+  EXPECT_TRUE(r.reads_weights_at(0));
+  EXPECT_FALSE(r.reads_weights_at(594));
+  EXPECT_FALSE(r.reads_weights_at(593));
 
   const Recipe steps = make("- slope: {params: ['re:.*attn.*'], lora_rank: 2, lora_start: 150, mask_change_freq: 7}");
   EXPECT_FALSE(steps.plan_at(149).at(q).lora_enabled);

@@ -117,6 +117,10 @@ struct GpuModelOptions {
   // forward of the pruned input) and every layer of that kind and shape takes the faster
   // (sparse_dispatch()). Off: the 2:4 products everywhere.
   bool sparse_dispatch = true;
+  // A kind change that lays the parameter state out again moves it on the device when there
+  // is room for both layouts. Off: always through the host (what a device without that
+  // room does).
+  bool kind_change_on_device = true;
   // Added to the computed arena size (e.g. for callers that allocate from arena()).
   size_t extra_arena_bytes = 0;
 };
@@ -414,6 +418,7 @@ class GpuTransformer {
   void synchronize();
 
   struct Impl;
+  struct RetiredState;
 
  private:
   void check_batch(int B, int T) const;
@@ -430,8 +435,16 @@ class GpuTransformer {
   void prepare_layers();
   // The block Linear layers, all of the first kind (dense), and what they share.
   void make_linears();
-  // The parameter state laid out again for the current Linear layers (zeroed).
-  void lay_out_state();
+  // The parameter state laid out again for the current Linear layers (zeroed). The old
+  // state is freed first, or with `keep` moved there (both are on the device a while).
+  void lay_out_state(RetiredState* keep = nullptr);
+  // Whether the device has room for a second parameter state as large as this one and
+  // more (a kind change that lays the state out again then moves it on the device).
+  bool room_for_second_state() const;
+  // The weights and moments of `old` into the current layout, on the device (tensors whose
+  // stored form changes go through their dense form, mapped by the old and new layers);
+  // the layers' own tensors carried over by name where their size is kept, else new.
+  void move_state_from(const RetiredState& old);
   // Views of a tensor of the storage layout (empty when there is none), and a block Linear's
   // (with the extra tensors of `layer` when given).
   DeviceTensorView view(const std::string& name) const;

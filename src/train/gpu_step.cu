@@ -154,25 +154,31 @@ std::vector<GpuTransformer::LinearKindSetting> host_kind_settings(
     HeldMasks& held) {
   const auto names = host.linear_names();
   std::vector<GpuTransformer::LinearKindSetting> settings;
+  std::vector<bool> gives(names.size());
+  for (size_t i = 0; i < names.size(); ++i) gives[i] = give_masks(names[i]);
+  // The slope layers' masks in tile bits, layers in parallel (a pass over every weight).
   std::vector<GpuTransformer::SlopeState>& masks = held.slope;
-  masks.clear();
-  masks.reserve(names.size());  // no reallocation: the settings point into them
+  masks.assign(names.size(), {});  // by layer; the settings point into them
+  parallel_tasks(int64_t(names.size()), [&](int64_t i) {
+    if (SlopeLinear<float>* sl = gives[size_t(i)] ? host_slope(host, names[size_t(i)]) : nullptr)
+      masks[size_t(i)] = gpu_slope_state(*sl, step);
+  });
   held.vnm.clear();
   held.vnm.reserve(names.size());
-  for (const auto& name : names) {
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::string& name = names[i];
     const std::string kind = host.linear(name).kind();
     ESPLAG_CHECK(gpu_trains_kind(kind), who, ": ", name, " is of kind ", kind, "; ", gpu_kinds_note());
     if (SlopeLinear<float>* sl = host_slope(host, name)) {
-      const GpuTransformer::SlopeState* st =
-          give_masks(name) ? &masks.emplace_back(gpu_slope_state(*sl, step)) : nullptr;
+      const GpuTransformer::SlopeState* st = gives[i] ? &masks[i] : nullptr;
       settings.push_back({name, kind, sl->mask_change_freq(), st});
       settings.back().lora_rank = sl->lora_rank();  // its values follow (adapter_to_gpu)
     } else if (const auto* ml = dynamic_cast<const MaskedLinear<float>*>(&host.linear(name))) {
       settings.push_back({name, kind});
-      if (give_masks(name)) settings.back().mask = &ml->mask();
+      if (gives[i]) settings.back().mask = &ml->mask();
     } else if (const auto* vl = dynamic_cast<const VnmLinear<float>*>(&host.linear(name))) {
       settings.push_back({name, kind});
-      if (give_masks(name)) settings.back().mask = &held.vnm.emplace_back(vl->mask());
+      if (gives[i]) settings.back().mask = &held.vnm.emplace_back(vl->mask());
     } else {
       settings.push_back({name, kind});
       if (const auto* al = dynamic_cast<const SemiSparseActivationLinear<float>*>(&host.linear(name)))
@@ -238,6 +244,7 @@ class GpuStep final : public StepBackend {
         model_(cfg.model, cfg.batch_size, cfg.seq_len, model_options()) {
     check_layout();
     model_.set_params(host_.params(), host_.num_params());
+    host_step_ = steps_done;
     follow_host_kinds();
     if (!m.empty() || !v.empty()) {
       std::vector<float> mf(host_.num_params()), vf(host_.num_params());
@@ -337,12 +344,19 @@ class GpuStep final : public StepBackend {
   // A recipe update's write-back: the weights (slope's and vnm's kept values, adapters and
   // draw counts included) without the moments, two thirds of the bytes (llama-1b: 11.2 s
   // of a 15 s recipe update with the moments).
-  void weights_to_host() override { write_back(false); }
+  // The copy is skipped when the host holds the weights of this step already (a run's
+  // first step, or no step since the last write-back); either way the host may choose new
+  // masks from them next (written_back_).
+  void weights_to_host() override {
+    if (host_step_ != model_.optimizer_steps()) write_back(false);
+    written_back_ = true;
+  }
 
  private:
   // The weights into the host model, and with `moments` the moments into m_ / v_.
   void write_back(bool moments) {
     written_back_ = true;
+    host_step_ = model_.optimizer_steps();
     const std::vector<float> p = model_.params_to_host();
     std::copy(p.begin(), p.end(), host_.params());
     std::vector<float> mf, vf;
@@ -477,6 +491,7 @@ class GpuStep final : public StepBackend {
   GpuTransformer model_;
   size_t dispatch_seen_ = 0;        // dispatch decisions already reported
   bool written_back_ = false;       // state_to_host ran since the kinds were last followed
+  int64_t host_step_ = -1;          // the host model holds the weights after this many steps
   std::vector<std::string> notes_;  // for take_notes
   StepHealth* health_ = nullptr;
   StepHealth* host_health_ = nullptr;  // pinned

@@ -640,6 +640,17 @@ std::vector<std::string> Recipe::changed_at(int64_t step) const {
   return out;
 }
 
+bool Recipe::reads_weights_at(int64_t step) const {
+  const auto now = plan_at(step);
+  const auto before = step == 0 ? std::map<std::string, LayerPlan>() : plan_at(step - 1);
+  const LayerPlan dense;
+  for (const auto& name : changed_at(step)) {
+    const LayerPlan &p = now.at(name), &q = step == 0 ? dense : before.at(name);
+    if (p.kind != q.kind || !(p.pattern == q.pattern) || p.sparsity != q.sparsity) return true;
+  }
+  return false;
+}
+
 // ---------------------------------------------------------------------------------------
 // describe / to_yaml
 

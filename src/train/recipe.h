@@ -108,6 +108,9 @@ class Recipe {
   // from dense), in name order: what the trainer rebuilds before running `step`.
   std::vector<std::string> changed_at(int64_t step) const;
   bool is_update_step(int64_t step) const { return !changed_at(step).empty(); }
+  // Whether a layer changed at `step` takes another kind, pattern or sparsity: chosen from
+  // the weights as they are then (not only an adapter, sparse dW or a refresh schedule).
+  bool reads_weights_at(int64_t step) const;
 
   // Human-readable summary, one line per modifier (with resolved steps once validated).
   std::string describe() const;

@@ -457,9 +457,10 @@ double Trainer::advance() {
   if (update) {
     // Kinds built from the weights (slope's masks) must see the trained ones: a device
     // backend writes them back to the host model first (not the moments, which only a
-    // checkpoint needs).
+    // checkpoint needs). An update that only adds adapters or changes schedules reads
+    // nothing of them (the next write-back brings the host up to date).
     auto t = clock::now();
-    backend_->weights_to_host();
+    if (recipe_.reads_weights_at(step)) backend_->weights_to_host();
     write_back_s = seconds_since(t);
     t = clock::now();
     apply_recipe_step(*model_, recipe_, step, cfg_.seed, log_);

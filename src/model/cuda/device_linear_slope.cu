@@ -1,11 +1,13 @@
 #include "model/cuda/device_linear_slope.h"
 
+#include <atomic>
 #include <bit>
 
 #include "core/cuda_check.h"
 #include "core/cuda_timing.h"
 #include "core/device_arena.h"
 #include "core/error.h"
+#include "core/parallel.h"
 #include "model/cuda/device_linear_semi_sparse.h"
 #include "model/cuda/step_marks.h"
 #include "ops/gpu_fused.h"
@@ -96,15 +98,31 @@ void DeviceSlopeLinear::check_masks(const std::string& weight_name, const GpuTra
   ESPLAG_CHECK(st.forward_tiles.size() == tiles && st.backward_tiles.size() == tiles, "GpuTransformer: ", weight_name,
                ": slope masks of ", st.forward_tiles.size(), " and ", st.backward_tiles.size(), " tiles for a ", out,
                "x", in, " weight (", tiles, " tiles)");
-  for (size_t t = 0; t < tiles; ++t) {
+  auto valid = [&](size_t t) {
     const unsigned f = st.forward_tiles[t], b = st.backward_tiles[t];
     bool ok = (b & ~f) == 0;
     for (int j = 0; j < 4 && ok; ++j)  // rows of the forward mask, columns of the backward one
       ok = std::popcount((f >> (4 * j)) & 0xFu) == 2 && std::popcount(b & (0x1111u << j)) <= 2;
-    ESPLAG_CHECK(ok, "GpuTransformer: ", weight_name, ": slope mask tile ", t, " (row ", t / groups * 4, ", column ",
-                 t % groups * 4, ") is not 2:4 (forward 0x", std::hex, f, ", backward 0x", b, std::dec,
-                 "; the forward mask keeps exactly 2 of every 4 along each row, the backward one lies inside it, "
-                 "2 of every 4 down each column)");
+    return ok;
+  };
+  // The first bad tile (in parallel: llama-1b's layers hold 70M tiles), then its message.
+  std::atomic<size_t> first_bad{tiles};
+  parallel_for(int64_t(tiles), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      if (!valid(size_t(t))) {
+        size_t seen = first_bad.load();
+        while (size_t(t) < seen && !first_bad.compare_exchange_weak(seen, size_t(t))) {
+        }
+        return;
+      }
+  }, 1 << 16);
+  if (first_bad.load() < tiles) {
+    const size_t t = first_bad.load();
+    const unsigned f = st.forward_tiles[t], b = st.backward_tiles[t];
+    fail("GpuTransformer: ", weight_name, ": slope mask tile ", t, " (row ", t / groups * 4, ", column ",
+         t % groups * 4, ") is not 2:4 (forward 0x", std::hex, f, ", backward 0x", b, std::dec,
+         "; the forward mask keeps exactly 2 of every 4 along each row, the backward one lies inside it, "
+         "2 of every 4 down each column)");
   }
 }
 

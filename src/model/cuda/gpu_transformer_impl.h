@@ -216,6 +216,18 @@ struct GpuTransformer::Impl {
   }
 };
 
+// A storage layout's state kept while the state moves into a new one on the device
+// (GpuTransformer::move_state_from), with the layers whose stored forms it holds.
+struct GpuTransformer::RetiredState {
+  std::vector<ParamInfo> stored;
+  DeviceArena arena;
+  bf16* w = nullptr;
+  int16_t* w_lo = nullptr;
+  float *m = nullptr, *v = nullptr;
+  std::map<std::string, const DeviceLinear*> layers;    // by weight name: each slot's top() then
+  std::vector<std::unique_ptr<DeviceLinear>> replaced;  // the layers that went, alive until the move
+};
+
 namespace gpu_model {
 
 // The parameter state of a storage layout (GpuTransformer::lay_out_state), in one order,

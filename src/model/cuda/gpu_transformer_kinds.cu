@@ -54,6 +54,16 @@ struct HostTensor {
 void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& settings) {
   Impl& im = *impl_;
   const int64_t tokens = int64_t(max_b_) * max_t_;
+  // Where a change spends its time (kind_change_report): each phase ends in a synchronize.
+  using clock = std::chrono::steady_clock;
+  auto mark = clock::now();
+  double phase_s[4] = {};  // checks and state out, layers made, state in, attached
+  auto lap = [&](int phase) {
+    synchronize();
+    const auto now = clock::now();
+    phase_s[phase] += std::chrono::duration<double>(now - mark).count();
+    mark = now;
+  };
   // Everything is checked before anything changes.
   struct Change {
     const LinearKindSetting* setting;
@@ -82,23 +92,22 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   for (const auto& st : settings)  // options that change without a rebuild (slope's schedule)
     if (Impl::Slot* slot = im.find_linear(st.weight_name); slot->base->kind() == st.kind) slot->base->update(st);
   if (changes.empty()) return;
-  // Where a change spends its time (kind_change_report): each phase ends in a synchronize.
-  using clock = std::chrono::steady_clock;
-  auto mark = clock::now();
-  double phase_s[4] = {};  // state out, layers made, state back, attached
-  auto lap = [&](int phase) {
-    synchronize();
-    const auto now = clock::now();
-    phase_s[phase] += std::chrono::duration<double>(now - mark).count();
-    mark = now;
-  };
   synchronize();  // nothing queued may still use a layer that goes away
 
-  // A new layout: the state goes to the host in the flat layout (the layers' own tensors by
-  // name) and comes back into the new one.
+  // A new layout: the state moves into it on the device, the old one kept until then with
+  // the layers whose stored forms it holds. Where the device has no room for both, it goes
+  // to the host in the flat layout (the layers' own tensors by name) and comes back.
+  const bool on_device = relayout && room_for_second_state();
+  RetiredState old;
+  if (on_device)
+    for (const auto& [weight, slot] : im.linears) old.layers[weight] = &slot.top();
+  auto retire = [&](std::unique_ptr<DeviceLinear>& layer) {
+    if (on_device && layer) old.replaced.push_back(std::move(layer));
+    layer.reset();
+  };
   std::vector<float> params, m, v;
   std::map<std::string, HostTensor> own;
-  if (relayout) {
+  if (relayout && !on_device) {
     params = params_to_host();
     optimizer_state_to_host(m, v);
     for (size_t k = infos_.size(); k < im.stored.size(); ++k) {
@@ -119,16 +128,27 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   // The old layers go; a kind made after the new layout stands in as the first kind until
   // then, one that defines the layout is made now (from the layer it replaces).
   for (Change& c : changes) {
-    c.slot->adapter.reset();
-    if (c.rebuild && c.kind->build_order > 0) c.slot->base = device_linear_kinds().front().make(setup(c, nullptr));
+    retire(c.slot->adapter);
+    if (!c.rebuild || c.kind->build_order == 0) continue;
+    std::unique_ptr<DeviceLinear> stand_in = device_linear_kinds().front().make(setup(c, nullptr));
+    retire(c.slot->base);
+    c.slot->base = std::move(stand_in);
   }
   for (Change& c : changes)
-    if (c.rebuild && c.kind->build_order == 0) c.slot->base = c.kind->make(setup(c, c.slot->base.get()));
+    if (c.rebuild && c.kind->build_order == 0) {
+      std::unique_ptr<DeviceLinear> made = c.kind->make(setup(c, c.slot->base.get()));
+      retire(c.slot->base);
+      c.slot->base = std::move(made);
+    }
   for (Change& c : changes)
     if (c.setting->lora_rank > 0) c.slot->adapter = make_device_adapter(setup(c, nullptr), *c.slot->base);
   lap(1);
 
-  if (relayout) {
+  if (on_device) {
+    lay_out_state(&old);
+    move_state_from(old);
+    old = RetiredState();
+  } else if (relayout) {
     const int64_t steps = step_;
     lay_out_state();
     set_params(params.data(), params.size());  // also prepares every layer
@@ -178,9 +198,10 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   lap(3);
   char buf[256];
   std::snprintf(buf, sizeof buf,
-                "%zu layers changed in %.2f s (state %s %.2f s and back %.2f s, layers made %.2f s, attached %.2f s)",
-                changes.size(), phase_s[0] + phase_s[1] + phase_s[2] + phase_s[3],
-                relayout ? "laid out again: out" : "kept: checks", phase_s[0], phase_s[2], phase_s[1], phase_s[3]);
+                "%zu layers changed in %.2f s (checks and state out %.2f s, layers made %.2f s, state %s %.2f s, "
+                "attached %.2f s)",
+                changes.size(), phase_s[0] + phase_s[1] + phase_s[2] + phase_s[3], phase_s[0], phase_s[1],
+                on_device ? "moved on the device" : relayout ? "back from the host" : "kept", phase_s[2], phase_s[3]);
   kind_change_report_ = buf;
 }
 

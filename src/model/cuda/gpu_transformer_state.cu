@@ -104,9 +104,17 @@ void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<Pa
     CUDA_CHECK(cudaMemcpy(im.zero_chunks, zeros.data(), zeros.size() * sizeof(ZeroChunk), cudaMemcpyHostToDevice));
 }
 
-void GpuTransformer::lay_out_state() {
+void GpuTransformer::lay_out_state(RetiredState* keep) {
   Impl& im = *impl_;
   synchronize();  // nothing queued may still use the old state
+  if (keep) {
+    keep->stored = std::move(im.stored);
+    keep->arena = std::move(im.state);
+    keep->w = im.w;
+    keep->w_lo = im.w_lo;
+    keep->m = im.m;
+    keep->v = im.v;
+  }
   im.stored = infos_;
   size_t offset = 0;
   for (auto& i : im.stored) {
@@ -131,7 +139,7 @@ void GpuTransformer::lay_out_state() {
       im.stored.push_back(std::move(a));
     }
   nstored_ = offset;
-  // The old state goes first, so that the device never holds both.
+  // The old state goes first (unless kept), so that the device never holds both.
   im.adamw.reset();
   im.state = DeviceArena();
   GpuMemoryPlan state;
