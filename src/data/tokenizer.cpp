@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <mutex>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <queue>
 
@@ -98,64 +99,66 @@ BpeTokenizer::BpeTokenizer(const std::string& tokenizer_json_path) : cache_(new 
 
 BpeTokenizer::~BpeTokenizer() = default;
 
-void BpeTokenizer::load(const std::string& text) {
-  const std::string& where = path_;
-  json js = parse_json(text, "tokenizer file '" + where + "'");
+namespace {
+
+// The "model" object of a tokenizer.json, after refusing what is not byte-level BPE (another
+// model type, a normalizer).
+const json& bpe_model(const json& js, const std::string& where) {
   ESPLAG_CHECK(js.is_object() && js.contains("model") && js["model"].is_object(), "tokenizer file '", where,
                "' has no \"model\" object (not a Hugging Face tokenizer.json?)");
   const json& model = js["model"];
   const std::string type = model.contains("type") ? model["type"].get<std::string>() : "BPE";
   ESPLAG_CHECK(type == "BPE", "tokenizer file '", where, "': unsupported model type \"", type,
                "\" (only \"BPE\", byte-level as in GPT-2, is supported)");
-
   if (js.contains("normalizer") && !js["normalizer"].is_null())
     fail("tokenizer file '", where, "': normalizer \"", js["normalizer"].value("type", "?"),
          "\" is not supported (only GPT-2-style byte-level BPE without a normalizer)");
-  if (js.contains("pre_tokenizer")) {
-    // Only GPT-2's pre-tokenisation is implemented; another pattern (Llama 3's, say) would
-    // give different ids, so it is refused rather than approximated.
-    const json& pre = js["pre_tokenizer"];
-    ESPLAG_CHECK(!pre.is_null(), "tokenizer file '", where,
-                 "': pre_tokenizer is null; only byte-level BPE (pre_tokenizer ByteLevel) is supported");
-    auto check_byte_level = [&](const json& p, bool split_before) {
-      ESPLAG_CHECK(split_before || p.value("use_regex", true), "tokenizer file '", where,
-                   "': ByteLevel pre_tokenizer with use_regex false and no GPT-2 Split before it is not supported");
-      add_prefix_space_ = p.value("add_prefix_space", true);  // Hugging Face's default
-    };
-    const std::string type = pre.value("type", "");
-    if (type == "ByteLevel") {
-      check_byte_level(pre, false);
-    } else if (type == "Sequence" && pre.contains("pretokenizers") && pre["pretokenizers"].is_array()) {
-      bool split = false, byte_level_seen = false;
-      for (const auto& p : pre["pretokenizers"]) {
-        const std::string t = p.value("type", "");
-        if (t == "Split") {
-          const std::string pattern =
-              p.contains("pattern") && p["pattern"].is_object() ? p["pattern"].value("Regex", "") : "";
-          ESPLAG_CHECK(pattern == kGpt2Pattern, "tokenizer file '", where, "': pre_tokenizer Split pattern '", pattern,
-                       "' is not GPT-2's; only GPT-2's pre-tokenisation is implemented");
-          split = true;
-        } else if (t == "ByteLevel") {
-          check_byte_level(p, split);
-          byte_level_seen = true;
-        } else {
-          fail("tokenizer file '", where, "': pre_tokenizer \"", t, "\" inside a Sequence is not supported");
-        }
-      }
-      ESPLAG_CHECK(byte_level_seen, "tokenizer file '", where, "': the pre_tokenizer Sequence has no ByteLevel step");
-    } else {
-      fail("tokenizer file '", where, "': pre_tokenizer \"", type, "\" is not supported (only ByteLevel, as in GPT-2)");
-    }
-  }
-  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
-    if (model.contains(key) && model[key].is_string() && !model[key].get<std::string>().empty())
-      fail("tokenizer file '", where, "': model.", key, " \"", model[key].get<std::string>(),
-           "\" is not supported (byte-level BPE has none)");
-  }
-  ignore_merges_ =
-      model.contains("ignore_merges") && model["ignore_merges"].is_boolean() && model["ignore_merges"].get<bool>();
+  return model;
+}
 
-  // Added tokens first: their vocabulary entries hold literal text, not byte stand-ins.
+// Checks the pre_tokenizer and returns its ByteLevel step's add_prefix_space, or nothing when
+// the file has no pre_tokenizer. Only GPT-2's pre-tokenisation is implemented; another pattern
+// (Llama 3's, say) would give different ids, so it is refused rather than approximated.
+std::optional<bool> byte_level_prefix_space(const json& js, const std::string& where) {
+  if (!js.contains("pre_tokenizer")) return std::nullopt;
+  const json& pre = js["pre_tokenizer"];
+  ESPLAG_CHECK(!pre.is_null(), "tokenizer file '", where,
+               "': pre_tokenizer is null; only byte-level BPE (pre_tokenizer ByteLevel) is supported");
+  bool prefix_space = false;
+  auto check_byte_level = [&](const json& p, bool split_before) {
+    ESPLAG_CHECK(split_before || p.value("use_regex", true), "tokenizer file '", where,
+                 "': ByteLevel pre_tokenizer with use_regex false and no GPT-2 Split before it is not supported");
+    prefix_space = p.value("add_prefix_space", true);  // Hugging Face's default
+  };
+  const std::string type = pre.value("type", "");
+  if (type == "ByteLevel") {
+    check_byte_level(pre, false);
+  } else if (type == "Sequence" && pre.contains("pretokenizers") && pre["pretokenizers"].is_array()) {
+    bool split = false, byte_level_seen = false;
+    for (const auto& p : pre["pretokenizers"]) {
+      const std::string t = p.value("type", "");
+      if (t == "Split") {
+        const std::string pattern =
+            p.contains("pattern") && p["pattern"].is_object() ? p["pattern"].value("Regex", "") : "";
+        ESPLAG_CHECK(pattern == kGpt2Pattern, "tokenizer file '", where, "': pre_tokenizer Split pattern '", pattern,
+                     "' is not GPT-2's; only GPT-2's pre-tokenisation is implemented");
+        split = true;
+      } else if (t == "ByteLevel") {
+        check_byte_level(p, split);
+        byte_level_seen = true;
+      } else {
+        fail("tokenizer file '", where, "': pre_tokenizer \"", t, "\" inside a Sequence is not supported");
+      }
+    }
+    ESPLAG_CHECK(byte_level_seen, "tokenizer file '", where, "': the pre_tokenizer Sequence has no ByteLevel step");
+  } else {
+    fail("tokenizer file '", where, "': pre_tokenizer \"", type, "\" is not supported (only ByteLevel, as in GPT-2)");
+  }
+  return prefix_space;
+}
+
+// added_tokens: id -> literal content.
+std::unordered_map<int32_t, std::string> read_added_tokens(const json& js, const std::string& where) {
   std::unordered_map<int32_t, std::string> added_by_id;
   if (js.contains("added_tokens") && js["added_tokens"].is_array()) {
     for (const auto& t : js["added_tokens"]) {
@@ -167,19 +170,100 @@ void BpeTokenizer::load(const std::string& text) {
       added_by_id[static_cast<int32_t>(id)] = content;
     }
   }
+  return added_by_id;
+}
 
+// model.vocab: vocabulary string -> id.
+std::unordered_map<std::string, int32_t> read_vocab(const json& model, const std::string& where) {
   ESPLAG_CHECK(model.contains("vocab") && model["vocab"].is_object(), "tokenizer file '", where,
                "': model.vocab is missing or not an object");
-  std::unordered_map<std::string, int32_t> vocab;  // vocabulary string -> id
-  int64_t max_id = -1;
+  std::unordered_map<std::string, int32_t> vocab;
   for (const auto& [k, v] : model["vocab"].items()) {
     ESPLAG_CHECK(v.is_number_integer(), "tokenizer file '", where, "': model.vocab[\"", k, "\"] is not an integer id");
     const int64_t id = v.get<int64_t>();
     ESPLAG_CHECK(id >= 0 && id < kMaxTokenId, "tokenizer file '", where, "': model.vocab[\"", k, "\"] = ", id,
                  " is outside [0, ", kMaxTokenId, ")");
     vocab[k] = static_cast<int32_t>(id);
-    max_id = std::max(max_id, id);
   }
+  return vocab;
+}
+
+struct MergeIds {
+  int32_t left, right, result;
+};
+
+// model.merges in rank order, as vocabulary ids.
+std::vector<MergeIds> read_merges(const json& model, const std::unordered_map<std::string, int32_t>& vocab,
+                                  const std::string& where) {
+  ESPLAG_CHECK(model.contains("merges") && model["merges"].is_array(), "tokenizer file '", where,
+               "': model.merges is missing or not an array");
+  std::vector<MergeIds> merges;
+  int32_t rank = 0;
+  for (const auto& m : model["merges"]) {
+    std::string a, b;
+    if (m.is_string()) {
+      const std::string s = m.get<std::string>();
+      const size_t sp = s.find(' ');
+      ESPLAG_CHECK(sp != std::string::npos && sp > 0 && sp + 1 < s.size() && s.find(' ', sp + 1) == std::string::npos,
+                   "tokenizer file '", where, "': merge ", rank, " \"", s, "\" is not of the form \"left right\"");
+      a = s.substr(0, sp);
+      b = s.substr(sp + 1);
+    } else {
+      ESPLAG_CHECK(m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string(), "tokenizer file '", where,
+                   "': merge ", rank, " is neither a \"left right\" string nor a [left, right] pair: ", m.dump());
+      a = m[0].get<std::string>();
+      b = m[1].get<std::string>();
+    }
+    auto ia = vocab.find(a), ib = vocab.find(b), iab = vocab.find(a + b);
+    ESPLAG_CHECK(ia != vocab.end(), "tokenizer file '", where, "': merge ", rank, " (\"", a, "\", \"", b,
+                 "\") refers to unknown token \"", a, "\" (not in model.vocab)");
+    ESPLAG_CHECK(ib != vocab.end(), "tokenizer file '", where, "': merge ", rank, " (\"", a, "\", \"", b,
+                 "\") refers to unknown token \"", b, "\" (not in model.vocab)");
+    ESPLAG_CHECK(iab != vocab.end(), "tokenizer file '", where, "': merge ", rank, " (\"", a, "\", \"", b,
+                 "\") produces unknown token \"", a + b, "\" (not in model.vocab)");
+    merges.push_back({ia->second, ib->second, iab->second});
+    ++rank;
+  }
+  return merges;
+}
+
+}  // namespace
+
+void BpeTokenizer::load(const std::string& text) {
+  const std::string& where = path_;
+  const json js = parse_json(text, "tokenizer file '" + where + "'");
+  const json& model = bpe_model(js, where);
+  if (const std::optional<bool> prefix_space = byte_level_prefix_space(js, where)) add_prefix_space_ = *prefix_space;
+  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
+    if (model.contains(key) && model[key].is_string() && !model[key].get<std::string>().empty())
+      fail("tokenizer file '", where, "': model.", key, " \"", model[key].get<std::string>(),
+           "\" is not supported (byte-level BPE has none)");
+  }
+  ignore_merges_ =
+      model.contains("ignore_merges") && model["ignore_merges"].is_boolean() && model["ignore_merges"].get<bool>();
+
+  // Added tokens first: their vocabulary entries hold literal text, not byte stand-ins.
+  const std::unordered_map<int32_t, std::string> added_by_id = read_added_tokens(js, where);
+  const std::unordered_map<std::string, int32_t> vocab = read_vocab(model, where);
+  build_id_tables(vocab, added_by_id);
+
+  const std::vector<MergeIds> merges = read_merges(model, vocab, where);
+  for (size_t rank = 0; rank < merges.size(); ++rank)  // first (lowest rank) wins
+    merges_.emplace(pair_key(merges[rank].left, merges[rank].right), Merge{int32_t(rank), merges[rank].result});
+  num_merges_ = int(merges.size());
+
+  for (const char* name : {kEotText, "<|end_of_text|>", "</s>"}) {
+    for (const auto& [content, id] : added_)
+      if (content == name && eot_ < 0) eot_ = id;
+  }
+  if (eot_ < 0) eot_ = token_id(kEotText);
+}
+
+void BpeTokenizer::build_id_tables(const std::unordered_map<std::string, int32_t>& vocab,
+                                   const std::unordered_map<int32_t, std::string>& added_by_id) {
+  const std::string& where = path_;
+  int64_t max_id = -1;
+  for (const auto& [k, id] : vocab) max_id = std::max<int64_t>(max_id, id);
   for (const auto& [id, content] : added_by_id) max_id = std::max<int64_t>(max_id, id);
   ESPLAG_CHECK(max_id >= 0, "tokenizer file '", where, "': the vocabulary is empty");
   // Ids are dense in real vocabularies; a few entries with huge ids would make the tables
@@ -191,7 +275,6 @@ void BpeTokenizer::load(const std::string& text) {
   id_bytes_.assign(vocab_size_, std::string());
   id_valid_.assign(vocab_size_, 0);
   std::vector<const std::string*> id_source(vocab_size_, nullptr);
-
   std::string bytes;
   for (const auto& [k, id] : vocab) {
     auto added = added_by_id.find(id);
@@ -229,42 +312,6 @@ void BpeTokenizer::load(const std::string& text) {
     auto it = bytes_to_id_.find(std::string(1, static_cast<char>(b)));
     byte_id_[b] = it == bytes_to_id_.end() ? -1 : it->second;
   }
-
-  ESPLAG_CHECK(model.contains("merges") && model["merges"].is_array(), "tokenizer file '", where,
-               "': model.merges is missing or not an array");
-  int32_t rank = 0;
-  for (const auto& m : model["merges"]) {
-    std::string a, b;
-    if (m.is_string()) {
-      const std::string s = m.get<std::string>();
-      const size_t sp = s.find(' ');
-      ESPLAG_CHECK(sp != std::string::npos && sp > 0 && sp + 1 < s.size() && s.find(' ', sp + 1) == std::string::npos,
-                   "tokenizer file '", where, "': merge ", rank, " \"", s, "\" is not of the form \"left right\"");
-      a = s.substr(0, sp);
-      b = s.substr(sp + 1);
-    } else {
-      ESPLAG_CHECK(m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string(), "tokenizer file '", where,
-                   "': merge ", rank, " is neither a \"left right\" string nor a [left, right] pair: ", m.dump());
-      a = m[0].get<std::string>();
-      b = m[1].get<std::string>();
-    }
-    auto ia = vocab.find(a), ib = vocab.find(b), iab = vocab.find(a + b);
-    ESPLAG_CHECK(ia != vocab.end(), "tokenizer file '", where, "': merge ", rank, " (\"", a, "\", \"", b,
-                 "\") refers to unknown token \"", a, "\" (not in model.vocab)");
-    ESPLAG_CHECK(ib != vocab.end(), "tokenizer file '", where, "': merge ", rank, " (\"", a, "\", \"", b,
-                 "\") refers to unknown token \"", b, "\" (not in model.vocab)");
-    ESPLAG_CHECK(iab != vocab.end(), "tokenizer file '", where, "': merge ", rank, " (\"", a, "\", \"", b,
-                 "\") produces unknown token \"", a + b, "\" (not in model.vocab)");
-    merges_.emplace(pair_key(ia->second, ib->second), Merge{rank, iab->second});  // first (lowest rank) wins
-    ++rank;
-  }
-  num_merges_ = rank;
-
-  for (const char* name : {kEotText, "<|end_of_text|>", "</s>"}) {
-    for (const auto& [content, id] : added_)
-      if (content == name && eot_ < 0) eot_ = id;
-  }
-  if (eot_ < 0) eot_ = token_id(kEotText);
 }
 
 int32_t BpeTokenizer::token_id(std::string_view bytes) const {

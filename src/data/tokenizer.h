@@ -68,6 +68,10 @@ class BpeTokenizer final : public Tokenizer {
 
  private:
   void load(const std::string& json_text);
+  // The id tables (id_bytes_, id_valid_, added_, bytes_to_id_, byte_id_) from the vocabulary
+  // and the added tokens, refusing clashes.
+  void build_id_tables(const std::unordered_map<std::string, int32_t>& vocab,
+                       const std::unordered_map<int32_t, std::string>& added_by_id);
   void encode_segment(std::string_view text, std::vector<int32_t>& out) const;
   void encode_word(std::string_view word, std::vector<int32_t>& out) const;
   std::vector<int32_t> merge_word(std::string_view word) const;

@@ -1,6 +1,7 @@
 #include "model/transformer.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <map>
 
@@ -20,6 +21,42 @@ namespace {
 std::string block_prefix(int l) { return "blocks." + std::to_string(l) + "."; }
 // Rows of the LM head computed at once: bounds the logits scratch to kHeadChunk × vocab.
 constexpr int kHeadChunk = 256;
+
+// The tensors a block's forward saves for its backward.
+enum BlockTensor {
+  kLn1, kLn1Mean, kLn1Rstd,  // norm1's output and statistics
+  kQkv,                      // q, k, v (after RoPE)
+  kAtt, kAtty,               // the attention's probabilities and output
+  kResMid,                   // the residual stream after the attention
+  kLn2, kLn2Mean, kLn2Rstd,  // norm2's output and statistics
+  kFc, kAct,                 // the MLP's first Linear output and its activation
+  kResOut,                   // the block's output
+  kBlockTensors
+};
+
+std::array<size_t, kBlockTensors> block_tensor_elements(const ModelConfig& c, int B, int Tlen) {
+  const size_t N = size_t(B) * Tlen, C = c.d_model;
+  std::array<size_t, kBlockTensors> n{};
+  n[kLn1] = n[kResMid] = n[kLn2] = n[kResOut] = N * C;
+  n[kLn1Mean] = n[kLn1Rstd] = n[kLn2Mean] = n[kLn2Rstd] = N;
+  n[kQkv] = N * c.qkv_dim();
+  n[kAtt] = size_t(B) * c.n_head * Tlen * Tlen;
+  n[kAtty] = N * c.n_head * c.head_dim();
+  n[kFc] = N * c.fc_dim();
+  n[kAct] = N * c.d_ff;
+  return n;
+}
+
+// Whether block l stores tensor t itself; otherwise t lives in the buffers all checkpointed
+// blocks share and is recomputed in the backward. full keeps the block's output (its input
+// is the previous block's); selective the Linear outputs and the residual stream, so that
+// only the norms, the attention's probabilities and the MLP activation are recomputed.
+// RoPE rotates qkv in place, so q and k are kept rotated and RoPE is not run again.
+bool block_stores(const ActivationCheckpointing& ckpt, int l, int t) {
+  if (!ckpt.checkpoints(l)) return true;
+  if (ckpt.mode == CheckpointMode::full) return t == kResOut;
+  return t == kQkv || t == kAtty || t == kResMid || t == kFc || t == kResOut;
+}
 }  // namespace
 
 template <typename T>
@@ -29,18 +66,27 @@ struct Transformer<T>::Block {
   std::unique_ptr<Linear<T>> qkv, attn_proj, fc, mlp_proj;
 };
 
+template <typename T>
+struct Transformer<T>::BlockView : std::array<T*, kBlockTensors> {};
+
 // Everything forward saves for backward, sized for B×T tokens, plus backward scratch.
 template <typename T>
 struct Transformer<T>::Activations {
   int B = 0, Tlen = 0;
-  struct Layer {
-    std::vector<T> ln1, ln1_mean, ln1_rstd, qkv, att, atty, res_mid, ln2, ln2_mean, ln2_rstd, fc, act, res_out;
-  };
+  ActivationCheckpointing ckpt;
+  using Layer = std::array<std::vector<T>, kBlockTensors>;  // by BlockTensor
   std::vector<T> embed;  // the residual stream entering block 0
-  std::vector<Layer> layers;
+  std::vector<Layer> layers;  // the tensors a block does not store are left empty
+  Layer shared;               // those tensors of the checkpointed blocks, one block at a time
   std::vector<T> lnf, lnf_mean, lnf_rstd;
   // backward scratch
   std::vector<T> dres, dln, dqkv, datty, dfc, dact, dlnf, logits, dlogits, losses;
+
+  BlockView view(int l) {
+    BlockView v;
+    for (int t = 0; t < kBlockTensors; ++t) v[t] = (block_stores(ckpt, l, t) ? layers[l][t] : shared[t]).data();
+    return v;
+  }
 };
 
 std::vector<ParamInfo> transformer_param_layout(const ModelConfig& cfg) {
@@ -262,14 +308,18 @@ void Transformer<T>::replace_linear(const std::string& weight_name, std::unique_
   fail("model has no linear layer with weight '", weight_name, "'");
 }
 
-size_t transformer_activation_elements(const ModelConfig& c, int B, int Tlen) {
+size_t transformer_activation_elements(const ModelConfig& c, int B, int Tlen, const ActivationCheckpointing& ckpt) {
   const size_t N = size_t(B) * Tlen, C = c.d_model, Q = c.qkv_dim(), F = c.fc_dim(), H = c.d_ff;
-  const size_t att = size_t(B) * c.n_head * Tlen * Tlen;
   const size_t AC = size_t(c.n_head) * c.head_dim();
-  const size_t per_layer = N * (4 * C + Q + AC + F + H) + 4 * N + att;  // as Activations::Layer
+  const std::array<size_t, kBlockTensors> n = block_tensor_elements(c, B, Tlen);
+  size_t blocks = 0;  // as Activations::layers and Activations::shared
+  for (int t = 0; t < kBlockTensors; ++t) {
+    for (int l = 0; l < c.n_layer; ++l)
+      if (block_stores(ckpt, l, t)) blocks += n[t];
+    if (c.n_layer > 0 && !block_stores(ckpt, 0, t)) blocks += n[t];  // block 0 is checkpointed if any is
+  }
   const size_t chunk = std::min<size_t>(N, kHeadChunk);
-  return N * C + size_t(c.n_layer) * per_layer + N * (C + 2) + N * (3 * C + Q + AC + F + H) +
-         chunk * (2 * size_t(c.vocab_size) + 1);
+  return N * C + blocks + N * (C + 2) + N * (3 * C + Q + AC + F + H) + chunk * (2 * size_t(c.vocab_size) + 1);
 }
 
 template <typename T>
@@ -282,16 +332,16 @@ void Transformer<T>::ensure_activations(int B, int Tlen) {
   auto& a = *acts_;
   a.B = B;
   a.Tlen = Tlen;
+  a.ckpt = ckpt_;
   const size_t N = size_t(B) * Tlen, C = cfg_.d_model, Q = cfg_.qkv_dim(), F = cfg_.fc_dim(), H = cfg_.d_ff;
-  const size_t att = size_t(B) * cfg_.n_head * Tlen * Tlen;
   const size_t AC = size_t(cfg_.n_head) * cfg_.head_dim();
+  const std::array<size_t, kBlockTensors> n = block_tensor_elements(cfg_, B, Tlen);
   a.embed.resize(N * C);
   a.layers.resize(cfg_.n_layer);
-  for (auto& L : a.layers) {
-    L.ln1.resize(N * C), L.ln1_mean.resize(N), L.ln1_rstd.resize(N);
-    L.qkv.resize(N * Q), L.att.resize(att), L.atty.resize(N * AC), L.res_mid.resize(N * C);
-    L.ln2.resize(N * C), L.ln2_mean.resize(N), L.ln2_rstd.resize(N);
-    L.fc.resize(N * F), L.act.resize(N * H), L.res_out.resize(N * C);
+  for (int t = 0; t < kBlockTensors; ++t) {
+    for (int l = 0; l < cfg_.n_layer; ++l)
+      if (block_stores(ckpt_, l, t)) a.layers[l][t].resize(n[t]);
+    if (cfg_.n_layer > 0 && !block_stores(ckpt_, 0, t)) a.shared[t].resize(n[t]);
   }
   a.lnf.resize(N * C), a.lnf_mean.resize(N), a.lnf_rstd.resize(N);
   a.dres.resize(N * C), a.dln.resize(N * C), a.dqkv.resize(N * Q), a.datty.resize(N * AC);
@@ -327,9 +377,8 @@ template <typename T>
 void Transformer<T>::forward_body(const int32_t* inputs, int B, int Tlen) {
   ensure_activations(B, Tlen);
   auto& a = *acts_;
-  const int N = B * Tlen, C = cfg_.d_model, V = cfg_.vocab_size, NH = cfg_.n_head, KV = cfg_.n_kv_head,
-            HD = cfg_.head_dim();
-  const int64_t NC = int64_t(N) * C, NF = int64_t(N) * cfg_.d_ff;
+  const int N = B * Tlen, C = cfg_.d_model, V = cfg_.vocab_size;
+  const int64_t NC = int64_t(N) * C;
   for (int i = 0; i < N; ++i)
     ESPLAG_CHECK(inputs[i] >= 0 && inputs[i] < V, "input token ", inputs[i], " at position ", i,
                  " is outside the vocabulary [0, ", V, ")");
@@ -339,47 +388,80 @@ void Transformer<T>::forward_body(const int32_t* inputs, int B, int Tlen) {
   }
   const T* x = a.embed.data();
   for (int l = 0; l < cfg_.n_layer; ++l) {
-    auto& L = a.layers[l];
-    auto& blk = blocks_[l];
-    norm_forward(blk.norm1, L.ln1.data(), L.ln1_mean.data(), L.ln1_rstd.data(), x, N, l);
-    blk.qkv->forward(L.qkv.data(), L.ln1.data(), N);
-    if (cfg_.pos == PosKind::rope) {
-      ScopedOp op({blk.prefix, "rope.fwd"}, OpCategory::elementwise, l, 3.0 * N * (NH + KV) * HD,
-                  2.0 * sizeof(T) * N * (NH + KV) * HD, {L.qkv.data()}, {L.qkv.data()});
-      cpu::rope_forward(L.qkv.data(), B, Tlen, NH, KV, HD, cfg_.rope_theta);
-    }
-    {
-      ScopedOp op({blk.prefix, "attn.sdpa.fwd"}, OpCategory::attention, l, 2.0 * B * NH * double(Tlen) * Tlen * HD,
-                  sizeof(T) * (double(N) * cfg_.qkv_dim() + double(B) * NH * Tlen * Tlen + double(N) * NH * HD),
-                  {L.qkv.data()}, {L.atty.data(), L.att.data()});
-      cpu::attention_forward(L.atty.data(), L.att.data(), L.qkv.data(), B, Tlen, NH, KV, HD);
-    }
-    blk.attn_proj->forward(L.res_mid.data(), L.atty.data(), N);
-    {
-      ScopedOp op({blk.prefix, "residual1.fwd"}, OpCategory::elementwise, l, NC, 3.0 * sizeof(T) * NC,
-                  {L.res_mid.data(), x}, {L.res_mid.data()});
-      cpu::residual_forward(L.res_mid.data(), L.res_mid.data(), x, NC);
-    }
-    norm_forward(blk.norm2, L.ln2.data(), L.ln2_mean.data(), L.ln2_rstd.data(), L.res_mid.data(), N, l);
-    blk.fc->forward(L.fc.data(), L.ln2.data(), N);
-    {
-      ScopedOp op({blk.prefix, "mlp.act.fwd"}, OpCategory::elementwise, l, 8.0 * NF,
-                  sizeof(T) * double(N) * (cfg_.fc_dim() + cfg_.d_ff), {L.fc.data()}, {L.act.data()});
-      switch (cfg_.mlp) {
-        case MlpKind::gelu: cpu::gelu_forward(L.act.data(), L.fc.data(), NF); break;
-        case MlpKind::swiglu: cpu::swiglu_forward(L.act.data(), L.fc.data(), N, cfg_.d_ff); break;
-        case MlpKind::relu2: cpu::relu2_forward(L.act.data(), L.fc.data(), NF); break;
-      }
-    }
-    blk.mlp_proj->forward(L.res_out.data(), L.act.data(), N);
-    {
-      ScopedOp op({blk.prefix, "residual2.fwd"}, OpCategory::elementwise, l, NC, 3.0 * sizeof(T) * NC,
-                  {L.res_out.data(), L.res_mid.data()}, {L.res_out.data()});
-      cpu::residual_forward(L.res_out.data(), L.res_out.data(), L.res_mid.data(), NC);
-    }
-    x = L.res_out.data();
+    const BlockView v = a.view(l);
+    block_forward(l, x, v, B, Tlen, false);
+    x = v[kResOut];
   }
   norm_forward(norm_f_, a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), x, N, -1);
+}
+
+template <typename T>
+void Transformer<T>::block_forward(int l, const T* x, const BlockView& v, int B, int Tlen, bool to_activation) {
+  const int N = B * Tlen, NH = cfg_.n_head, KV = cfg_.n_kv_head, HD = cfg_.head_dim();
+  const int64_t NC = int64_t(N) * cfg_.d_model;
+  auto& blk = blocks_[l];
+  norm_forward(blk.norm1, v[kLn1], v[kLn1Mean], v[kLn1Rstd], x, N, l);
+  blk.qkv->forward(v[kQkv], v[kLn1], N);
+  if (cfg_.pos == PosKind::rope) {
+    ScopedOp op({blk.prefix, "rope.fwd"}, OpCategory::elementwise, l, 3.0 * N * (NH + KV) * HD,
+                2.0 * sizeof(T) * N * (NH + KV) * HD, {v[kQkv]}, {v[kQkv]});
+    cpu::rope_forward(v[kQkv], B, Tlen, NH, KV, HD, cfg_.rope_theta);
+  }
+  attention_forward(l, v, B, Tlen);
+  blk.attn_proj->forward(v[kResMid], v[kAtty], N);
+  {
+    ScopedOp op({blk.prefix, "residual1.fwd"}, OpCategory::elementwise, l, NC, 3.0 * sizeof(T) * NC,
+                {v[kResMid], x}, {v[kResMid]});
+    cpu::residual_forward(v[kResMid], v[kResMid], x, NC);
+  }
+  norm_forward(blk.norm2, v[kLn2], v[kLn2Mean], v[kLn2Rstd], v[kResMid], N, l);
+  blk.fc->forward(v[kFc], v[kLn2], N);
+  mlp_activation_forward(l, v, N);
+  if (to_activation) return;
+  blk.mlp_proj->forward(v[kResOut], v[kAct], N);
+  ScopedOp op({blk.prefix, "residual2.fwd"}, OpCategory::elementwise, l, NC, 3.0 * sizeof(T) * NC,
+              {v[kResOut], v[kResMid]}, {v[kResOut]});
+  cpu::residual_forward(v[kResOut], v[kResOut], v[kResMid], NC);
+}
+
+// Writes the attention's output (v[kAtty]) and probabilities (v[kAtt]) from q, k, v.
+template <typename T>
+void Transformer<T>::attention_forward(int l, const BlockView& v, int B, int Tlen) {
+  const int N = B * Tlen, NH = cfg_.n_head, HD = cfg_.head_dim();
+  ScopedOp op({blocks_[l].prefix, "attn.sdpa.fwd"}, OpCategory::attention, l, 2.0 * B * NH * double(Tlen) * Tlen * HD,
+              sizeof(T) * (double(N) * cfg_.qkv_dim() + double(B) * NH * Tlen * Tlen + double(N) * NH * HD),
+              {v[kQkv]}, {v[kAtty], v[kAtt]});
+  cpu::attention_forward(v[kAtty], v[kAtt], v[kQkv], B, Tlen, NH, cfg_.n_kv_head, HD);
+}
+
+template <typename T>
+void Transformer<T>::mlp_activation_forward(int l, const BlockView& v, int N) {
+  const int64_t NF = int64_t(N) * cfg_.d_ff;
+  ScopedOp op({blocks_[l].prefix, "mlp.act.fwd"}, OpCategory::elementwise, l, 8.0 * NF,
+              sizeof(T) * double(N) * (cfg_.fc_dim() + cfg_.d_ff), {v[kFc]}, {v[kAct]});
+  switch (cfg_.mlp) {
+    case MlpKind::gelu: cpu::gelu_forward(v[kAct], v[kFc], NF); break;
+    case MlpKind::swiglu: cpu::swiglu_forward(v[kAct], v[kFc], N, cfg_.d_ff); break;
+    case MlpKind::relu2: cpu::relu2_forward(v[kAct], v[kFc], NF); break;
+  }
+}
+
+// The same ops on the same inputs as the forward, so the recomputed tensors are the forward's
+// bit for bit. A Linear's forward run again is a pure function of its weights and input: it
+// chooses no mask and draws no random numbers (sparse_dw draws in the backward only).
+template <typename T>
+void Transformer<T>::recompute_block(int l, const T* x, const BlockView& v, int B, int Tlen) {
+  if (ckpt_.mode == CheckpointMode::full) {
+    block_forward(l, x, v, B, Tlen, true);
+    return;
+  }
+  // selective: the attention output it writes again equals the kept one.
+  const int N = B * Tlen;
+  auto& blk = blocks_[l];
+  norm_forward(blk.norm1, v[kLn1], v[kLn1Mean], v[kLn1Rstd], x, N, l);
+  attention_forward(l, v, B, Tlen);
+  norm_forward(blk.norm2, v[kLn2], v[kLn2Mean], v[kLn2Rstd], v[kResMid], N, l);
+  mlp_activation_forward(l, v, N);
 }
 
 template <typename T>
@@ -422,38 +504,39 @@ void Transformer<T>::backward_body(const int32_t* inputs, int B, int Tlen) {
   const int64_t NC = int64_t(N) * C, NF = int64_t(N) * cfg_.d_ff;
   auto zero = [](std::vector<T>& v) { std::fill(v.begin(), v.end(), T(0)); };
   zero(a.dres);
-  const T* x_last = cfg_.n_layer ? a.layers.back().res_out.data() : a.embed.data();
+  const T* x_last = cfg_.n_layer ? a.layers.back()[kResOut].data() : a.embed.data();
   norm_backward(norm_f_, a.dres.data(), a.dlnf.data(), x_last, a.lnf_mean.data(), a.lnf_rstd.data(), N, -1);
   for (int l = cfg_.n_layer - 1; l >= 0; --l) {
-    auto& L = a.layers[l];
+    const BlockView L = a.view(l);
     auto& blk = blocks_[l];
-    const T* x_in = l ? a.layers[l - 1].res_out.data() : a.embed.data();
+    const T* x_in = l ? a.layers[l - 1][kResOut].data() : a.embed.data();
+    if (ckpt_.checkpoints(l)) recompute_block(l, x_in, L, B, Tlen);
     // MLP half: dres holds d(res_out) = d(res_mid) through the residual.
     zero(a.dact);
-    blk.mlp_proj->backward(a.dact.data(), a.dres.data(), L.act.data(), N);
+    blk.mlp_proj->backward(a.dact.data(), a.dres.data(), L[kAct], N);
     zero(a.dfc);
     {
       ScopedOp op({blk.prefix, "mlp.act.bwd"}, OpCategory::elementwise, l, 12.0 * NF,
-                  sizeof(T) * double(N) * (2 * cfg_.fc_dim() + cfg_.d_ff), {L.fc.data(), a.dact.data()},
+                  sizeof(T) * double(N) * (2 * cfg_.fc_dim() + cfg_.d_ff), {L[kFc], a.dact.data()},
                   {a.dfc.data()});
       switch (cfg_.mlp) {
-        case MlpKind::gelu: cpu::gelu_backward(a.dfc.data(), L.fc.data(), a.dact.data(), NF); break;
-        case MlpKind::swiglu: cpu::swiglu_backward(a.dfc.data(), L.fc.data(), a.dact.data(), N, cfg_.d_ff); break;
-        case MlpKind::relu2: cpu::relu2_backward(a.dfc.data(), L.fc.data(), a.dact.data(), NF); break;
+        case MlpKind::gelu: cpu::gelu_backward(a.dfc.data(), L[kFc], a.dact.data(), NF); break;
+        case MlpKind::swiglu: cpu::swiglu_backward(a.dfc.data(), L[kFc], a.dact.data(), N, cfg_.d_ff); break;
+        case MlpKind::relu2: cpu::relu2_backward(a.dfc.data(), L[kFc], a.dact.data(), NF); break;
       }
     }
     zero(a.dln);
-    blk.fc->backward(a.dln.data(), a.dfc.data(), L.ln2.data(), N);
-    norm_backward(blk.norm2, a.dres.data(), a.dln.data(), L.res_mid.data(), L.ln2_mean.data(), L.ln2_rstd.data(), N, l);
+    blk.fc->backward(a.dln.data(), a.dfc.data(), L[kLn2], N);
+    norm_backward(blk.norm2, a.dres.data(), a.dln.data(), L[kResMid], L[kLn2Mean], L[kLn2Rstd], N, l);
     // Attention half: dres now holds d(res_mid) = d(x_in) through the residual.
     zero(a.datty);
-    blk.attn_proj->backward(a.datty.data(), a.dres.data(), L.atty.data(), N);
+    blk.attn_proj->backward(a.datty.data(), a.dres.data(), L[kAtty], N);
     zero(a.dqkv);
     {
       ScopedOp op({blk.prefix, "attn.sdpa.bwd"}, OpCategory::attention, l, 4.0 * B * NH * double(Tlen) * Tlen * HD,
                   sizeof(T) * (2.0 * N * cfg_.qkv_dim() + double(B) * NH * Tlen * Tlen + double(N) * NH * HD),
-                  {a.datty.data(), L.qkv.data(), L.att.data()}, {a.dqkv.data()});
-      cpu::attention_backward(a.dqkv.data(), a.datty.data(), L.qkv.data(), L.att.data(), B, Tlen, NH, KV, HD);
+                  {a.datty.data(), L[kQkv], L[kAtt]}, {a.dqkv.data()});
+      cpu::attention_backward(a.dqkv.data(), a.datty.data(), L[kQkv], L[kAtt], B, Tlen, NH, KV, HD);
     }
     if (cfg_.pos == PosKind::rope) {
       ScopedOp op({blk.prefix, "rope.bwd"}, OpCategory::elementwise, l, 3.0 * N * (NH + KV) * HD,
@@ -461,8 +544,8 @@ void Transformer<T>::backward_body(const int32_t* inputs, int B, int Tlen) {
       cpu::rope_backward(a.dqkv.data(), B, Tlen, NH, KV, HD, cfg_.rope_theta);
     }
     zero(a.dln);
-    blk.qkv->backward(a.dln.data(), a.dqkv.data(), L.ln1.data(), N);
-    norm_backward(blk.norm1, a.dres.data(), a.dln.data(), x_in, L.ln1_mean.data(), L.ln1_rstd.data(), N, l);
+    blk.qkv->backward(a.dln.data(), a.dqkv.data(), L[kLn1], N);
+    norm_backward(blk.norm1, a.dres.data(), a.dln.data(), x_in, L[kLn1Mean], L[kLn1Rstd], N, l);
   }
   ScopedOp op("embed.bwd", OpCategory::elementwise, -1, NC, 3.0 * sizeof(T) * NC, {a.dres.data(), inputs},
               {dwte_, dwpe_});
@@ -491,6 +574,29 @@ void Transformer<T>::forward_last_logits(const int32_t* inputs, int B, int Tlen,
   for (int b = 0; b < B; ++b)
     cpu::linear_forward(out + size_t(b) * V, acts_->lnf.data() + (size_t(b) * Tlen + Tlen - 1) * C, head_w_,
                         static_cast<const T*>(nullptr), 1, C, V);
+}
+
+template <typename T>
+void Transformer<T>::set_checkpointing(const ActivationCheckpointing& checkpointing) {
+  ESPLAG_CHECK(checkpointing.every >= 1, "activation checkpointing: every must be at least 1, got ",
+               checkpointing.every);
+  ckpt_ = checkpointing;
+  acts_.reset();  // reallocated for the new mode by the next forward
+}
+
+template <typename T>
+size_t Transformer<T>::activation_elements() const {
+  if (!acts_) return 0;
+  const Activations& a = *acts_;
+  size_t n = 0;
+  auto add = [&](const std::vector<T>& v) { n += v.size(); };
+  for (const auto* v : {&a.embed, &a.lnf, &a.lnf_mean, &a.lnf_rstd, &a.dres, &a.dln, &a.dqkv, &a.datty, &a.dfc,
+                        &a.dact, &a.dlnf, &a.logits, &a.dlogits, &a.losses})
+    add(*v);
+  for (const auto& layer : a.layers)
+    for (const auto& v : layer) add(v);
+  for (const auto& v : a.shared) add(v);
+  return n;
 }
 
 template class Transformer<float>;

@@ -10,6 +10,7 @@
 
 #include "core/tensor.h"
 #include "core/zeroed_array.h"
+#include "model/activation_checkpointing.h"
 #include "model/config.h"
 #include "model/linear.h"
 
@@ -26,10 +27,12 @@ struct ParamInfo {
 // The flat parameter layout of a model of `config` (names, shapes, offsets, decay) in the
 // order of its flat buffers: the one definition Transformer and GpuTransformer both use.
 std::vector<ParamInfo> transformer_param_layout(const ModelConfig& config);
-// Elements of the activations Transformer<T> keeps for micro-batches of B×T tokens: what the
-// forward saves for the backward in every block, the final norm, the backward's scratch
-// and the chunked logits (what ensure_activations allocates).
-size_t transformer_activation_elements(const ModelConfig& config, int B, int T);
+// Elements of the activations Transformer<T> keeps for micro-batches of B×T tokens with
+// `checkpointing`: what the forward saves for the backward in every block (less in
+// checkpointed blocks, plus the buffers their recomputation shares), the final norm, the
+// backward's scratch and the chunked logits (what ensure_activations allocates).
+size_t transformer_activation_elements(const ModelConfig& config, int B, int T,
+                                       const ActivationCheckpointing& checkpointing = {});
 
 template <typename T>
 class Transformer {
@@ -74,6 +77,12 @@ class Transformer {
   double forward_loss(const int32_t* inputs, const int32_t* targets, int B, int Tlen);
   // Logits of the last position of each sequence: out [B, vocab].
   void forward_last_logits(const int32_t* inputs, int B, int Tlen, T* out);
+  // Which blocks keep less of their forward and recompute it in the backward; gradients
+  // stay bit-identical (activation_checkpointing.h). Default: none.
+  void set_checkpointing(const ActivationCheckpointing& checkpointing);
+  const ActivationCheckpointing& checkpointing() const { return ckpt_; }
+  // Elements of the activation buffers allocated now (0 before the first forward).
+  size_t activation_elements() const;
 
   // --- the Linear seam ------------------------------------------------------------------
   // Weight names of every block linear, e.g. "blocks.0.attn.qkv.weight".
@@ -89,6 +98,7 @@ class Transformer {
   };
   struct Block;
   struct Activations;
+  struct BlockView;  // where one block's saved tensors are (its own buffers or the shared ones)
   void norm_forward(const Norm& n, T* out, T* mean, T* rstd, const T* x, int N, int layer);
   void norm_backward(const Norm& n, T* dinp, const T* dout, const T* x, const T* mean, const T* rstd, int N,
                      int layer);
@@ -97,6 +107,13 @@ class Transformer {
   void ensure_activations(int B, int Tlen);
   // Runs the blocks and final norm; leaves the final hidden states in acts_->lnf.
   void forward_body(const int32_t* inputs, int B, int Tlen);
+  // Block l on input x; with to_activation, only up to the MLP activation (what the
+  // backward reads: the recomputation of a full checkpoint).
+  void block_forward(int l, const T* x, const BlockView& v, int B, int Tlen, bool to_activation);
+  void attention_forward(int l, const BlockView& v, int B, int Tlen);
+  void mlp_activation_forward(int l, const BlockView& v, int N);
+  // Recomputes what checkpointed block l did not keep.
+  void recompute_block(int l, const T* x, const BlockView& v, int B, int Tlen);
   // LM head + cross-entropy over rows in chunks; with train, also the head's backward.
   double head_loss(const int32_t* targets, int N, bool train, double loss_scale);
   void backward_body(const int32_t* inputs, int B, int Tlen);
@@ -108,6 +125,7 @@ class Transformer {
   std::vector<Block> blocks_;
   Norm norm_f_;
   T *wte_ = nullptr, *dwte_ = nullptr, *wpe_ = nullptr, *dwpe_ = nullptr, *head_w_ = nullptr, *head_dw_ = nullptr;
+  ActivationCheckpointing ckpt_;
   std::unique_ptr<Activations> acts_;
 };
 

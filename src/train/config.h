@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "model/activation_checkpointing.h"
 #include "model/config.h"
 #include "train/recipe.h"
 #include "train/schedule.h"
@@ -39,6 +40,7 @@ struct TrainConfig {
   int eval_batches = 16;
   int64_t checkpoint_every = 100;  // 0: only at the end
   int keep_checkpoints = 2;        // newest N step directories are kept; 0 keeps all
+  ActivationCheckpointing checkpointing;  // train.checkpointing, train.checkpointing_every (CPU only so far)
   OptimizerConfig optimizer;
   LrSchedule schedule;  // schedule.lr and total_steps mirror optimizer.lr and steps
   // The top-level `recipe:` list (sparsity modifiers, see docs/recipes.md) as YAML text;

@@ -40,7 +40,8 @@ uint64_t cgroup_value(const char* path) {
 uint64_t host_bytes_for_training(const TrainConfig& config, const std::string& device) {
   const uint64_t params = uint64_t(config.model.num_params());
   if (device == "cuda") return params * 3 * kFloat;
-  return params * 4 * kFloat + transformer_activation_elements(config.model, config.batch_size, config.seq_len) * kFloat;
+  return params * 4 * kFloat +
+         transformer_activation_elements(config.model, config.batch_size, config.seq_len, config.checkpointing) * kFloat;
 }
 
 uint64_t available_host_bytes() {
@@ -65,6 +66,11 @@ void check_host_memory(const TrainConfig& config, const std::string& device, uin
     while (host_bytes_for_training(smaller, device) <= available) ++smaller.batch_size;
     fits = "train.batch_size " + std::to_string(smaller.batch_size - 1) + " would fit (with train.grad_accum for the " +
            "same tokens per step)";
+    TrainConfig checkpointed = config;
+    checkpointed.checkpointing = {CheckpointMode::full, 1};
+    if (device == "cpu" && host_bytes_for_training(checkpointed, device) <= available)
+      fits += ", and so would train.checkpointing full with this batch size (the same gradients, each block's forward "
+              "run twice)";
   } else {
     std::string best;
     int64_t best_params = 0;

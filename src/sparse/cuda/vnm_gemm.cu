@@ -307,6 +307,104 @@ __device__ __forceinline__ void mma_sp(float (&d)[4], const uint32_t (&a)[4], co
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e));
 }
 
+// What one thread copies into each stage of the pipeline: its 16-byte chunks of the weight
+// (A fragments, metadata and, for the first threads, the column selections of the tile's row
+// blocks; a K step adds a fixed stride to each source) and of X. Row-major X: this thread
+// copies 16-byte column chunk xq of token rows xr0 + 16i (tok_ok: which of them exist). Xᵀ:
+// token chunk xq (8 tokens) of column rows xr0 + 16i; tok_bytes is how many of those 16 bytes
+// hold existing tokens.
+struct StageSources {
+  const unsigned char* frag_src = nullptr;
+  const unsigned char* meta_src = nullptr;
+  const unsigned char* sel_src = nullptr;
+  int64_t frag_step = 0, meta_step = 0, sel_step = 0;
+  bool sel_copier = false;
+  int xq = 0, xr0 = 0;
+  uint32_t tok_ok = 0;
+  int tok_bytes = 0;
+  const bf16* xsrc = nullptr;
+  int64_t x_row16 = 0;
+};
+
+template <bool XT>
+__device__ __forceinline__ StageSources stage_sources(const GemmParams& p, int tid, int64_t n0, int64_t tile0,
+                                                      int64_t rb_first, int rb_count) {
+  StageSources s;
+  s.frag_src = reinterpret_cast<const unsigned char*>(p.frag) + tile0 * 512 + tid * 16;
+  s.frag_step = p.tiles16 * 512;
+  s.meta_src = reinterpret_cast<const unsigned char*>(p.meta) + tile0 * 128 + tid * 16;
+  s.meta_step = p.tiles16 * 128;
+  s.sel_src = p.sel + rb_first * kSelRecord + tid * 16;
+  s.sel_step = p.row_blocks * kSelRecord;
+  s.sel_copier = tid < rb_count * (kSelRecord / 16);
+  s.xq = tid % 16;
+  s.xr0 = tid / 16;
+  if constexpr (XT) {
+    s.tok_bytes = int(max(int64_t(0), min(int64_t(16), (p.tokens - n0 - 8 * s.xq) * 2)));
+    s.xsrc = p.x + int64_t(s.xr0) * p.ldxt + n0 + 8 * s.xq;
+    s.x_row16 = 16 * p.ldxt;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kBN / 16; ++i) s.tok_ok |= uint32_t(n0 + s.xr0 + 16 * i < p.tokens) << i;
+    s.xsrc = p.x + (n0 + s.xr0) * p.cols + 8 * s.xq;  // only dereferenced for existing rows
+    s.x_row16 = 16 * p.cols;
+  }
+  return s;
+}
+
+// Issues this thread's copies of K step ks into pipeline stage `stage` (cp.async, or plain
+// loads and stores for X rows that are not 16-byte aligned).
+template <bool XT>
+__device__ __forceinline__ void load_stage(const GemmParams& p, const StageSources& s, unsigned char* smem, int tid,
+                                           int64_t n0, int stage, int64_t ks) {
+  const int m = p.m;
+  unsigned char* st = smem + stage * kStageBytes;
+  const unsigned char* f = s.frag_src + ks * s.frag_step;
+  static_assert(kFragBytes == 2 * kThreads * 16, "two A chunks per thread");
+  cp_async16(st + kXBytes + tid * 16, f);
+  cp_async16(st + kXBytes + kThreads * 16 + tid * 16, f + kThreads * 16);
+  if (tid < kMetaBytes / 16) cp_async16(st + kXBytes + kFragBytes + tid * 16, s.meta_src + ks * s.meta_step);
+  if (s.sel_copier) cp_async16(st + kXBytes + kFragBytes + kMetaBytes + tid * 16, s.sel_src + ks * s.sel_step);
+  const int64_t k0 = ks * kStepBlocks * m;  // first column of X in this step
+  if constexpr (XT) {
+    const int rows = kStepBlocks * m;  // column rows of this step (<= 128)
+#pragma unroll
+    for (int i = 0; i < kBN / 16; ++i) {
+      const int r = s.xr0 + 16 * i;
+      if (r < rows) {
+        const int bytes = k0 + r < p.cols ? s.tok_bytes : 0;
+        cp_async16_zfill(st + r * kXStride + s.xq * 16, bytes ? s.xsrc + i * s.x_row16 + k0 * p.ldxt : p.x, bytes);
+      }
+    }
+  } else if (p.x_async) {
+    if (s.xq < m) {
+      const bool col_ok = k0 + 8 * s.xq < p.cols;  // cols % 8 == 0: chunks are all in or all out
+#pragma unroll
+      for (int i = 0; i < kBN / 16; ++i) {
+        const bool ok = col_ok && (s.tok_ok >> i & 1u);
+        cp_async16_zfill(st + (s.xr0 + 16 * i) * kXStride + s.xq * 16, ok ? s.xsrc + i * s.x_row16 + k0 : p.x,
+                         ok ? 16 : 0);
+      }
+    }
+  } else {
+    const uint16_t* xs = reinterpret_cast<const uint16_t*>(p.x);
+    for (int c = tid; c < kBN * m; c += kThreads) {
+      const int r = c / m, q = c - r * m;
+      const int64_t tok = n0 + r, col = k0 + 8 * q;
+      uint32_t w[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t lo = (tok < p.tokens && col + 2 * e < p.cols) ? xs[tok * p.cols + col + 2 * e] : 0u;
+        const uint32_t hi = (tok < p.tokens && col + 2 * e + 1 < p.cols) ? xs[tok * p.cols + col + 2 * e + 1] : 0u;
+        w[e] = lo | hi << 16;
+      }
+      *reinterpret_cast<uint4*>(st + r * kXStride + q * 16) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+// The warp's MI·NJ mma.sp of one K step from stage st: its A fragments and metadata, and the
+// B fragments gathered at the selected columns of its row block (rb_local in the tile).
 // XT = false: X [tokens, cols] row-major; the stage holds 128 token rows × 8·M columns,
 // and lane (g, t) gathers B register i of n tile nj with two LDS.U16 from token row
 // 8·nj + g: 8 loads per n tile.
@@ -314,193 +412,87 @@ __device__ __forceinline__ void mma_sp(float (&d)[4], const uint32_t (&a)[4], co
 // n tiles interleave their tokens (n tile nj, column n is token NJ·n + nj), so that one
 // LDS.128 (NJ = 8) or LDS.64 (NJ = 4) of gathered column k brings the lane's element of
 // all its n tiles at once: 8 shared loads per K step instead of 8 per n tile.
-template <int Stages, int MI, typename OutT, bool XT>
-__global__ void __launch_bounds__(kThreads, 1) vnm_gemm_kernel(const GemmParams p) {
+template <int MI, bool XT>
+__device__ __forceinline__ void mma_stage(float (&acc)[MI][WarpTile<MI>::kNJ][4], const unsigned char* st,
+                                          int warp_m, int warp_n, int lane, int g, int t, int rb_local) {
   using WT = WarpTile<MI>;
   constexpr int NJ = WT::kNJ;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int warp_m = warp % WT::kWarpsM, warp_n = warp / WT::kWarpsM;
-  const int g = lane >> 2, t = lane & 3;
-  const int64_t m0 = int64_t(blockIdx.x) * kBM;  // first out row of the tile
-  const int64_t n0 = int64_t(blockIdx.y) * kBN;  // first token of the tile
-  const int64_t tile0 = m0 / 16;
-  const int64_t rb_first = m0 / p.v;
-  const int rb_count = int((m0 + kBM - 1) / p.v - rb_first + 1);
-  const int m = p.m;
-
-  // Per-thread sources of the weight parts of a stage; a step adds a fixed stride.
-  const unsigned char* frag_src = reinterpret_cast<const unsigned char*>(p.frag) + tile0 * 512 + tid * 16;
-  const int64_t frag_step = p.tiles16 * 512;
-  const unsigned char* meta_src = reinterpret_cast<const unsigned char*>(p.meta) + tile0 * 128 + tid * 16;
-  const int64_t meta_step = p.tiles16 * 128;
-  const unsigned char* sel_src = p.sel + rb_first * kSelRecord + tid * 16;
-  const int64_t sel_step = p.row_blocks * kSelRecord;
-  const bool sel_copier = tid < rb_count * (kSelRecord / 16);
-  // X fill. Row-major X: this thread copies 16-byte column chunk xq of token rows xr0 + 16i.
-  // Xᵀ: token chunk xq (8 tokens) of column rows xr0 + 16i; tok_bytes is how many of those
-  // 16 bytes hold existing tokens.
-  const int xq = tid % 16, xr0 = tid / 16;
-  uint32_t tok_ok = 0;
-  int tok_bytes = 0;
-  const bf16* xsrc;
-  int64_t x_row16;
+  // Columns (inside the step) of this lane's B registers: register i, element j at 2i + j.
+  const uint2 s8 =
+      *reinterpret_cast<const uint2*>(st + kXBytes + kFragBytes + kMetaBytes + rb_local * kSelRecord + t * 8);
+  uint32_t a[MI][4], e[MI];
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+    const int tile = warp_m * MI + mi;
+    const uint4 av = *reinterpret_cast<const uint4*>(st + kXBytes + (tile * 32 + lane) * 16);
+    a[mi][0] = av.x;
+    a[mi][1] = av.y;
+    a[mi][2] = av.z;
+    a[mi][3] = av.w;
+    e[mi] = *reinterpret_cast<const uint32_t*>(st + kXBytes + kFragBytes + (tile * 32 + lane) * 4);
+  }
   if constexpr (XT) {
-    tok_bytes = int(max(int64_t(0), min(int64_t(16), (p.tokens - n0 - 8 * xq) * 2)));
-    xsrc = p.x + int64_t(xr0) * p.ldxt + n0 + 8 * xq;
-    x_row16 = 16 * p.ldxt;
+    // gathered[k]: the lane's NJ tokens (NJ·g .. NJ·g + NJ-1 of the warp) of column k.
+    uint32_t gathered[8][NJ / 2];
+    const unsigned char* base = st + (warp_n * WT::kTokens + NJ * g) * 2;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t word = k < 4 ? s8.x : s8.y;
+      const unsigned char* src = base + ((word >> (8 * (k % 4))) & 0xFFu) * kXStride;
+      static_assert(NJ == 8 || NJ == 4, "warp tiles of 8 or 4 n tiles");
+      if constexpr (NJ == 8) {
+        const uint4 v = *reinterpret_cast<const uint4*>(src);
+        gathered[k][0] = v.x;
+        gathered[k][1] = v.y;
+        gathered[k][2 % (NJ / 2)] = v.z;
+        gathered[k][3 % (NJ / 2)] = v.w;
+      } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(src);
+        gathered[k][0] = v.x;
+        gathered[k][1] = v.y;
+      }
+    }
+#pragma unroll
+    for (int nj = 0; nj < NJ; ++nj) {
+      uint32_t b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)  // element j of register i: the nj-th token of column 2i + j
+        b[i] = __byte_perm(gathered[2 * i][nj / 2], gathered[2 * i + 1][nj / 2], (nj & 1) ? 0x7632 : 0x5410);
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) mma_sp(acc[mi][nj], a[mi], b, e[mi]);
+    }
   } else {
+    const unsigned char* xrow = st + (warp_n * WT::kTokens + g) * kXStride;
+    const unsigned char* src[8];
 #pragma unroll
-    for (int i = 0; i < kBN / 16; ++i) tok_ok |= uint32_t(n0 + xr0 + 16 * i < p.tokens) << i;
-    xsrc = p.x + (n0 + xr0) * p.cols + 8 * xq;  // only dereferenced for existing rows
-    x_row16 = 16 * p.cols;
-  }
-
-  auto load_stage = [&](int stage, int64_t ks) {
-    unsigned char* st = smem + stage * kStageBytes;
-    const unsigned char* f = frag_src + ks * frag_step;
-    static_assert(kFragBytes == 2 * kThreads * 16, "two A chunks per thread");
-    cp_async16(st + kXBytes + tid * 16, f);
-    cp_async16(st + kXBytes + kThreads * 16 + tid * 16, f + kThreads * 16);
-    if (tid < kMetaBytes / 16) cp_async16(st + kXBytes + kFragBytes + tid * 16, meta_src + ks * meta_step);
-    if (sel_copier) cp_async16(st + kXBytes + kFragBytes + kMetaBytes + tid * 16, sel_src + ks * sel_step);
-    const int64_t k0 = ks * kStepBlocks * m;  // first column of X in this step
-    if constexpr (XT) {
-      const int rows = kStepBlocks * m;  // column rows of this step (<= 128)
-#pragma unroll
-      for (int i = 0; i < kBN / 16; ++i) {
-        const int r = xr0 + 16 * i;
-        if (r < rows) {
-          const int bytes = k0 + r < p.cols ? tok_bytes : 0;
-          cp_async16_zfill(st + r * kXStride + xq * 16, bytes ? xsrc + i * x_row16 + k0 * p.ldxt : p.x, bytes);
-        }
-      }
-    } else if (p.x_async) {
-      if (xq < m) {
-        const bool col_ok = k0 + 8 * xq < p.cols;  // cols % 8 == 0: chunks are all in or all out
-#pragma unroll
-        for (int i = 0; i < kBN / 16; ++i) {
-          const bool ok = col_ok && (tok_ok >> i & 1u);
-          cp_async16_zfill(st + (xr0 + 16 * i) * kXStride + xq * 16, ok ? xsrc + i * x_row16 + k0 : p.x,
-                           ok ? 16 : 0);
-        }
-      }
-    } else {
-      const uint16_t* xs = reinterpret_cast<const uint16_t*>(p.x);
-      for (int c = tid; c < kBN * m; c += kThreads) {
-        const int r = c / m, q = c - r * m;
-        const int64_t tok = n0 + r, col = k0 + 8 * q;
-        uint32_t w[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const uint32_t lo = (tok < p.tokens && col + 2 * e < p.cols) ? xs[tok * p.cols + col + 2 * e] : 0u;
-          const uint32_t hi = (tok < p.tokens && col + 2 * e + 1 < p.cols) ? xs[tok * p.cols + col + 2 * e + 1] : 0u;
-          w[e] = lo | hi << 16;
-        }
-        *reinterpret_cast<uint4*>(st + r * kXStride + q * 16) = make_uint4(w[0], w[1], w[2], w[3]);
-      }
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t word = k < 4 ? s8.x : s8.y;
+      src[k] = xrow + 2 * ((word >> (8 * (k % 4))) & 0xFFu);
     }
-  };
-
-  float acc[MI][NJ][4];
 #pragma unroll
-  for (int i = 0; i < MI; ++i)
+    for (int nj = 0; nj < NJ; ++nj) {
+      uint32_t b[4];
 #pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int k = 0; k < 4; ++k) acc[i][j][k] = 0.f;
-
-  // out is a multiple of V, hence of the warp's rows: they are all inside or all outside.
-  const bool active = m0 + warp_m * WT::kRows < p.rows;
-  const int rb_local = int((m0 + warp_m * WT::kRows) / p.v - rb_first);
-
-#pragma unroll
-  for (int s = 0; s < Stages - 1; ++s) {
-    if (s < p.ksteps) load_stage(s, s);
-    cp_async_commit();
-  }
-
-  for (int64_t ks = 0; ks < p.ksteps; ++ks) {
-    cp_async_wait<Stages - 2>();
-    __syncthreads();  // stage ks is complete for everyone, and stage ks-1 is no longer read
-    {
-      const int64_t next = ks + Stages - 1;
-      if (next < p.ksteps) load_stage(int(next % Stages), next);
-      cp_async_commit();
-    }
-    if (!active) continue;
-    const unsigned char* st = smem + int(ks % Stages) * kStageBytes;
-    // Columns (inside the step) of this lane's B registers: register i, element j at 2i + j.
-    const uint2 s8 =
-        *reinterpret_cast<const uint2*>(st + kXBytes + kFragBytes + kMetaBytes + rb_local * kSelRecord + t * 8);
-    uint32_t a[MI][4], e[MI];
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi) {
-      const int tile = warp_m * MI + mi;
-      const uint4 av = *reinterpret_cast<const uint4*>(st + kXBytes + (tile * 32 + lane) * 16);
-      a[mi][0] = av.x;
-      a[mi][1] = av.y;
-      a[mi][2] = av.z;
-      a[mi][3] = av.w;
-      e[mi] = *reinterpret_cast<const uint32_t*>(st + kXBytes + kFragBytes + (tile * 32 + lane) * 4);
-    }
-    if constexpr (XT) {
-      // gathered[k]: the lane's NJ tokens (NJ·g .. NJ·g + NJ-1 of the warp) of column k.
-      uint32_t gathered[8][NJ / 2];
-      const unsigned char* base = st + (warp_n * WT::kTokens + NJ * g) * 2;
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const uint32_t word = k < 4 ? s8.x : s8.y;
-        const unsigned char* src = base + ((word >> (8 * (k % 4))) & 0xFFu) * kXStride;
-        static_assert(NJ == 8 || NJ == 4, "warp tiles of 8 or 4 n tiles");
-        if constexpr (NJ == 8) {
-          const uint4 v = *reinterpret_cast<const uint4*>(src);
-          gathered[k][0] = v.x;
-          gathered[k][1] = v.y;
-          gathered[k][2 % (NJ / 2)] = v.z;
-          gathered[k][3 % (NJ / 2)] = v.w;
-        } else {
-          const uint2 v = *reinterpret_cast<const uint2*>(src);
-          gathered[k][0] = v.x;
-          gathered[k][1] = v.y;
-        }
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t lo = *reinterpret_cast<const uint16_t*>(src[2 * i] + nj * 8 * kXStride);
+        const uint32_t hi = *reinterpret_cast<const uint16_t*>(src[2 * i + 1] + nj * 8 * kXStride);
+        b[i] = lo | hi << 16;
       }
 #pragma unroll
-      for (int nj = 0; nj < NJ; ++nj) {
-        uint32_t b[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)  // element j of register i: the nj-th token of column 2i + j
-          b[i] = __byte_perm(gathered[2 * i][nj / 2], gathered[2 * i + 1][nj / 2], (nj & 1) ? 0x7632 : 0x5410);
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) mma_sp(acc[mi][nj], a[mi], b, e[mi]);
-      }
-    } else {
-      const unsigned char* xrow = st + (warp_n * WT::kTokens + g) * kXStride;
-      const unsigned char* src[8];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const uint32_t word = k < 4 ? s8.x : s8.y;
-        src[k] = xrow + 2 * ((word >> (8 * (k % 4))) & 0xFFu);
-      }
-#pragma unroll
-      for (int nj = 0; nj < NJ; ++nj) {
-        uint32_t b[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t lo = *reinterpret_cast<const uint16_t*>(src[2 * i] + nj * 8 * kXStride);
-          const uint32_t hi = *reinterpret_cast<const uint16_t*>(src[2 * i + 1] + nj * 8 * kXStride);
-          b[i] = lo | hi << 16;
-        }
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) mma_sp(acc[mi][nj], a[mi], b, e[mi]);
-      }
+      for (int mi = 0; mi < MI; ++mi) mma_sp(acc[mi][nj], a[mi], b, e[mi]);
     }
   }
-  cp_async_wait<0>();
-  __syncthreads();  // the pipeline's shared memory becomes the epilogue's
-  if (!active) return;
+}
 
-  // Epilogue: accumulators (+ bias) -> this warp's [tokens][out] tile -> Y rows.
+// Epilogue: the warp's accumulators (+ bias) -> its [tokens][out] tile in shared memory ->
+// Y rows (16-byte chunks). The warp covers out rows m0 + warp_m·kRows.. and tokens
+// n0 + warp_n·kTokens.. of the thread block's tile.
+template <int MI, typename OutT, bool XT>
+__device__ __forceinline__ void store_warp_tile(const GemmParams& p, const float (&acc)[MI][WarpTile<MI>::kNJ][4],
+                                                unsigned char* smem, int warp, int warp_m, int warp_n, int lane, int g,
+                                                int t, int64_t m0, int64_t n0) {
+  using WT = WarpTile<MI>;
+  constexpr int NJ = WT::kNJ;
   constexpr int kStride = epi_stride<MI, OutT>();
   unsigned char* tile = smem + warp * WT::kTokens * kStride;
   const int64_t row0 = m0 + warp_m * WT::kRows;
@@ -542,6 +534,58 @@ __global__ void __launch_bounds__(kThreads, 1) vnm_gemm_kernel(const GemmParams 
       for (int k = 0; k < 16 / int(sizeof(OutT)); ++k) d[k] = reinterpret_cast<const OutT*>(s)[k];
     }
   }
+}
+
+// One thread block: a kBM × kBN tile of D = W · Xᵀ through a Stages-deep cp.async pipeline
+// of K steps (XT: X given transposed, see mma_stage).
+template <int Stages, int MI, typename OutT, bool XT>
+__global__ void __launch_bounds__(kThreads, 1) vnm_gemm_kernel(const GemmParams p) {
+  using WT = WarpTile<MI>;
+  constexpr int NJ = WT::kNJ;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warp_m = warp % WT::kWarpsM, warp_n = warp / WT::kWarpsM;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t m0 = int64_t(blockIdx.x) * kBM;  // first out row of the tile
+  const int64_t n0 = int64_t(blockIdx.y) * kBN;  // first token of the tile
+  const int64_t tile0 = m0 / 16;
+  const int64_t rb_first = m0 / p.v;
+  const int rb_count = int((m0 + kBM - 1) / p.v - rb_first + 1);
+  const StageSources sources = stage_sources<XT>(p, tid, n0, tile0, rb_first, rb_count);
+
+  float acc[MI][NJ][4];
+#pragma unroll
+  for (int i = 0; i < MI; ++i)
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) acc[i][j][k] = 0.f;
+
+  // out is a multiple of V, hence of the warp's rows: they are all inside or all outside.
+  const bool active = m0 + warp_m * WT::kRows < p.rows;
+  const int rb_local = int((m0 + warp_m * WT::kRows) / p.v - rb_first);
+
+#pragma unroll
+  for (int s = 0; s < Stages - 1; ++s) {
+    if (s < p.ksteps) load_stage<XT>(p, sources, smem, tid, n0, s, s);
+    cp_async_commit();
+  }
+
+  for (int64_t ks = 0; ks < p.ksteps; ++ks) {
+    cp_async_wait<Stages - 2>();
+    __syncthreads();  // stage ks is complete for everyone, and stage ks-1 is no longer read
+    {
+      const int64_t next = ks + Stages - 1;
+      if (next < p.ksteps) load_stage<XT>(p, sources, smem, tid, n0, int(next % Stages), next);
+      cp_async_commit();
+    }
+    if (!active) continue;
+    mma_stage<MI, XT>(acc, smem + int(ks % Stages) * kStageBytes, warp_m, warp_n, lane, g, t, rb_local);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the pipeline's shared memory becomes the epilogue's
+  if (!active) return;
+  store_warp_tile<MI, OutT, XT>(p, acc, smem, warp, warp_m, warp_n, lane, g, t, m0, n0);
 }
 
 // Xᵀ [cols, ldxt] = X [tokens, cols]ᵀ through 64 × 64 shared-memory tiles (coalesced both
