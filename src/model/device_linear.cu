@@ -8,6 +8,8 @@
 #include "core/cuda_timing.h"
 #include "core/error.h"
 #include "model/cuda/step_marks.h"
+#include "model/linear.h"
+#include "ops/gpu_fused.h"
 #include "sparse/cuda/cusparselt.h"
 
 namespace esplag {
@@ -99,6 +101,65 @@ void DeviceLinear::gelu_backward_pass(bf16* dinp, const bf16* pre_act, int N) {
   if (!pre_act) return;
   ctx_.marks->mark(ctx_.stream, "gelu bwd");
   gpu::gelu_backward(dinp, pre_act, dinp, int64_t(N) * in_, false, ctx_.stream);
+}
+
+void DeviceTensorView::to_host(size_t n, std::vector<float>* weights, std::vector<float>* m1, std::vector<float>* m2,
+                               cudaStream_t s) const {
+  std::vector<uint16_t> hi;
+  std::vector<int16_t> lo;
+  if (weights) {
+    hi.resize(n);
+    lo.resize(n);
+    CUDA_CHECK(cudaMemcpyAsync(hi.data(), w, sizeof(bf16) * n, cudaMemcpyDeviceToHost, s));
+    CUDA_CHECK(cudaMemcpyAsync(lo.data(), w_lo, sizeof(int16_t) * n, cudaMemcpyDeviceToHost, s));
+  }
+  for (auto [host, dev] : {std::pair{m1, m}, std::pair{m2, v}})
+    if (host) {
+      host->resize(n);
+      CUDA_CHECK(cudaMemcpyAsync(host->data(), dev, sizeof(float) * n, cudaMemcpyDeviceToHost, s));
+    }
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  if (!weights) return;
+  weights->resize(n);
+  for (size_t i = 0; i < n; ++i) (*weights)[i] = gpu::master_join_bits(hi[i], lo[i]);
+}
+
+void DeviceTensorView::from_host(size_t n, const float* weights, const float* m1, const float* m2,
+                                 cudaStream_t s) const {
+  std::vector<uint16_t> hi(n);
+  std::vector<int16_t> lo(n);
+  for (size_t i = 0; i < n; ++i) {
+    hi[i] = gpu::master_hi_bits(weights[i]);
+    lo[i] = gpu::master_lo_bits(weights[i]);
+  }
+  CUDA_CHECK(cudaMemcpyAsync(w, hi.data(), sizeof(bf16) * n, cudaMemcpyHostToDevice, s));
+  CUDA_CHECK(cudaMemcpyAsync(w_lo, lo.data(), sizeof(int16_t) * n, cudaMemcpyHostToDevice, s));
+  for (auto [host, dev] : {std::pair{m1, m}, std::pair{m2, v}})
+    if (host)
+      CUDA_CHECK(cudaMemcpyAsync(dev, host, sizeof(float) * n, cudaMemcpyHostToDevice, s));
+    else
+      CUDA_CHECK(cudaMemsetAsync(dev, 0, sizeof(float) * n, s));
+  CUDA_CHECK(cudaStreamSynchronize(s));  // the host vectors go out of scope
+}
+
+void DeviceLinear::set_twin_draws(Linear<float>& twin, uint64_t draws) {
+  const std::string key = twin.params().name + ".sparse_dw_draws";
+  std::map<std::string, Tensor> state = twin.state();
+  Tensor t = Tensor::zeros({1}, DType::f64, key);
+  t.data<double>()[0] = double(draws);
+  state[key] = t;
+  twin.load_state(state);
+}
+
+void DeviceLinear::scatter_kept_moments(const std::string& weight_name, const linear_detail::SlotIndex& slots,
+                                        size_t n, const NamedValues& m, const NamedValues& v, float* dense_m,
+                                        float* dense_v) {
+  const auto mi = m.find(weight_name + ".values"), vi = v.find(weight_name + ".values");
+  if (mi == m.end() && vi == v.end()) return;
+  ESPLAG_CHECK(mi != m.end() && vi != v.end() && mi->second.size() == n && vi->second.size() == n,
+               "GPU training: the optimizer state for '", weight_name, ".values' is missing or has the wrong size");
+  linear_detail::scatter(dense_m, slots, mi->second.data());
+  linear_detail::scatter(dense_v, slots, vi->second.data());
 }
 
 const DeviceLinearKind& device_linear_kind(const std::string& kind, const std::string& weight_name) {

@@ -22,6 +22,7 @@
 
 #include <cuda_runtime.h>
 
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -31,13 +32,35 @@
 
 #include "core/tensor.h"
 #include "model/gpu_transformer.h"
+#include "model/linear_kinds.h"
 #include "ops/gpu.h"
 #include "sparse/cuda/sparse_linear.h"
 
 namespace esplag {
 
 class StepMarks;
+template <typename T>
+class Linear;
 using gpu::bf16;
+
+// Values by the CPU trainer's tensor names ("<weight>.values", "<module>.lora_l"): the
+// moments of the tensors a CPU layer trains itself.
+using NamedValues = std::map<std::string, std::vector<float>>;
+
+// What a layer's CPU twin (the host model's layer of the same kind and name) takes from it
+// besides the flat layout, which the caller has copied into the host model already.
+struct TwinCopy {
+  const float* weight = nullptr;  // the layer's dense weight [out, in] in that copy (zeros where pruned)
+  const float *m = nullptr, *v = nullptr;  // its moments in the flat layout's host copy; null: moments stay
+  NamedValues *named_m = nullptr, *named_v = nullptr;  // receive the moments of the tensors the twin trains itself
+};
+
+// Masks a setting made from a CPU twin points into (DeviceLinearKind::setting_from_twin);
+// they live as long as the setting.
+struct TwinMasks {
+  GpuTransformer::SlopeState slope;
+  std::vector<uint8_t> mask;
+};
 
 // Buffers layers of one model share by purpose (a kind's scratch sized for the largest block
 // Linear, made by the first layer that needs it). A part is a kind's own struct.
@@ -94,11 +117,19 @@ struct DeviceLinearContext {
 };
 
 // A tensor of the parameter state as one layer sees it: bf16 weights (the master's high
-// halves), the master's low halves and the fp32 gradient. Null where the tensor is absent.
+// halves), the master's low halves, the fp32 gradient and the moments. Null where the
+// tensor is absent.
 struct DeviceTensorView {
   bf16* w = nullptr;
   int16_t* w_lo = nullptr;
   float* grad = nullptr;
+  float *m = nullptr, *v = nullptr;
+
+  // Its n values to the host (master weights joined, moments; each where given), and back
+  // (moments zero where not given).
+  void to_host(size_t n, std::vector<float>* weights, std::vector<float>* m1, std::vector<float>* m2,
+               cudaStream_t s) const;
+  void from_host(size_t n, const float* weights, const float* m1, const float* m2, cudaStream_t s) const;
 };
 
 // A tensor a layer keeps in the parameter state besides its weight and bias, named
@@ -193,7 +224,30 @@ class DeviceLinear {
   virtual bool sparse_dw() const { return false; }
   virtual uint64_t sparse_dw_draws() const { return 0; }
 
+  // --- the CPU twin (a host model training on this GPU model, train/gpu_step.cu) ---------
+  // Into the twin: what the flat layout does not hold (kept values and their moments, masks,
+  // an adapter, draw counts).
+  virtual void to_twin(Linear<float>& twin, const TwinCopy& c) const {}
+  // From a twin that trains its kept values itself: their moments (by name in m, v) spread
+  // over this weight's slice of the flat layout (dense_m, dense_v; zero where pruned). False
+  // for a kind whose twin trains its flat weight.
+  virtual bool moments_from_twin(const Linear<float>& twin, const NamedValues& m, const NamedValues& v,
+                                 float* dense_m, float* dense_v) const {
+    return false;
+  }
+  // The layer's extra tensors (an adapter's L and R) from the twin's, with their moments
+  // where m and v hold them (else zero).
+  virtual void extras_from_twin(Linear<float>& twin, const NamedValues* m, const NamedValues* v) {}
+
  protected:
+  // Sets the sparse dW draw count of a twin (through its saved state, as a checkpoint would).
+  static void set_twin_draws(Linear<float>& twin, uint64_t draws);
+  // The moments of a twin's n kept values ("<weight>.values" in m and v) spread over the
+  // layer's dense slices dense_m, dense_v at their slots; where m and v lack them (the layer
+  // became this kind at this step), the slices stay zero.
+  static void scatter_kept_moments(const std::string& weight_name, const linear_detail::SlotIndex& slots, size_t n,
+                                   const NamedValues& m, const NamedValues& v, float* dense_m, float* dense_v);
+
   // The 2:4 forward and input gradient of a layer whose gpu::SparseLinear runs them: the bias
   // in cuSPARSELt's epilogue, the MLP's GELU and its gradient as passes of their own (the
   // dense products fuse them into cuBLASLt's epilogues).
@@ -226,10 +280,20 @@ struct DeviceLinearKind {
   // Checks of its own options, always (check) and when a layer becomes this kind (check_change).
   std::function<void(const GpuTransformer::LinearKindSetting&, int64_t out, int64_t in)> check, check_change;
   std::function<std::unique_ptr<DeviceLinear>(const DeviceLinearSetup&)> make;
+  // The setting that gives a layer its CPU twin's state (the twin is of this kind): its
+  // options, sparse dW seed and draws and, with `masks`, its masks (in `held`; for slope,
+  // refresh step `step` when the twin has not refreshed yet). Null: the name is all.
+  std::function<void(const Linear<float>& twin, int64_t step, bool masks, GpuTransformer::LinearKindSetting& s,
+                     TwinMasks& held)>
+      setting_from_twin;
 };
 
-// The kinds the GPU has, in the order of the documentation.
-const std::vector<DeviceLinearKind>& device_linear_kinds();
+// The kinds the GPU has, the built-in ones in the order of the documentation, then the
+// registered ones. References stay valid across registrations.
+const std::deque<DeviceLinearKind>& device_linear_kinds();
+// Adds a kind whose registry entry (model/linear_registry.h) is registered with `gpu` set.
+// Error for a name the table has, or one the registry lacks. Not thread-safe.
+void register_device_linear_kind(DeviceLinearKind kind);
 // The kind named `kind` (Error naming the layer and the kinds there are).
 const DeviceLinearKind& device_linear_kind(const std::string& kind, const std::string& weight_name);
 // "dense, masked and slope": the names of the kinds `pick` accepts.

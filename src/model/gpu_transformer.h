@@ -348,6 +348,8 @@ class GpuTransformer {
     set_linear_kinds({{weight_name, kind, mask_change_freq, slope_masks}});
   }
   std::string linear_kind(const std::string& weight_name) const;
+  // The block Linear layer of that weight (its adapter when it has one; model/device_linear.h).
+  DeviceLinear& linear(const std::string& weight_name);
   // What the last set_linear_kinds that changed a layer spent its time on ("" before one).
   const std::string& kind_change_report() const { return kind_change_report_; }
   // A semi_sparse_activation layer's pattern (Error for other layers).

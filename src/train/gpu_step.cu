@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
-#include <optional>
 #include <set>
 #include <utility>
 #include <vector>
@@ -17,14 +16,9 @@
 #include "core/cuda_timing.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "model/device_linear.h"
 #include "model/gpu_transformer.h"
-#include "model/linear_kinds.h"
-#include "model/linear_masked.h"
 #include "model/linear_registry.h"
-#include "model/linear_semi_sparse.h"
-#include "model/linear_slope.h"
-#include "model/linear_vnm.h"
-#include "sparse/masks.h"
 
 namespace esplag {
 
@@ -53,177 +47,34 @@ __global__ void finish_step_kernel(StepHealth* h, int micro_batches, long long s
   }
 }
 
-SlopeLinear<float>* host_slope(Transformer<float>& host, const std::string& name) {
-  return dynamic_cast<SlopeLinear<float>*>(&host.linear(name));
-}
-
-// A host layer that trains its kept values ("<weight>.values": slope, vnm) instead of its
-// flat weight: where they sit in the dense weight, and the values themselves. Null for
-// the others.
-struct KeptValues {
-  linear_detail::SlotIndex slots;
-  std::vector<float>* values = nullptr;
-};
-std::optional<KeptValues> host_kept_values(Transformer<float>& host, const std::string& name) {
-  if (SlopeLinear<float>* sl = host_slope(host, name))
-    return KeptValues{linear_detail::slot_index(sl->forward_weight()), &sl->values()};
-  if (auto* vl = dynamic_cast<VnmLinear<float>*>(&host.linear(name)))
-    return KeptValues{linear_detail::slot_index(vl->weight()), &vl->values()};
-  return std::nullopt;
-}
-
-// The sparse dW estimator of a host layer (semi_sparse or slope), or null for the others.
-const MvueWeightGrad<float>* host_weight_grad(Transformer<float>& host, const std::string& name) {
-  if (const auto* sl = host_slope(host, name)) return &sl->weight_grad();
-  if (const auto* ss = dynamic_cast<const SemiSparseLinear<float>*>(&host.linear(name))) return &ss->weight_grad();
-  return nullptr;
-}
-
-// Sets a host layer's sparse dW draw count (through its saved state, as a checkpoint would).
-void set_host_draws(Linear<float>& l, const std::string& name, uint64_t draws) {
-  std::map<std::string, Tensor> state = l.state();
-  Tensor t = Tensor::zeros({1}, DType::f64, name + ".sparse_dw_draws");
-  t.data<double>()[0] = double(draws);
-  state[name + ".sparse_dw_draws"] = t;
-  l.load_state(state);
-}
-
-// A host slope layer's masks and schedule as the GPU model takes them; a layer built for
-// the step about to run (refresh step -1) counts as refreshed at it, as on_step_begin does.
-GpuTransformer::SlopeState gpu_slope_state(const SlopeLinear<float>& l, int64_t step) {
-  const int64_t rows = l.forward_weight().rows, cols = l.forward_weight().cols;
-  GpuTransformer::SlopeState st;
-  st.forward_tiles = cpu::tile_bits(l.forward_mask(), rows, cols);
-  st.backward_tiles = cpu::tile_bits(l.backward_mask(), rows, cols);
-  st.refresh_step = l.refresh_step() < 0 ? step : l.refresh_step();
-  st.mask_change_freq = l.mask_change_freq();
-  return st;
-}
-
-// The GPU layer `name` into the host slope layer (the kept values, "<name>.values", and its
-// masks): the values and their moments are W1's, m's and v's at the forward mask's slots
-// (the GPU's host copies in the flat layout, dense with zeros where pruned: [rows, cols]
-// at the weight's offset), the backward mask the GPU's. Without m (null) the moments are
-// left alone.
-void slope_to_host(SlopeLinear<float>& l, const std::string& name, const GpuTransformer::SlopeState& st,
-                   uint64_t dw_draws, const float* w1, const float* m, const float* v, std::vector<float>* m_values,
-                   std::vector<float>* v_values) {
-  using namespace linear_detail;
-  const int64_t rows = l.forward_weight().rows, cols = l.forward_weight().cols;
-  const SlotIndex slots = slot_index(l.forward_weight());
-  gather(l.values().data(), slots, w1, nullptr);
-  if (m) {
-    m_values->resize(l.values().size());
-    v_values->resize(l.values().size());
-    gather(m_values->data(), slots, m, nullptr);
-    gather(v_values->data(), slots, v, nullptr);
-  }
-  // The backward mask as the CPU keeps it: the metadata of W2ᵀ [cols, rows].
-  const cpu::Mask bwd = cpu::mask_from_tile_bits(st.backward_tiles, rows, cols);
-  cpu::Mask bwd_t(bwd.size());
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) bwd_t[c * rows + r] = bwd[r * cols + c];
-  const std::vector<float> zeros(bwd.size(), 0.f);
-  const Compressed24T<float> w2t = compress_24_masked(zeros.data(), bwd_t.data(), cols, rows, name);
-  std::map<std::string, Tensor> state = l.state();
-  state[name + ".backward_meta"] = u16_tensor(name + ".backward_meta", w2t.meta, {cols, w2t.meta_stride()});
-  Tensor step = Tensor::zeros({1}, DType::f64, name + ".refresh_step");
-  step.data<double>()[0] = double(st.refresh_step);
-  state[name + ".refresh_step"] = step;
-  if (l.sparse_dw()) {
-    Tensor draws = Tensor::zeros({1}, DType::f64, name + ".sparse_dw_draws");
-    draws.data<double>()[0] = double(dw_draws);
-    state[name + ".sparse_dw_draws"] = draws;
-  }
-  l.load_state(state);  // rebuilds the flat weight and the backward copy from the values
-}
-
-// The masks the settings of host_kind_settings point into.
-struct HeldMasks {
-  std::vector<GpuTransformer::SlopeState> slope;
-  std::vector<std::vector<uint8_t>> vnm;
-};
-
-// The GPU kinds of the host model's block linears, for one set_linear_kinds call (`who`
-// names the caller in errors). Slope, masked and vnm layers for which `give_masks(name)`
-// holds take the host's masks (slope: refresh step `step` when the host has not refreshed
-// yet), kept in `held` (or the host layer's own), which the settings point into and which
-// must outlive them.
+// The GPU settings of the host model's block linears, for one set_linear_kinds call (`who`
+// names the caller in errors): each layer's kind and what its CPU twin holds
+// (DeviceLinearKind::setting_from_twin), with its masks where `give_masks(name)` holds (for
+// slope, refresh step `step` when the host has not refreshed yet), kept in `held` by layer,
+// which the settings point into and which must outlive them.
 std::vector<GpuTransformer::LinearKindSetting> host_kind_settings(
     Transformer<float>& host, const char* who, int64_t step, const std::function<bool(const std::string&)>& give_masks,
-    HeldMasks& held) {
+    std::vector<TwinMasks>& held) {
   const auto names = host.linear_names();
-  std::vector<GpuTransformer::LinearKindSetting> settings;
+  std::vector<GpuTransformer::LinearKindSetting> settings(names.size());
+  std::vector<const DeviceLinearKind*> kinds(names.size());
   std::vector<bool> gives(names.size());
-  for (size_t i = 0; i < names.size(); ++i) gives[i] = give_masks(names[i]);
-  // The slope layers' masks in tile bits, layers in parallel (a pass over every weight).
-  std::vector<GpuTransformer::SlopeState>& masks = held.slope;
-  masks.assign(names.size(), {});  // by layer; the settings point into them
-  parallel_tasks(int64_t(names.size()), [&](int64_t i) {
-    if (SlopeLinear<float>* sl = gives[size_t(i)] ? host_slope(host, names[size_t(i)]) : nullptr)
-      masks[size_t(i)] = gpu_slope_state(*sl, step);
-  });
-  held.vnm.clear();
-  held.vnm.reserve(names.size());
   for (size_t i = 0; i < names.size(); ++i) {
-    const std::string& name = names[i];
-    const std::string kind = host.linear(name).kind();
-    ESPLAG_CHECK(gpu_trains_kind(kind), who, ": ", name, " is of kind ", kind, "; ", gpu_kinds_note());
-    if (SlopeLinear<float>* sl = host_slope(host, name)) {
-      const GpuTransformer::SlopeState* st = gives[i] ? &masks[i] : nullptr;
-      settings.push_back({name, kind, sl->mask_change_freq(), st});
-      settings.back().lora_rank = sl->lora_rank();  // its values follow (adapter_to_gpu)
-    } else if (const auto* ml = dynamic_cast<const MaskedLinear<float>*>(&host.linear(name))) {
-      settings.push_back({name, kind});
-      if (gives[i]) settings.back().mask = &ml->mask();
-    } else if (const auto* vl = dynamic_cast<const VnmLinear<float>*>(&host.linear(name))) {
-      settings.push_back({name, kind});
-      if (gives[i]) settings.back().mask = &held.vnm.emplace_back(vl->mask());
-    } else {
-      settings.push_back({name, kind});
-      if (const auto* al = dynamic_cast<const SemiSparseActivationLinear<float>*>(&host.linear(name)))
-        settings.back().activation = al->activation();
-    }
-    // sparse_dw: the host's base seed and draws, so the GPU goes on with the CPU's sequence.
-    if (const MvueWeightGrad<float>* dw = host_weight_grad(host, name); dw && dw->on()) {
-      settings.back().sparse_dw = true;
-      settings.back().dw_seed = dw->base_seed();
-      settings.back().dw_draws = dw->draws();
-    }
+    const std::string kind = host.linear(names[i]).kind();
+    ESPLAG_CHECK(gpu_trains_kind(kind), who, ": ", names[i], " is of kind ", kind, "; ", gpu_kinds_note());
+    settings[i].weight_name = names[i];
+    settings[i].kind = kind;
+    kinds[i] = &device_linear_kind(kind, names[i]);
+    gives[i] = give_masks(names[i]);
   }
+  held.assign(names.size(), {});
+  // Layers in parallel: a twin's masks in the GPU's form take a pass over its weight.
+  parallel_tasks(int64_t(names.size()), [&](int64_t i) {
+    const size_t k = size_t(i);
+    if (kinds[k]->setting_from_twin)
+      kinds[k]->setting_from_twin(host.linear(names[k]), step, gives[k], settings[k], held[k]);
+  });
   return settings;
-}
-
-// The names of a host slope layer's adapter tensors (its owned parameters "<module>.lora_l"
-// and "<module>.lora_r"), as the trainer keys their moments.
-std::pair<std::string, std::string> lora_names(SlopeLinear<float>& l) {
-  std::pair<std::string, std::string> names;
-  for (const auto& p : l.owned_params()) {
-    if (p.value == l.lora_l().data()) names.first = p.name;
-    if (p.value == l.lora_r().data()) names.second = p.name;
-  }
-  return names;
-}
-
-// A host slope layer's adapter into the GPU model: its values, and its moments where the
-// maps hold them (else zero, as for an adapter the trainer has not stepped yet).
-void adapter_to_gpu(GpuTransformer& g, SlopeLinear<float>& l, const std::string& name, const Moments* m = nullptr,
-                    const Moments* v = nullptr) {
-  GpuTransformer::LoraState st;
-  st.rank = l.lora_rank();
-  st.l = l.lora_l();
-  st.r = l.lora_r();
-  const auto [ln, rn] = lora_names(l);
-  auto moment = [](const Moments* ms, const std::string& n) {
-    if (!ms) return std::vector<float>{};
-    const auto it = ms->find(n);
-    return it == ms->end() ? std::vector<float>{} : it->second;
-  };
-  st.m_l = moment(m, ln);
-  st.v_l = moment(v, ln);
-  st.m_r = moment(m, rn);
-  st.v_r = moment(v, rn);
-  g.set_lora_state(name, st);
 }
 
 GpuModelOptions model_options() {
@@ -249,17 +100,11 @@ class GpuStep final : public StepBackend {
     if (!m.empty() || !v.empty()) {
       std::vector<float> mf(host_.num_params()), vf(host_.num_params());
       for (const auto& info : host_.param_infos()) {
-        if (const auto kept = is_linear_weight(info.name) ? host_kept_values(host_, info.name) : std::nullopt) {
-          // The kept values' moments, spread over the dense weight (zero where pruned).
-          auto mi = m.find(info.name + ".values"), vi = v.find(info.name + ".values");
-          const size_t n = kept->values->size();
-          if (mi == m.end() && vi == v.end()) continue;  // the layer became slope or vnm at this step
-          ESPLAG_CHECK(mi != m.end() && vi != v.end() && mi->second.size() == n && vi->second.size() == n,
-                       "GPU training: the optimizer state for '", info.name, ".values' is missing or has the wrong size");
-          linear_detail::scatter(mf.data() + info.offset, kept->slots, mi->second.data());
-          linear_detail::scatter(vf.data() + info.offset, kept->slots, vi->second.data());
+        // A layer whose twin trains its kept values spreads their moments over the dense weight.
+        if (is_linear_weight(info.name) &&
+            model_.linear(info.name)
+                .moments_from_twin(host_.linear(info.name), m, v, mf.data() + info.offset, vf.data() + info.offset))
           continue;
-        }
         auto mi = m.find(info.name), vi = v.find(info.name);
         ESPLAG_CHECK(mi != m.end() && vi != v.end() && mi->second.size() == info.numel &&
                          vi->second.size() == info.numel,
@@ -268,9 +113,7 @@ class GpuStep final : public StepBackend {
         std::copy(vi->second.begin(), vi->second.end(), vf.begin() + info.offset);
       }
       model_.set_optimizer_state(mf.data(), vf.data(), mf.size(), steps_done);
-      for (const auto& name : host_.linear_names())
-        if (SlopeLinear<float>* sl = host_slope(host_, name); sl && sl->lora_rank() > 0)
-          adapter_to_gpu(model_, *sl, name, &m, &v);
+      for (const auto& name : linears_) model_.linear(name).extras_from_twin(host_.linear(name), &m, &v);
     } else {
       ESPLAG_CHECK(steps_done == 0, "GPU training: no optimizer state given after ", steps_done, " steps");
     }
@@ -363,60 +206,29 @@ class GpuStep final : public StepBackend {
     if (moments) model_.optimizer_state_to_host(mf, vf);
     m_.clear();
     v_.clear();
-    struct SlopeJob {
-      SlopeLinear<float>* layer;
-      const ParamInfo* info;
-      GpuTransformer::SlopeState state;
-      uint64_t dw_draws;
-      std::vector<float>*m, *v;
-    };
-    std::vector<SlopeJob> slope;
+    // What each layer's twin takes besides the flat layout, layers in parallel (their
+    // conversions are mostly single-threaded loops): each touches only its own twin, its
+    // slice of the host's flat weight and its own maps.
+    std::map<std::string, const ParamInfo*> infos;
+    for (const auto& info : host_.param_infos()) infos[info.name] = &info;
+    const std::vector<std::string> names(linears_.begin(), linears_.end());
+    std::vector<NamedValues> named_m(names.size()), named_v(names.size());
+    parallel_tasks(int64_t(names.size()), [&](int64_t i) {
+      const size_t k = size_t(i), at = infos.at(names[k])->offset;
+      const TwinCopy c{p.data() + at, moments ? mf.data() + at : nullptr, moments ? vf.data() + at : nullptr,
+                       &named_m[k], &named_v[k]};
+      model_.linear(names[k]).to_twin(host_.linear(names[k]), c);
+    });
+    if (!moments) return;
+    for (size_t k = 0; k < names.size(); ++k) {
+      m_.merge(named_m[k]);
+      v_.merge(named_v[k]);
+    }
     for (const auto& info : host_.param_infos()) {
-      const bool linear = is_linear_weight(info.name);
-      const uint64_t draws = linear && model_.sparse_dw(info.name) ? model_.sparse_dw_draws(info.name) : 0;
-      if (SlopeLinear<float>* sl = linear ? host_slope(host_, info.name) : nullptr) {
-        const std::string values = info.name + ".values";
-        slope.push_back({sl, &info, model_.slope_state(info.name), draws, moments ? &m_[values] : nullptr,
-                         moments ? &v_[values] : nullptr});
-        if (sl->lora_rank() > 0) {  // the adapter's values and moments (the trainer's "<module>.lora_l", ...)
-          GpuTransformer::LoraState a = model_.lora_state(info.name);
-          const auto [ln, rn] = lora_names(*sl);
-          sl->lora_l() = std::move(a.l);
-          sl->lora_r() = std::move(a.r);
-          if (!moments) continue;
-          m_[ln] = std::move(a.m_l);
-          v_[ln] = std::move(a.v_l);
-          m_[rn] = std::move(a.m_r);
-          v_[rn] = std::move(a.v_r);
-        }
-        continue;
-      }
-      if (auto* vl = linear ? dynamic_cast<VnmLinear<float>*>(&host_.linear(info.name)) : nullptr) {
-        // The kept values and their moments from the dense (masked) GPU copies.
-        const auto slots = linear_detail::slot_index(vl->weight());
-        const std::string values = info.name + ".values";
-        linear_detail::gather(vl->values().data(), slots, p.data() + info.offset, nullptr);
-        if (!moments) continue;
-        m_[values].resize(vl->values().size());
-        v_[values].resize(vl->values().size());
-        linear_detail::gather(m_[values].data(), slots, mf.data() + info.offset, nullptr);
-        linear_detail::gather(v_[values].data(), slots, vf.data() + info.offset, nullptr);
-        continue;
-      }
-      if (linear && model_.sparse_dw(info.name)) set_host_draws(host_.linear(info.name), info.name, draws);
-      if (!moments) continue;
+      if (is_linear_weight(info.name) && !host_.linear(info.name).trains_dense_weight()) continue;  // named above
       m_[info.name].assign(mf.begin() + info.offset, mf.begin() + info.offset + info.numel);
       v_[info.name].assign(vf.begin() + info.offset, vf.begin() + info.offset + info.numel);
     }
-    // Layers in parallel (their conversions are mostly single-threaded loops): each job
-    // touches only its own layer, its slice of the host's flat weight and its own moment
-    // vectors (created above); the layers' own parallel loops run inline.
-    parallel_tasks(int64_t(slope.size()), [&](int64_t i) {
-      const SlopeJob& j = slope[size_t(i)];
-      const size_t at = j.info->offset;
-      slope_to_host(*j.layer, j.info->name, j.state, j.dw_draws, p.data() + at, moments ? mf.data() + at : nullptr,
-                    moments ? vf.data() + at : nullptr, j.m, j.v);
-    });
   }
 
   // The GPU model promises the CPU model's flat layout; the copies in both directions
@@ -447,7 +259,7 @@ class GpuStep final : public StepBackend {
     // from the weights written back).
     using clock = std::chrono::steady_clock;
     const auto t0 = clock::now();
-    HeldMasks masks;
+    std::vector<TwinMasks> masks;
     std::set<std::string> had_adapter;
     for (const auto& name : linears_)
       if (model_.lora_rank(name) > 0) had_adapter.insert(name);
@@ -466,8 +278,8 @@ class GpuStep final : public StepBackend {
     written_back_ = false;
     // An adapter enabled for this step starts from the host's (L drawn, R zero), moments zero.
     for (const auto& name : linears_)
-      if (SlopeLinear<float>* sl = host_slope(host_, name); sl && sl->lora_rank() > 0 && !had_adapter.count(name))
-        adapter_to_gpu(model_, *sl, name);
+      if (model_.lora_rank(name) > 0 && !had_adapter.count(name))
+        model_.linear(name).extras_from_twin(host_.linear(name), nullptr, nullptr);
     const auto t3 = clock::now();
     if (model_.kind_change_report() != before || t3 - t0 > std::chrono::milliseconds(500)) {
       const auto s = [](auto d) { return std::chrono::duration<double>(d).count(); };
@@ -519,12 +331,11 @@ std::function<double(const int32_t*, const int32_t*, int, int)> gpu_batch_loss(c
                                                                              int T) {
   auto model = std::make_shared<GpuTransformer>(config, B, T);
   model->set_params(host_model.params(), host_model.num_params());
-  HeldMasks masks;
+  std::vector<TwinMasks> masks;
   model->set_linear_kinds(host_kind_settings(
       host_model, "GPU evaluation", 0, [](const std::string&) { return true; }, masks));
   for (const auto& name : host_model.linear_names())
-    if (SlopeLinear<float>* sl = host_slope(host_model, name); sl && sl->lora_rank() > 0)
-      adapter_to_gpu(*model, *sl, name);
+    model->linear(name).extras_from_twin(host_model.linear(name), nullptr, nullptr);
   return [model](const int32_t* tokens, const int32_t* targets, int b, int t) {
     return model->forward_loss(tokens, targets, b, t);
   };

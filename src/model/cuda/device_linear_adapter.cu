@@ -122,4 +122,53 @@ std::unique_ptr<DeviceLinear> make_device_adapter(const DeviceLinearSetup& setup
   return std::make_unique<DeviceAdapterLinear>(setup, inner);
 }
 
+namespace {
+
+// The twin's owned parameter `name` (Error when it has none).
+OwnedParam<float> twin_param(Linear<float>& twin, const std::string& name) {
+  for (const auto& p : twin.owned_params())
+    if (p.name == name) return p;
+  fail("GpuTransformer: ", twin.params().name, ": the CPU twin (", twin.kind(), ") has no tensor '", name,
+       "' for the low-rank adapter");
+}
+
+}  // namespace
+
+void DeviceAdapterLinear::to_twin(Linear<float>& twin, const TwinCopy& c) const {
+  inner_.to_twin(twin, c);
+  const std::vector<DeviceLinearTensor> tensors = extra_tensors();
+  const std::string module = twin.params().module;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string name = module + tensors[i].suffix;
+    const OwnedParam<float> p = twin_param(twin, name);
+    const size_t n = size_t(shape_numel(tensors[i].shape));
+    ESPLAG_CHECK(size_t(shape_numel(p.shape)) == n, "GpuTransformer: ", name, ": ", n, " values on the GPU, ",
+                 shape_numel(p.shape), " in the CPU twin");
+    std::vector<float> w;
+    p_.extra[i].to_host(n, &w, c.named_m ? &(*c.named_m)[name] : nullptr, c.named_v ? &(*c.named_v)[name] : nullptr,
+                        ctx_.stream);
+    std::copy(w.begin(), w.end(), p.value);
+  }
+}
+
+void DeviceAdapterLinear::extras_from_twin(Linear<float>& twin, const NamedValues* m, const NamedValues* v) {
+  const std::vector<DeviceLinearTensor> tensors = extra_tensors();
+  const std::string module = twin.params().module;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string name = module + tensors[i].suffix;
+    const OwnedParam<float> p = twin_param(twin, name);
+    const size_t n = size_t(shape_numel(tensors[i].shape));
+    ESPLAG_CHECK(size_t(shape_numel(p.shape)) == n, "GpuTransformer: ", name, ": ", n, " values on the GPU, ",
+                 shape_numel(p.shape), " in the CPU twin");
+    auto moment = [&](const NamedValues* ms) -> const float* {  // none yet: zero
+      const auto it = ms ? ms->find(name) : NamedValues::const_iterator();
+      if (!ms || it == ms->end()) return nullptr;
+      ESPLAG_CHECK(it->second.size() == n, "GPU training: the optimizer state for '", name, "' holds ",
+                   it->second.size(), " values, not ", n);
+      return it->second.data();
+    };
+    p_.extra[i].from_host(n, p.value, moment(m), moment(v), ctx_.stream);
+  }
+}
+
 }  // namespace esplag

@@ -49,6 +49,14 @@ class DeviceAdapterLinear : public DeviceLinear {
   void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad, const char* op) override;
   bool sparse_dw() const override { return inner_.sparse_dw(); }
   uint64_t sparse_dw_draws() const override { return inner_.sparse_dw_draws(); }
+  // The twin's owned parameters of the extra tensors' names ("<module>.lora_l", ...) carry
+  // the adapter; the rest is the inner layer's.
+  void to_twin(Linear<float>& twin, const TwinCopy& c) const override;
+  bool moments_from_twin(const Linear<float>& twin, const NamedValues& m, const NamedValues& v, float* dense_m,
+                         float* dense_v) const override {
+    return inner_.moments_from_twin(twin, m, v, dense_m, dense_v);
+  }
+  void extras_from_twin(Linear<float>& twin, const NamedValues* m, const NamedValues* v) override;
 
  private:
   struct SharedDt;

@@ -29,12 +29,14 @@ std::vector<DeviceLinearKind> make_kinds() {
   masked.name = "masked";
   masked.takes_mask = true;
   masked.make = maker<DeviceMaskedLinear>();
+  masked.setting_from_twin = DeviceMaskedLinear::setting_from_twin;
 
   DeviceLinearKind& vnm = kinds[2];
   vnm.name = "vnm";
   vnm.takes_mask = true;
   vnm.trains_own_tensor = true;
   vnm.make = maker<DeviceVnmLinear>();
+  vnm.setting_from_twin = DeviceVnmLinear::setting_from_twin;
 
   DeviceLinearKind& semi = kinds[3];
   semi.name = "semi_sparse";
@@ -42,6 +44,7 @@ std::vector<DeviceLinearKind> make_kinds() {
   semi.needs_cusparselt = true;
   semi.build_order = 2;  // reads the weight where the new layout put it
   semi.make = maker<DeviceSemiSparseLinear>();
+  semi.setting_from_twin = DeviceSemiSparseLinear::setting_from_twin;
 
   DeviceLinearKind& act = kinds[4];
   act.name = "semi_sparse_activation";
@@ -52,6 +55,7 @@ std::vector<DeviceLinearKind> make_kinds() {
                  "the layer's input features (", in, ") to be a multiple of 4 (2:4 groups of the input)");
   };
   act.make = maker<DeviceSemiSparseActivationLinear>();
+  act.setting_from_twin = DeviceSemiSparseActivationLinear::setting_from_twin;
 
   DeviceLinearKind& slope = kinds[5];
   slope.name = "slope";
@@ -66,13 +70,14 @@ std::vector<DeviceLinearKind> make_kinds() {
     if (st.slope_masks) DeviceSlopeLinear::check_masks(st.weight_name, *st.slope_masks, out, in);
   };
   slope.make = maker<DeviceSlopeLinear>();
+  slope.setting_from_twin = DeviceSlopeLinear::setting_from_twin;
   return kinds;
 }
 
 // The table and the kind registry (model/linear_registry.h) name the same kinds: each entry
 // a registered kind whose `gpu` flag is set, and an entry for every such kind (registered
 // later ones included), so the trainer's device rule and this table cannot disagree.
-void check_against_registry(const std::vector<DeviceLinearKind>& kinds) {
+void check_against_registry(const std::deque<DeviceLinearKind>& kinds) {
   for (const auto& k : kinds)
     ESPLAG_CHECK(find_linear_kind(k.name, "the GPU's kind table").gpu, "the GPU's kind table has '", k.name,
                  "', whose registry entry does not say the GPU trains it (LinearKindInfo::gpu)");
@@ -82,12 +87,30 @@ void check_against_registry(const std::vector<DeviceLinearKind>& kinds) {
                  "(model/cuda/device_linear_kinds.cu) has no entry for it");
 }
 
+std::deque<DeviceLinearKind>& kind_table() {
+  static std::deque<DeviceLinearKind> kinds = [] {
+    std::vector<DeviceLinearKind> built_in = make_kinds();
+    return std::deque<DeviceLinearKind>(std::make_move_iterator(built_in.begin()),
+                                        std::make_move_iterator(built_in.end()));
+  }();
+  return kinds;
+}
+
 }  // namespace
 
-const std::vector<DeviceLinearKind>& device_linear_kinds() {
-  static const std::vector<DeviceLinearKind> kinds = make_kinds();
-  check_against_registry(kinds);
-  return kinds;
+const std::deque<DeviceLinearKind>& device_linear_kinds() {
+  check_against_registry(kind_table());
+  return kind_table();
+}
+
+void register_device_linear_kind(DeviceLinearKind kind) {
+  const LinearKindInfo* info = lookup_linear_kind(kind.name);
+  ESPLAG_CHECK(info && info->gpu, "register_device_linear_kind: '", kind.name,
+               "' is not a kind of the registry whose `gpu` flag is set (register_linear_kind first)");
+  for (const auto& k : kind_table())
+    ESPLAG_CHECK(k.name != kind.name, "register_device_linear_kind: the GPU has kind '", kind.name, "' already");
+  ESPLAG_CHECK(kind.make, "register_device_linear_kind: kind '", kind.name, "' has no `make`");
+  kind_table().push_back(std::move(kind));
 }
 
 }  // namespace esplag

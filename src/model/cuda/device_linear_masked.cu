@@ -5,6 +5,7 @@
 #include "core/cuda_check.h"
 #include "core/parallel.h"
 #include "model/cuda/step_marks.h"
+#include "model/linear_masked.h"
 
 namespace esplag {
 
@@ -66,6 +67,12 @@ void DeviceMaskedLinear::backward_dw(const bf16* dout, const bf16* inp, int N, b
   DeviceDenseLinear::backward_dw(dout, inp, N, accumulate, bias_grad, op);
   ctx_.marks->mark(ctx_.stream, "masked grad");  // pruned weights get no gradient
   apply_mask(p_.weight.grad, mask_, out_, in_, ctx_.stream);
+}
+
+void DeviceMaskedLinear::setting_from_twin(const Linear<float>& twin, int64_t, bool masks, Setting& s, TwinMasks&) {
+  const auto* t = dynamic_cast<const MaskedLinear<float>*>(&twin);
+  ESPLAG_CHECK(t, "GpuTransformer: ", twin.params().name, ": a masked layer's CPU twin is of kind ", twin.kind());
+  if (masks) s.mask = &t->mask();
 }
 
 }  // namespace esplag

@@ -21,6 +21,9 @@ class DeviceMaskedLinear : public DeviceDenseLinear {
   void after_optimizer_step() override;
   void attach() override { after_optimizer_step(); }
   void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad, const char* op) override;
+  // The CPU twin is a MaskedLinear (model/linear_masked.h): its mask.
+  // DeviceLinearKind::setting_from_twin for this kind.
+  static void setting_from_twin(const Linear<float>& twin, int64_t step, bool masks, Setting& s, TwinMasks& held);
 
  private:
   DeviceArena bits_;

@@ -1,7 +1,9 @@
 #include "model/cuda/device_linear_semi_sparse.h"
 
 #include "core/device_arena.h"
+#include "core/error.h"
 #include "model/cuda/step_marks.h"
+#include "model/linear_semi_sparse.h"
 #include "ops/gpu_fused.h"
 #include "sparse/cuda/sparsify.h"
 
@@ -116,6 +118,21 @@ void DeviceSemiSparseLinear::backward_dw(const bf16* dout, const bf16* inp, int 
     ctx_.marks->mark(s, "bias grad");
     gpu::column_sum_add(db, dout, N, OC, ctx_.colsum_scratch, ctx_.colsum_scratch_bytes, s);
   }
+}
+
+void DeviceSemiSparseLinear::setting_from_twin(const Linear<float>& twin, int64_t, bool, Setting& s, TwinMasks&) {
+  const auto* t = dynamic_cast<const SemiSparseLinear<float>*>(&twin);
+  ESPLAG_CHECK(t, "GpuTransformer: ", twin.params().name, ": a semi_sparse layer's CPU twin is of kind ",
+               twin.kind());
+  if (const MvueWeightGrad<float>& dw = t->weight_grad(); dw.on()) {  // the GPU goes on with the CPU's draws
+    s.sparse_dw = true;
+    s.dw_seed = dw.base_seed();
+    s.dw_draws = dw.draws();
+  }
+}
+
+void DeviceSemiSparseLinear::to_twin(Linear<float>& twin, const TwinCopy&) const {
+  if (sparse_dw()) set_twin_draws(twin, sparse_dw_draws());
 }
 
 }  // namespace esplag

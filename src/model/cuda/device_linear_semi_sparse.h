@@ -37,6 +37,11 @@ class DeviceSemiSparseLinear : public DeviceLinear {
   void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad, const char* op) override;
   bool sparse_dw() const override;
   uint64_t sparse_dw_draws() const override;
+  // The CPU twin is a SemiSparseLinear (model/linear_semi_sparse.h): its sparse dW's seed
+  // and draws.
+  // DeviceLinearKind::setting_from_twin for this kind.
+  static void setting_from_twin(const Linear<float>& twin, int64_t step, bool masks, Setting& s, TwinMasks& held);
+  void to_twin(Linear<float>& twin, const TwinCopy& c) const override;
 
  private:
   bool sparse_for(int N) const;

@@ -1,7 +1,9 @@
 #include "model/cuda/device_linear_semi_sparse_activation.h"
 
 #include "core/device_arena.h"
+#include "core/error.h"
 #include "model/cuda/step_marks.h"
+#include "model/linear_semi_sparse.h"
 
 namespace esplag {
 
@@ -67,6 +69,14 @@ void DeviceSemiSparseActivationLinear::backward_dw(const bf16* dout, const bf16*
   float* db = bias_grad ? p_.bias.grad : nullptr;
   ctx_.marks->mark_product(ctx_.stream, op, 2.0 * N * in_ * out_, act_->sparse_weight_grad_for(N, db != nullptr));
   act_->backward(nullptr, p_.weight.grad, db, dout, inp, nullptr, N, accumulate, ctx_.stream);
+}
+
+void DeviceSemiSparseActivationLinear::setting_from_twin(const Linear<float>& twin, int64_t, bool, Setting& s,
+                                                         TwinMasks&) {
+  const auto* t = dynamic_cast<const SemiSparseActivationLinear<float>*>(&twin);
+  ESPLAG_CHECK(t, "GpuTransformer: ", twin.params().name, ": a semi_sparse_activation layer's CPU twin is of kind ",
+               twin.kind());
+  s.activation = t->activation();
 }
 
 }  // namespace esplag

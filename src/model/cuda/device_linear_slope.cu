@@ -10,6 +10,8 @@
 #include "core/parallel.h"
 #include "model/cuda/device_linear_semi_sparse.h"
 #include "model/cuda/step_marks.h"
+#include "model/linear_slope.h"
+#include "sparse/masks.h"
 #include "ops/gpu_fused.h"
 #include "sparse/cuda/kept_values.h"
 
@@ -238,6 +240,85 @@ void DeviceSlopeLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bo
   // Traced as part of the Linear's backward ("blocks.3.mlp.fc.bwd.dw.gather").
   ctx_.marks->mark_part(s, "slope grad gather", 0, op, ".gather");
   gpu::gather_kept_24(p_.weight.grad, scratch_.dw, sp_->forward_tile_mask(), OC, K, accumulate, s);
+}
+
+// --- the CPU twin -------------------------------------------------------------------------
+
+namespace {
+
+template <typename L>
+auto& slope_twin(L& twin) {
+  auto* t = dynamic_cast<std::conditional_t<std::is_const_v<L>, const SlopeLinear<float>, SlopeLinear<float>>*>(&twin);
+  ESPLAG_CHECK(t, "GpuTransformer: ", twin.params().name, ": a slope layer's CPU twin is of kind ", twin.kind());
+  return *t;
+}
+
+}  // namespace
+
+void DeviceSlopeLinear::setting_from_twin(const Linear<float>& twin, int64_t step, bool masks, Setting& s,
+                                          TwinMasks& held) {
+  const SlopeLinear<float>& t = slope_twin(twin);
+  s.mask_change_freq = t.mask_change_freq();
+  s.lora_rank = t.lora_rank();  // its values follow (extras_from_twin)
+  if (const MvueWeightGrad<float>& dw = t.weight_grad(); dw.on()) {
+    s.sparse_dw = true;
+    s.dw_seed = dw.base_seed();
+    s.dw_draws = dw.draws();
+  }
+  if (!masks) return;
+  // A twin built for the step about to run (refresh step -1) counts as refreshed at it, as
+  // on_step_begin does.
+  const int64_t rows = t.forward_weight().rows, cols = t.forward_weight().cols;
+  held.slope.forward_tiles = cpu::tile_bits(t.forward_mask(), rows, cols);
+  held.slope.backward_tiles = cpu::tile_bits(t.backward_mask(), rows, cols);
+  held.slope.refresh_step = t.refresh_step() < 0 ? step : t.refresh_step();
+  held.slope.mask_change_freq = t.mask_change_freq();
+  s.slope_masks = &held.slope;
+}
+
+void DeviceSlopeLinear::to_twin(Linear<float>& twin, const TwinCopy& c) const {
+  using namespace linear_detail;
+  SlopeLinear<float>& t = slope_twin(twin);
+  const GpuTransformer::SlopeState st = state();
+  // The kept values and their moments are W1's, m's and v's at the forward mask's slots.
+  const int64_t rows = t.forward_weight().rows, cols = t.forward_weight().cols;
+  const SlotIndex slots = slot_index(t.forward_weight());
+  const std::string values = weight_name_ + ".values";
+  gather(t.values().data(), slots, c.weight, nullptr);
+  if (c.m) {
+    for (auto [dense, named] : {std::pair{c.m, c.named_m}, std::pair{c.v, c.named_v}}) {
+      std::vector<float>& out = (*named)[values];
+      out.resize(t.values().size());
+      gather(out.data(), slots, dense, nullptr);
+    }
+  }
+  // The backward mask as the CPU keeps it: the metadata of W2ᵀ [cols, rows].
+  const cpu::Mask bwd = cpu::mask_from_tile_bits(st.backward_tiles, rows, cols);
+  cpu::Mask bwd_t(bwd.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t col = 0; col < cols; ++col) bwd_t[col * rows + r] = bwd[r * cols + col];
+  const std::vector<float> zeros(bwd.size(), 0.f);
+  const Compressed24T<float> w2t = compress_24_masked(zeros.data(), bwd_t.data(), cols, rows, weight_name_);
+  std::map<std::string, Tensor> state = t.state();
+  state[weight_name_ + ".backward_meta"] =
+      u16_tensor(weight_name_ + ".backward_meta", w2t.meta, {cols, w2t.meta_stride()});
+  Tensor step = Tensor::zeros({1}, DType::f64, weight_name_ + ".refresh_step");
+  step.data<double>()[0] = double(st.refresh_step);
+  state[weight_name_ + ".refresh_step"] = step;
+  if (t.sparse_dw()) {
+    Tensor draws = Tensor::zeros({1}, DType::f64, weight_name_ + ".sparse_dw_draws");
+    draws.data<double>()[0] = double(sparse_dw_draws());
+    state[weight_name_ + ".sparse_dw_draws"] = draws;
+  }
+  t.load_state(state);  // rebuilds the flat weight and the backward copy from the values
+}
+
+bool DeviceSlopeLinear::moments_from_twin(const Linear<float>& twin, const NamedValues& m, const NamedValues& v,
+                                          float* dense_m, float* dense_v) const {
+  const SlopeLinear<float>& t = slope_twin(twin);
+  scatter_kept_moments(weight_name_, linear_detail::slot_index(t.forward_weight()), t.forward_weight().values.size(),
+                       m, v, dense_m, dense_v);
+  return true;
 }
 
 }  // namespace esplag

@@ -57,6 +57,14 @@ class DeviceSlopeLinear : public DeviceLinear {
   static void check_masks(const std::string& weight_name, const GpuTransformer::SlopeState& st, int64_t out,
                           int64_t in);
 
+  // The CPU twin is a SlopeLinear (model/linear_slope.h): its kept values "<weight>.values",
+  // its masks, refresh step and draws; its adapter is the wrapper's (DeviceAdapterLinear).
+  // DeviceLinearKind::setting_from_twin for this kind.
+  static void setting_from_twin(const Linear<float>& twin, int64_t step, bool masks, Setting& s, TwinMasks& held);
+  void to_twin(Linear<float>& twin, const TwinCopy& c) const override;
+  bool moments_from_twin(const Linear<float>& twin, const NamedValues& m, const NamedValues& v, float* dense_m,
+                         float* dense_v) const override;
+
  private:
   struct Scratch;
   bool sparse_for(int N) const { return !dense_products_ && sp_->sparse_products() && sp_->tokens() == N; }

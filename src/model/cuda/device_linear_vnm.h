@@ -16,6 +16,14 @@ namespace esplag {
 class DeviceVnmLinear : public DeviceMaskedLinear {
  public:
   explicit DeviceVnmLinear(const DeviceLinearSetup& s) : DeviceMaskedLinear(s, "vnm") {}
+
+  // The CPU twin is a VnmLinear (model/linear_vnm.h), which trains its kept values
+  // "<weight>.values" (here the masked dense weight, zero where pruned).
+  // DeviceLinearKind::setting_from_twin for this kind.
+  static void setting_from_twin(const Linear<float>& twin, int64_t step, bool masks, Setting& s, TwinMasks& held);
+  void to_twin(Linear<float>& twin, const TwinCopy& c) const override;
+  bool moments_from_twin(const Linear<float>& twin, const NamedValues& m, const NamedValues& v, float* dense_m,
+                         float* dense_v) const override;
 };
 
 }  // namespace esplag

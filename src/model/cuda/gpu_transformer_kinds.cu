@@ -205,6 +205,12 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   kind_change_report_ = buf;
 }
 
+DeviceLinear& GpuTransformer::linear(const std::string& weight_name) {
+  Impl::Slot* slot = impl_->find_linear(weight_name);
+  ESPLAG_CHECK(slot, "GpuTransformer: '", weight_name, "' is not the weight of a block Linear layer");
+  return slot->top();
+}
+
 std::string GpuTransformer::linear_kind(const std::string& weight_name) const {
   const Impl::Slot* slot = impl_->find_linear(weight_name);
   ESPLAG_CHECK(slot, "GpuTransformer: '", weight_name, "' is not the weight of a block Linear layer");

@@ -190,7 +190,7 @@ DeviceTensorView GpuTransformer::view(const std::string& name) const {
   const auto it = std::find_if(im.stored.begin(), im.stored.end(), [&](const ParamInfo& i) { return i.name == name; });
   if (it == im.stored.end()) return {};
   const size_t o = it->offset;
-  return {im.w + o, im.w_lo + o, im.grad + o};
+  return {im.w + o, im.w_lo + o, im.grad + o, im.m + o, im.v + o};
 }
 
 DeviceLinearParams GpuTransformer::linear_views(const std::string& weight_name, const DeviceLinear* layer) const {

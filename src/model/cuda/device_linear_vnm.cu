@@ -1,0 +1,46 @@
+#include "model/cuda/device_linear_vnm.h"
+
+#include "core/error.h"
+#include "model/linear_vnm.h"
+
+namespace esplag {
+
+namespace {
+
+template <typename L>
+auto& vnm_twin(L& twin) {
+  auto* t = dynamic_cast<std::conditional_t<std::is_const_v<L>, const VnmLinear<float>, VnmLinear<float>>*>(&twin);
+  ESPLAG_CHECK(t, "GpuTransformer: ", twin.params().name, ": a vnm layer's CPU twin is of kind ", twin.kind());
+  return *t;
+}
+
+}  // namespace
+
+void DeviceVnmLinear::setting_from_twin(const Linear<float>& twin, int64_t, bool masks, Setting& s,
+                                        TwinMasks& held) {
+  if (masks) s.mask = &(held.mask = vnm_twin(twin).mask());
+}
+
+void DeviceVnmLinear::to_twin(Linear<float>& twin, const TwinCopy& c) const {
+  using namespace linear_detail;
+  VnmLinear<float>& t = vnm_twin(twin);
+  // The kept values and their moments from the dense (masked) copies.
+  const SlotIndex slots = slot_index(t.weight());
+  gather(t.values().data(), slots, c.weight, nullptr);
+  if (!c.m) return;
+  for (auto [dense, named] : {std::pair{c.m, c.named_m}, std::pair{c.v, c.named_v}}) {
+    std::vector<float>& out = (*named)[weight_name_ + ".values"];
+    out.resize(t.values().size());
+    gather(out.data(), slots, dense, nullptr);
+  }
+}
+
+bool DeviceVnmLinear::moments_from_twin(const Linear<float>& twin, const NamedValues& m, const NamedValues& v,
+                                        float* dense_m, float* dense_v) const {
+  const VnmLinear<float>& t = vnm_twin(twin);
+  scatter_kept_moments(weight_name_, linear_detail::slot_index(t.weight()), t.weight().inner.values.size(), m, v,
+                       dense_m, dense_v);
+  return true;
+}
+
+}  // namespace esplag
