@@ -149,9 +149,12 @@ void read_state_file(const fs::path& checkpoint_dir, CheckpointContents& c) {
 
 }  // namespace
 
-std::string save_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,
-                            const std::string& tokenizer, const TrainerState& state, const Moments& m,
-                            const Moments& v) {
+namespace {
+
+// save_checkpoint, and without m and v save_weights_checkpoint.
+std::string write_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,
+                             const std::string& tokenizer, const TrainerState& state, const Moments* m,
+                             const Moments* v) {
   const fs::path final_dir = fs::path(run_dir) / step_dir_name(state.step);
   const fs::path tmp_dir = fs::path(run_dir) / (step_dir_name(state.step) + ".tmp-" + std::to_string(::getpid()));
   std::error_code ec;
@@ -176,10 +179,12 @@ std::string save_checkpoint(const std::string& run_dir, Transformer<float>& mode
                                                      {"schedule_total_steps",
                                                       std::to_string(config.schedule.total_steps)}};
     save_safetensors((tmp_dir / "model.safetensors").string(), weights, meta);
-    std::vector<Tensor> moments;
-    for (const auto& p : trainable) moments.push_back(moment_view(m, p, "m."));
-    for (const auto& p : trainable) moments.push_back(moment_view(v, p, "v."));
-    save_safetensors((tmp_dir / "optimizer.safetensors").string(), moments, {{"format", kFormat}});
+    if (m && v) {
+      std::vector<Tensor> moments;
+      for (const auto& p : trainable) moments.push_back(moment_view(*m, p, "m."));
+      for (const auto& p : trainable) moments.push_back(moment_view(*v, p, "v."));
+      save_safetensors((tmp_dir / "optimizer.safetensors").string(), moments, {{"format", kFormat}});
+    }
     nlohmann::json js = {{"format", kFormat},
                          {"step", state.step},
                          {"tokens_seen", state.tokens_seen},
@@ -203,6 +208,19 @@ std::string save_checkpoint(const std::string& run_dir, Transformer<float>& mode
     throw;
   }
   return final_dir.string();
+}
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,
+                            const std::string& tokenizer, const TrainerState& state, const Moments& m,
+                            const Moments& v) {
+  return write_checkpoint(run_dir, model, config, tokenizer, state, &m, &v);
+}
+
+std::string save_weights_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,
+                                    const std::string& tokenizer, const TrainerState& state) {
+  return write_checkpoint(run_dir, model, config, tokenizer, state, nullptr, nullptr);
 }
 
 std::string resolve_checkpoint(const std::string& dir) {

@@ -53,6 +53,10 @@ struct CheckpointContents {
 std::string save_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,
                             const std::string& tokenizer, const TrainerState& state, const Moments& m,
                             const Moments& v);
+// The same without optimizer.safetensors: a checkpoint that eval, sample, export and
+// train.init_from read, but that cannot be resumed (imported models are saved so).
+std::string save_weights_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,
+                                    const std::string& tokenizer, const TrainerState& state);
 
 // Resolves DIR to a checkpoint directory: DIR itself if it holds model.safetensors,
 // else the checkpoint named by DIR/latest, which must be the bare name of a step directory
