@@ -83,7 +83,7 @@ int export_hf_dir(const Args& a) {
 int export_dense(const Args& a) {
   ESPLAG_CHECK(a.has("dense"), "export: give --dense (a plain dense safetensors) or --hf DIR (a Hugging Face model ",
                "directory)");
-  ESPLAG_CHECK(a.has("out"), "export: --dense needs --out FILE.safetensors");
+  ESPLAG_CHECK(a.has("out"), "export: --out is required with --dense (the FILE.safetensors to write)");
   const std::string out = a.get("out");
   check_out_path(out, a.has("force"));
   const std::string ck = resolve_checkpoint(a.get("checkpoint"));
