@@ -77,6 +77,16 @@ void load_checkpoint_weights(const std::string& checkpoint_dir, Transformer<floa
 // with every Linear kind the recipe had given it by the saved step, and the saved values.
 std::unique_ptr<Transformer<float>> load_model(const std::string& checkpoint_dir, CheckpointContents* info = nullptr);
 
+// train.init_from: the model section a run of `config` trains, the model of the checkpoint
+// of config.init_from (a run or checkpoint directory). Every model key the config gave
+// (all of them when it gave model.preset; not init_std, nor a vocab_size of 0) must agree
+// with it, and the data's tokenizer `data_tokenizer` must be the checkpoint's (the same
+// spec, or tokenizer files of the same content): otherwise an Error naming the key.
+ModelConfig init_from_model(const TrainConfig& config, const std::string& data_tokenizer);
+// Copies the weights of init_from's checkpoint into `model` (of init_from_model's config):
+// every parameter, a sparse Linear's as its effective dense weight.
+void load_init_weights(const std::string& init_from, Transformer<float>& model);
+
 // Removes all but the newest `keep` step directories of a run (keep == 0 keeps all).
 void prune_checkpoints(const std::string& run_dir, int keep);
 
