@@ -16,8 +16,8 @@ int import_model(const Args& a) {
               r.config.model_type.c_str(), to_string(r.config.family).c_str(), m.n_layer, m.d_model, m.n_head,
               m.n_kv_head, m.vocab_size, m.num_params() / 1e6, r.checkpoint.c_str());
   if (!r.tokenizer_note.empty())
-    std::printf("note: esplag's tokenizer cannot read %s (%s): sample and data prepare need one it reads; eval and "
-                "training take token shards\n",
+    std::printf("note: esplag's tokenizer cannot read %s (%s): sample and data prepare (token shards for "
+                "eval and training) need one it reads\n",
                 r.tokenizer.c_str(), r.tokenizer_note.c_str());
   return 0;
 }

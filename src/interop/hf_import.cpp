@@ -90,11 +90,11 @@ HfModel load_hf_model(const std::string& dir) {
 
 HfImport import_hf(const std::string& dir, const std::string& run_dir) {
   check_run_dir(run_dir);
+  HfModel hf = load_hf_model(dir);
   const fs::path tokenizer_src = fs::path(dir) / "tokenizer.json";
   ESPLAG_CHECK(fs::exists(tokenizer_src), "import: '", dir,
                "' has no tokenizer.json (the run records its tokenizer; vocab.json/merges.txt alone are not read: "
                "save the tokenizer with a recent transformers)");
-  HfModel hf = load_hf_model(dir);
   HfImport out;
   out.config = hf.config;
   // Whether esplag's tokenizer reads it: the import goes on either way (eval and training
