@@ -161,7 +161,6 @@ HfModelConfig parse_hf_config(const std::string& json_text, const std::string& p
     parse_gpt2(f, hf);
   else
     parse_llama(f, hf);
-  hf.model.preset = hf.family == HfFamily::gpt2 ? "tiny" : "llama-tiny";
   try {
     hf.model.validate();
   } catch (const Error& e) {
