@@ -1,5 +1,5 @@
-// esplag export: a plain dense safetensors of a checkpoint's effective weights, for tools
-// that know nothing of compressed layers.
+// esplag export: a checkpoint's effective weights, for tools that know nothing of compressed
+// layers: a plain dense safetensors (--dense), or a Hugging Face model directory (--hf).
 #include <cctype>
 #include <cstdio>
 #include <filesystem>
@@ -7,6 +7,7 @@
 
 #include "commands.h"
 #include "core/error.h"
+#include "interop/hf_export.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
 #include "model/linear.h"
@@ -31,23 +32,58 @@ bool is_run_dir(const fs::path& d) {
   return fs::is_regular_file(d / "latest") && read_file((d / "latest").string()).rfind("step-", 0) == 0;
 }
 
-// The export never replaces a file of a checkpoint or of a run (which would stop it from
-// loading or resuming), nor, without --force, any existing file.
-void check_out_path(const std::string& out, bool force) {
-  const fs::path p = fs::weakly_canonical(fs::absolute(out));
-  ESPLAG_CHECK(!fs::is_directory(p), "export: --out '", out, "' is a directory; give the file to write");
+// The export never writes into a checkpoint or a run (which would stop it from loading or
+// resuming).
+void check_not_inside_run(const fs::path& p, const std::string& option, const std::string& out) {
   for (fs::path d = p.parent_path();; d = d.parent_path()) {
-    ESPLAG_CHECK(!is_checkpoint_dir(d), "export: --out '", out, "' is inside the checkpoint directory '", d.string(),
-                 "'; write the export outside of it");
-    ESPLAG_CHECK(!is_run_dir(d), "export: --out '", out, "' is inside the run directory '", d.string(),
+    ESPLAG_CHECK(!is_checkpoint_dir(d), "export: ", option, " '", out, "' is inside the checkpoint directory '",
+                 d.string(), "'; write the export outside of it");
+    ESPLAG_CHECK(!is_run_dir(d), "export: ", option, " '", out, "' is inside the run directory '", d.string(),
                  "'; write the export outside of it");
     if (d == d.parent_path()) break;
   }
+}
+
+// Nor, without --force, does it replace any existing file.
+void check_out_path(const std::string& out, bool force) {
+  const fs::path p = fs::weakly_canonical(fs::absolute(out));
+  ESPLAG_CHECK(!fs::is_directory(p), "export: --out '", out, "' is a directory; give the file to write");
+  check_not_inside_run(p, "--out", out);
   ESPLAG_CHECK(force || !fs::exists(p), "export: --out '", out, "' already exists; give --force to replace it");
 }
 
+// --hf DIR: a new or empty directory, or with --force any directory but a checkpoint's or a run's.
+void check_hf_dir(const std::string& dir, bool force) {
+  const fs::path p = fs::weakly_canonical(fs::absolute(dir));
+  check_not_inside_run(p, "--hf", dir);
+  if (!fs::exists(p)) return;
+  ESPLAG_CHECK(fs::is_directory(p), "export: --hf '", dir, "' exists and is not a directory");
+  ESPLAG_CHECK(!is_run_dir(p) && !fs::exists(p / "state.json") && !fs::exists(p / "latest"), "export: --hf '", dir,
+               "' is an esplag checkpoint or run directory; write the export elsewhere");
+  ESPLAG_CHECK(force || fs::is_empty(p), "export: --hf '", dir,
+               "' is not empty; give --force to replace its config.json, model.safetensors and tokenizer.json");
+}
+
+int export_hf_dir(const Args& a) {
+  ESPLAG_CHECK(!a.has("out") && !a.has("dense"), "export: --hf DIR writes a directory; --dense and --out ",
+               "are for the single-file export");
+  const std::string dir = a.get("hf");
+  check_hf_dir(dir, a.has("force"));
+  const std::string ck = resolve_checkpoint(a.get("checkpoint"));
+  CheckpointContents info;
+  const auto model = load_model(ck, &info);
+  const HfExport e = export_hf(*model, info.tokenizer, dir);
+  std::printf("wrote %s: %s (%s), %zu tensors, %.2fM parameters (dense f32)\n", dir.c_str(),
+              e.config.model_type.c_str(), e.config.family == HfFamily::gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM",
+              e.tensors, model->num_params() / 1e6);
+  if (!e.tokenizer_note.empty()) std::printf("note: %s\n", e.tokenizer_note.c_str());
+  return 0;
+}
+
 int export_dense(const Args& a) {
-  ESPLAG_CHECK(a.has("dense"), "export: only --dense export exists (a plain dense safetensors)");
+  ESPLAG_CHECK(a.has("dense"), "export: give --dense (a plain dense safetensors) or --hf DIR (a Hugging Face model ",
+               "directory)");
+  ESPLAG_CHECK(a.has("out"), "export: --out is required with --dense (the FILE.safetensors to write)");
   const std::string out = a.get("out");
   check_out_path(out, a.has("force"));
   const std::string ck = resolve_checkpoint(a.get("checkpoint"));
@@ -73,21 +109,27 @@ int export_dense(const Args& a) {
   return 0;
 }
 
+int run_export(const Args& a) { return a.has("hf") ? export_hf_dir(a) : export_dense(a); }
+
 }  // namespace
 
 const Command kExport = {
     "export",
-    "write a checkpoint's weights as a plain dense safetensors",
-    "Pruned entries are zeros; the metadata holds the config, the tokenizer and the step. The file may not be\n"
-    "inside a checkpoint or run directory, and an existing file is replaced only with --force.",
+    "write a checkpoint's weights as a dense safetensors or a Hugging Face model directory",
+    "--dense --out FILE: one safetensors of every parameter (pruned entries are zeros); the metadata holds the\n"
+    "config, the tokenizer and the step. --hf DIR: config.json, model.safetensors and tokenizer.json that\n"
+    "transformers' AutoModelForCausalLM.from_pretrained loads (GPT-2- or LLaMA-shaped models; see\n"
+    "docs/interop.md). Neither may be inside a checkpoint or run directory; an existing file, or a non-empty\n"
+    "--hf directory, is replaced only with --force.",
     {
         Option::text("checkpoint", "DIR", "", "a run directory (its latest checkpoint) or a step-NNNNNN directory")
             .mandatory(),
-        Option::flag("dense", "dense export (the only kind; required)"),
-        Option::text("out", "FILE.safetensors", "", "the file to write").mandatory(),
-        Option::flag("force", "replace --out if it exists"),
+        Option::flag("dense", "a single dense safetensors file (with --out)"),
+        Option::text("out", "FILE.safetensors", "", "the file --dense writes"),
+        Option::text("hf", "DIR", "", "write a Hugging Face model directory instead"),
+        Option::flag("force", "replace --out if it exists, or the files of a non-empty --hf directory"),
     },
-    export_dense,
+    run_export,
 };
 
 }  // namespace esplag::cli

@@ -17,8 +17,8 @@ namespace {
 
 const std::vector<const Command*>& all_commands() {
   static const std::vector<const Command*> commands = [] {
-    std::vector<const Command*> c = {&kDataPrepare, &kTokenizerTrain, &kTrain,    &kEval,
-                                     &kSample,      &kProfile,        &kSparsity, &kExport};
+    std::vector<const Command*> c = {&kDataPrepare, &kTokenizerTrain, &kTrain,  &kEval,   &kSample,
+                                     &kProfile,     &kSparsity,       &kExport, &kImport};
     for (const Command* b : bench_commands()) c.push_back(b);
     return c;
   }();

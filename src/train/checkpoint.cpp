@@ -149,9 +149,12 @@ void read_state_file(const fs::path& checkpoint_dir, CheckpointContents& c) {
 
 }  // namespace
 
-std::string save_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,
-                            const std::string& tokenizer, const TrainerState& state, const Moments& m,
-                            const Moments& v) {
+namespace {
+
+// save_checkpoint, and without m and v save_weights_checkpoint.
+std::string write_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,
+                             const std::string& tokenizer, const TrainerState& state, const Moments* m,
+                             const Moments* v) {
   const fs::path final_dir = fs::path(run_dir) / step_dir_name(state.step);
   const fs::path tmp_dir = fs::path(run_dir) / (step_dir_name(state.step) + ".tmp-" + std::to_string(::getpid()));
   std::error_code ec;
@@ -176,10 +179,12 @@ std::string save_checkpoint(const std::string& run_dir, Transformer<float>& mode
                                                      {"schedule_total_steps",
                                                       std::to_string(config.schedule.total_steps)}};
     save_safetensors((tmp_dir / "model.safetensors").string(), weights, meta);
-    std::vector<Tensor> moments;
-    for (const auto& p : trainable) moments.push_back(moment_view(m, p, "m."));
-    for (const auto& p : trainable) moments.push_back(moment_view(v, p, "v."));
-    save_safetensors((tmp_dir / "optimizer.safetensors").string(), moments, {{"format", kFormat}});
+    if (m && v) {
+      std::vector<Tensor> moments;
+      for (const auto& p : trainable) moments.push_back(moment_view(*m, p, "m."));
+      for (const auto& p : trainable) moments.push_back(moment_view(*v, p, "v."));
+      save_safetensors((tmp_dir / "optimizer.safetensors").string(), moments, {{"format", kFormat}});
+    }
     nlohmann::json js = {{"format", kFormat},
                          {"step", state.step},
                          {"tokens_seen", state.tokens_seen},
@@ -203,6 +208,19 @@ std::string save_checkpoint(const std::string& run_dir, Transformer<float>& mode
     throw;
   }
   return final_dir.string();
+}
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,
+                            const std::string& tokenizer, const TrainerState& state, const Moments& m,
+                            const Moments& v) {
+  return write_checkpoint(run_dir, model, config, tokenizer, state, &m, &v);
+}
+
+std::string save_weights_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,
+                                    const std::string& tokenizer, const TrainerState& state) {
+  return write_checkpoint(run_dir, model, config, tokenizer, state, nullptr, nullptr);
 }
 
 std::string resolve_checkpoint(const std::string& dir) {
@@ -301,6 +319,54 @@ std::unique_ptr<Transformer<float>> load_model(const std::string& checkpoint_dir
   load_checkpoint_weights(checkpoint_dir, *model);
   if (info_out) *info_out = info;
   return model;
+}
+
+ModelConfig init_from_model(const TrainConfig& config, const std::string& data_tokenizer) {
+  const std::string& dir = config.init_from;
+  const std::string what = "train.init_from '" + dir + "'";
+  std::string ck;
+  try {
+    ck = resolve_checkpoint(dir);
+  } catch (const Error& e) {
+    fail(what, ": ", e.what());
+  }
+  const CheckpointContents info = read_checkpoint_info(ck);
+  const auto& given = config.model_keys_given;
+  const bool preset = std::find(given.begin(), given.end(), "model.preset") != given.end();
+  TrainConfig theirs = config;
+  theirs.model = info.config.model;
+  const FlatConfig mine_flat = flatten(config), theirs_flat = flatten(theirs);
+  for (size_t i = 0; i < mine_flat.size(); ++i) {
+    const auto& [key, value] = mine_flat[i];
+    if (key.rfind("model.", 0) != 0 || key == "model.preset" || key == "model.init_std") continue;
+    if (key == "model.vocab_size" && config.model.vocab_size == 0) continue;
+    if (!preset && std::find(given.begin(), given.end(), key) == given.end()) continue;
+    ESPLAG_CHECK(value == theirs_flat[i].second, what, ": ", key, " is ", value, " in the config (",
+                 preset && std::find(given.begin(), given.end(), key) == given.end() ? "from model.preset" : "given",
+                 ") but ", theirs_flat[i].second, " in the checkpoint ", ck,
+                 "; leave the model section out to train the checkpoint's model");
+  }
+  bool same_tokenizer = data_tokenizer == info.tokenizer;
+  std::error_code ec;
+  if (!same_tokenizer && fs::is_regular_file(data_tokenizer, ec) && fs::is_regular_file(info.tokenizer, ec))
+    same_tokenizer = read_file(data_tokenizer) == read_file(info.tokenizer);
+  ESPLAG_CHECK(same_tokenizer, what, ": data '", config.data_path, "' was tokenized with '", data_tokenizer,
+               "' but the checkpoint ", ck, " was trained with '", info.tokenizer,
+               "' (prepare the data with the checkpoint's tokenizer)");
+  return info.config.model;
+}
+
+void load_init_weights(const std::string& init_from, Transformer<float>& model) {
+  const auto source = load_model(resolve_checkpoint(init_from));
+  for (const auto& info : model.param_infos()) {
+    const ParamInfo& theirs = source->param_info(info.name);
+    ESPLAG_CHECK(theirs.shape == info.shape, "train.init_from '", init_from, "': parameter '", info.name,
+                 "' has shape ", shape_str(theirs.shape), " there, the model needs ", shape_str(info.shape));
+    std::copy_n(source->params() + theirs.offset, info.numel, model.params() + info.offset);
+  }
+  // A Linear's weight is what it computes with: a sparse kind's effective dense weight.
+  for (const auto& name : source->linear_names())
+    source->linear(name).dense_weight(model.params() + model.param_info(name).offset);
 }
 
 void prune_checkpoints(const std::string& run_dir, int keep) {

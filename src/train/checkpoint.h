@@ -53,6 +53,10 @@ struct CheckpointContents {
 std::string save_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,
                             const std::string& tokenizer, const TrainerState& state, const Moments& m,
                             const Moments& v);
+// The same without optimizer.safetensors: a checkpoint that eval, sample, export and
+// train.init_from read, but that cannot be resumed (imported models are saved so).
+std::string save_weights_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,
+                                    const std::string& tokenizer, const TrainerState& state);
 
 // Resolves DIR to a checkpoint directory: DIR itself if it holds model.safetensors,
 // else the checkpoint named by DIR/latest, which must be the bare name of a step directory
@@ -72,6 +76,16 @@ void load_checkpoint_weights(const std::string& checkpoint_dir, Transformer<floa
 // The model of a checkpoint, ready for inference or export: built from the saved config,
 // with every Linear kind the recipe had given it by the saved step, and the saved values.
 std::unique_ptr<Transformer<float>> load_model(const std::string& checkpoint_dir, CheckpointContents* info = nullptr);
+
+// train.init_from: the model section a run of `config` trains, the model of the checkpoint
+// of config.init_from (a run or checkpoint directory). Every model key the config gave
+// (all of them when it gave model.preset; not init_std, nor a vocab_size of 0) must agree
+// with it, and the data's tokenizer `data_tokenizer` must be the checkpoint's (the same
+// spec, or tokenizer files of the same content): otherwise an Error naming the key.
+ModelConfig init_from_model(const TrainConfig& config, const std::string& data_tokenizer);
+// Copies the weights of init_from's checkpoint into `model` (of init_from_model's config):
+// every parameter, a sparse Linear's as its effective dense weight.
+void load_init_weights(const std::string& init_from, Transformer<float>& model);
 
 // Removes all but the newest `keep` step directories of a run (keep == 0 keeps all).
 void prune_checkpoints(const std::string& run_dir, int keep);

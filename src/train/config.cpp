@@ -187,6 +187,7 @@ const std::vector<Field>& fields() {
       choice("train.checkpointing", ref(&T::checkpointing, &ActivationCheckpointing::mode), checkpoint_mode_from,
              to_string),
       integer("train.checkpointing_every", ref(&T::checkpointing, &ActivationCheckpointing::every), 1, kIntMax),
+      text("train.init_from", ref(&T::init_from)),
       real("optimizer.lr", ref(&T::optimizer, &O::lr), {0, kInf, true, true}),
       real("optimizer.beta1", ref(&T::optimizer, &O::beta1), {0, 1, false, true}),
       real("optimizer.beta2", ref(&T::optimizer, &O::beta2), {0, 1, false, true}),
@@ -290,13 +291,17 @@ void apply_recipe_override(YAML::Node& recipe, const std::string& override_text,
 
 }  // namespace
 
-void TrainConfig::validate() const {
+void TrainConfig::validate_settings() const {
   for (const auto& f : fields())
     if (f.check) f.check(*this);
-  ESPLAG_CHECK(seq_len <= model.max_seq_len, "train.seq_len (", seq_len, ") exceeds model.max_seq_len (",
-               model.max_seq_len, ")");
   ESPLAG_CHECK(schedule.warmup_steps <= steps, "schedule.warmup_steps (", schedule.warmup_steps,
                ") is larger than train.steps (", steps, "): the run would end before the learning rate is reached");
+}
+
+void TrainConfig::validate() const {
+  validate_settings();
+  ESPLAG_CHECK(seq_len <= model.max_seq_len, "train.seq_len (", seq_len, ") exceeds model.max_seq_len (",
+               model.max_seq_len, ")");
   if (model.vocab_size == 0)
     model.validate_shape();  // the dataset's vocabulary fills it in
   else
@@ -348,6 +353,7 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
     }
   }
   for (const auto& [k, v, origin] : entries) {
+    if (k.rfind("model.", 0) == 0) c.model_keys_given.push_back(k);
     try {
       if (k != "model.preset") find_field(k)->set(c, v);
     } catch (const Error& e) {
@@ -357,7 +363,11 @@ TrainConfig parse_train_config(const std::string& yaml_text, const std::string& 
   c.schedule.lr = c.optimizer.lr;
   c.schedule.total_steps = c.steps;
   try {
-    c.validate();
+    // With train.init_from the model section is the checkpoint's, checked when the run starts.
+    if (c.init_from.empty())
+      c.validate();
+    else
+      c.validate_settings();
   } catch (const Error& e) {
     // Recipe errors already start with the source.
     const std::string what = e.what();

@@ -41,6 +41,10 @@ struct TrainConfig {
   int64_t checkpoint_every = 100;  // 0: only at the end
   int keep_checkpoints = 2;        // newest N step directories are kept; 0 keeps all
   ActivationCheckpointing checkpointing;  // train.checkpointing, train.checkpointing_every (CPU only so far)
+  // A run or checkpoint directory (e.g. one `esplag import` wrote) whose weights start the
+  // run instead of the initialisation, at step 0 with fresh optimizer state; the model
+  // section is then the checkpoint's (train/checkpoint.h, init_from_model).
+  std::string init_from;
   OptimizerConfig optimizer;
   LrSchedule schedule;  // schedule.lr and total_steps mirror optimizer.lr and steps
   // The top-level `recipe:` list (sparsity modifiers, see docs/recipes.md) as YAML text;
@@ -49,10 +53,16 @@ struct TrainConfig {
   // The file the config was read from (parse_train_config's `source`): recipe errors and the
   // recipe summary name it. Not a config key, not saved.
   std::string source = "config";
+  // The model.* keys the config file or --set gave (model.preset among them), which
+  // train.init_from checks against the checkpoint's model. Not a config key, not saved.
+  std::vector<std::string> model_keys_given;
 
   // Checks every key's range, the model's shape (all but a vocab_size of 0, which the
   // dataset fills in) and the recipe against the model's linear weights and train.steps.
   void validate() const;
+  // The checks of validate() that do not depend on the model section (what a config with
+  // train.init_from can be checked for before the checkpoint's model is known).
+  void validate_settings() const;
   // The recipe list, parsed (errors and describe() name `source`); empty for dense training.
   Recipe recipe() const;
 };

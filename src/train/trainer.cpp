@@ -251,6 +251,7 @@ Trainer::Trainer(TrainConfig config, std::string run_dir, LogFn log)
     : cfg_(std::move(config)), run_dir_(std::move(run_dir)), log_(std::move(log)) {
   const DatasetMeta meta = read_dataset_meta(cfg_.data_path);
   tokenizer_ = meta.tokenizer;
+  if (!cfg_.init_from.empty()) cfg_.model = init_from_model(cfg_, meta.tokenizer);
   if (cfg_.model.vocab_size == 0) cfg_.model.vocab_size = meta.vocab_size;
   ESPLAG_CHECK(cfg_.model.vocab_size >= meta.vocab_size, "model.vocab_size (", cfg_.model.vocab_size,
                ") is smaller than the dataset's vocabulary (", meta.vocab_size, ")");
@@ -263,6 +264,7 @@ Trainer::Trainer(TrainConfig config, std::string run_dir, LogFn log)
   // start from the same weights.
   model_ = std::make_unique<Transformer<float>>(cfg_.model);
   model_->init_weights(cfg_.seed);
+  if (!cfg_.init_from.empty()) load_init_weights(cfg_.init_from, *model_);
   state_.rng = Rng(cfg_.seed).state();
   setup_recipe();
   setup_data();

@@ -1,0 +1,46 @@
+// esplag import --hf and export --hf end to end: what a user types and sees.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "cli_util.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using esplag::testing::expect_one_line_error;
+using esplag::testing::run_esplag;
+
+const std::string kFixtures = std::string(ESPLAG_SOURCE_DIR) + "/tests/fixtures/hf/";
+
+fs::path root() { return esplag::testing::scratch_root("test_cli_hf"); }
+
+TEST(CliHf, ImportThenExportAndTheirRefusals) {
+  const fs::path run = root() / "run", out = root() / "out";
+  auto r = run_esplag("import --hf " + kFixtures + "gpt2 --out " + run.string(), root());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("imported gpt2 (gpt2 family): 2 layers, d_model 16"), std::string::npos) << r.out;
+  EXPECT_TRUE(fs::exists(run / "latest"));
+  expect_one_line_error(run_esplag("import --hf " + kFixtures + "gpt2 --out " + run.string(), root()),
+                        "is not empty; give a new directory");
+  expect_one_line_error(run_esplag("import --hf " + root().string() + " --out " + (root() / "r2").string(), root()),
+                        "has no config.json");
+  EXPECT_FALSE(fs::exists(root() / "r2"));
+
+  r = run_esplag("export --checkpoint " + run.string() + " --hf " + out.string(), root());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("gpt2 (GPT2LMHeadModel)"), std::string::npos) << r.out;
+  for (const char* f : {"config.json", "model.safetensors", "tokenizer.json"}) EXPECT_TRUE(fs::exists(out / f)) << f;
+  expect_one_line_error(run_esplag("export --checkpoint " + run.string() + " --hf " + out.string(), root()),
+                        "is not empty; give --force");
+  EXPECT_EQ(run_esplag("export --checkpoint " + run.string() + " --hf " + out.string() + " --force", root()).code, 0);
+  expect_one_line_error(run_esplag("export --checkpoint " + run.string() + " --hf " + (run / "x").string(), root()),
+                        "is inside the run directory");
+  expect_one_line_error(
+      run_esplag("export --checkpoint " + run.string() + " --hf " + out.string() + " --dense", root()),
+      "--dense and --out are for the single-file export");
+  // The export imports back.
+  EXPECT_EQ(run_esplag("import --hf " + out.string() + " --out " + (root() / "back").string(), root()).code, 0);
+}
+
+}  // namespace
