@@ -1,15 +1,16 @@
 // The Linear kind registry (model/linear_registry.h): the built-in kinds and their flags,
 // the lists and errors made from it, and a kind defined in this file alone ("halves": dense,
 // its forward product in two halves of the output features) registered, built by name
-// through make_linear and trained inside a Transformer, step for step equal to dense.
-//
-// A recipe's modifiers name fixed types (gradual_magnitude, semi_sparse, slope, ...), not
-// registry kinds, so the registered kind is trained through make_linear + the model's steps.
+// through make_linear, trained inside a Transformer and through a recipe by the trainer,
+// step for step equal to dense.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <map>
 #include <memory>
@@ -18,6 +19,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "data/prepare.h"
 #include "model/linear_kinds.h"
 #include "model/linear_registry.h"
 #include "model/transformer.h"
@@ -59,6 +61,7 @@ void register_halves() {
   LinearKindInfo k;
   k.name = "halves";
   k.description = "dense, its forward product in two halves of the output features";
+  k.recipe_modifier = true;
   k.set_make_cpu([]<typename T>(LinearBuild<T>& b) -> std::unique_ptr<Linear<T>> {
     return std::make_unique<HalvesLinear<T>>(b.params);
   });
@@ -244,4 +247,57 @@ TEST(LinearRegistry, ARegisteredKindTrainsInTheTransformer) {
   for (double l : halves) ASSERT_TRUE(std::isfinite(l));
   EXPECT_LT(halves.back(), halves.front()) << "training lowers the loss on a fixed batch";
   EXPECT_EQ(halves, dense) << "the halves' products are dense's, element for element";
+}
+
+namespace {
+
+// Losses by step of a 6-step run on a small byte-token corpus, with `recipe` (YAML list).
+std::map<int64_t, double> run_losses(const std::string& name, const std::string& recipe,
+                                     std::vector<std::string>& log) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("esplag_test_registry_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::string text;
+  for (int i = 0; i < 300; ++i) text += "In the beginning was the word " + std::to_string(i % 7) + ".\n";
+  std::ofstream(dir / "corpus.txt") << text;
+  prepare_dataset((dir / "corpus.txt").string(), ByteTokenizer(), (dir / "data").string(), 0.1, 1 << 20);
+  const TrainConfig cfg = parse_train_config(R"(
+model: {preset: tiny, n_layer: 2, d_model: 32, n_head: 2, n_kv_head: 2, d_ff: 64, max_seq_len: 32}
+train: {batch_size: 4, seq_len: 32, steps: 6, log_every: 1, eval_every: 0, checkpoint_every: 0, device: cpu}
+optimizer: {lr: 1.0e-2}
+recipe: )" + recipe,
+                                             "test", {"data.path=" + (dir / "data").string()});
+  Trainer(cfg, (dir / "run").string(), [&](const std::string& line) { log.push_back(line); }).run();
+  std::map<int64_t, double> losses;
+  std::ifstream in(dir / "run" / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) losses[j["step"].get<int64_t>()] = j["loss"].get<double>();
+  }
+  fs::remove_all(dir);
+  return losses;
+}
+
+}  // namespace
+
+// The kind's own modifier (LinearKindInfo::recipe_modifier) holds the MLP layers as "halves"
+// over steps [2, 4), dense after: the trainer builds them by name, and the losses are a
+// dense run's, step for step.
+TEST(LinearRegistry, ARegisteredKindTrainsThroughARecipe) {
+  register_halves();
+  std::vector<std::string> log, dense_log;
+  const auto halves = run_losses(
+      "halves", "[{halves: {params: ['re:blocks\\.\\d+\\.mlp\\..*'], start: 2, until: 4}}]", log);
+  const auto dense = run_losses("dense", "[]", dense_log);
+  ASSERT_EQ(halves.size(), 6u);
+  EXPECT_EQ(halves, dense);
+  const auto logged = [&](const std::string& part) {
+    return std::count_if(log.begin(), log.end(), [&](const std::string& l) { return contains(l, part); });
+  };
+  EXPECT_EQ(logged("step 2: blocks.0.mlp.fc.weight -> halves"), 1);
+  EXPECT_EQ(logged("-> halves"), 4) << "the 4 MLP layers of 2 blocks";
+  EXPECT_EQ(logged("step 4: blocks.1.mlp.proj.weight -> dense"), 1);
+  // An unknown modifier's message lists the registered kind's.
+  EXPECT_TRUE(contains(error_of([] { (void)Recipe::parse("[{halve: {params: ['x']}}]", "test"); }), "halves"));
 }

@@ -447,6 +447,10 @@ class GpuTransformer {
   // stored form changes go through their dense form, mapped by the old and new layers);
   // the layers' own tensors carried over by name where their size is kept, else new.
   void move_state_from(const RetiredState& old);
+  // The same through the host: the state into `old`'s host copy before the new layout, and
+  // from it after.
+  void state_to_host(RetiredState& old) const;
+  void state_from_host(const RetiredState& old);
   // Views of a tensor of the storage layout (empty when there is none), and a block Linear's
   // (with the extra tensors of `layer` when given).
   DeviceTensorView view(const std::string& name) const;

@@ -65,6 +65,7 @@ std::deque<LinearKindInfo> builtin_kinds() {
   semi.description = "2:4 weight pruned at run time from a dense master, sparse forward and dX";
   semi.takes_sparse_dw = true;
   semi.gpu = true;
+  semi.gpu_needs_16 = true;
   semi.set_make_cpu([]<typename T>(LinearBuild<T>& b) -> std::unique_ptr<Linear<T>> {
     return std::make_unique<SemiSparseLinear<T>>(b.params, std::move(b.dw));
   });
@@ -85,6 +86,7 @@ std::deque<LinearKindInfo> builtin_kinds() {
   slope.takes_sparse_dw = true;
   slope.adapter = AdapterStyle::own;
   slope.gpu = true;
+  slope.gpu_needs_16 = true;
   slope.set_make_cpu([]<typename T>(LinearBuild<T>& b) { return make_slope(b); });
 
   LinearKindInfo& vnm = kinds[5];

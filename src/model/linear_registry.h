@@ -58,6 +58,13 @@ struct LinearKindInfo {
   // pruning's ramp): a device copy must take the host's mask again after a write-back.
   bool host_rechooses_mask = false;
   AdapterStyle adapter = AdapterStyle::wrapper;
+  // On the GPU its products are cuSPARSELt's 2:4 ones: the layer's shape and the
+  // micro-batch's tokens must be multiples of 16 (the trainer's device rule checks them).
+  bool gpu_needs_16 = false;
+  // A recipe modifier of the kind's name holds layers as this kind over [start, until)
+  // (keys params, start, until; docs/recipes.md). The built-in kinds are reached through
+  // modifiers with keys of their own (semi_sparse, slope, gradual_magnitude, ...).
+  bool recipe_modifier = false;
   // The GPU model trains it: the CUDA build's kind table has an entry of this name, and
   // has none for a kind without it (checked by device_linear_kinds()).
   bool gpu = false;

@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "io/utf8.h"
+#include "model/linear_registry.h"
 
 namespace esplag {
 
@@ -46,10 +47,17 @@ const std::vector<TypeKeys>& type_keys() {
   return t;
 }
 
+// A registered kind whose registry entry makes it a modifier (LinearKindInfo::recipe_modifier).
+bool kind_modifier(const std::string& type) {
+  const LinearKindInfo* k = lookup_linear_kind(type);
+  return k && k->recipe_modifier;
+}
+
 const TypeKeys* find_type(const std::string& type) {
   for (const auto& t : type_keys())
     if (type == t.type) return &t;
-  return nullptr;
+  static const TypeKeys kind_keys{"", {"params", "start", "until"}, {"params"}};
+  return kind_modifier(type) ? &kind_keys : nullptr;
 }
 
 std::string join(const std::vector<std::string>& v, const char* sep) {
@@ -310,6 +318,8 @@ void Recipe::parse_items(const YAML::Node& list) {
   const std::string& source = source_;
   std::vector<std::string> type_names;
   for (const auto& t : type_keys()) type_names.push_back(t.type);
+  for (const auto& k : linear_kinds())
+    if (k.recipe_modifier) type_names.push_back(k.name);
 
   for (size_t i = 0; i < list.size(); ++i) {
     const YAML::Node item = list[i];
@@ -397,7 +407,7 @@ void Recipe::parse_items(const YAML::Node& list) {
       mod.update_every = parse_step(w, "update_every", text("update_every"));
       ESPLAG_CHECK(mod.update_every.is_fraction || mod.update_every.steps > 0, w,
                    ": key 'update_every' must be positive, got ", text("update_every"));
-    } else if (type == kSemi || type == kSemiAct) {
+    } else if (type == kSemi || type == kSemiAct || kind_modifier(type)) {
       mod.has_until = kv.count("until") > 0;
       if (mod.has_until) mod.until = parse_step(w, "until", text("until"));
       if (kv.count("activation")) {
@@ -496,7 +506,7 @@ void Recipe::validate(const LinearShapes& shapes, int64_t total_steps) {
                      ": semi_sparse_activation needs cols (in features) that are a multiple of 4 (2:4 of the input "
                      "activations along K)");
     }
-    if (m.type == kSemi || m.type == kSemiAct) {
+    if (m.type == kSemi || m.type == kSemiAct || kind_modifier(m.type)) {
       if (m.has_until) {
         b.until = resolve(m.until, "until");
         ESPLAG_CHECK(b.until > b.start, w, ": until (", step_text(m.until, b.until), ") must be after start (",
@@ -592,6 +602,8 @@ LayerPlan Recipe::plan_of(int i, int64_t step) const {
       p.lora_rank = m.lora_rank;
       p.lora_enabled = m.lora_rank > 0 && step >= b.lora_start;
     }
+  } else if (kind_modifier(m.type)) {
+    p.kind = m.type;
   }
   p.sparsity = 1.0 - p.pattern.density();
   return p;
@@ -638,6 +650,12 @@ std::vector<std::string> Recipe::changed_at(int64_t step) const {
   for (const auto& [name, p] : now)
     if (!p.same_effect(before.at(name))) out.push_back(name);
   return out;
+}
+
+std::string Recipe::Modifier::kind() const {
+  if (type == kGmp) return "masked";
+  if (type == kKernel) return "vnm";
+  return type;
 }
 
 bool Recipe::reads_weights_at(int64_t step) const {
@@ -688,6 +706,9 @@ std::string Recipe::describe() const {
           os << ", rank-" << m.lora_rank << " adapters from step " << b.lora_start;
         else
           os << ", no adapters";
+      } else if (kind_modifier(m.type)) {
+        os << " " << range_text(b.start, m.has_until ? b.until : kForever);
+        if (m.has_until) os << ", dense after";
       } else {
         os << " 2:4 " << range_text(b.start, m.has_until ? b.until : kForever);
         if (m.type == kSemiAct) os << " (" << activation_sparsity_name(m.activation) << " of the input)";
@@ -721,7 +742,7 @@ std::string Recipe::to_yaml() const {
     if (m.type == kGmp) {
       e << YAML::Key << "end" << YAML::Value << m.end.text;
       e << YAML::Key << "update_every" << YAML::Value << m.update_every.text;
-    } else if (m.type == kSemi || m.type == kSemiAct) {
+    } else if (m.type == kSemi || m.type == kSemiAct || kind_modifier(m.type)) {
       if (m.has_until) e << YAML::Key << "until" << YAML::Value << m.until.text;
       if (m.type == kSemiAct) e << YAML::Key << "activation" << YAML::Value << activation_sparsity_name(m.activation);
     } else if (m.type == kSlope) {

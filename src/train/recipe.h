@@ -86,6 +86,9 @@ class Recipe {
 
     // Whether `params` names the weight (an exact name, or a "re:" pattern matching it whole).
     bool claims(const std::string& weight_name) const;
+    // The Linear kind it gives its layers: masked (gradual_magnitude), vnm
+    // (kernel_replacement), else the kind of its own name.
+    std::string kind() const;
   };
 
   // `yaml_list_text`: the YAML of the list (what TrainConfig::recipe_yaml holds); empty or

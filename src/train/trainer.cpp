@@ -206,14 +206,11 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
     for (const auto& m : recipe.modifiers()) {
       const std::string what = "modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") +
                                (m.sparse_dw ? " with sparse_dw" : "") + " on " + join(m.params, ", ");
-      // masked and vnm layers: dense products, any shape (LoRA wrappers are refused);
-      // semi_sparse_activation: cuBLASLt's products where cuSPARSELt's cannot run
-      if (m.type == "gradual_magnitude" || (m.type == "kernel_replacement" && m.lora_rank == 0) ||
-          m.type == "semi_sparse_activation")
-        continue;
-      if (m.type != "semi_sparse" && m.type != "slope")
+      // The GPU has no LoRA wrapper (only adapters of a kind's own, slope's).
+      const LinearKindInfo& kind = find_linear_kind(m.kind(), "recipe");
+      if (!kind.gpu || (m.lora_rank > 0 && kind.adapter == AdapterStyle::wrapper))
         parts.push_back(what);
-      else if (const std::string why = sparse_24_gpu_shape_problem(config, m); !why.empty())
+      else if (const std::string why = kind.gpu_needs_16 ? sparse_24_gpu_shape_problem(config, m) : ""; !why.empty())
         parts.push_back(what + ": " + why + " (cuSPARSELt's 2:4 products need multiples of 16)");
     }
   }

@@ -216,8 +216,9 @@ struct GpuTransformer::Impl {
   }
 };
 
-// A storage layout's state kept while the state moves into a new one on the device
-// (GpuTransformer::move_state_from), with the layers whose stored forms it holds.
+// A storage layout's state kept while the state moves into a new one: on the device
+// (GpuTransformer::move_state_from) with the layers whose stored forms it holds, or on the
+// host in the flat layout (state_to_host, state_from_host).
 struct GpuTransformer::RetiredState {
   std::vector<ParamInfo> stored;
   DeviceArena arena;
@@ -226,6 +227,12 @@ struct GpuTransformer::RetiredState {
   float *m = nullptr, *v = nullptr;
   std::map<std::string, const DeviceLinear*> layers;    // by weight name: each slot's top() then
   std::vector<std::unique_ptr<DeviceLinear>> replaced;  // the layers that went, alive until the move
+
+  struct HostTensor {  // a layer's own tensor (an adapter's L or R), carried over by name
+    std::vector<float> w, m, v;
+  };
+  std::vector<float> host_params, host_m, host_v;
+  std::map<std::string, HostTensor> host_own;
 };
 
 namespace gpu_model {

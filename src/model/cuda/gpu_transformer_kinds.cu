@@ -41,16 +41,6 @@ void GpuTransformer::make_linears() {
   }
 }
 
-namespace {
-
-// A tensor a layer keeps of its own (an adapter's L or R) on the host, carried over a new
-// layout by name.
-struct HostTensor {
-  std::vector<float> w, m, v;
-};
-
-}  // namespace
-
 void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& settings) {
   Impl& im = *impl_;
   const int64_t tokens = int64_t(max_b_) * max_t_;
@@ -105,21 +95,7 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     if (on_device && layer) old.replaced.push_back(std::move(layer));
     layer.reset();
   };
-  std::vector<float> params, m, v;
-  std::map<std::string, HostTensor> own;
-  if (relayout && !on_device) {
-    params = params_to_host();
-    optimizer_state_to_host(m, v);
-    for (size_t k = infos_.size(); k < im.stored.size(); ++k) {
-      const ParamInfo& i = im.stored[k];
-      HostTensor& t = own[i.name];
-      for (auto [field, host] : {std::pair{StateField::weight, &t.w}, std::pair{StateField::m, &t.m},
-                                 std::pair{StateField::v, &t.v}}) {
-        host->resize(i.numel);
-        stored_to_host(field, i.offset, i.numel, host->data());
-      }
-    }
-  }
+  if (relayout && !on_device) state_to_host(old);
   lap(0);
   auto setup = [&](const Change& c, const DeviceLinear* previous) {
     return DeviceLinearSetup{c.setting, &im.ctx, c.out, c.in, cfg_.bias,
@@ -144,29 +120,13 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     if (c.setting->lora_rank > 0) c.slot->adapter = make_device_adapter(setup(c, nullptr), *c.slot->base);
   lap(1);
 
-  if (on_device) {
-    lay_out_state(&old);
-    move_state_from(old);
+  if (relayout) {
+    lay_out_state(on_device ? &old : nullptr);
+    if (on_device)
+      move_state_from(old);
+    else
+      state_from_host(old);
     old = RetiredState();
-  } else if (relayout) {
-    const int64_t steps = step_;
-    lay_out_state();
-    set_params(params.data(), params.size());  // also prepares every layer
-    set_optimizer_state(m.data(), v.data(), m.size(), steps);
-    // The layers' own tensors: carried over by name where their size is kept, else new.
-    for (const auto& [weight, slot] : im.linears) {
-      const auto tensors = slot.top().extra_tensors();
-      for (size_t i = 0; i < tensors.size(); ++i) {
-        const ParamInfo& at = info_named(im.stored, module_of(weight) + tensors[i].suffix);
-        const auto it = own.find(at.name);
-        const bool kept = it != own.end() && it->second.w.size() == at.numel;
-        const std::vector<float> zeros(kept ? 0 : at.numel, 0.f);
-        const std::vector<float> fresh = kept ? std::vector<float>() : slot.top().initial_extra(i);
-        stored_from_host(StateField::weight, at.offset, at.numel, kept ? it->second.w.data() : fresh.data());
-        stored_from_host(StateField::m, at.offset, at.numel, kept ? it->second.m.data() : zeros.data());
-        stored_from_host(StateField::v, at.offset, at.numel, kept ? it->second.v.data() : zeros.data());
-      }
-    }
   }
   // A layer that becomes or stops being a kind whose CPU layer trains another tensor (its
   // kept values, "<weight>.values") starts its moments from zero, as the CPU trainer's do.

@@ -1,6 +1,6 @@
-// GpuTransformer: a kind change's move of the parameter state into a new storage layout on
-// the device (see model/gpu_transformer.h, set_linear_kinds), instead of a round trip of the
-// whole state through the host.
+// GpuTransformer: a kind change's move of the parameter state into a new storage layout (see
+// model/gpu_transformer.h, set_linear_kinds): on the device, or where there is no room for
+// both layouts, through the host.
 #include <numeric>
 
 #include "core/cuda_check.h"
@@ -112,6 +112,42 @@ void GpuTransformer::move_state_from(const RetiredState& old) {
   refresh_head_copy();
   prepare_layers();
   synchronize();
+}
+
+void GpuTransformer::state_to_host(RetiredState& old) const {
+  const Impl& im = *impl_;
+  old.host_params = params_to_host();
+  optimizer_state_to_host(old.host_m, old.host_v);
+  for (size_t k = infos_.size(); k < im.stored.size(); ++k) {
+    const ParamInfo& i = im.stored[k];
+    RetiredState::HostTensor& t = old.host_own[i.name];
+    for (auto [field, host] :
+         {std::pair{StateField::weight, &t.w}, std::pair{StateField::m, &t.m}, std::pair{StateField::v, &t.v}}) {
+      host->resize(i.numel);
+      stored_to_host(field, i.offset, i.numel, host->data());
+    }
+  }
+}
+
+void GpuTransformer::state_from_host(const RetiredState& old) {
+  Impl& im = *impl_;
+  const int64_t steps = step_;
+  set_params(old.host_params.data(), old.host_params.size());  // also prepares every layer
+  set_optimizer_state(old.host_m.data(), old.host_v.data(), old.host_m.size(), steps);
+  // The layers' own tensors: carried over by name where their size is kept, else new.
+  for (const auto& [weight, slot] : im.linears) {
+    const auto tensors = slot.top().extra_tensors();
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const ParamInfo& at = info_named(im.stored, module_of(weight) + tensors[i].suffix);
+      const auto it = old.host_own.find(at.name);
+      const bool kept = it != old.host_own.end() && it->second.w.size() == at.numel;
+      const std::vector<float> zeros(kept ? 0 : at.numel, 0.f);
+      const std::vector<float> fresh = kept ? std::vector<float>() : slot.top().initial_extra(i);
+      stored_from_host(StateField::weight, at.offset, at.numel, kept ? it->second.w.data() : fresh.data());
+      stored_from_host(StateField::m, at.offset, at.numel, kept ? it->second.m.data() : zeros.data());
+      stored_from_host(StateField::v, at.offset, at.numel, kept ? it->second.v.data() : zeros.data());
+    }
+  }
 }
 
 }  // namespace esplag
