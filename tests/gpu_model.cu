@@ -21,7 +21,9 @@
 // cpu::adamw_step with its hyper-parameters read from device memory. And the model's
 // options: recompute on and off give the same loss and gradient bits, graph-replayed
 // steps the same bits as eager ones, and the memory plan of llama-1b at 4 x 2048 stays
-// within the budget that leaves the device use under 22 GiB.
+// within the budget that leaves the device use under 22 GiB. Activation checkpointing
+// (full, selective) gives the bits of none, eager and replayed, and full shrinks the plan's
+// activations to a block's input per block and one shared set.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -933,6 +935,99 @@ TEST_F(GpuModel, RecomputeAndSharedBuffersShrinkTheMemoryPlan) {
   const auto p1b_off = GpuTransformer::memory_plan(big, 4, 2048, off);
   std::printf("  llama-1b 4 x 2048 without recompute: %.2f GiB\n", p1b_off.total() / double(size_t(1) << 30));
   EXPECT_LT(p1b.total(), p1b_off.total());
+}
+
+// Activation checkpointing: the same loss, gradient, weight and moment bits as none, for
+// both modes, every block or every other one (3 blocks: 0 and 2 checkpointed, 1 not), eager
+// and graph-replayed (3 steps: eager, captured, replayed), with recompute on and off.
+TEST_F(GpuModel, CheckpointingGivesTheSameBits) {
+  using esplag::CheckpointMode;
+  ModelConfig llama = llama_config();
+  llama.n_layer = 3;
+  ModelConfig gpt = tiny_config();  // 3 blocks
+  ModelConfig relu2 = relu2_config();
+  relu2.n_layer = 3;
+  for (bool recompute : {true, false}) {
+    GpuModelOptions none;
+    none.cuda_graph = false;
+    none.recompute = recompute;
+    none.head_chunk_rows = 100;  // several LM-head chunks
+    for (const ModelConfig& c : {gpt, llama, relu2})
+      for (CheckpointMode mode : {CheckpointMode::full, CheckpointMode::selective})
+        for (int every : {1, 2})
+          for (bool graph : {false, true}) {
+            GpuModelOptions o = none;
+            o.checkpointing = {mode, every};
+            o.cuda_graph = graph;
+            expect_same_bits(c.preset + (c.mlp == esplag::MlpKind::relu2 ? " relu2" : "") + ", recompute " +
+                                 (recompute ? "on" : "off") + ": none / " + esplag::to_string(mode) + " every " +
+                                 std::to_string(every) + (graph ? ", graph" : ""),
+                             c, 2, 64, none, o, 3);
+          }
+  }
+  // forward_loss (evaluation) of a checkpointed model gives the same bits too.
+  GpuModelOptions full;
+  full.checkpointing = {CheckpointMode::full, 1};
+  GpuTransformer a(llama, 2, 64), b(llama, 2, 64, full);
+  a.init_weights(3);
+  b.init_weights(3);
+  std::vector<int32_t> x(128), y(128);
+  random_tokens(x, llama.vocab_size, 7);
+  random_tokens(y, llama.vocab_size, 8);
+  EXPECT_EQ(a.forward_loss(x.data(), y.data(), 2, 64), b.forward_loss(x.data(), y.data(), 2, 64));
+}
+
+// Full checkpointing keeps a block's input per checkpointed block and one set of the rest
+// for all of them; selective saves what recompute saves; nothing else changes. llama-1b at
+// T = 2048 fits at least 4x the micro-batch in the memory of an H100.
+TEST_F(GpuModel, CheckpointingShrinksTheActivations) {
+  using esplag::CheckpointMode;
+  const int B = 2, T = 96;
+  const size_t N = size_t(B) * T;
+  ModelConfig c4 = llama_config(), c8 = llama_config();
+  c4.n_layer = 4;
+  c8.n_layer = 8;
+  GpuModelOptions none, full, full2, selective_off, none_off;
+  full.checkpointing = {CheckpointMode::full, 1};
+  full2.checkpointing = {CheckpointMode::full, 2};
+  none_off.recompute = false;
+  selective_off.recompute = false;
+  selective_off.checkpointing = {CheckpointMode::selective, 1};
+  auto plan = [&](const ModelConfig& c, const GpuModelOptions& o) { return GpuTransformer::memory_plan(c, B, T, o); };
+  const size_t input = aligned256(2 * N * c4.d_model);
+  EXPECT_EQ(plan(c8, full).activations - plan(c4, full).activations, 4 * input) << "a block adds its input only";
+  const size_t block = (plan(c8, none).activations - plan(c4, none).activations) / 4;  // all a block saves
+  ASSERT_GT(block, 4 * input);
+  EXPECT_EQ(plan(c8, none).activations - plan(c8, full).activations, 7 * (block - input));
+  EXPECT_EQ(plan(c8, none).activations - plan(c8, full2).activations, 3 * (block - input)) << "blocks 0, 2, 4, 6";
+  for (const GpuModelOptions& o : {full, full2}) {
+    const auto p = plan(c8, o), n = plan(c8, none);
+    EXPECT_EQ(p.params, n.params);
+    EXPECT_EQ(p.grads, n.grads);
+    EXPECT_EQ(p.optimizer, n.optimizer);
+    EXPECT_EQ(p.scratch, n.scratch);
+    EXPECT_EQ(p.workspace, n.workspace);
+  }
+  // selective: what recompute on keeps (the GPU's attention keeps no probabilities).
+  EXPECT_EQ(plan(c8, selective_off).total(), plan(c8, none).total());
+  EXPECT_LT(plan(c8, selective_off).activations, plan(c8, none_off).activations);
+
+  const ModelConfig big = esplag::model_preset("llama-1b");
+  const size_t budget = size_t(76) << 30;  // an H100's 80 GB less the CUDA context and libraries
+  auto largest = [&](const GpuModelOptions& o) {
+    int b = 0;
+    for (int step = 512; step > 0; step /= 2)
+      if (GpuTransformer::memory_plan(big, b + step, 2048, o).total() <= budget) b += step;
+    return b;
+  };
+  const int b_none = largest(none), b_full = largest(full);
+  ASSERT_GT(b_none, 0);
+  const auto p_none = GpuTransformer::memory_plan(big, 4, 2048, none);
+  const auto p_full = GpuTransformer::memory_plan(big, 4, 2048, full);
+  std::printf("  llama-1b 4 x 2048 activations: none %.2f GiB, full %.2f GiB; largest micro-batch in 76 GiB: %d / %d\n",
+              p_none.activations / double(size_t(1) << 30), p_full.activations / double(size_t(1) << 30), b_none,
+              b_full);
+  EXPECT_GE(b_full, 4 * b_none);
 }
 
 TEST_F(GpuModel, OpTimingCoversTheStepAndChangesNoResult) {

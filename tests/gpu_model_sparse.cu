@@ -1085,4 +1085,139 @@ TEST_F(GpuModelSparse, MaskedMatchesCpuAndKeepsPrunedWeightsAtZero) {
   EXPECT_THROW(fresh.set_linear_kinds({no_mask}), esplag::Error) << "a layer becoming masked needs its mask";
 }
 
+// --- activation checkpointing ----------------------------------------------------------------
+
+// Three steps on two models of the same weights and Linear kinds (`kind`: each block Linear's
+// setting, from its name and shape), one without activation checkpointing (eager), one with
+// `ck` (eager or replayed: step 1 eager, 2 captured, 3 replayed): the same loss and gradient
+// bits at every step (the adapters' too), and the same weights, adapters and sparse_dw draw
+// counts after them. A recomputed forward chooses no mask and draws nothing.
+void expect_checkpointing_gives_the_same_bits(
+    const std::string& label, const ModelConfig& c, esplag::ActivationCheckpointing ck, bool graph,
+    const std::function<GpuTransformer::LinearKindSetting(const std::string& weight, int64_t out, int64_t in)>& kind) {
+  SCOPED_TRACE(label);
+  std::printf("checkpointing, same bits: %s\n", label.c_str());
+  const int B = 2, T = 64;
+  Transformer<float> cm(c);
+  cm.init_weights(6);
+  GpuModelOptions plain = always_sparse(), checkpointed = always_sparse();
+  plain.cuda_graph = false;
+  checkpointed.cuda_graph = graph;
+  checkpointed.checkpointing = ck;
+  GpuTransformer a(c, B, T, plain), b(c, B, T, checkpointed);
+  const auto names = cm.linear_names();
+  for (GpuTransformer* g : {&a, &b}) {
+    g->set_params(cm.params(), cm.num_params());
+    std::vector<GpuTransformer::LinearKindSetting> settings;
+    for (const auto& info : g->param_infos())
+      if (std::find(names.begin(), names.end(), info.name) != names.end())
+        settings.push_back(kind(info.name, info.shape[0], info.shape[1]));
+    g->set_linear_kinds(settings);
+  }
+  auto adapters_equal = [&](const char* what, bool grads) {
+    for (const auto& name : names) {
+      if (a.lora_rank(name) == 0) continue;
+      const auto la = a.lora_state(name), lb = b.lora_state(name);
+      if (grads) {
+        EXPECT_EQ(la.grad_l, lb.grad_l) << what << " of " << name << ".lora_l";
+        EXPECT_EQ(la.grad_r, lb.grad_r) << what << " of " << name << ".lora_r";
+      } else {
+        EXPECT_EQ(la.l, lb.l) << what << " of " << name << ".lora_l";
+        EXPECT_EQ(la.r, lb.r) << what << " of " << name << ".lora_r";
+      }
+    }
+  };
+  std::vector<int32_t> x(size_t(B) * T), y(x.size());
+  esplag::GpuAdamW hyper;
+  hyper.lr = 3e-3;
+  for (int s = 0; s < 3; ++s) {
+    SCOPED_TRACE("step " + std::to_string(s + 1));
+    random_tokens(x, c.vocab_size, 300 + s);
+    random_tokens(y, c.vocab_size, 400 + s);
+    double loss[2];
+    std::vector<float> grads[2];
+    int k = 0;
+    for (GpuTransformer* g : {&a, &b}) {
+      g->zero_grad();
+      loss[k] = g->forward_backward(x.data(), y.data(), B, T, 1.0);
+      grads[k++] = g->grads_to_host();
+    }
+    ASSERT_TRUE(std::isfinite(loss[0]));
+    EXPECT_EQ(loss[0], loss[1]) << "loss";
+    for (const auto& info : a.param_infos())
+      EXPECT_EQ(std::memcmp(grads[0].data() + info.offset, grads[1].data() + info.offset, info.numel * sizeof(float)),
+                0)
+          << "gradient of " << info.name;
+    adapters_equal("gradient", true);
+    a.step_adamw(hyper);
+    b.step_adamw(hyper);
+  }
+  if (graph) EXPECT_GT(b.graph_launches(), 0);
+  const auto pa = a.params_to_host(), pb = b.params_to_host();
+  EXPECT_EQ(std::memcmp(pa.data(), pb.data(), pa.size() * sizeof(float)), 0) << "weights";
+  EXPECT_NE(std::memcmp(pa.data(), cm.params(), pa.size() * sizeof(float)), 0) << "the weights did not move";
+  adapters_equal("weight", false);
+  for (const auto& name : names) EXPECT_EQ(a.sparse_dw_draws(name), b.sparse_dw_draws(name)) << name;
+}
+
+// Every Linear kind: semi_sparse (with sparse_dw), semi_sparse_activation, slope with its
+// adapter and a backward-mask refresh at step 2, masked, vnm; both checkpointing modes,
+// every block or blocks 0 and 2 of 3, eager and replayed.
+TEST_F(GpuModelSparse, CheckpointingGivesTheSameBitsForEveryKind) {
+  using esplag::CheckpointMode;
+  using Setting = GpuTransformer::LinearKindSetting;
+  ModelConfig gpt = gpt_config(), llama = llama_config();
+  gpt.n_layer = llama.n_layer = 3;
+  std::map<std::string, std::vector<uint8_t>> masks;  // masked, vnm: 4 of every 5 kept
+  auto with_mask = [&](const std::string& kind) {
+    return [&masks, kind](const std::string& w, int64_t out, int64_t in) {
+      auto& m = masks[w];
+      m.resize(size_t(out * in));
+      for (int64_t o = 0; o < out; ++o)
+        for (int64_t i = 0; i < in; ++i) m[size_t(o * in + i)] = (o + 3 * i) % 5 != 0;
+      Setting st{w, kind};
+      st.mask = &m;
+      return st;
+    };
+  };
+  const std::vector<std::tuple<std::string, ModelConfig, std::function<Setting(const std::string&, int64_t, int64_t)>>>
+      kinds = {
+          {"semi_sparse, sparse_dw", llama,
+           [](const std::string& w, int64_t, int64_t) { return Setting{w, "semi_sparse", 100, nullptr, true, 77}; }},
+          {"semi_sparse", gpt, [](const std::string& w, int64_t, int64_t) { return Setting{w, "semi_sparse"}; }},
+          {"semi_sparse_activation", gpt,
+           [](const std::string& w, int64_t, int64_t) {
+             Setting st{w, "semi_sparse_activation"};
+             st.activation = esplag::ActivationSparsity::tile_24;
+             return st;
+           }},
+          {"semi_sparse_activation", llama,
+           [](const std::string& w, int64_t, int64_t) { return Setting{w, "semi_sparse_activation"}; }},
+          {"slope with adapters", gpt,
+           [](const std::string& w, int64_t, int64_t) {
+             Setting st{w, "slope", 2};
+             st.lora_rank = 4;
+             st.lora_seed = 5;
+             return st;
+           }},
+          {"slope with adapters", llama,
+           [](const std::string& w, int64_t, int64_t) {
+             Setting st{w, "slope", 2};
+             st.lora_rank = 8;
+             st.lora_seed = 6;
+             return st;
+           }},
+          {"masked", llama, with_mask("masked")},
+          {"vnm", gpt, with_mask("vnm")},
+      };
+  for (const auto& [kind, c, setting] : kinds)
+    for (CheckpointMode mode : {CheckpointMode::full, CheckpointMode::selective})
+      for (int every : {1, 2})
+        for (bool graph : {false, true})
+          expect_checkpointing_gives_the_same_bits(kind + " (" + (c.mlp == esplag::MlpKind::gelu ? "gpt" : "llama") +
+                                                       "): " + esplag::to_string(mode) + " every " +
+                                                       std::to_string(every) + (graph ? ", graph" : ""),
+                                                   c, {mode, every}, graph, setting);
+}
+
 }  // namespace

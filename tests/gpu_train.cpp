@@ -10,8 +10,9 @@
 // continues the same curve (within 0.1%: the GPU is deterministic, so in practice the
 // same bits) and loads and resumes on the CPU; a CPU checkpoint resumes on the GPU;
 // gradient accumulation matches; reading the loss only at the log cadence gives the same
-// logged values; device auto picks the GPU; a sparse recipe is refused; divergence is
-// reported with the first bad step and writes no checkpoint.
+// logged values; activation checkpointing logs the same bits; device auto picks the GPU; a
+// sparse recipe is refused; divergence is reported with the first bad step and writes no
+// checkpoint.
 //
 // Host code only (the GPU work is the library's), so a C++ file: nvcc 13.0's device front
 // end (cicc) aborts without a diagnostic on this file compiled as CUDA.
@@ -326,6 +327,30 @@ TEST_F(GpuTrain, GradientAccumulationMatchesTheCpu) {
     std::printf("  accum step %2lld loss cpu %.5f gpu %.5f\n", static_cast<long long>(s), c.loss.at(s), g.loss.at(s));
   expect_curve(g, c, 1, 10, kLossTol, "grad_accum 2");
   EXPECT_NEAR(g.norm.at(1), c.norm.at(1), 1e-2 * c.norm.at(1));
+}
+
+// Activation checkpointing on the GPU: the run of the suite again with train.checkpointing
+// full (and selective on every other block) logs the same losses, gradient norms and
+// validation loss bit for bit; its checkpoint resumes on the GPU with the mode it saved.
+TEST_F(GpuTrain, CheckpointingTrainsTheSameBits) {
+  const RunLog full =
+      train(tiny(*data_, "cuda", {"train.eval_every=30", "train.checkpointing=full"}), *dir_ / "ckpt_full");
+  const RunLog selective = train(tiny(*data_, "cuda",
+                                      {"train.eval_every=30", "train.checkpointing=selective",
+                                       "train.checkpointing_every=2", "train.checkpoint_every=0"}),
+                                 *dir_ / "ckpt_selective");
+  for (const auto* r : {&full, &selective}) {
+    ASSERT_EQ(r->loss.size(), size_t(kSteps));
+    for (int64_t s = 1; s <= kSteps; ++s) {
+      EXPECT_EQ(r->loss.at(s), gpu_->loss.at(s)) << (r == &full ? "full" : "selective") << ": loss at step " << s;
+      EXPECT_EQ(r->norm.at(s), gpu_->norm.at(s)) << (r == &full ? "full" : "selective") << ": norm at step " << s;
+    }
+    EXPECT_EQ(r->val_loss, gpu_->val_loss);
+  }
+  const CheckpointContents info = read_checkpoint_info((*dir_ / "ckpt_full" / "step-000015").string());
+  EXPECT_EQ(info.config.checkpointing.mode, CheckpointMode::full);
+  const RunLog resumed = resume(*dir_ / "ckpt_full", "step-000015", *dir_ / "ckpt_full_resumed", "cuda");
+  expect_curve(resumed, *gpu_, 16, kSteps, 1e-3, "full checkpointing resumed on the gpu");
 }
 
 TEST_F(GpuTrain, AutoPicksTheGpuAndSparseRecipesAreRefused) {

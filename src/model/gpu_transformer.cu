@@ -17,10 +17,12 @@
 //
 // Buffers shared across the step (the header's memory section says what is saved):
 //   s0 [N, C]: lnf at the end of forward and in the head; dres in backward
-//   s1 [N, C]: the branch output in forward; dlnf in the head; dln in backward
+//   s1 [N, C]: the branch output in forward (and in the forward that full checkpointing
+//              runs again before a block's backward); dlnf in the head; dln in backward
 //   U (the shared region), in turn:
 //     forward    ln1 / ln2 / the SwiGLU or ReLU² output (with recompute) at offset 0,
-//                the attention forward's workspace at offset 0 (ln1 is dead by then)
+//                the attention forward's workspace at offset 0 (ln1 is dead by then);
+//                the same in a block's forward run again
 //     head       the logits chunk
 //     MLP bwd    GELU: dfc, then ln2 (recomputed) after it;
 //                SwiGLU / ReLU²: dact, overwritten by the recomputed act, then by ln2
@@ -67,10 +69,17 @@ __global__ void __launch_bounds__(kLossThreads) mean_loss_kernel(double* out, co
 }
 
 
+// Whether block l recomputes its norm outputs and its SwiGLU / ReLU² output in the backward
+// instead of keeping them: `recompute`, or the block is checkpointed selectively.
+bool recomputes_cheap_ops(const GpuModelOptions& o, int l) {
+  return o.recompute || (o.checkpointing.mode == CheckpointMode::selective && o.checkpointing.checkpoints(l));
+}
+
 SharedSizes shared_sizes(const ModelConfig& c, int B, int T, const GpuModelOptions& o) {
   const size_t N = size_t(B) * T, C = c.d_model, Q = c.qkv_dim(), F = c.fc_dim(), H = c.d_ff;
   const size_t AC = size_t(c.n_head) * c.head_dim(), b = sizeof(bf16);
-  const bool rc = o.recompute, gelu = c.mlp == MlpKind::gelu;
+  // Block 0 recomputes them when any block does (checkpointing always includes block 0).
+  const bool rc = recomputes_cheap_ops(o, 0), gelu = c.mlp == MlpKind::gelu;
   SharedSizes z;
   z.attn_ws =
       aligned(gpu::attention_workspace_bytes(B, T, c.n_head, c.n_kv_head, c.head_dim(), o.attention));
@@ -111,7 +120,9 @@ void lay_out(const ModelConfig& c, int B, int T, const GpuModelOptions& o, GpuTr
              GpuMemoryPlan& plan, Take take, int32_t** tokens, int32_t** targets, double** loss, float** norm_sq) {
   const size_t N = size_t(B) * T, C = c.d_model, Q = c.qkv_dim(), F = c.fc_dim(), H = c.d_ff;
   const size_t AC = size_t(c.n_head) * c.head_dim(), S = size_t(B) * c.n_head * T;
-  const bool ln = c.norm == NormKind::layernorm, rc = o.recompute, gelu = c.mlp == MlpKind::gelu;
+  const bool ln = c.norm == NormKind::layernorm, gelu = c.mlp == MlpKind::gelu;
+  const ActivationCheckpointing& ck = o.checkpointing;
+  ESPLAG_CHECK(ck.every >= 1, "GpuModelOptions.checkpointing.every must be >= 1, got ", ck.every);
 
   im.Vp = padded_vocab(c);
   const bool pad = im.Vp != c.vocab_size;
@@ -123,11 +134,8 @@ void lay_out(const ModelConfig& c, int B, int T, const GpuModelOptions& o, GpuTr
   im.adam_params = take.arr<gpu::AdamWStepParams>("adamw.step_params", 1);
 
   take.bucket = &plan.activations;
-  im.layers.assign(c.n_layer, {});
-  for (int l = 0; l < c.n_layer; ++l) {
-    auto& L = im.layers[l];
-    const std::string p = "act." + std::to_string(l) + ".";
-    L.res_in = take.arr<bf16>(p + "res_in", N * C);
+  // What a block saves besides its input, into L (p: the buffers' name prefix).
+  auto saved = [&](GpuTransformer::Impl::Layer& L, const std::string& p, bool rc) {
     if (!rc) L.ln1 = take.arr<bf16>(p + "ln1", N * C);
     if (ln) L.ln1_mean = take.arr<float>(p + "ln1_mean", N);
     L.ln1_rstd = take.arr<float>(p + "ln1_rstd", N);
@@ -140,6 +148,27 @@ void lay_out(const ModelConfig& c, int B, int T, const GpuModelOptions& o, GpuTr
     L.ln2_rstd = take.arr<float>(p + "ln2_rstd", N);
     L.fc = take.arr<bf16>(p + "fc", N * F);
     if (gelu || !rc) L.act = take.arr<bf16>(p + "act", N * H);
+  };
+  im.layers.assign(c.n_layer, {});
+  bool any_recomputed = false;
+  for (int l = 0; l < c.n_layer; ++l) {
+    auto& L = im.layers[l];
+    const std::string p = "act." + std::to_string(l) + ".";
+    L.res_in = take.arr<bf16>(p + "res_in", N * C);
+    L.recomputed = ck.mode == CheckpointMode::full && ck.checkpoints(l);
+    any_recomputed |= L.recomputed;
+    if (!L.recomputed) saved(L, p, recomputes_cheap_ops(o, l));
+  }
+  if (any_recomputed) {  // full checkpointing: one set for the recomputed blocks
+    GpuTransformer::Impl::Layer set;
+    saved(set, "act.recomputed.", o.recompute);
+    for (auto& L : im.layers) {
+      if (!L.recomputed) continue;
+      bf16* res_in = L.res_in;
+      L = set;
+      L.res_in = res_in;
+      L.recomputed = true;
+    }
   }
   im.res_f = take.arr<bf16>("act.res_f", N * C);
   if (ln) im.lnf_mean = take.arr<float>("act.lnf_mean", N);
@@ -210,6 +239,16 @@ void run_as_graph(GpuTransformer::Impl::Graph& g, cudaStream_t s, int64_t& launc
   }
   CUDA_CHECK(cudaGraphLaunch(g.exec, s));
   ++launches;
+}
+
+// A norm's forward over N rows (ops/gpu.h; with the residual add when b is given).
+void norm_forward(GpuTransformer::Impl& im, const ModelConfig& c, cudaStream_t s, const GpuTransformer::Impl::Norm& n,
+                  bf16* out, float* mean, float* rstd, bf16* res, const bf16* a, const bf16* b, int N) {
+  im.marks.mark(s, "norm fwd");
+  if (c.norm == NormKind::layernorm)
+    gpu::layernorm_forward(out, mean, rstd, res, a, b, n.w, n.b, N, c.d_model, s);
+  else
+    gpu::rmsnorm_forward(out, rstd, res, a, b, n.w, N, c.d_model, s);
 }
 
 }  // namespace
@@ -419,17 +458,19 @@ void GpuTransformer::forward_loss_device(const int32_t* tokens, const int32_t* t
 
 void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
   Impl& im = *impl_;
+  im.marks.mark(stream_, "embedding fwd");
+  gpu::embedding_forward(im.layers.front().res_in, tokens, im.wte, im.wpe, B, T, cfg_.d_model, cfg_.vocab_size,
+                         stream_);
+  for (int l = 0; l < cfg_.n_layer; ++l) block_forward(l, B, T, false);
+  im.marks.layer = -1;
+  norm_forward(im, cfg_, stream_, im.nf, im.s0, im.lnf_mean, im.lnf_rstd, im.res_f, im.layers.back().res_mid, im.s1,
+               B * T);
+}
+
+void GpuTransformer::block_forward(int l, int B, int T, bool again) {
+  Impl& im = *impl_;
   cudaStream_t s = stream_;
-  const int N = B * T, C = cfg_.d_model, V = cfg_.vocab_size, NH = cfg_.n_head, KV = cfg_.n_kv_head,
-            HD = cfg_.head_dim(), H = cfg_.d_ff;
-  const bool ln = cfg_.norm == NormKind::layernorm, rc = opt_.recompute;
-  auto norm = [&](const Impl::Norm& n, bf16* out, float* mean, float* rstd, bf16* res, const bf16* a, const bf16* b) {
-    im.marks.mark(s, "norm fwd");
-    if (ln)
-      gpu::layernorm_forward(out, mean, rstd, res, a, b, n.w, n.b, N, C, s);
-    else
-      gpu::rmsnorm_forward(out, rstd, res, a, b, n.w, N, C, s);
-  };
+  const int N = B * T, NH = cfg_.n_head, KV = cfg_.n_kv_head, HD = cfg_.head_dim(), H = cfg_.d_ff;
   auto mark = [&](std::string_view name, double flops = 0) { im.marks.mark(s, name, flops); };
   const double attn_flops = 2.0 * B * NH * double(T) * T * HD;  // causal: QKᵀ and PV on half the square
   // out = act(in · Wᵀ + b) [N, out] from in [N, in], as the layer's kind computes it.
@@ -437,52 +478,50 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
                     gpu::Gemm::Act act = gpu::Gemm::Act::none, bf16* pre_gelu = nullptr) {
     lin->top().forward(out, in, N, act, pre_gelu, name);
   };
-  bf16* tmp = reinterpret_cast<bf16*>(im.shared);  // ln1 / ln2 / act with recompute
-  bf16* branch = im.s1;
-
-  mark("embedding fwd");
-  gpu::embedding_forward(im.layers.front().res_in, tokens, im.wte, im.wpe, B, T, C, V, s);
-  for (int l = 0; l < cfg_.n_layer; ++l) {
-    im.marks.layer = l;
-    auto& L = im.layers[l];
-    const auto& blk = im.blocks[l];
-    bf16* ln1 = rc ? tmp : L.ln1;
-    if (l == 0)
-      norm(blk.n1, ln1, L.ln1_mean, L.ln1_rstd, nullptr, L.res_in, nullptr);
-    else
-      norm(blk.n1, ln1, L.ln1_mean, L.ln1_rstd, L.res_in, im.layers[l - 1].res_mid, branch);
-    linear(blk.qkv, "gemm qkv fwd", L.qkv, ln1);
-    if (cfg_.pos == PosKind::rope) {
-      mark("rope fwd");
-      gpu::rope_forward(L.qkv, B, T, NH, KV, HD, cfg_.rope_theta, s);
-    }
-    mark("attention fwd", attn_flops);
-    gpu::attention_forward(L.atty, L.lse, L.qkv, B, T, NH, KV, HD, im.shared, im.sizes.attn_ws, s, opt_.attention);
-    linear(blk.proj, "gemm proj fwd", branch, L.atty);
-    bf16* ln2 = rc ? tmp : L.ln2;
-    norm(blk.n2, ln2, L.ln2_mean, L.ln2_rstd, L.res_mid, L.res_in, branch);
-    bf16* act = L.act;
-    switch (cfg_.mlp) {
-      case MlpKind::gelu:
-        linear(blk.fc, "gemm fc fwd (+gelu)", L.act, ln2, gpu::Gemm::Act::gelu, L.fc);
-        break;
-      case MlpKind::swiglu:
-        linear(blk.fc, "gemm fc fwd", L.fc, ln2);
-        mark("swiglu fwd");
-        act = rc ? tmp : L.act;
-        gpu::fused_swiglu_forward(act, L.fc, N, H, s);
-        break;
-      case MlpKind::relu2:
-        linear(blk.fc, "gemm fc fwd", L.fc, ln2);
-        mark("relu2 fwd");
-        act = rc ? tmp : L.act;
-        gpu::fused_relu2_forward(act, L.fc, int64_t(N) * H, s);
-        break;
-    }
-    linear(blk.mproj, "gemm mproj fwd", branch, act);
+  bf16* tmp = reinterpret_cast<bf16*>(im.shared);  // ln1 / ln2 / act where the block recomputes them
+  bf16* branch = im.s1;  // the previous block's mlp.proj output in, this block's out (dead in the backward)
+  auto& L = im.layers[l];
+  const auto& blk = im.blocks[l];
+  im.marks.layer = l;
+  bf16* ln1 = L.ln1 ? L.ln1 : tmp;
+  // Again, from the kept input, which the forward's residual add wrote: the same bits (the
+  // norm reads the sum as stored).
+  if (l == 0 || again)
+    norm_forward(im, cfg_, s, blk.n1, ln1, L.ln1_mean, L.ln1_rstd, nullptr, L.res_in, nullptr, N);
+  else
+    norm_forward(im, cfg_, s, blk.n1, ln1, L.ln1_mean, L.ln1_rstd, L.res_in, im.layers[l - 1].res_mid, branch, N);
+  linear(blk.qkv, "gemm qkv fwd", L.qkv, ln1);
+  if (cfg_.pos == PosKind::rope) {
+    mark("rope fwd");
+    gpu::rope_forward(L.qkv, B, T, NH, KV, HD, cfg_.rope_theta, s);
   }
-  im.marks.layer = -1;
-  norm(im.nf, im.s0, im.lnf_mean, im.lnf_rstd, im.res_f, im.layers.back().res_mid, branch);
+  mark("attention fwd", attn_flops);
+  gpu::attention_forward(L.atty, L.lse, L.qkv, B, T, NH, KV, HD, im.shared, im.sizes.attn_ws, s, opt_.attention);
+  linear(blk.proj, "gemm proj fwd", branch, L.atty);
+  bf16* ln2 = L.ln2 ? L.ln2 : tmp;
+  norm_forward(im, cfg_, s, blk.n2, ln2, L.ln2_mean, L.ln2_rstd, L.res_mid, L.res_in, branch, N);
+  bf16* act = L.act;
+  switch (cfg_.mlp) {
+    case MlpKind::gelu:
+      linear(blk.fc, "gemm fc fwd (+gelu)", L.act, ln2, gpu::Gemm::Act::gelu, L.fc);
+      break;
+    case MlpKind::swiglu:
+      linear(blk.fc, "gemm fc fwd", L.fc, ln2);
+      if (again && !L.act) return;  // the backward recomputes the activation itself
+      mark("swiglu fwd");
+      act = L.act ? L.act : tmp;
+      gpu::fused_swiglu_forward(act, L.fc, N, H, s);
+      break;
+    case MlpKind::relu2:
+      linear(blk.fc, "gemm fc fwd", L.fc, ln2);
+      if (again && !L.act) return;
+      mark("relu2 fwd");
+      act = L.act ? L.act : tmp;
+      gpu::fused_relu2_forward(act, L.fc, int64_t(N) * H, s);
+      break;
+  }
+  // The output, the next block's input, is kept there (or in res_f): not recomputed.
+  if (!again) linear(blk.mproj, "gemm mproj fwd", branch, act);
 }
 
 void GpuTransformer::head(const int32_t* targets, int B, int T, bool train, double loss_scale, bool overwrite) {
@@ -530,7 +569,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   cudaStream_t s = stream_;
   const int N = B * T, C = cfg_.d_model, V = cfg_.vocab_size, NH = cfg_.n_head, KV = cfg_.n_kv_head,
             HD = cfg_.head_dim(), Q = cfg_.qkv_dim(), F = cfg_.fc_dim(), H = cfg_.d_ff;
-  const bool ln = cfg_.norm == NormKind::layernorm, rc = opt_.recompute;
+  const bool ln = cfg_.norm == NormKind::layernorm;
   bf16* dres = im.s0;  // the residual-stream gradient
   bf16* dln = im.s1;   // the gradient w.r.t. a norm's output
   auto mark = [&](std::string_view name, double flops = 0) { im.marks.mark(s, name, flops); };
@@ -588,13 +627,17 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     im.marks.layer = l;
     auto& L = im.layers[l];
     const auto& blk = im.blocks[l];
+    // Full checkpointing: the block's forward again, into the buffers the recomputed blocks
+    // share (the last such block's backward is done with them). It uses s1 and the shared
+    // region, both dead between two blocks' backwards; dres (s0) is untouched.
+    if (L.recomputed) block_forward(l, B, T, true);
     // MLP half: dres = d(res_out) = d(res_mid) through the residual.
     const bf16* ln2 = L.ln2;
     if (cfg_.mlp == MlpKind::gelu) {
       bf16* dfc = reinterpret_cast<bf16*>(shared);
       linear_dw(blk.mproj, "gemm mproj dW", dres, L.act);
       linear_dx(blk.mproj, "gemm mproj dX (+dgelu)", dfc, dres, L.fc);  // dfc = (dres · Wmproj) ∘ gelu'(fc)
-      if (rc) {
+      if (!ln2) {
         bf16* t = reinterpret_cast<bf16*>(shared + z.gelu_dfc);
         norm_again(blk.n2, t, L.res_mid);
         ln2 = t;
@@ -606,7 +649,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       // dact, then (recompute) the activation over it, then ln2; dfc replaces fc.
       bf16* dact = reinterpret_cast<bf16*>(shared);
       linear_dx(blk.mproj, "gemm mproj dX", dact, dres);
-      bf16* act_out = rc ? dact : nullptr;
+      bf16* act_out = L.act ? nullptr : dact;
       if (cfg_.mlp == MlpKind::swiglu) {
         mark("swiglu bwd");
         gpu::fused_swiglu_backward(L.fc, act_out, L.fc, dact, N, H, s);
@@ -614,8 +657,8 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
         mark("relu2 bwd");
         gpu::fused_relu2_backward(L.fc, act_out, L.fc, dact, int64_t(N) * H, s);
       }
-      linear_dw(blk.mproj, "gemm mproj dW", dres, rc ? act_out : L.act);
-      if (rc) {
+      linear_dw(blk.mproj, "gemm mproj dW", dres, L.act ? L.act : act_out);
+      if (!ln2) {
         bf16* t = reinterpret_cast<bf16*>(shared);
         norm_again(blk.n2, t, L.res_mid);
         ln2 = t;
@@ -641,7 +684,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       gpu::rope_backward(dqkv, B, T, NH, KV, HD, cfg_.rope_theta, s);
     }
     const bf16* ln1 = L.ln1;
-    if (rc) {
+    if (!ln1) {
       norm_again(blk.n1, datty, L.res_in);  // datty is dead after the attention backward
       ln1 = datty;
     }

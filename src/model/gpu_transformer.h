@@ -24,7 +24,8 @@
 //   the attention output (N·C) and its log-sum-exp, the fc output (N·F: the MLP's
 //   pre-activation) and the norms' statistics; without `recompute` also both norm outputs
 //   (2·N·C) and the MLP activation (N·H); with GELU the activation always (it comes out of
-//   the fc GEMM's epilogue);
+//   the fc GEMM's epilogue). With full activation checkpointing a checkpointed layer keeps
+//   its input (N·C) only, and the checkpointed layers share one set of the rest;
 // - shared: two N·C buffers (the residual-stream gradient and the norm-input gradient in
 //   backward, which hold the branch output and the final norm's output in forward and in
 //   the LM head) and one scratch region used in turn by the forward's temporaries, the LM
@@ -57,7 +58,7 @@
 // the fused norm kernels round a + b to bf16), every sum is fp32, parameter gradients
 // accumulate in fp32. Deterministic: every kernel has a fixed summation order and
 // cuBLASLt's algorithm is fixed per shape, so the same inputs give the same bits on the
-// same GPU model and library version, with or without `recompute` or `cuda_graph`
+// same GPU model and library version, with or without `recompute`, `cuda_graph` or checkpointing
 // (`fused_norm_backward` sums the norm and bias gradients in another fixed order).
 //
 // Only for the CUDA build (ESPLAG_CUDA=ON).
@@ -76,6 +77,7 @@
 #include <vector>
 
 #include "core/device_arena.h"
+#include "model/activation_checkpointing.h"
 #include "model/config.h"
 #include "model/linear_semi_sparse.h"
 #include "model/transformer.h"
@@ -99,6 +101,20 @@ struct GpuModelOptions {
   // gradients are bit-identical to recompute = false; it costs about one extra pass over
   // 2·N·C per layer and saves 2·N·C + N·H bf16 per layer.
   bool recompute = true;
+  // Activation checkpointing (docs/config.md, train.checkpointing): which blocks keep less
+  // for the backward. Blocks 0, every, 2·every, ... are checkpointed (every >= 1).
+  // - full: a checkpointed block keeps its input (res_in, N·C) only; all else it saves lives
+  //   in one set of buffers the checkpointed blocks share, and its backward first runs its
+  //   forward again into that set from the kept input (the norms, the qkv, attn.proj and fc
+  //   Linear forwards, RoPE, the attention, and the MLP activation where `recompute` does
+  //   not recompute it anyway; not mlp.proj, whose output is the next block's input).
+  // - selective: a checkpointed block keeps the outputs of its Linear layers (qkv after
+  //   RoPE, fc), the attention output with its log-sum-exp and the residual stream, and
+  //   recomputes both norms and the SwiGLU / ReLU² output as `recompute` does: with
+  //   recompute on that is what every block does already (the attention keeps no
+  //   probabilities), so it saves memory only with recompute off.
+  // Gradients are bit-identical to `none`: the same kernels run on the same inputs.
+  ActivationCheckpointing checkpointing;
   // Replay forward_backward_device and step_adamw as CUDA graphs (see the top of the file).
   bool cuda_graph = true;
   // Norm backwards in one pass that also sums the norm's weight (and bias) gradients and
@@ -425,6 +441,10 @@ class GpuTransformer {
  private:
   void check_batch(int B, int T) const;
   void forward_body(const int32_t* tokens, int B, int T);
+  // Block l's forward; `again`: full checkpointing's recompute before its backward, from
+  // its kept input, without mlp.proj (and without the MLP activation where the backward
+  // recomputes that anyway).
+  void block_forward(int l, int B, int T, bool again);
   void head(const int32_t* targets, int B, int T, bool train, double loss_scale, bool overwrite = false);
   void backward_body(const int32_t* tokens, int B, int T, bool overwrite);
   void forward_backward_body(const int32_t* tokens, const int32_t* targets, int B, int T, double loss_scale,

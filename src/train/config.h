@@ -40,7 +40,7 @@ struct TrainConfig {
   int eval_batches = 16;
   int64_t checkpoint_every = 100;  // 0: only at the end
   int keep_checkpoints = 2;        // newest N step directories are kept; 0 keeps all
-  ActivationCheckpointing checkpointing;  // train.checkpointing, train.checkpointing_every (CPU only so far)
+  ActivationCheckpointing checkpointing;  // train.checkpointing, train.checkpointing_every
   // A run or checkpoint directory (e.g. one `esplag import` wrote) whose weights start the
   // run instead of the initialisation, at step 0 with fresh optimizer state; the model
   // section is then the checkpoint's (train/checkpoint.h, init_from_model).

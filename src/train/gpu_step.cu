@@ -77,9 +77,10 @@ std::vector<GpuTransformer::LinearKindSetting> host_kind_settings(
   return settings;
 }
 
-GpuModelOptions model_options() {
+GpuModelOptions model_options(const TrainConfig& cfg) {
   GpuModelOptions o;
   o.extra_arena_bytes = 2 * DeviceArena::kDefaultAlignment;  // the StepHealth record
+  o.checkpointing = cfg.checkpointing;
   return o;
 }
 
@@ -92,7 +93,7 @@ class GpuStep final : public StepBackend {
           const std::vector<std::string> names = host.linear_names();
           return std::set<std::string>(names.begin(), names.end());
         }()),
-        model_(cfg.model, cfg.batch_size, cfg.seq_len, model_options()) {
+        model_(cfg.model, cfg.batch_size, cfg.seq_len, model_options(cfg)) {
     check_layout();
     model_.set_params(host_.params(), host_.num_params());
     host_step_ = steps_done;

@@ -386,18 +386,11 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, cons
 }
 
 void Trainer::resolve_device() {
-  // Activation checkpointing runs on the CPU only so far: refused on cuda, `auto` stays on the CPU.
-  const CheckpointMode ckpt = cfg_.checkpointing.mode;
-  const std::string no_gpu_ckpt =
-      ckpt == CheckpointMode::none ? "" : "train.checkpointing " + to_string(ckpt) + " is not implemented on the GPU yet";
-  ESPLAG_CHECK(no_gpu_ckpt.empty() || cfg_.device != "cuda", "train.device=cuda: ", no_gpu_ckpt,
-               "; use train.device=cpu, or train.checkpointing none on the GPU");
   // Only `auto` and `cuda` look for a GPU (starting the CUDA runtime takes a moment).
   const DeviceProbe probe = cfg_.device == "cpu" ? DeviceProbe{} : probe_devices();
   const DeviceChoice choice = choose_train_device(cfg_.device, probe, gpu_training_blocker(cfg_, model_.get()));
   device_ = choice.device;
   device_note_ = choice.note;
-  if (device_ == "cuda" && !no_gpu_ckpt.empty()) device_ = "cpu", device_note_ = "auto: " + no_gpu_ckpt;
 }
 
 void Trainer::make_backend(Moments m, Moments v) {

@@ -88,7 +88,7 @@ inline GpuMemoryPlan operator+(const GpuMemoryPlan& a, const GpuMemoryPlan& b) {
 struct SharedSizes {
   size_t attn_ws = 0;       // the attention workspace (forward and backward)
   size_t dqkv = 0;          // dqkv in the attention backward
-  size_t datty_slot = 0;    // datty, then (with recompute) ln1
+  size_t datty_slot = 0;    // datty, then (where a block recomputes its norms) ln1
   bool attn_in_fc = false;  // dqkv + datty slot fit in a layer's fc storage
   size_t gelu_dfc = 0;      // GELU: dfc in the MLP backward (ln2 follows it)
   size_t other = 0;         // the region's size without the LM head
@@ -113,11 +113,14 @@ struct GpuTransformer::Impl {
     Norm n1, n2;
     Slot *qkv = nullptr, *proj = nullptr, *fc = nullptr, *mproj = nullptr;
   };
-  // Saved for backward, per layer (ln1, ln2, act null when recomputed).
+  // Saved for backward, per layer (ln1, ln2, act null when recomputed). A block that full
+  // activation checkpointing recomputes (`recomputed`) owns res_in only; its other buffers
+  // are the set all such blocks share, which its backward first fills again.
   struct Layer {
     bf16 *res_in = nullptr, *ln1 = nullptr, *qkv = nullptr, *atty = nullptr, *res_mid = nullptr, *ln2 = nullptr,
          *fc = nullptr, *act = nullptr;
     float *ln1_mean = nullptr, *ln1_rstd = nullptr, *lse = nullptr, *ln2_mean = nullptr, *ln2_rstd = nullptr;
+    bool recomputed = false;
   };
 
   // One captured graph and the state of its capture.
