@@ -109,12 +109,12 @@ std::string make_dataset(const fs::path& dir) {
   return (dir / "data").string();
 }
 
-struct Run {
+struct RunLog {
   std::map<int64_t, double> loss;
   std::vector<std::string> log;
 };
 
-Run train(const fs::path& dir, const std::string& data, const std::string& device) {
+RunLog train(const fs::path& dir, const std::string& data, const std::string& device) {
   const TrainConfig cfg = parse_train_config(R"(
 model: {preset: tiny, n_layer: 2, d_model: 64, n_head: 2, n_kv_head: 2, d_ff: 128, max_seq_len: 64}
 train: {batch_size: 4, seq_len: 64, steps: 8, log_every: 1, eval_every: 0, checkpoint_every: 0}
@@ -123,7 +123,7 @@ recipe:
   - token_halves: {params: ['re:blocks\.\d+\.mlp\..*'], start: 2, until: 6}
 )",
                                              "test", {"data.path=" + data, "train.device=" + device});
-  Run r;
+  RunLog r;
   Trainer(cfg, (dir / device).string(), [&](const std::string& l) { r.log.push_back(l); }).run();
   std::ifstream in(dir / device / "metrics.jsonl");
   for (std::string line; std::getline(in, line);) {
@@ -142,12 +142,12 @@ TEST(GpuKindPlugin, AKindOfThisFileTrainsThroughARecipeOnTheCpuAndTheGpu) {
   fs::remove_all(dir);
   fs::create_directories(dir);
   const std::string data = make_dataset(dir);
-  const Run cpu = train(dir, data, "cpu"), gpu = train(dir, data, "cuda");
+  const RunLog cpu = train(dir, data, "cpu"), gpu = train(dir, data, "cuda");
   ASSERT_EQ(cpu.loss.size(), 8u);
   ASSERT_EQ(gpu.loss.size(), 8u);
   for (const auto& [step, loss] : cpu.loss)
     EXPECT_NEAR(gpu.loss.at(step), loss, 2e-2 * loss) << "step " << step << " (bf16 on the GPU)";
-  for (const Run* r : {&cpu, &gpu}) {
+  for (const RunLog* r : {&cpu, &gpu}) {
     EXPECT_EQ(std::count_if(r->log.begin(), r->log.end(),
                             [](const std::string& l) { return l.find("-> token_halves") != std::string::npos; }),
               4)
