@@ -28,5 +28,5 @@ echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo "${ESPLAG_COMMIT:-
 run none-4x2048 train.checkpointing=none
 run full-4x2048 train.checkpointing=full
 run selective-4x2048 train.checkpointing=selective
-run none-16x2048 train.checkpointing=none train.batch_size=16
-run full-16x2048 train.checkpointing=full train.batch_size=16
+run none-48x2048 train.checkpointing=none train.batch_size=48
+run full-64x2048 train.checkpointing=full train.batch_size=64
