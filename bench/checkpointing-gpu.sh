@@ -17,14 +17,14 @@ run() {  # name, then --set assignments
   for s in "$@"; do sets+=(--set "$s"); done
   local log="$run_dir/$name.log"
   timeout 150 "$esplag" train --config configs/gpu/llama-1b.yaml --out "$run_dir/$name" --set train.steps=12 \
-    --set train.log_every=4 --set train.eval_every=0 --set train.checkpoint_every=0 "${sets[@]}" >"$log" 2>&1
+    --set train.log_every=4 --set schedule.warmup_steps=2 --set train.eval_every=0 --set train.checkpoint_every=0 "${sets[@]}" >"$log" 2>&1
   local rc=$?
   local mem tok
   mem=$(grep -o '[0-9.]* GiB of device memory' "$log" | head -1)
   tok=$(grep -E '^step +12/' "$log" | grep -o '[0-9.]*K tok/s')
   printf '%-28s rc=%-3s %-12s %s\n' "$name" "$rc" "${tok:-?}" "${mem:-$(tail -1 "$log")}"
 }
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo "${ESPLAG_COMMIT:-unknown}")  $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
+echo "commit ${ESPLAG_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
 run none-4x2048 train.checkpointing=none
 run full-4x2048 train.checkpointing=full
 run selective-4x2048 train.checkpointing=selective
