@@ -30,8 +30,10 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "core/tensor.h"
 #include "model/gpu_transformer.h"
+#include "model/linear.h"
 #include "model/linear_kinds.h"
 #include "ops/gpu.h"
 #include "sparse/cuda/sparse_linear.h"
@@ -39,8 +41,6 @@
 namespace esplag {
 
 class StepMarks;
-template <typename T>
-class Linear;
 using gpu::bf16;
 
 // Values by the CPU trainer's tensor names ("<weight>.values", "<module>.lora_l"): the
@@ -54,6 +54,16 @@ struct TwinCopy {
   const float *m = nullptr, *v = nullptr;  // its moments in the flat layout's host copy; null: moments stay
   NamedValues *named_m = nullptr, *named_v = nullptr;  // receive the moments of the tensors the twin trains itself
 };
+
+// A CPU twin as the Linear class of its layer's kind (Twin<float>: SlopeLinear, ...), const
+// as given; Error naming both kinds when it is another.
+template <template <typename> class Twin, typename L>
+auto& twin_as(L& twin, const std::string& kind) {
+  using T = std::conditional_t<std::is_const_v<L>, const Twin<float>, Twin<float>>;
+  auto* t = dynamic_cast<T*>(&twin);
+  if (!t) fail("GpuTransformer: ", twin.params().name, ": a ", kind, " layer's CPU twin is of kind ", twin.kind());
+  return *t;
+}
 
 // Masks a setting made from a CPU twin points into (DeviceLinearKind::setting_from_twin);
 // they live as long as the setting.

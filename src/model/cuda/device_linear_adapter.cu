@@ -124,10 +124,16 @@ std::unique_ptr<DeviceLinear> make_device_adapter(const DeviceLinearSetup& setup
 
 namespace {
 
-// The twin's owned parameter `name` (Error when it has none).
-OwnedParam<float> twin_param(Linear<float>& twin, const std::string& name) {
+// The twin's owned parameter of the layer's extra tensor `t` ("<module>" + t.suffix), of
+// t's size (Error otherwise).
+OwnedParam<float> twin_param(Linear<float>& twin, const DeviceLinearTensor& t) {
+  const std::string name = twin.params().module + t.suffix;
   for (const auto& p : twin.owned_params())
-    if (p.name == name) return p;
+    if (p.name == name) {
+      ESPLAG_CHECK(shape_numel(p.shape) == shape_numel(t.shape), "GpuTransformer: ", name, ": ",
+                   shape_numel(t.shape), " values on the GPU, ", shape_numel(p.shape), " in the CPU twin");
+      return p;
+    }
   fail("GpuTransformer: ", twin.params().name, ": the CPU twin (", twin.kind(), ") has no tensor '", name,
        "' for the low-rank adapter");
 }
@@ -137,33 +143,24 @@ OwnedParam<float> twin_param(Linear<float>& twin, const std::string& name) {
 void DeviceAdapterLinear::to_twin(Linear<float>& twin, const TwinCopy& c) const {
   inner_.to_twin(twin, c);
   const std::vector<DeviceLinearTensor> tensors = extra_tensors();
-  const std::string module = twin.params().module;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const std::string name = module + tensors[i].suffix;
-    const OwnedParam<float> p = twin_param(twin, name);
-    const size_t n = size_t(shape_numel(tensors[i].shape));
-    ESPLAG_CHECK(size_t(shape_numel(p.shape)) == n, "GpuTransformer: ", name, ": ", n, " values on the GPU, ",
-                 shape_numel(p.shape), " in the CPU twin");
+    const OwnedParam<float> p = twin_param(twin, tensors[i]);
     std::vector<float> w;
-    p_.extra[i].to_host(n, &w, c.named_m ? &(*c.named_m)[name] : nullptr, c.named_v ? &(*c.named_v)[name] : nullptr,
-                        ctx_.stream);
+    p_.extra[i].to_host(size_t(shape_numel(p.shape)), &w, c.named_m ? &(*c.named_m)[p.name] : nullptr,
+                        c.named_v ? &(*c.named_v)[p.name] : nullptr, ctx_.stream);
     std::copy(w.begin(), w.end(), p.value);
   }
 }
 
 void DeviceAdapterLinear::extras_from_twin(Linear<float>& twin, const NamedValues* m, const NamedValues* v) {
   const std::vector<DeviceLinearTensor> tensors = extra_tensors();
-  const std::string module = twin.params().module;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const std::string name = module + tensors[i].suffix;
-    const OwnedParam<float> p = twin_param(twin, name);
-    const size_t n = size_t(shape_numel(tensors[i].shape));
-    ESPLAG_CHECK(size_t(shape_numel(p.shape)) == n, "GpuTransformer: ", name, ": ", n, " values on the GPU, ",
-                 shape_numel(p.shape), " in the CPU twin");
+    const OwnedParam<float> p = twin_param(twin, tensors[i]);
+    const size_t n = size_t(shape_numel(p.shape));
     auto moment = [&](const NamedValues* ms) -> const float* {  // none yet: zero
-      const auto it = ms ? ms->find(name) : NamedValues::const_iterator();
+      const auto it = ms ? ms->find(p.name) : NamedValues::const_iterator();
       if (!ms || it == ms->end()) return nullptr;
-      ESPLAG_CHECK(it->second.size() == n, "GPU training: the optimizer state for '", name, "' holds ",
+      ESPLAG_CHECK(it->second.size() == n, "GPU training: the optimizer state for '", p.name, "' holds ",
                    it->second.size(), " values, not ", n);
       return it->second.data();
     };

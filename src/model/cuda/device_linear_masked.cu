@@ -70,9 +70,7 @@ void DeviceMaskedLinear::backward_dw(const bf16* dout, const bf16* inp, int N, b
 }
 
 void DeviceMaskedLinear::setting_from_twin(const Linear<float>& twin, int64_t, bool masks, Setting& s, TwinMasks&) {
-  const auto* t = dynamic_cast<const MaskedLinear<float>*>(&twin);
-  ESPLAG_CHECK(t, "GpuTransformer: ", twin.params().name, ": a masked layer's CPU twin is of kind ", twin.kind());
-  if (masks) s.mask = &t->mask();
+  if (masks) s.mask = &twin_as<MaskedLinear>(twin, "masked").mask();
 }
 
 }  // namespace esplag

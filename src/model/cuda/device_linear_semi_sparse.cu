@@ -121,10 +121,8 @@ void DeviceSemiSparseLinear::backward_dw(const bf16* dout, const bf16* inp, int 
 }
 
 void DeviceSemiSparseLinear::setting_from_twin(const Linear<float>& twin, int64_t, bool, Setting& s, TwinMasks&) {
-  const auto* t = dynamic_cast<const SemiSparseLinear<float>*>(&twin);
-  ESPLAG_CHECK(t, "GpuTransformer: ", twin.params().name, ": a semi_sparse layer's CPU twin is of kind ",
-               twin.kind());
-  if (const MvueWeightGrad<float>& dw = t->weight_grad(); dw.on()) {  // the GPU goes on with the CPU's draws
+  const MvueWeightGrad<float>& dw = twin_as<SemiSparseLinear>(twin, "semi_sparse").weight_grad();
+  if (dw.on()) {  // the GPU goes on with the CPU's draws
     s.sparse_dw = true;
     s.dw_seed = dw.base_seed();
     s.dw_draws = dw.draws();

@@ -73,10 +73,7 @@ void DeviceSemiSparseActivationLinear::backward_dw(const bf16* dout, const bf16*
 
 void DeviceSemiSparseActivationLinear::setting_from_twin(const Linear<float>& twin, int64_t, bool, Setting& s,
                                                          TwinMasks&) {
-  const auto* t = dynamic_cast<const SemiSparseActivationLinear<float>*>(&twin);
-  ESPLAG_CHECK(t, "GpuTransformer: ", twin.params().name, ": a semi_sparse_activation layer's CPU twin is of kind ",
-               twin.kind());
-  s.activation = t->activation();
+  s.activation = twin_as<SemiSparseActivationLinear>(twin, "semi_sparse_activation").activation();
 }
 
 }  // namespace esplag

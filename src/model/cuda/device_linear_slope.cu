@@ -244,20 +244,9 @@ void DeviceSlopeLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bo
 
 // --- the CPU twin -------------------------------------------------------------------------
 
-namespace {
-
-template <typename L>
-auto& slope_twin(L& twin) {
-  auto* t = dynamic_cast<std::conditional_t<std::is_const_v<L>, const SlopeLinear<float>, SlopeLinear<float>>*>(&twin);
-  ESPLAG_CHECK(t, "GpuTransformer: ", twin.params().name, ": a slope layer's CPU twin is of kind ", twin.kind());
-  return *t;
-}
-
-}  // namespace
-
 void DeviceSlopeLinear::setting_from_twin(const Linear<float>& twin, int64_t step, bool masks, Setting& s,
                                           TwinMasks& held) {
-  const SlopeLinear<float>& t = slope_twin(twin);
+  const SlopeLinear<float>& t = twin_as<SlopeLinear>(twin, "slope");
   s.mask_change_freq = t.mask_change_freq();
   s.lora_rank = t.lora_rank();  // its values follow (extras_from_twin)
   if (const MvueWeightGrad<float>& dw = t.weight_grad(); dw.on()) {
@@ -278,7 +267,7 @@ void DeviceSlopeLinear::setting_from_twin(const Linear<float>& twin, int64_t ste
 
 void DeviceSlopeLinear::to_twin(Linear<float>& twin, const TwinCopy& c) const {
   using namespace linear_detail;
-  SlopeLinear<float>& t = slope_twin(twin);
+  SlopeLinear<float>& t = twin_as<SlopeLinear>(twin, "slope");
   const GpuTransformer::SlopeState st = state();
   // The kept values and their moments are W1's, m's and v's at the forward mask's slots.
   const int64_t rows = t.forward_weight().rows, cols = t.forward_weight().cols;
@@ -315,7 +304,7 @@ void DeviceSlopeLinear::to_twin(Linear<float>& twin, const TwinCopy& c) const {
 
 bool DeviceSlopeLinear::moments_from_twin(const Linear<float>& twin, const NamedValues& m, const NamedValues& v,
                                           float* dense_m, float* dense_v) const {
-  const SlopeLinear<float>& t = slope_twin(twin);
+  const SlopeLinear<float>& t = twin_as<SlopeLinear>(twin, "slope");
   scatter_kept_moments(weight_name_, linear_detail::slot_index(t.forward_weight()), t.forward_weight().values.size(),
                        m, v, dense_m, dense_v);
   return true;

@@ -5,25 +5,14 @@
 
 namespace esplag {
 
-namespace {
-
-template <typename L>
-auto& vnm_twin(L& twin) {
-  auto* t = dynamic_cast<std::conditional_t<std::is_const_v<L>, const VnmLinear<float>, VnmLinear<float>>*>(&twin);
-  ESPLAG_CHECK(t, "GpuTransformer: ", twin.params().name, ": a vnm layer's CPU twin is of kind ", twin.kind());
-  return *t;
-}
-
-}  // namespace
-
 void DeviceVnmLinear::setting_from_twin(const Linear<float>& twin, int64_t, bool masks, Setting& s,
                                         TwinMasks& held) {
-  if (masks) s.mask = &(held.mask = vnm_twin(twin).mask());
+  if (masks) s.mask = &(held.mask = twin_as<VnmLinear>(twin, "vnm").mask());
 }
 
 void DeviceVnmLinear::to_twin(Linear<float>& twin, const TwinCopy& c) const {
   using namespace linear_detail;
-  VnmLinear<float>& t = vnm_twin(twin);
+  VnmLinear<float>& t = twin_as<VnmLinear>(twin, "vnm");
   // The kept values and their moments from the dense (masked) copies.
   const SlotIndex slots = slot_index(t.weight());
   gather(t.values().data(), slots, c.weight, nullptr);
@@ -37,7 +26,7 @@ void DeviceVnmLinear::to_twin(Linear<float>& twin, const TwinCopy& c) const {
 
 bool DeviceVnmLinear::moments_from_twin(const Linear<float>& twin, const NamedValues& m, const NamedValues& v,
                                         float* dense_m, float* dense_v) const {
-  const VnmLinear<float>& t = vnm_twin(twin);
+  const VnmLinear<float>& t = twin_as<VnmLinear>(twin, "vnm");
   scatter_kept_moments(weight_name_, linear_detail::slot_index(t.weight()), t.weight().inner.values.size(), m, v,
                        dense_m, dense_v);
   return true;
