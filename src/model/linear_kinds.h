@@ -55,6 +55,8 @@ struct LinearOptions {
   // Adapter initialisation and sparse_dw's draws; mixed with the weight's name so layers
   // differ.
   uint64_t seed = 0;
+
+  friend bool operator==(const LinearOptions&, const LinearOptions&) = default;
 };
 
 // The names of linear_kinds() (model/linear_registry.h): "dense", "masked", "semi_sparse",

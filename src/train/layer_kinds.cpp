@@ -35,15 +35,7 @@ LinearShapes linear_shapes(const ModelConfig& c) {
 namespace {
 
 LinearOptions options_of(const LayerPlan& plan, uint64_t seed) {
-  LinearOptions o;
-  o.kind = plan.kind;
-  o.pattern = plan.pattern;
-  o.sparsity = plan.sparsity;
-  o.mask_change_freq = plan.mask_change_freq;
-  o.lora_rank = plan.lora_rank;
-  o.lora_enabled = plan.lora_enabled;
-  o.sparse_dw = plan.sparse_dw;
-  o.activation = plan.activation;
+  LinearOptions o = plan;
   o.seed = seed;
   return o;
 }

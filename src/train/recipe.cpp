@@ -196,12 +196,6 @@ std::string step_text(const StepValue& v, int64_t resolved) {
 
 }  // namespace
 
-bool LayerPlan::same_effect(const LayerPlan& o) const {
-  return kind == o.kind && pattern == o.pattern && sparsity == o.sparsity && mask_change_freq == o.mask_change_freq &&
-         lora_rank == o.lora_rank && lora_enabled == o.lora_enabled && sparse_dw == o.sparse_dw &&
-         activation == o.activation;
-}
-
 int64_t StepValue::resolve(int64_t total_steps) const {
   if (!is_fraction) return steps;
   return std::llround(fraction * double(total_steps));

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "model/linear_kinds.h"
 #include "sparse/pattern.h"
 
 namespace YAML {
@@ -28,25 +29,16 @@ namespace esplag {
 // Linear weight name ("blocks.3.mlp.fc.weight") -> (out_features, in_features) = (rows, cols).
 using LinearShapes = std::map<std::string, std::pair<int, int>>;
 
-// What one linear weight should be at one step.
-struct LayerPlan {
-  // dense | masked | semi_sparse | semi_sparse_activation | slope | vnm (Linear::kind()).
-  std::string kind = "dense";
-  // masked: the mask to hold (unstructured with its sparsity, N:M or V:N:M);
-  // semi_sparse / slope: 2:4 of the weight; semi_sparse_activation: 2:4 of the input
-  // activations; vnm: the V:N:M (or 2:4) mask handed over by gradual_magnitude.
-  SparsityPattern pattern;
-  double sparsity = 0.0;     // fraction of zeros, 1 - pattern.density()
-  int mask_change_freq = 0;  // slope: steps between refreshes of the double-pruned Wᵀ mask
-  int lora_rank = 0;         // slope: adapter rank (0: no adapter)
-  bool lora_enabled = false; // slope: the adapter is trained from this step on
-  bool sparse_dw = false;    // semi_sparse, slope: dW from the MVUE 2:4 of dYᵀ (LinearOptions::sparse_dw)
-  // semi_sparse_activation: how the input is pruned (LinearOptions::activation)
-  ActivationSparsity activation = ActivationSparsity::row_24;
-  int modifier = -1;         // index in the recipe of the modifier in charge; -1: none
+// What one linear weight should be at one step: the options its layer is built with
+// (model/linear_kinds.h; the trainer adds the run's seed) and the modifier in charge. The
+// recipe sets kind, pattern and sparsity (masked: the mask to hold; semi_sparse, slope:
+// 2:4 of the weight; semi_sparse_activation: 2:4 of the input; vnm: the mask handed over by
+// gradual_magnitude) and the options of the kind.
+struct LayerPlan : LinearOptions {
+  int modifier = -1;  // index in the recipe of the modifier in charge; -1: none
 
   // Same effect on the layer (everything but `modifier`): what changed_at compares.
-  bool same_effect(const LayerPlan& o) const;
+  bool same_effect(const LayerPlan& o) const { return LinearOptions(*this) == LinearOptions(o); }
   friend bool operator==(const LayerPlan&, const LayerPlan&) = default;
 };
 
