@@ -284,7 +284,7 @@ def llama_config(tied, heads, kv_heads, dtype, model_type="llama"):
     if model_type == "qwen2":
         for k in ("attention_bias", "mlp_bias", "head_dim", "pretraining_tp"):
             del c[k]
-        c.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": 2})
+        c.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": 2, "rms_norm_eps": 1e-06})
     return c
 
 

@@ -43,4 +43,17 @@ TEST(CliHf, ImportThenExportAndTheirRefusals) {
   EXPECT_EQ(run_esplag("import --hf " + out.string() + " --out " + (root() / "back").string(), root()).code, 0);
 }
 
+TEST(CliHf, SampleDrawsOnlyWhatTheTokenizerDecodes) {
+  // The fixtures' embedding has 48 rows, their tokenizer 31 ids (transformers pads the
+  // embedding the same way): ids 31..47 must never be drawn.
+  const fs::path run = root() / "sample-run";
+  ASSERT_EQ(run_esplag("import --hf " + kFixtures + "gpt2 --out " + run.string(), root()).code, 0);
+  for (const char* how : {"--temperature 0", "--temperature 5 --top-k 0", "--temperature 1 --top-k 40"}) {
+    SCOPED_TRACE(how);
+    const auto r = run_esplag("sample --checkpoint " + run.string() + " --prompt the --tokens 40 " + how, root());
+    EXPECT_EQ(r.code, 0) << r.err;
+    EXPECT_EQ(r.err, "");
+  }
+}
+
 }  // namespace

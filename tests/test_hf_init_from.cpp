@@ -1,5 +1,6 @@
 // train.init_from: a run that starts from the weights of an imported Hugging Face model
-// (or any checkpoint), with the checkpoint's model section and fresh optimizer state.
+// (or any checkpoint), with the checkpoint's model section and fresh optimizer state; and
+// eval of an imported run on data prepared with the Hugging Face directory's tokenizer.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -101,6 +102,18 @@ TEST(HfInitFrom, DataOfAnotherTokenizerOrAMissingCheckpointIsRefused) {
   EXPECT_NO_THROW(Trainer(config("", other, im.run), tmp.file("r3"), quiet));
   const std::string missing = error_of([&] { Trainer(config("", im.data, tmp.file("nope")), tmp.file("r2"), quiet); });
   EXPECT_TRUE(contains(missing, "train.init_from '" + tmp.file("nope") + "': checkpoint")) << missing;
+}
+
+TEST(HfEval, DataOfTheSameTokenizerFileElsewhereIsAccepted) {
+  TempDir tmp;
+  const Imported im = import_llama(tmp);
+  // The import's run records its own copy, RUN/tokenizer.json; this data records the original.
+  const std::string other = make_data(tmp, *load_tokenizer(kFixtures + "llama-gqa/tokenizer.json"), "other");
+  const EvalResult r = evaluate_checkpoint(im.run, other, "val", 1, 2, 16, "cpu");
+  EXPECT_TRUE(std::isfinite(r.loss));
+  const std::string bytes = make_data(tmp, ByteTokenizer(), "bytes");
+  const std::string err = error_of([&] { evaluate_checkpoint(im.run, bytes, "val", 1, 2, 16, "cpu"); });
+  EXPECT_TRUE(contains(err, "data '" + bytes + "' was tokenized with 'byte' but the checkpoint")) << err;
 }
 
 TEST(HfInitFrom, TheKeyRoundTripsThroughTheSavedConfig) {

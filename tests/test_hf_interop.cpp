@@ -115,6 +115,33 @@ TEST(HfImport, RunDirectoryLoadsWithTheSameLogits) {
   EXPECT_TRUE(contains(error_of([&] { import_hf(kFixtures + "gpt2", tmp.file("gpt2")); }), "is not empty"));
 }
 
+TEST(HfImport, NormEpsilonBecomesModelNormEpsAndExportsBack) {
+  TempDir tmp;
+  // qwen2's fixture has rms_norm_eps 1e-6 (its logits match in LogitsMatchTheTransformersReference).
+  HfModel qwen = load_hf_model(kFixtures + "qwen2");
+  EXPECT_EQ(qwen.model->config().norm_eps, 1e-6);
+  export_hf(*qwen.model, "byte", tmp.file("qwen2-out"));
+  EXPECT_EQ(nlohmann::json::parse(read_file(tmp.file("qwen2-out/config.json")))["rms_norm_eps"], 1e-6);
+  EXPECT_EQ(load_hf_model(kFixtures + "gpt2").model->config().norm_eps, 1e-5);
+
+  // Absent, each family's transformers default.
+  const std::string llama = copy_fixture(tmp, "llama-gqa"), gpt2 = copy_fixture(tmp, "gpt2");
+  edit_config(llama, [](nlohmann::json& js) { js.erase("rms_norm_eps"); });
+  edit_config(gpt2, [](nlohmann::json& js) { js.erase("layer_norm_epsilon"); });
+  EXPECT_EQ(load_hf_model(llama).model->config().norm_eps, 1e-6);
+  EXPECT_EQ(load_hf_model(gpt2).model->config().norm_eps, 1e-5);
+
+  // The model computes with it: a large epsilon moves the logits far beyond the tolerance.
+  for (const std::string name : {"llama-gqa", "gpt2"}) {
+    SCOPED_TRACE(name);
+    const std::string dir = copy_fixture(tmp, name);
+    edit_config(dir, [&](nlohmann::json& js) { js[name == "gpt2" ? "layer_norm_epsilon" : "rms_norm_eps"] = 1e-2; });
+    HfModel hf = load_hf_model(dir);
+    const Expected e = expected(name);
+    EXPECT_GT(max_error(all_logits(*hf.model, e.tokens), e.logits), 1e-3);
+  }
+}
+
 TEST(HfExport, NamesAndShapesAreTransformers) {
   // The unsharded f32 fixtures hold exactly what save_pretrained writes.
   TempDir tmp;
@@ -239,7 +266,9 @@ TEST(HfImport, UnsupportedConfigsNameTheField) {
   const std::vector<Case> cases = {
       {"llama-gqa", "model_type", "falcon", "field 'model_type' is \"falcon\", which esplag does not import"},
       {"llama-gqa", "rope_scaling", {{"rope_type", "linear"}, {"factor", 2.0}}, "field 'rope_scaling'"},
-      {"llama-gqa", "rms_norm_eps", 1e-6, "field 'rms_norm_eps' is 1e-06, but esplag's norms use epsilon 1e-05"},
+      {"llama-gqa", "rms_norm_eps", 0.5, "field 'rms_norm_eps' is 0.5, but esplag's norm epsilon (model.norm_eps) must "
+                                         "be in (0, 0.01]"},
+      {"gpt2", "layer_norm_epsilon", 0, "field 'layer_norm_epsilon' is 0, but esplag's norm epsilon"},
       {"llama-gqa", "hidden_act", "gelu", "field 'hidden_act' is \"gelu\""},
       {"llama-gqa", "head_dim", 4, "field 'head_dim' is 4"},
       {"llama-gqa", "architectures", {"LlamaForSequenceClassification"}, "field 'architectures'"},

@@ -343,13 +343,13 @@ struct NormOut {
   Vec out, mean, rstd;
 };
 
-NormOut layernorm_ref(const Vec& x, const Vec& w, const Vec* b, int N, int C) {
+NormOut layernorm_ref(const Vec& x, const Vec& w, const Vec* b, int N, int C, double eps = 1e-5) {
   NormOut r{Vec(x.size()), Vec(N), Vec(N)};
   for (int n = 0; n < N; ++n) {
     double m = 0, v = 0;
     for (int c = 0; c < C; ++c) m += x[sz(n) * C + c] / C;
     for (int c = 0; c < C; ++c) v += (x[sz(n) * C + c] - m) * (x[sz(n) * C + c] - m) / C;
-    const double rs = 1 / std::sqrt(v + 1e-5);
+    const double rs = 1 / std::sqrt(v + eps);
     for (int c = 0; c < C; ++c)
       r.out[sz(n) * C + c] = (x[sz(n) * C + c] - m) * rs * w[c] + (b ? (*b)[c] : 0);
     r.mean[n] = m;
@@ -359,11 +359,12 @@ NormOut layernorm_ref(const Vec& x, const Vec& w, const Vec* b, int N, int C) {
 }
 
 template <typename T>
-NormOut layernorm_run(const Vec& x, const Vec& w, const Vec* b, int N, int C) {
+NormOut layernorm_run(const Vec& x, const Vec& w, const Vec* b, int N, int C, double eps = cpu::kNormEps) {
   auto tx = to<T>(x), tw = to<T>(w);
   std::vector<T> tb = b ? to<T>(*b) : std::vector<T>{};
   auto out = poisoned<T>(x.size()), mean = poisoned<T>(sz(N)), rstd = poisoned<T>(sz(N));
-  cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), tx.data(), tw.data(), b ? tb.data() : nullptr, N, C);
+  cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), tx.data(), tw.data(), b ? tb.data() : nullptr, N, C,
+                         eps);
   return {from(out), from(mean), from(rstd)};
 }
 
@@ -430,10 +431,10 @@ TEST_F(OpsTest, LayerNormBackwardMatchesFiniteDifferences) {
 }
 
 template <typename T>
-NormOut rmsnorm_run(const Vec& x, const Vec& w, int N, int C) {
+NormOut rmsnorm_run(const Vec& x, const Vec& w, int N, int C, double eps = cpu::kNormEps) {
   auto tx = to<T>(x), tw = to<T>(w);
   auto out = poisoned<T>(x.size()), rstd = poisoned<T>(sz(N));
-  cpu::rmsnorm_forward(out.data(), rstd.data(), tx.data(), tw.data(), N, C);
+  cpu::rmsnorm_forward(out.data(), rstd.data(), tx.data(), tw.data(), N, C, eps);
   return {from(out), {}, from(rstd)};
 }
 
@@ -487,6 +488,35 @@ TEST_F(OpsTest, RmsNormBackwardMatchesFiniteDifferences) {
     cpu::rmsnorm_backward(fx.data(), fwt.data(), Rf.data(), xf.data(), wf.data(), rf.data(), N, C);
   expect_float_matches(from(fx), gx, "float dinp");
   expect_float_matches(from(fwt), gw, "float dweight");
+}
+
+// A model's norm_eps: forward adds it under the square root, backward sees it through the
+// saved rstd alone, so the gradient of a large-eps forward is still exact.
+TEST_F(OpsTest, NormsUseTheGivenEps) {
+  Rng rng(26);
+  const int N = 3, C = 7;
+  const double eps = 0.25;  // of the order of the rows' variance: a wrong eps shows at once
+  Vec x = randn(sz(N, C), rng, 0.5), w = randn(C, rng), b = randn(C, rng);
+  const Vec R = randn(x.size(), rng);
+  const NormOut ln = layernorm_run<double>(x, w, &b, N, C, eps);
+  expect_close(ln.out, layernorm_ref(x, w, &b, N, C, eps).out, 1e-12, 1e-12, "layernorm out");
+  expect_close(ln.rstd, layernorm_ref(x, w, &b, N, C, eps).rstd, 1e-12, 1e-12, "layernorm rstd");
+  Vec gx(x.size(), 0.0);
+  cpu::layernorm_backward(gx.data(), static_cast<double*>(nullptr), static_cast<double*>(nullptr), R.data(), x.data(),
+                          w.data(), ln.mean.data(), ln.rstd.data(), N, C);
+  expect_close(gx, numeric_grad(x, [&] { return dot(layernorm_run<double>(x, w, &b, N, C, eps).out, R); }), 1e-6,
+               1e-6, "layernorm dinp");
+
+  const NormOut rms = rmsnorm_run<double>(x, w, N, C, eps);
+  for (int n = 0; n < N; ++n) {
+    double ms = 0;
+    for (int c = 0; c < C; ++c) ms += x[sz(n) * C + c] * x[sz(n) * C + c] / C;
+    EXPECT_NEAR(rms.rstd[n], 1 / std::sqrt(ms + eps), 1e-12) << "row " << n;
+  }
+  gx.assign(x.size(), 0.0);
+  cpu::rmsnorm_backward(gx.data(), static_cast<double*>(nullptr), R.data(), x.data(), w.data(), rms.rstd.data(), N, C);
+  expect_close(gx, numeric_grad(x, [&] { return dot(rmsnorm_run<double>(x, w, N, C, eps).out, R); }), 1e-6, 1e-6,
+               "rmsnorm dinp");
 }
 
 TEST_F(OpsTest, NormsIdenticalForAnyThreadCount) {

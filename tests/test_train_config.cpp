@@ -114,6 +114,8 @@ TEST(TrainConfig, NumericKeysAreRangeChecked) {
       {"optimizer.lr=.inf", "config key 'optimizer.lr' must be a number in (0, inf), got .inf"},
       {"optimizer.beta1=1", "config key 'optimizer.beta1' must be a number in [0, 1), got 1"},
       {"schedule.min_lr_ratio=1.5", "config key 'schedule.min_lr_ratio' must be a number in [0, 1], got 1.5"},
+      {"model.norm_eps=0", "config key 'model.norm_eps' must be a number in (0, 0.01], got 0"},
+      {"model.norm_eps=0.02", "config key 'model.norm_eps' must be a number in (0, 0.01], got 0.02"},
       {"train.device=gpu", "config key 'train.device' must be auto, cpu or cuda, got 'gpu'"},
   };
   for (const auto& [set, message] : cases) {
@@ -140,7 +142,15 @@ TEST(TrainConfig, EveryNumericKeyHasARange) {
     EXPECT_NE(err.find("config key '" + key + "' must be "), std::string::npos) << err;
     EXPECT_TRUE(err.find(" in [") != std::string::npos || err.find(" in (") != std::string::npos) << err;
   }
-  EXPECT_EQ(numeric, 28);
+  EXPECT_EQ(numeric, 29);
+}
+
+TEST(TrainConfig, NormEpsHasADefaultAndRoundTrips) {
+  EXPECT_DOUBLE_EQ(parse_train_config("model: {preset: llama-tiny}", "t").model.norm_eps, 1e-5);
+  const TrainConfig c = parse_train_config("model: {preset: llama-tiny, norm_eps: 1.0e-6}", "t");
+  EXPECT_EQ(c.model.norm_eps, 1e-6);
+  EXPECT_EQ(parse_train_config(to_yaml(c), "resolved").model.norm_eps, 1e-6);
+  EXPECT_EQ(parse_train_config("", "t", {"model.norm_eps=0.01"}).model.norm_eps, 0.01);
 }
 
 TEST(TrainConfig, EmptyConfigFileIsAnError) {

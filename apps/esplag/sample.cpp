@@ -29,6 +29,9 @@ int sample(const Args& a) {
   std::vector<int32_t> ids = tok->encode(prompt);
   if (ids.empty()) ids.push_back(tok->eot_token() >= 0 ? tok->eot_token() : 0);
   const int V = info.config.model.vocab_size, ctx = info.config.model.max_seq_len;
+  // Only ids the tokenizer decodes are drawn: an imported model's embedding may have more
+  // rows than its tokenizer has ids (padded to a round size).
+  const int n_ids = std::min(V, tok->vocab_size());
   std::vector<float> logits(V);
   std::cout << prompt << std::flush;
   for (int i = 0; i < n_new; ++i) {
@@ -36,11 +39,11 @@ int sample(const Args& a) {
     model.forward_last_logits(ids.data() + ids.size() - len, 1, len, logits.data());
     int next;
     if (temperature == 0) {
-      next = static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      next = static_cast<int>(std::max_element(logits.begin(), logits.begin() + n_ids) - logits.begin());
     } else {
-      std::vector<int> order(V);
-      for (int v = 0; v < V; ++v) order[v] = v;
-      const int k = top_k > 0 ? std::min(top_k, V) : V;
+      std::vector<int> order(n_ids);
+      for (int v = 0; v < n_ids; ++v) order[v] = v;
+      const int k = top_k > 0 ? std::min(top_k, n_ids) : n_ids;
       std::partial_sort(order.begin(), order.begin() + k, order.end(),
                         [&](int x, int y) { return logits[x] > logits[y] || (logits[x] == logits[y] && x < y); });
       std::vector<double> p(k);

@@ -5,7 +5,6 @@
 
 #include "core/error.h"
 #include "io/json.h"
-#include "ops/norm.h"
 
 namespace esplag {
 
@@ -48,11 +47,12 @@ struct Fields {
     ESPLAG_CHECK(value == expected, path, ": field '", key, "' is ", json(value).dump(), ", but esplag supports only ",
                  json(expected).dump(), " (", why, ")");
   }
-  // The norm epsilon is a constant of esplag's norms (ops/norm.h).
-  void require_eps(const char* key, double fallback) const {
+  // The norm epsilon, in the range model.norm_eps accepts.
+  double norm_eps(const char* key, double fallback) const {
     const double eps = number_or(key, fallback);
-    ESPLAG_CHECK(std::fabs(eps - cpu::kNormEps) <= 1e-9 * cpu::kNormEps, path, ": field '", key, "' is ", eps,
-                 ", but esplag's norms use epsilon ", cpu::kNormEps, " (a different epsilon changes every norm's output)");
+    ESPLAG_CHECK(eps > 0 && eps <= ModelConfig::kMaxNormEps, path, ": field '", key, "' is ", eps,
+                 ", but esplag's norm epsilon (model.norm_eps) must be in (0, ", ModelConfig::kMaxNormEps, "]");
+    return eps;
   }
 };
 
@@ -71,7 +71,7 @@ void parse_gpt2(const Fields& f, HfModelConfig& hf) {
   const std::string act = f.text_or("activation_function", "gelu_new");
   ESPLAG_CHECK(act == "gelu_new" || act == "gelu_pytorch_tanh", f.path, ": field 'activation_function' is \"", act,
                "\", but esplag's GELU is the tanh approximation (gelu_new or gelu_pytorch_tanh)");
-  f.require_eps("layer_norm_epsilon", 1e-5);
+  m.norm_eps = f.norm_eps("layer_norm_epsilon", 1e-5);
   f.require("scale_attn_weights", f.flag_or("scale_attn_weights", true), true, "scores are scaled by 1/sqrt(head size)");
   f.require("scale_attn_by_inverse_layer_idx", f.flag_or("scale_attn_by_inverse_layer_idx", false), false,
             "no per-layer score scaling");
@@ -99,7 +99,7 @@ void parse_llama(const Fields& f, HfModelConfig& hf) {
                  ", but esplag's head size is hidden_size / num_attention_heads = ", m.d_model / m.n_head);
   const std::string act = f.text_or("hidden_act", "silu");
   ESPLAG_CHECK(act == "silu", f.path, ": field 'hidden_act' is \"", act, "\", but esplag's SwiGLU uses silu");
-  f.require_eps("rms_norm_eps", 1e-6);
+  m.norm_eps = f.norm_eps("rms_norm_eps", 1e-6);
   if (f.has("rope_scaling")) {
     const json& rs = f.js["rope_scaling"];
     const bool plain = rs.is_object() && rs.value("rope_type", rs.value("type", "")) == "default";
@@ -202,7 +202,7 @@ std::string hf_config_json(const HfModelConfig& hf, int eot_token) {
           {"embd_pdrop", 0.0},
           {"resid_pdrop", 0.0},
           {"initializer_range", m.init_std},
-          {"layer_norm_epsilon", cpu::kNormEps},
+          {"layer_norm_epsilon", m.norm_eps},
           {"n_embd", m.d_model},
           {"n_head", m.n_head},
           {"n_inner", m.d_ff},
@@ -232,7 +232,7 @@ std::string hf_config_json(const HfModelConfig& hf, int eot_token) {
           {"num_hidden_layers", m.n_layer},
           {"num_key_value_heads", m.n_kv_head},
           {"pretraining_tp", 1},
-          {"rms_norm_eps", cpu::kNormEps},
+          {"rms_norm_eps", m.norm_eps},
           {"rope_scaling", nullptr},
           {"rope_theta", m.rope_theta},
           {"tie_word_embeddings", m.tie_embeddings},

@@ -5,7 +5,7 @@
 //          RMSNorm, rotary positions, SwiGLU, grouped-query heads
 //
 // Everything that would change the arithmetic and that esplag's model does not have
-// (another activation or norm epsilon, rope_scaling, a sliding window, quantization) is an
+// (another activation, rope_scaling, a sliding window, quantization) is an
 // Error naming the field and the file, never a model that computes something else.
 #pragma once
 #include <string>

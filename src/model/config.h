@@ -13,6 +13,7 @@ enum class PosKind { learned, rope };
 enum class MlpKind { gelu, swiglu, relu2 };
 
 struct ModelConfig {
+  static constexpr double kMaxNormEps = 1e-2;
   std::string preset = "tiny";
   int vocab_size = 0;  // 0: taken from the dataset's meta.json
   int max_seq_len = 128;
@@ -27,6 +28,7 @@ struct ModelConfig {
   bool tie_embeddings = true;
   bool bias = true;
   double rope_theta = 10000.0;
+  double norm_eps = 1e-5;  // added to the variance (LayerNorm) or mean square (RMSNorm), in (0, kMaxNormEps]
   double init_std = 0.02;
 
   int head_dim() const { return d_model / n_head; }

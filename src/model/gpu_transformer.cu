@@ -246,9 +246,9 @@ void norm_forward(GpuTransformer::Impl& im, const ModelConfig& c, cudaStream_t s
                   bf16* out, float* mean, float* rstd, bf16* res, const bf16* a, const bf16* b, int N) {
   im.marks.mark(s, "norm fwd");
   if (c.norm == NormKind::layernorm)
-    gpu::layernorm_forward(out, mean, rstd, res, a, b, n.w, n.b, N, c.d_model, s);
+    gpu::layernorm_forward(out, mean, rstd, res, a, b, n.w, n.b, N, c.d_model, s, float(c.norm_eps));
   else
-    gpu::rmsnorm_forward(out, rstd, res, a, b, n.w, N, c.d_model, s);
+    gpu::rmsnorm_forward(out, rstd, res, a, b, n.w, N, c.d_model, s, float(c.norm_eps));
 }
 
 }  // namespace
@@ -607,9 +607,9 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   auto norm_again = [&](const Impl::Norm& n, bf16* out, const bf16* inp) {
     mark("norm recompute");
     if (ln)
-      gpu::layernorm_forward(out, nullptr, nullptr, nullptr, inp, nullptr, n.w, n.b, N, C, s);
+      gpu::layernorm_forward(out, nullptr, nullptr, nullptr, inp, nullptr, n.w, n.b, N, C, s, float(cfg_.norm_eps));
     else
-      gpu::rmsnorm_forward(out, nullptr, nullptr, inp, nullptr, n.w, N, C, s);
+      gpu::rmsnorm_forward(out, nullptr, nullptr, inp, nullptr, n.w, N, C, s, float(cfg_.norm_eps));
   };
   unsigned char* const shared = im.shared;
   const SharedSizes& z = im.sizes;

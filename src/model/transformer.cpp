@@ -355,9 +355,9 @@ void Transformer<T>::norm_forward(const Norm& n, T* out, T* mean, T* rstd, const
   const int C = cfg_.d_model;
   ScopedOp op({n.name, "fwd"}, OpCategory::norm, layer, 8.0 * N * C, 2.0 * sizeof(T) * N * C, {x, n.w}, {out});
   if (cfg_.norm == NormKind::layernorm)
-    cpu::layernorm_forward(out, mean, rstd, x, n.w, n.b, N, C);
+    cpu::layernorm_forward(out, mean, rstd, x, n.w, n.b, N, C, cfg_.norm_eps);
   else
-    cpu::rmsnorm_forward(out, rstd, x, n.w, N, C);
+    cpu::rmsnorm_forward(out, rstd, x, n.w, N, C, cfg_.norm_eps);
 }
 
 // Adds into dinp, which is the residual-stream gradient itself.

@@ -65,7 +65,7 @@ void embedding_backward(float* dwte, float* dwpe, const bf16* dout, const int32_
                         int V, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
-// LayerNorm / RMSNorm fused with the residual add (ops/norm.h; eps = 1e-5)
+// LayerNorm / RMSNorm fused with the residual add (ops/norm.h; eps: ModelConfig::norm_eps)
 //
 // Forward: when b is not null, residual_out = a + b (rounded to bf16) and the norm is
 // taken of residual_out; when b is null the norm is taken of a and residual_out is
@@ -73,9 +73,9 @@ void embedding_backward(float* dwte, float* dwpe, const bf16* dout, const int32_
 // (either may be null when backward will not run).
 
 void layernorm_forward(bf16* out, float* mean, float* rstd, bf16* residual_out, const bf16* a, const bf16* b,
-                       const bf16* weight, const bf16* bias, int N, int C, cudaStream_t stream);
+                       const bf16* weight, const bf16* bias, int N, int C, cudaStream_t stream, float eps = 1e-5f);
 void rmsnorm_forward(bf16* out, float* rstd, bf16* residual_out, const bf16* a, const bf16* b,
-                     const bf16* weight, int N, int C, cudaStream_t stream);
+                     const bf16* weight, int N, int C, cudaStream_t stream, float eps = 1e-5f);
 
 // Scratch for the weight / bias gradients of the norm backwards.
 size_t norm_backward_scratch_bytes(int N, int C);

@@ -171,6 +171,7 @@ const std::vector<Field>& fields() {
       boolean("model.tie_embeddings", ref(&T::model, &M::tie_embeddings)),
       boolean("model.bias", ref(&T::model, &M::bias)),
       real("model.rope_theta", ref(&T::model, &M::rope_theta), {0, kInf, true, true}),
+      real("model.norm_eps", ref(&T::model, &M::norm_eps), {0, M::kMaxNormEps, true, false}),
       real("model.init_std", ref(&T::model, &M::init_std), {0, kInf, false, true}),
       text("data.path", ref(&T::data_path)),
       integer("train.batch_size", ref(&T::batch_size), 1, kIntMax),

@@ -19,7 +19,8 @@ constexpr int64_t kChannelGrain = 64;
 }  // namespace
 
 template <typename T>
-void layernorm_forward(T* out, T* mean, T* rstd, const T* inp, const T* weight, const T* bias, int N, int C) {
+void layernorm_forward(T* out, T* mean, T* rstd, const T* inp, const T* weight, const T* bias, int N, int C,
+                       double eps) {
   parallel_for(
       N,
       [&](int64_t n0, int64_t n1) {
@@ -34,7 +35,7 @@ void layernorm_forward(T* out, T* mean, T* rstd, const T* inp, const T* weight, 
             v += d * d;
           }
           const T mt = static_cast<T>(m);
-          const T rt = static_cast<T>(1.0 / std::sqrt(v / C + kNormEps));
+          const T rt = static_cast<T>(1.0 / std::sqrt(v / C + eps));
           T* o = out + n * C;
           for (int c = 0; c < C; ++c) o[c] = (x[c] - mt) * rt * weight[c] + (bias ? bias[c] : T(0));
           mean[n] = mt;
@@ -91,7 +92,7 @@ void layernorm_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* i
 }
 
 template <typename T>
-void rmsnorm_forward(T* out, T* rstd, const T* inp, const T* weight, int N, int C) {
+void rmsnorm_forward(T* out, T* rstd, const T* inp, const T* weight, int N, int C, double eps) {
   parallel_for(
       N,
       [&](int64_t n0, int64_t n1) {
@@ -99,7 +100,7 @@ void rmsnorm_forward(T* out, T* rstd, const T* inp, const T* weight, int N, int 
           const T* x = inp + n * C;
           double ss = 0;
           for (int c = 0; c < C; ++c) ss += double(x[c]) * x[c];
-          const T rt = static_cast<T>(1.0 / std::sqrt(ss / C + kNormEps));
+          const T rt = static_cast<T>(1.0 / std::sqrt(ss / C + eps));
           T* o = out + n * C;
           for (int c = 0; c < C; ++c) o[c] = x[c] * rt * weight[c];
           rstd[n] = rt;
@@ -144,15 +145,16 @@ void rmsnorm_backward(T* dinp, T* dweight, const T* dout, const T* inp, const T*
   }
 }
 
-template void layernorm_forward<float>(float*, float*, float*, const float*, const float*, const float*, int, int);
+template void layernorm_forward<float>(float*, float*, float*, const float*, const float*, const float*, int, int,
+                                       double);
 template void layernorm_forward<double>(double*, double*, double*, const double*, const double*, const double*, int,
-                                        int);
+                                        int, double);
 template void layernorm_backward<float>(float*, float*, float*, const float*, const float*, const float*,
                                         const float*, const float*, int, int);
 template void layernorm_backward<double>(double*, double*, double*, const double*, const double*, const double*,
                                          const double*, const double*, int, int);
-template void rmsnorm_forward<float>(float*, float*, const float*, const float*, int, int);
-template void rmsnorm_forward<double>(double*, double*, const double*, const double*, int, int);
+template void rmsnorm_forward<float>(float*, float*, const float*, const float*, int, int, double);
+template void rmsnorm_forward<double>(double*, double*, const double*, const double*, int, int, double);
 template void rmsnorm_backward<float>(float*, float*, const float*, const float*, const float*, const float*, int,
                                       int);
 template void rmsnorm_backward<double>(double*, double*, const double*, const double*, const double*, const double*,

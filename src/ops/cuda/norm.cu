@@ -22,7 +22,6 @@ using detail::to_bf;
 using detail::to_f;
 using detail::warp_sum;
 
-constexpr float kEps = 1e-5f;  // cpu::kNormEps
 constexpr int kRowsPerBlock = 8;
 constexpr int kThreads = 32 * kRowsPerBlock;
 
@@ -48,11 +47,11 @@ __device__ __forceinline__ void store_n(bf16* row, int c, const float (&f)[kPack
 }
 
 // Forward. x = bf16(a + b) (written to res) or a; LayerNorm: y = (x - mean) rstd w + bias,
-// RMSNorm: y = x rstd w.
+// RMSNorm: y = x rstd w; rstd = rsqrt(var(x) + eps), or rsqrt(mean(x²) + eps).
 template <bool kVec, bool kRms>
 __global__ void __launch_bounds__(kThreads)
     norm_forward_kernel(bf16* out, float* mean, float* rstd, bf16* res, const bf16* a, const bf16* b,
-                        const bf16* weight, const bf16* bias, int N, int C) {
+                        const bf16* weight, const bf16* bias, int N, int C, float eps) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (row >= N) return;  // whole warps leave; no block-wide barrier below
@@ -83,7 +82,7 @@ __global__ void __launch_bounds__(kThreads)
   s = warp_sum(s);
   float m = 0.f, r;
   if constexpr (kRms) {
-    r = rsqrtf(s / C + kEps);
+    r = rsqrtf(s / C + eps);
   } else {
     m = s / C;
     float var = 0.f;  // two passes: Σ(x - m)² does not cancel like Σx² - C m²
@@ -96,7 +95,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     var = warp_sum(var);
-    r = rsqrtf(var / C + kEps);
+    r = rsqrtf(var / C + eps);
   }
   bf16* o = out + off;
   for (int c = first; c < C; c += step) {
@@ -172,7 +171,8 @@ __global__ void __launch_bounds__(kThreads)
 
 template <bool kRms>
 void launch_forward(bf16* out, float* mean, float* rstd, bf16* res, const bf16* a, const bf16* b,
-                    const bf16* weight, const bf16* bias, int N, int C, cudaStream_t stream, const char* name) {
+                    const bf16* weight, const bf16* bias, int N, int C, float eps, cudaStream_t stream,
+                    const char* name) {
   ESPLAG_CHECK(N >= 0 && C > 0, name, ": bad size N=", N, ", C=", C);
   ESPLAG_CHECK(out && a && weight, name, ": out, input and weight must not be null");
   ESPLAG_CHECK(!b || res, name, ": the fused residual add (b given) needs residual_out");
@@ -181,9 +181,11 @@ void launch_forward(bf16* out, float* mean, float* rstd, bf16* res, const bf16* 
                    (!b || (detail::aligned16(b) && detail::aligned16(res))) && (!bias || detail::aligned16(bias));
   const unsigned grid = detail::blocks_for(N, kRowsPerBlock);
   if (vec)
-    norm_forward_kernel<true, kRms><<<grid, kThreads, 0, stream>>>(out, mean, rstd, res, a, b, weight, bias, N, C);
+    norm_forward_kernel<true, kRms>
+        <<<grid, kThreads, 0, stream>>>(out, mean, rstd, res, a, b, weight, bias, N, C, eps);
   else
-    norm_forward_kernel<false, kRms><<<grid, kThreads, 0, stream>>>(out, mean, rstd, res, a, b, weight, bias, N, C);
+    norm_forward_kernel<false, kRms>
+        <<<grid, kThreads, 0, stream>>>(out, mean, rstd, res, a, b, weight, bias, N, C, eps);
   CUDA_CHECK_LAUNCH(name);
 }
 
@@ -218,13 +220,13 @@ void launch_backward(bf16* dinp, float* dweight, float* dbias, const bf16* dout,
 }  // namespace
 
 void layernorm_forward(bf16* out, float* mean, float* rstd, bf16* residual_out, const bf16* a, const bf16* b,
-                       const bf16* weight, const bf16* bias, int N, int C, cudaStream_t stream) {
-  launch_forward<false>(out, mean, rstd, residual_out, a, b, weight, bias, N, C, stream, "layernorm_forward");
+                       const bf16* weight, const bf16* bias, int N, int C, cudaStream_t stream, float eps) {
+  launch_forward<false>(out, mean, rstd, residual_out, a, b, weight, bias, N, C, eps, stream, "layernorm_forward");
 }
 
 void rmsnorm_forward(bf16* out, float* rstd, bf16* residual_out, const bf16* a, const bf16* b,
-                     const bf16* weight, int N, int C, cudaStream_t stream) {
-  launch_forward<true>(out, nullptr, rstd, residual_out, a, b, weight, nullptr, N, C, stream, "rmsnorm_forward");
+                     const bf16* weight, int N, int C, cudaStream_t stream, float eps) {
+  launch_forward<true>(out, nullptr, rstd, residual_out, a, b, weight, nullptr, N, C, eps, stream, "rmsnorm_forward");
 }
 
 size_t norm_backward_scratch_bytes(int N, int C) {
