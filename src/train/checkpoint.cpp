@@ -346,14 +346,16 @@ ModelConfig init_from_model(const TrainConfig& config, const std::string& data_t
                  ") but ", theirs_flat[i].second, " in the checkpoint ", ck,
                  "; leave the model section out to train the checkpoint's model");
   }
-  bool same_tokenizer = data_tokenizer == info.tokenizer;
-  std::error_code ec;
-  if (!same_tokenizer && fs::is_regular_file(data_tokenizer, ec) && fs::is_regular_file(info.tokenizer, ec))
-    same_tokenizer = read_file(data_tokenizer) == read_file(info.tokenizer);
-  ESPLAG_CHECK(same_tokenizer, what, ": data '", config.data_path, "' was tokenized with '", data_tokenizer,
+  ESPLAG_CHECK(same_tokenizer(data_tokenizer, info.tokenizer), what, ": data '", config.data_path, "' was tokenized with '", data_tokenizer,
                "' but the checkpoint ", ck, " was trained with '", info.tokenizer,
                "' (prepare the data with the checkpoint's tokenizer)");
   return info.config.model;
+}
+
+bool same_tokenizer(const std::string& a, const std::string& b) {
+  if (a == b) return true;
+  std::error_code ec;
+  return fs::is_regular_file(a, ec) && fs::is_regular_file(b, ec) && read_file(a) == read_file(b);
 }
 
 void load_init_weights(const std::string& init_from, Transformer<float>& model) {

@@ -83,6 +83,10 @@ std::unique_ptr<Transformer<float>> load_model(const std::string& checkpoint_dir
 // with it, and the data's tokenizer `data_tokenizer` must be the checkpoint's (the same
 // spec, or tokenizer files of the same content): otherwise an Error naming the key.
 ModelConfig init_from_model(const TrainConfig& config, const std::string& data_tokenizer);
+
+// Whether two tokenizer specs name the same tokenizer: the same spec, or files of the same
+// content (an imported run keeps its own copy of the tokenizer its data was prepared with).
+bool same_tokenizer(const std::string& a, const std::string& b);
 // Copies the weights of init_from's checkpoint into `model` (of init_from_model's config):
 // every parameter, a sparse Linear's as its effective dense weight.
 void load_init_weights(const std::string& init_from, Transformer<float>& model);

@@ -586,13 +586,7 @@ EvalResult evaluate_checkpoint(const std::string& checkpoint, const std::string&
   const std::string ck = resolve_checkpoint(checkpoint);
   const CheckpointContents info = read_checkpoint_info(ck);
   const DatasetMeta meta = read_dataset_meta(data_dir);
-  // The same spec, or tokenizer files of the same content (as train.init_from compares them):
-  // an imported run records its own copy of the tokenizer the data may have been prepared with.
-  bool same_tokenizer = meta.tokenizer == info.tokenizer;
-  std::error_code ec;
-  if (!same_tokenizer && fs::is_regular_file(meta.tokenizer, ec) && fs::is_regular_file(info.tokenizer, ec))
-    same_tokenizer = read_file(meta.tokenizer) == read_file(info.tokenizer);
-  ESPLAG_CHECK(same_tokenizer, "data '", data_dir, "' was tokenized with '", meta.tokenizer,
+  ESPLAG_CHECK(same_tokenizer(meta.tokenizer, info.tokenizer), "data '", data_dir, "' was tokenized with '", meta.tokenizer,
                "' but the checkpoint was trained with '", info.tokenizer, "'");
   ESPLAG_CHECK(device == "cpu" || device == "cuda" || device == "auto",
                "eval: the device must be cpu, cuda or auto, got '", device, "'");
