@@ -78,8 +78,8 @@ int plan(const Args& a) {
   if (plan.fits(budget)) return 0;
   const auto settings = settings_that_fit(cfg, device, budget);
   if (!settings) {
-    std::cerr << "esplag: error: the run does not fit, nor with train.checkpointing full and train.batch_size 1; a "
-                 "smaller model or train.seq_len would"
+    std::cerr << "esplag: error: the run does not fit, nor with train.checkpointing full and train.batch_size 1; it "
+                 "needs a smaller model, a shorter train.seq_len or more memory"
               << std::endl;
     return 1;
   }
