@@ -50,6 +50,9 @@ TEST(CliPlan, AHostLimitSuggestsSettingsThatFit) {
   const auto fixed = run_esplag("plan --config " + kTiny + " --set train.device=cpu --set train.checkpointing=full "
                                 "--host-memory " + gib(budget), scratch());
   EXPECT_EQ(fixed.code, 0) << fixed.out << fixed.err;
+  // Below the weights and moments nothing helps, and the error says so.
+  expect_one_line_error(run_esplag("plan --config " + kTiny + " --set train.device=cpu --host-memory 0.001", scratch()),
+                        "nor with train.checkpointing full and train.batch_size 1");
 }
 
 TEST(CliPlan, BatchSizeOverridesTheConfigs) {
