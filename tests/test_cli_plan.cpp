@@ -4,6 +4,9 @@
 
 #include "cli_util.h"
 #include "train/memory_plan.h"
+#ifdef ESPLAG_HAVE_CUDA
+#include "train/gpu_step.h"
+#endif
 
 using namespace esplag;
 using namespace esplag::testing;
@@ -80,6 +83,7 @@ TEST(CliPlan, BadOptionsGiveOneError) {
 
 #ifdef ESPLAG_HAVE_CUDA
 TEST(CliPlan, ATinyGpuMemorySuggestsSettingsThatFit) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   TrainConfig c = load_train_config(kTinyFile, {"train.device=cuda", "model.vocab_size=257"});
   c.checkpointing = {CheckpointMode::full, 1};
   const uint64_t full = plan_memory(c, "cuda").gpu->total();

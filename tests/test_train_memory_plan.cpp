@@ -5,6 +5,9 @@
 #include "model/transformer.h"
 #include "test_util.h"
 #include "train/memory_plan.h"
+#ifdef ESPLAG_HAVE_CUDA
+#include "train/gpu_step.h"
+#endif
 
 using namespace esplag;
 using esplag::testing::contains;
@@ -98,6 +101,7 @@ TEST(MemoryPlan, TheReportNamesEachCategory) {
     EXPECT_TRUE(contains(text, category)) << category << " in\n" << text;
 #ifdef ESPLAG_HAVE_CUDA
   const MemoryPlan gpu = plan_memory(c, "cuda");
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: " << gpu.no_gpu_plan;
   ASSERT_TRUE(gpu.gpu.has_value());
   const std::string gpu_text = describe(c, gpu, {});
   for (const char* category : {"params", "grads", "optimizer", "scratch", "workspace", "fits: unknown"})
@@ -110,6 +114,7 @@ TEST(MemoryPlan, TheReportNamesEachCategory) {
 
 #ifdef ESPLAG_HAVE_CUDA
 TEST(MemoryPlan, AGpuLimitSuggestsFullCheckpointingOrASmallerBatch) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   TrainConfig c = tiny_config("cuda");
   const uint64_t none = plan_memory(c, "cuda").gpu->total();
   const uint64_t full = plan_memory(with_checkpointing(c, CheckpointMode::full), "cuda").gpu->total();

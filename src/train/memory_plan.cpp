@@ -7,6 +7,7 @@
 #include "train/progress.h"
 #ifdef ESPLAG_HAVE_CUDA
 #include "train/gpu_memory_plan.h"
+#include "train/gpu_step.h"
 #endif
 
 namespace esplag {
@@ -64,8 +65,13 @@ MemoryPlan plan_memory(const TrainConfig& config, const std::string& device) {
   MemoryPlan plan;
   plan.device = device;
   plan.host = host_memory_plan(config, device);
+  if (device != "cuda") return plan;
 #ifdef ESPLAG_HAVE_CUDA
-  if (device == "cuda") plan.gpu = gpu_memory_plan(config);
+  // The attention's workspace size is the device library's answer: no device, no plan.
+  if (cuda_device_count() > 0) plan.gpu = gpu_memory_plan(config);
+  else plan.no_gpu_plan = "no CUDA device is visible (the attention's workspace is the device library's answer)";
+#else
+  plan.no_gpu_plan = "this esplag was built without the CUDA backend (the cuda preset)";
 #endif
   return plan;
 }
@@ -93,7 +99,7 @@ std::string describe(const TrainConfig& config, const MemoryPlan& plan, const Me
      << verdict(plan.fits_host(budget), budget.host, budget.host_source) << "\n";
   os << "GPU memory:";
   if (plan.device != "cuda") return os.str() + " none (train.device " + plan.device + ")\n";
-  if (!plan.gpu) return os.str() + " unknown: this esplag was built without the CUDA backend (the cuda preset)\n";
+  if (!plan.gpu) return os.str() + " unknown: " + plan.no_gpu_plan + "\n";
   const GpuMemoryBytes& g = *plan.gpu;
   os << "\n"
      << row("params", g.params) << row("grads", g.grads) << row("optimizer", g.optimizer)

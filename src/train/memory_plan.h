@@ -36,7 +36,8 @@ struct MemoryBudget {
 struct MemoryPlan {
   std::string device;  // "cpu" or "cuda": where the steps run
   HostMemoryPlan host;
-  std::optional<GpuMemoryBytes> gpu;  // a cuda run in the CUDA build only
+  std::optional<GpuMemoryBytes> gpu;  // a cuda run in the CUDA build with a visible device only
+  std::string no_gpu_plan;            // for a cuda run without `gpu`: why
   bool fits_host(const MemoryBudget& budget) const { return budget.host == 0 || host.total() <= budget.host; }
   bool fits_gpu(const MemoryBudget& budget) const { return !gpu || budget.gpu == 0 || gpu->total() <= budget.gpu; }
   bool fits(const MemoryBudget& budget) const { return fits_host(budget) && fits_gpu(budget); }
