@@ -19,6 +19,7 @@ extern const Command kProfile;         // profile.cpp
 extern const Command kSparsity;        // sparsity.cpp
 extern const Command kExport;          // export.cpp
 extern const Command kImport;          // import.cpp
+extern const Command kPlan;            // plan.cpp
 // bench train|gemm|layer|attention|sparsify|sparse-adamw|vnm|slope-merged (bench.cpp)
 const std::vector<const Command*>& bench_commands();
 

@@ -17,7 +17,7 @@ namespace {
 
 const std::vector<const Command*>& all_commands() {
   static const std::vector<const Command*> commands = [] {
-    std::vector<const Command*> c = {&kDataPrepare, &kTokenizerTrain, &kTrain,  &kEval,   &kSample,
+    std::vector<const Command*> c = {&kDataPrepare, &kTokenizerTrain, &kTrain,  &kPlan,   &kEval,  &kSample,
                                      &kProfile,     &kSparsity,       &kExport, &kImport};
     for (const Command* b : bench_commands()) c.push_back(b);
     return c;

@@ -37,11 +37,20 @@ uint64_t cgroup_value(const char* path) {
 
 }  // namespace
 
-uint64_t host_bytes_for_training(const TrainConfig& config, const std::string& device) {
+HostMemoryPlan host_memory_plan(const TrainConfig& config, const std::string& device) {
   const uint64_t params = uint64_t(config.model.num_params());
-  if (device == "cuda") return params * 3 * kFloat;
-  return params * 4 * kFloat +
-         transformer_activation_elements(config.model, config.batch_size, config.seq_len, config.checkpointing) * kFloat;
+  HostMemoryPlan plan;
+  plan.weights = params * kFloat;
+  plan.moments = 2 * params * kFloat;
+  if (device == "cuda") return plan;
+  plan.gradients = params * kFloat;
+  plan.activations =
+      transformer_activation_elements(config.model, config.batch_size, config.seq_len, config.checkpointing) * kFloat;
+  return plan;
+}
+
+uint64_t host_bytes_for_training(const TrainConfig& config, const std::string& device) {
+  return host_memory_plan(config, device).total();
 }
 
 uint64_t available_host_bytes() {

@@ -9,11 +9,22 @@
 
 namespace esplag {
 
-// Bytes of host memory training `config` needs on `device` ("cpu" or "cuda"), in fp32: on
-// the CPU the weights, their gradients, the two AdamW moments and the activations of one
-// micro-batch (model/transformer.cpp's Activations); on the GPU the host copy of the
-// weights and of the moments that checkpoints are written from. model.vocab_size must be
-// resolved (not 0). An estimate from below: Linear kinds' own state and the data come on top.
+// The host memory training `config` needs on `device` ("cpu" or "cuda"), by category, in
+// bytes of fp32: on the CPU the weights, their gradients, the two AdamW moments and the
+// activations of one micro-batch as train.checkpointing keeps them (model/transformer.cpp's
+// Activations); on the GPU the host copy of the weights and of the moments that checkpoints
+// are written from (no gradients nor activations). model.vocab_size must be resolved (not
+// 0). An estimate from below: Linear kinds' own state and the data come on top.
+struct HostMemoryPlan {
+  uint64_t weights = 0;
+  uint64_t gradients = 0;
+  uint64_t moments = 0;  // AdamW m and v
+  uint64_t activations = 0;
+  uint64_t total() const { return weights + gradients + moments + activations; }
+};
+HostMemoryPlan host_memory_plan(const TrainConfig& config, const std::string& device);
+
+// host_memory_plan(config, device).total().
 uint64_t host_bytes_for_training(const TrainConfig& config, const std::string& device);
 
 // MemAvailable of /proc/meminfo, lowered to what the cgroup's memory.max leaves; 0 when

@@ -1,0 +1,26 @@
+#include "train/gpu_memory_plan.h"
+
+#include <cuda_runtime.h>
+
+#include "model/gpu_transformer.h"
+
+namespace esplag {
+
+GpuMemoryBytes gpu_memory_plan(const TrainConfig& config) {
+  GpuModelOptions options;
+  options.checkpointing = config.checkpointing;
+  const GpuMemoryPlan p = GpuTransformer::memory_plan(config.model, config.batch_size, config.seq_len, options);
+  return {p.params, p.grads, p.optimizer, p.activations, p.scratch, p.workspace};
+}
+
+uint64_t gpu_free_bytes() {
+  int devices = 0;
+  size_t free_b = 0, total_b = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0 || cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+    cudaGetLastError();  // clear the error: the caller reports "unknown"
+    return 0;
+  }
+  return free_b;
+}
+
+}  // namespace esplag

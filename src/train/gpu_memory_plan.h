@@ -1,0 +1,26 @@
+// The GPU half of the memory planner (train/memory_plan.h): GpuTransformer's memory plan for
+// a training config, and the free memory of the device. Host-only arithmetic and one query
+// of the CUDA runtime: nothing is allocated.
+//
+// Only for the CUDA build (ESPLAG_CUDA=ON).
+#pragma once
+
+#ifndef ESPLAG_HAVE_CUDA
+#error "train/gpu_memory_plan.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#endif
+
+#include <cstdint>
+
+#include "train/config.h"
+#include "train/memory_plan.h"
+
+namespace esplag {
+
+// The device memory GpuTransformer reserves for `config`'s micro-batch with its
+// train.checkpointing (what the GPU training step builds).
+GpuMemoryBytes gpu_memory_plan(const TrainConfig& config);
+
+// Free memory of CUDA device 0 (cudaMemGetInfo); 0 when there is no device.
+uint64_t gpu_free_bytes();
+
+}  // namespace esplag

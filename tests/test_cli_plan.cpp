@@ -1,0 +1,102 @@
+// `esplag plan` end to end: the report's categories, the settings it suggests for a run
+// that does not fit, and one-line errors for bad options.
+#include <cstdio>
+
+#include "cli_util.h"
+#include "train/memory_plan.h"
+#ifdef ESPLAG_HAVE_CUDA
+#include "train/gpu_step.h"
+#endif
+
+using namespace esplag;
+using namespace esplag::testing;
+
+namespace {
+
+const std::string kTinyFile = std::string(ESPLAG_SOURCE_DIR) + "/configs/tiny.yaml";
+// The byte-level vocabulary of the dataset tiny.yaml trains on, given so that no dataset is read.
+const std::string kTiny = kTinyFile + " --set model.vocab_size=257";
+
+const cli_fs::path& scratch() { return scratch_root("cli_plan"); }
+
+std::string gib(uint64_t bytes) {
+  char s[64];
+  std::snprintf(s, sizeof s, "%.12g", double(bytes) / double(uint64_t(1) << 30));
+  return s;
+}
+
+uint64_t host_bytes(CheckpointMode mode) {
+  TrainConfig c = load_train_config(kTinyFile, {"train.device=cpu", "model.vocab_size=257"});
+  c.checkpointing = {mode, 1};
+  return host_bytes_for_training(c, "cpu");
+}
+
+}  // namespace
+
+TEST(CliPlan, PrintsEachCategoryAndFits) {
+  const auto r = run_esplag("plan --config " + kTiny + " --set train.device=cpu --host-memory 1000", scratch());
+  EXPECT_EQ(r.code, 0) << r.err;
+  for (const char* line : {"model tiny", "micro-batch 16 x 128", "weights", "gradients", "moments", "activations",
+                           "total", "fits in 1000.0 GiB (--host-memory)", "GPU memory: none (train.device cpu)"})
+    EXPECT_TRUE(contains(r.out, line)) << line << " in\n" << r.out;
+  EXPECT_TRUE(r.err.empty()) << r.err;
+}
+
+TEST(CliPlan, AHostLimitSuggestsSettingsThatFit) {
+  const uint64_t budget = (host_bytes(CheckpointMode::full) + host_bytes(CheckpointMode::selective)) / 2;
+  const auto r =
+      run_esplag("plan --config " + kTiny + " --set train.device=cpu --host-memory " + gib(budget), scratch());
+  expect_one_line_error(r, "the run does not fit");
+  EXPECT_TRUE(contains(r.out, "does NOT fit")) << r.out;
+  EXPECT_TRUE(contains(r.out, "cheapest settings that fit: --set train.checkpointing=full\n")) << r.out;
+  // The suggestion, applied, fits.
+  const auto fixed = run_esplag("plan --config " + kTiny + " --set train.device=cpu --set train.checkpointing=full "
+                                "--host-memory " + gib(budget), scratch());
+  EXPECT_EQ(fixed.code, 0) << fixed.out << fixed.err;
+  // Below the weights and moments nothing helps, and the error says so.
+  expect_one_line_error(run_esplag("plan --config " + kTiny + " --set train.device=cpu --host-memory 0.001", scratch()),
+                        "nor with train.checkpointing full and train.batch_size 1");
+}
+
+TEST(CliPlan, BatchSizeOverridesTheConfigs) {
+  const auto r = run_esplag("plan --config " + kTiny + " --set train.device=cpu --batch-size 3", scratch());
+  EXPECT_TRUE(contains(r.out, "micro-batch 3 x 128")) << r.out << r.err;
+}
+
+TEST(CliPlan, BadOptionsGiveOneError) {
+  expect_one_line_error(run_esplag("plan", scratch()), "plan: --config is required");
+  expect_one_line_error(run_esplag("plan --config " + kTiny + " --gpu-memory 0", scratch()),
+                        "plan: --gpu-memory must be a number >= 0.001, got '0'");
+  expect_one_line_error(run_esplag("plan --config " + kTiny + " --host-memory lots", scratch()),
+                        "plan: --host-memory must be a number >= 0.001, got 'lots'");
+  expect_one_line_error(run_esplag("plan --config " + kTiny + " --batch-size 0", scratch()),
+                        "plan: --batch-size must be an integer in [1, 2147483647], got '0'");
+  expect_one_line_error(run_esplag("plan --config " + kTiny + " --set train.checkpointing=half", scratch()),
+                        "train.checkpointing must be none, full or selective, got 'half'");
+  expect_one_line_error(run_esplag("plan --config " + (scratch() / "none.yaml").string(), scratch()),
+                        "cannot read config file");
+  expect_one_line_error(
+      run_esplag("plan --config " + kTiny + " --set model.vocab_size=0 --set data.path=" + (scratch() / "no").string(),
+                 scratch()),
+      "model.vocab_size 0 is the dataset's vocabulary");
+}
+
+#ifdef ESPLAG_HAVE_CUDA
+TEST(CliPlan, ATinyGpuMemorySuggestsSettingsThatFit) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  TrainConfig c = load_train_config(kTinyFile, {"train.device=cuda", "model.vocab_size=257"});
+  c.checkpointing = {CheckpointMode::full, 1};
+  const uint64_t full = plan_memory(c, "cuda").gpu->total();
+  const auto r = run_esplag("plan --config " + kTiny + " --set train.device=cuda --host-memory 1000 --gpu-memory " +
+                                gib(full),
+                            scratch());
+  expect_one_line_error(r, "the run does not fit");
+  EXPECT_TRUE(contains(r.out, "cheapest settings that fit: --set train.")) << r.out;
+}
+#else
+TEST(CliPlan, ACpuBuildSaysItHasNoGpuPlan) {
+  const auto r = run_esplag("plan --config " + kTiny + " --set train.device=cuda --host-memory 1000", scratch());
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "GPU memory: unknown: this esplag was built without the CUDA backend")) << r.out;
+}
+#endif
