@@ -179,16 +179,15 @@ class GpuStep final : public StepBackend {
     return model_.forward_loss(inputs, targets, B, T);
   }
 
-  // The moments of every tensor the host trains: the flat tensors' slices, and the kept
-  // values of each slope layer (which the host trains instead of its flat weight).
+  // The moments of every tensor the host trains: the flat tensors' slices, and the tensors
+  // the host's layers train themselves (kept values, adapters; DeviceLinear::to_twin).
   HostMoments state_to_host() override {
     write_back(true);
     return {m_, v_};
   }
-  // A recipe update's write-back: the weights (slope's and vnm's kept values, adapters and
-  // draw counts included) without the moments, two thirds of the bytes (llama-1b: 11.2 s
-  // of a 15 s recipe update with the moments).
-  // The copy is skipped when the host holds the weights of this step already (a run's
+  // A recipe update's write-back: the weights (with what each layer's twin takes: kept
+  // values, masks, adapters, draw counts) without the moments, a third of the bytes. The
+  // copy is skipped when the host holds the weights of this step already (a run's
   // first step, or no step since the last write-back); either way the host may choose new
   // masks from them next (written_back_).
   void weights_to_host() override {
@@ -252,12 +251,11 @@ class GpuStep final : public StepBackend {
   // Gives every block Linear of the GPU model the kind of its host twin (a no-op when
   // nothing changed; a change is rare: the recipe's start and end steps).
   void follow_host_kinds() {
-    // A layer that becomes slope takes the host's masks (chosen from the fp32 weights);
+    // A layer that changes kind takes its twin's masks (chosen from the fp32 weights);
     // later steps leave the GPU's own (converting them costs a pass over the weight). One
-    // call: the layers that become slope lay the parameter state out again once. A masked
-    // layer takes the host's mask when it becomes masked and after every write-back (which
-    // comes before each recipe update, where gradual magnitude pruning chooses new masks
-    // from the weights written back).
+    // call: the layers whose stored form changes lay the parameter state out again once. A
+    // kind whose host rechooses its mask (masked, under gradual magnitude pruning) takes it
+    // again after every write-back, which comes before each recipe update.
     using clock = std::chrono::steady_clock;
     const auto t0 = clock::now();
     std::vector<TwinMasks> masks;
