@@ -358,7 +358,8 @@ class GpuTransformer {
     const std::vector<uint8_t>* mask = nullptr;  // masked, vnm: [out, in], 1 = kept (null: keep the layer's)
     ActivationSparsity activation = ActivationSparsity::row_24;  // semi_sparse_activation's pattern
   };
-  void set_linear_kinds(const std::vector<LinearKindSetting>& settings);
+  // Whether any layer changed (kind, masks or adapter; not only a schedule).
+  bool set_linear_kinds(const std::vector<LinearKindSetting>& settings);
   void set_linear_kind(const std::string& weight_name, const std::string& kind, int mask_change_freq = 100,
                        const SlopeState* slope_masks = nullptr) {
     set_linear_kinds({{weight_name, kind, mask_change_freq, slope_masks}});

@@ -271,8 +271,7 @@ class GpuStep final : public StepBackend {
         },
         masks);
     const auto t1 = clock::now();
-    const std::string before = model_.kind_change_report();
-    model_.set_linear_kinds(settings);
+    const bool changed = model_.set_linear_kinds(settings);
     const auto t2 = clock::now();
     written_back_ = false;
     // An adapter enabled for this step starts from the host's (L drawn, R zero), moments zero.
@@ -280,7 +279,7 @@ class GpuStep final : public StepBackend {
       if (model_.lora_rank(name) > 0 && !had_adapter.count(name))
         model_.linear(name).extras_from_twin(host_.linear(name), nullptr, nullptr);
     const auto t3 = clock::now();
-    if (model_.kind_change_report() != before || t3 - t0 > std::chrono::milliseconds(500)) {
+    if (changed) {
       const auto s = [](auto d) { return std::chrono::duration<double>(d).count(); };
       char buf[160];
       std::snprintf(buf, sizeof buf, "kinds to the device %.2f s (host settings %.2f s, model %.2f s, adapters %.2f s): ",

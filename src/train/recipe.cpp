@@ -631,16 +631,17 @@ std::map<std::string, LayerPlan> Recipe::plan_at(int64_t step) const {
   return out;
 }
 
+std::map<std::string, LayerPlan> Recipe::plan_before(int64_t step,
+                                                     const std::map<std::string, LayerPlan>& now) const {
+  if (step > 0) return plan_at(step - 1);
+  std::map<std::string, LayerPlan> dense;
+  for (const auto& [name, p] : now) dense.emplace(name, LayerPlan());
+  return dense;
+}
+
 std::vector<std::string> Recipe::changed_at(int64_t step) const {
-  const auto now = plan_at(step);
+  const auto now = plan_at(step), before = plan_before(step, now);
   std::vector<std::string> out;
-  if (step == 0) {
-    const LayerPlan dense;
-    for (const auto& [name, p] : now)
-      if (!p.same_effect(dense)) out.push_back(name);
-    return out;
-  }
-  const auto before = plan_at(step - 1);
   for (const auto& [name, p] : now)
     if (!p.same_effect(before.at(name))) out.push_back(name);
   return out;
@@ -653,11 +654,9 @@ std::string Recipe::Modifier::kind() const {
 }
 
 bool Recipe::reads_weights_at(int64_t step) const {
-  const auto now = plan_at(step);
-  const auto before = step == 0 ? std::map<std::string, LayerPlan>() : plan_at(step - 1);
-  const LayerPlan dense;
-  for (const auto& name : changed_at(step)) {
-    const LayerPlan &p = now.at(name), &q = step == 0 ? dense : before.at(name);
+  const auto now = plan_at(step), before = plan_before(step, now);
+  for (const auto& [name, p] : now) {
+    const LayerPlan& q = before.at(name);
     if (p.kind != q.kind || !(p.pattern == q.pattern) || p.sparsity != q.sparsity) return true;
   }
   return false;

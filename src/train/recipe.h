@@ -132,6 +132,9 @@ class Recipe {
   };
 
   void parse_items(const YAML::Node& list);
+  // The plan of the step before `step` for the weights of `now` (plan_at(step)): dense ones
+  // at step 0.
+  std::map<std::string, LayerPlan> plan_before(int64_t step, const std::map<std::string, LayerPlan>& now) const;
   std::string where(int i) const;  // "<source>: recipe[i] (type)"
   LayerPlan plan_of(int modifier, int64_t step) const;
 

@@ -41,7 +41,7 @@ void GpuTransformer::make_linears() {
   }
 }
 
-void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& settings) {
+bool GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& settings) {
   Impl& im = *impl_;
   const int64_t tokens = int64_t(max_b_) * max_t_;
   // Where a change spends its time (kind_change_report): each phase ends in a synchronize.
@@ -81,7 +81,7 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   }
   for (const auto& st : settings)  // options that change without a rebuild (slope's schedule)
     if (Impl::Slot* slot = im.find_linear(st.weight_name); slot->base->kind() == st.kind) slot->base->update(st);
-  if (changes.empty()) return;
+  if (changes.empty()) return false;
   synchronize();  // nothing queued may still use a layer that goes away
 
   // A new layout: the state moves into it on the device, the old one kept until then with
@@ -163,6 +163,7 @@ void GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
                 changes.size(), phase_s[0] + phase_s[1] + phase_s[2] + phase_s[3], phase_s[0], phase_s[1],
                 on_device ? "moved on the device" : relayout ? "back from the host" : "kept", phase_s[2], phase_s[3]);
   kind_change_report_ = buf;
+  return true;
 }
 
 DeviceLinear& GpuTransformer::linear(const std::string& weight_name) {
