@@ -26,7 +26,8 @@
 # Environment: ESPLAG_GPU_BUILD_DIR (default build/cuda), ESPLAG_CUDA_ARCHS (default 90),
 # ESPLAG_COMMIT (recorded with the results instead of the copy's git HEAD),
 # ESPLAG_CUSPARSELT_LIB (where libcusparseLt.so.0 is; default: the loader's search, or the
-# nvidia-cusparselt wheel of python3's environment), ESPLAG_SANITIZE_BUDGET (default 540:
+# nvidia-cusparselt wheel of python3's environment), ESPLAG_NCCL_LIB (where libnccl.so.2 is;
+# default: the system's, or the nvidia-nccl wheel's), ESPLAG_SANITIZE_BUDGET (default 540:
 # the sanitizer runs stop starting, and a running one is stopped, that many seconds after
 # the script started, so that a build and the runs fit a 10-minute call; runs left out are
 # listed) and ESPLAG_SANITIZE_TIMEOUT (default 150, the most seconds one run may take).
@@ -73,6 +74,11 @@ jobs=$(nproc)
 if [ -z "${ESPLAG_CUSPARSELT_LIB:-}" ] && command -v python3 >/dev/null; then
   wheel_lib=$(python3 -c 'import nvidia.cusparselt as m, os; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null || true)
   [ -n "$wheel_lib" ] && [ -d "$wheel_lib" ] && export ESPLAG_CUSPARSELT_LIB=$wheel_lib
+fi
+# NCCL (data-parallel tests on machines with several GPUs): the system's, else the wheel's.
+if [ -z "${ESPLAG_NCCL_LIB:-}" ] && ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so\.2' && command -v python3 >/dev/null; then
+  wheel_lib=$(python3 -c 'import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null || true)
+  [ -n "$wheel_lib" ] && [ -d "$wheel_lib" ] && export ESPLAG_NCCL_LIB=$wheel_lib
 fi
 export ESPLAG_CUSPARSELT_TUNING=${ESPLAG_CUSPARSELT_TUNING:-$logs/cusparselt-tuning.json}
 # ESPLAG_COMMIT wins: a copy of the tree may carry an older .git than the tree it holds.

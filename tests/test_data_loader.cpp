@@ -162,6 +162,22 @@ TEST(DataLoader, ResumingFromStateGivesIdenticalBatches) {
   EXPECT_THROW(d.set_state({-1, 0}), Error);
 }
 
+// A data-parallel rank skips the other ranks' micro-batches: skipping k batches leaves the
+// loader where k reads would, across epochs (19 windows, batches of 3).
+TEST(DataLoader, SkippingBatchesEqualsReadingThem) {
+  TempDir dir;
+  write_position_shards(dir, "train", 0);
+  DataLoader read(dir.str(), "train", 3, 7, 42), skip(dir.str(), "train", 3, 7, 42);
+  for (const int k : {0, 1, 5, 7, 13}) {
+    for (int i = 0; i < k; ++i) next(read, 3, 7);
+    skip.skip_batches(k);
+    EXPECT_EQ(skip.state().epoch, read.state().epoch) << "after skipping " << k;
+    EXPECT_EQ(skip.state().position, read.state().position) << "after skipping " << k;
+    EXPECT_EQ(next(skip, 3, 7), next(read, 3, 7)) << "the batch after skipping " << k;
+  }
+  EXPECT_THROW(skip.skip_batches(-1), Error);
+}
+
 TEST(DataLoader, ValidationIsInOrderAndResets) {
   TempDir dir;
   write_position_shards(dir, "train", 0);

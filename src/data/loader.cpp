@@ -158,4 +158,12 @@ void DataLoader::next_batch(int32_t* inputs, int32_t* targets) {
   }
 }
 
+void DataLoader::skip_batches(int64_t n) {
+  ESPLAG_CHECK(n >= 0, "DataLoader::skip_batches: negative count ", n);
+  const int64_t windows = state_.position + n * batch_size_;
+  state_.epoch += windows / num_windows();
+  state_.position = windows % num_windows();
+  build_order();
+}
+
 }  // namespace esplag

@@ -41,6 +41,9 @@ class DataLoader {
 
   // Fills inputs[B*T] and targets[B*T] (row-major, row b = one window) and advances.
   void next_batch(int32_t* inputs, int32_t* targets);
+  // Advances past n batches as n calls of next_batch would, without reading them (a
+  // data-parallel rank skips the other ranks' micro-batches).
+  void skip_batches(int64_t n);
 
   State state() const { return state_; }
   void set_state(const State& s);  // Throws if the state does not fit this data.

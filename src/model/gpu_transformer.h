@@ -245,6 +245,11 @@ class GpuTransformer {
   void step_adamw(const GpuAdamW& hyper);
   // The gradient norm before clipping of the last step_adamw (waits for the device).
   double last_grad_norm();
+  // The gradients in the storage layout (fp32, stored_params() of them, contiguous), for a
+  // data-parallel collective between the last micro-batch's backward and step_adamw. Lazy
+  // zeroing is settled first (asynchronous).
+  float* device_gradients();
+  size_t stored_params() const { return nstored_; }
 
   // --- Linear kinds ---------------------------------------------------------------------
   // The kind of a block Linear layer, by its weight's name ("blocks.3.mlp.fc.weight"):

@@ -195,6 +195,7 @@ const std::vector<Field>& fields() {
       real("optimizer.eps", ref(&T::optimizer, &O::eps), {0, kInf, true, true}),
       real("optimizer.weight_decay", ref(&T::optimizer, &O::weight_decay), {0, kInf, false, true}),
       real("optimizer.grad_clip", ref(&T::optimizer, &O::grad_clip), {-kInf, kInf, true, true}),  // <= 0: off
+      integer("parallel.zero", ref(&T::parallel, &ParallelConfig::zero), 0, 3),
       integer<int64_t>("schedule.warmup_steps", ref(&T::schedule, &S::warmup_steps), 0, kInt64Max),
       choice("schedule.decay", ref(&T::schedule, &S::decay), decay_kind_from, to_string),
       real("schedule.min_lr_ratio", ref(&T::schedule, &S::min_lr_ratio), {0, 1, false, false}),
@@ -297,6 +298,8 @@ void TrainConfig::validate_settings() const {
     if (f.check) f.check(*this);
   ESPLAG_CHECK(schedule.warmup_steps <= steps, "schedule.warmup_steps (", schedule.warmup_steps,
                ") is larger than train.steps (", steps, "): the run would end before the learning rate is reached");
+  ESPLAG_CHECK(parallel.zero == 0, "parallel.zero = ", parallel.zero, ": ZeRO stages 1 to 3 (sharded optimizer state, ",
+               "gradients, parameters) are not built yet; 0, data parallel with the whole state on every rank, is");
 }
 
 void TrainConfig::validate() const {

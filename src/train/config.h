@@ -26,6 +26,13 @@ struct OptimizerConfig {
   double grad_clip = 1.0;  // max global grad norm; <= 0 turns clipping off
 };
 
+// How the ranks of a data-parallel run (docs/distributed.md) share the training state.
+struct ParallelConfig {
+  // ZeRO stage: 0 keeps the whole state on every rank (plain data parallel); 1 to 3 would
+  // shard the optimizer state, the gradients and the parameters (not built yet: refused).
+  int zero = 0;
+};
+
 struct TrainConfig {
   ModelConfig model;
   std::string data_path = "data/kjv";  // a directory written by `esplag data prepare`
@@ -46,6 +53,7 @@ struct TrainConfig {
   // section is then the checkpoint's (train/checkpoint.h, init_from_model).
   std::string init_from;
   OptimizerConfig optimizer;
+  ParallelConfig parallel;
   LrSchedule schedule;  // schedule.lr and total_steps mirror optimizer.lr and steps
   // The top-level `recipe:` list (sparsity modifiers, see docs/recipes.md) as YAML text;
   // empty for dense training. Parsed and validated against the model by the trainer.

@@ -16,6 +16,7 @@
 #include "core/cuda_timing.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "dist/cuda/nccl_comm.h"
 #include "model/device_linear.h"
 #include "model/gpu_transformer.h"
 #include "model/linear_registry.h"
@@ -86,7 +87,8 @@ GpuModelOptions model_options(const TrainConfig& cfg) {
 
 class GpuStep final : public StepBackend {
  public:
-  GpuStep(const TrainConfig& cfg, Transformer<float>& host, Moments m, Moments v, int64_t steps_done)
+  GpuStep(const TrainConfig& cfg, Transformer<float>& host, Moments m, Moments v, int64_t steps_done,
+          HostChannel* ranks)
       : cfg_(cfg),
         host_(host),
         linears_([&] {
@@ -123,6 +125,7 @@ class GpuStep final : public StepBackend {
     x_.resize(size_t(cfg_.batch_size) * cfg_.seq_len);
     y_.resize(x_.size());
     gpu_name_ = current_gpu_name();
+    if (ranks) comm_ = std::make_unique<NcclComm>(*ranks);
     model_.synchronize();
     CUDA_CHECK(cudaMallocHost(&host_health_, sizeof(StepHealth)));  // last: nothing throws after it
   }
@@ -152,7 +155,13 @@ class GpuStep final : public StepBackend {
       add_micro_loss_kernel<<<1, 1, 0, s>>>(health_, model_.device_loss(), micro == 0);
       CUDA_CHECK_LAUNCH("GPU training (loss accumulation)");
     }
-    finish_step_kernel<<<1, 1, 0, s>>>(health_, accum, static_cast<long long>(step + 1));
+    int micro_batches = accum;
+    if (comm_) {  // every rank's sums, so that every rank takes the same step
+      comm_->all_reduce_mean(model_.device_gradients(), model_.stored_params(), s);
+      comm_->all_reduce_sum(&health_->loss_sum, 1, s);
+      micro_batches *= comm_->size();
+    }
+    finish_step_kernel<<<1, 1, 0, s>>>(health_, micro_batches, static_cast<long long>(step + 1));
     CUDA_CHECK_LAUNCH("GPU training (step loss)");
     const auto& o = cfg_.optimizer;
     GpuAdamW hyper;
@@ -167,6 +176,7 @@ class GpuStep final : public StepBackend {
   }
 
   Stats last_stats() override {
+    if (comm_) comm_->synchronize(model_.stream(), "step " + std::to_string(model_.optimizer_steps()));
     CUDA_CHECK(cudaMemcpyAsync(host_health_, health_, sizeof(StepHealth), cudaMemcpyDeviceToHost, model_.stream()));
     const double norm = model_.last_grad_norm();  // waits for the stream, so for the copy too
     const StepHealth h = *host_health_;
@@ -308,6 +318,7 @@ class GpuStep final : public StepBackend {
   std::vector<int32_t> x_, y_;
   Moments m_, v_;  // host copies of the moments, filled by state_to_host
   std::string gpu_name_;
+  std::unique_ptr<NcclComm> comm_;  // data parallel: the other ranks' GPUs
 };
 
 }  // namespace
@@ -339,9 +350,16 @@ std::function<double(const int32_t*, const int32_t*, int, int)> gpu_batch_loss(c
   };
 }
 
+void use_cuda_device(int index) {
+  const int count = cuda_device_count();
+  ESPLAG_CHECK(index >= 0 && index < count, "this rank is to use CUDA device ", index, " (its LOCAL_RANK) but ",
+               count, " device(s) are visible; start at most as many ranks per node as it has GPUs");
+  CUDA_CHECK(cudaSetDevice(index));
+}
+
 std::unique_ptr<StepBackend> make_gpu_step(const TrainConfig& config, Transformer<float>& host_model, Moments m,
-                                           Moments v, int64_t steps_done) {
-  return std::make_unique<GpuStep>(config, host_model, std::move(m), std::move(v), steps_done);
+                                           Moments v, int64_t steps_done, HostChannel* ranks) {
+  return std::make_unique<GpuStep>(config, host_model, std::move(m), std::move(v), steps_done, ranks);
 }
 
 }  // namespace esplag

@@ -42,11 +42,17 @@ int cuda_device_count(std::string* why = nullptr);
 std::function<double(const int32_t* tokens, const int32_t* targets, int B, int T)> gpu_batch_loss(
     const ModelConfig& config, Transformer<float>& host_model, int B, int T);
 
-// The GPU step for `config` on CUDA device 0, starting from `host_model`'s weights (every
-// Linear of a kind gpu_trains_kind accepts) and the moments m, v by tensor name (empty:
-// zero, for a fresh run) after `steps_done` optimizer steps. Sized for micro-batches of
-// train.batch_size x train.seq_len; throws with the memory plan when that does not fit.
+// Makes CUDA device `index` this process's device (a data-parallel rank's LOCAL_RANK):
+// an Error naming the count when there are not that many.
+void use_cuda_device(int index);
+
+// The GPU step for `config` on the current CUDA device, starting from `host_model`'s
+// weights (every Linear of a kind gpu_trains_kind accepts) and the moments m, v by tensor
+// name (empty: zero, for a fresh run) after `steps_done` optimizer steps. Sized for
+// micro-batches of train.batch_size x train.seq_len; throws with the memory plan when that
+// does not fit. With `ranks` (data parallel), the ranks' gradients are averaged through
+// NCCL (dist/cuda/nccl_comm.h) before each optimizer step, and the loss too.
 std::unique_ptr<StepBackend> make_gpu_step(const TrainConfig& config, Transformer<float>& host_model, Moments m,
-                                           Moments v, int64_t steps_done);
+                                           Moments v, int64_t steps_done, HostChannel* ranks = nullptr);
 
 }  // namespace esplag

@@ -63,8 +63,9 @@ EvalResult mean_loss(const BatchLoss& batch_loss, DataLoader& loader, int max_ba
 // The CPU reference step, on the host model itself: every Linear kind, every recipe.
 class CpuStep final : public StepBackend {
  public:
-  CpuStep(Transformer<float>& model, const TrainConfig& cfg, Moments m, Moments v)
-      : model_(model), cfg_(cfg), m_(std::move(m)), v_(std::move(v)) {
+  // `ranks`: the other data-parallel ranks (null for a single process).
+  CpuStep(Transformer<float>& model, const TrainConfig& cfg, Moments m, Moments v, HostChannel* ranks)
+      : model_(model), cfg_(cfg), m_(std::move(m)), v_(std::move(v)), ranks_(ranks) {
     model_.set_checkpointing(cfg_.checkpointing);
     x_.resize(size_t(cfg_.batch_size) * cfg_.seq_len);
     y_.resize(x_.size());
@@ -81,6 +82,7 @@ class CpuStep final : public StepBackend {
       st.loss += model_.forward_backward(x_.data(), y_.data(), cfg_.batch_size, cfg_.seq_len, 1.0 / cfg_.grad_accum);
     }
     st.loss /= cfg_.grad_accum;
+    if (ranks_) st.loss = average_over_ranks(st.loss);
     if (!std::isfinite(st.loss)) diverged("loss", st.loss, step + 1);
     st.grad_norm = grad_norm();
     if (!std::isfinite(st.grad_norm)) diverged("gradient norm", st.grad_norm, step + 1);
@@ -97,6 +99,21 @@ class CpuStep final : public StepBackend {
   }
 
  private:
+  // Data parallel: every rank's mean loss and gradients become the means over the ranks (the
+  // sums in rank order, so every rank holds the same bits and takes the same step).
+  double average_over_ranks(double loss) {
+    const double inv = 1.0 / ranks_->size();
+    ranks_->all_reduce_sum(&loss, 1);
+    std::vector<float> flat;
+    const auto params = model_.trainable_params();
+    for (const auto& p : params) flat.insert(flat.end(), p.grad, p.grad + shape_numel(p.shape));
+    ranks_->all_reduce_sum(flat.data(), flat.size());
+    const float* at = flat.data();
+    for (const auto& p : params)
+      for (int64_t i = 0, n = shape_numel(p.shape); i < n; ++i) p.grad[i] = static_cast<float>(*at++ * inv);
+    return loss * inv;
+  }
+
   // Global L2 norm of every trained gradient (deterministic order).
   double grad_norm() {
     double sq = 0;
@@ -139,6 +156,7 @@ class CpuStep final : public StepBackend {
   Transformer<float>& model_;
   const TrainConfig cfg_;
   Moments m_, v_;
+  HostChannel* ranks_;
   std::vector<int32_t> x_, y_;
   Stats last_;
 };
@@ -246,6 +264,7 @@ DeviceChoice choose_train_device(const std::string& requested, const DeviceProbe
 
 Trainer::Trainer(TrainConfig config, std::string run_dir, LogFn log)
     : cfg_(std::move(config)), run_dir_(std::move(run_dir)), log_(std::move(log)) {
+  join_world();
   const DatasetMeta meta = read_dataset_meta(cfg_.data_path);
   tokenizer_ = meta.tokenizer;
   if (!cfg_.init_from.empty()) cfg_.model = init_from_model(cfg_, meta.tokenizer);
@@ -267,14 +286,26 @@ Trainer::Trainer(TrainConfig config, std::string run_dir, LogFn log)
   setup_data();
   make_backend({}, {});
 
-  // Everything the run needs is checked: only now is anything created or written.
-  std::error_code ec;
-  fs::create_directories(run_dir_, ec);
-  ESPLAG_CHECK(!ec, "cannot create run directory '", run_dir_, "': ", ec.message());
-  claim_run_dir();
-  check_no_checkpoints();  // again under the lock: another run may have saved meanwhile
-  write_file_atomic((fs::path(run_dir_) / "config.yaml").string(), to_yaml(cfg_));
-  fs::remove(fs::path(run_dir_) / "metrics.jsonl", ec);
+  // Everything the run needs is checked: only now is anything created or written (by the
+  // leading rank only).
+  if (leader()) {
+    std::error_code ec;
+    fs::create_directories(run_dir_, ec);
+    ESPLAG_CHECK(!ec, "cannot create run directory '", run_dir_, "': ", ec.message());
+    claim_run_dir();
+    check_no_checkpoints();  // again under the lock: another run may have saved meanwhile
+    write_file_atomic((fs::path(run_dir_) / "config.yaml").string(), to_yaml(cfg_));
+    fs::remove(fs::path(run_dir_) / "metrics.jsonl", ec);
+  }
+  if (ranks_) ranks_->barrier();  // every rank is ready (or the run ends on all of them)
+}
+
+void Trainer::join_world() {
+  world_ = world_from_env();
+  if (!world_.distributed()) return;
+  if (!leader()) log_ = [](const std::string&) {};  // the leading rank speaks for the run
+  log_("data parallel: " + world_.describe() + "; waiting for the other ranks");
+  ranks_ = HostChannel::connect(world_);
 }
 
 void Trainer::check_no_checkpoints() const {
@@ -300,6 +331,7 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, cons
                ": resuming would lose the data position and the RNG state; allow an inexact resume "
                "(--allow-inexact) to continue from the weights, moments and step alone, or resume another checkpoint");
   std::unique_ptr<Trainer> t(new Trainer(std::move(log)));
+  t->join_world();
   t->cfg_ = info.config;
   t->tokenizer_ = info.tokenizer;
   t->state_ = info.state;
@@ -355,11 +387,12 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, cons
   }
   t->make_backend(std::move(m), std::move(v));
 
-  // Everything is checked: only now is the run directory touched.
-  t->claim_run_dir();
+  // Everything is checked: only now is the run directory touched (by the leading rank).
+  if (t->leader()) t->claim_run_dir();
+  if (t->ranks_) t->ranks_->barrier();
   // Metrics logged after this checkpoint belong to a timeline that is being replaced.
   const fs::path metrics = fs::path(t->run_dir_) / "metrics.jsonl";
-  if (fs::exists(metrics)) {
+  if (t->leader() && fs::exists(metrics)) {
     std::ifstream in(metrics);
     std::string line, kept;
     while (std::getline(in, line)) {
@@ -396,13 +429,14 @@ void Trainer::resolve_device() {
 void Trainer::make_backend(Moments m, Moments v) {
   if (device_ == "cuda") {
 #ifdef ESPLAG_HAVE_CUDA
-    backend_ = make_gpu_step(cfg_, *model_, std::move(m), std::move(v), state_.step);
+    if (world_.distributed()) use_cuda_device(world_.local_rank);
+    backend_ = make_gpu_step(cfg_, *model_, std::move(m), std::move(v), state_.step, ranks_.get());
     return;
 #else
     fail("train.device=cuda: this esplag was built without the CUDA backend");  // choose_train_device refuses first
 #endif
   }
-  backend_ = std::make_unique<CpuStep>(*model_, cfg_, std::move(m), std::move(v));
+  backend_ = std::make_unique<CpuStep>(*model_, cfg_, std::move(m), std::move(v), ranks_.get());
 }
 
 void Trainer::setup_recipe() {
@@ -418,6 +452,7 @@ void Trainer::setup_data() {
 }
 
 void Trainer::append_metrics(const std::string& json_line) {
+  if (!leader()) return;
   std::ofstream out(fs::path(run_dir_) / "metrics.jsonl", std::ios::app);
   out << json_line << "\n";
   ESPLAG_CHECK(out.good(), "cannot append to ", (fs::path(run_dir_) / "metrics.jsonl").string());
@@ -468,7 +503,13 @@ double Trainer::advance() {
   }
   const double lr = cfg_.schedule.at(step);
   const auto t_step = clock::now();
+  // Data parallel: the step's global batch is world.size × grad_accum micro-batches, rank r
+  // taking the r-th run of grad_accum of them (what one process with world.size times the
+  // accumulation would read); every rank's loader ends the step at the same place.
+  const int64_t accum = cfg_.grad_accum;
+  train_data_->skip_batches(world_.rank * accum);
   backend_->step(step, lr, *train_data_);
+  train_data_->skip_batches((world_.size - 1 - world_.rank) * accum);
   const double step_s = seconds_since(t_step);
   if (update) {
     // A recipe step stalls the run on the host: say where the time went. A device step
@@ -487,7 +528,7 @@ double Trainer::advance() {
   }
   for (const auto& note : backend_->take_notes()) log_("step " + std::to_string(step) + ": " + note);
   state_.step = step + 1;
-  state_.tokens_seen += int64_t(cfg_.batch_size) * cfg_.seq_len * cfg_.grad_accum;
+  state_.tokens_seen += tokens_per_step();
   return lr;
 }
 
@@ -499,7 +540,7 @@ Trainer::StepStats Trainer::train_step() {
 
 TrainResult Trainer::run() {
   using clock = std::chrono::steady_clock;
-  const int64_t tokens_per_step = int64_t(cfg_.batch_size) * cfg_.seq_len * cfg_.grad_accum;
+  const int64_t tokens_per_step = this->tokens_per_step();
   TrainResult result;
   result.steps = state_.step;
   result.last_checkpoint = last_checkpoint_;
@@ -513,7 +554,8 @@ TrainResult Trainer::run() {
     std::snprintf(buf, sizeof buf, "model %s: %.2fM parameters | %d layers, d=%d, %d heads | %lld tokens/step | device ",
                   cfg_.model.preset.c_str(), model_->num_params() / 1e6, cfg_.model.n_layer, cfg_.model.d_model,
                   cfg_.model.n_head, static_cast<long long>(tokens_per_step));
-    log_(std::string(buf) + backend_->describe() + (device_note_.empty() ? "" : " (" + device_note_ + ")"));
+    log_(std::string(buf) + backend_->describe() + (device_note_.empty() ? "" : " (" + device_note_ + ")") +
+         (world_.distributed() ? " on each of " + std::to_string(world_.size) + " data-parallel ranks" : ""));
   }
   const int64_t first_step = state_.step;
   const auto t_start = clock::now();
@@ -524,8 +566,9 @@ TrainResult Trainer::run() {
     const double lr = advance();
     window_tokens += tokens_per_step;
     const bool last = state_.step == cfg_.steps;
-    // A stop signal ends the run here, the step done: logged and saved, not evaluated.
-    const bool stop = stop_requested() && !last;
+    // A stop signal ends the run here, the step done: logged and saved, not evaluated. Data
+    // parallel ranks stop together when any of them is signalled.
+    const bool stop = (ranks_ ? ranks_->any(stop_requested()) : stop_requested()) && !last;
     const bool log_now = state_.step % cfg_.log_every == 0 || last || stop || state_.step == first_step + 1;
     const bool eval_now = (cfg_.eval_every > 0 && state_.step % cfg_.eval_every == 0 && !stop) || last;
     const bool save_now = (cfg_.checkpoint_every > 0 && state_.step % cfg_.checkpoint_every == 0) || last || stop;
@@ -557,7 +600,7 @@ TrainResult Trainer::run() {
       t_window = now;
       window_tokens = 0;
     }
-    if (eval_now) {
+    if (eval_now && leader()) {
       const EvalResult ev = evaluate();
       char buf[160];
       std::snprintf(buf, sizeof buf, "eval step %lld | val loss %.4f | ppl %.2f (%d batches)",
@@ -566,7 +609,7 @@ TrainResult Trainer::run() {
       append_metrics(nlohmann::json{{"step", state_.step}, {"val_loss", ev.loss}, {"val_ppl", ev.perplexity}}.dump());
       result.final_val_loss = ev.loss;
     }
-    if (save_now) save();
+    if (save_now && leader()) save();
     if (stop) {
       result.interrupted = true;
       log_(std::string("stopped by ") + (stop_signal() == SIGTERM ? "SIGTERM" : "SIGINT") + " after step " + std::to_string(state_.step) +

@@ -9,6 +9,11 @@
 // written back to the host model for checkpoints. Data, schedule, recipe, logging and
 // checkpoints are the trainer's and the same for both, so a checkpoint of either device
 // resumes on the other.
+//
+// Data parallel (docs/distributed.md): started by a launcher (torchrun, mpirun, srun or
+// `esplag train --gpus N`), every rank runs this loop on its own part of each global batch
+// and the backends average the gradients over the ranks before every optimizer step; rank
+// 0 alone logs, evaluates and writes the run directory.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -18,6 +23,7 @@
 #include <vector>
 
 #include "data/loader.h"
+#include "dist/host_channel.h"
 #include "model/transformer.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
@@ -195,6 +201,14 @@ class Trainer {
   // Takes the run's lock and removes the unfinished writes of dead processes: what a run
   // does before its first write.
   void claim_run_dir();
+  // The data-parallel world this process belongs to (dist/world.h: the launcher's
+  // environment), connected to the other ranks; a single process when there is none.
+  void join_world();
+  // The rank that logs, evaluates and writes the run directory (rank 0).
+  bool leader() const { return world_.rank == 0; }
+  int64_t tokens_per_step() const {
+    return int64_t(cfg_.batch_size) * cfg_.seq_len * cfg_.grad_accum * world_.size;
+  }
 
   TrainConfig cfg_;
   std::string run_dir_, tokenizer_;
@@ -202,6 +216,8 @@ class Trainer {
   std::unique_ptr<Transformer<float>> model_;
   std::unique_ptr<DataLoader> train_data_, val_data_;
   std::unique_ptr<StepBackend> backend_;
+  World world_;
+  std::unique_ptr<HostChannel> ranks_;  // the other ranks (null for a single process)
   std::string device_ = "cpu";
   std::string device_note_;  // why `auto` chose the CPU, when a GPU was visible
   TrainerState state_;

@@ -421,6 +421,11 @@ void GpuTransformer::zero_grad() {
   im.zero_pending = true;
 }
 
+float* GpuTransformer::device_gradients() {
+  settle_zero_grad();
+  return impl_->grad;
+}
+
 void GpuTransformer::settle_zero_grad() const {
   Impl& im = *impl_;
   if (!im.zero_pending) return;

@@ -1,0 +1,88 @@
+// Data-parallel training on two GPUs end to end (`esplag train --gpus 2`, NCCL): two ranks
+// with grad_accum 1 follow one GPU with grad_accum 2 (the same tokens and mean gradient;
+// bf16 products and another order of the fp32 sums), slope included, and the run resumes on
+// one GPU. Skipped on machines with fewer than two GPUs.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <vector>
+
+#include "cli_util.h"
+#include "io/atomic_file.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using Result = esplag::testing::CommandResult;
+
+fs::path root() { return esplag::testing::scratch_root("gpu_cli_data_parallel"); }
+
+Result run(const std::string& args) { return esplag::testing::run_esplag(args, root()); }
+
+int gpus() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+  return n;
+}
+
+fs::path prepared_data() {
+  static const fs::path data = [] {
+    std::string text;
+    for (int i = 0; i < 2000; ++i) text += "And God said, Let there be light: and there was light " + std::to_string(i) + ".\n";
+    esplag::testing::write_text(root() / "corpus.txt", text);
+    const fs::path d = root() / "data";
+    const Result r = run("data prepare --input " + (root() / "corpus.txt").string() + " --out " + d.string() +
+                         " --val-fraction 0.1");
+    EXPECT_EQ(r.code, 0) << r.err;
+    return d;
+  }();
+  return data;
+}
+
+std::vector<double> losses(const fs::path& run_dir) {
+  std::vector<double> out;
+  std::istringstream in(esplag::read_file((run_dir / "metrics.jsonl").string()));
+  for (std::string line; std::getline(in, line);)
+    if (const auto j = nlohmann::json::parse(line); j.contains("loss")) out.push_back(j["loss"]);
+  return out;
+}
+
+void expect_two_ranks_follow_one_gpu(const std::string& name, const std::string& recipe) {
+  const fs::path config = root() / (name + ".yaml");
+  esplag::testing::write_text(
+      config, "model: {preset: tiny, n_layer: 2, d_model: 64, n_head: 4, n_kv_head: 4, d_ff: 256, max_seq_len: 64}\n"
+              "data: {path: " + prepared_data().string() + "}\n"
+              "train: {device: cuda, batch_size: 8, seq_len: 64, steps: 12, log_every: 1, eval_every: 0,"
+              " eval_batches: 2, checkpoint_every: 6}\n"
+              "optimizer: {lr: 1.0e-3}\n" + recipe);
+  const fs::path one = root() / (name + "-one"), two = root() / (name + "-two");
+  const Result a = run("train --config " + config.string() + " --out " + one.string() + " --set train.grad_accum=2");
+  ASSERT_EQ(a.code, 0) << a.err;
+  const Result b = run("train --gpus 2 --config " + config.string() + " --out " + two.string());
+  ASSERT_EQ(b.code, 0) << b.err;
+  const auto la = losses(one), lb = losses(two);
+  ASSERT_EQ(la.size(), 12u);
+  ASSERT_EQ(lb.size(), la.size());
+  for (size_t i = 0; i < la.size(); ++i) EXPECT_NEAR(lb[i], la[i], 5e-3 * la[i]) << name << ", step " << i + 1;
+  const Result c = run("train --resume " + two.string() + " --steps 14");
+  ASSERT_EQ(c.code, 0) << c.err;
+  EXPECT_TRUE(fs::exists(two / "step-000014" / "model.safetensors"));
+}
+
+}  // namespace
+
+TEST(GpuDataParallel, TwoGpusFollowOneGpuWithTwiceTheAccumulation) {
+  if (gpus() < 2) GTEST_SKIP() << "needs two GPUs";
+  expect_two_ranks_follow_one_gpu("dense", "");
+}
+
+TEST(GpuDataParallel, SlopeOnTwoGpusFollowsOneGpu) {
+  if (gpus() < 2) GTEST_SKIP() << "needs two GPUs";
+  expect_two_ranks_follow_one_gpu("slope", "recipe:\n  - slope: {params: ['re:blocks\\.\\d+\\.mlp\\.\\w+\\.weight'], "
+                                           "start: 0, lora_rank: 8, lora_start: 0.5}\n");
+}

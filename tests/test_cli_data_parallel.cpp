@@ -1,0 +1,104 @@
+// Data-parallel training end to end on the CPU reference (`esplag train --gpus N` with
+// train.device=cpu): N ranks with grad_accum A train as one process with N·A, rank 0 alone
+// speaks and writes, and the run resumes on another number of processes.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <vector>
+
+#include "cli_util.h"
+#include "io/atomic_file.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using Result = esplag::testing::CommandResult;
+
+fs::path root() { return esplag::testing::scratch_root("test_cli_data_parallel"); }
+
+Result run(const std::string& args) { return esplag::testing::run_esplag(args, root()); }
+
+struct Fixture {
+  fs::path data, config;
+  Fixture() {
+    const fs::path d = root();
+    std::string text;
+    for (int i = 0; i < 400; ++i) text += "And God said, Let there be light: and there was light " + std::to_string(i) + ".\n";
+    esplag::testing::write_text(d / "corpus.txt", text);
+    data = d / "data";
+    const Result r = run("data prepare --input " + (d / "corpus.txt").string() + " --out " + data.string() +
+                         " --val-fraction 0.1");
+    EXPECT_EQ(r.code, 0) << r.err;
+    config = d / "tiny.yaml";
+    esplag::testing::write_text(
+        config, "model: {preset: tiny, n_layer: 2, d_model: 32, n_head: 2, n_kv_head: 2, d_ff: 64, max_seq_len: 32}\n"
+                "data: {path: " + data.string() + "}\n"
+                "train: {device: cpu, batch_size: 4, seq_len: 32, steps: 6, log_every: 1, eval_every: 0,"
+                " eval_batches: 2, checkpoint_every: 3}\n");
+  }
+};
+
+const Fixture& fixture() {
+  static Fixture f;
+  return f;
+}
+
+struct Logged {
+  double loss, grad_norm;
+  int64_t tokens_seen;
+};
+
+std::vector<Logged> training_lines(const fs::path& run_dir) {
+  std::vector<Logged> out;
+  std::istringstream in(esplag::read_file((run_dir / "metrics.jsonl").string()));
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out.push_back({j["loss"], j["grad_norm"], j["tokens_seen"]});
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(CliDataParallel, TwoRanksTrainAsOneProcessWithTwiceTheAccumulation) {
+  const auto& f = fixture();
+  const fs::path one = root() / "one", two = root() / "two";
+  const Result a = run("train --config " + f.config.string() + " --out " + one.string() + " --set train.grad_accum=2");
+  ASSERT_EQ(a.code, 0) << a.err;
+  const Result b = run("train --gpus 2 --config " + f.config.string() + " --out " + two.string());
+  ASSERT_EQ(b.code, 0) << b.err;
+
+  const auto la = training_lines(one), lb = training_lines(two);
+  ASSERT_EQ(la.size(), 6u);
+  ASSERT_EQ(lb.size(), la.size());
+  for (size_t i = 0; i < la.size(); ++i) {
+    // The same tokens and the same mean; only the order of the fp32 sums differs.
+    EXPECT_NEAR(lb[i].loss, la[i].loss, 1e-5 * la[i].loss) << "step " << i + 1;
+    EXPECT_NEAR(lb[i].grad_norm, la[i].grad_norm, 1e-4 * la[i].grad_norm) << "step " << i + 1;
+    EXPECT_EQ(lb[i].tokens_seen, la[i].tokens_seen) << "step " << i + 1;
+  }
+  // The data position saved is the one-process run's.
+  const auto state = [](const fs::path& ck) { return nlohmann::json::parse(esplag::read_file((ck / "state.json").string())); };
+  EXPECT_EQ(state(two / "step-000006")["data"], state(one / "step-000006")["data"]);
+  // Rank 0 alone prints the progress lines.
+  size_t lines = 0;
+  for (size_t at = b.out.find("step      3/6"); at != std::string::npos; at = b.out.find("step      3/6", at + 1)) ++lines;
+  EXPECT_EQ(lines, 1u) << b.out;
+  EXPECT_NE(b.out.find("data-parallel ranks"), std::string::npos) << b.out;
+
+  // A run of two ranks resumes in one process (and goes on from the saved data position).
+  const Result c = run("train --resume " + two.string() + " --steps 8");
+  ASSERT_EQ(c.code, 0) << c.err;
+  EXPECT_TRUE(fs::exists(two / "step-000008" / "model.safetensors"));
+}
+
+TEST(CliDataParallel, ShardedStagesAreRefusedWithTheReason) {
+  const auto& f = fixture();
+  const Result r = run("train --config " + f.config.string() + " --out " + (root() / "zero").string() +
+                       " --set parallel.zero=1");
+  esplag::testing::expect_one_line_error(r, "ZeRO stages 1 to 3");
+  EXPECT_FALSE(fs::exists(root() / "zero" / "config.yaml"));
+}
