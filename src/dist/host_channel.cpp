@@ -230,7 +230,7 @@ std::vector<int> accept_ranks(const World& w, int listener, Clock::time_point de
       set_nodelay(fd);
       Header h;
       try {
-        h = recv_header(fd, std::max(1.0, left), -1);
+        h = recv_header(fd, std::clamp(left, 0.1, 10.0), -1);  // a rank says hello at once
       } catch (const PeerFailure&) {
         ::close(fd);  // not a rank of this run (a port scan, a stray client)
         continue;
