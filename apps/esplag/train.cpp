@@ -1,11 +1,17 @@
 // esplag train: a new run from a config, or the continuation of a saved one.
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
 
+#include "args.h"
 #include "commands.h"
 #include "core/error.h"
+#include "dist/launch.h"
+#include "dist/world.h"
 #include "train/stop_signal.h"
 #include "train/trainer.h"
 
@@ -15,7 +21,51 @@ namespace esplag::cli {
 
 namespace {
 
+// Whether option `name` of train or a common option takes a value ("--name VALUE").
+bool takes_value(const std::string& name) {
+  for (const auto* options : {&kTrain.options, &common_options()})
+    for (const Option& o : *options)
+      if (o.name == name) return o.type != Option::Type::flag;
+  return false;
+}
+
+// This process's command line (/proc/self/cmdline) without --gpus and its value: what each rank of --gpus N runs.
+std::vector<std::string> command_line_without_gpus() {
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ESPLAG_CHECK(!text.empty(), "train --gpus: cannot read this command line from /proc/self/cmdline");
+  std::vector<std::string> words;
+  for (size_t start = 0, end; start < text.size(); start = end + 1) {
+    end = text.find('\0', start);
+    if (end == std::string::npos) end = text.size();
+    words.push_back(text.substr(start, end - start));
+  }
+  std::vector<std::string> argv = {words[0]};
+  for (size_t i = 1; i < words.size(); ++i) {
+    const std::string& w = words[i];
+    if (w == "--gpus") {
+      ++i;  // and its value
+    } else if (w.rfind("--gpus=", 0) != 0) {
+      argv.push_back(w);
+      // A value that looks like an option ("--out --gpus") stays a value.
+      if (w.rfind("--", 0) == 0 && w.find('=') == std::string::npos && takes_value(w.substr(2)) && i + 1 < words.size())
+        argv.push_back(words[++i]);
+    }
+  }
+  return argv;
+}
+
+// --gpus N > 1: this command as N local ranks; not inside a world a launcher has already started.
+int launch_ranks(int gpus) {
+  const World world = world_from_env();
+  ESPLAG_CHECK(!std::getenv("RANK") && !world.distributed(), "train: --gpus ", gpus,
+               " starts its own processes, but this one already is ", world.describe(),
+               "; drop --gpus when torchrun, mpirun or srun starts the ranks");
+  return launch_local_ranks(command_line_without_gpus(), gpus);
+}
+
 int train(const Args& a) {
+  if (a.int32("gpus") > 1) return launch_ranks(a.int32("gpus"));
   std::unique_ptr<Trainer> trainer;
   if (a.has("resume")) {
     ESPLAG_CHECK(!a.has("config") && a.all("set").empty() && !a.has("out"),
@@ -64,7 +114,9 @@ const Command kTrain = {
     "  esplag train --resume RUN_OR_CHECKPOINT_DIR [--steps N]\n"
     "The config keys are described in docs/config.md; a resumed run continues from its latest checkpoint\n"
     "(or the step-NNNNNN directory given) with the config saved in it. The first SIGINT/SIGTERM finishes the\n"
-    "step under way, saves a checkpoint and exits with 128 + the signal; a second one exits at once.",
+    "step under way, saves a checkpoint and exits with 128 + the signal; a second one exits at once.\n"
+    "--gpus N runs the command as N local processes, one per GPU, as `torchrun --nproc-per-node N` would;\n"
+    "under torchrun, mpirun or srun, leave it out: the launcher starts the ranks (docs/distributed.md).",
     {
         Option::text("config", "FILE.yaml", "", "the run's config (a new run)"),
         Option::list("set", "KEY=VALUE", "override one config key, e.g. train.steps=100"),
@@ -75,6 +127,9 @@ const Command kTrain = {
         Option::text("schedule", "keep|stretch", "keep",
                      "with --resume and a new --steps: keep the saved LR schedule (steps past its end run at its "
                      "final LR) or stretch it over the new total"),
+        Option::integer("gpus", "1", 1, 1024,
+                        "local processes, one per GPU: N > 1 runs this command as N ranks and stops them all when "
+                        "one fails"),
         Option::flag("allow-inexact", "with --resume: resume a checkpoint without state.json (the data and the "
                                       "RNG restart from the beginning)"),
     },
