@@ -34,12 +34,6 @@ struct TypeKeys {
   std::vector<std::string> required;  // (final_sparsity is required only for unstructured masks)
 };
 
-// A registered kind whose registry entry makes it a modifier (LinearKindInfo::recipe_modifier).
-bool kind_modifier(const std::string& type) {
-  const LinearKindInfo* k = lookup_linear_kind(type);
-  return k && k->recipe_modifier;
-}
-
 // The keys of a modifier type: gradual_magnitude's and kernel_replacement's own, a kind's
 // params, start and its registry entry's recipe_keys; none for an unknown type.
 std::optional<TypeKeys> find_type(const std::string& type) {
@@ -47,10 +41,10 @@ std::optional<TypeKeys> find_type(const std::string& type) {
     return TypeKeys{{"params", "mask_type", "init_sparsity", "final_sparsity", "start", "end", "update_every"},
                     {"params", "start", "end", "update_every"}};
   if (type == kKernel) return TypeKeys{{"params", "start", "lora_rank", "lora_start"}, {"params", "start"}};
-  if (!kind_modifier(type)) return std::nullopt;
+  const LinearKindInfo* kind = lookup_linear_kind(type);
+  if (!kind || !kind->recipe_modifier) return std::nullopt;
   TypeKeys t{{"params", "start"}, {"params"}};
-  const auto& own = lookup_linear_kind(type)->recipe_keys;
-  t.keys.insert(t.keys.end(), own.begin(), own.end());
+  t.keys.insert(t.keys.end(), kind->recipe_keys.begin(), kind->recipe_keys.end());
   return t;
 }
 
