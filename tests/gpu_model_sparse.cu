@@ -332,7 +332,7 @@ void make_activation(Transformer<float>& cm, GpuTransformer& gm, esplag::Activat
   std::vector<GpuTransformer::LinearKindSetting> settings;
   for (const auto& name : cm.linear_names()) {
     esplag::apply_layer_plan(cm, name, plan, 1);
-    settings.push_back({name, "semi_sparse_activation"});
+    settings.push_back({name, {.kind = "semi_sparse_activation"}});
     settings.back().activation = a;
   }
   gm.set_linear_kinds(settings);
@@ -434,7 +434,7 @@ TEST_F(GpuModelSparse, SemiSparseActivationTrainsLikeTheCpu) {
   });
   expect_graphs_give_eager_bits(llama_config(), always_sparse(), 2, 64, 4,
                                 [](GpuTransformer& gm, const std::string& w) {
-                                  GpuTransformer::LinearKindSetting st{w, "semi_sparse_activation"};
+                                  GpuTransformer::LinearKindSetting st(w, {.kind = "semi_sparse_activation"});
                                   st.activation = esplag::ActivationSparsity::row_24;
                                   gm.set_linear_kinds({st});
                                 });
@@ -498,7 +498,7 @@ void add_adapters(Transformer<float>& cm, GpuTransformer& gm, int rank) {
   for (const auto& name : cm.linear_names()) {
     auto& l = cpu_slope(cm, name);
     l.enable_lora(rank, seed);
-    GpuTransformer::LinearKindSetting st{name, "slope", l.mask_change_freq()};
+    GpuTransformer::LinearKindSetting st(name, {.kind = "slope", .mask_change_freq = l.mask_change_freq()});
     st.lora_rank = rank;
     st.lora_seed = seed++;
     gm.set_linear_kinds({st});
@@ -674,8 +674,8 @@ TEST_P(GpuModelRelayout, SlopeAdapterTrainsLikeTheCpuAndSurvivesLayoutChanges) {
     trained[name] = got;
   }
 
-  GpuTransformer::LinearKindSetting to_dense{names[0], "dense"};
-  GpuTransformer::LinearKindSetting rank4{names[1], "slope", 4};
+  GpuTransformer::LinearKindSetting to_dense(names[0], {.kind = "dense"});
+  GpuTransformer::LinearKindSetting rank4(names[1], {.kind = "slope", .mask_change_freq = 4});
   rank4.lora_rank = 4;
   rank4.lora_seed = 99;
   gm.set_linear_kinds({to_dense, rank4});
@@ -691,7 +691,7 @@ TEST_P(GpuModelRelayout, SlopeAdapterTrainsLikeTheCpuAndSurvivesLayoutChanges) {
         << names[i] << ": the adapter changed with another layer's layout";
   }
   // Refused: an adapter on another kind, a rank beyond the layer's.
-  GpuTransformer::LinearKindSetting bad{names[2], "semi_sparse"};
+  GpuTransformer::LinearKindSetting bad(names[2], {.kind = "semi_sparse"});
   bad.lora_rank = 2;
   EXPECT_THROW(gm.set_linear_kinds({bad}), esplag::Error);
   bad.kind = "slope";
@@ -703,7 +703,7 @@ TEST_P(GpuModelRelayout, SlopeAdapterTrainsLikeTheCpuAndSurvivesLayoutChanges) {
 TEST_F(GpuModelSparse, SlopeAdapterGraphReplayGivesTheSameBitsAsEagerSteps) {
   expect_graphs_give_eager_bits(gpt_config(), GpuModelOptions{}, 2, 64, 6,
                                 [](GpuTransformer& gm, const std::string& w) {
-                                  GpuTransformer::LinearKindSetting st{w, "slope", 2};
+                                  GpuTransformer::LinearKindSetting st(w, {.kind = "slope", .mask_change_freq = 2});
                                   st.lora_rank = 4;
                                   st.lora_seed = 5;
                                   gm.set_linear_kinds({st});
@@ -808,7 +808,7 @@ TEST_P(GpuModelRelayout, SlopeStoresKeptValuesAndLayoutChangesKeepTheRest) {
   step();
   const State s0 = state();
   const size_t dense_bytes = gm.state_bytes();
-  gm.set_linear_kinds({{w, "slope"}, {u, "slope"}});
+  gm.set_linear_kinds({{w, {.kind = "slope"}}, {u, {.kind = "slope"}}});
   const size_t pruned = info_of(w).numel / 2 + info_of(u).numel / 2;
   EXPECT_NEAR(double(dense_bytes) - double(gm.state_bytes()), 16.0 * double(pruned), 65536.0)
       << "2 + 2 bytes of weight, 4 of gradient and 8 of moments per pruned position";
@@ -901,7 +901,11 @@ TEST_F(GpuModelSparse, SparseDwIsUnbiasedAndChangesOnlyTheWeightGradients) {
       auto gm = std::make_unique<GpuTransformer>(cfg, B, T, always_sparse());
       gm->set_params(cm.params(), cm.num_params());
       std::vector<GpuTransformer::LinearKindSetting> settings;
-      for (const auto& name : cm.linear_names()) settings.push_back({name, kind, 100, nullptr, sparse_dw, 77, draws});
+      for (const auto& name : cm.linear_names()) {
+        GpuTransformer::LinearKindSetting& st = settings.emplace_back(name, esplag::LinearOptions{.kind = kind, .sparse_dw = sparse_dw});
+        st.dw_seed = 77;
+        st.dw_draws = draws;
+      }
       gm->set_linear_kinds(settings);
       return gm;
     };
@@ -941,7 +945,7 @@ TEST_F(GpuModelSparse, SparseDwIsUnbiasedAndChangesOnlyTheWeightGradients) {
     }
     // Off again: the exact gradients (a slope layer keeps its masks).
     std::vector<GpuTransformer::LinearKindSetting> off;
-    for (const auto& name : names) off.push_back({name, kind, 100, nullptr, false});
+    for (const auto& name : names) off.push_back({name, {.kind = kind}});
     sampled->set_linear_kinds(off);
     for (const auto& name : names) EXPECT_FALSE(sampled->sparse_dw(name)) << name;
     const auto g_off = grads(*sampled);
@@ -950,8 +954,8 @@ TEST_F(GpuModelSparse, SparseDwIsUnbiasedAndChangesOnlyTheWeightGradients) {
   }
   // Refused: sparse_dw on a dense layer, and on outputs that are not a multiple of 64.
   GpuTransformer gm(gpt_config(), 1, 64);
-  EXPECT_THROW(gm.set_linear_kinds({{"blocks.0.mlp.fc.weight", "dense", 100, nullptr, true}}), esplag::Error);
-  EXPECT_THROW(gm.set_linear_kinds({{"blocks.0.attn.proj.weight", "semi_sparse", 100, nullptr, true}}), esplag::Error);
+  EXPECT_THROW(gm.set_linear_kinds({{"blocks.0.mlp.fc.weight", {.kind = "dense", .sparse_dw = true}}}), esplag::Error);
+  EXPECT_THROW(gm.set_linear_kinds({{"blocks.0.attn.proj.weight", {.kind = "semi_sparse", .sparse_dw = true}}}), esplag::Error);
 }
 
 TEST_F(GpuModelSparse, ProfilerSeesEveryOpWithTheCpuNames) {
@@ -1037,7 +1041,7 @@ TEST_F(GpuModelSparse, MaskedMatchesCpuAndKeepsPrunedWeightsAtZero) {
       plan.sparsity = attn ? 0.5 : 0.6;
       esplag::apply_layer_plan(cm, name, plan, seed);
       const auto& l = dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name));
-      GpuTransformer::LinearKindSetting st{name, "masked"};
+      GpuTransformer::LinearKindSetting st(name, {.kind = "masked"});
       st.mask = &l.mask();
       gm.set_linear_kinds({st});
       EXPECT_EQ(gm.linear_kind(name), "masked");
@@ -1073,12 +1077,12 @@ TEST_F(GpuModelSparse, MaskedMatchesCpuAndKeepsPrunedWeightsAtZero) {
     plan.sparsity = 0.8;
     esplag::apply_layer_plan(cm, name, plan, 2);
     const auto& l = dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name));
-    GpuTransformer::LinearKindSetting st{name, "masked"};
+    GpuTransformer::LinearKindSetting st(name, {.kind = "masked"});
     st.mask = &l.mask();
     gm.set_linear_kinds({st});
   }
   expect_pruned_zero("after new masks");
-  GpuTransformer::LinearKindSetting no_mask{cm.linear_names()[0], "masked"};
+  GpuTransformer::LinearKindSetting no_mask(cm.linear_names()[0], {.kind = "masked"});
   gm.set_linear_kinds({no_mask});  // keeps the layer's mask
   expect_pruned_zero("after a setting without a mask");
   GpuTransformer fresh(c, B, T);
@@ -1175,7 +1179,7 @@ TEST_F(GpuModelSparse, CheckpointingGivesTheSameBitsForEveryKind) {
       m.resize(size_t(out * in));
       for (int64_t o = 0; o < out; ++o)
         for (int64_t i = 0; i < in; ++i) m[size_t(o * in + i)] = (o + 3 * i) % 5 != 0;
-      Setting st{w, kind};
+      Setting st(w, {.kind = kind});
       st.mask = &m;
       return st;
     };
@@ -1183,26 +1187,30 @@ TEST_F(GpuModelSparse, CheckpointingGivesTheSameBitsForEveryKind) {
   const std::vector<std::tuple<std::string, ModelConfig, std::function<Setting(const std::string&, int64_t, int64_t)>>>
       kinds = {
           {"semi_sparse, sparse_dw", llama,
-           [](const std::string& w, int64_t, int64_t) { return Setting{w, "semi_sparse", 100, nullptr, true, 77}; }},
-          {"semi_sparse", gpt, [](const std::string& w, int64_t, int64_t) { return Setting{w, "semi_sparse"}; }},
+           [](const std::string& w, int64_t, int64_t) {
+             Setting st(w, {.kind = "semi_sparse", .sparse_dw = true});
+             st.dw_seed = 77;
+             return st;
+           }},
+          {"semi_sparse", gpt, [](const std::string& w, int64_t, int64_t) { return Setting(w, {.kind = "semi_sparse"}); }},
           {"semi_sparse_activation", gpt,
            [](const std::string& w, int64_t, int64_t) {
-             Setting st{w, "semi_sparse_activation"};
+             Setting st(w, {.kind = "semi_sparse_activation"});
              st.activation = esplag::ActivationSparsity::tile_24;
              return st;
            }},
           {"semi_sparse_activation", llama,
-           [](const std::string& w, int64_t, int64_t) { return Setting{w, "semi_sparse_activation"}; }},
+           [](const std::string& w, int64_t, int64_t) { return Setting(w, {.kind = "semi_sparse_activation"}); }},
           {"slope with adapters", gpt,
            [](const std::string& w, int64_t, int64_t) {
-             Setting st{w, "slope", 2};
+             Setting st(w, {.kind = "slope", .mask_change_freq = 2});
              st.lora_rank = 4;
              st.lora_seed = 5;
              return st;
            }},
           {"slope with adapters", llama,
            [](const std::string& w, int64_t, int64_t) {
-             Setting st{w, "slope", 2};
+             Setting st(w, {.kind = "slope", .mask_change_freq = 2});
              st.lora_rank = 8;
              st.lora_seed = 6;
              return st;

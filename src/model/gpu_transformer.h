@@ -74,11 +74,13 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/device_arena.h"
 #include "model/activation_checkpointing.h"
 #include "model/config.h"
+#include "model/linear_kinds.h"
 #include "model/linear_semi_sparse.h"
 #include "model/transformer.h"
 #include "ops/gpu_attention.h"
@@ -351,23 +353,28 @@ class GpuTransformer {
   // bf16 dW, sized for the largest block Linear (out·tokens·9/8 + 2·out·in bytes). Turning
   // sparse_dw on or off rebuilds the layer (a slope layer keeps its masks).
   struct SlopeState;
-  struct LinearKindSetting {
+  // A layer's kind and options as the CPU's (LinearOptions: kind, mask_change_freq,
+  // activation, sparse_dw, and lora_rank, the rank of the adapter it has: the GPU does not
+  // read lora_enabled, pattern, sparsity, lora_alpha or seed), plus what only the device
+  // takes: masks chosen elsewhere and the layer's seeds as the CPU layer derives them.
+  struct LinearKindSetting : LinearOptions {
+    LinearKindSetting() = default;
+    LinearKindSetting(std::string weight_name, LinearOptions options)
+        : LinearOptions(std::move(options)), weight_name(std::move(weight_name)) {}
+
     std::string weight_name;
-    std::string kind;
-    int mask_change_freq = 100;
     const SlopeState* slope_masks = nullptr;
-    bool sparse_dw = false;
-    uint64_t dw_seed = 0, dw_draws = 0;
-    int lora_rank = 0;  // slope: the adapter's rank (0: none)
-    uint64_t lora_seed = 0;
     const std::vector<uint8_t>* mask = nullptr;  // masked, vnm: [out, in], 1 = kept (null: keep the layer's)
-    ActivationSparsity activation = ActivationSparsity::row_24;  // semi_sparse_activation's pattern
+    uint64_t dw_seed = 0, dw_draws = 0;          // sparse_dw's base seed and the draws to go on from
+    uint64_t lora_seed = 0;                      // a new adapter's seed
   };
   // Whether any layer changed (kind, masks or adapter; not only a schedule).
   bool set_linear_kinds(const std::vector<LinearKindSetting>& settings);
   void set_linear_kind(const std::string& weight_name, const std::string& kind, int mask_change_freq = 100,
                        const SlopeState* slope_masks = nullptr) {
-    set_linear_kinds({{weight_name, kind, mask_change_freq, slope_masks}});
+    LinearKindSetting st(weight_name, {.kind = kind, .mask_change_freq = mask_change_freq});
+    st.slope_masks = slope_masks;
+    set_linear_kinds({st});
   }
   std::string linear_kind(const std::string& weight_name) const;
   // The block Linear layer of that weight (its adapter when it has one; model/device_linear.h).

@@ -64,6 +64,8 @@ std::deque<LinearKindInfo> builtin_kinds() {
   semi.name = "semi_sparse";
   semi.description = "2:4 weight pruned at run time from a dense master, sparse forward and dX";
   semi.takes_sparse_dw = true;
+  semi.recipe_modifier = true;
+  semi.recipe_keys = {"until", "sparse_dw"};
   semi.gpu = true;
   semi.gpu_needs_16 = true;
   semi.set_make_cpu([]<typename T>(LinearBuild<T>& b) -> std::unique_ptr<Linear<T>> {
@@ -74,6 +76,8 @@ std::deque<LinearKindInfo> builtin_kinds() {
   act.name = "semi_sparse_activation";
   act.description = "2:4 pruning of the input activations, sparse forward";
   act.takes_activation = true;
+  act.recipe_modifier = true;
+  act.recipe_keys = {"until", "activation"};
   act.gpu = true;
   act.set_make_cpu([]<typename T>(LinearBuild<T>& b) -> std::unique_ptr<Linear<T>> {
     return std::make_unique<SemiSparseActivationLinear<T>>(b.params, b.options.activation);
@@ -85,6 +89,8 @@ std::deque<LinearKindInfo> builtin_kinds() {
   slope.stores_sparse_weight = true;
   slope.takes_sparse_dw = true;
   slope.adapter = AdapterStyle::own;
+  slope.recipe_modifier = true;
+  slope.recipe_keys = {"mask_change_freq", "lora_rank", "lora_start", "sparse_dw"};
   slope.gpu = true;
   slope.gpu_needs_16 = true;
   slope.set_make_cpu([]<typename T>(LinearBuild<T>& b) { return make_slope(b); });
@@ -96,6 +102,26 @@ std::deque<LinearKindInfo> builtin_kinds() {
   vnm.gpu = true;
   vnm.set_make_cpu([]<typename T>(LinearBuild<T>& b) { return make_vnm(b); });
   return kinds;
+}
+
+void check_recipe_keys(const LinearKindInfo& kind) {
+  const auto& known = linear_recipe_keys();
+  std::string known_text;
+  for (const auto& k : known) known_text += (known_text.empty() ? "" : ", ") + k;
+  const auto& keys = kind.recipe_keys;
+  auto has = [&](const char* key) { return std::find(keys.begin(), keys.end(), key) != keys.end(); };
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ESPLAG_CHECK(std::find(known.begin(), known.end(), keys[i]) != known.end(), "register_linear_kind: kind '",
+                 kind.name, "': recipe key '", keys[i], "' is not one a recipe knows (", known_text, ")");
+    ESPLAG_CHECK(std::find(keys.begin(), keys.begin() + i, keys[i]) == keys.begin() + i, "register_linear_kind: kind '",
+                 kind.name, "': recipe key '", keys[i], "' is listed twice");
+  }
+  ESPLAG_CHECK(!has("sparse_dw") || kind.takes_sparse_dw, "register_linear_kind: kind '", kind.name,
+               "': recipe key 'sparse_dw' needs takes_sparse_dw");
+  ESPLAG_CHECK(!has("activation") || kind.takes_activation, "register_linear_kind: kind '", kind.name,
+               "': recipe key 'activation' needs takes_activation");
+  ESPLAG_CHECK(has("lora_rank") == has("lora_start"), "register_linear_kind: kind '", kind.name,
+               "': recipe keys 'lora_rank' and 'lora_start' go together");
 }
 
 std::deque<LinearKindInfo>& registry() {
@@ -127,7 +153,14 @@ void register_linear_kind(LinearKindInfo kind) {
                name, "' is not a word of a-z, 0-9 and _");
   ESPLAG_CHECK(!lookup_linear_kind(name), "register_linear_kind: kind '", name, "' is registered already");
   ESPLAG_CHECK(kind.make_float && kind.make_double, "register_linear_kind: kind '", name, "' has no make_cpu");
+  check_recipe_keys(kind);
   registry().push_back(std::move(kind));
+}
+
+const std::vector<std::string>& linear_recipe_keys() {
+  static const std::vector<std::string> keys = {"until",     "lora_start", "activation", "mask_change_freq",
+                                                "lora_rank", "sparse_dw"};
+  return keys;
 }
 
 const std::string& dense_linear_kind() { return registry().front().name; }

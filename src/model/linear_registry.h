@@ -17,6 +17,7 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "model/linear.h"
 #include "model/linear_kinds.h"
@@ -61,10 +62,14 @@ struct LinearKindInfo {
   // On the GPU its products are cuSPARSELt's 2:4 ones: the layer's shape and the
   // micro-batch's tokens must be multiples of 16 (the trainer's device rule checks them).
   bool gpu_needs_16 = false;
-  // A recipe modifier of the kind's name holds layers as this kind over [start, until)
-  // (keys params, start, until; docs/recipes.md). The built-in kinds are reached through
-  // modifiers with keys of their own (semi_sparse, slope, gradual_magnitude, ...).
+  // A recipe modifier of the kind's name holds layers as this kind from its `start` on
+  // (docs/recipes.md). Its keys are params, start and recipe_keys, in this order (the order
+  // Recipe::to_yaml writes them): steps (until: dense from then on; lora_start: when the
+  // adapter of lora_rank starts) and the LinearOptions a recipe sets (activation,
+  // mask_change_freq, lora_rank, sparse_dw), one of linear_recipe_keys() each. masked and
+  // vnm are reached through gradual_magnitude and kernel_replacement, which are not kinds.
   bool recipe_modifier = false;
+  std::vector<std::string> recipe_keys = {"until"};
   // The GPU model trains it: the CUDA build's kind table has an entry of this name, and
   // has none for a kind without it (checked by device_linear_kinds()).
   bool gpu = false;
@@ -93,8 +98,16 @@ const LinearKindInfo* lookup_linear_kind(const std::string& name);
 // The kind named `name`; else Error "<context>: unknown kind 'name' (known kinds: ...)".
 const LinearKindInfo& find_linear_kind(const std::string& name, const std::string& context);
 // Adds a kind. Error for an empty name, a name that is not [a-z0-9_], one already
-// registered, or a missing make_cpu. Not thread-safe: register before building layers.
+// registered, a missing make_cpu, or recipe keys that are not linear_recipe_keys(), repeat
+// one, name an option the kind does not take (sparse_dw, activation) or give lora_rank
+// without lora_start. Not thread-safe: register before building layers.
 void register_linear_kind(LinearKindInfo kind);
+
+// The keys a kind's recipe modifier may have besides params and start
+// (LinearKindInfo::recipe_keys), each parsed by the recipe into the modifier's
+// LinearOptions or steps: until, lora_start, activation, mask_change_freq, lora_rank,
+// sparse_dw.
+const std::vector<std::string>& linear_recipe_keys();
 
 // The kind every layer starts as, with no sparsity: "dense".
 const std::string& dense_linear_kind();

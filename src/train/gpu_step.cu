@@ -63,8 +63,7 @@ std::vector<GpuTransformer::LinearKindSetting> host_kind_settings(
   for (size_t i = 0; i < names.size(); ++i) {
     const std::string kind = host.linear(names[i]).kind();
     ESPLAG_CHECK(gpu_trains_kind(kind), who, ": ", names[i], " is of kind ", kind, "; ", gpu_kinds_note());
-    settings[i].weight_name = names[i];
-    settings[i].kind = kind;
+    settings[i] = {names[i], {.kind = kind}};
     kinds[i] = &device_linear_kind(kind, names[i]);
     gives[i] = give_masks(names[i]);
   }

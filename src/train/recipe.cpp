@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <optional>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -29,35 +30,36 @@ const char* const kSemiAct = "semi_sparse_activation";
 const char* const kSlope = "slope";
 
 struct TypeKeys {
-  const char* type;
   std::vector<std::string> keys;      // every key the type knows, in to_yaml order
   std::vector<std::string> required;  // (final_sparsity is required only for unstructured masks)
 };
 
-const std::vector<TypeKeys>& type_keys() {
-  static const std::vector<TypeKeys> t = {
-      {kGmp,
-       {"params", "mask_type", "init_sparsity", "final_sparsity", "start", "end", "update_every"},
-       {"params", "start", "end", "update_every"}},
-      {kKernel, {"params", "start", "lora_rank", "lora_start"}, {"params", "start"}},
-      {kSemi, {"params", "start", "until", "sparse_dw"}, {"params"}},
-      {kSemiAct, {"params", "start", "until", "activation"}, {"params"}},
-      {kSlope, {"params", "start", "mask_change_freq", "lora_rank", "lora_start", "sparse_dw"}, {"params"}},
-  };
+// The keys of a modifier type: gradual_magnitude's and kernel_replacement's own, a kind's
+// params, start and its registry entry's recipe_keys; none for an unknown type.
+std::optional<TypeKeys> find_type(const std::string& type) {
+  if (type == kGmp)
+    return TypeKeys{{"params", "mask_type", "init_sparsity", "final_sparsity", "start", "end", "update_every"},
+                    {"params", "start", "end", "update_every"}};
+  if (type == kKernel) return TypeKeys{{"params", "start", "lora_rank", "lora_start"}, {"params", "start"}};
+  const LinearKindInfo* kind = lookup_linear_kind(type);
+  if (!kind || !kind->recipe_modifier) return std::nullopt;
+  TypeKeys t{{"params", "start"}, {"params"}};
+  t.keys.insert(t.keys.end(), kind->recipe_keys.begin(), kind->recipe_keys.end());
   return t;
 }
 
-// A registered kind whose registry entry makes it a modifier (LinearKindInfo::recipe_modifier).
-bool kind_modifier(const std::string& type) {
-  const LinearKindInfo* k = lookup_linear_kind(type);
-  return k && k->recipe_modifier;
+bool type_knows(const std::string& type, const std::string& key) {
+  const auto t = find_type(type);
+  return t && std::find(t->keys.begin(), t->keys.end(), key) != t->keys.end();
 }
 
-const TypeKeys* find_type(const std::string& type) {
-  for (const auto& t : type_keys())
-    if (type == t.type) return &t;
-  static const TypeKeys kind_keys{"", {"params", "start", "until"}, {"params"}};
-  return kind_modifier(type) ? &kind_keys : nullptr;
+// The modifier types, for errors: gradual_magnitude, kernel_replacement, then the kinds
+// with recipe_modifier in registry order.
+std::vector<std::string> type_names() {
+  std::vector<std::string> names{kGmp, kKernel};
+  for (const auto& k : linear_kinds())
+    if (k.recipe_modifier) names.push_back(k.name);
+  return names;
 }
 
 std::string join(const std::vector<std::string>& v, const char* sep) {
@@ -269,7 +271,7 @@ std::vector<std::string> Recipe::fractional_steps() const {
 }
 
 std::vector<std::string> Recipe::modifier_keys(const std::string& type) {
-  const TypeKeys* t = find_type(type);
+  const auto t = find_type(type);
   return t ? t->keys : std::vector<std::string>{};
 }
 
@@ -310,23 +312,21 @@ Recipe Recipe::parse(const YAML::Node& list, const std::string& source) {
 void Recipe::parse_items(const YAML::Node& list) {
   Recipe& r = *this;
   const std::string& source = source_;
-  std::vector<std::string> type_names;
-  for (const auto& t : type_keys()) type_names.push_back(t.type);
-  for (const auto& k : linear_kinds())
-    if (k.recipe_modifier) type_names.push_back(k.name);
+  const std::vector<std::string> types = type_names();
 
   for (size_t i = 0; i < list.size(); ++i) {
     const YAML::Node item = list[i];
     ESPLAG_CHECK(item.IsMap() && item.size() == 1, source, ": recipe[", i,
-                 "] must be a mapping with one key, the modifier type (", join(type_names, ", "),
+                 "] must be a mapping with one key, the modifier type (", join(types, ", "),
                  "), whose value holds the modifier's keys");
     const auto entry = item.begin();
     const std::string type = entry->first.as<std::string>();
-    const TypeKeys* tk = find_type(type);
-    ESPLAG_CHECK(tk, source, ": recipe[", i, "]: unknown modifier type '", type, "' (known: ", join(type_names, ", "),
-                 ")");
+    const std::optional<TypeKeys> tk = find_type(type);
+    ESPLAG_CHECK(tk, source, ": recipe[", i, "]: unknown modifier type '", type, "' (known: ", join(types, ", "), ")");
     Modifier m;
     m.type = type;
+    m.LinearOptions::kind = type == kGmp ? "masked" : type == kKernel ? "vnm" : type;
+    if (type == kSemi || type == kSemiAct || type == kSlope) m.pattern = SparsityPattern::nm(2, 4);
     r.modifiers_.push_back(m);
     Modifier& mod = r.modifiers_.back();
     const std::string w = r.where(static_cast<int>(i));
@@ -401,23 +401,24 @@ void Recipe::parse_items(const YAML::Node& list) {
       mod.update_every = parse_step(w, "update_every", text("update_every"));
       ESPLAG_CHECK(mod.update_every.is_fraction || mod.update_every.steps > 0, w,
                    ": key 'update_every' must be positive, got ", text("update_every"));
-    } else if (type == kSemi || type == kSemiAct || kind_modifier(type)) {
-      mod.has_until = kv.count("until") > 0;
-      if (mod.has_until) mod.until = parse_step(w, "until", text("until"));
-      if (kv.count("activation")) {
-        const std::string a = text("activation");
-        ESPLAG_CHECK(a == "row_24" || a == "tile_24", w, ": key 'activation' must be row_24 (2 of every 4 input ",
-                     "features per token) or tile_24 (transposable 2:4 over 4x4 tiles of tokens x features), got '", a,
-                     "'");
-        mod.activation = parse_activation_sparsity(a);
-      }
-    } else if (type == kSlope || type == kKernel) {
-      if (kv.count("mask_change_freq"))
-        mod.mask_change_freq = parse_int(w, "mask_change_freq", text("mask_change_freq"), 1);
-      if (kv.count("lora_rank")) mod.lora_rank = parse_int(w, "lora_rank", text("lora_rank"), 0);
-      mod.lora_start = kv.count("lora_start") ? parse_step(w, "lora_start", text("lora_start")) : fraction_step(0.99);
     }
-    // Only semi_sparse and slope know the key (the others refused it above).
+    // The keys of kernel_replacement and of the kinds' modifiers, each where the type knows it
+    // (the others were refused above).
+    if (kv.count("until")) {
+      mod.has_until = true;
+      mod.until = parse_step(w, "until", text("until"));
+    }
+    if (kv.count("activation")) {
+      const std::string a = text("activation");
+      ESPLAG_CHECK(a == "row_24" || a == "tile_24", w, ": key 'activation' must be row_24 (2 of every 4 input ",
+                   "features per token) or tile_24 (transposable 2:4 over 4x4 tiles of tokens x features), got '", a,
+                   "'");
+      mod.activation = parse_activation_sparsity(a);
+    }
+    if (kv.count("mask_change_freq")) mod.mask_change_freq = parse_int(w, "mask_change_freq", text("mask_change_freq"), 1);
+    if (kv.count("lora_rank")) mod.lora_rank = parse_int(w, "lora_rank", text("lora_rank"), 0);
+    if (type_knows(type, "lora_start"))
+      mod.lora_start = kv.count("lora_start") ? parse_step(w, "lora_start", text("lora_start")) : fraction_step(0.99);
     if (kv.count("sparse_dw")) mod.sparse_dw = parse_bool(w, "sparse_dw", kv.at("sparse_dw"));
   }
 }
@@ -500,15 +501,13 @@ void Recipe::validate(const LinearShapes& shapes, int64_t total_steps) {
                      ": semi_sparse_activation needs cols (in features) that are a multiple of 4 (2:4 of the input "
                      "activations along K)");
     }
-    if (m.type == kSemi || m.type == kSemiAct || kind_modifier(m.type)) {
-      if (m.has_until) {
-        b.until = resolve(m.until, "until");
-        ESPLAG_CHECK(b.until > b.start, w, ": until (", step_text(m.until, b.until), ") must be after start (",
-                     step_text(m.start, b.start), ")");
-        claim_end = b.until;
-      }
+    if (m.has_until) {
+      b.until = resolve(m.until, "until");
+      ESPLAG_CHECK(b.until > b.start, w, ": until (", step_text(m.until, b.until), ") must be after start (",
+                   step_text(m.start, b.start), ")");
+      claim_end = b.until;
     }
-    if (m.type == kSlope || m.type == kKernel) {
+    if (type_knows(m.type, "lora_start")) {
       b.lora_start = resolve(m.lora_start, "lora_start");
       ESPLAG_CHECK(m.lora_rank == 0 || b.lora_start >= b.start, w, ": lora_start (", step_text(m.lora_start, b.lora_start),
                    ") is before start (", step_text(m.start, b.start), ")");
@@ -586,18 +585,9 @@ LayerPlan Recipe::plan_of(int i, int64_t step) const {
       p.pattern = k == last ? m.mask : closest_level(ramp_levels(m.mask), 1.0 - s);
     }
     p.kind = p.pattern.kind == SparsityPattern::Kind::dense ? "dense" : "masked";
-  } else if (m.type == kSemi || m.type == kSemiAct || m.type == kSlope) {
-    p.kind = m.type;
-    p.pattern = SparsityPattern::nm(2, 4);
-    p.sparse_dw = m.sparse_dw;
-    if (m.type == kSemiAct) p.activation = m.activation;
-    if (m.type == kSlope) {
-      p.mask_change_freq = m.mask_change_freq;
-      p.lora_rank = m.lora_rank;
-      p.lora_enabled = m.lora_rank > 0 && step >= b.lora_start;
-    }
-  } else if (kind_modifier(m.type)) {
-    p.kind = m.type;
+  } else {  // a kind's modifier (kernel_replacement's plan is plan_at's)
+    static_cast<LinearOptions&>(p) = m;
+    p.lora_enabled = m.lora_rank > 0 && step >= b.lora_start;
   }
   p.sparsity = 1.0 - p.pattern.density();
   return p;
@@ -615,10 +605,9 @@ std::map<std::string, LayerPlan> Recipe::plan_at(int64_t step) const {
         // The mask comes from the gradual_magnitude modifier that handed the weight over.
         const auto gmp = std::find_if(cl.begin(), cl.end(), [&](const Claim& g) { return modifiers_[g.modifier].type == kGmp; });
         const Modifier& k = modifiers_[c.modifier];
-        p.kind = "vnm";
+        static_cast<LinearOptions&>(p) = k;  // vnm, and its lora_rank
         p.pattern = modifiers_[gmp->modifier].mask;
         p.sparsity = 1.0 - p.pattern.density();
-        p.lora_rank = k.lora_rank;
         p.lora_enabled = k.lora_rank > 0 && step >= bound_[c.modifier].lora_start;
         p.modifier = c.modifier;
       } else {
@@ -645,12 +634,6 @@ std::vector<std::string> Recipe::changed_at(int64_t step) const {
   for (const auto& [name, p] : now)
     if (!p.same_effect(before.at(name))) out.push_back(name);
   return out;
-}
-
-std::string Recipe::Modifier::kind() const {
-  if (type == kGmp) return "masked";
-  if (type == kKernel) return "vnm";
-  return type;
 }
 
 bool Recipe::reads_weights_at(int64_t step) const {
@@ -699,12 +682,12 @@ std::string Recipe::describe() const {
           os << ", rank-" << m.lora_rank << " adapters from step " << b.lora_start;
         else
           os << ", no adapters";
-      } else if (kind_modifier(m.type)) {
-        os << " " << range_text(b.start, m.has_until ? b.until : kForever);
-        if (m.has_until) os << ", dense after";
-      } else {
+      } else if (m.type == kSemi || m.type == kSemiAct) {
         os << " 2:4 " << range_text(b.start, m.has_until ? b.until : kForever);
         if (m.type == kSemiAct) os << " (" << activation_sparsity_name(m.activation) << " of the input)";
+        if (m.has_until) os << ", dense after";
+      } else {
+        os << " " << range_text(b.start, m.has_until ? b.until : kForever);
         if (m.has_until) os << ", dense after";
       }
       if (m.sparse_dw) os << ", sparse dW (MVUE 2:4 of dYᵀ)";
@@ -735,18 +718,22 @@ std::string Recipe::to_yaml() const {
     if (m.type == kGmp) {
       e << YAML::Key << "end" << YAML::Value << m.end.text;
       e << YAML::Key << "update_every" << YAML::Value << m.update_every.text;
-    } else if (m.type == kSemi || m.type == kSemiAct || kind_modifier(m.type)) {
-      if (m.has_until) e << YAML::Key << "until" << YAML::Value << m.until.text;
-      if (m.type == kSemiAct) e << YAML::Key << "activation" << YAML::Value << activation_sparsity_name(m.activation);
-    } else if (m.type == kSlope) {
-      e << YAML::Key << "mask_change_freq" << YAML::Value << m.mask_change_freq;
-      e << YAML::Key << "lora_rank" << YAML::Value << m.lora_rank;
-      e << YAML::Key << "lora_start" << YAML::Value << m.lora_start.text;
-    } else if (m.type == kKernel && m.lora_rank > 0) {
-      e << YAML::Key << "lora_rank" << YAML::Value << m.lora_rank;
-      e << YAML::Key << "lora_start" << YAML::Value << m.lora_start.text;
+    } else {
+      // The type's other keys in its order: until where given, kernel_replacement's adapter
+      // keys where it has an adapter, every other key with its value.
+      const std::vector<std::string> keys = find_type(m.type)->keys;
+      for (const auto& key : keys) {
+        if (key == "params" || key == "start" || (key == "until" && !m.has_until)) continue;
+        if ((key == "lora_rank" || key == "lora_start") && m.type == kKernel && m.lora_rank == 0) continue;
+        e << YAML::Key << key << YAML::Value;
+        if (key == "until") e << m.until.text;
+        else if (key == "activation") e << activation_sparsity_name(m.activation);
+        else if (key == "mask_change_freq") e << m.mask_change_freq;
+        else if (key == "lora_rank") e << m.lora_rank;
+        else if (key == "lora_start") e << m.lora_start.text;
+        else if (key == "sparse_dw") e << m.sparse_dw;
+      }
     }
-    if (m.type == kSemi || m.type == kSlope) e << YAML::Key << "sparse_dw" << YAML::Value << m.sparse_dw;
     e << YAML::EndMap << YAML::EndMap;
   }
   e << YAML::EndSeq;

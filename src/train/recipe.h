@@ -55,32 +55,32 @@ struct StepValue {
 
 class Recipe {
  public:
-  struct Modifier {
-    std::string type;  // gradual_magnitude | kernel_replacement | semi_sparse | semi_sparse_activation | slope
+  // A modifier: the LinearOptions it hands to its layers (kind, pattern and the options its
+  // keys set: activation, mask_change_freq, lora_rank, sparse_dw; plan_at adds what
+  // depends on the step) and its own scheduling. A kind's modifier has the keys of its
+  // registry entry (LinearKindInfo::recipe_keys); gradual_magnitude and kernel_replacement,
+  // which are not kinds, have their own.
+  struct Modifier : LinearOptions {
+    std::string type;  // gradual_magnitude | kernel_replacement | a kind with recipe_modifier
     std::vector<std::string> params;  // as written: exact names or "re:REGEX" (full match)
+    StepValue start;
     // gradual_magnitude
     SparsityPattern mask;  // the target (for unstructured: its sparsity is final_sparsity)
     double init_sparsity = 0.0;
     double final_sparsity = 0.0;  // for N:M / V:N:M: implied by the pattern
     bool final_given = false;
-    StepValue start, end, update_every;
-    // semi_sparse, semi_sparse_activation
+    StepValue end, update_every;
+    // key until: dense from then on
     bool has_until = false;
     StepValue until;
-    // semi_sparse_activation: `activation: row_24 | tile_24` (model/linear_semi_sparse.h)
-    ActivationSparsity activation = ActivationSparsity::row_24;
-    // semi_sparse, slope: the weight gradient from the MVUE 2:4 of dYᵀ
-    bool sparse_dw = false;
-    // slope
-    int mask_change_freq = 100;
-    int lora_rank = 0;
+    // key lora_start: the adapter of rank lora_rank from then on
     StepValue lora_start;
 
     // Whether `params` names the weight (an exact name, or a "re:" pattern matching it whole).
     bool claims(const std::string& weight_name) const;
-    // The Linear kind it gives its layers: masked (gradual_magnitude), vnm
-    // (kernel_replacement), else the kind of its own name.
-    std::string kind() const;
+    // The Linear kind it gives its layers (LinearOptions::kind, which this hides): masked
+    // (gradual_magnitude), vnm (kernel_replacement), else the kind of its own name.
+    const std::string& kind() const { return LinearOptions::kind; }
   };
 
   // `yaml_list_text`: the YAML of the list (what TrainConfig::recipe_yaml holds); empty or

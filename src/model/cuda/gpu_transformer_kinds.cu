@@ -34,7 +34,7 @@ void GpuTransformer::make_linears() {
       const ParamInfo& info = info_named(infos_, b + module + ".weight");
       const int64_t out = info.shape.at(0), in = info.shape.at(1);
       ctx.shapes.push_back({out, in});
-      const LinearKindSetting st{info.name, first.name};
+      const LinearKindSetting st(info.name, {.kind = first.name});
       *slot = &im.linears[info.name];
       (*slot)->base = first.make({&st, &ctx, out, in, cfg_.bias, {}, 0, nullptr});
     }
