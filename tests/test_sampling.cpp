@@ -87,7 +87,8 @@ TEST(Sampling, TheSameSeedGivesTheSameDraws) {
   auto draws = [&](uint64_t seed) {
     Rng rng(seed);
     std::vector<int> d;
-    for (int i = 0; i < 100; ++i) d.push_back(sample_token(l.data(), 50, {.temperature = 1, .top_k = 20, .top_p = 0.9}, rng));
+    for (int i = 0; i < 100; ++i)
+      d.push_back(sample_token(l.data(), 50, {.temperature = 1, .top_k = 20, .top_p = 0.9}, rng));
     return d;
   };
   EXPECT_EQ(draws(7), draws(7));

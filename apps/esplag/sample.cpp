@@ -41,6 +41,14 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// "N tokens in S s (R tokens/s)".
+std::string throughput(int64_t tokens, double seconds) {
+  char text[100];
+  std::snprintf(text, sizeof text, "%lld tokens in %.3f s (%.1f tokens/s)", static_cast<long long>(tokens), seconds,
+                tokens / std::max(seconds, 1e-9));
+  return text;
+}
+
 int sample(const Args& a) {
   const int n_new = a.int32("tokens");
   SamplingOptions so;
@@ -108,11 +116,8 @@ int sample(const Args& a) {
       std::cerr << "sample: prompt " << b + 1 << " stopped at the model's max_seq_len=" << max_len << "\n";
   }
   std::cout << std::flush;
-  char line[200];
-  std::snprintf(line, sizeof line, "prefill: %lld tokens in %.3f s (%.1f tokens/s); decode: %lld tokens in %.3f s (%.1f tokens/s)",
-                static_cast<long long>(prompt_tokens), prefill_s, prompt_tokens / std::max(prefill_s, 1e-9),
-                static_cast<long long>(decode_tokens), decode_s, decode_tokens / std::max(decode_s, 1e-9));
-  std::cerr << line << std::endl;
+  std::cerr << "prefill: " << throughput(prompt_tokens, prefill_s)
+            << "; decode: " << throughput(decode_tokens, decode_s) << std::endl;
   return 0;
 }
 
@@ -128,12 +133,14 @@ const Command kSample = {
     {
         Option::text("checkpoint", "DIR", "", "a run directory (its latest checkpoint) or a step-NNNNNN directory")
             .mandatory(),
-        Option::list("prompt", "TEXT", "a text to continue; repeat for a batch (default: none, start from <|endoftext|>)"),
+        Option::list("prompt", "TEXT",
+                     "a text to continue; repeat for a batch (default: none, start from <|endoftext|>)"),
         Option::text("prompts-file", "FILE", "", "more prompts, one a line (after those of --prompt)"),
         Option::integer("tokens", "200", 0, 1000000, "tokens to generate at most, per prompt"),
         Option::number("temperature", "0.8", 0, 100, "softmax temperature; 0 picks the most likely token"),
         Option::integer("top-k", "40", 0, kIntMax, "sample from the k most likely tokens; 0: from all"),
-        Option::number("top-p", "1", 0, 1, "sample from the most likely tokens whose probability reaches p, in (0, 1]; 1: from all"),
+        Option::number("top-p", "1", 0, 1,
+                       "sample from the most likely tokens whose probability reaches p, in (0, 1]; 1: from all"),
         Option::integer("seed", "1", 0, kInt64Max, "random seed"),
     },
     sample,

@@ -58,7 +58,9 @@ Weights weights_of(const Transformer<float>& m) {
   const ModelConfig& c = m.config();
   const bool ln = c.norm == NormKind::layernorm;
   auto get = [&](const std::string& name) { return m.param(name).data<float>(); };
-  auto norm = [&](const std::string& name) { return Weights::Norm{get(name + ".weight"), ln ? get(name + ".bias") : nullptr}; };
+  auto norm = [&](const std::string& name) {
+    return Weights::Norm{get(name + ".weight"), ln ? get(name + ".bias") : nullptr};
+  };
   Weights w;
   w.wte = get("embed.tokens.weight");
   w.wpe = c.pos == PosKind::learned ? get("embed.positions.weight") : nullptr;
@@ -194,9 +196,10 @@ std::vector<float> Generator::append(const std::vector<std::vector<int32_t>>& to
   std::vector<float> x(size_t(N) * C), ln(x.size()), res(x.size()), qkv(size_t(N) * Q), scratch;
   std::vector<float> atty(size_t(N) * c.n_head * c.head_dim()), fc(size_t(N) * c.fc_dim()), act(size_t(N) * c.d_ff);
   for (size_t b = 0, r = 0; b < tokens.size(); r += tokens[b].size(), ++b)
-    if (!tokens[b].empty())
-      cpu::embedding_forward(x.data() + r * C, tokens[b].data(), w.wte, w.wpe ? w.wpe + size_t(rows[r].pos) * C : nullptr,
-                             1, static_cast<int>(tokens[b].size()), C);
+    if (!tokens[b].empty()) {
+      const float* wpe = w.wpe ? w.wpe + size_t(rows[r].pos) * C : nullptr;  // from the sequence's first new position
+      cpu::embedding_forward(x.data() + r * C, tokens[b].data(), w.wte, wpe, 1, static_cast<int>(tokens[b].size()), C);
+    }
 
   const int64_t NC = int64_t(N) * C;
   for (int l = 0; l < c.n_layer; ++l) {
