@@ -64,7 +64,8 @@ GpuBenchResult bench_train_gpu(const ModelConfig& config, int B, int T, int step
       if (info.shape.size() != 2 || info.name.rfind("blocks.", 0) != 0) continue;
       ++linears;
       if (!std::regex_match(info.name, re)) continue;
-      settings.push_back({info.name, sparse_kind, 100, nullptr, sparse_dw, /*dw_seed=*/1});
+      settings.push_back({info.name, {.kind = sparse_kind, .sparse_dw = sparse_dw}});
+      settings.back().dw_seed = 1;
       settings.back().lora_rank = lora_rank;
       settings.back().lora_seed = 1;
       settings.back().activation = activation;

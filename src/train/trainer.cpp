@@ -548,7 +548,7 @@ TrainResult Trainer::run() {
     log_(nothing_to_do_);
     return result;
   }
-  if (!lock_) lock_ = std::make_unique<RunLock>(run_dir_);  // run() again after a stop
+  if (!lock_ && leader()) lock_ = std::make_unique<RunLock>(run_dir_);  // run() again after a stop
   if (state_.step == 0) {
     char buf[256];
     std::snprintf(buf, sizeof buf, "model %s: %.2fM parameters | %d layers, d=%d, %d heads | %lld tokens/step | device ",
