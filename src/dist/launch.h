@@ -19,8 +19,7 @@ namespace esplag {
 // first rank that failed and its exit status or signal.
 int launch_local_ranks(const std::vector<std::string>& argv, int n, double grace_s = 30);
 
-// A TCP port of 127.0.0.1 that was free when asked, with the next port free too (for NCCL's
-// bootstrap, which dist/ places at MASTER_PORT + 1).
+// A TCP port of 127.0.0.1 that was free when asked (the host channel's).
 int free_local_port();
 
 }  // namespace esplag
