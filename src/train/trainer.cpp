@@ -251,6 +251,7 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
   if (!config.recipe_yaml.empty()) {
     const Recipe recipe = config.recipe();
     for (const auto& m : recipe.modifiers()) {
+      if (m.kind().empty()) continue;  // distill: no layers (its own reason below)
       const std::string what = "modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") +
                                (m.sparse_dw ? " with sparse_dw" : "") + " on " + join(m.params, ", ");
       // The GPU has no LoRA wrapper (only adapters of a kind's own, slope's).
