@@ -11,6 +11,7 @@
 #include "ops/activation.h"
 #include "ops/attention.h"
 #include "ops/cross_entropy.h"
+#include "ops/distill.h"
 #include "ops/embedding.h"
 #include "ops/matmul.h"
 #include "ops/norm.h"
@@ -81,6 +82,7 @@ struct Transformer<T>::Activations {
   std::vector<T> lnf, lnf_mean, lnf_rstd;
   // backward scratch
   std::vector<T> dres, dln, dqkv, datty, dfc, dact, dlnf, logits, dlogits, losses;
+  std::vector<T> teacher_logits, kl;  // a chunk's, when distilling (allocated by the first such step)
 
   BlockView view(int l) {
     BlockView v;
@@ -465,11 +467,13 @@ void Transformer<T>::recompute_block(int l, const T* x, const BlockView& v, int 
 }
 
 template <typename T>
-double Transformer<T>::head_loss(const int32_t* targets, int N, bool train, double loss_scale) {
+LossParts Transformer<T>::head_loss(const int32_t* targets, int N, bool train, double loss_scale,
+                                   const DistillTarget<T>* distill) {
   auto& a = *acts_;
   const int C = cfg_.d_model, V = cfg_.vocab_size;
   if (train) std::fill(a.dlnf.begin(), a.dlnf.end(), T(0));
-  double total = 0;
+  if (distill) a.teacher_logits.resize(a.logits.size()), a.kl.resize(a.losses.size());
+  double ce = 0, kl = 0;
   for (int r0 = 0; r0 < N; r0 += kHeadChunk) {
     const int rows = std::min(kHeadChunk, N - r0);
     const T* h = a.lnf.data() + size_t(r0) * C;
@@ -479,13 +483,21 @@ double Transformer<T>::head_loss(const int32_t* targets, int N, bool train, doub
                   {h, head_w_}, {a.logits.data()});
       cpu::linear_forward(a.logits.data(), h, head_w_, static_cast<const T*>(nullptr), rows, C, V);
     }
-    {
+    T* dlogits = train ? a.dlogits.data() : static_cast<T*>(nullptr);
+    const T dloss = static_cast<T>(loss_scale / N);
+    if (distill) {
+      distill->teacher_logits(r0, rows, a.teacher_logits.data());
+      ScopedOp op("lm_head.distill", OpCategory::loss, -1, 12.0 * rows * V, 3.0 * sizeof(T) * rows * V,
+                  {a.logits.data(), a.teacher_logits.data(), targets}, {a.losses.data(), a.kl.data(), a.dlogits.data()});
+      cpu::distill_cross_entropy(a.losses.data(), a.kl.data(), dlogits, a.logits.data(), a.teacher_logits.data(),
+                                 targets + r0, rows, V, distill->alpha, distill->temperature, dloss);
+      for (int i = 0; i < rows; ++i) kl += a.kl[i];
+    } else {
       ScopedOp op("lm_head.cross_entropy", OpCategory::loss, -1, 5.0 * rows * V, 2.0 * sizeof(T) * rows * V,
                   {a.logits.data(), targets}, {a.losses.data(), a.dlogits.data()});
-      cpu::softmax_cross_entropy(a.losses.data(), train ? a.dlogits.data() : static_cast<T*>(nullptr),
-                                 a.logits.data(), targets + r0, rows, V, static_cast<T>(loss_scale / N));
+      cpu::softmax_cross_entropy(a.losses.data(), dlogits, a.logits.data(), targets + r0, rows, V, dloss);
     }
-    for (int i = 0; i < rows; ++i) total += a.losses[i];
+    for (int i = 0; i < rows; ++i) ce += a.losses[i];
     if (train) {
       ScopedOp op("lm_head.bwd", OpCategory::dense_gemm, -1, 2.0 * gemm_flops,
                   sizeof(T) * (double(rows) * (2 * C + V) + 2.0 * V * C), {a.dlogits.data(), h, head_w_},
@@ -494,7 +506,13 @@ double Transformer<T>::head_loss(const int32_t* targets, int N, bool train, doub
                            head_w_, rows, C, V);
     }
   }
-  return total / N;
+  LossParts parts;
+  parts.ce = ce / N;
+  parts.kl = kl / N;
+  parts.loss = distill ? (1.0 - distill->alpha) * parts.ce + distill->alpha * distill->temperature *
+                                                                   distill->temperature * parts.kl
+                       : parts.ce;
+  return parts;
 }
 
 template <typename T>
@@ -556,15 +574,41 @@ template <typename T>
 double Transformer<T>::forward_backward(const int32_t* inputs, const int32_t* targets, int B, int Tlen,
                                         double loss_scale) {
   forward_body(inputs, B, Tlen);
-  const double loss = head_loss(targets, B * Tlen, true, loss_scale);
+  const double loss = head_loss(targets, B * Tlen, true, loss_scale).loss;
   backward_body(inputs, B, Tlen);
   return loss;
 }
 
 template <typename T>
+LossParts Transformer<T>::forward_backward(const int32_t* inputs, const int32_t* targets, int B, int Tlen,
+                                           double loss_scale, const DistillTarget<T>& distill) {
+  ESPLAG_CHECK(distill.teacher_logits, "forward_backward: distillation needs the teacher's logits");
+  forward_body(inputs, B, Tlen);
+  const LossParts parts = head_loss(targets, B * Tlen, true, loss_scale, &distill);
+  backward_body(inputs, B, Tlen);
+  return parts;
+}
+
+template <typename T>
 double Transformer<T>::forward_loss(const int32_t* inputs, const int32_t* targets, int B, int Tlen) {
   forward_body(inputs, B, Tlen);
-  return head_loss(targets, B * Tlen, false, 1.0);
+  return head_loss(targets, B * Tlen, false, 1.0).loss;
+}
+
+template <typename T>
+void Transformer<T>::forward_hidden(const int32_t* inputs, int B, int Tlen) {
+  forward_body(inputs, B, Tlen);
+}
+
+template <typename T>
+void Transformer<T>::head_logits(int row0, int rows, T* out) const {
+  ESPLAG_CHECK(acts_ && row0 >= 0 && rows >= 0 && row0 + rows <= acts_->B * acts_->Tlen, "head_logits: rows [", row0,
+               ", ", row0 + rows, ") outside the last forward's micro-batch");
+  ScopedOp op("lm_head.fwd", OpCategory::dense_gemm, -1, 2.0 * rows * cfg_.d_model * cfg_.vocab_size,
+              sizeof(T) * (double(rows) * (cfg_.d_model + cfg_.vocab_size) + double(cfg_.vocab_size) * cfg_.d_model),
+              {head_w_}, {out});
+  cpu::linear_forward(out, acts_->lnf.data() + size_t(row0) * cfg_.d_model, head_w_, static_cast<const T*>(nullptr),
+                      rows, cfg_.d_model, cfg_.vocab_size);
 }
 
 template <typename T>
@@ -591,7 +635,7 @@ size_t Transformer<T>::activation_elements() const {
   size_t n = 0;
   auto add = [&](const std::vector<T>& v) { n += v.size(); };
   for (const auto* v : {&a.embed, &a.lnf, &a.lnf_mean, &a.lnf_rstd, &a.dres, &a.dln, &a.dqkv, &a.datty, &a.dfc,
-                        &a.dact, &a.dlnf, &a.logits, &a.dlogits, &a.losses})
+                        &a.dact, &a.dlnf, &a.logits, &a.dlogits, &a.losses, &a.teacher_logits, &a.kl})
     add(*v);
   for (const auto& layer : a.layers)
     for (const auto& v : layer) add(v);

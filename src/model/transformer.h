@@ -4,6 +4,7 @@
 // T is float for training and double for the finite-difference gradient checks.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,6 +34,21 @@ std::vector<ParamInfo> transformer_param_layout(const ModelConfig& config);
 // backward's scratch and the chunked logits (what ensure_activations allocates).
 size_t transformer_activation_elements(const ModelConfig& config, int B, int T,
                                        const ActivationCheckpointing& checkpointing = {});
+
+// Distillation into a model (ops/distill.h): its loss becomes (1 - alpha)·CE + alpha·temperature²·KL of
+// the softened distributions, the teacher's to its own. teacher_logits writes the teacher's logits
+// of rows [row0, row0 + rows) of the micro-batch into out [rows, vocab], one head chunk at a time,
+// so neither model's full logits are ever held.
+template <typename T>
+struct DistillTarget {
+  double alpha = 0, temperature = 1;
+  std::function<void(int row0, int rows, T* out)> teacher_logits;
+};
+
+// A micro-batch's mean loss and, when distilling, its two parts (the mean CE and the mean KL).
+struct LossParts {
+  double loss = 0, ce = 0, kl = 0;
+};
 
 template <typename T>
 class Transformer {
@@ -73,10 +89,18 @@ class Transformer {
   // the gradient buffer (so accumulation over micro-batches is loss_scale = 1/steps).
   // Returns the mean loss over the B·T positions.
   double forward_backward(const int32_t* inputs, const int32_t* targets, int B, int Tlen, double loss_scale);
+  // The same with the distillation loss; with alpha = 0 its gradients and loss are the plain
+  // forward_backward's bit for bit.
+  LossParts forward_backward(const int32_t* inputs, const int32_t* targets, int B, int Tlen, double loss_scale,
+                             const DistillTarget<T>& distill);
   // Mean loss without gradients.
   double forward_loss(const int32_t* inputs, const int32_t* targets, int B, int Tlen);
   // Logits of the last position of each sequence: out [B, vocab].
   void forward_last_logits(const int32_t* inputs, int B, int Tlen, T* out);
+  // The forward up to the final norm (a teacher's part of distillation), then the logits of
+  // rows [row0, row0 + rows) of that micro-batch: out [rows, vocab].
+  void forward_hidden(const int32_t* inputs, int B, int Tlen);
+  void head_logits(int row0, int rows, T* out) const;
   // Which blocks keep less of their forward and recompute it in the backward; gradients
   // stay bit-identical (activation_checkpointing.h). Default: none.
   void set_checkpointing(const ActivationCheckpointing& checkpointing);
@@ -114,8 +138,10 @@ class Transformer {
   void mlp_activation_forward(int l, const BlockView& v, int N);
   // Recomputes what checkpointed block l did not keep.
   void recompute_block(int l, const T* x, const BlockView& v, int B, int Tlen);
-  // LM head + cross-entropy over rows in chunks; with train, also the head's backward.
-  double head_loss(const int32_t* targets, int N, bool train, double loss_scale);
+  // LM head + cross-entropy (or the distillation loss) over rows in chunks; with train, also
+  // the head's backward.
+  LossParts head_loss(const int32_t* targets, int N, bool train, double loss_scale,
+                      const DistillTarget<T>* distill = nullptr);
   void backward_body(const int32_t* inputs, int B, int Tlen);
 
   ModelConfig cfg_;

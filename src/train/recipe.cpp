@@ -28,6 +28,7 @@ const char* const kKernel = "kernel_replacement";
 const char* const kSemi = "semi_sparse";
 const char* const kSemiAct = "semi_sparse_activation";
 const char* const kSlope = "slope";
+const char* const kDistill = "distill";
 
 struct TypeKeys {
   std::vector<std::string> keys;      // every key the type knows, in to_yaml order
@@ -41,6 +42,7 @@ std::optional<TypeKeys> find_type(const std::string& type) {
     return TypeKeys{{"params", "mask_type", "init_sparsity", "final_sparsity", "start", "end", "update_every"},
                     {"params", "start", "end", "update_every"}};
   if (type == kKernel) return TypeKeys{{"params", "start", "lora_rank", "lora_start"}, {"params", "start"}};
+  if (type == kDistill) return TypeKeys{{"teacher", "alpha", "temperature", "start", "until"}, {"teacher"}};
   const LinearKindInfo* kind = lookup_linear_kind(type);
   if (!kind || !kind->recipe_modifier) return std::nullopt;
   TypeKeys t{{"params", "start"}, {"params"}};
@@ -53,10 +55,10 @@ bool type_knows(const std::string& type, const std::string& key) {
   return t && std::find(t->keys.begin(), t->keys.end(), key) != t->keys.end();
 }
 
-// The modifier types, for errors: gradual_magnitude, kernel_replacement, then the kinds
-// with recipe_modifier in registry order.
+// The modifier types, for errors: gradual_magnitude, kernel_replacement, distill, then the
+// kinds with recipe_modifier in registry order.
 std::vector<std::string> type_names() {
-  std::vector<std::string> names{kGmp, kKernel};
+  std::vector<std::string> names{kGmp, kKernel, kDistill};
   for (const auto& k : linear_kinds())
     if (k.recipe_modifier) names.push_back(k.name);
   return names;
@@ -325,7 +327,7 @@ void Recipe::parse_items(const YAML::Node& list) {
     ESPLAG_CHECK(tk, source, ": recipe[", i, "]: unknown modifier type '", type, "' (known: ", join(types, ", "), ")");
     Modifier m;
     m.type = type;
-    m.LinearOptions::kind = type == kGmp ? "masked" : type == kKernel ? "vnm" : type;
+    m.LinearOptions::kind = type == kGmp ? "masked" : type == kKernel ? "vnm" : type == kDistill ? "" : type;
     if (type == kSemi || type == kSemiAct || type == kSlope) m.pattern = SparsityPattern::nm(2, 4);
     r.modifiers_.push_back(m);
     Modifier& mod = r.modifiers_.back();
@@ -343,6 +345,16 @@ void Recipe::parse_items(const YAML::Node& list) {
     }
     for (const auto& key : tk->required) ESPLAG_CHECK(kv.count(key), w, ": missing required key '", key, "'");
     auto text = [&](const std::string& key) { return kv.at(key).Scalar(); };
+
+    mod.start = kv.count("start") ? parse_step(w, "start", text("start")) : integer_step(0);
+    if (kv.count("until")) {
+      mod.has_until = true;
+      mod.until = parse_step(w, "until", text("until"));
+    }
+    if (type == kDistill) {
+      parse_distill(w, kv, static_cast<int>(i));
+      continue;
+    }
 
     // params: a non-empty list of exact names and "re:" patterns.
     const YAML::Node& params = kv.at("params");
@@ -369,8 +381,6 @@ void Recipe::parse_items(const YAML::Node& list) {
       }
       if (std::find(mod.params.begin(), mod.params.end(), s) == mod.params.end()) mod.params.push_back(s);
     }
-
-    mod.start = kv.count("start") ? parse_step(w, "start", text("start")) : integer_step(0);
 
     if (type == kGmp) {
       const std::string mask_text = kv.count("mask_type") ? text("mask_type") : "unstructured";
@@ -404,10 +414,6 @@ void Recipe::parse_items(const YAML::Node& list) {
     }
     // The keys of kernel_replacement and of the kinds' modifiers, each where the type knows it
     // (the others were refused above).
-    if (kv.count("until")) {
-      mod.has_until = true;
-      mod.until = parse_step(w, "until", text("until"));
-    }
     if (kv.count("activation")) {
       const std::string a = text("activation");
       ESPLAG_CHECK(a == "row_24" || a == "tile_24", w, ": key 'activation' must be row_24 (2 of every 4 input ",
@@ -421,6 +427,40 @@ void Recipe::parse_items(const YAML::Node& list) {
       mod.lora_start = kv.count("lora_start") ? parse_step(w, "lora_start", text("lora_start")) : fraction_step(0.99);
     if (kv.count("sparse_dw")) mod.sparse_dw = parse_bool(w, "sparse_dw", kv.at("sparse_dw"));
   }
+}
+
+void Recipe::parse_distill(const std::string& w, const std::map<std::string, YAML::Node>& kv, int index) {
+  Modifier& mod = modifiers_[size_t(index)];
+  for (int j = 0; j < index; ++j)
+    ESPLAG_CHECK(modifiers_[size_t(j)].type != kDistill, w, ": a recipe distills from one teacher; recipe[", j,
+                 "] is a distill entry already");
+  mod.teacher = kv.at("teacher").Scalar();
+  ESPLAG_CHECK(!mod.teacher.empty(), w, ": key 'teacher' must be a checkpoint or run directory");
+  if (kv.count("alpha")) {
+    const std::string a = kv.at("alpha").Scalar();
+    ESPLAG_CHECK(parse_double(a, mod.alpha), w, ": key 'alpha' must be a number, got '", a, "'");
+    ESPLAG_CHECK(mod.alpha >= 0.0 && mod.alpha <= 1.0, w, ": key 'alpha' must be in [0, 1] (the weight of the KL "
+                 "term; 1 - alpha weighs the cross-entropy), got ", a);
+  }
+  if (kv.count("temperature")) {
+    const std::string t = kv.at("temperature").Scalar();
+    ESPLAG_CHECK(parse_double(t, mod.temperature), w, ": key 'temperature' must be a number, got '", t, "'");
+    ESPLAG_CHECK(mod.temperature > 0.0, w, ": key 'temperature' must be positive, got ", t);
+  }
+}
+
+const Recipe::Modifier* Recipe::distill() const {
+  for (const auto& m : modifiers_)
+    if (m.type == kDistill) return &m;
+  return nullptr;
+}
+
+bool Recipe::distills_at(int64_t step) const {
+  ESPLAG_CHECK(validated_, source_, ": recipe: distills_at called before validate");
+  for (size_t i = 0; i < modifiers_.size(); ++i)
+    if (modifiers_[i].type == kDistill)
+      return step >= bound_[i].start && (!modifiers_[i].has_until || step < bound_[i].until);
+  return false;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -453,6 +493,15 @@ void Recipe::validate(const LinearShapes& shapes, int64_t total_steps) {
       return s;
     };
 
+    if (m.type == kDistill) {  // no weights: only its steps
+      b.start = resolve(m.start, "start");
+      if (m.has_until) {
+        b.until = resolve(m.until, "until");
+        ESPLAG_CHECK(b.until > b.start, w, ": until (", step_text(m.until, b.until), ") must be after start (",
+                     step_text(m.start, b.start), ")");
+      }
+      continue;
+    }
     // Weights: exact names must exist, every regex must match something (full match).
     std::set<std::string> names;
     for (const auto& p : m.params) {
@@ -657,6 +706,12 @@ std::string Recipe::describe() const {
   for (size_t i = 0; i < modifiers_.size(); ++i) {
     const Modifier& m = modifiers_[i];
     os << "  [" << i << "] " << m.type;
+    if (m.type == kDistill) {
+      os << " from " << m.teacher << ": alpha " << number_text(m.alpha) << ", temperature " << number_text(m.temperature);
+      if (validated_) os << ", " << range_text(bound_[i].start, m.has_until ? bound_[i].until : kForever);
+      os << "\n";
+      continue;
+    }
     if (validated_) {
       const Bound& b = bound_[i];
       os << " on " << b.names.size() << " weight" << (b.names.size() == 1 ? "" : "s") << ":";
@@ -705,6 +760,15 @@ std::string Recipe::to_yaml() const {
   e << YAML::BeginSeq;
   for (const Modifier& m : modifiers_) {
     e << YAML::BeginMap << YAML::Key << m.type << YAML::Value << YAML::BeginMap;
+    if (m.type == kDistill) {
+      e << YAML::Key << "teacher" << YAML::Value << YAML::DoubleQuoted << m.teacher;
+      e << YAML::Key << "alpha" << YAML::Value << number_text(m.alpha);
+      e << YAML::Key << "temperature" << YAML::Value << number_text(m.temperature);
+      e << YAML::Key << "start" << YAML::Value << m.start.text;
+      if (m.has_until) e << YAML::Key << "until" << YAML::Value << m.until.text;
+      e << YAML::EndMap << YAML::EndMap;
+      continue;
+    }
     e << YAML::Key << "params" << YAML::Value << YAML::Flow << YAML::BeginSeq;
     for (const auto& p : m.params) e << YAML::SingleQuoted << p;
     e << YAML::EndSeq;

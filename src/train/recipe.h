@@ -1,7 +1,8 @@
 // The sparsity recipe: the run config's top-level `recipe:` list of modifiers (in the
 // spirit of sparseml recipes), each claiming some linear weights over a range of steps.
 // This layer parses, validates and schedules; the trainer applies what plan_at(step)
-// says by building Linear kinds. docs/recipes.md is the user-facing reference.
+// says by building Linear kinds, and distills from a teacher where distills_at(step) says.
+// docs/recipes.md is the user-facing reference.
 //
 // Life of a recipe:
 //   Recipe r = Recipe::parse(cfg.recipe_yaml, "run.yaml");  // syntax, keys, values (TrainConfig::recipe())
@@ -59,9 +60,9 @@ class Recipe {
   // keys set: activation, mask_change_freq, lora_rank, sparse_dw; plan_at adds what
   // depends on the step) and its own scheduling. A kind's modifier has the keys of its
   // registry entry (LinearKindInfo::recipe_keys); gradual_magnitude and kernel_replacement,
-  // which are not kinds, have their own.
+  // which are not kinds, have their own. distill claims no weights: it changes the loss.
   struct Modifier : LinearOptions {
-    std::string type;  // gradual_magnitude | kernel_replacement | a kind with recipe_modifier
+    std::string type;  // gradual_magnitude | kernel_replacement | distill | a kind with recipe_modifier
     std::vector<std::string> params;  // as written: exact names or "re:REGEX" (full match)
     StepValue start;
     // gradual_magnitude
@@ -75,6 +76,9 @@ class Recipe {
     StepValue until;
     // key lora_start: the adapter of rank lora_rank from then on
     StepValue lora_start;
+    // distill: the teacher's checkpoint or run directory (as written) and the loss's weights
+    std::string teacher;
+    double alpha = 0.5, temperature = 2.0;
 
     // Whether `params` names the weight (an exact name, or a "re:" pattern matching it whole).
     bool claims(const std::string& weight_name) const;
@@ -103,6 +107,10 @@ class Recipe {
   // from dense), in name order: what the trainer rebuilds before running `step`.
   std::vector<std::string> changed_at(int64_t step) const;
   bool is_update_step(int64_t step) const { return !changed_at(step).empty(); }
+  // The distill modifier, or null when the recipe has none (at most one is allowed).
+  const Modifier* distill() const;
+  // Whether the loss of `step` is the distillation loss: a distill modifier in [start, until).
+  bool distills_at(int64_t step) const;
   // Whether a layer changed at `step` takes another kind, pattern or sparsity: chosen from
   // the weights as they are then (not only an adapter, sparse dW or a refresh schedule).
   bool reads_weights_at(int64_t step) const;
@@ -132,6 +140,8 @@ class Recipe {
   };
 
   void parse_items(const YAML::Node& list);
+  // distill's keys (teacher, alpha, temperature) of modifier `index`, described by `w`.
+  void parse_distill(const std::string& w, const std::map<std::string, YAML::Node>& kv, int index);
   // The plan of the step before `step` for the weights of `now` (plan_at(step)): dense ones
   // at step 0.
   std::map<std::string, LayerPlan> plan_before(int64_t step, const std::map<std::string, LayerPlan>& now) const;

@@ -17,6 +17,7 @@
 #include "io/atomic_file.h"
 #include "model/linear_registry.h"
 #include "ops/adamw.h"
+#include "train/distill_teacher.h"
 #include "train/host_memory.h"
 #include "train/layer_kinds.h"
 #include "train/progress.h"
@@ -63,9 +64,12 @@ EvalResult mean_loss(const BatchLoss& batch_loss, DataLoader& loader, int max_ba
 // The CPU reference step, on the host model itself: every Linear kind, every recipe.
 class CpuStep final : public StepBackend {
  public:
-  // `ranks`: the other data-parallel ranks (null for a single process).
-  CpuStep(Transformer<float>& model, const TrainConfig& cfg, Moments m, Moments v, HostChannel* ranks)
-      : model_(model), cfg_(cfg), m_(std::move(m)), v_(std::move(v)), ranks_(ranks) {
+  // `ranks`: the other data-parallel ranks (null for a single process). `teacher`: the model
+  // to distill from where `recipe` distills (null: none).
+  CpuStep(Transformer<float>& model, const TrainConfig& cfg, Moments m, Moments v, HostChannel* ranks,
+          std::unique_ptr<Transformer<float>> teacher = nullptr, const Recipe* recipe = nullptr)
+      : model_(model), cfg_(cfg), m_(std::move(m)), v_(std::move(v)), ranks_(ranks), teacher_(std::move(teacher)),
+        recipe_(recipe) {
     model_.set_checkpointing(cfg_.checkpointing);
     x_.resize(size_t(cfg_.batch_size) * cfg_.seq_len);
     y_.resize(x_.size());
@@ -77,11 +81,34 @@ class CpuStep final : public StepBackend {
     model_.on_step_begin(step);
     model_.zero_grad();
     Stats st;
+    const bool distill = teacher_ && recipe_->distills_at(step);
+    double ce = 0, kl = 0;
     for (int micro = 0; micro < cfg_.grad_accum; ++micro) {
       data.next_batch(x_.data(), y_.data());
-      st.loss += model_.forward_backward(x_.data(), y_.data(), cfg_.batch_size, cfg_.seq_len, 1.0 / cfg_.grad_accum);
+      const double scale = 1.0 / cfg_.grad_accum;
+      if (!distill) {
+        st.loss += model_.forward_backward(x_.data(), y_.data(), cfg_.batch_size, cfg_.seq_len, scale);
+        continue;
+      }
+      // The teacher keeps its final hidden states; its logits are made chunk by chunk as the
+      // student's loss needs them.
+      teacher_->forward_hidden(x_.data(), cfg_.batch_size, cfg_.seq_len);
+      const Recipe::Modifier& d = *recipe_->distill();
+      const DistillTarget<float> target{d.alpha, d.temperature, [&](int row0, int rows, float* out) {
+                                          teacher_->head_logits(row0, rows, out);
+                                        }};
+      const LossParts parts = model_.forward_backward(x_.data(), y_.data(), cfg_.batch_size, cfg_.seq_len, scale, target);
+      st.loss += parts.loss, ce += parts.ce, kl += parts.kl;
     }
     st.loss /= cfg_.grad_accum;
+    if (distill) {
+      double means[2] = {ce / cfg_.grad_accum, kl / cfg_.grad_accum};
+      if (ranks_) {
+        ranks_->all_reduce_sum(means, 2);
+        for (double& m : means) m /= ranks_->size();
+      }
+      st.distill_ce = means[0], st.distill_kl = means[1];
+    }
     if (ranks_) st.loss = average_over_ranks(st.loss);
     if (!std::isfinite(st.loss)) diverged("loss", st.loss, step + 1);
     st.grad_norm = grad_norm();
@@ -157,6 +184,8 @@ class CpuStep final : public StepBackend {
   const TrainConfig cfg_;
   Moments m_, v_;
   HostChannel* ranks_;
+  std::unique_ptr<Transformer<float>> teacher_;  // forward only: never trained, no moments
+  const Recipe* recipe_;
   std::vector<int32_t> x_, y_;
   Stats last_;
 };
@@ -222,6 +251,7 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
   if (!config.recipe_yaml.empty()) {
     const Recipe recipe = config.recipe();
     for (const auto& m : recipe.modifiers()) {
+      if (m.kind().empty()) continue;  // distill: no layers (its own reason below)
       const std::string what = "modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") +
                                (m.sparse_dw ? " with sparse_dw" : "") + " on " + join(m.params, ", ");
       // The GPU has no LoRA wrapper (only adapters of a kind's own, slope's).
@@ -238,8 +268,14 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
       if (!gpu_trains_kind(l.kind())) parts.push_back(name + " of kind " + l.kind());
     }
   }
-  if (parts.empty()) return "";
-  return "the run needs sparse Linear kinds that the GPU does not train yet (" + join(parts, "; ") + ")";
+  std::string why;
+  if (!parts.empty()) why = "the run needs sparse Linear kinds that the GPU does not train yet (" + join(parts, "; ") + ")";
+  // Only the CPU step computes the distillation loss so far.
+  if (!config.recipe_yaml.empty())
+    if (const Recipe::Modifier* d = config.recipe().distill())
+      why += (why.empty() ? "" : "; ") + std::string("the run distills from a teacher (recipe: distill from '") +
+             d->teacher + "'), which GPU training does not do yet";
+  return why;
 }
 
 DeviceChoice choose_train_device(const std::string& requested, const DeviceProbe& probe,
@@ -436,7 +472,16 @@ void Trainer::make_backend(Moments m, Moments v) {
     fail("train.device=cuda: this esplag was built without the CUDA backend");  // choose_train_device refuses first
 #endif
   }
-  backend_ = std::make_unique<CpuStep>(*model_, cfg_, std::move(m), std::move(v), ranks_.get());
+  std::unique_ptr<Transformer<float>> teacher;
+  if (const Recipe::Modifier* d = recipe_.distill()) {
+    const int index = static_cast<int>(d - recipe_.modifiers().data());
+    teacher = load_teacher(*d, recipe_.source() + ": recipe[" + std::to_string(index) + "] (distill)", cfg_.model,
+                           tokenizer_);
+    log_("distilling from " + d->teacher + " (" + std::to_string(teacher->config().n_layer) + " layers, d=" +
+         std::to_string(teacher->config().d_model) + ", forward only on the CPU)");
+  }
+  backend_ = std::make_unique<CpuStep>(*model_, cfg_, std::move(m), std::move(v), ranks_.get(), std::move(teacher),
+                                       &recipe_);
 }
 
 void Trainer::setup_recipe() {
@@ -589,13 +634,17 @@ TrainResult Trainer::run() {
       const double tok_s = window_tokens / std::max(window_s, 1e-9);
       const double eta = elapsed / double(state_.step - first_step) * double(cfg_.steps - state_.step);
       char buf[256];
-      std::snprintf(buf, sizeof buf, "step %6lld/%lld | loss %.4f | lr %.2e | norm %.3f | %s tok/s | ETA %s",
-                    static_cast<long long>(state_.step), static_cast<long long>(cfg_.steps), loss, lr, norm,
+      const bool distilled = !std::isnan(st.distill_kl);
+      char parts[64] = "";
+      if (distilled) std::snprintf(parts, sizeof parts, " (ce %.4f, kl %.4f)", st.distill_ce, st.distill_kl);
+      std::snprintf(buf, sizeof buf, "step %6lld/%lld | loss %.4f%s | lr %.2e | norm %.3f | %s tok/s | ETA %s",
+                    static_cast<long long>(state_.step), static_cast<long long>(cfg_.steps), loss, parts, lr, norm,
                     format_rate(tok_s).c_str(), format_duration(eta).c_str());
       log_(buf);
       nlohmann::json js = {{"step", state_.step}, {"loss", loss},          {"lr", lr},
                            {"grad_norm", norm},   {"tokens_per_s", tok_s}, {"tokens_seen", state_.tokens_seen},
                            {"elapsed_s", elapsed}};
+      if (distilled) js["distill_ce"] = st.distill_ce, js["distill_kl"] = st.distill_kl;
       append_metrics(js.dump());
       t_window = now;
       window_tokens = 0;

@@ -97,6 +97,8 @@ class StepBackend {
  public:
   struct Stats {
     double loss = 0, grad_norm = 0;
+    // When the step distilled (recipe distill): the means of its cross-entropy and KL parts.
+    double distill_ce = std::nan(""), distill_kl = std::nan("");
   };
   virtual ~StepBackend() = default;
   virtual std::string device() const = 0;  // "cpu" or "cuda"
