@@ -83,6 +83,6 @@ TEST(GpuDataParallel, TwoGpusFollowOneGpuWithTwiceTheAccumulation) {
 
 TEST(GpuDataParallel, SlopeOnTwoGpusFollowsOneGpu) {
   if (gpus() < 2) GTEST_SKIP() << "needs two GPUs";
-  expect_two_ranks_follow_one_gpu("slope", "recipe:\n  - slope: {params: [X
+  expect_two_ranks_follow_one_gpu("slope", "recipe:\n  - slope: {params: ['re:blocks\\.\\d+\\.mlp\\.\\w+\\.weight'], "
                                            "start: 0, lora_rank: 8, lora_start: 6}\n");
 }
