@@ -8,9 +8,6 @@
 #include "train/checkpoint.h"
 #include "train/memory_plan.h"
 #include "train/trainer.h"
-#ifdef ESPLAG_HAVE_CUDA
-#include "train/gpu_memory_plan.h"
-#endif
 
 namespace esplag::cli {
 
@@ -47,32 +44,34 @@ std::string planned_device(const std::string& requested) {
   return probe.cuda_build && probe.gpus > 0 ? "cuda" : "cpu";
 }
 
-MemoryBudget budget_of(const Args& a) {
-  MemoryBudget budget;
+// The memory at hand as the trainer sees it, where --gpu-memory or --host-memory do not say.
+MemoryBudget budget_of(const Args& a, const std::string& device) {
+  MemoryBudget budget = memory_at_hand(device, 0);
   if (a.has("gpu-memory")) {
     budget.gpu = gib_to_bytes(a.number("gpu-memory", 0));
     budget.gpu_source = "--gpu-memory";
-  } else {
-#ifdef ESPLAG_HAVE_CUDA
-    budget.gpu = gpu_free_bytes();
-    budget.gpu_source = budget.gpu ? "free on CUDA device 0" : "no CUDA device visible; give --gpu-memory";
-#else
-    budget.gpu_source = "give --gpu-memory";
-#endif
+  } else if (budget.gpu == 0) {
+    budget.gpu_source += (budget.gpu_source.empty() ? "" : "; ") + std::string("give --gpu-memory");
   }
-  budget.host = a.has("host-memory") ? gib_to_bytes(a.number("host-memory", 0)) : available_host_bytes();
-  budget.host_source = a.has("host-memory") ? "--host-memory" : budget.host ? "available now" : "not readable";
+  if (a.has("host-memory")) {
+    budget.host = gib_to_bytes(a.number("host-memory", 0));
+    budget.host_source = "--host-memory";
+  }
   return budget;
 }
 
-// Exit code 1 when the run does not fit, with the settings that would on stderr.
+// Exit code 1 when the run does not fit, with the settings that would on stderr. With
+// train.memory auto, first the line the trainer would log, and the plan of its choice.
 int plan(const Args& a) {
   TrainConfig cfg = load_train_config(a.get("config"), a.all("set"));
   if (a.has("batch-size")) cfg.batch_size = a.int32("batch-size", 0);
   resolve_model(cfg);
   cfg.validate();
   const std::string device = planned_device(cfg.device);
-  const MemoryBudget budget = budget_of(a);
+  const MemoryBudget budget = budget_of(a, device);
+  if (cfg.memory == "auto")
+    std::cout << apply_train_memory(cfg, budget, [&](const TrainConfig& c) { return plan_memory(c, device); })
+              << std::endl;
   const MemoryPlan plan = plan_memory(cfg, device);
   std::cout << describe(cfg, plan, budget);
   if (plan.fits(budget)) return 0;
