@@ -1,5 +1,6 @@
 // esplag plan: the memory a training run of a config needs, on the host and on the GPU, by
-// category; whether it fits; and the cheapest settings that would. Nothing is allocated.
+// category; whether it fits; the cheapest settings that would; and with train.memory auto
+// what the run would choose. Nothing is allocated.
 #include <cmath>
 
 #include "commands.h"
@@ -100,7 +101,9 @@ const Command kPlan = {
     "grads, optimizer, activations, scratch, workspace), and whether each fits: the GPU against --gpu-memory\n"
     "or the free memory of the device, the host against --host-memory or the memory available now. A run\n"
     "that does not fit exits with 1 and names the cheapest --set assignments that would make it fit\n"
-    "(train.checkpointing selective, then full, then a smaller train.batch_size with more train.grad_accum).",
+    "(train.checkpointing selective, then full every K blocks for K from model.n_layer down to 1, then a smaller\n"
+    "train.batch_size with more train.grad_accum). With train.memory auto it first prints the line the run would\n"
+    "log, what it would choose (the cheapest checkpointing that fits), and plans that choice; an error when none does.",
     {
         Option::text("config", "FILE.yaml", "", "the run's config").mandatory(),
         Option::list("set", "KEY=VALUE", "override one config key, e.g. train.checkpointing=full"),

@@ -70,10 +70,10 @@ Limit limit_of(const MemoryPlan& p, const MemoryBudget& b) {
   return {false, p.host.total(), b.host, b.host_source};
 }
 
-// "91.2 GiB of GPU memory, 79.1 GiB free on CUDA device 0".
+// "91.2 GiB of GPU memory, 79.1 GiB free on CUDA device 0" ("..., 20.0 GiB given by --gpu-memory").
 std::string need_text(const Limit& l) {
   return format_bytes(l.need) + " of " + (l.gpu ? "GPU" : "host") + " memory, " +
-         (l.have ? format_bytes(l.have) + " " + l.source
+         (l.have ? format_bytes(l.have) + (l.source.rfind("--", 0) == 0 ? " given by " : " ") + l.source
                  : "the memory at hand unknown" + (l.source.empty() ? "" : " (" + l.source + ")"));
 }
 
