@@ -60,13 +60,14 @@ TEST(CliPlan, AHostLimitSuggestsSettingsThatFit) {
 
 TEST(CliPlan, WithMemoryAutoSaysWhatTheTrainerWouldChoose) {
   const uint64_t budget = host_bytes(CheckpointMode::selective);
-  const auto r = run_esplag("plan --config " + kTiny + " --set train.device=cpu --set train.memory=auto --host-memory " +
-                                gib(budget), scratch());
+  const auto r = run_esplag(
+      "plan --config " + kTiny + " --set train.device=cpu --set train.memory=auto --host-memory " + gib(budget),
+      scratch());
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   // The line of the function the trainer calls, on the same config and budget.
   TrainConfig c = load_train_config(kTinyFile, {"train.device=cpu", "model.vocab_size=257", "train.memory=auto"});
-  const std::string line =
-      apply_train_memory(c, {0, budget, "", "--host-memory"}, [](const TrainConfig& t) { return plan_memory(t, "cpu"); });
+  const auto cpu_plan = [](const TrainConfig& t) { return plan_memory(t, "cpu"); };
+  const std::string line = apply_train_memory(c, {0, budget, "", "--host-memory"}, cpu_plan);
   EXPECT_TRUE(contains(line, "memory auto: train.checkpointing=selective (none needs ")) << line;
   EXPECT_EQ(r.out.substr(0, r.out.find('\n') + 1), line + "\n") << r.out;
   // The plan that follows is the choice's.

@@ -21,7 +21,8 @@ namespace {
 
 std::string make_dataset(const TempDir& dir) {
   std::string text;
-  for (int i = 0; i < 300; ++i) text += "In the beginning God created the heaven and the earth " + std::to_string(i) + ".\n";
+  for (int i = 0; i < 300; ++i)
+    text += "In the beginning God created the heaven and the earth " + std::to_string(i) + ".\n";
   write_text(dir.file("corpus.txt"), text);
   prepare_dataset(dir.file("corpus.txt"), ByteTokenizer(), dir.file("data"), 0.1, 1 << 20);
   return dir.file("data");

@@ -140,7 +140,8 @@ MemoryPlan fake_gpu_plan(const TrainConfig& c) {
   g.params = 40 * kGiB;
   for (int l = 0; l < c.model.n_layer; ++l) {
     const CheckpointMode mode = c.checkpointing.checkpoints(l) ? c.checkpointing.mode : CheckpointMode::none;
-    g.activations += uint64_t(c.batch_size) * kGiB * (mode == CheckpointMode::none ? 10 : mode == CheckpointMode::selective ? 6 : 1);
+    const uint64_t per_sequence = mode == CheckpointMode::none ? 10 : mode == CheckpointMode::selective ? 6 : 1;
+    g.activations += uint64_t(c.batch_size) * per_sequence * kGiB;
   }
   p.gpu = g;
   return p;

@@ -42,20 +42,18 @@ std::vector<TrainConfig> candidates(const TrainConfig& config, bool smaller_batc
     with(checkpointing, config.batch_size, config.grad_accum);
   if (!smaller_batches) return tried;
   const int64_t sequences = int64_t(config.batch_size) * config.grad_accum;
-  for (const ActivationCheckpointing& checkpointing : {config.checkpointing, ActivationCheckpointing{CheckpointMode::full, 1}})
+  const ActivationCheckpointing full{CheckpointMode::full, 1};
+  for (const ActivationCheckpointing& checkpointing : {config.checkpointing, full})
     for (int b = config.batch_size - 1; b >= 1; --b)
       if (sequences % b == 0 && sequences / b <= std::numeric_limits<int32_t>::max())
         with(checkpointing, b, int(sequences / b));
   return tried;
 }
 
-bool same(const ActivationCheckpointing& a, const ActivationCheckpointing& b) {
-  return a.mode == b.mode && (a.mode == CheckpointMode::none || a.every == b.every);
-}
-
 // "none", "selective", "full", "full every 2".
 std::string checkpointing_text(const ActivationCheckpointing& c) {
-  return to_string(c.mode) + (c.mode != CheckpointMode::none && c.every != 1 ? " every " + std::to_string(c.every) : "");
+  const bool every = c.mode != CheckpointMode::none && c.every != 1;
+  return to_string(c.mode) + (every ? " every " + std::to_string(c.every) : "");
 }
 
 // The memory that limits a plan: the GPU's where there is a GPU plan (unless only the host
@@ -176,8 +174,8 @@ std::string apply_train_memory(TrainConfig& config, const MemoryBudget& budget, 
     full.checkpointing = {CheckpointMode::full, 1};
     const MemoryPlan p = plan(full);
     // What would fit beyond checkpointing: a smaller micro-batch (with auto's checkpointing).
-    std::string would_fit = "nothing smaller fits either: the run needs a smaller model, a shorter train.seq_len or more "
-                            "memory";
+    std::string would_fit =
+        "nothing smaller fits either: the run needs a smaller model, a shorter train.seq_len or more memory";
     if (const std::optional<TrainConfig> fit = cheapest_fit(none, budget, plan, true)) {
       TrainConfig same_batch = *fit;
       same_batch.batch_size = config.batch_size;
@@ -190,7 +188,7 @@ std::string apply_train_memory(TrainConfig& config, const MemoryBudget& budget, 
   }
   const Limit before = limit_of(plan(none), budget);
   std::string line = "memory auto: train.checkpointing=" + checkpointing_text(chosen->checkpointing) + " (";
-  if (same(chosen->checkpointing, none.checkpointing)) {
+  if (chosen->checkpointing.mode == CheckpointMode::none) {
     line += "it needs " + need_text(before) + ")";
   } else {
     const MemoryPlan after = plan(*chosen);
