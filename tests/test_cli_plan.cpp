@@ -58,6 +58,33 @@ TEST(CliPlan, AHostLimitSuggestsSettingsThatFit) {
                         "nor with train.checkpointing full and train.batch_size 1");
 }
 
+TEST(CliPlan, WithMemoryAutoSaysWhatTheTrainerWouldChoose) {
+  const uint64_t budget = host_bytes(CheckpointMode::selective);
+  const auto r = run_esplag(
+      "plan --config " + kTiny + " --set train.device=cpu --set train.memory=auto --host-memory " + gib(budget),
+      scratch());
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  // The line of the function the trainer calls, on the same config and budget.
+  TrainConfig c = load_train_config(kTinyFile, {"train.device=cpu", "model.vocab_size=257", "train.memory=auto"});
+  const auto cpu_plan = [](const TrainConfig& t) { return plan_memory(t, "cpu"); };
+  const std::string line = apply_train_memory(c, {0, budget, "", "--host-memory"}, cpu_plan);
+  EXPECT_TRUE(contains(line, "memory auto: train.checkpointing=selective (none needs ")) << line;
+  EXPECT_EQ(r.out.substr(0, r.out.find('\n') + 1), line + "\n") << r.out;
+  // The plan that follows is the choice's.
+  EXPECT_TRUE(contains(r.out, "train.checkpointing selective every 1, on cpu")) << r.out;
+  EXPECT_TRUE(contains(r.out, "fits in ")) << r.out;
+  // Nothing fits: the trainer's error, with the plan of full checkpointing by category.
+  const auto none = run_esplag("plan --config " + kTiny + " --set train.device=cpu --set train.memory=auto "
+                               "--host-memory 0.001", scratch());
+  EXPECT_EQ(none.code, 1) << none.out;
+  EXPECT_TRUE(none.out.empty()) << none.out;
+  EXPECT_EQ(none.err.rfind("esplag: error: train.memory auto: the run does not fit, not even with "
+                           "train.checkpointing full in every block: it needs ", 0), 0u) << none.err;
+  for (const char* line : {"train.checkpointing full every 1, on cpu\n", "  activations", "does NOT fit in 1.0 MiB "
+                           "(--host-memory)\n", "nothing smaller fits either"})
+    EXPECT_TRUE(contains(none.err, line)) << line << " in\n" << none.err;
+}
+
 TEST(CliPlan, BatchSizeOverridesTheConfigs) {
   const auto r = run_esplag("plan --config " + kTiny + " --set train.device=cpu --batch-size 3", scratch());
   EXPECT_TRUE(contains(r.out, "micro-batch 3 x 128")) << r.out << r.err;

@@ -1,6 +1,8 @@
 // The memory planner (train/memory_plan.h): the host breakdown and its sum, the settings it
-// suggests when a budget is too small, and its report.
+// suggests when a budget is too small, its report, and train.memory (fixed and auto).
 #include <gtest/gtest.h>
+
+#include <tuple>
 
 #include "model/transformer.h"
 #include "test_util.h"
@@ -11,6 +13,7 @@
 
 using namespace esplag;
 using esplag::testing::contains;
+using esplag::testing::error_of;
 
 namespace {
 
@@ -66,9 +69,19 @@ TEST(MemoryPlan, AHostLimitSuggestsCheckpointingFirst) {
   auto settings = settings_that_fit(c, "cpu", {0, selective});
   ASSERT_TRUE(settings.has_value());
   EXPECT_EQ(*settings, std::vector<std::string>{"train.checkpointing=selective"});
-  settings = settings_that_fit(c, "cpu", {0, (full + selective) / 2});
+  settings = settings_that_fit(c, "cpu", {0, full});
   ASSERT_TRUE(settings.has_value());
   EXPECT_EQ(*settings, std::vector<std::string>{"train.checkpointing=full"});
+  // Between full and selective: full in fewer blocks, as few as fit.
+  const uint64_t between = (full + selective) / 2;
+  settings = settings_that_fit(c, "cpu", {0, between});
+  ASSERT_TRUE(settings.has_value());
+  const TrainConfig s = applied(c, *settings);
+  EXPECT_EQ(s.checkpointing.mode, CheckpointMode::full);
+  EXPECT_LE(host_bytes_for_training(s, "cpu"), between);
+  TrainConfig fewer = s;
+  fewer.checkpointing.every = s.checkpointing.every + 1;
+  EXPECT_GT(host_bytes_for_training(fewer, "cpu"), between);
 }
 
 TEST(MemoryPlan, BelowFullCheckpointingASmallerBatchKeepsTheSequencesPerStep) {
@@ -110,6 +123,165 @@ TEST(MemoryPlan, TheReportNamesEachCategory) {
   EXPECT_FALSE(plan_memory(c, "cuda").gpu.has_value());
   EXPECT_TRUE(contains(describe(c, plan_memory(c, "cuda"), {}), "built without the CUDA backend"));
 #endif
+}
+
+// --- train.memory --------------------------------------------------------------------------
+
+namespace {
+
+constexpr uint64_t kGiB = uint64_t(1) << 30;
+
+// A stand-in for the GPU plan: 40 GiB of state, and per block and sequence 10 GiB of
+// activations without checkpointing, 6 with selective and 1 with full.
+MemoryPlan fake_gpu_plan(const TrainConfig& c) {
+  MemoryPlan p;
+  p.device = "cuda";
+  GpuMemoryBytes g;
+  g.params = 40 * kGiB;
+  for (int l = 0; l < c.model.n_layer; ++l) {
+    const CheckpointMode mode = c.checkpointing.checkpoints(l) ? c.checkpointing.mode : CheckpointMode::none;
+    const uint64_t per_sequence = mode == CheckpointMode::none ? 10 : mode == CheckpointMode::selective ? 6 : 1;
+    g.activations += uint64_t(c.batch_size) * per_sequence * kGiB;
+  }
+  p.gpu = g;
+  return p;
+}
+
+// tiny with 4 blocks and micro-batches of 1: none 80 GiB, selective 64, full every 4 (block 0)
+// 71, every 3 (blocks 0 and 3) 62, every block 44.
+TrainConfig four_blocks(const std::string& memory) {
+  TrainConfig c = tiny_config("cuda");
+  c.model.n_layer = 4;
+  c.batch_size = 1;
+  c.memory = memory;
+  return c;
+}
+
+MemoryBudget gpu_budget(uint64_t gib) { return {gib * kGiB, 0, "free on CUDA device 0", "available now"}; }
+
+}  // namespace
+
+TEST(MemoryAuto, TheChoicesGoFromNoneToFullInEveryBlock) {
+  ModelConfig m = tiny_config("cpu").model;
+  m.n_layer = 12;
+  std::vector<std::string> texts;
+  for (const ActivationCheckpointing& c : checkpointing_choices(m))
+    texts.push_back(to_string(c.mode) + "/" + std::to_string(c.every));
+  // One K per number of checkpointed blocks (1, 2, 3, 4, 6, 12).
+  EXPECT_EQ(texts, (std::vector<std::string>{"none/1", "selective/1", "full/12", "full/11", "full/5", "full/3",
+                                             "full/2", "full/1"}));
+  m.n_layer = 1;
+  EXPECT_EQ(checkpointing_choices(m).size(), 3u);
+}
+
+TEST(MemoryAuto, ChoosesTheFirstSettingThatFits) {
+  const std::vector<std::tuple<uint64_t, CheckpointMode, int>> cases = {
+      {100, CheckpointMode::none, 1},      {80, CheckpointMode::none, 1},  {79, CheckpointMode::selective, 1},
+      {71, CheckpointMode::selective, 1},  {63, CheckpointMode::full, 3},  {62, CheckpointMode::full, 3},
+      {61, CheckpointMode::full, 1},       {44, CheckpointMode::full, 1}};
+  for (const auto& [gib, mode, every] : cases) {
+    TrainConfig c = four_blocks("auto");
+    c.checkpointing = {CheckpointMode::selective, 2};  // what was written: auto replaces it
+    apply_train_memory(c, gpu_budget(gib), fake_gpu_plan);
+    EXPECT_EQ(c.checkpointing.mode, mode) << gib << " GiB";
+    if (mode != CheckpointMode::none) EXPECT_EQ(c.checkpointing.every, every) << gib << " GiB";
+    EXPECT_EQ(c.memory, "auto");
+  }
+  // No budget (the memory at hand unknown): nothing to save.
+  TrainConfig c = four_blocks("auto");
+  c.checkpointing = {CheckpointMode::full, 1};
+  EXPECT_EQ(apply_train_memory(c, {}, fake_gpu_plan),
+            "memory auto: train.checkpointing=none (it needs 80.0 GiB of GPU memory, the memory at hand unknown)");
+  EXPECT_EQ(c.checkpointing.mode, CheckpointMode::none);
+}
+
+TEST(MemoryAuto, TheLineSaysWhatItChoseAndWhy) {
+  TrainConfig c = four_blocks("auto");
+  EXPECT_EQ(apply_train_memory(c, gpu_budget(63), fake_gpu_plan),
+            "memory auto: train.checkpointing=full every 3 (none needs 80.0 GiB of GPU memory, 63.0 GiB free on CUDA "
+            "device 0; full every 3 needs 62.0 GiB)");
+  c = four_blocks("auto");
+  EXPECT_EQ(apply_train_memory(c, gpu_budget(50), fake_gpu_plan),
+            "memory auto: train.checkpointing=full (none needs 80.0 GiB of GPU memory, 50.0 GiB free on CUDA device 0; "
+            "full needs 44.0 GiB)");
+  c = four_blocks("auto");
+  EXPECT_EQ(apply_train_memory(c, gpu_budget(90), fake_gpu_plan),
+            "memory auto: train.checkpointing=none (it needs 80.0 GiB of GPU memory, 90.0 GiB free on CUDA device 0)");
+}
+
+TEST(MemoryAuto, TheChoiceIsWhatTheSavedConfigSays) {
+  TrainConfig c = four_blocks("auto");
+  apply_train_memory(c, gpu_budget(63), fake_gpu_plan);
+  const std::string yaml = to_yaml(c);
+  EXPECT_TRUE(contains(yaml, "memory: auto")) << yaml;
+  EXPECT_TRUE(contains(yaml, "checkpointing: full")) << yaml;
+  EXPECT_TRUE(contains(yaml, "checkpointing_every: 3")) << yaml;
+  const TrainConfig back = parse_train_config(yaml, "saved");
+  EXPECT_EQ(back.memory, "auto");
+  EXPECT_EQ(back.checkpointing.mode, CheckpointMode::full);
+  EXPECT_EQ(back.checkpointing.every, 3);
+  EXPECT_EQ(parse_train_config(to_yaml(four_blocks("fixed")), "saved").memory, "fixed");
+}
+
+TEST(MemoryAuto, NothingFitsIsOneErrorWithThePlanAndWhatWouldFit) {
+  TrainConfig c = four_blocks("auto");
+  std::string e = error_of([&] { apply_train_memory(c, gpu_budget(40), fake_gpu_plan); });
+  EXPECT_TRUE(contains(e, "train.memory auto: the run does not fit, not even with train.checkpointing full in every "
+                          "block: it needs 44.0 GiB of GPU memory, 40.0 GiB free on CUDA device 0\n")) << e;
+  EXPECT_TRUE(contains(e, "train.checkpointing full every 1, on cuda\n")) << e;  // the plan of full, by category
+  EXPECT_TRUE(contains(e, "activations")) << e;
+  EXPECT_TRUE(contains(e, "does NOT fit in 40.0 GiB (free on CUDA device 0)")) << e;
+  EXPECT_TRUE(contains(e, "nothing smaller fits either: the run needs a smaller model")) << e;
+  // With micro-batches of 4 (full: 56 GiB), 2 sequences (48 GiB) fit.
+  c = four_blocks("auto");
+  c.batch_size = 4;
+  e = error_of([&] { apply_train_memory(c, gpu_budget(50), fake_gpu_plan); });
+  EXPECT_TRUE(contains(e, "a smaller micro-batch fits (the same sequences per step): --set train.batch_size=2 --set "
+                          "train.grad_accum=2")) << e;
+}
+
+TEST(MemoryFixed, KeepsTheSettingsAndRefusesAGpuPlanThatDoesNotFit) {
+  TrainConfig c = four_blocks("fixed");
+  c.checkpointing = {CheckpointMode::selective, 2};
+  EXPECT_EQ(apply_train_memory(c, gpu_budget(100), fake_gpu_plan), "");
+  EXPECT_EQ(c.checkpointing.mode, CheckpointMode::selective);
+  EXPECT_EQ(c.checkpointing.every, 2);
+  c.checkpointing = {};
+  const std::string e = error_of([&] { apply_train_memory(c, gpu_budget(63), fake_gpu_plan); });
+  EXPECT_TRUE(contains(e, "the run does not fit: it needs 80.0 GiB of GPU memory, 63.0 GiB free on CUDA device 0 "
+                          "(train.memory fixed: the settings as written)\n")) << e;
+  EXPECT_TRUE(contains(e, "does NOT fit in 63.0 GiB (free on CUDA device 0)")) << e;
+  EXPECT_TRUE(contains(e, "cheapest settings that fit: --set train.checkpointing=full --set "
+                          "train.checkpointing_every=3 (train.memory auto chooses")) << e;
+  EXPECT_EQ(c.checkpointing.mode, CheckpointMode::none);
+  // The host is check_host_memory's (its message names the largest batch that fits).
+  TrainConfig cpu = tiny_config("cpu");
+  const auto cpu_plan = [](const TrainConfig& t) { return plan_memory(t, "cpu"); };
+  EXPECT_EQ(apply_train_memory(cpu, {0, 1, "", "available now"}, cpu_plan), "");
+}
+
+TEST(MemoryAuto, OnTheCpuTheHostPlanChooses) {
+  TrainConfig c = tiny_config("cpu");
+  c.memory = "auto";
+  const uint64_t selective = host_bytes_for_training(with_checkpointing(c, CheckpointMode::selective), "cpu");
+  const auto cpu_plan = [](const TrainConfig& t) { return plan_memory(t, "cpu"); };
+  const std::string line = apply_train_memory(c, {0, selective, "", "available now"}, cpu_plan);
+  EXPECT_EQ(c.checkpointing.mode, CheckpointMode::selective);
+  EXPECT_TRUE(contains(line, "memory auto: train.checkpointing=selective (none needs ")) << line;
+  EXPECT_TRUE(contains(line, " of host memory, ")) << line;
+  // The same choice as the planner's for the config without checkpointing.
+  TrainConfig fixed = tiny_config("cpu");
+  EXPECT_EQ(settings_that_fit(fixed, "cpu", {0, selective}), std::vector<std::string>{"train.checkpointing=selective"});
+}
+
+TEST(MemoryAuto, TheKeyTakesFixedOrAutoOnly) {
+  EXPECT_EQ(tiny_config("cpu").memory, "fixed");
+  const std::string file = std::string(ESPLAG_SOURCE_DIR) + "/configs/tiny.yaml";
+  EXPECT_EQ(load_train_config(file, {"train.memory=auto"}).memory, "auto");
+  EXPECT_EQ(error_of([&] { load_train_config(file, {"train.memory=sometimes"}); }),
+            "--set train.memory=sometimes: config key 'train.memory' must be fixed or auto, got 'sometimes'");
+  EXPECT_EQ(error_of([] { parse_train_config("train: {memory: sometimes}", "run.yaml"); }),
+            "run.yaml: config key 'train.memory' must be fixed or auto, got 'sometimes'");
 }
 
 #ifdef ESPLAG_HAVE_CUDA

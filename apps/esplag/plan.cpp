@@ -1,5 +1,6 @@
 // esplag plan: the memory a training run of a config needs, on the host and on the GPU, by
-// category; whether it fits; and the cheapest settings that would. Nothing is allocated.
+// category; whether it fits; the cheapest settings that would; and with train.memory auto
+// what the run would choose. Nothing is allocated.
 #include <cmath>
 
 #include "commands.h"
@@ -8,9 +9,6 @@
 #include "train/checkpoint.h"
 #include "train/memory_plan.h"
 #include "train/trainer.h"
-#ifdef ESPLAG_HAVE_CUDA
-#include "train/gpu_memory_plan.h"
-#endif
 
 namespace esplag::cli {
 
@@ -47,32 +45,34 @@ std::string planned_device(const std::string& requested) {
   return probe.cuda_build && probe.gpus > 0 ? "cuda" : "cpu";
 }
 
-MemoryBudget budget_of(const Args& a) {
-  MemoryBudget budget;
+// The memory at hand as the trainer sees it, where --gpu-memory or --host-memory do not say.
+MemoryBudget budget_of(const Args& a, const std::string& device) {
+  MemoryBudget budget = memory_at_hand(device, 0);
   if (a.has("gpu-memory")) {
     budget.gpu = gib_to_bytes(a.number("gpu-memory", 0));
     budget.gpu_source = "--gpu-memory";
-  } else {
-#ifdef ESPLAG_HAVE_CUDA
-    budget.gpu = gpu_free_bytes();
-    budget.gpu_source = budget.gpu ? "free on CUDA device 0" : "no CUDA device visible; give --gpu-memory";
-#else
-    budget.gpu_source = "give --gpu-memory";
-#endif
+  } else if (budget.gpu == 0) {
+    budget.gpu_source += (budget.gpu_source.empty() ? "" : "; ") + std::string("give --gpu-memory");
   }
-  budget.host = a.has("host-memory") ? gib_to_bytes(a.number("host-memory", 0)) : available_host_bytes();
-  budget.host_source = a.has("host-memory") ? "--host-memory" : budget.host ? "available now" : "not readable";
+  if (a.has("host-memory")) {
+    budget.host = gib_to_bytes(a.number("host-memory", 0));
+    budget.host_source = "--host-memory";
+  }
   return budget;
 }
 
-// Exit code 1 when the run does not fit, with the settings that would on stderr.
+// Exit code 1 when the run does not fit, with the settings that would on stderr. With
+// train.memory auto, first the line the trainer would log, and the plan of its choice.
 int plan(const Args& a) {
   TrainConfig cfg = load_train_config(a.get("config"), a.all("set"));
   if (a.has("batch-size")) cfg.batch_size = a.int32("batch-size", 0);
   resolve_model(cfg);
   cfg.validate();
   const std::string device = planned_device(cfg.device);
-  const MemoryBudget budget = budget_of(a);
+  const MemoryBudget budget = budget_of(a, device);
+  if (cfg.memory == "auto")
+    std::cout << apply_train_memory(cfg, budget, [&](const TrainConfig& c) { return plan_memory(c, device); })
+              << std::endl;
   const MemoryPlan plan = plan_memory(cfg, device);
   std::cout << describe(cfg, plan, budget);
   if (plan.fits(budget)) return 0;
@@ -101,7 +101,9 @@ const Command kPlan = {
     "grads, optimizer, activations, scratch, workspace), and whether each fits: the GPU against --gpu-memory\n"
     "or the free memory of the device, the host against --host-memory or the memory available now. A run\n"
     "that does not fit exits with 1 and names the cheapest --set assignments that would make it fit\n"
-    "(train.checkpointing selective, then full, then a smaller train.batch_size with more train.grad_accum).",
+    "(train.checkpointing selective, then full every K blocks for K from model.n_layer down to 1, then a smaller\n"
+    "train.batch_size with more train.grad_accum). With train.memory auto it first prints the line the run would\n"
+    "log, what it would choose (the cheapest checkpointing that fits), and plans that choice; an error when none does.",
     {
         Option::text("config", "FILE.yaml", "", "the run's config").mandatory(),
         Option::list("set", "KEY=VALUE", "override one config key, e.g. train.checkpointing=full"),

@@ -188,6 +188,7 @@ const std::vector<Field>& fields() {
       choice("train.checkpointing", ref(&T::checkpointing, &ActivationCheckpointing::mode), checkpoint_mode_from,
              to_string),
       integer("train.checkpointing_every", ref(&T::checkpointing, &ActivationCheckpointing::every), 1, kIntMax),
+      text("train.memory", ref(&T::memory), {"fixed", "auto"}),
       text("train.init_from", ref(&T::init_from)),
       real("optimizer.lr", ref(&T::optimizer, &O::lr), {0, kInf, true, true}),
       real("optimizer.beta1", ref(&T::optimizer, &O::beta1), {0, 1, false, true}),

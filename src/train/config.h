@@ -48,6 +48,9 @@ struct TrainConfig {
   int64_t checkpoint_every = 100;  // 0: only at the end
   int keep_checkpoints = 2;        // newest N step directories are kept; 0 keeps all
   ActivationCheckpointing checkpointing;  // train.checkpointing, train.checkpointing_every
+  // train.memory: fixed runs the settings as written; auto chooses train.checkpointing for
+  // the memory at hand when the run starts (train/memory_plan.h, apply_train_memory).
+  std::string memory = "fixed";
   // A run or checkpoint directory (e.g. one `esplag import` wrote) whose weights start the
   // run instead of the initialisation, at step 0 with fresh optimizer state; the model
   // section is then the checkpoint's (train/checkpoint.h, init_from_model).

@@ -13,10 +13,11 @@ GpuMemoryBytes gpu_memory_plan(const TrainConfig& config) {
   return {p.params, p.grads, p.optimizer, p.activations, p.scratch, p.workspace};
 }
 
-uint64_t gpu_free_bytes() {
+uint64_t gpu_free_bytes(int device) {
   int devices = 0;
   size_t free_b = 0, total_b = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0 || cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || device < 0 || device >= devices ||
+      cudaSetDevice(device) != cudaSuccess || cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
     cudaGetLastError();  // clear the error: the caller reports "unknown"
     return 0;
   }

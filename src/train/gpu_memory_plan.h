@@ -20,7 +20,8 @@ namespace esplag {
 // train.checkpointing (what the GPU training step builds).
 GpuMemoryBytes gpu_memory_plan(const TrainConfig& config);
 
-// Free memory of CUDA device 0 (cudaMemGetInfo); 0 when there is no device.
-uint64_t gpu_free_bytes();
+// Free memory of CUDA device `device` (cudaMemGetInfo), which becomes the current device;
+// 0 when there is no such device.
+uint64_t gpu_free_bytes(int device = 0);
 
 }  // namespace esplag

@@ -1,9 +1,11 @@
 #include "train/memory_plan.h"
 
+#include <algorithm>
 #include <iomanip>
 #include <limits>
 #include <sstream>
 
+#include "core/error.h"
 #include "train/progress.h"
 #ifdef ESPLAG_HAVE_CUDA
 #include "train/gpu_memory_plan.h"
@@ -26,8 +28,8 @@ std::vector<std::string> overrides(const TrainConfig& from, const TrainConfig& t
   return o;
 }
 
-// The settings settings_that_fit tries, cheapest first.
-std::vector<TrainConfig> candidates(const TrainConfig& config) {
+// The configs cheapest_fit tries after `config` itself, cheapest first.
+std::vector<TrainConfig> candidates(const TrainConfig& config, bool smaller_batches) {
   std::vector<TrainConfig> tried;
   auto with = [&](ActivationCheckpointing checkpointing, int batch_size, int grad_accum) {
     TrainConfig c = config;
@@ -36,15 +38,47 @@ std::vector<TrainConfig> candidates(const TrainConfig& config) {
     c.grad_accum = grad_accum;
     tried.push_back(c);
   };
-  const ActivationCheckpointing selective{CheckpointMode::selective, 1}, full{CheckpointMode::full, 1};
-  with(selective, config.batch_size, config.grad_accum);
-  with(full, config.batch_size, config.grad_accum);
+  for (const ActivationCheckpointing& checkpointing : checkpointing_choices(config.model))
+    with(checkpointing, config.batch_size, config.grad_accum);
+  if (!smaller_batches) return tried;
   const int64_t sequences = int64_t(config.batch_size) * config.grad_accum;
+  const ActivationCheckpointing full{CheckpointMode::full, 1};
   for (const ActivationCheckpointing& checkpointing : {config.checkpointing, full})
     for (int b = config.batch_size - 1; b >= 1; --b)
       if (sequences % b == 0 && sequences / b <= std::numeric_limits<int32_t>::max())
         with(checkpointing, b, int(sequences / b));
   return tried;
+}
+
+// "none", "selective", "full", "full every 2".
+std::string checkpointing_text(const ActivationCheckpointing& c) {
+  const bool every = c.mode != CheckpointMode::none && c.every != 1;
+  return to_string(c.mode) + (every ? " every " + std::to_string(c.every) : "");
+}
+
+// The memory that limits a plan: the GPU's where there is a GPU plan (unless only the host
+// does not fit), else the host's.
+struct Limit {
+  bool gpu;
+  uint64_t need, have;
+  std::string source;
+};
+Limit limit_of(const MemoryPlan& p, const MemoryBudget& b) {
+  if (p.gpu && (p.fits_host(b) || !p.fits_gpu(b))) return {true, p.gpu->total(), b.gpu, b.gpu_source};
+  return {false, p.host.total(), b.host, b.host_source};
+}
+
+// "91.2 GiB of GPU memory, 79.1 GiB free on CUDA device 0" ("..., 20.0 GiB given by --gpu-memory").
+std::string need_text(const Limit& l) {
+  return format_bytes(l.need) + " of " + (l.gpu ? "GPU" : "host") + " memory, " +
+         (l.have ? format_bytes(l.have) + (l.source.rfind("--", 0) == 0 ? " given by " : " ") + l.source
+                 : "the memory at hand unknown" + (l.source.empty() ? "" : " (" + l.source + ")"));
+}
+
+std::string overrides_text(const std::vector<std::string>& overrides) {
+  std::string text;
+  for (const std::string& o : overrides) text += (text.empty() ? "--set " : " --set ") + o;
+  return text;
 }
 
 std::string row(const std::string& name, uint64_t bytes) {
@@ -76,14 +110,98 @@ MemoryPlan plan_memory(const TrainConfig& config, const std::string& device) {
   return plan;
 }
 
+MemoryBudget memory_at_hand(const std::string& device, int cuda_device) {
+  MemoryBudget budget;
+#ifdef ESPLAG_HAVE_CUDA
+  if (device == "cuda") {
+    budget.gpu = gpu_free_bytes(cuda_device);
+    budget.gpu_source = budget.gpu ? "free on CUDA device " + std::to_string(cuda_device) : "no CUDA device visible";
+  }
+#else
+  (void)device, (void)cuda_device;
+#endif
+  budget.host = available_host_bytes();
+  budget.host_source = budget.host ? "available now" : "not readable";
+  return budget;
+}
+
+std::vector<ActivationCheckpointing> checkpointing_choices(const ModelConfig& model) {
+  std::vector<ActivationCheckpointing> choices = {{CheckpointMode::none, 1}, {CheckpointMode::selective, 1}};
+  // Blocks 0, K, 2K, ... are checkpointed: K's with as many blocks save as much.
+  int64_t blocks = 0;
+  for (int every = std::max(model.n_layer, 1); every >= 1; --every) {
+    const int64_t checkpointed = (int64_t(model.n_layer) + every - 1) / every;
+    if (checkpointed == blocks) continue;
+    blocks = checkpointed;
+    choices.push_back({CheckpointMode::full, every});
+  }
+  return choices;
+}
+
+std::optional<TrainConfig> cheapest_fit(const TrainConfig& config, const MemoryBudget& budget,
+                                        const PlanFunction& plan, bool smaller_batches) {
+  if (plan(config).fits(budget)) return config;
+  for (const TrainConfig& c : candidates(config, smaller_batches))
+    if (!overrides(config, c).empty() && plan(c).fits(budget)) return c;
+  return std::nullopt;
+}
+
 std::optional<std::vector<std::string>> settings_that_fit(const TrainConfig& config, const std::string& device,
                                                           const MemoryBudget& budget) {
-  if (plan_memory(config, device).fits(budget)) return std::vector<std::string>{};
-  for (const TrainConfig& c : candidates(config)) {
-    const std::vector<std::string> changes = overrides(config, c);
-    if (!changes.empty() && plan_memory(c, device).fits(budget)) return changes;
+  const auto plan = [&](const TrainConfig& c) { return plan_memory(c, device); };
+  const std::optional<TrainConfig> fit = cheapest_fit(config, budget, plan, true);
+  if (!fit) return std::nullopt;
+  return overrides(config, *fit);
+}
+
+std::string apply_train_memory(TrainConfig& config, const MemoryBudget& budget, const PlanFunction& plan) {
+  if (config.memory == "fixed") {
+    const MemoryPlan p = plan(config);
+    if (p.fits_gpu(budget)) return "";
+    const std::optional<TrainConfig> fit = cheapest_fit(config, budget, plan, true);
+    fail("the run does not fit: it needs ", need_text(limit_of(p, budget)),
+         " (train.memory fixed: the settings as written)\n", describe(config, p, budget),
+         fit ? "cheapest settings that fit: " + overrides_text(overrides(config, *fit)) +
+                   " (train.memory auto chooses train.checkpointing when the run starts)"
+             : std::string("nothing fits, not with train.checkpointing full and train.batch_size 1 either: the run "
+                           "needs a smaller model, a shorter train.seq_len or more memory"));
   }
-  return std::nullopt;
+  TrainConfig none = config;
+  none.checkpointing = {CheckpointMode::none, 1};
+  const std::optional<TrainConfig> chosen = cheapest_fit(none, budget, plan, false);
+  if (!chosen) {
+    TrainConfig full = config;
+    full.checkpointing = {CheckpointMode::full, 1};
+    const MemoryPlan p = plan(full);
+    // What would fit beyond checkpointing: a smaller micro-batch (with auto's checkpointing).
+    std::string would_fit =
+        "nothing smaller fits either: the run needs a smaller model, a shorter train.seq_len or more memory";
+    if (const std::optional<TrainConfig> fit = cheapest_fit(none, budget, plan, true)) {
+      TrainConfig same_batch = *fit;
+      same_batch.batch_size = config.batch_size;
+      same_batch.grad_accum = config.grad_accum;
+      would_fit = "a smaller micro-batch fits (the same sequences per step): " +
+                  overrides_text(overrides(same_batch, *fit));
+    }
+    fail("train.memory auto: the run does not fit, not even with train.checkpointing full in every block: it needs ",
+         need_text(limit_of(p, budget)), "\n", describe(full, p, budget), would_fit);
+  }
+  const Limit before = limit_of(plan(none), budget);
+  std::string line = "memory auto: train.checkpointing=" + checkpointing_text(chosen->checkpointing) + " (";
+  if (chosen->checkpointing.mode == CheckpointMode::none) {
+    line += "it needs " + need_text(before) + ")";
+  } else {
+    const MemoryPlan after = plan(*chosen);
+    line += "none needs " + need_text(before) + "; " + checkpointing_text(chosen->checkpointing) + " needs " +
+            format_bytes(before.gpu ? after.gpu->total() : after.host.total()) + ")";
+  }
+  config.checkpointing = chosen->checkpointing;
+  return line;
+}
+
+std::string apply_train_memory(TrainConfig& config, const std::string& device, int cuda_device) {
+  return apply_train_memory(config, memory_at_hand(device, cuda_device),
+                            [&](const TrainConfig& c) { return plan_memory(c, device); });
 }
 
 std::string describe(const TrainConfig& config, const MemoryPlan& plan, const MemoryBudget& budget) {

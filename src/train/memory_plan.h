@@ -1,9 +1,11 @@
 // The memory a training run needs, planned without allocating anything (`esplag plan`): on
 // the host by category (train/host_memory.h) and, for a CUDA run in the CUDA build, on the
-// GPU by category (GpuTransformer::memory_plan); whether that fits the memory at hand, and
-// the cheapest settings that would make it fit.
+// GPU by category (GpuTransformer::memory_plan); whether that fits the memory at hand, the
+// cheapest settings that would make it fit, and train.memory, which applies that choice
+// when a run starts.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -46,14 +48,45 @@ struct MemoryPlan {
 // The plan of `config` (model.vocab_size resolved) on `device` ("cpu" or "cuda").
 MemoryPlan plan_memory(const TrainConfig& config, const std::string& device);
 
-// The cheapest settings with which `config` fits `budget` on `device`, as the config
-// overrides to give ("train.checkpointing=full", ...). Tried in order: train.checkpointing
-// selective, then full (both in every block), then the largest smaller train.batch_size
-// with train.grad_accum raised to keep the sequences per step (with the config's
-// checkpointing, then with full). Empty when the config fits as it is; nullopt when
-// nothing tried fits.
+// The plan of a config where the run steps: plan_memory with the run's device, or a
+// stand-in (tests).
+using PlanFunction = std::function<MemoryPlan(const TrainConfig&)>;
+
+// The memory a run on `device` has at hand: for "cuda" in the CUDA build the free memory of
+// CUDA device `cuda_device` ("free on CUDA device 0"), and the host memory available now.
+MemoryBudget memory_at_hand(const std::string& device, int cuda_device);
+
+// The train.checkpointing settings, cheapest in compute first: none, selective (every
+// block), then full every K blocks for K from model.n_layer down to 1, one K per number of
+// checkpointed blocks.
+std::vector<ActivationCheckpointing> checkpointing_choices(const ModelConfig& model);
+
+// The cheapest config that fits `budget`: `config` itself when it does, else the first of
+// its checkpointing_choices that does; with `smaller_batches`, then the largest smaller
+// train.batch_size with train.grad_accum raised to keep the sequences per step (with the
+// config's checkpointing, then with full in every block). nullopt when nothing tried fits.
+std::optional<TrainConfig> cheapest_fit(const TrainConfig& config, const MemoryBudget& budget,
+                                        const PlanFunction& plan, bool smaller_batches);
+
+// cheapest_fit(config, budget, plan_memory on `device`, smaller_batches) as the config
+// overrides to give ("train.checkpointing=full", ...): empty when the config fits as it is;
+// nullopt when nothing tried fits.
 std::optional<std::vector<std::string>> settings_that_fit(const TrainConfig& config, const std::string& device,
                                                           const MemoryBudget& budget);
+
+// Applies train.memory to `config` (model resolved; `plan` plans where it steps), before
+// anything is allocated. fixed keeps the settings as written and throws an Error with the
+// plan (describe) and the settings that would fit when the GPU plan exceeds budget.gpu (the
+// host is check_host_memory's). auto sets train.checkpointing (and _every) to the first of
+// checkpointing_choices that fits `budget` and returns the line that says so ("memory auto:
+// train.checkpointing=full every 2 (none needs 91.2 GiB of GPU memory, 79.1 GiB free on
+// CUDA device 0; full every 2 needs 77.0 GiB)"); when none fits it throws an Error with the
+// plan of full in every block and what would fit. Returns "" with fixed.
+std::string apply_train_memory(TrainConfig& config, const MemoryBudget& budget, const PlanFunction& plan);
+
+// The same for a run on `device` (CUDA device `cuda_device`) with memory_at_hand: what the
+// trainer calls once the config is final.
+std::string apply_train_memory(TrainConfig& config, const std::string& device, int cuda_device);
 
 // The plan as text: the run, one line per category on the host and on the GPU with the
 // totals, and for each whether it fits its budget ("unknown" without one).
