@@ -78,7 +78,8 @@ def windows(tokens, n, seq=SEQ):
 
 def bytes_to_unicode():
     """GPT-2's byte-level alphabet: every byte as a printable character."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
     for b in range(256):
