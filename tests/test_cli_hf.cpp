@@ -43,6 +43,20 @@ TEST(CliHf, ImportThenExportAndTheirRefusals) {
   EXPECT_EQ(run_esplag("import --hf " + out.string() + " --out " + (root() / "back").string(), root()).code, 0);
 }
 
+TEST(CliHf, Sparse24ExportRefusesWeightsThatAreNot2of4) {
+  const fs::path run = root() / "dense-llama", out = root() / "sparse-out";
+  ASSERT_EQ(run_esplag("import --hf " + kFixtures + "llama-gqa --out " + run.string(), root()).code, 0);
+  expect_one_line_error(run_esplag("export --checkpoint " + run.string() + " --hf " + out.string() + " --sparse-24",
+                                   root()),
+                        "export --hf --sparse-24: layer 'blocks.0.attn.qkv' is not 2:4");
+  EXPECT_FALSE(fs::exists(out));
+  expect_one_line_error(
+      run_esplag("export --checkpoint " + run.string() + " --dense --out " + (root() / "x.safetensors").string() +
+                     " --sparse-24",
+                 root()),
+      "--sparse-24 is a layout of the --hf DIR export");
+}
+
 TEST(CliHf, SampleDrawsOnlyWhatTheTokenizerDecodes) {
   // The fixtures' embedding has 48 rows, their tokenizer 31 ids (transformers pads the
   // embedding the same way): ids 31..47 must never be drawn.

@@ -72,15 +72,19 @@ int export_hf_dir(const Args& a) {
   const std::string ck = resolve_checkpoint(a.get("checkpoint"));
   CheckpointContents info;
   const auto model = load_model(ck, &info);
-  const HfExport e = export_hf(*model, info.tokenizer, dir);
-  std::printf("wrote %s: %s (%s), %zu tensors, %.2fM parameters (dense f32)\n", dir.c_str(),
-              e.config.model_type.c_str(), e.config.family == HfFamily::gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM",
-              e.tensors, model->num_params() / 1e6);
+  const HfExport e = export_hf(*model, info.tokenizer, dir, a.has("sparse-24"));
+  std::printf("wrote %s: %s (%s), %zu tensors, %.2fM parameters (%s)\n", dir.c_str(), e.config.model_type.c_str(),
+              e.config.family == HfFamily::gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM", e.tensors,
+              model->num_params() / 1e6, a.has("sparse-24") ? "f32, block linears 2:4 compressed" : "dense f32");
+  if (a.has("sparse-24"))
+    std::printf("compressed-tensors sparse-24-bitmask: %zu weights compressed, global sparsity %.3f\n", e.compressed,
+                e.global_sparsity);
   if (!e.tokenizer_note.empty()) std::printf("note: %s\n", e.tokenizer_note.c_str());
   return 0;
 }
 
 int export_dense(const Args& a) {
+  ESPLAG_CHECK(!a.has("sparse-24"), "export: --sparse-24 is a layout of the --hf DIR export");
   ESPLAG_CHECK(a.has("dense"), "export: give --dense (a plain dense safetensors) or --hf DIR (a Hugging Face model ",
                "directory)");
   ESPLAG_CHECK(a.has("out"), "export: --out is required with --dense (the FILE.safetensors to write)");
@@ -119,14 +123,17 @@ const Command kExport = {
     "--dense --out FILE: one safetensors of every parameter (pruned entries are zeros); the metadata holds the\n"
     "config, the tokenizer and the step. --hf DIR: config.json, model.safetensors and tokenizer.json that\n"
     "transformers' AutoModelForCausalLM.from_pretrained loads (GPT-2- or LLaMA-shaped models; see\n"
-    "docs/interop.md). Neither may be inside a checkpoint or run directory; an existing file, or a non-empty\n"
-    "--hf directory, is replaced only with --force.",
+    "docs/interop.md); with --sparse-24, LLaMA-shaped models whose block linears are 2:4 are written in the\n"
+    "compressed 2:4 layout of the compressed-tensors format (sparse-24-bitmask) that vLLM reads. Neither may\n"
+    "be inside a checkpoint or run directory; an existing file, or a non-empty --hf directory, is replaced only\n"
+    "with --force.",
     {
         Option::text("checkpoint", "DIR", "", "a run directory (its latest checkpoint) or a step-NNNNNN directory")
             .mandatory(),
         Option::flag("dense", "a single dense safetensors file (with --out)"),
         Option::text("out", "FILE.safetensors", "", "the file --dense writes"),
         Option::text("hf", "DIR", "", "write a Hugging Face model directory instead"),
+        Option::flag("sparse-24", "with --hf: block linears in compressed-tensors' sparse-24-bitmask layout"),
         Option::flag("force", "replace --out if it exists, or the files of a non-empty --hf directory"),
     },
     run_export,
