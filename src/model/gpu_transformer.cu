@@ -431,7 +431,7 @@ void GpuTransformer::forward_backward_device(const int32_t* tokens, const int32_
   }
   auto it = std::find_if(im.step_graphs.begin(), im.step_graphs.end(), [&](const Impl::StepGraph& g) {
     return g.tokens == tokens && g.targets == targets && g.B == B && g.T == T && g.loss_scale == loss_scale &&
-           g.overwrite == overwrite && g.sink == im.sink;
+           g.overwrite == overwrite;
   });
   if (it == im.step_graphs.end()) {
     constexpr size_t kMaxGraphs = 8;
@@ -440,8 +440,7 @@ void GpuTransformer::forward_backward_device(const int32_t* tokens, const int32_
                                   [](const auto& a, const auto& b) { return a.last_use < b.last_use; });
       im.step_graphs.erase(lru);
     }
-    im.step_graphs.push_back(
-        {tokens, targets, B, T, loss_scale, overwrite, im.sink, std::make_unique<Impl::Graph>(), 0});
+    im.step_graphs.push_back({tokens, targets, B, T, loss_scale, overwrite, std::make_unique<Impl::Graph>(), 0});
     it = im.step_graphs.end() - 1;
   }
   it->last_use = ++im.graph_uses;
@@ -693,12 +692,10 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     bias_sum(blk.qkv->db, dqkv, Q);
     linear_dx(blk.qkv, "gemm qkv dX", dln, dqkv);
     norm_bwd(blk.n1, L.res_in, L.ln1_mean, L.ln1_rstd, l > 0 ? im.blocks[l - 1].mproj->db : nullptr);
-    if (im.sink) hand_over_gradients(l);
   }
   im.marks.layer = -1;
   mark("embedding bwd");
   gpu::embedding_backward(im.dwte, im.dwpe, dres, tokens, B, T, C, V, im.emb_ws, im.emb_ws_bytes, s);
-  if (im.sink) hand_over_gradients(-1);
 }
 
 

@@ -247,24 +247,11 @@ class GpuTransformer {
   void step_adamw(const GpuAdamW& hyper);
   // The gradient norm before clipping of the last step_adamw (waits for the device).
   double last_grad_norm();
-
-  // --- data parallel ------------------------------------------------------------------
-  // Where the backward hands the gradients as it finishes them, so that a collective on
-  // them (train/gpu_step.cu's all-reduce) overlaps the rest of the backward.
-  struct GradientSink {
-    virtual ~GradientSink() = default;
-    // data[0, n) (fp32, a range of the storage layout) holds its final gradients once the
-    // work queued on `stream` so far has run. Called while the backward is being queued;
-    // the sink may queue work of its own on other streams, ordered after `stream`.
-    virtual void ready(float* data, size_t n, cudaStream_t stream) = 0;
-    // Every range was handed over: `stream` must wait for the work the sink queued.
-    virtual void finish(cudaStream_t stream) = 0;
-  };
-  // While a sink is set, every forward_backward_device hands it the gradients block by
-  // block from the last, then the rest (embedding, final norm, LM head, adapters): ranges
-  // that cover the gradients once. A captured graph includes the sink's work (the sink is
-  // part of the graph's key). Null: none.
-  void set_gradient_sink(GradientSink* sink);
+  // The gradients in the storage layout (fp32, stored_params() of them, contiguous), for a
+  // data-parallel collective between the last micro-batch's backward and step_adamw. Lazy
+  // zeroing is settled first (asynchronous).
+  float* device_gradients();
+  size_t stored_params() const { return nstored_; }
 
   // --- Linear kinds ---------------------------------------------------------------------
   // The kind of a block Linear layer, by its weight's name ("blocks.3.mlp.fc.weight"):
@@ -473,10 +460,6 @@ class GpuTransformer {
   void block_forward(int l, int B, int T, bool again);
   void head(const int32_t* targets, int B, int T, bool train, double loss_scale, bool overwrite = false);
   void backward_body(const int32_t* tokens, int B, int T, bool overwrite);
-  // The storage layout's range [begin, end) of each block's tensors (adapters excluded).
-  std::vector<std::pair<size_t, size_t>> block_state_ranges() const;
-  // Block l's gradients to the sink (l < 0: the rest, then finish).
-  void hand_over_gradients(int l);
   void forward_backward_body(const int32_t* tokens, const int32_t* targets, int B, int T, double loss_scale,
                              bool overwrite);
   // Finishes a zero_grad whose zeros the backward was to write.

@@ -84,47 +84,6 @@ GpuModelOptions model_options(const TrainConfig& cfg) {
   return o;
 }
 
-// Data parallel: each range of gradients the backward finishes is averaged over the ranks
-// on a stream of its own while the backward goes on (GpuTransformer::GradientSink).
-class GradientAllReduce final : public GpuTransformer::GradientSink {
- public:
-  explicit GradientAllReduce(NcclComm& comm) : comm_(comm) {
-    int least = 0, greatest = 0;
-    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
-    CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
-  }
-  ~GradientAllReduce() override {
-    for (cudaEvent_t e : ready_) cudaEventDestroy(e);
-    cudaEventDestroy(done_);
-    cudaStreamDestroy(stream_);
-  }
-  void ready(float* data, size_t n, cudaStream_t stream) override {
-    if (n == 0) return;
-    if (next_ == ready_.size()) {
-      cudaEvent_t e = nullptr;
-      CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-      ready_.push_back(e);
-    }
-    cudaEvent_t e = ready_[next_++];
-    CUDA_CHECK(cudaEventRecord(e, stream));
-    CUDA_CHECK(cudaStreamWaitEvent(stream_, e, 0));
-    comm_.all_reduce_mean(data, n, stream_);
-  }
-  void finish(cudaStream_t stream) override {
-    CUDA_CHECK(cudaEventRecord(done_, stream_));
-    CUDA_CHECK(cudaStreamWaitEvent(stream, done_, 0));
-    next_ = 0;
-  }
-
- private:
-  NcclComm& comm_;
-  cudaStream_t stream_ = nullptr;
-  std::vector<cudaEvent_t> ready_;  // one per range of a backward, reused by the next
-  size_t next_ = 0;
-  cudaEvent_t done_ = nullptr;
-};
-
 class GpuStep final : public StepBackend {
  public:
   GpuStep(const TrainConfig& cfg, Transformer<float>& host, Moments m, Moments v, int64_t steps_done,
@@ -165,10 +124,7 @@ class GpuStep final : public StepBackend {
     x_.resize(size_t(cfg_.batch_size) * cfg_.seq_len);
     y_.resize(x_.size());
     gpu_name_ = current_gpu_name();
-    if (ranks) {
-      comm_ = std::make_unique<NcclComm>(*ranks);
-      all_reduce_ = std::make_unique<GradientAllReduce>(*comm_);
-    }
+    if (ranks) comm_ = std::make_unique<NcclComm>(*ranks);
     model_.synchronize();
     CUDA_CHECK(cudaMallocHost(&host_health_, sizeof(StepHealth)));  // last: nothing throws after it
   }
@@ -194,15 +150,13 @@ class GpuStep final : public StepBackend {
     for (int micro = 0; micro < accum; ++micro) {
       data.next_batch(x_.data(), y_.data());
       model_.upload_batch(x_.data(), y_.data(), B, T);
-      // The last micro-batch's backward hands its gradients to the all-reduce as it goes.
-      if (micro == accum - 1) model_.set_gradient_sink(all_reduce_.get());
       model_.forward_backward_device(model_.device_tokens(), model_.device_targets(), B, T, 1.0 / accum);
-      model_.set_gradient_sink(nullptr);
       add_micro_loss_kernel<<<1, 1, 0, s>>>(health_, model_.device_loss(), micro == 0);
       CUDA_CHECK_LAUNCH("GPU training (loss accumulation)");
     }
     int micro_batches = accum;
-    if (comm_) {  // every rank's loss sum (the gradients are averaged already), so every rank logs the same
+    if (comm_) {  // every rank's sums, so that every rank takes the same step
+      comm_->all_reduce_mean(model_.device_gradients(), model_.stored_params(), s);
       comm_->all_reduce_sum(&health_->loss_sum, 1, s);
       micro_batches *= comm_->size();
     }
@@ -364,7 +318,6 @@ class GpuStep final : public StepBackend {
   Moments m_, v_;  // host copies of the moments, filled by state_to_host
   std::string gpu_name_;
   std::unique_ptr<NcclComm> comm_;  // data parallel: the other ranks' GPUs
-  std::unique_ptr<GradientAllReduce> all_reduce_;
 };
 
 }  // namespace

@@ -141,7 +141,6 @@ struct GpuTransformer::Impl {
     int B = 0, T = 0;
     double loss_scale = 0;
     bool overwrite = false;
-    GradientSink* sink = nullptr;
     std::unique_ptr<Graph> graph;
     uint64_t last_use = 0;
   };
@@ -169,7 +168,6 @@ struct GpuTransformer::Impl {
   gpu_model::ZeroChunk* zero_chunks = nullptr;  // zero_grad's table (device)
   int64_t num_zero_chunks = 0;
   bool zero_pending = false;  // zero_grad ran; the backward is to overwrite the rest
-  GradientSink* sink = nullptr;  // set_gradient_sink
 
   // The parameter state (GpuTransformer::lay_out_state) in the storage layout `stored`:
   // the flat layout's tensors, a slope weight as its kept values [out, in/2].

@@ -421,31 +421,9 @@ void GpuTransformer::zero_grad() {
   im.zero_pending = true;
 }
 
-std::vector<std::pair<size_t, size_t>> GpuTransformer::block_state_ranges() const {
-  const Impl& im = *impl_;
-  std::vector<std::pair<size_t, size_t>> ranges(cfg_.n_layer, {SIZE_MAX, 0});
-  // The flat tensors come first in the storage layout, a block's together.
-  for (size_t i = 0; i < infos_.size(); ++i) {
-    if (im.stored[i].name.rfind("blocks.", 0) != 0) continue;
-    const int l = layer_of(im.stored[i].name);
-    ranges[l].first = std::min(ranges[l].first, im.stored[i].offset);
-    ranges[l].second = std::max(ranges[l].second, im.stored[i].offset + im.stored[i].numel);
-  }
-  return ranges;
-}
-
-void GpuTransformer::set_gradient_sink(GradientSink* sink) { impl_->sink = sink; }
-
-void GpuTransformer::hand_over_gradients(int l) {
-  Impl& im = *impl_;
-  const auto ranges = block_state_ranges();
-  if (l >= 0) {
-    im.sink->ready(im.grad + ranges[l].first, ranges[l].second - ranges[l].first, stream_);
-    return;
-  }
-  im.sink->ready(im.grad, ranges.front().first, stream_);
-  im.sink->ready(im.grad + ranges.back().second, nstored_ - ranges.back().second, stream_);
-  im.sink->finish(stream_);
+float* GpuTransformer::device_gradients() {
+  settle_zero_grad();
+  return impl_->grad;
 }
 
 void GpuTransformer::settle_zero_grad() const {
