@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "model/linear_precision.h"
 
 namespace esplag {
 
@@ -40,6 +41,7 @@ struct LinearParams {
   T* bias = nullptr;     // [out] or null
   T* dweight = nullptr;  // gradient buffers, same shapes
   T* dbias = nullptr;
+  LinearPrecision precision;  // of the products (the model's, Transformer::set_linear_precision)
 };
 
 // A trained tensor owned by a Linear kind: value and gradient of the same shape.
@@ -81,14 +83,26 @@ class Linear {
   virtual void sparse_weight(T* out) const { dense_weight(out); }
 
   const LinearParams<T>& params() const { return p_; }
+  // From the next product on (a LoRA wrapper passes it to its inner kind).
+  virtual void set_precision(const LinearPrecision& precision) { p_.precision = precision; }
+  // Operand values the fp8 casts saturated so far (0 in full precision).
+  virtual int64_t fp8_saturated() const { return fp8_.saturated(); }
 
  protected:
+  // What a product multiplies for operand `x` of n values (model/linear_precision.h): x
+  // itself, or in fp8 its quantised copy, valid until the next call for the same role.
+  const T* operand(ProductOperand role, const T* x, int64_t n) const { return fp8_(p_.precision, role, x, n); }
+  // dbias += the column sums of dout [N, out] (when there is a bias): exact sums of dY in
+  // every precision, apart from the products' operands.
+  void bias_backward(const T* dout, int N) const;
+
   // The dense GEMMs on the flat-buffer weight (profiled as dense_gemm ops), for kinds
   // whose products are dense.
   void dense_forward(T* out, const T* inp, int N) const;
   void dense_backward(T* dinp, const T* dout, const T* inp, int N) const;
 
   LinearParams<T> p_;
+  mutable Fp8Operands<T> fp8_;
 };
 
 // The baseline kind: dense GEMMs for forward, dX and dW.

@@ -16,6 +16,7 @@
 //     count of MVUE draws (no draw is taken twice).
 // Everything else is built afresh from the flat-buffer weight.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -116,6 +117,33 @@ template <typename V>
 SlotIndex slot_index(const Compressed24T<V>& c);
 template <typename V>
 SlotIndex slot_index(const CompressedVNMT<V>& c);
+
+// The values of a compressed weight.
+template <typename T>
+std::vector<T>& stored_values(Compressed24T<T>& c) {
+  return c.values;
+}
+template <typename T>
+std::vector<T>& stored_values(CompressedVNMT<T>& c) {
+  return c.inner.values;
+}
+template <typename T>
+const std::vector<T>& stored_values(const Compressed24T<T>& c) {
+  return c.values;
+}
+template <typename T>
+const std::vector<T>& stored_values(const CompressedVNMT<T>& c) {
+  return c.inner.values;
+}
+// `c` as a product multiplies it, given the values the product takes (Linear::operand of
+// c's values): c itself when they are its own (full precision), else `copy` made c with them.
+template <typename C, typename T>
+const C& with_values(const C& c, const T* values, C& copy) {
+  if (values == stored_values(c).data()) return c;
+  copy = c;
+  std::copy_n(values, stored_values(copy).size(), stored_values(copy).data());
+  return copy;
+}
 
 // values[s] = (keep == null || keep[pos(s)]) ? dense[pos(s)] : 0.
 template <typename T>

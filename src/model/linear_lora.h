@@ -35,6 +35,12 @@ class LoraLinear final : public Linear<T> {
   // inner's effective weight + (alpha/r)·B·A.
   void dense_weight(T* out) const override;
   void sparse_weight(T* out) const override { inner_->sparse_weight(out); }
+  // The inner kind's products take the precision; the adapter's stay in full precision.
+  void set_precision(const LinearPrecision& precision) override {
+    Linear<T>::set_precision(precision);
+    inner_->set_precision(precision);
+  }
+  int64_t fp8_saturated() const override { return inner_->fp8_saturated(); }
 
   Linear<T>& inner() { return *inner_; }
   const Linear<T>& inner() const { return *inner_; }

@@ -135,38 +135,44 @@ void SemiSparseLinear<T>::forward(T* out, const T* inp, int N) {
   const double M = N, K = p.in_features, O = p.out_features;
   ScopedOp op({p.module, "fwd"}, OpCategory::sparse_gemm, p.layer, M * K * O,
               sizeof(T) * (M * K + K * O / 2 + M * O), {inp, p.weight}, {out});
-  cpu::linear_forward(out, inp, ws_.data(), p.bias, N, p.in_features, p.out_features);
+  cpu::linear_forward(out, this->operand(ProductOperand::input, inp, int64_t(N) * p.in_features),
+                      this->operand(ProductOperand::weight, ws_.data(), int64_t(ws_.size())), p.bias, N, p.in_features,
+                      p.out_features);
 }
 
 template <typename T>
 void SemiSparseLinear<T>::backward(T* dinp, const T* dout, const T* inp, int N) {
   const auto& p = this->p_;
   const double M = N, K = p.in_features, O = p.out_features;
+  const T* dy = this->operand(ProductOperand::grad, dout, int64_t(N) * p.out_features);
   if (dinp) {
     // The weight has not changed since the forward, so the mask is the forward's; it is
     // recomputed rather than cached so that backward never sees a stale copy.
     sparsify_weight();
     ScopedOp op({p.module, "bwd.dx"}, OpCategory::sparse_gemm, p.layer, M * K * O,
                 sizeof(T) * (2 * M * K + K * O / 2 + M * O), {dout, p.weight}, {dinp});
-    cpu::linear_backward(dinp, static_cast<T*>(nullptr), static_cast<T*>(nullptr), dout, inp, ws_.data(), N,
-                         p.in_features, p.out_features);
+    cpu::linear_backward(dinp, static_cast<T*>(nullptr), static_cast<T*>(nullptr), dy, inp,
+                         this->operand(ProductOperand::weight, ws_.data(), int64_t(ws_.size())), N, p.in_features,
+                         p.out_features);
   }
+  const T* x = this->operand(ProductOperand::input, inp, int64_t(N) * p.in_features);
   if (dw_.on()) {
     // dW = S·X, S = MVUE(dYᵀ) 2:4 along the tokens (the product's reduction dimension); the
     // bias gradient from dY itself, exact.
     const T* st = dw_.draw(p, dout, N);
     ScopedOp op({p.module, "bwd.dw"}, OpCategory::sparse_gemm, p.layer, M * K * O,
                 sizeof(T) * (M * K + 2 * K * O + M * O / 2) + M * O / 8, {st, dout, inp}, {p.dweight, p.dbias});
-    cpu::linear_backward(static_cast<T*>(nullptr), p.dweight, static_cast<T*>(nullptr), st, inp, p.weight, N,
+    cpu::linear_backward(static_cast<T*>(nullptr), p.dweight, static_cast<T*>(nullptr),
+                         this->operand(ProductOperand::grad, st, int64_t(N) * p.out_features), x, p.weight, N,
                          p.in_features, p.out_features);
-    cpu::linear_backward(static_cast<T*>(nullptr), static_cast<T*>(nullptr), p.dbias, dout, inp, p.weight, N,
-                         p.in_features, p.out_features);
+    this->bias_backward(dout, N);
     return;
   }
   ScopedOp op({p.module, "bwd.dw"}, OpCategory::dense_gemm, p.layer, 2 * M * K * O,
               sizeof(T) * (M * K + 2 * K * O + M * O), {dout, inp}, {p.dweight, p.dbias});
-  cpu::linear_backward(static_cast<T*>(nullptr), p.dweight, p.dbias, dout, inp, p.weight, N, p.in_features,
-                       p.out_features);
+  cpu::linear_backward(static_cast<T*>(nullptr), p.dweight, static_cast<T*>(nullptr), dy, x, p.weight, N,
+                       p.in_features, p.out_features);
+  this->bias_backward(dout, N);
 }
 
 // --- semi_sparse_activation ------------------------------------------------------------------
@@ -207,17 +213,21 @@ void SemiSparseActivationLinear<T>::forward(T* out, const T* inp, int N) {
   const double M = N, K = p.in_features, O = p.out_features;
   ScopedOp op({p.module, "fwd"}, OpCategory::sparse_gemm, p.layer, M * K * O,
               sizeof(T) * (M * K / 2 + K * O + M * O), {xs_.data(), p.weight}, {out});
-  cpu::linear_forward(out, xs_.data(), p.weight, p.bias, N, p.in_features, p.out_features);
+  cpu::linear_forward(out, this->operand(ProductOperand::input, xs_.data(), int64_t(xs_.size())),
+                      this->operand(ProductOperand::weight, p.weight, int64_t(p.out_features) * p.in_features),
+                      p.bias, N, p.in_features, p.out_features);
 }
 
 template <typename T>
 void SemiSparseActivationLinear<T>::backward(T* dinp, const T* dout, const T* inp, int N) {
   const auto& p = this->p_;
   const double M = N, K = p.in_features, O = p.out_features;
+  const T* dy = this->operand(ProductOperand::grad, dout, int64_t(N) * p.out_features);
   if (dinp) {
     ScopedOp op({p.module, "bwd.dx"}, OpCategory::dense_gemm, p.layer, 2 * M * K * O,
                 sizeof(T) * (2 * M * K + K * O + M * O), {dout, p.weight}, {dinp});
-    cpu::linear_backward(dinp, static_cast<T*>(nullptr), static_cast<T*>(nullptr), dout, inp, p.weight, N,
+    cpu::linear_backward(dinp, static_cast<T*>(nullptr), static_cast<T*>(nullptr), dy, inp,
+                         this->operand(ProductOperand::weight, p.weight, int64_t(p.out_features) * p.in_features), N,
                          p.in_features, p.out_features);
   }
   // Recomputed from inp (the same input the forward pruned), not kept from the forward.
@@ -230,8 +240,10 @@ void SemiSparseActivationLinear<T>::backward(T* dinp, const T* dout, const T* in
   ScopedOp op({p.module, "bwd.dw"}, how_ == ActivationSparsity::tile_24 ? OpCategory::sparse_gemm : OpCategory::dense_gemm,
               p.layer, how_ == ActivationSparsity::tile_24 ? M * K * O : 2 * M * K * O,
               sizeof(T) * (M * K / 2 + 2 * K * O + M * O), {dout, xs_.data()}, {p.dweight, p.dbias});
-  cpu::linear_backward(static_cast<T*>(nullptr), p.dweight, p.dbias, dout, xs_.data(), p.weight, N, p.in_features,
-                       p.out_features);
+  cpu::linear_backward(static_cast<T*>(nullptr), p.dweight, static_cast<T*>(nullptr), dy,
+                       this->operand(ProductOperand::input, xs_.data(), int64_t(xs_.size())), p.weight, N,
+                       p.in_features, p.out_features);
+  this->bias_backward(dout, N);
 }
 
 template class MvueWeightGrad<float>;

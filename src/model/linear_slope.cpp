@@ -235,13 +235,20 @@ void SlopeLinear<T>::adapter_forward_add(T* out, const T* inp, int N) {
 }
 
 template <typename T>
+const Compressed24T<T>& SlopeLinear<T>::product_weight(const Compressed24T<T>& c) {
+  return linear_detail::with_values(
+      c, this->operand(ProductOperand::weight, c.values.data(), int64_t(c.values.size())), wq_);
+}
+
+template <typename T>
 void SlopeLinear<T>::forward(T* out, const T* inp, int N) {
   const auto& p = this->p_;
   {
     const double M = N, K = p.in_features, O = p.out_features;
     ScopedOp op({p.module, "fwd"}, OpCategory::sparse_gemm, p.layer, M * K * O,
                 sizeof(T) * (M * K + K * O / 2 + M * O) + K * O / 8, {inp, w1_.values.data()}, {out});
-    compressed_linear(out, inp, w1_, s1_, p.bias, N);
+    compressed_linear(out, this->operand(ProductOperand::input, inp, int64_t(N) * p.in_features),
+                      product_weight(w1_), s1_, p.bias, N);
   }
   if (rank_ > 0) adapter_forward_add(out, inp, N);
 }
@@ -277,13 +284,15 @@ void SlopeLinear<T>::backward(T* dinp, const T* dout, const T* inp, int N) {
   const auto& p = this->p_;
   const int64_t O = p.out_features, C = p.in_features;
   const double M = N, K = double(C), Od = double(O);
+  const T* dy = this->operand(ProductOperand::grad, dout, int64_t(N) * O);
   if (dinp) {
     tmp_.resize(size_t(N) * C);
     ScopedOp op({p.module, "bwd.dx"}, OpCategory::sparse_gemm, p.layer, M * K * Od,
                 sizeof(T) * (2 * M * K + K * Od / 2 + M * Od) + K * Od / 8, {dout, w2t_.values.data()}, {dinp});
-    compressed_linear(tmp_.data(), dout, w2t_, s2t_, static_cast<const T*>(nullptr), N);
+    compressed_linear(tmp_.data(), dy, product_weight(w2t_), s2t_, static_cast<const T*>(nullptr), N);
     for (size_t i = 0; i < tmp_.size(); ++i) dinp[i] += tmp_[i];
   }
+  const T* x = this->operand(ProductOperand::input, inp, int64_t(N) * C);
   if (dw_.on()) {
     // sparse_dw: the product S·X with S = MVUE(dYᵀ), 2:4 along the tokens, then the same
     // gather; the bias gradient from dY itself, exact.
@@ -292,10 +301,9 @@ void SlopeLinear<T>::backward(T* dinp, const T* dout, const T* inp, int N) {
     ScopedOp op({p.module, "bwd.dw"}, OpCategory::sparse_gemm, p.layer, M * K * Od,
                 sizeof(T) * (M * K + K * Od / 2 + M * Od / 2) + M * Od / 8, {st, dout, inp},
                 {dvalues_.data(), p.dbias});
-    cpu::linear_backward(static_cast<T*>(nullptr), scratch_.data(), static_cast<T*>(nullptr), st, inp, p.weight, N,
-                         int(C), int(O));
-    cpu::linear_backward(static_cast<T*>(nullptr), static_cast<T*>(nullptr), p.dbias, dout, inp, p.weight, N, int(C),
-                         int(O));
+    cpu::linear_backward(static_cast<T*>(nullptr), scratch_.data(), static_cast<T*>(nullptr),
+                         this->operand(ProductOperand::grad, st, int64_t(N) * O), x, p.weight, N, int(C), int(O));
+    this->bias_backward(dout, N);
     linear_detail::gather_add(dvalues_.data(), s1_, scratch_.data(), static_cast<const uint8_t*>(nullptr));
   } else {
     // On the GPU the gather of the kept positions is the dW GEMM's epilogue; here the dense
@@ -303,7 +311,9 @@ void SlopeLinear<T>::backward(T* dinp, const T* dout, const T* inp, int N) {
     scratch_.assign(size_t(O * C), T(0));
     ScopedOp op({p.module, "bwd.dw"}, OpCategory::dense_gemm, p.layer, 2 * M * K * Od,
                 sizeof(T) * (M * K + K * Od / 2 + M * Od), {dout, inp}, {dvalues_.data(), p.dbias});
-    cpu::linear_backward(static_cast<T*>(nullptr), scratch_.data(), p.dbias, dout, inp, p.weight, N, int(C), int(O));
+    cpu::linear_backward(static_cast<T*>(nullptr), scratch_.data(), static_cast<T*>(nullptr), dy, x, p.weight, N,
+                         int(C), int(O));
+    this->bias_backward(dout, N);
     linear_detail::gather_add(dvalues_.data(), s1_, scratch_.data(), static_cast<const uint8_t*>(nullptr));
   }
   if (rank_ > 0) {

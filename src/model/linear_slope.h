@@ -101,12 +101,15 @@ class SlopeLinear final : public Linear<T> {
   // per weight of them; the training paths grow them again on first use.
   void release_work_buffers();
   void adapter_forward_add(T* out, const T* inp, int N);
+  // c (W1 or W2ᵀ) as the products multiply it: c itself, or in fp8 wq_ with its quantised values.
+  const Compressed24T<T>& product_weight(const Compressed24T<T>& c);
   std::string adapter_name(const char* what) const;
 
   int freq_;
   int64_t refresh_step_ = -1;
   std::vector<uint8_t> fwd_mask_, bwd_mask_, bwd_mask_t_;  // bwd_mask_t_: [in, out]
   Compressed24T<T> w1_, w2t_;
+  Compressed24T<T> wq_;  // W1 or W2ᵀ with fp8's quantised values (linear_detail::with_values)
   linear_detail::SlotIndex s1_, s2t_;
   ZeroedArray<T> dvalues_;
   int rank_ = 0;

@@ -83,10 +83,13 @@ void VnmLinear<T>::forward(T* out, const T* inp, int N) {
   ScopedOp op({p.module, "fwd"}, OpCategory::sparse_gemm, p.layer, 2 * M * kept,
               sizeof(T) * (M * K + kept + M * O) + kept / 4 + O * K / m_ / v_ * 4, {inp, w_.inner.values.data()},
               {out});
+  const T* x = this->operand(ProductOperand::input, inp, int64_t(N) * p.in_features);
+  const CompressedVNMT<T>& w = linear_detail::with_values(
+      w_, this->operand(ProductOperand::weight, w_.inner.values.data(), int64_t(w_.inner.values.size())), wq_);
   if constexpr (std::is_same_v<T, float>)
-    cpu::linear_vnm(out, inp, w_, p.bias, N);
+    cpu::linear_vnm(out, x, w, p.bias, N);
   else
-    linear_detail::slot_linear(out, inp, s_, w_.inner.values.data(), p.bias, N);
+    linear_detail::slot_linear(out, x, s_, w.inner.values.data(), p.bias, N);
 }
 
 template <typename T>
@@ -94,16 +97,21 @@ void VnmLinear<T>::backward(T* dinp, const T* dout, const T* inp, int N) {
   const auto& p = this->p_;
   const int64_t O = p.out_features, C = p.in_features;
   const double M = N, K = double(C), Od = double(O), kept = Od * K * 2 / m_;
+  const T* dy = this->operand(ProductOperand::grad, dout, int64_t(N) * O);
   if (dinp) {
     ScopedOp op({p.module, "bwd.dx"}, OpCategory::sparse_gemm, p.layer, 2 * M * kept,
                 sizeof(T) * (2 * M * K + kept + M * Od), {dout, w_.inner.values.data()}, {dinp});
-    linear_detail::slot_linear_dx(dinp, dout, s_, w_.inner.values.data(), N);
+    linear_detail::slot_linear_dx(
+        dinp, dy, s_,
+        this->operand(ProductOperand::weight, w_.inner.values.data(), int64_t(w_.inner.values.size())), N);
   }
   // On the GPU the gather of the kept positions is the dW GEMM's epilogue.
   scratch_.assign(size_t(O * C), T(0));
   ScopedOp op({p.module, "bwd.dw"}, OpCategory::dense_gemm, p.layer, 2 * M * K * Od,
               sizeof(T) * (M * K + kept + M * Od), {dout, inp}, {dvalues_.data(), p.dbias});
-  cpu::linear_backward(static_cast<T*>(nullptr), scratch_.data(), p.dbias, dout, inp, p.weight, N, int(C), int(O));
+  cpu::linear_backward(static_cast<T*>(nullptr), scratch_.data(), static_cast<T*>(nullptr), dy,
+                       this->operand(ProductOperand::input, inp, int64_t(N) * C), p.weight, N, int(C), int(O));
+  this->bias_backward(dout, N);
   linear_detail::gather_add(dvalues_.data(), s_, scratch_.data(), static_cast<const uint8_t*>(nullptr));
 }
 

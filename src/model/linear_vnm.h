@@ -63,6 +63,7 @@ class VnmLinear final : public Linear<T> {
   SparsityPattern pattern_;
   int v_ = 0, m_ = 0;  // block shape of the stored form (v_ = 1 for 2:M)
   CompressedVNMT<T> w_;
+  CompressedVNMT<T> wq_;  // w_ with fp8's quantised values (linear_detail::with_values)
   linear_detail::SlotIndex s_;
   ZeroedArray<T> dvalues_;
   std::vector<T> scratch_;

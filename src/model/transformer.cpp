@@ -267,6 +267,7 @@ LinearParams<T> Transformer<T>::linear_params(const std::string& weight_name) {
   lp.in_features = static_cast<int>(info.shape[1]);
   lp.weight = params_.data() + info.offset;
   lp.dweight = grads_.data() + info.offset;
+  lp.precision = linear_precision_;
   const std::string bias_name = weight_name.substr(0, weight_name.size() - 7) + ".bias";  // "weight" -> "bias"
   for (const auto& bi : infos_)
     if (bi.name == bias_name) {
@@ -303,11 +304,27 @@ void Transformer<T>::replace_linear(const std::string& weight_name, std::unique_
     auto& b = blocks_[l];
     for (auto* slot : {&b.qkv, &b.attn_proj, &b.fc, &b.mlp_proj})
       if ((*slot)->params().name == weight_name) {
+        fp8_saturated_replaced_ += (*slot)->fp8_saturated();
+        impl->set_precision(linear_precision_);
         *slot = std::move(impl);
         return;
       }
   }
   fail("model has no linear layer with weight '", weight_name, "'");
+}
+
+template <typename T>
+void Transformer<T>::set_linear_precision(const LinearPrecision& precision) {
+  linear_precision_ = precision;
+  for (const auto& name : linear_names()) linear(name).set_precision(precision);
+}
+
+template <typename T>
+int64_t Transformer<T>::fp8_saturated() const {
+  int64_t n = fp8_saturated_replaced_;
+  for (const auto& b : blocks_)
+    for (const auto* slot : {&b.qkv, &b.attn_proj, &b.fc, &b.mlp_proj}) n += (*slot)->fp8_saturated();
+  return n;
 }
 
 size_t transformer_activation_elements(const ModelConfig& c, int B, int Tlen, const ActivationCheckpointing& ckpt) {

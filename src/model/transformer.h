@@ -113,7 +113,14 @@ class Transformer {
   std::vector<std::string> linear_names() const;
   Linear<T>& linear(const std::string& weight_name);
   LinearParams<T> linear_params(const std::string& weight_name);
+  // Installs `impl` with the model's linear precision.
   void replace_linear(const std::string& weight_name, std::unique_ptr<Linear<T>> impl);
+  // The precision of every block linear's products (train.precision, model/linear_precision.h):
+  // the current layers take it, and so do the layers installed later. Default: full precision.
+  void set_linear_precision(const LinearPrecision& precision);
+  const LinearPrecision& linear_precision() const { return linear_precision_; }
+  // Operand values the block linears' fp8 casts saturated so far, replaced layers included.
+  int64_t fp8_saturated() const;
 
  private:
   struct Norm {
@@ -152,6 +159,8 @@ class Transformer {
   Norm norm_f_;
   T *wte_ = nullptr, *dwte_ = nullptr, *wpe_ = nullptr, *dwpe_ = nullptr, *head_w_ = nullptr, *head_dw_ = nullptr;
   ActivationCheckpointing ckpt_;
+  LinearPrecision linear_precision_;
+  int64_t fp8_saturated_replaced_ = 0;  // by layers since replaced
   std::unique_ptr<Activations> acts_;
 };
 

@@ -189,6 +189,8 @@ const std::vector<Field>& fields() {
              to_string),
       integer("train.checkpointing_every", ref(&T::checkpointing, &ActivationCheckpointing::every), 1, kIntMax),
       text("train.memory", ref(&T::memory), {"fixed", "auto"}),
+      text("train.precision", ref(&T::precision), {"bf16", "fp8"}),
+      text("train.fp8_grad", ref(&T::fp8_grad), {"e5m2", "e4m3"}),
       text("train.init_from", ref(&T::init_from)),
       real("optimizer.lr", ref(&T::optimizer, &O::lr), {0, kInf, true, true}),
       real("optimizer.beta1", ref(&T::optimizer, &O::beta1), {0, 1, false, true}),
@@ -315,6 +317,10 @@ void TrainConfig::validate() const {
 }
 
 Recipe TrainConfig::recipe() const { return Recipe::parse(recipe_yaml, source); }
+
+LinearPrecision TrainConfig::linear_precision() const {
+  return {precision == "fp8", fp8_format_from(fp8_grad, "train.fp8_grad")};
+}
 
 TrainConfig parse_train_config(const std::string& yaml_text, const std::string& source,
                                const std::vector<std::string>& overrides) {

@@ -12,6 +12,7 @@
 
 #include "model/activation_checkpointing.h"
 #include "model/config.h"
+#include "model/linear_precision.h"
 #include "train/recipe.h"
 #include "train/schedule.h"
 
@@ -51,6 +52,11 @@ struct TrainConfig {
   // train.memory: fixed runs the settings as written; auto chooses train.checkpointing for
   // the memory at hand when the run starts (train/memory_plan.h, apply_train_memory).
   std::string memory = "fixed";
+  // train.precision: bf16 | fp8, the block Linear layers' products (docs/fp8.md). On the CPU,
+  // bf16 computes in fp32 as every other op does; fp8 emulates e4m3 operands (model/linear_precision.h).
+  std::string precision = "bf16";
+  // train.fp8_grad: e5m2 | e4m3, the output gradient's format in fp8.
+  std::string fp8_grad = "e5m2";
   // A run or checkpoint directory (e.g. one `esplag import` wrote) whose weights start the
   // run instead of the initialisation, at step 0 with fresh optimizer state; the model
   // section is then the checkpoint's (train/checkpoint.h, init_from_model).
@@ -74,6 +80,8 @@ struct TrainConfig {
   // The checks of validate() that do not depend on the model section (what a config with
   // train.init_from can be checked for before the checkpoint's model is known).
   void validate_settings() const;
+  // train.precision and train.fp8_grad as the model's layers take them.
+  LinearPrecision linear_precision() const;
   // The recipe list, parsed (errors and describe() name `source`); empty for dense training.
   Recipe recipe() const;
 };

@@ -271,6 +271,9 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
   }
   std::string why;
   if (!parts.empty()) why = "the run needs sparse Linear kinds that the GPU does not train yet (" + join(parts, "; ") + ")";
+  if (config.precision == "fp8")
+    why += std::string(why.empty() ? "" : "; ") +
+           "train.precision is fp8, which only the CPU's emulation trains so far (docs/fp8.md)";
   // Only the CPU step computes the distillation loss so far.
   if (!config.recipe_yaml.empty())
     if (const Recipe::Modifier* d = config.recipe().distill())

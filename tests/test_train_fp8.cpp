@@ -1,0 +1,64 @@
+// train.precision and train.fp8_grad: parsing, errors, what the layers get, and the GPU's
+// refusal of fp8 (emulated on the CPU only so far).
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "core/error.h"
+#include "train/config.h"
+#include "train/trainer.h"
+
+using namespace esplag;
+
+namespace {
+
+std::string error_of(const std::string& yaml) {
+  try {
+    parse_train_config(yaml, "run.yaml", {});
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(TrainPrecision, DefaultsAndFp8Settings) {
+  const TrainConfig plain = parse_train_config("", "run.yaml", {});
+  EXPECT_EQ(plain.precision, "bf16");
+  EXPECT_EQ(plain.linear_precision(), LinearPrecision{});
+  const TrainConfig c = parse_train_config("train:\n  precision: fp8\n", "run.yaml", {});
+  EXPECT_EQ(c.linear_precision(), (LinearPrecision{true, Fp8Format::e5m2}));
+  const TrainConfig g = parse_train_config("train:\n  precision: fp8\n", "run.yaml", {"train.fp8_grad=e4m3"});
+  EXPECT_EQ(g.linear_precision(), (LinearPrecision{true, Fp8Format::e4m3}));
+  // Saved and read back.
+  const TrainConfig back = parse_train_config(to_yaml(g), "config.yaml", {});
+  EXPECT_EQ(back.linear_precision(), g.linear_precision());
+}
+
+TEST(TrainPrecision, UnknownValuesAreKeyErrors) {
+  const std::string fp16 = error_of("train:\n  precision: fp16\n");
+  EXPECT_NE(fp16.find("train.precision"), std::string::npos) << fp16;
+  EXPECT_NE(fp16.find("fp16"), std::string::npos) << fp16;
+  EXPECT_NE(fp16.find("bf16"), std::string::npos) << fp16;
+  const std::string grad = error_of("train:\n  fp8_grad: e3m4\n");
+  EXPECT_NE(grad.find("train.fp8_grad"), std::string::npos) << grad;
+}
+
+TEST(TrainPrecision, GpuTrainingRefusesFp8AndAutoStaysOnTheCpu) {
+  TrainConfig c;
+  EXPECT_EQ(gpu_training_blocker(c), "");
+  c.precision = "fp8";
+  const std::string why = gpu_training_blocker(c);
+  EXPECT_NE(why.find("train.precision is fp8"), std::string::npos) << why;
+  const DeviceProbe gpu{true, 1, ""};
+  const DeviceChoice choice = choose_train_device("auto", gpu, why);
+  EXPECT_EQ(choice.device, "cpu");
+  EXPECT_NE(choice.note.find("train.precision is fp8"), std::string::npos) << choice.note;
+  try {
+    choose_train_device("cuda", gpu, why);
+    FAIL() << "train.device=cuda with fp8 must be refused";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("train.precision is fp8"), std::string::npos) << e.what();
+  }
+}
