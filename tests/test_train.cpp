@@ -178,6 +178,32 @@ TEST(Trainer, SparseDwRunResumesBitIdentically) {
   EXPECT_NE(std::memcmp(plain.model().params(), a.params(), a.num_params() * sizeof(float)), 0);
 }
 
+// train.precision fp8 reaches the layers (another run than full precision) and resumes bit
+// for bit, as every CPU run does.
+TEST(Trainer, Fp8RunResumesBitIdentically) {
+  const fs::path dir = scratch("resume_fp8");
+  const std::string data = make_dataset(dir);
+  TrainConfig cfg = small_config(data);
+  cfg.recipe_yaml = "- slope: {params: ['re:blocks\\.\\d+\\.mlp\\..*']}\n";
+  Trainer plain(cfg, (dir / "plain").string(), quiet);
+  plain.run();
+  cfg.precision = "fp8";
+  Trainer full(cfg, (dir / "full").string(), quiet);
+  const TrainResult r = full.run();
+  EXPECT_TRUE(std::isfinite(r.last_loss));
+  EXPECT_NE(std::memcmp(plain.model().params(), full.model().params(), plain.model().num_params() * sizeof(float)), 0);
+
+  const fs::path part = dir / "part";
+  fs::create_directories(part);
+  fs::copy(dir / "full" / "step-000003", part / "step-000003", fs::copy_options::recursive);
+  std::ofstream(part / "latest") << "step-000003\n";
+  auto resumed = Trainer::resume(part.string(), quiet);
+  resumed->run();
+  ASSERT_EQ(full.model().num_params(), resumed->model().num_params());
+  EXPECT_EQ(std::memcmp(full.model().params(), resumed->model().params(), full.model().num_params() * sizeof(float)),
+            0);
+}
+
 TEST(Trainer, LossFallsOnStructuredText) {
   const fs::path dir = scratch("falls");
   const std::string data = make_dataset(dir);

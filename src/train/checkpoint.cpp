@@ -311,6 +311,7 @@ void load_checkpoint_weights(const std::string& checkpoint_dir, Transformer<floa
 std::unique_ptr<Transformer<float>> load_model(const std::string& checkpoint_dir, CheckpointContents* info_out) {
   const CheckpointContents info = read_checkpoint_info(checkpoint_dir);
   auto model = std::make_unique<Transformer<float>>(info.config.model);
+  model->set_linear_precision(info.config.linear_precision());  // eval and sample compute as training did
   if (!info.config.recipe_yaml.empty()) {
     Recipe recipe = Recipe::parse(info.config.recipe_yaml, checkpoint_dir + " (recipe in the saved config)");
     recipe.validate(linear_shapes(*model), info.config.steps);

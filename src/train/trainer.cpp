@@ -320,6 +320,7 @@ Trainer::Trainer(TrainConfig config, std::string run_dir, LogFn log)
   // Initialised on the host whatever the device, so a CPU and a GPU run of one config
   // start from the same weights.
   model_ = std::make_unique<Transformer<float>>(cfg_.model);
+  model_->set_linear_precision(cfg_.linear_precision());
   model_->init_weights(cfg_.seed);
   if (!cfg_.init_from.empty()) load_init_weights(cfg_.init_from, *model_);
   state_.rng = Rng(cfg_.seed).state();
@@ -412,6 +413,7 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, cons
     t->log_(memory);
   check_host_memory(t->cfg_, t->device_, available_host_bytes());
   t->model_ = std::make_unique<Transformer<float>>(t->cfg_.model);
+  t->model_->set_linear_precision(t->cfg_.linear_precision());
   t->setup_recipe();
   build_kinds_after(*t->model_, t->recipe_, saved, t->cfg_.seed);
   Moments m, v;
@@ -655,6 +657,12 @@ TrainResult Trainer::run() {
       append_metrics(js.dump());
       t_window = now;
       window_tokens = 0;
+      if (const int64_t saturated = model_->fp8_saturated(); saturated > fp8_saturated_logged_) {
+        log_("step " + std::to_string(state_.step) + ": warning: fp8 casts saturated " +
+             std::to_string(saturated - fp8_saturated_logged_) +
+             " values since the last line (clipped to the format's largest, or infinite; docs/fp8.md)");
+        fp8_saturated_logged_ = saturated;
+      }
     }
     if (eval_now && leader()) {
       const EvalResult ev = evaluate();

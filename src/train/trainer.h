@@ -227,6 +227,7 @@ class Trainer {
   std::string last_checkpoint_;
   std::unique_ptr<RunLock> lock_;
   std::string nothing_to_do_;  // why a resumed run has no step to run ("" when it has)
+  int64_t fp8_saturated_logged_ = 0;  // the model's fp8_saturated() at the last warning
 };
 
 // Loss and perplexity of a checkpoint on a data split ("val" or "train"), on `device`:
