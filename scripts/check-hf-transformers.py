@@ -24,6 +24,7 @@ Prints a table; exits 1 on any mismatch. Usage:
 and, given an esplag binary, evaluates an imported fixture on a shard written here.
 """
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -77,17 +78,12 @@ def windows(tokens, n, seq=SEQ):
 
 
 def bytes_to_unicode():
-    """GPT-2's byte-level alphabet: every byte as a printable character."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    """GPT-2's byte-level alphabet: every byte as a printable character (make-hf-fixtures.py's)."""
+    spec = importlib.util.spec_from_file_location("make_hf_fixtures", os.path.join(os.path.dirname(__file__),
+                                                                                     "make-hf-fixtures.py"))
+    fixtures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fixtures)
+    return fixtures.byte_to_unicode()
 
 
 def write_byte_tokenizer(path):

@@ -4,14 +4,12 @@
 #include <dlfcn.h>
 
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <thread>
-#include <vector>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "core/shared_library.h"
 #include "dist/host_channel.h"
 
 #ifdef ESPLAG_HAVE_NCCL
@@ -39,25 +37,8 @@ struct NcclApi {
 const NcclApi& nccl() {
   static const NcclApi api = [] {
     NcclApi a;
-    std::vector<std::string> candidates;
-    if (const char* env = std::getenv("ESPLAG_NCCL_LIB"); env && *env) {
-      std::error_code ec;
-      const std::filesystem::path p(env);
-      candidates.push_back(std::filesystem::is_directory(p, ec) ? (p / "libnccl.so.2").string() : p.string());
-    }
-    candidates.push_back("libnccl.so.2");
-    void* so = nullptr;
-    std::string tried;
-    for (const std::string& c : candidates) {
-      if ((so = ::dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL))) break;
-      const char* err = ::dlerror();
-      tried += (tried.empty() ? "" : "; ") + (err ? std::string(err) : c + ": not found");
-    }
-    if (!so) {
-      a.problem = "cannot load libnccl.so.2 (" + tried +
-                  "); put its folder on LD_LIBRARY_PATH or name the file or folder in ESPLAG_NCCL_LIB";
-      return a;
-    }
+    void* so = open_shared_library("ESPLAG_NCCL_LIB", "libnccl.so.2", &a.problem);
+    if (!so) return a;
 #define ESPLAG_RESOLVE(name)                                                                  \
   a.name = reinterpret_cast<decltype(a.name)>(::dlsym(so, "nccl" #name));                    \
   if (!a.name) {                                                                              \

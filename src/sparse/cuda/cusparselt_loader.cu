@@ -5,16 +5,14 @@
 
 #include <dlfcn.h>
 
-#include <cstdlib>
-#include <filesystem>
 #include <iostream>
 #include <mutex>
 #include <set>
 #include <string>
-#include <vector>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "core/shared_library.h"
 
 #ifdef ESPLAG_HAVE_CUSPARSELT
 #include "sparse/cuda/cusparselt_loader.h"
@@ -41,26 +39,8 @@ namespace {
 
 CusparseltLibrary* load_library() {
   auto* lib = new CusparseltLibrary();  // never destroyed: the handle must outlive every plan
-  std::vector<std::string> candidates;
-  if (const char* env = std::getenv("ESPLAG_CUSPARSELT_LIB"); env && *env) {
-    std::error_code ec;
-    const std::filesystem::path p(env);
-    candidates.push_back(std::filesystem::is_directory(p, ec) ? (p / "libcusparseLt.so.0").string() : p.string());
-  }
-  candidates.push_back("libcusparseLt.so.0");
-  void* so = nullptr;
-  std::string tried;
-  for (const std::string& c : candidates) {
-    so = ::dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (so) break;
-    const char* err = ::dlerror();
-    tried += (tried.empty() ? "" : "; ") + (err ? std::string(err) : c + ": not found");
-  }
-  if (!so) {
-    lib->reason = "cannot load libcusparseLt.so.0 (" + tried +
-                  "); put its folder on LD_LIBRARY_PATH or name the file or folder in ESPLAG_CUSPARSELT_LIB";
-    return lib;
-  }
+  void* so = open_shared_library("ESPLAG_CUSPARSELT_LIB", "libcusparseLt.so.0", &lib->reason);
+  if (!so) return lib;
   CusparseltApi& a = lib->api;
 #define ESPLAG_RESOLVE(name)                                                                   \
   a.name = reinterpret_cast<decltype(a.name)>(::dlsym(so, "cusparseLt" #name));               \
