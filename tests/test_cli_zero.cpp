@@ -213,6 +213,36 @@ TEST(CliZero, SlopeRecipeWhoseKindsChange) {
   }
 }
 
+// Rank 0 alone saves, so a stop signal's checkpoint needs the moments of every rank: the
+// ranks gather them after the step the signal ends.
+TEST(CliZero, AStopSignalSavesTheWholeOptimizerState) {
+  const auto& f = fixture();
+  const fs::path run_dir = root() / "interrupted";
+  fs::remove_all(run_dir);
+  const std::string train = std::string(ESPLAG_BINARY) + " --threads 1 train --gpus 2 --config " + f.config.string() +
+                            " --set parallel.zero=2 --set train.steps=100000 --set train.checkpoint_every=0" +
+                            " --out " + run_dir.string();
+  const fs::path script = root() / "interrupt.sh";
+  esplag::testing::write_text(script, train + " &\npid=$!\nfor i in $(seq 600); do\n  grep -q step '" +
+                                          (run_dir / "metrics.jsonl").string() +
+                                          "' 2>/dev/null && break\n  sleep 0.1\ndone\nkill -INT $pid\nwait $pid\n");
+  const Result r = esplag::testing::run_command("sh '" + script.string() + "'", root() / "sig.out", root() / "sig.err");
+  EXPECT_EQ(r.code, 130) << r.err;
+  std::string latest = esplag::read_file((run_dir / "latest").string());
+  ASSERT_EQ(latest.rfind("step-", 0), 0u) << latest;
+  latest = latest.substr(0, latest.find_first_of("\n"));
+  const auto model = esplag::load_safetensors((run_dir / latest / "model.safetensors").string());
+  const auto optimizer = esplag::load_safetensors((run_dir / latest / "optimizer.safetensors").string());
+  int64_t params = 0, moments = 0;
+  for (const auto& [name, t] : model.tensors) params += t.numel();
+  for (const auto& [name, t] : optimizer.tensors) moments += t.numel();
+  EXPECT_EQ(moments, 2 * params);  // m and v of every trained element (the tiny model trains all of them)
+  int64_t nonzero = 0;
+  for (const auto& [name, t] : optimizer.tensors)
+    for (int64_t i = 0; i < t.numel(); ++i) nonzero += t.data<float>()[i] != 0.0f;
+  EXPECT_GT(nonzero, moments / 2) << "the moments of rank 1's range were not gathered";
+}
+
 TEST(CliZero, StageThreeIsRefused) {
   const auto& f = fixture();
   const Result r = run("train --gpus 2 --config " + f.config.string() + " --out " + (root() / "zero3").string() +
