@@ -1,7 +1,7 @@
 // The host channel between ranks: each rank a thread (its own HostChannel on a free port)
 // or, where a rank dies, a forked process. Sums identical on every rank and added in rank
-// order, broadcast, barrier, any, large buffers, and failures that end every rank with an
-// Error naming the rank instead of hanging.
+// order, reduce-scatter and gathers, broadcast, barrier, any, large buffers, and failures
+// that end every rank with an Error naming the rank instead of hanging.
 #include <gtest/gtest.h>
 
 #include <signal.h>
@@ -129,6 +129,86 @@ TEST(HostChannel, BroadcastBarrierAny) {
   }
 }
 
+TEST(HostChannel, ReduceScatterIsTheAllReducesRangeInRankOrder) {
+  // Ranges of 3, 0 and 5 elements (a rank may own nothing); each rank's values are those of
+  // the all_reduce test, so only the sum in rank order gives the same bits.
+  const std::vector<size_t> counts = {3, 0, 5};
+  const std::vector<float> per_rank = {1e8f, 1.0f, -1e8f};
+  std::vector<std::vector<float>> scattered(3), reduced(3);
+  expect_no_errors(run_threads(3, [&](HostChannel& c) {
+    std::vector<float> v(8);
+    for (size_t i = 0; i < v.size(); ++i) v[i] = per_rank[c.rank()] * (i + 1) + 0.1f * c.rank() * i;
+    std::vector<float> mine(counts[c.rank()], -7.0f);
+    c.reduce_scatter_sum(v.data(), counts, mine.data());
+    scattered[c.rank()] = mine;
+    c.all_reduce_sum(v.data(), v.size());
+    reduced[c.rank()] = v;
+  }));
+  EXPECT_EQ(scattered[0][0], 0.0f);
+  EXPECT_EQ(scattered[1].size(), 0u);
+  const std::vector<float> joined = [&] {
+    std::vector<float> all;
+    for (const auto& s : scattered) all.insert(all.end(), s.begin(), s.end());
+    return all;
+  }();
+  ASSERT_EQ(joined.size(), 8u);
+  EXPECT_EQ(std::memcmp(joined.data(), reduced[0].data(), 8 * sizeof(float)), 0);
+}
+
+TEST(HostChannel, AllGatherAndGatherConcatenateInRankOrder) {
+  const std::vector<size_t> counts = {2, 3, 0, 1};
+  std::vector<std::vector<float>> all(4), to_zero(4);
+  expect_no_errors(run_threads(4, [&](HostChannel& c) {
+    std::vector<float> mine(counts[c.rank()]);
+    for (size_t i = 0; i < mine.size(); ++i) mine[i] = 10.0f * c.rank() + i;
+    std::vector<float> out(6, -1.0f);
+    c.all_gather(mine.data(), counts, out.data());
+    all[c.rank()] = out;
+    std::fill(out.begin(), out.end(), -1.0f);
+    c.gather(mine.data(), counts, out.data());
+    to_zero[c.rank()] = out;
+  }));
+  const std::vector<float> expected = {0, 1, 10, 11, 12, 30};
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(all[r], expected) << r;
+  EXPECT_EQ(to_zero[0], expected);
+  for (int r = 1; r < 4; ++r) EXPECT_EQ(to_zero[r], std::vector<float>(6, -1.0f)) << r;  // untouched
+}
+
+TEST(HostChannel, LargeReduceScatterAndAllGather) {
+  // Far more than the sockets buffer: the exchange must not wait on itself.
+  const size_t n = 10'000'001;
+  const std::vector<size_t> counts = {2'500'001, 2'500'000, 2'500'000, 2'500'000};
+  std::vector<int> right(4);
+  expect_no_errors(run_threads(4, [&](HostChannel& c) {
+    std::vector<float> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = static_cast<float>((i % 1000) * (c.rank() + 1));
+    std::vector<float> mine(counts[c.rank()]);
+    c.reduce_scatter_sum(v.data(), counts, mine.data());
+    std::fill(v.begin(), v.end(), 0.0f);
+    c.all_gather(mine.data(), counts, v.data());
+    bool ok = true;
+    for (size_t i = 0; i < n; ++i) ok = ok && v[i] == static_cast<float>((i % 1000) * 10);
+    right[c.rank()] = ok;
+  }));
+  EXPECT_EQ(right, (std::vector<int>{1, 1, 1, 1}));
+}
+
+TEST(HostChannel, GathersOfDifferentShapesAreAnError) {
+  const auto totals = run_threads(2, [&](HostChannel& c) {
+    std::vector<float> v(10), out(5);
+    c.reduce_scatter_sum(v.data(), c.rank() == 0 ? std::vector<size_t>{5, 5} : std::vector<size_t>{5, 4}, out.data());
+  });
+  for (int r = 0; r < 2; ++r)
+    EXPECT_TRUE(contains(totals[r], "reduce_scatter_sum of different sizes: 10 elements in all on rank 0, 9 on rank 1"))
+        << totals[r];
+  const auto counts = run_threads(2, [&](HostChannel& c) {
+    std::vector<float> mine(5), out(10);
+    c.all_gather(mine.data(), c.rank() == 0 ? std::vector<size_t>{5, 5} : std::vector<size_t>{6, 4}, out.data());
+  });
+  for (int r = 0; r < 2; ++r)
+    EXPECT_TRUE(contains(counts[r], "all_gather: rank 1 sent 4 elements, rank 0 expected 5")) << counts[r];
+}
+
 TEST(HostChannel, OneRankNeedsNoPeers) {
   auto c = HostChannel::connect(World{});
   float x = 2.5f;
@@ -136,6 +216,13 @@ TEST(HostChannel, OneRankNeedsNoPeers) {
   EXPECT_EQ(x, 2.5f);
   EXPECT_TRUE(c->any(true));
   c->barrier();
+  const float two[2] = {1.0f, 2.0f};
+  float out[2] = {};
+  c->reduce_scatter_sum(two, {2}, out);
+  EXPECT_EQ(out[1], 2.0f);
+  out[1] = 0;
+  c->all_gather(two, {2}, out);
+  EXPECT_EQ(out[1], 2.0f);
 }
 
 TEST(HostChannel, DifferentCollectivesAreAnError) {

@@ -32,7 +32,9 @@ Clock::time_point after(double seconds) {
 
 // Every message starts with a header; the magic number tells a stray connection from a rank.
 constexpr uint32_t kMagic = 0x45535031;  // "ESP1"
-enum Op : uint32_t { kHello = 1, kReady, kSumFloat, kSumDouble, kBroadcast, kBarrier, kAny, kAbort };
+enum Op : uint32_t {
+  kHello = 1, kReady, kSumFloat, kSumDouble, kBroadcast, kBarrier, kAny, kAbort, kReduceScatter, kAllGather, kGather
+};
 
 const char* op_name(uint32_t op) {
   switch (op) {
@@ -43,6 +45,9 @@ const char* op_name(uint32_t op) {
     case kBarrier: return "barrier";
     case kAny: return "any";
     case kAbort: return "abort";
+    case kReduceScatter: return "reduce_scatter_sum";
+    case kAllGather: return "all_gather";
+    case kGather: return "gather";
     default: return "an unknown message";
   }
 }
@@ -50,7 +55,7 @@ const char* op_name(uint32_t op) {
 struct Header {
   uint32_t magic = kMagic;
   uint32_t op = 0;
-  uint64_t arg = 0;     // hello: the rank; broadcast: the root
+  uint64_t arg = 0;     // hello: the rank; broadcast: the root; reduce-scatter, gathers: the elements in all
   uint64_t length = 0;  // the payload's bytes (hello: the world size)
 };
 
@@ -335,6 +340,9 @@ std::vector<Header> gather_headers(const std::vector<int>& sockets, const Header
     if ((mine.op == kSumFloat || mine.op == kSumDouble) && h.length != mine.length)
       throw RunAborted{std::string(op_name(mine.op)) + " of different sizes: " + std::to_string(mine.length) +
                        " bytes on rank 0, " + std::to_string(h.length) + " on " + who};
+    if ((mine.op == kReduceScatter || mine.op == kAllGather || mine.op == kGather) && h.arg != mine.arg)
+      throw RunAborted{std::string(op_name(mine.op)) + " of different sizes: " + std::to_string(mine.arg) +
+                       " elements in all on rank 0, " + std::to_string(h.arg) + " on " + who};
     if (mine.op == kBroadcast && h.arg != mine.arg)
       throw RunAborted{"broadcast from different roots: rank " + std::to_string(mine.arg) + " on rank 0, rank " +
                        std::to_string(h.arg) + " on " + who};
@@ -458,6 +466,108 @@ void HostChannel::sum(T* data, size_t n, const char* name) {
 
 void HostChannel::all_reduce_sum(float* data, size_t n) { sum(data, n, "all_reduce_sum"); }
 void HostChannel::all_reduce_sum(double* data, size_t n) { sum(data, n, "all_reduce_sum"); }
+
+namespace {
+
+// Checks a collective's per-rank counts: one per rank; their sum, the elements in all.
+size_t checked_total(const std::vector<size_t>& counts, int size, const char* name) {
+  ESPLAG_CHECK(counts.size() == static_cast<size_t>(size), name, ": ", counts.size(), " counts for a run of ", size,
+               " ranks");
+  size_t total = 0;
+  for (size_t c : counts) total += c;
+  return total;
+}
+
+}  // namespace
+
+void HostChannel::reduce_scatter_sum(const float* data, const std::vector<size_t>& counts, float* out) {
+  const size_t total = checked_total(counts, size_, "reduce_scatter_sum");
+  std::vector<size_t> offsets(size_ + 1, 0);
+  for (int r = 0; r < size_; ++r) offsets[r + 1] = offsets[r] + counts[r];
+  if (size_ == 1 && failure_.empty()) std::copy(data, data + total, out);
+  Header mine;
+  mine.op = kReduceScatter;
+  mine.arg = total;
+  mine.length = total * sizeof(float);
+  guarded("reduce_scatter_sum", [&] {
+    if (rank_ != 0) {
+      // The ranges up to this rank's, its sum back, then the rest: rank 0 finishes a range once
+      // every rank has sent it, and sends it while its owner waits for it (no rank sends into a
+      // peer that is sending too).
+      const size_t until = offsets[rank_ + 1];
+      send_all(sockets_[0], &mine, sizeof mine, timeout_s_, 0);
+      send_all(sockets_[0], data, until * sizeof(float), timeout_s_, 0);
+      const Header reply = recv_reply(sockets_[0], kReduceScatter, timeout_s_ * 1.1 + 1);
+      if (reply.length != counts[rank_] * sizeof(float))
+        throw PeerFailure{0, "answered reduce_scatter_sum with " + std::to_string(reply.length) + " bytes"};
+      recv_all(sockets_[0], out, reply.length, timeout_s_, 0);
+      send_all(sockets_[0], data + until, (total - until) * sizeof(float), timeout_s_, 0);
+      return;
+    }
+    gather_headers(sockets_, mine, timeout_s_);
+    // Range by range, chunk by chunk, each rank's values added in rank order: ((r0 + r1) + r2) ...
+    const size_t chunk = kChunkBytes / sizeof(float);
+    std::vector<float> peer, range;
+    for (int owner = 0; owner < size_; ++owner) {
+      float* sum = owner == 0 ? out : (range.resize(counts[owner]), range.data());
+      std::copy(data + offsets[owner], data + offsets[owner + 1], sum);
+      for (size_t first = 0; first < counts[owner]; first += chunk) {
+        const size_t count = std::min(chunk, counts[owner] - first);
+        peer.resize(count);
+        for (int r = 1; r < size_; ++r) {
+          recv_all(sockets_[r], peer.data(), count * sizeof(float), timeout_s_, r);
+          for (size_t i = 0; i < count; ++i) sum[first + i] += peer[i];
+        }
+      }
+      if (owner == 0) continue;
+      Header reply = mine;
+      reply.length = counts[owner] * sizeof(float);
+      send_frame(sockets_[owner], reply, sum, timeout_s_, owner);
+    }
+  });
+}
+
+void HostChannel::gather_to(const float* mine_data, const std::vector<size_t>& counts, float* out, bool to_all) {
+  const char* name = to_all ? "all_gather" : "gather";
+  const size_t total = checked_total(counts, size_, name);
+  if (size_ == 1 && failure_.empty()) std::copy(mine_data, mine_data + total, out);
+  Header mine;
+  mine.op = to_all ? kAllGather : kGather;
+  mine.arg = total;
+  mine.length = counts[rank_] * sizeof(float);
+  guarded(name, [&] {
+    if (rank_ != 0) {
+      send_frame(sockets_[0], mine, mine_data, timeout_s_, 0);
+      const Header reply = recv_reply(sockets_[0], mine.op, timeout_s_ * 1.1 + 1);
+      if (reply.length != (to_all ? total * sizeof(float) : 0))
+        throw PeerFailure{0, "answered " + std::string(name) + " with " + std::to_string(reply.length) + " bytes"};
+      if (to_all) recv_all(sockets_[0], out, reply.length, timeout_s_, 0);
+      return;
+    }
+    const std::vector<Header> headers = gather_headers(sockets_, mine, timeout_s_);
+    for (int r = 1; r < size_; ++r)
+      if (headers[r].length != counts[r] * sizeof(float))
+        throw RunAborted{std::string(name) + ": rank " + std::to_string(r) + " sent " +
+                         std::to_string(headers[r].length / sizeof(float)) + " elements, rank 0 expected " +
+                         std::to_string(counts[r])};
+    float* at = std::copy(mine_data, mine_data + counts[0], out);
+    for (int r = 1; r < size_; ++r) {
+      recv_all(sockets_[r], at, counts[r] * sizeof(float), timeout_s_, r);
+      at += counts[r];
+    }
+    Header reply = mine;
+    reply.length = to_all ? total * sizeof(float) : 0;
+    for (int r = 1; r < size_; ++r) send_frame(sockets_[r], reply, out, timeout_s_, r);
+  });
+}
+
+void HostChannel::all_gather(const float* mine, const std::vector<size_t>& counts, float* out) {
+  gather_to(mine, counts, out, true);
+}
+
+void HostChannel::gather(const float* mine, const std::vector<size_t>& counts, float* out) {
+  gather_to(mine, counts, out, false);
+}
 
 void HostChannel::broadcast(std::string& bytes, int root) {
   ESPLAG_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is not a rank of this run of ", size_);

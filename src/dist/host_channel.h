@@ -1,8 +1,8 @@
 // The ranks' control and data channel over TCP, a star through rank 0: barriers, the
-// agreement to stop, small broadcasts, and the sums of the CPU reference of data parallel
-// training. Every collective is blocking and called by every rank in the same order; rank 0
-// checks that they agree (each message carries its collective and size), computes the
-// result and sends it back, so every rank gets identical bits.
+// agreement to stop, small broadcasts, and the sums, reduce-scatters and gathers of the CPU
+// reference of data parallel training. Every collective is blocking and called by every rank
+// in the same order; rank 0 checks that they agree (each message carries its collective and
+// size), computes the result and sends it back, so every rank gets identical bits.
 //
 // Failure: a rank that leaves (its process ends, its connection closes) or stays away longer
 // than the timeout makes the next collective throw an Error naming it on every rank: rank 0
@@ -35,6 +35,16 @@ class HostChannel {
   // sent back, so every rank gets identical bits. Every rank passes the same n.
   void all_reduce_sum(float* data, size_t n);
   void all_reduce_sum(double* data, size_t n);
+  // The pieces of ZeRO (train/zero_partition.h). `counts` (the same on every rank) splits
+  // sum(counts) elements into consecutive ranges, counts[r] elements for rank r.
+  // Reduce-scatter: `data` holds sum(counts) elements on every rank; `out` gets this rank's
+  // range of their sum over the ranks, added in rank order as all_reduce_sum adds (the same bits).
+  void reduce_scatter_sum(const float* data, const std::vector<size_t>& counts, float* out);
+  // All-gather: `mine` holds counts[rank] elements; `out` gets sum(counts) on every rank, the
+  // ranks' elements in rank order.
+  void all_gather(const float* mine, const std::vector<size_t>& counts, float* out);
+  // The same to rank 0 alone: `out` (sum(counts) elements) is written on rank 0 and unused elsewhere.
+  void gather(const float* mine, const std::vector<size_t>& counts, float* out);
   // Root's bytes to every rank; the receivers' strings are resized.
   void broadcast(std::string& bytes, int root = 0);
   void barrier();
@@ -53,6 +63,7 @@ class HostChannel {
   void guarded(const char* name, const Exchange& exchange);
   template <typename T>
   void sum(T* data, size_t n, const char* name);
+  void gather_to(const float* mine, const std::vector<size_t>& counts, float* out, bool to_all);
   // Records the failure, tells the other ranks (rank 0) and throws it.
   [[noreturn]] void abort_run(const std::string& message);
 

@@ -301,8 +301,9 @@ void TrainConfig::validate_settings() const {
     if (f.check) f.check(*this);
   ESPLAG_CHECK(schedule.warmup_steps <= steps, "schedule.warmup_steps (", schedule.warmup_steps,
                ") is larger than train.steps (", steps, "): the run would end before the learning rate is reached");
-  ESPLAG_CHECK(parallel.zero == 0, "parallel.zero = ", parallel.zero, ": ZeRO stages 1 to 3 (sharded optimizer state, ",
-               "gradients, parameters) are not built yet; 0, data parallel with the whole state on every rank, is");
+  ESPLAG_CHECK(parallel.zero <= 2, "parallel.zero = ", parallel.zero, ": ZeRO stage 3 (sharded parameters) is not ",
+               "built yet; 0 (the whole state on every rank), 1 (sharded optimizer state) and 2 (sharded optimizer ",
+               "state and gradients) are");
 }
 
 void TrainConfig::validate() const {

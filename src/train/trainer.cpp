@@ -23,6 +23,7 @@
 #include "train/memory_plan.h"
 #include "train/progress.h"
 #include "train/stop_signal.h"
+#include "train/zero_optimizer.h"
 #ifdef ESPLAG_HAVE_CUDA
 #include "train/gpu_step.h"
 #endif
@@ -69,14 +70,22 @@ class CpuStep final : public StepBackend {
   // to distill from where `recipe` distills (null: none).
   CpuStep(Transformer<float>& model, const TrainConfig& cfg, Moments m, Moments v, HostChannel* ranks,
           std::unique_ptr<Transformer<float>> teacher = nullptr, const Recipe* recipe = nullptr)
-      : model_(model), cfg_(cfg), m_(std::move(m)), v_(std::move(v)), ranks_(ranks), teacher_(std::move(teacher)),
-        recipe_(recipe) {
+      : model_(model), cfg_(cfg), ranks_(ranks), teacher_(std::move(teacher)), recipe_(recipe) {
+    // ZeRO shards the optimizer state among several ranks; one process keeps it whole at any stage.
+    if (ranks_ && cfg_.parallel.zero > 0)
+      zero_ = std::make_unique<ZeroCpuOptimizer>(cfg_.parallel.zero, *ranks_, std::move(m), std::move(v));
+    else
+      m_ = std::move(m), v_ = std::move(v);
     model_.set_checkpointing(cfg_.checkpointing);
     x_.resize(size_t(cfg_.batch_size) * cfg_.seq_len);
     y_.resize(x_.size());
   }
   std::string device() const override { return "cpu"; }
-  std::string describe() const override { return "cpu"; }
+  std::string describe() const override {
+    if (!zero_) return "cpu";
+    return "cpu, ZeRO stage " + std::to_string(cfg_.parallel.zero) + " (each rank keeps the AdamW moments of 1/" +
+           std::to_string(ranks_->size()) + " of the trained elements)";
+  }
 
   void step(int64_t step, double lr, DataLoader& data) override {
     model_.on_step_begin(step);
@@ -110,11 +119,25 @@ class CpuStep final : public StepBackend {
       }
       st.distill_ce = means[0], st.distill_kl = means[1];
     }
-    if (ranks_) st.loss = average_over_ranks(st.loss);
+    if (ranks_) st.loss = mean_over_ranks(st.loss);
+    if (ranks_ && !zero_) average_gradients_over_ranks();
     if (!std::isfinite(st.loss)) diverged("loss", st.loss, step + 1);
-    st.grad_norm = grad_norm();
+    const auto params = model_.trainable_params();
+    st.grad_norm = zero_ ? zero_->reduce_gradients(params) : grad_norm();
     if (!std::isfinite(st.grad_norm)) diverged("gradient norm", st.grad_norm, step + 1);
-    step_optimizer(step, cpu::clip_scale(st.grad_norm, cfg_.optimizer.grad_clip), lr);
+    const double grad_scale = cpu::clip_scale(st.grad_norm, cfg_.optimizer.grad_clip);
+    if (zero_) {
+      zero_->step(params, step, lr, grad_scale, cfg_.optimizer);
+      model_.after_optimizer_step();
+      gathered_step_ = -1;
+      if (checkpoint_follows(step)) {
+        zero_->gather_moments();
+        gathered_step_ = step;
+      }
+    } else {
+      step_optimizer(step, grad_scale, lr);
+    }
+    last_step_ = step;
     last_ = st;
   }
   Stats last_stats() override { return last_; }
@@ -122,16 +145,26 @@ class CpuStep final : public StepBackend {
     return model_.forward_loss(inputs, targets, B, T);
   }
   HostMoments state_to_host() override {
-    ensure_moments();
-    return {m_, v_};
+    if (!zero_) {
+      ensure_moments();
+      return {m_, v_};
+    }
+    ESPLAG_CHECK(gathered_step_ == last_step_ && last_step_ >= 0, "ZeRO stage ", cfg_.parallel.zero,
+                 ": the optimizer moments of step ", last_step_ + 1, " were not gathered from the ranks for a "
+                 "checkpoint (a stop signal came as the step ended); the run's earlier checkpoints are intact: "
+                 "resume from the latest");
+    return {zero_->gathered_m(), zero_->gathered_v()};
   }
 
  private:
   // Data parallel: every rank's mean loss and gradients become the means over the ranks (the
   // sums in rank order, so every rank holds the same bits and takes the same step).
-  double average_over_ranks(double loss) {
-    const double inv = 1.0 / ranks_->size();
+  double mean_over_ranks(double loss) {
     ranks_->all_reduce_sum(&loss, 1);
+    return loss / ranks_->size();
+  }
+  void average_gradients_over_ranks() {
+    const double inv = 1.0 / ranks_->size();
     std::vector<float> flat;
     const auto params = model_.trainable_params();
     for (const auto& p : params) flat.insert(flat.end(), p.grad, p.grad + shape_numel(p.shape));
@@ -139,7 +172,15 @@ class CpuStep final : public StepBackend {
     const float* at = flat.data();
     for (const auto& p : params)
       for (int64_t i = 0, n = shape_numel(p.shape); i < n; ++i) p.grad[i] = static_cast<float>(*at++ * inv);
-    return loss * inv;
+  }
+
+  // Under ZeRO: whether the trainer saves after step `step` (0-based): a checkpoint step, the
+  // last one, or a stop signal on any rank (the trainer asks the ranks the same right after).
+  // Rank 0 alone saves, so every rank sends it its moments first.
+  bool checkpoint_follows(int64_t step) {
+    const int64_t done = step + 1;
+    if ((cfg_.checkpoint_every > 0 && done % cfg_.checkpoint_every == 0) || done >= cfg_.steps) return true;
+    return ranks_->any(stop_requested());
   }
 
   // Global L2 norm of every trained gradient (deterministic order).
@@ -183,8 +224,10 @@ class CpuStep final : public StepBackend {
 
   Transformer<float>& model_;
   const TrainConfig cfg_;
-  Moments m_, v_;
+  Moments m_, v_;  // without ZeRO: the whole moments
   HostChannel* ranks_;
+  std::unique_ptr<ZeroCpuOptimizer> zero_;  // ZeRO stages 1 and 2 over several ranks
+  int64_t last_step_ = -1, gathered_step_ = -1;  // the last step taken; the step whose moments zero_ gathered
   std::unique_ptr<Transformer<float>> teacher_;  // forward only: never trained, no moments
   const Recipe* recipe_;
   std::vector<int32_t> x_, y_;
@@ -274,6 +317,9 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
   if (config.precision == "fp8")
     why += std::string(why.empty() ? "" : "; ") +
            "train.precision is fp8, which only the CPU's emulation trains so far (docs/fp8.md)";
+  if (config.parallel.zero > 0)
+    why += (why.empty() ? "" : "; ") + std::string("parallel.zero is ") + std::to_string(config.parallel.zero) +
+           ", and only the CPU reference shards the training state so far (docs/distributed.md)";
   // Only the CPU step computes the distillation loss so far.
   if (!config.recipe_yaml.empty())
     if (const Recipe::Modifier* d = config.recipe().distill())
