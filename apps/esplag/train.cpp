@@ -92,8 +92,9 @@ int train(const Args& a) {
   install_stop_handlers();
   const TrainResult r = trainer->run();
   if (r.steps_run == 0) return 0;  // nothing to do: the trainer's log said why
+  const int sig = stop_signal();
+  if (!trainer->leader()) return r.interrupted ? 128 + sig : 0;  // rank 0 speaks for the run
   if (r.interrupted) {
-    const int sig = stop_signal();
     std::fprintf(stderr, "esplag: interrupted by %s at step %lld; checkpoint %s; continue with: esplag train --resume %s\n",
                  sig == SIGTERM ? "SIGTERM" : "SIGINT", static_cast<long long>(r.steps), r.last_checkpoint.c_str(),
                  trainer->run_dir().c_str());

@@ -29,8 +29,9 @@ struct OptimizerConfig {
 
 // How the ranks of a data-parallel run (docs/distributed.md) share the training state.
 struct ParallelConfig {
-  // ZeRO stage: 0 keeps the whole state on every rank (plain data parallel); 1 to 3 would
-  // shard the optimizer state, the gradients and the parameters (not built yet: refused).
+  // ZeRO stage: 0 keeps the whole state on every rank (plain data parallel); 1 shards the
+  // optimizer state and 2 the gradients too (the CPU reference only so far); 3, sharded
+  // parameters, is not built (refused).
   int zero = 0;
 };
 

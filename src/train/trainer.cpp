@@ -129,30 +129,22 @@ class CpuStep final : public StepBackend {
     if (zero_) {
       zero_->step(params, step, lr, grad_scale, cfg_.optimizer);
       model_.after_optimizer_step();
-      gathered_step_ = -1;
-      if (checkpoint_follows(step)) {
-        zero_->gather_moments();
-        gathered_step_ = step;
-      }
     } else {
       step_optimizer(step, grad_scale, lr);
     }
-    last_step_ = step;
     last_ = st;
   }
   Stats last_stats() override { return last_; }
   double eval_loss(const int32_t* inputs, const int32_t* targets, int B, int T) override {
     return model_.forward_loss(inputs, targets, B, T);
   }
+  // Under ZeRO a collective: every rank sends rank 0 its range of the moments.
   HostMoments state_to_host() override {
     if (!zero_) {
       ensure_moments();
       return {m_, v_};
     }
-    ESPLAG_CHECK(gathered_step_ == last_step_ && last_step_ >= 0, "ZeRO stage ", cfg_.parallel.zero,
-                 ": the optimizer moments of step ", last_step_ + 1, " were not gathered from the ranks for a "
-                 "checkpoint (a stop signal came as the step ended); the run's earlier checkpoints are intact: "
-                 "resume from the latest");
+    zero_->gather_moments();
     return {zero_->gathered_m(), zero_->gathered_v()};
   }
 
@@ -172,15 +164,6 @@ class CpuStep final : public StepBackend {
     const float* at = flat.data();
     for (const auto& p : params)
       for (int64_t i = 0, n = shape_numel(p.shape); i < n; ++i) p.grad[i] = static_cast<float>(*at++ * inv);
-  }
-
-  // Under ZeRO: whether the trainer saves after step `step` (0-based): a checkpoint step, the
-  // last one, or a stop signal on any rank (the trainer asks the ranks the same right after).
-  // Rank 0 alone saves, so every rank sends it its moments first.
-  bool checkpoint_follows(int64_t step) {
-    const int64_t done = step + 1;
-    if ((cfg_.checkpoint_every > 0 && done % cfg_.checkpoint_every == 0) || done >= cfg_.steps) return true;
-    return ranks_->any(stop_requested());
   }
 
   // Global L2 norm of every trained gradient (deterministic order).
@@ -227,7 +210,6 @@ class CpuStep final : public StepBackend {
   Moments m_, v_;  // without ZeRO: the whole moments
   HostChannel* ranks_;
   std::unique_ptr<ZeroCpuOptimizer> zero_;  // ZeRO stages 1 and 2 over several ranks
-  int64_t last_step_ = -1, gathered_step_ = -1;  // the last step taken; the step whose moments zero_ gathered
   std::unique_ptr<Transformer<float>> teacher_;  // forward only: never trained, no moments
   const Recipe* recipe_;
   std::vector<int32_t> x_, y_;
@@ -566,6 +548,11 @@ EvalResult Trainer::evaluate() {
 }
 
 void Trainer::save() {
+  // Rank 0 alone writes; a sharded optimizer state (parallel.zero > 0) is gathered from every rank first.
+  if (!leader()) {
+    if (cfg_.parallel.zero > 0) backend_->state_to_host();
+    return;
+  }
   state_.data = train_data_->state();
   const StepBackend::HostMoments moments = backend_->state_to_host();
   // A step can leave non-finite weights behind a finite loss (a huge learning rate):
@@ -719,7 +706,7 @@ TrainResult Trainer::run() {
       append_metrics(nlohmann::json{{"step", state_.step}, {"val_loss", ev.loss}, {"val_ppl", ev.perplexity}}.dump());
       result.final_val_loss = ev.loss;
     }
-    if (save_now && leader()) save();
+    if (save_now) save();
     if (stop) {
       result.interrupted = true;
       log_(std::string("stopped by ") + (stop_signal() == SIGTERM ? "SIGTERM" : "SIGINT") + " after step " + std::to_string(state_.step) +

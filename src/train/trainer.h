@@ -180,6 +180,9 @@ class Trainer {
   const std::string& run_dir() const { return run_dir_; }
   // "cpu" or "cuda": where the steps run.
   const std::string& device() const { return device_; }
+  // Whether this process speaks for the run: logs, evaluates and writes the run directory
+  // (a data-parallel run's rank 0; a single process).
+  bool leader() const { return world_.rank == 0; }
   // The host model. With a GPU backend it holds the weights of the last checkpoint (and
   // after run(), those of the last step, which is always saved).
   Transformer<float>& model() { return *model_; }
@@ -206,8 +209,6 @@ class Trainer {
   // The data-parallel world this process belongs to (dist/world.h: the launcher's
   // environment), connected to the other ranks; a single process when there is none.
   void join_world();
-  // The rank that logs, evaluates and writes the run directory (rank 0).
-  bool leader() const { return world_.rank == 0; }
   int64_t tokens_per_step() const {
     return int64_t(cfg_.batch_size) * cfg_.seq_len * cfg_.grad_accum * world_.size;
   }
