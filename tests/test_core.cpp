@@ -56,6 +56,23 @@ TEST(Tensor, ConvertsToBf16AndF16AndBack) {
   EXPECT_EQ(f16_to_float(0x7bff), 65504.0f);
 }
 
+TEST(Tensor, I64IsAnEightByteIntegerType) {
+  EXPECT_EQ(dtype_size(DType::i64), 8u);
+  EXPECT_EQ(dtype_name(DType::i64), "i64");
+  EXPECT_EQ(dtype_safetensors(DType::i64), "I64");
+  for (const char* n : {"i64", "I64", "int64"}) EXPECT_EQ(dtype_from_name(n), DType::i64) << n;
+  Tensor t = Tensor::zeros({3}, DType::i64, "ids");
+  EXPECT_EQ(t.nbytes(), 24u);
+  t.data<int64_t>()[0] = -7;
+  t.data<int64_t>()[1] = int64_t(1) << 40;
+  EXPECT_THROW(t.data<double>(), Error);
+  EXPECT_THROW(t.data<int32_t>(), Error);
+  const Tensor f = t.to(DType::f64);
+  EXPECT_EQ(f.data<double>()[0], -7.0);
+  EXPECT_EQ(f.data<double>()[1], 1099511627776.0);
+  EXPECT_EQ(f.to(DType::i64).data<int64_t>()[1], int64_t(1) << 40);
+}
+
 TEST(Rng, ReproducibleAndStateRoundTrips) {
   Rng a(42), b(42);
   for (int i = 0; i < 100; ++i) EXPECT_EQ(a.next_u64(), b.next_u64());

@@ -192,3 +192,22 @@ TEST(Generate, BadInputIsAnErrorAndChangesNothing) {
   EXPECT_EQ(gen.cache().length(1), 1);  // the failed step appended nothing to sequence 1 either
   expect_row_close(last, 0, full_logits(*m, seq, 20), "last position");
 }
+
+TEST(Generate, ALayerReplacedBetweenStepsIsUsedFromTheNextStep) {
+  auto m = make_model("llama");
+  const std::vector<int32_t> seq = random_tokens(8, 6);
+  Generator gen(*m);
+  gen.prefill({{seq.begin(), seq.begin() + 5}});
+  gen.decode_step({seq[5]});
+  const std::vector<float> before = full_logits(*m, seq, 7);
+  // The last block's MLP feeds no cached key or value, so the next step's logits are those of
+  // the model with the new layer at every position.
+  const std::string name = "blocks." + std::to_string(m->config().n_layer - 1) + ".mlp.fc.weight";
+  LinearOptions o;
+  o.kind = "semi_sparse";
+  m->replace_linear(name, make_linear(m->linear_params(name), o, &m->linear(name)));
+  m->after_optimizer_step();
+  const std::vector<float> after = full_logits(*m, seq, 7);
+  ASSERT_NE(before, after);  // the replacement changes the logits
+  expect_row_close(gen.decode_step({seq[6]}), 0, after, "the step after the replacement");
+}

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -326,6 +327,39 @@ TEST_F(IoTest, SafetensorsBytesOfKnownTensors) {
   EXPECT_TRUE(f.metadata.empty());
 }
 
+TEST_F(IoTest, SafetensorsI64RoundTrip) {
+  // Values a double cannot hold exactly, so that a conversion anywhere on the way would show.
+  const std::vector<int64_t> values = {(int64_t(1) << 53) + 1, -3, INT64_MAX, INT64_MIN};
+  Tensor ids = Tensor::zeros({2, 2}, DType::i64, "b.ids");
+  std::memcpy(ids.raw(), values.data(), ids.nbytes());
+  Tensor f = Tensor::zeros({1}, DType::f64, "a.f64");
+  f.data<double>()[0] = 0.5;
+  const std::string p = path("i64.safetensors");
+  save_safetensors(p, {f, ids}, {});
+
+  // I64 comes after F64 in the reference's dtype enumeration, so it is written first although
+  // "a.f64" < "b.ids"; both stay 8-byte aligned.
+  const SafetensorsHeader h = read_safetensors_header(p);
+  ASSERT_EQ(h.tensors.size(), 2u);
+  EXPECT_EQ(h.tensors[0].name, "b.ids");
+  EXPECT_EQ(h.tensors[0].dtype, DType::i64);
+  EXPECT_EQ(h.tensors[1].begin, 32u);
+  EXPECT_EQ(h.data_start % 8, 0u);
+  EXPECT_NE(slurp(p).find("\"b.ids\":{\"dtype\":\"I64\",\"shape\":[2,2],\"data_offsets\":[0,32]}"),
+            std::string::npos);
+
+  const Tensor got = load_safetensors(p).tensors.at("b.ids");
+  EXPECT_EQ(got.dtype(), DType::i64);
+  EXPECT_EQ(got.shape(), (Shape{2, 2}));
+  EXPECT_EQ(std::vector<int64_t>(got.data<int64_t>(), got.data<int64_t>() + 4), values);
+
+  // A file of another writer holding I64 is read too (it used to be refused as unsupported).
+  const std::string other = path("other-i64.safetensors");
+  spit(other, st_file("{\"n\":{\"dtype\":\"I64\",\"shape\":[1],\"data_offsets\":[0,8]}}",
+                      std::string("\xfe\xff\xff\xff\xff\xff\xff\xff", 8)));
+  EXPECT_EQ(load_safetensors(other).tensors.at("n").data<int64_t>()[0], -2);
+}
+
 TEST_F(IoTest, SafetensorsReadsFilesOfOtherWriters) {
   // Unpadded header, name order rather than alignment order, extra whitespace, a null
   // __metadata__ and an unknown extra field: all accepted by the format.
@@ -417,8 +451,8 @@ TEST_F(IoTest, SafetensorsCorruptionErrors) {
         {"tensor 'w'", "run past the end of the data buffer"});
   check(st_file("{\"w\":{\"dtype\":\"Q7\",\"shape\":[2],\"data_offsets\":[0,8]}}", std::string(8, '\0')),
         {"tensor 'w'", "unknown dtype 'Q7'"});
-  check(st_file("{\"w\":{\"dtype\":\"I64\",\"shape\":[1],\"data_offsets\":[0,8]}}", std::string(8, '\0')),
-        {"tensor 'w'", "unsupported dtype 'I64'"});
+  check(st_file("{\"w\":{\"dtype\":\"U64\",\"shape\":[1],\"data_offsets\":[0,8]}}", std::string(8, '\0')),
+        {"tensor 'w'", "unsupported dtype 'U64'"});
   check(st_file("{\"w\":{\"dtype\":\"f32\",\"shape\":[2],\"data_offsets\":[0,8]}}", std::string(8, '\0')),
         {"unknown dtype 'f32'"});
   check(st_file("{\"w\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}", std::string(8, '\0')),

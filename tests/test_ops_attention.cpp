@@ -4,6 +4,7 @@
 // every gradient.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <complex>
 #include <limits>
@@ -246,6 +247,37 @@ TEST(Rope, MatchesComplexRotationAndLeavesValuesAlone) {
       if (c >= (s.NH + s.NKV) * s.HD || first) EXPECT_EQ(y[row + c], x[row + c]) << "bt " << bt << " c " << c;
     }
   }
+}
+
+// Rows pos0.. of every sequence, rotated on their own from pos0, are bit for bit those
+// rows of the whole sequence rotated from 0 (what incremental generation relies on).
+template <typename T>
+void expect_rope_from_start_matches_longer_sequence() {
+  const Shape4 s{2, 9, 4, 2, 8};
+  const double theta = 10000.0;
+  Rng rng(11);
+  const std::vector<T> x = cast<T>(randn(s.qkv_size(), rng, 3.0));
+  std::vector<T> whole = x;
+  cpu::rope_forward(whole.data(), s.B, s.T, s.NH, s.NKV, s.HD, theta);
+  for (const int pos0 : {0, 1, 5, 8})
+    for (int n = 1; pos0 + n <= s.T; n += 3) {
+      std::vector<T> part(static_cast<size_t>(s.B) * n * s.C()), want(part.size());
+      for (int b = 0; b < s.B; ++b) {
+        const size_t from = (static_cast<size_t>(b) * s.T + pos0) * s.C(), to = static_cast<size_t>(b) * n * s.C();
+        std::copy_n(x.begin() + from, n * s.C(), part.begin() + to);
+        std::copy_n(whole.begin() + from, n * s.C(), want.begin() + to);
+      }
+      cpu::rope_forward(part.data(), s.B, n, s.NH, s.NKV, s.HD, theta, pos0);
+      for (size_t i = 0; i < part.size(); ++i)
+        ASSERT_EQ(part[i], want[i]) << "pos0 " << pos0 << " n " << n << " element " << i;
+    }
+}
+
+TEST(Rope, FromAStartPositionEqualsTheRowsOfALongerSequence) {
+  expect_rope_from_start_matches_longer_sequence<float>();
+  expect_rope_from_start_matches_longer_sequence<double>();
+  std::vector<float> buf(64);
+  EXPECT_THROW(cpu::rope_forward(buf.data(), 1, 1, 2, 2, 4, 10000.0, -1), Error);
 }
 
 TEST(Rope, BackwardIsAdjointAndNormsArePreserved) {

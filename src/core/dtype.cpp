@@ -8,7 +8,7 @@ namespace esplag {
 
 size_t dtype_size(DType t) {
   switch (t) {
-    case DType::f64: return 8;
+    case DType::f64: case DType::i64: return 8;
     case DType::f32: case DType::i32: return 4;
     case DType::bf16: case DType::f16: case DType::u16: return 2;
     case DType::u8: return 1;
@@ -23,6 +23,7 @@ std::string dtype_name(DType t) {
     case DType::bf16: return "bf16";
     case DType::f16: return "f16";
     case DType::i32: return "i32";
+    case DType::i64: return "i64";
     case DType::u16: return "u16";
     case DType::u8: return "u8";
   }
@@ -36,6 +37,7 @@ std::string dtype_safetensors(DType t) {
     case DType::bf16: return "BF16";
     case DType::f16: return "F16";
     case DType::i32: return "I32";
+    case DType::i64: return "I64";
     case DType::u16: return "U16";
     case DType::u8: return "U8";
   }
@@ -48,9 +50,10 @@ DType dtype_from_name(const std::string& n) {
   if (n == "bf16" || n == "BF16" || n == "bfloat16") return DType::bf16;
   if (n == "f16" || n == "F16" || n == "fp16" || n == "float16") return DType::f16;
   if (n == "i32" || n == "I32" || n == "int32") return DType::i32;
+  if (n == "i64" || n == "I64" || n == "int64") return DType::i64;
   if (n == "u16" || n == "U16" || n == "uint16") return DType::u16;
   if (n == "u8" || n == "U8" || n == "uint8") return DType::u8;
-  fail("unknown dtype '", n, "' (expected one of f32, f64, bf16, f16, i32, u16, u8)");
+  fail("unknown dtype '", n, "' (expected one of f32, f64, bf16, f16, i32, i64, u16, u8)");
 }
 
 uint16_t float_to_f16(float f) {

@@ -7,7 +7,7 @@
 
 namespace esplag {
 
-enum class DType : uint8_t { f32, f64, bf16, f16, i32, u16, u8 };
+enum class DType : uint8_t { f32, f64, bf16, f16, i32, i64, u16, u8 };
 
 size_t dtype_size(DType t);
 std::string dtype_name(DType t);        // "f32", "bf16", ...

@@ -74,6 +74,7 @@ double load(const void* p, DType t, int64_t i) {
     case DType::bf16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
     case DType::f16: return f16_to_float(static_cast<const uint16_t*>(p)[i]);
     case DType::i32: return static_cast<const int32_t*>(p)[i];
+    case DType::i64: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
     case DType::u16: return static_cast<const uint16_t*>(p)[i];
     case DType::u8: return static_cast<const uint8_t*>(p)[i];
   }
@@ -86,6 +87,7 @@ void store(void* p, DType t, int64_t i, double v) {
     case DType::bf16: static_cast<uint16_t*>(p)[i] = float_to_bf16(static_cast<float>(v)); break;
     case DType::f16: static_cast<uint16_t*>(p)[i] = float_to_f16(static_cast<float>(v)); break;
     case DType::i32: static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
+    case DType::i64: static_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); break;
     case DType::u16: static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(v); break;
     case DType::u8: static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v); break;
   }
@@ -115,7 +117,7 @@ void Tensor::check_type(size_t size, Kind kind) const {
   const bool raw16 = dtype_ == DType::bf16 || dtype_ == DType::f16 || dtype_ == DType::u16;
   const bool ok = dtype_size(dtype_) == size &&
                   ((kind == Kind::floating && fp) || (kind == Kind::raw16 && raw16) ||
-                   (kind == Kind::integer && (dtype_ == DType::i32 || dtype_ == DType::u8)));
+                   (kind == Kind::integer && (dtype_ == DType::i32 || dtype_ == DType::i64 || dtype_ == DType::u8)));
   ESPLAG_CHECK(ok, "tensor '", name_, "' holds ", dtype_name(dtype_), ", accessed as a ", size,
                "-byte element type");
 }

@@ -1,10 +1,8 @@
 #include "interop/hf_sparse24.h"
 
-#include <cstring>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "io/atomic_file.h"
 #include "io/safetensors.h"
 
 namespace esplag {
@@ -73,34 +71,17 @@ Sparse24Tensor compress_2_of_4(const Tensor& weight) {
 void save_sparse24_safetensors(const std::string& path, const std::vector<Tensor>& dense,
                                const std::vector<Sparse24Tensor>& compressed,
                                const std::map<std::string, std::string>& metadata) {
-  // NAME.shape is I64, a dtype esplag's safetensors writer does not have. F64 has the same
-  // size and alignment (so the writer lays the file out as it would with I64): the shapes
-  // are written as F64 tensors holding the int64 bits, and the header's dtype then renamed.
-  std::vector<std::vector<int64_t>> shapes;
-  shapes.reserve(compressed.size());  // borrowed below: no reallocation
   std::vector<Tensor> tensors = dense;
   for (const auto& s : compressed) {
     ESPLAG_CHECK(s.compressed.dtype() == DType::f32, "sparse-24 layout: '", s.name, "' is not f32");
-    shapes.push_back({s.rows, s.cols});
-    tensors.push_back(Tensor::borrow(shapes.back().data(), {2, 1}, DType::f64, Device::cpu, s.name + ".shape"));
+    Tensor shape = Tensor::zeros({2, 1}, DType::i64, s.name + ".shape");
+    shape.data<int64_t>()[0] = s.rows;
+    shape.data<int64_t>()[1] = s.cols;
+    tensors.push_back(std::move(shape));
     tensors.push_back(s.compressed);
     tensors.push_back(s.bitmask);
   }
-  for (const Tensor& t : dense)
-    ESPLAG_CHECK(t.dtype() != DType::f64, "sparse-24 layout: dense tensor '", t.name(), "' is f64");
   save_safetensors(path, tensors, metadata);
-
-  std::string bytes = read_file(path);
-  uint64_t header_size = 0;
-  for (int i = 7; i >= 0; --i) header_size = header_size << 8 | static_cast<unsigned char>(bytes[i]);
-  const std::string from = "\"dtype\":\"F64\"", to = "\"dtype\":\"I64\"";
-  size_t renamed = 0;
-  for (size_t at = bytes.find(from, 8); at != std::string::npos && at < 8 + header_size;
-       at = bytes.find(from, at + to.size()), ++renamed)
-    bytes.replace(at, from.size(), to);
-  ESPLAG_CHECK(renamed == compressed.size(), "sparse-24 layout: '", path, "': ", renamed, " of ", compressed.size(),
-               " shape tensors found in the header");
-  write_file_atomic(path, bytes);
 }
 
 std::string hf_sparse24_config(const std::vector<std::string>& ignore, double global_sparsity) {

@@ -29,8 +29,8 @@ using ordered_json = nlohmann::ordered_json;
 // length cannot make us allocate gigabytes before failing.
 constexpr uint64_t kMaxHeaderSize = 100'000'000;
 
-constexpr std::array<DType, 7> kSupported = {DType::f64, DType::f32, DType::i32, DType::bf16,
-                                             DType::f16, DType::u16, DType::u8};
+constexpr std::array<DType, 8> kSupported = {DType::f64, DType::i64, DType::f32, DType::i32,
+                                             DType::bf16, DType::f16, DType::u16, DType::u8};
 
 // Position in the reference implementation's dtype enumeration, which is ordered by
 // alignment; writing tensors by descending rank keeps every tensor aligned.
@@ -43,6 +43,7 @@ int dtype_rank(DType t) {
     case DType::i32: return 9;
     case DType::f32: return 11;
     case DType::f64: return 12;
+    case DType::i64: return 13;
   }
   return 0;
 }
@@ -57,8 +58,8 @@ bool parse_dtype(const std::string& s, DType* out) {
 }
 
 bool is_other_safetensors_dtype(const std::string& s) {
-  static const std::set<std::string> others = {"BOOL", "I8",  "I16", "U32",     "I64",     "U64",      "F8_E5M2",
-                                               "F8_E4M3", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64"};
+  static const std::set<std::string> others = {"BOOL",    "I8",      "I16", "U32",     "U64",     "F8_E5M2",
+                                               "F8_E4M3", "F8_E8M0", "F4",  "F6_E2M3", "F6_E3M2", "C64"};
   return others.count(s) != 0;
 }
 

@@ -10,8 +10,8 @@
 // at an offset aligned to its element size; "__metadata__" comes first in the header.
 // Reading is as strict as the reference: the tensors must cover the buffer exactly.
 //
-// Supported dtypes: F64, F32, I32, BF16, F16, U16, U8 (core/dtype.h). Other valid
-// safetensors dtypes (I64, BOOL, F8_*, ...) are reported as unsupported.
+// Supported dtypes: F64, I64, F32, I32, BF16, F16, U16, U8 (core/dtype.h). Other valid
+// safetensors dtypes (BOOL, U64, F8_*, ...) are reported as unsupported.
 #pragma once
 #include <cstdint>
 #include <map>

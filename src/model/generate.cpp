@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "ops/activation.h"
+#include "ops/attention.h"
 #include "ops/embedding.h"
 #include "ops/matmul.h"
 #include "ops/norm.h"
@@ -88,24 +89,6 @@ void mlp_activation(const ModelConfig& c, float* act, const float* fc, int N) {
     case MlpKind::gelu: cpu::gelu_forward(act, fc, NF); break;
     case MlpKind::swiglu: cpu::swiglu_forward(act, fc, N, c.d_ff); break;
     case MlpKind::relu2: cpu::relu2_forward(act, fc, NF); break;
-  }
-}
-
-// Rotates the q and k heads of one qkv row by its position. cpu::rope_forward counts
-// positions from 0 in every call, so a row at position pos cannot go through it alone;
-// this is its rotation (the same frequencies and roundings) at an arbitrary position.
-void rope_row(float* row, int pos, const ModelConfig& c) {
-  const int HD = c.head_dim(), half = HD / 2;
-  for (int i = 0; i < half; ++i) {
-    const double a = static_cast<double>(pos) * std::pow(c.rope_theta, -2.0 * i / HD);
-    const float cs = static_cast<float>(std::cos(a)), sn = static_cast<float>(std::sin(a));
-    for (int h = 0; h < c.n_head + c.n_kv_head; ++h) {
-      float* x1 = row + size_t(h) * HD;
-      float* x2 = x1 + half;
-      const float p = x1[i], q = x2[i];
-      x1[i] = p * cs - q * sn;
-      x2[i] = q * cs + p * sn;
-    }
   }
 }
 
@@ -202,14 +185,20 @@ std::vector<float> Generator::append(const std::vector<std::vector<int32_t>>& to
     }
 
   const int64_t NC = int64_t(N) * C;
+  // The Linear layers are looked up on every call rather than kept: replace_linear destroys the
+  // layer it replaces, so a kept pointer could dangle; the lookups are about 1% of a step of
+  // even a d_model=64 model.
   for (int l = 0; l < c.n_layer; ++l) {
     const std::string prefix = "blocks." + std::to_string(l) + ".";
     norm_forward(c, w.norm1[l], ln.data(), x.data(), N, scratch);
     model_.linear(prefix + "attn.qkv.weight").forward(qkv.data(), ln.data(), N);
+    if (c.pos == PosKind::rope)  // each sequence's new rows continue from its first new position
+      for (size_t b = 0, r = 0; b < tokens.size(); r += tokens[b].size(), ++b)
+        if (!tokens[b].empty())
+          cpu::rope_forward(qkv.data() + r * Q, 1, static_cast<int>(tokens[b].size()), c.n_head, c.n_kv_head,
+                            c.head_dim(), c.rope_theta, rows[r].pos);
     for (int r = 0; r < N; ++r) {
-      float* row = qkv.data() + size_t(r) * Q;
-      if (c.pos == PosKind::rope) rope_row(row, rows[r].pos, c);
-      const float* k = row + size_t(c.n_head) * c.head_dim();
+      const float* k = qkv.data() + size_t(r) * Q + size_t(c.n_head) * c.head_dim();
       std::copy(k, k + KVR, cache_.key(l, rows[r].b, rows[r].pos));
       std::copy(k + KVR, k + 2 * KVR, cache_.value(l, rows[r].b, rows[r].pos));
     }

@@ -20,10 +20,11 @@ void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* att, int 
 
 // Rotary position embedding (LLaMA / GPT-NeoX "rotate half" convention), applied in place
 // to the q and k parts of qkv; v is untouched. Pair i of a head is (x[i], x[i + HD/2]),
-// rotated by angle t * theta^(-2i/HD) (position t counts from 0 in every sequence, so
-// t = 0 is left unchanged). HD must be even.
+// rotated by angle t * theta^(-2i/HD), where row j of every sequence is at position
+// t = pos0 + j (position 0 is left unchanged). pos0 > 0 continues sequences whose first
+// pos0 positions were rotated before (incremental generation). HD must be even.
 template <typename T>
-void rope_forward(T* qkv, int B, int Tlen, int NH, int NKV, int HD, double theta);
+void rope_forward(T* qkv, int B, int Tlen, int NH, int NKV, int HD, double theta, int pos0 = 0);
 // Backward of the rotation is the inverse rotation, applied in place to dqkv: unlike
 // the other backwards it does not accumulate, it turns the gradient w.r.t. the rotated
 // q and k into the gradient w.r.t. the unrotated ones (v's gradient passes unchanged).

@@ -40,10 +40,11 @@ T dot(const T* a, const T* b, int n) {
   return s;
 }
 
-// Rotates every q and k head of every token by its position; `sign` = +1 applies the
-// rotation, -1 its inverse (= transpose, which is what the backward needs).
+// Rotates every q and k head of every token by its position (pos0 + its index in the
+// sequence); `sign` = +1 applies the rotation, -1 its inverse (= transpose, which is what
+// the backward needs).
 template <typename T>
-void rope_apply(T* x, int B, int Tlen, int NH, int NKV, int HD, double theta, double sign) {
+void rope_apply(T* x, int B, int Tlen, int NH, int NKV, int HD, double theta, int pos0, double sign) {
   const int half = HD / 2;
   const int64_t C = static_cast<int64_t>(NH + 2 * NKV) * HD;
   const int rotated_heads = NH + NKV;  // q heads then k heads are contiguous at the row start
@@ -56,7 +57,7 @@ void rope_apply(T* x, int B, int Tlen, int NH, int NKV, int HD, double theta, do
       [&](int64_t r0, int64_t r1) {
         std::vector<T> c(half), s(half);
         for (int64_t r = r0; r < r1; ++r) {
-          const double t = static_cast<double>(r % Tlen);
+          const double t = static_cast<double>(pos0 + r % Tlen);
           for (int i = 0; i < half; ++i) {
             const double a = t * inv_freq[i];
             c[i] = static_cast<T>(std::cos(a));
@@ -182,21 +183,22 @@ void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* att, int 
 }
 
 template <typename T>
-void rope_forward(T* qkv, int B, int Tlen, int NH, int NKV, int HD, double theta) {
+void rope_forward(T* qkv, int B, int Tlen, int NH, int NKV, int HD, double theta, int pos0) {
   check_rope_shape("rope_forward", B, Tlen, NH, NKV, HD, theta);
-  rope_apply(qkv, B, Tlen, NH, NKV, HD, theta, 1.0);
+  ESPLAG_CHECK(pos0 >= 0, "rope_forward: start position pos0 must not be negative, got ", pos0);
+  rope_apply(qkv, B, Tlen, NH, NKV, HD, theta, pos0, 1.0);
 }
 
 template <typename T>
 void rope_backward(T* dqkv, int B, int Tlen, int NH, int NKV, int HD, double theta) {
   check_rope_shape("rope_backward", B, Tlen, NH, NKV, HD, theta);
-  rope_apply(dqkv, B, Tlen, NH, NKV, HD, theta, -1.0);
+  rope_apply(dqkv, B, Tlen, NH, NKV, HD, theta, 0, -1.0);
 }
 
 #define ESPLAG_INSTANTIATE(T)                                                                   \
   template void attention_forward<T>(T*, T*, const T*, int, int, int, int, int);                \
   template void attention_backward<T>(T*, const T*, const T*, const T*, int, int, int, int, int); \
-  template void rope_forward<T>(T*, int, int, int, int, int, double);                           \
+  template void rope_forward<T>(T*, int, int, int, int, int, double, int);                      \
   template void rope_backward<T>(T*, int, int, int, int, int, double);
 ESPLAG_INSTANTIATE(float)
 ESPLAG_INSTANTIATE(double)
