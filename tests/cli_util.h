@@ -17,7 +17,9 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "test_util.h"
 
@@ -75,6 +77,21 @@ inline void expect_one_line_error(const CommandResult& r, const std::string& nee
   EXPECT_NE(r.code, 0) << "stdout: " << r.out;
   EXPECT_NE(r.err.find(needle), std::string::npos) << "stderr: " << r.err;
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "stderr: " << r.err;
+}
+
+// The training lines of a run's metrics.jsonl, in order.
+struct LoggedStep {
+  double loss, grad_norm;
+  int64_t tokens_seen;
+};
+inline std::vector<LoggedStep> logged_steps(const cli_fs::path& run_dir) {
+  std::vector<LoggedStep> out;
+  std::istringstream in(read_text(run_dir / "metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out.push_back({j["loss"], j["grad_norm"], j["tokens_seen"]});
+  }
+  return out;
 }
 
 #ifdef ESPLAG_BINARY

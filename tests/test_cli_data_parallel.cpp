@@ -46,21 +46,6 @@ const Fixture& fixture() {
   return f;
 }
 
-struct Logged {
-  double loss, grad_norm;
-  int64_t tokens_seen;
-};
-
-std::vector<Logged> training_lines(const fs::path& run_dir) {
-  std::vector<Logged> out;
-  std::istringstream in(esplag::read_file((run_dir / "metrics.jsonl").string()));
-  for (std::string line; std::getline(in, line);) {
-    const auto j = nlohmann::json::parse(line);
-    if (j.contains("loss")) out.push_back({j["loss"], j["grad_norm"], j["tokens_seen"]});
-  }
-  return out;
-}
-
 }  // namespace
 
 TEST(CliDataParallel, TwoRanksTrainAsOneProcessWithTwiceTheAccumulation) {
@@ -71,7 +56,7 @@ TEST(CliDataParallel, TwoRanksTrainAsOneProcessWithTwiceTheAccumulation) {
   const Result b = run("train --gpus 2 --config " + f.config.string() + " --out " + two.string());
   ASSERT_EQ(b.code, 0) << b.err;
 
-  const auto la = training_lines(one), lb = training_lines(two);
+  const auto la = esplag::testing::logged_steps(one), lb = esplag::testing::logged_steps(two);
   ASSERT_EQ(la.size(), 6u);
   ASSERT_EQ(lb.size(), la.size());
   for (size_t i = 0; i < la.size(); ++i) {

@@ -65,26 +65,11 @@ const Fixture& fixture() {
   return f;
 }
 
-struct Logged {
-  double loss, grad_norm;
-  int64_t tokens_seen;
-};
-
-std::vector<Logged> training_lines(const fs::path& run_dir) {
-  std::vector<Logged> out;
-  std::istringstream in(esplag::read_file((run_dir / "metrics.jsonl").string()));
-  for (std::string line; std::getline(in, line);) {
-    const auto j = nlohmann::json::parse(line);
-    if (j.contains("loss")) out.push_back({j["loss"], j["grad_norm"], j["tokens_seen"]});
-  }
-  return out;
-}
-
 bool near(double a, double b) { return std::abs(a - b) <= kTolerance * std::max(1.0, std::abs(b)); }
 
 // Whether two runs' logged steps agree; counts the steps whose losses are bit-identical.
 void expect_same_losses(const fs::path& got, const fs::path& want, size_t steps, int* identical = nullptr) {
-  const auto a = training_lines(got), b = training_lines(want);
+  const auto a = esplag::testing::logged_steps(got), b = esplag::testing::logged_steps(want);
   ASSERT_EQ(a.size(), steps) << got;
   ASSERT_EQ(b.size(), steps) << want;
   for (size_t i = 0; i < steps; ++i) {
