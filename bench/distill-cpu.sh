@@ -7,7 +7,8 @@
 #         of slope's sparsity alone, but on this model it is within seed-to-seed noise
 #   wide  a wider and deeper llama (d_model 128, 4 layers, d_ff 352): a gap well above noise
 # Every model is evaluated at the end on the whole validation split (`esplag eval`); a
-# distilled row's gap_closed is (undistilled - distilled) / (undistilled - its teacher).
+# distilled row's gap_closed is (undistilled - distilled) / (undistilled - its teacher), or
+# no_gap where the undistilled student is not behind its teacher.
 #
 #   bench/distill-cpu.sh [build dir] [out.csv]   (defaults build/cpu, bench/results/distill-cpu.csv)
 #   env: STEPS (600), ALPHA (0.5), TEMPERATURE (2.0)
@@ -54,7 +55,8 @@ distilled slope+wide teacher-wide
 tokens=$("$esplag" eval --checkpoint "$work/slope" --json | grep -o '"tokens":[0-9]*' | cut -d: -f2)
 row() {  # name, model, teacher, alpha, temperature
   local gap=
-  [ "$3" = - ] || gap=$(awk -v u="${loss[slope]}" -v d="${loss[$1]}" -v t="${loss[$3]}" 'BEGIN { printf "%.3f", (u - d) / (u - t) }')
+  [ "$3" = - ] || gap=$(awk -v u="${loss[slope]}" -v d="${loss[$1]}" -v t="${loss[$3]}" \
+    'BEGIN { if (u > t) printf "%.3f", (u - d) / (u - t); else printf "no_gap" }')
   echo "$commit,$cores,$1,$2,$3,$4,$5,$steps,16,128,${loss[$1]},$tokens,${seconds[$1]},$gap"
 }
 mkdir -p "$(dirname "$out")"
