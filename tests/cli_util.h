@@ -99,6 +99,19 @@ inline std::vector<LoggedStep> logged_steps(const cli_fs::path& run_dir) {
 inline CommandResult run_esplag(const std::string& args, const cli_fs::path& dir) {
   return run_command(std::string(ESPLAG_BINARY) + " --threads 2 " + args, dir / "stdout.txt", dir / "stderr.txt");
 }
+
+// A byte-level dataset of 400 numbered verses prepared by `esplag data prepare` under
+// `dir`/data (10% validation); returns that folder.
+inline cli_fs::path prepared_verses(const cli_fs::path& dir) {
+  std::string text;
+  for (int i = 0; i < 400; ++i) text += "And God said, Let there be light: and there was light " + std::to_string(i) + ".\n";
+  write_text(dir / "corpus.txt", text);
+  const cli_fs::path data = dir / "data";
+  const CommandResult r = run_esplag("data prepare --input " + (dir / "corpus.txt").string() + " --out " +
+                                     data.string() + " --val-fraction 0.1", dir);
+  EXPECT_EQ(r.code, 0) << r.err;
+  return data;
+}
 #endif
 
 }  // namespace esplag::testing

@@ -25,13 +25,7 @@ struct Fixture {
   fs::path data, config;
   Fixture() {
     const fs::path d = root();
-    std::string text;
-    for (int i = 0; i < 400; ++i) text += "And God said, Let there be light: and there was light " + std::to_string(i) + ".\n";
-    esplag::testing::write_text(d / "corpus.txt", text);
-    data = d / "data";
-    const Result r = run("data prepare --input " + (d / "corpus.txt").string() + " --out " + data.string() +
-                         " --val-fraction 0.1");
-    EXPECT_EQ(r.code, 0) << r.err;
+    data = esplag::testing::prepared_verses(d);
     config = d / "tiny.yaml";
     esplag::testing::write_text(
         config, "model: {preset: tiny, n_layer: 2, d_model: 32, n_head: 2, n_kv_head: 2, d_ff: 64, max_seq_len: 32}\n"

@@ -110,16 +110,14 @@ class CpuStep final : public StepBackend {
       const LossParts parts = model_.forward_backward(x_.data(), y_.data(), cfg_.batch_size, cfg_.seq_len, scale, target);
       st.loss += parts.loss, ce += parts.ce, kl += parts.kl;
     }
-    st.loss /= cfg_.grad_accum;
-    if (distill) {
-      double means[2] = {ce / cfg_.grad_accum, kl / cfg_.grad_accum};
-      if (ranks_) {
-        ranks_->all_reduce_sum(means, 2);
-        for (double& m : means) m /= ranks_->size();
-      }
-      st.distill_ce = means[0], st.distill_kl = means[1];
+    // The step's means (loss, and distillation's parts), over the ranks too: one collective.
+    double means[3] = {st.loss / cfg_.grad_accum, ce / cfg_.grad_accum, kl / cfg_.grad_accum};
+    if (ranks_) {
+      ranks_->all_reduce_sum(means, distill ? 3 : 1);
+      for (double& m : means) m /= ranks_->size();
     }
-    if (ranks_) st.loss = mean_over_ranks(st.loss);
+    st.loss = means[0];
+    if (distill) st.distill_ce = means[1], st.distill_kl = means[2];
     if (ranks_ && !zero_) average_gradients_over_ranks();
     if (!std::isfinite(st.loss)) diverged("loss", st.loss, step + 1);
     const auto params = model_.trainable_params();
@@ -151,10 +149,6 @@ class CpuStep final : public StepBackend {
  private:
   // Data parallel: every rank's mean loss and gradients become the means over the ranks (the
   // sums in rank order, so every rank holds the same bits and takes the same step).
-  double mean_over_ranks(double loss) {
-    ranks_->all_reduce_sum(&loss, 1);
-    return loss / ranks_->size();
-  }
   void average_gradients_over_ranks() {
     const double inv = 1.0 / ranks_->size();
     std::vector<float> flat;
