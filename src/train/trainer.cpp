@@ -151,7 +151,8 @@ class CpuStep final : public StepBackend {
   // sums in rank order, so every rank holds the same bits and takes the same step).
   void average_gradients_over_ranks() {
     const double inv = 1.0 / ranks_->size();
-    std::vector<float> flat;
+    std::vector<float>& flat = flat_grads_;  // kept from step to step: no allocation per step
+    flat.clear();
     const auto params = model_.trainable_params();
     for (const auto& p : params) flat.insert(flat.end(), p.grad, p.grad + shape_numel(p.shape));
     ranks_->all_reduce_sum(flat.data(), flat.size());
@@ -207,6 +208,7 @@ class CpuStep final : public StepBackend {
   std::unique_ptr<Transformer<float>> teacher_;  // forward only: never trained, no moments
   const Recipe* recipe_;
   std::vector<int32_t> x_, y_;
+  std::vector<float> flat_grads_;  // data parallel: the gradients packed for the all-reduce
   Stats last_;
 };
 
