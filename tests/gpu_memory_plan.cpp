@@ -1,0 +1,79 @@
+// The memory planner (`esplag plan`, train/gpu_memory_plan.h) against what a GPU training
+// step really takes: the device memory in use after the step backend is built and has run
+// two steps (cuBLASLt, cuDNN and graph allocations included), measured with
+// cudaMemGetInfo against the free memory once the CUDA context exists, must be within 5%
+// of the plan. llama-1b at its micro-batch (4 x 2048) with and without full activation
+// checkpointing: large enough that the libraries' fixed costs are a few hundred MB of ~20 GiB.
+//
+// Host code only (the GPU work is the library's), as tests/gpu_train.cpp.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <vector>
+
+#include "core/rng.h"
+#include "data/loader.h"
+#include "data/shard.h"
+#include "train/config.h"
+#include "train/gpu_memory_plan.h"
+#include "train/gpu_step.h"
+
+namespace {
+
+using namespace esplag;
+namespace fs = std::filesystem;
+
+// One shard of random ids, enough windows for the two steps.
+std::string random_shard(int vocab, int64_t tokens) {
+  const fs::path dir = fs::temp_directory_path() / ("esplag_gpu_memory_plan_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  Rng rng(7);
+  std::vector<int32_t> ids(tokens);
+  for (auto& t : ids) t = static_cast<int32_t>(rng.below(vocab));
+  write_shard((dir / "train_000000.bin").string(), ids, vocab);
+  return dir.string();
+}
+
+uint64_t used_since(size_t free_before) {
+  size_t free = 0, total = 0;
+  EXPECT_EQ(cudaMemGetInfo(&free, &total), cudaSuccess);
+  return free_before - free;
+}
+
+void expect_plan_within_5_percent(const std::string& checkpointing) {
+  TrainConfig cfg = parse_train_config(
+      "model: {preset: llama-1b, vocab_size: 32000}\n"
+      "train: {batch_size: 4, seq_len: 2048, device: cuda, checkpointing: " + checkpointing + "}\n", "test");
+  const std::string data = random_shard(256, 4 * 2049 * 3);
+  cfg.data_path = data;
+  const uint64_t planned = gpu_memory_plan(cfg).total();
+
+  ASSERT_EQ(cudaFree(nullptr), cudaSuccess);  // the context first: it is not the run's
+  size_t free_before = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_before, &total), cudaSuccess);
+  uint64_t used = 0;
+  {
+    Transformer<float> host(cfg.model);
+    host.init_weights(1);
+    auto step = make_gpu_step(cfg, host, {}, {}, 0);
+    DataLoader loader(data, "train", cfg.batch_size, cfg.seq_len, 1, 256);
+    for (int s = 0; s < 2; ++s) step->step(s, 1e-4, loader);
+    step->last_stats();
+    used = used_since(free_before);
+  }
+  const double ratio = double(used) / double(planned);
+  std::printf("checkpointing %s: planned %.2f GiB, in use after two steps %.2f GiB (%.3f)\n", checkpointing.c_str(),
+              planned / 1073741824.0, used / 1073741824.0, ratio);
+  EXPECT_NEAR(ratio, 1.0, 0.05) << "planned " << planned << " bytes, in use " << used;
+  fs::remove_all(data);
+}
+
+}  // namespace
+
+TEST(GpuMemoryPlan, Llama1bPlanIsWithinFivePercentOfWhatTheStepUses) { expect_plan_within_5_percent("none"); }
+
+TEST(GpuMemoryPlan, Llama1bWithFullCheckpointingToo) { expect_plan_within_5_percent("full"); }
