@@ -282,3 +282,24 @@ TEST(TrainDevice, SparseRecipeOnCudaIsAnError) {
   }
   EXPECT_FALSE(fs::exists(dir.file("run")));
 }
+
+// The optimizer offload moves GPU training's state to the host: a run on the CPU (asked
+// for, or chosen by auto) with it is one error naming the key, and writes nothing.
+TEST(TrainDevice, OptimizerOffloadIsRefusedOnTheCpu) {
+  TempDir dir;
+  const std::string data = make_dataset(dir);
+  for (const std::string offload : {"optimizer", "optimizer+master"}) {
+    TrainConfig cfg = small_config(data, "cpu");
+    cfg.offload = offload;
+    const std::string run = dir.file("run_" + offload);
+    const std::string e = error_of([&] { Trainer(cfg, run, quiet); });
+    EXPECT_TRUE(contains(e, "train.offload is " + offload)) << e;
+    EXPECT_TRUE(contains(e, "set train.offload none")) << e;
+    EXPECT_FALSE(fs::exists(run));
+  }
+  // The key takes its three values only.
+  const std::string bad = error_of([&] {
+    parse_train_config("model: {preset: tiny}\n", "test", {"data.path=" + data, "train.offload=gpu"});
+  });
+  EXPECT_TRUE(contains(bad, "train.offload")) << bad;
+}

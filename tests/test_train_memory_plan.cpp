@@ -131,13 +131,15 @@ namespace {
 
 constexpr uint64_t kGiB = uint64_t(1) << 30;
 
-// A stand-in for the GPU plan: 40 GiB of state, and per block and sequence 10 GiB of
-// activations without checkpointing, 6 with selective and 1 with full.
+// A stand-in for the GPU plan: 40 GiB of state (24 with the optimizer offloaded, 20 with
+// the master too), and per block and sequence 10 GiB of activations without checkpointing, 6
+// with selective and 1 with full.
 MemoryPlan fake_gpu_plan(const TrainConfig& c) {
   MemoryPlan p;
   p.device = "cuda";
   GpuMemoryBytes g;
-  g.params = 40 * kGiB;
+  g.params = (c.offload == "optimizer+master" ? 20 : 24) * kGiB;
+  g.optimizer = (c.offload == "none" ? 16 : 0) * kGiB;
   for (int l = 0; l < c.model.n_layer; ++l) {
     const CheckpointMode mode = c.checkpointing.checkpoints(l) ? c.checkpointing.mode : CheckpointMode::none;
     const uint64_t per_sequence = mode == CheckpointMode::none ? 10 : mode == CheckpointMode::selective ? 6 : 1;
@@ -209,6 +211,31 @@ TEST(MemoryAuto, TheLineSaysWhatItChoseAndWhy) {
             "memory auto: train.checkpointing=none (it needs 80.0 GiB of GPU memory, 90.0 GiB free on CUDA device 0)");
 }
 
+// Offloading the optimizer comes after every checkpointing choice (it costs PCIe traffic in
+// every step), the master after the moments; fixed runs name it among the settings that fit.
+TEST(MemoryAuto, TheOptimizerOffloadComesAfterEveryCheckpointingChoice) {
+  TrainConfig c = four_blocks("auto");
+  EXPECT_EQ(apply_train_memory(c, gpu_budget(43), fake_gpu_plan),
+            "memory auto: train.checkpointing=full (none needs 80.0 GiB of GPU memory, 43.0 GiB free on CUDA device 0; "
+            "full needs 28.0 GiB); train.offload=optimizer (the checkpointing alone does not fit)");
+  EXPECT_EQ(c.offload, "optimizer");
+  EXPECT_EQ(c.checkpointing.mode, CheckpointMode::full);
+  c = four_blocks("auto");
+  apply_train_memory(c, gpu_budget(26), fake_gpu_plan);
+  EXPECT_EQ(c.offload, "optimizer+master");
+  c = four_blocks("auto");
+  apply_train_memory(c, gpu_budget(63), fake_gpu_plan);
+  EXPECT_EQ(c.offload, "none") << "checkpointing alone fits";
+  TrainConfig fixed = four_blocks("fixed");
+  const std::string e = error_of([&] { apply_train_memory(fixed, gpu_budget(43), fake_gpu_plan); });
+  EXPECT_TRUE(contains(e, "train.offload=optimizer")) << e;
+  // A CPU run never offloads (there is nowhere to offload to).
+  const TrainConfig cpu = tiny_config("cpu");
+  const auto settings = settings_that_fit(cpu, "cpu", {0, host_bytes_for_training(cpu, "cpu") - 1});
+  ASSERT_TRUE(settings.has_value());
+  for (const std::string& o : *settings) EXPECT_FALSE(contains(o, "offload")) << o;
+}
+
 TEST(MemoryAuto, TheChoiceIsWhatTheSavedConfigSays) {
   TrainConfig c = four_blocks("auto");
   apply_train_memory(c, gpu_budget(63), fake_gpu_plan);
@@ -225,17 +252,18 @@ TEST(MemoryAuto, TheChoiceIsWhatTheSavedConfigSays) {
 
 TEST(MemoryAuto, NothingFitsIsOneErrorWithThePlanAndWhatWouldFit) {
   TrainConfig c = four_blocks("auto");
-  std::string e = error_of([&] { apply_train_memory(c, gpu_budget(40), fake_gpu_plan); });
+  std::string e = error_of([&] { apply_train_memory(c, gpu_budget(19), fake_gpu_plan); });
   EXPECT_TRUE(contains(e, "train.memory auto: the run does not fit, not even with train.checkpointing full in every "
-                          "block: it needs 44.0 GiB of GPU memory, 40.0 GiB free on CUDA device 0\n")) << e;
+                          "block and train.offload optimizer+master: it needs 24.0 GiB of GPU memory, 19.0 GiB free on "
+                          "CUDA device 0\n")) << e;
   EXPECT_TRUE(contains(e, "train.checkpointing full every 1, on cuda\n")) << e;  // the plan of full, by category
   EXPECT_TRUE(contains(e, "activations")) << e;
-  EXPECT_TRUE(contains(e, "does NOT fit in 40.0 GiB (free on CUDA device 0)")) << e;
+  EXPECT_TRUE(contains(e, "does NOT fit in 19.0 GiB (free on CUDA device 0)")) << e;
   EXPECT_TRUE(contains(e, "nothing smaller fits either: the run needs a smaller model")) << e;
-  // With micro-batches of 4 (full: 56 GiB), 2 sequences (48 GiB) fit.
+  // With micro-batches of 4 (full, offloaded: 36 GiB), 2 sequences (28 GiB) fit.
   c = four_blocks("auto");
   c.batch_size = 4;
-  e = error_of([&] { apply_train_memory(c, gpu_budget(50), fake_gpu_plan); });
+  e = error_of([&] { apply_train_memory(c, gpu_budget(30), fake_gpu_plan); });
   EXPECT_TRUE(contains(e, "a smaller micro-batch fits (the same sequences per step): --set train.batch_size=2 --set "
                           "train.grad_accum=2")) << e;
 }

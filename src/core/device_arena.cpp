@@ -29,21 +29,34 @@ std::string DeviceArena::format_bytes(size_t bytes) {
   return buf;
 }
 
-DeviceArena::DeviceArena(size_t capacity_bytes, std::string name) : name_(std::move(name)) {
+DeviceArena::DeviceArena(size_t capacity_bytes, std::string name, Memory where)
+    : name_(std::move(name)), memory_(where) {
   if (capacity_bytes == 0) return;
 #ifdef ESPLAG_HAVE_CUDA
   void* p = nullptr;
-  const cudaError_t err = cudaMalloc(&p, capacity_bytes);
+  const bool host = where == Memory::pinned_host;
+  const cudaError_t err =
+      host ? cudaHostAlloc(&p, capacity_bytes, cudaHostAllocMapped | cudaHostAllocPortable) : cudaMalloc(&p, capacity_bytes);
   if (err != cudaSuccess) {
-    cudaGetLastError();  // cudaMalloc failures are not sticky; clear it so later calls do not report it
+    cudaGetLastError();  // allocation failures are not sticky; clear it so later calls do not report it
     size_t free_b = 0, total_b = 0;
-    std::string mem = "device memory unknown";
-    if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess)
+    std::string mem = host ? "the host may not have that much memory to pin" : "device memory unknown";
+    if (!host && cudaMemGetInfo(&free_b, &total_b) == cudaSuccess)
       mem = "the device has " + format_bytes(free_b) + " free of " + format_bytes(total_b);
-    else
+    else if (!host)
       cudaGetLastError();
-    fail("device arena '", name_, "': cannot reserve ", format_bytes(capacity_bytes), " with cudaMalloc (",
-         cudaGetErrorName(err), ": ", cudaGetErrorString(err), "); ", mem);
+    fail("device arena '", name_, "': cannot reserve ", format_bytes(capacity_bytes),
+         host ? " of pinned host memory with cudaHostAlloc (" : " with cudaMalloc (", cudaGetErrorName(err), ": ",
+         cudaGetErrorString(err), "); ", mem);
+  }
+  if (host) {  // kernels use the host pointer as it is: it must be the device's address too
+    void* dev = nullptr;
+    if (cudaHostGetDevicePointer(&dev, p, 0) != cudaSuccess || dev != p) {
+      cudaGetLastError();
+      cudaFreeHost(p);
+      fail("device arena '", name_, "': pinned host memory is not mapped at the same address on the device ",
+           "(no unified virtual addressing)");
+    }
   }
   base_ = p;
   capacity_ = capacity_bytes;
@@ -55,7 +68,8 @@ DeviceArena::DeviceArena(size_t capacity_bytes, std::string name) : name_(std::m
 
 void DeviceArena::free_all() noexcept {
 #ifdef ESPLAG_HAVE_CUDA
-  if (base_) cudaFree(base_);  // no throwing from destructors; a failure here has no remedy
+  // No throwing from destructors; a failure here has no remedy.
+  if (base_) memory_ == Memory::pinned_host ? cudaFreeHost(base_) : cudaFree(base_);
 #endif
   base_ = nullptr;
   capacity_ = used_ = peak_ = 0;
@@ -66,6 +80,7 @@ DeviceArena::~DeviceArena() { free_all(); }
 
 DeviceArena::DeviceArena(DeviceArena&& other) noexcept
     : name_(std::move(other.name_)),
+      memory_(other.memory_),
       base_(std::exchange(other.base_, nullptr)),
       capacity_(std::exchange(other.capacity_, 0)),
       used_(std::exchange(other.used_, 0)),
@@ -78,6 +93,7 @@ DeviceArena& DeviceArena::operator=(DeviceArena&& other) noexcept {
   if (this != &other) {
     free_all();
     name_ = std::move(other.name_);
+    memory_ = other.memory_;
     base_ = std::exchange(other.base_, nullptr);
     capacity_ = std::exchange(other.capacity_, 0);
     used_ = std::exchange(other.used_, 0);

@@ -5,7 +5,10 @@
 // and carves it with a bump pointer. Allocation is a pointer increment, there is no
 // fragmentation, and running out names the tensor that did not fit and what was free,
 // before any kernel runs. Memory is released only in stack order (release_to / reset).
-// Never managed (unified) memory: placement and traffic stay explicit.
+// Never managed (unified) memory: placement and traffic stay explicit. An arena may instead
+// hold pinned host memory mapped into the device's address space (Memory::pinned_host): what
+// the optimizer offload keeps off the GPU. Kernels read and write it across PCIe with the
+// same pointers (the unified virtual address space makes the host pointer the device one).
 //
 // The header needs no CUDA headers, so code shared with the CPU build can hold an
 // arena; in a build without CUDA constructing a non-empty arena throws.
@@ -32,10 +35,13 @@ class DeviceArena {
     size_t bytes = 0;   // as requested
   };
 
+  enum class Memory { device, pinned_host };
+
   DeviceArena() = default;  // empty: every allocation of more than 0 bytes fails
-  // Reserves `capacity_bytes` of device memory on the current device. Throws Error with
-  // the device's free and total memory if that is not possible.
-  explicit DeviceArena(size_t capacity_bytes, std::string name = "device");
+  // Reserves `capacity_bytes` of device memory on the current device (or of pinned host
+  // memory mapped into it). Throws Error with the free and total memory if that is not
+  // possible.
+  explicit DeviceArena(size_t capacity_bytes, std::string name = "device", Memory where = Memory::device);
   ~DeviceArena();
   DeviceArena(const DeviceArena&) = delete;
   DeviceArena& operator=(const DeviceArena&) = delete;
@@ -68,6 +74,7 @@ class DeviceArena {
   size_t peak() const { return peak_; }  // highest `used` since construction or reset_peak()
   void reset_peak() { peak_ = used_; }
   const std::string& name() const { return name_; }
+  Memory memory() const { return memory_; }
   void* base() const { return base_; }
   // Live sub-allocations in allocation order.
   const std::vector<Allocation>& allocations() const { return allocs_; }
@@ -83,6 +90,7 @@ class DeviceArena {
   void free_all() noexcept;
 
   std::string name_ = "device";
+  Memory memory_ = Memory::device;
   void* base_ = nullptr;
   size_t capacity_ = 0;
   size_t used_ = 0;

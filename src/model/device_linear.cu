@@ -103,6 +103,8 @@ void DeviceLinear::gelu_backward_pass(bf16* dinp, const bf16* pre_act, int N) {
   gpu::gelu_backward(dinp, pre_act, dinp, int64_t(N) * in_, false, ctx_.stream);
 }
 
+// Copies of kind cudaMemcpyDefault: the master halves and moments may be offloaded (pinned
+// host memory), which the runtime tells from the pointers.
 void DeviceTensorView::to_host(size_t n, std::vector<float>* weights, std::vector<float>* m1, std::vector<float>* m2,
                                cudaStream_t s) const {
   std::vector<uint16_t> hi;
@@ -110,13 +112,13 @@ void DeviceTensorView::to_host(size_t n, std::vector<float>* weights, std::vecto
   if (weights) {
     hi.resize(n);
     lo.resize(n);
-    CUDA_CHECK(cudaMemcpyAsync(hi.data(), w, sizeof(bf16) * n, cudaMemcpyDeviceToHost, s));
-    CUDA_CHECK(cudaMemcpyAsync(lo.data(), w_lo, sizeof(int16_t) * n, cudaMemcpyDeviceToHost, s));
+    CUDA_CHECK(cudaMemcpyAsync(hi.data(), w, sizeof(bf16) * n, cudaMemcpyDefault, s));
+    CUDA_CHECK(cudaMemcpyAsync(lo.data(), w_lo, sizeof(int16_t) * n, cudaMemcpyDefault, s));
   }
   for (auto [host, dev] : {std::pair{m1, m}, std::pair{m2, v}})
     if (host) {
       host->resize(n);
-      CUDA_CHECK(cudaMemcpyAsync(host->data(), dev, sizeof(float) * n, cudaMemcpyDeviceToHost, s));
+      CUDA_CHECK(cudaMemcpyAsync(host->data(), dev, sizeof(float) * n, cudaMemcpyDefault, s));
     }
   CUDA_CHECK(cudaStreamSynchronize(s));
   if (!weights) return;
@@ -132,11 +134,11 @@ void DeviceTensorView::from_host(size_t n, const float* weights, const float* m1
     hi[i] = gpu::master_hi_bits(weights[i]);
     lo[i] = gpu::master_lo_bits(weights[i]);
   }
-  CUDA_CHECK(cudaMemcpyAsync(w, hi.data(), sizeof(bf16) * n, cudaMemcpyHostToDevice, s));
-  CUDA_CHECK(cudaMemcpyAsync(w_lo, lo.data(), sizeof(int16_t) * n, cudaMemcpyHostToDevice, s));
+  CUDA_CHECK(cudaMemcpyAsync(w, hi.data(), sizeof(bf16) * n, cudaMemcpyDefault, s));
+  CUDA_CHECK(cudaMemcpyAsync(w_lo, lo.data(), sizeof(int16_t) * n, cudaMemcpyDefault, s));
   for (auto [host, dev] : {std::pair{m1, m}, std::pair{m2, v}})
     if (host)
-      CUDA_CHECK(cudaMemcpyAsync(dev, host, sizeof(float) * n, cudaMemcpyHostToDevice, s));
+      CUDA_CHECK(cudaMemcpyAsync(dev, host, sizeof(float) * n, cudaMemcpyDefault, s));
     else
       CUDA_CHECK(cudaMemsetAsync(dev, 0, sizeof(float) * n, s));
   CUDA_CHECK(cudaStreamSynchronize(s));  // the host vectors go out of scope

@@ -256,7 +256,8 @@ void norm_forward(GpuTransformer::Impl& im, const ModelConfig& c, cudaStream_t s
 std::string GpuMemoryPlan::describe() const {
   auto f = DeviceArena::format_bytes;
   return "parameters " + f(params) + ", gradients " + f(grads) + ", optimizer " + f(optimizer) + ", activations " +
-         f(activations) + ", scratch " + f(scratch) + ", workspace " + f(workspace);
+         f(activations) + ", scratch " + f(scratch) + ", workspace " + f(workspace) +
+         (host ? "; offloaded to pinned host memory " + f(host) : "");
 }
 
 std::vector<ParamInfo> GpuTransformer::param_layout(const ModelConfig& cfg) { return transformer_param_layout(cfg); }
@@ -286,7 +287,7 @@ GpuMemoryPlan GpuTransformer::memory_plan(const ModelConfig& config, int max_bat
                " exceeds the GPU attention's maximum ", gpu::kAttentionMaxHeadDim);
   GpuMemoryPlan state;
   Impl dummy;
-  lay_out_state_buffers(config, infos, dummy, state, Take{});
+  lay_out_state_buffers(config, infos, options, dummy, state, Take{}, Take{});
   return step_arena_plan(config, max_batch, max_seq_len, options) + state;
 }
 
@@ -301,6 +302,8 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
                int64_t(max_batch) * max_seq_len, " rows do not fit int32");
   ESPLAG_CHECK(cfg_.head_dim() <= gpu::kAttentionMaxHeadDim, "GpuTransformer: head dimension ", cfg_.head_dim(),
                " exceeds the GPU attention's maximum ", gpu::kAttentionMaxHeadDim);
+  ESPLAG_CHECK(!opt_.offload_master || opt_.offload_moments,
+               "GpuTransformer: offloading the master weights needs the moments offloaded too");
   infos_ = param_layout(cfg_);
   nparams_ = infos_.back().offset + infos_.back().numel;
   max_b_ = max_batch;

@@ -117,6 +117,15 @@ struct GpuModelOptions {
   //   probabilities), so it saves memory only with recompute off.
   // Gradients are bit-identical to `none`: the same kernels run on the same inputs.
   ActivationCheckpointing checkpointing;
+  // Optimizer offload (docs/memory.md, train.offload): the AdamW moments (offload_moments)
+  // and also the low halves of the master weights (offload_master, which needs
+  // offload_moments) live in pinned host memory mapped into the device (DeviceArena::Memory::
+  // pinned_host) instead of the parameter arena: 8 (10) of the 16 bytes a parameter takes on
+  // the device. Every kernel reaches them with the same pointers, so results are
+  // bit-identical to no offload; the AdamW update then streams them across PCIe (8 bytes read
+  // and 8 written per offloaded parameter for the moments, 2 and 2 for the master halves).
+  bool offload_moments = false;
+  bool offload_master = false;
   // Replay forward_backward_device and step_adamw as CUDA graphs (see the top of the file).
   bool cuda_graph = true;
   // Norm backwards in one pass that also sums the norm's weight (and bias) gradients and
@@ -160,6 +169,7 @@ struct GpuMemoryPlan {
   size_t activations = 0;  // saved for backward
   size_t scratch = 0;      // shared step buffers, LM-head chunk, attention workspace, losses
   size_t workspace = 0;    // cuBLASLt workspace and bias scratch
+  size_t host = 0;         // pinned host memory of the optimizer offload (not in total())
   size_t total() const { return params + grads + optimizer + activations + scratch + workspace; }
   std::string describe() const;
 };
@@ -201,10 +211,17 @@ class GpuTransformer {
   // Master weights (and their bf16 copy) from a flat host vector of num_params() floats.
   void set_params(const float* host, size_t n);
   std::vector<float> params_to_host() const;
+  void params_to_host(float* out) const;  // into num_params() floats
   std::vector<float> grads_to_host() const;
   // AdamW state: moments in the flat layout and the number of steps taken.
   void set_optimizer_state(const float* m, const float* v, size_t n, int64_t steps);
   void optimizer_state_to_host(std::vector<float>& m, std::vector<float>& v) const;
+  // The moments of flat tensor k (param_infos()[k]) in its dense form, numel floats each.
+  void tensor_moments_to_host(size_t k, float* m, float* v) const;
+  // Where the optimizer state is offloaded (GpuModelOptions::offload_moments) and flat tensor
+  // k is stored as it is: its moments in the pinned host memory, readable by the host once
+  // the device is idle (synchronize()). {null, null} otherwise.
+  std::pair<const float*, const float*> offloaded_moments(size_t k) const;
   int64_t optimizer_steps() const { return step_; }
   // GPT-2 initialisation with the CPU's rules (N(0, init_std), residual projections
   // scaled by 1/sqrt(2·n_layer), biases 0, norm weights 1), drawn on the device from a
@@ -491,7 +508,8 @@ class GpuTransformer {
   // Every tensor, chunk by chunk, from the flat layout into the storage layout (to_store)
   // or back, through the shared scratch region.
   struct Transfer;
-  void transfer(const Transfer& t, bool to_store) const;
+  // Over the flat tensors [first, last) (default: all).
+  void transfer(const Transfer& t, bool to_store, size_t first = 0, size_t last = SIZE_MAX) const;
   // n fp32 values of the storage layout at `at` (a tensor after the flat ones) to or from
   // the host, through the shared scratch region: the master weights (split / joined), the
   // gradients or a moment.

@@ -34,7 +34,7 @@ Tensor view(const OwnedParam<float>& p, const std::string& prefix = "") {
   return Tensor::borrow(p.value, p.shape, DType::f32, Device::cpu, prefix + p.name);
 }
 
-Tensor moment_view(const Moments& moments, const OwnedParam<float>& p, const std::string& prefix) {
+Tensor moment_view(const MomentViews& moments, const OwnedParam<float>& p, const std::string& prefix) {
   auto it = moments.find(p.name);
   ESPLAG_CHECK(it != moments.end() && it->second.size() == size_t(shape_numel(p.shape)),
                "optimizer state for '", p.name, "' is missing");
@@ -153,8 +153,8 @@ namespace {
 
 // save_checkpoint, and without m and v save_weights_checkpoint.
 std::string write_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,
-                             const std::string& tokenizer, const TrainerState& state, const Moments* m,
-                             const Moments* v) {
+                             const std::string& tokenizer, const TrainerState& state, const MomentViews* m,
+                             const MomentViews* v) {
   const fs::path final_dir = fs::path(run_dir) / step_dir_name(state.step);
   const fs::path tmp_dir = fs::path(run_dir) / (step_dir_name(state.step) + ".tmp-" + std::to_string(::getpid()));
   std::error_code ec;
@@ -212,9 +212,15 @@ std::string write_checkpoint(const std::string& run_dir, Transformer<float>& mod
 
 }  // namespace
 
+MomentViews views_of(const Moments& m) {
+  MomentViews out;
+  for (const auto& [name, values] : m) out.emplace(name, std::span<const float>(values));
+  return out;
+}
+
 std::string save_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,
-                            const std::string& tokenizer, const TrainerState& state, const Moments& m,
-                            const Moments& v) {
+                            const std::string& tokenizer, const TrainerState& state, const MomentViews& m,
+                            const MomentViews& v) {
   return write_checkpoint(run_dir, model, config, tokenizer, state, &m, &v);
 }
 

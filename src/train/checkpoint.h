@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,10 @@ struct TrainerState {
 
 // AdamW moments per trained tensor (see Transformer::trainable_params), by name.
 using Moments = std::map<std::string, std::vector<float>>;
+// The same as views of memory held elsewhere (a Moments, or a device's offloaded state):
+// what a checkpoint writes, without another copy of the moments.
+using MomentViews = std::map<std::string, std::span<const float>>;
+MomentViews views_of(const Moments& m);
 
 struct CheckpointContents {
   TrainConfig config;     // with schedule.total_steps as the run's schedule had it
@@ -51,8 +56,8 @@ struct CheckpointContents {
 // Linear kinds own, e.g. compressed kept values instead of a dense weight) plus the kinds'
 // state; optimizer.safetensors holds "m.<name>" and "v.<name>" for each of them.
 std::string save_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,
-                            const std::string& tokenizer, const TrainerState& state, const Moments& m,
-                            const Moments& v);
+                            const std::string& tokenizer, const TrainerState& state, const MomentViews& m,
+                            const MomentViews& v);
 // The same without optimizer.safetensors: a checkpoint that eval, sample, export and
 // train.init_from read, but that cannot be resumed (imported models are saved so).
 std::string save_weights_checkpoint(const std::string& run_dir, Transformer<float>& model, const TrainConfig& config,

@@ -189,6 +189,7 @@ const std::vector<Field>& fields() {
              to_string),
       integer("train.checkpointing_every", ref(&T::checkpointing, &ActivationCheckpointing::every), 1, kIntMax),
       text("train.memory", ref(&T::memory), {"fixed", "auto"}),
+      text("train.offload", ref(&T::offload), {"none", "optimizer", "optimizer+master"}),
       text("train.precision", ref(&T::precision), {"bf16", "fp8"}),
       text("train.fp8_grad", ref(&T::fp8_grad), {"e5m2", "e4m3"}),
       text("train.init_from", ref(&T::init_from)),

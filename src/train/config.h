@@ -53,6 +53,10 @@ struct TrainConfig {
   // train.memory: fixed runs the settings as written; auto chooses train.checkpointing for
   // the memory at hand when the run starts (train/memory_plan.h, apply_train_memory).
   std::string memory = "fixed";
+  // train.offload: none | optimizer | optimizer+master, GPU training only (docs/memory.md):
+  // where AdamW's moments (optimizer) and also the low halves of the master weights
+  // (optimizer+master) live: pinned host memory that the update kernel reads across PCIe.
+  std::string offload = "none";
   // train.precision: bf16 | fp8, the block Linear layers' products (docs/fp8.md). On the CPU,
   // bf16 computes in fp32 as every other op does; fp8 emulates e4m3 operands (model/linear_precision.h).
   std::string precision = "bf16";

@@ -2,14 +2,21 @@
 
 #include <cuda_runtime.h>
 
-#include "model/gpu_transformer.h"
 
 namespace esplag {
 
+GpuModelOptions gpu_model_options(const TrainConfig& config) {
+  GpuModelOptions o;
+  o.extra_arena_bytes = 2 * DeviceArena::kDefaultAlignment;  // the step's health record
+  o.checkpointing = config.checkpointing;
+  o.offload_moments = config.offload != "none";
+  o.offload_master = config.offload == "optimizer+master";
+  return o;
+}
+
 GpuMemoryBytes gpu_memory_plan(const TrainConfig& config) {
-  GpuModelOptions options;
-  options.checkpointing = config.checkpointing;
-  const GpuMemoryPlan p = GpuTransformer::memory_plan(config.model, config.batch_size, config.seq_len, options);
+  const GpuMemoryPlan p =
+      GpuTransformer::memory_plan(config.model, config.batch_size, config.seq_len, gpu_model_options(config));
   return {p.params, p.grads, p.optimizer, p.activations, p.scratch, p.workspace};
 }
 

@@ -11,10 +11,15 @@
 
 #include <cstdint>
 
+#include "model/gpu_transformer.h"
 #include "train/config.h"
 #include "train/memory_plan.h"
 
 namespace esplag {
+
+// The GPU model's options for a training config: train.checkpointing, train.offload, and
+// room for the step's own records.
+GpuModelOptions gpu_model_options(const TrainConfig& config);
 
 // The device memory GpuTransformer reserves for `config`'s micro-batch with its
 // train.checkpointing (what the GPU training step builds).

@@ -20,6 +20,7 @@
 #include "model/device_linear.h"
 #include "model/gpu_transformer.h"
 #include "model/linear_registry.h"
+#include "train/gpu_memory_plan.h"
 
 namespace esplag {
 
@@ -77,13 +78,6 @@ std::vector<GpuTransformer::LinearKindSetting> host_kind_settings(
   return settings;
 }
 
-GpuModelOptions model_options(const TrainConfig& cfg) {
-  GpuModelOptions o;
-  o.extra_arena_bytes = 2 * DeviceArena::kDefaultAlignment;  // the StepHealth record
-  o.checkpointing = cfg.checkpointing;
-  return o;
-}
-
 class GpuStep final : public StepBackend {
  public:
   GpuStep(const TrainConfig& cfg, Transformer<float>& host, Moments m, Moments v, int64_t steps_done,
@@ -94,7 +88,7 @@ class GpuStep final : public StepBackend {
           const std::vector<std::string> names = host.linear_names();
           return std::set<std::string>(names.begin(), names.end());
         }()),
-        model_(cfg.model, cfg.batch_size, cfg.seq_len, model_options(cfg)) {
+        model_(cfg.model, cfg.batch_size, cfg.seq_len, gpu_model_options(cfg)) {
     check_layout();
     model_.set_params(host_.params(), host_.num_params());
     host_step_ = steps_done;
@@ -134,10 +128,16 @@ class GpuStep final : public StepBackend {
 
   std::string device() const override { return "cuda"; }
   std::string describe() const override {
-    const double gib = double(model_.plan().total()) / double(size_t(1) << 30);
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%.2f GiB", gib);
-    return "cuda (" + gpu_name_ + ", " + buf + " of device memory for the model)";
+    const auto gib = [](size_t bytes) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%.2f GiB", double(bytes) / double(size_t(1) << 30));
+      return std::string(buf);
+    };
+    const GpuMemoryPlan& plan = model_.plan();
+    return "cuda (" + gpu_name_ + ", " + gib(plan.total()) + " of device memory for the model" +
+           (plan.host ? ", the optimizer offloaded (" + cfg_.offload + "): " + gib(plan.host) + " of pinned host memory"
+                      : "") +
+           ")";
   }
 
   void step(int64_t step, double lr, DataLoader& data) override {
@@ -192,7 +192,7 @@ class GpuStep final : public StepBackend {
   // the host's layers train themselves (kept values, adapters; DeviceLinear::to_twin).
   HostMoments state_to_host() override {
     write_back(true);
-    return {m_, v_};
+    return {views_m_, views_v_};
   }
   // A recipe update's write-back: the weights (with what each layer's twin takes: kept
   // values, masks, adapters, draw counts) without the moments, a third of the bytes. The
@@ -205,27 +205,40 @@ class GpuStep final : public StepBackend {
   }
 
  private:
-  // The weights into the host model, and with `moments` the moments into m_ / v_.
+  // The weights into the host model, and with `moments` the moments into views_m_ /
+  // views_v_: of the offloaded state itself where a tensor is stored as it is, else of host
+  // copies in m_ / v_. Nothing holds a second copy of all the weights or moments, which
+  // for llama-7b would not fit the host next to an offloaded state.
   void write_back(bool moments) {
     written_back_ = true;
     host_step_ = model_.optimizer_steps();
-    const std::vector<float> p = model_.params_to_host();
-    std::copy(p.begin(), p.end(), host_.params());
-    std::vector<float> mf, vf;
-    if (moments) model_.optimizer_state_to_host(mf, vf);
+    model_.params_to_host(host_.params());
     m_.clear();
     v_.clear();
+    views_m_.clear();
+    views_v_.clear();
+    std::map<std::string, size_t> index;
+    const auto& infos = host_.param_infos();
+    for (size_t k = 0; k < infos.size(); ++k) index[infos[k].name] = k;
     // What each layer's twin takes besides the flat layout, layers in parallel (their
     // conversions are mostly single-threaded loops): each touches only its own twin, its
-    // slice of the host's flat weight and its own maps.
-    std::map<std::string, const ParamInfo*> infos;
-    for (const auto& info : host_.param_infos()) infos[info.name] = &info;
+    // slice of the host's flat weight and its own maps. A twin that trains its kept values
+    // reads its moments in the dense form (a host copy of the layer's only).
     const std::vector<std::string> names(linears_.begin(), linears_.end());
     std::vector<NamedValues> named_m(names.size()), named_v(names.size());
+    std::vector<std::vector<float>> dense_m(names.size()), dense_v(names.size());
+    for (size_t i = 0; i < names.size(); ++i) {
+      const ParamInfo& info = infos[index.at(names[i])];
+      if (!moments || host_.linear(names[i]).trains_dense_weight()) continue;
+      dense_m[i].resize(info.numel);
+      dense_v[i].resize(info.numel);
+      model_.tensor_moments_to_host(index.at(names[i]), dense_m[i].data(), dense_v[i].data());
+    }
     parallel_tasks(int64_t(names.size()), [&](int64_t i) {
-      const size_t k = size_t(i), at = infos.at(names[k])->offset;
-      const TwinCopy c{p.data() + at, moments ? mf.data() + at : nullptr, moments ? vf.data() + at : nullptr,
-                       &named_m[k], &named_v[k]};
+      const size_t k = size_t(i);
+      const bool dense = dense_m[k].empty();
+      const TwinCopy c{host_.params() + infos[index.at(names[k])].offset, dense ? nullptr : dense_m[k].data(),
+                       dense ? nullptr : dense_v[k].data(), &named_m[k], &named_v[k]};
       model_.linear(names[k]).to_twin(host_.linear(names[k]), c);
     });
     if (!moments) return;
@@ -233,11 +246,22 @@ class GpuStep final : public StepBackend {
       m_.merge(named_m[k]);
       v_.merge(named_v[k]);
     }
-    for (const auto& info : host_.param_infos()) {
+    model_.synchronize();  // the offloaded moments are read in place below
+    for (size_t k = 0; k < infos.size(); ++k) {
+      const ParamInfo& info = infos[k];
       if (is_linear_weight(info.name) && !host_.linear(info.name).trains_dense_weight()) continue;  // named above
-      m_[info.name].assign(mf.begin() + info.offset, mf.begin() + info.offset + info.numel);
-      v_[info.name].assign(vf.begin() + info.offset, vf.begin() + info.offset + info.numel);
+      if (const auto [om, ov] = model_.offloaded_moments(k); om) {
+        views_m_.emplace(info.name, std::span<const float>(om, info.numel));
+        views_v_.emplace(info.name, std::span<const float>(ov, info.numel));
+        continue;
+      }
+      std::vector<float>&mt = m_[info.name], &vt = v_[info.name];
+      mt.resize(info.numel);
+      vt.resize(info.numel);
+      model_.tensor_moments_to_host(k, mt.data(), vt.data());
     }
+    for (const auto& [name, values] : m_) views_m_.emplace(name, std::span<const float>(values));
+    for (const auto& [name, values] : v_) views_v_.emplace(name, std::span<const float>(values));
   }
 
   // The GPU model promises the CPU model's flat layout; the copies in both directions
@@ -315,7 +339,8 @@ class GpuStep final : public StepBackend {
   StepHealth* health_ = nullptr;
   StepHealth* host_health_ = nullptr;  // pinned
   std::vector<int32_t> x_, y_;
-  Moments m_, v_;  // host copies of the moments, filled by state_to_host
+  Moments m_, v_;                   // host copies of the moments, filled by state_to_host
+  MomentViews views_m_, views_v_;  // every moment: of m_ / v_, or of the offloaded state
   std::string gpu_name_;
   std::unique_ptr<NcclComm> comm_;  // data parallel: the other ranks' GPUs
 };

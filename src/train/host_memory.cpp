@@ -42,7 +42,10 @@ HostMemoryPlan host_memory_plan(const TrainConfig& config, const std::string& de
   HostMemoryPlan plan;
   plan.weights = params * kFloat;
   plan.moments = 2 * params * kFloat;
-  if (device == "cuda") return plan;
+  if (device == "cuda") {
+    if (config.offload == "optimizer+master") plan.master_low = params * sizeof(uint16_t);
+    return plan;
+  }
   plan.gradients = params * kFloat;
   plan.activations =
       transformer_activation_elements(config.model, config.batch_size, config.seq_len, config.checkpointing) * kFloat;

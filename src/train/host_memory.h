@@ -20,7 +20,10 @@ struct HostMemoryPlan {
   uint64_t gradients = 0;
   uint64_t moments = 0;  // AdamW m and v
   uint64_t activations = 0;
-  uint64_t total() const { return weights + gradients + moments + activations; }
+  // train.offload optimizer+master: the low halves of the master weights (2 bytes each; the
+  // offloaded moments are `moments`, which checkpoints are then written from in place).
+  uint64_t master_low = 0;
+  uint64_t total() const { return weights + gradients + moments + activations + master_low; }
 };
 HostMemoryPlan host_memory_plan(const TrainConfig& config, const std::string& device);
 

@@ -25,28 +25,38 @@ std::vector<std::string> overrides(const TrainConfig& from, const TrainConfig& t
     o.push_back("train.checkpointing_every=" + std::to_string(to.checkpointing.every));
   if (to.batch_size != from.batch_size) o.push_back("train.batch_size=" + std::to_string(to.batch_size));
   if (to.grad_accum != from.grad_accum) o.push_back("train.grad_accum=" + std::to_string(to.grad_accum));
+  if (to.offload != from.offload) o.push_back("train.offload=" + to.offload);
   return o;
 }
 
 // The configs cheapest_fit tries after `config` itself, cheapest first.
 std::vector<TrainConfig> candidates(const TrainConfig& config, bool smaller_batches) {
   std::vector<TrainConfig> tried;
-  auto with = [&](ActivationCheckpointing checkpointing, int batch_size, int grad_accum) {
+  auto with = [&](ActivationCheckpointing checkpointing, const std::string& offload, int batch_size, int grad_accum) {
     TrainConfig c = config;
     c.checkpointing = checkpointing;
+    c.offload = offload;
     c.batch_size = batch_size;
     c.grad_accum = grad_accum;
     tried.push_back(c);
   };
-  for (const ActivationCheckpointing& checkpointing : checkpointing_choices(config.model))
-    with(checkpointing, config.batch_size, config.grad_accum);
+  // Checkpointing costs compute, the optimizer offload PCIe traffic in every step (more
+  // than a step of llama-1b takes): the checkpointing choices first, then each again with
+  // more of the optimizer offloaded (GPU runs only).
+  std::vector<std::string> offloads = {config.offload};
+  if (config.device != "cpu")
+    for (const std::string o : {"optimizer", "optimizer+master"})
+      if (config.offload == "none" || (config.offload == "optimizer" && o == "optimizer+master")) offloads.push_back(o);
+  for (const std::string& offload : offloads)
+    for (const ActivationCheckpointing& checkpointing : checkpointing_choices(config.model))
+      with(checkpointing, offload, config.batch_size, config.grad_accum);
   if (!smaller_batches) return tried;
   const int64_t sequences = int64_t(config.batch_size) * config.grad_accum;
   const ActivationCheckpointing full{CheckpointMode::full, 1};
-  for (const ActivationCheckpointing& checkpointing : {config.checkpointing, full})
+  for (const auto& [checkpointing, offload] : {std::pair{config.checkpointing, config.offload}, std::pair{full, offloads.back()}})
     for (int b = config.batch_size - 1; b >= 1; --b)
       if (sequences % b == 0 && sequences / b <= std::numeric_limits<int32_t>::max())
-        with(checkpointing, b, int(sequences / b));
+        with(checkpointing, offload, b, int(sequences / b));
   return tried;
 }
 
@@ -162,7 +172,7 @@ std::string apply_train_memory(TrainConfig& config, const MemoryBudget& budget, 
     fail("the run does not fit: it needs ", need_text(limit_of(p, budget)),
          " (train.memory fixed: the settings as written)\n", describe(config, p, budget),
          fit ? "cheapest settings that fit: " + overrides_text(overrides(config, *fit)) +
-                   " (train.memory auto chooses train.checkpointing when the run starts)"
+                   " (train.memory auto chooses train.checkpointing and train.offload when the run starts)"
              : std::string("nothing fits, not with train.checkpointing full and train.batch_size 1 either: the run "
                            "needs a smaller model, a shorter train.seq_len or more memory"));
   }
@@ -172,6 +182,7 @@ std::string apply_train_memory(TrainConfig& config, const MemoryBudget& budget, 
   if (!chosen) {
     TrainConfig full = config;
     full.checkpointing = {CheckpointMode::full, 1};
+    if (config.device != "cpu") full.offload = "optimizer+master";
     const MemoryPlan p = plan(full);
     // What would fit beyond checkpointing: a smaller micro-batch (with auto's checkpointing).
     std::string would_fit =
@@ -183,7 +194,8 @@ std::string apply_train_memory(TrainConfig& config, const MemoryBudget& budget, 
       would_fit = "a smaller micro-batch fits (the same sequences per step): " +
                   overrides_text(overrides(same_batch, *fit));
     }
-    fail("train.memory auto: the run does not fit, not even with train.checkpointing full in every block: it needs ",
+    fail("train.memory auto: the run does not fit, not even with train.checkpointing full in every block",
+         full.offload == config.offload ? "" : " and train.offload " + full.offload, ": it needs ",
          need_text(limit_of(p, budget)), "\n", describe(full, p, budget), would_fit);
   }
   const Limit before = limit_of(plan(none), budget);
@@ -195,7 +207,10 @@ std::string apply_train_memory(TrainConfig& config, const MemoryBudget& budget, 
     line += "none needs " + need_text(before) + "; " + checkpointing_text(chosen->checkpointing) + " needs " +
             format_bytes(before.gpu ? after.gpu->total() : after.host.total()) + ")";
   }
+  if (chosen->offload != config.offload)
+    line += "; train.offload=" + chosen->offload + " (the checkpointing alone does not fit)";
   config.checkpointing = chosen->checkpointing;
+  config.offload = chosen->offload;
   return line;
 }
 
@@ -211,8 +226,14 @@ std::string describe(const TrainConfig& config, const MemoryPlan& plan, const Me
      << ", train.checkpointing " << to_string(config.checkpointing.mode);
   if (config.checkpointing.mode != CheckpointMode::none) os << " every " << config.checkpointing.every;
   os << ", on " << plan.device << "\n";
-  os << "host memory" << (plan.device == "cuda" ? " (the host copy of the weights and moments)" : "") << ":\n"
+  const bool offload = plan.device == "cuda" && config.offload != "none";
+  os << "host memory"
+     << (plan.device != "cuda" ? ""
+         : offload             ? " (the host copy of the weights, and the optimizer state offloaded to pinned memory)"
+                               : " (the host copy of the weights and moments)")
+     << ":\n"
      << row("weights", plan.host.weights) << row("gradients", plan.host.gradients) << row("moments", plan.host.moments)
+     << (plan.host.master_low ? row("master low", plan.host.master_low) : "")
      << row("activations", plan.host.activations) << row("total", plan.host.total()) << "  "
      << verdict(plan.fits_host(budget), budget.host, budget.host_source) << "\n";
   os << "GPU memory:";

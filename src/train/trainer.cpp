@@ -140,10 +140,10 @@ class CpuStep final : public StepBackend {
   HostMoments state_to_host() override {
     if (!zero_) {
       ensure_moments();
-      return {m_, v_};
+      return {views_of(m_), views_of(v_)};
     }
     zero_->gather_moments();
-    return {zero_->gathered_m(), zero_->gathered_v()};
+    return {views_of(zero_->gathered_m()), views_of(zero_->gathered_v())};
   }
 
  private:
@@ -493,6 +493,9 @@ void Trainer::resolve_device() {
   const DeviceChoice choice = choose_train_device(cfg_.device, probe, gpu_training_blocker(cfg_, model_.get()));
   device_ = choice.device;
   device_note_ = choice.note;
+  ESPLAG_CHECK(cfg_.offload == "none" || device_ == "cuda", "train.offload is ", cfg_.offload,
+               ", which moves GPU training's optimizer state to the host; this run trains on the CPU, whose state "
+               "is in host memory already: set train.offload none");
 }
 
 void Trainer::make_backend(Moments m, Moments v) {

@@ -115,10 +115,9 @@ class StepBackend {
   // Mean loss of one batch, no gradients.
   virtual double eval_loss(const int32_t* inputs, const int32_t* targets, int B, int T) = 0;
   // What a checkpoint holds: writes the current weights into the host model and returns
-  // the AdamW moments by trained tensor (valid until the next step).
+  // the AdamW moments by trained tensor (views, valid until the next step).
   struct HostMoments {
-    const Moments& m;
-    const Moments& v;
+    MomentViews m, v;
   };
   virtual HostMoments state_to_host() = 0;
   // The current weights into the host model, without the moments: what a recipe update

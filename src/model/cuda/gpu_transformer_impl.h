@@ -81,6 +81,7 @@ inline GpuMemoryPlan operator+(const GpuMemoryPlan& a, const GpuMemoryPlan& b) {
   r.activations = a.activations + b.activations;
   r.scratch = a.scratch + b.scratch;
   r.workspace = a.workspace + b.workspace;
+  r.host = a.host + b.host;
   return r;
 }
 
@@ -173,6 +174,7 @@ struct GpuTransformer::Impl {
   // the flat layout's tensors, a slope weight as its kept values [out, in/2].
   std::vector<ParamInfo> stored;
   DeviceArena state;
+  DeviceArena state_host;    // the offloaded part (GpuModelOptions::offload_moments), pinned host memory
   GpuMemoryPlan step_plan;   // the step arena's share of the memory plan
   bf16* w = nullptr;         // bf16 weights (the high halves of the master weights)
   int16_t* w_lo = nullptr;   // low halves
@@ -224,7 +226,7 @@ struct GpuTransformer::Impl {
 // host in the flat layout (state_to_host, state_from_host).
 struct GpuTransformer::RetiredState {
   std::vector<ParamInfo> stored;
-  DeviceArena arena;
+  DeviceArena arena, host_arena;
   bf16* w = nullptr;
   int16_t* w_lo = nullptr;
   float *m = nullptr, *v = nullptr;
@@ -243,8 +245,9 @@ namespace gpu_model {
 // The parameter state of a storage layout (GpuTransformer::lay_out_state), in one order,
 // for counting (take.arena null) and for real (then also AdamW's chunk table and
 // zero_grad's table, the buffers in `im`).
-void lay_out_state_buffers(const ModelConfig& c, const std::vector<ParamInfo>& stored, GpuTransformer::Impl& im,
-                           GpuMemoryPlan& plan, Take take);
+// With an optimizer offload the offloaded buffers come from `host` (pinned host memory).
+void lay_out_state_buffers(const ModelConfig& c, const std::vector<ParamInfo>& stored, const GpuModelOptions& o,
+                           GpuTransformer::Impl& im, GpuMemoryPlan& plan, Take take, Take host);
 
 }  // namespace gpu_model
 

@@ -22,7 +22,7 @@ bool GpuTransformer::room_for_second_state() const {
 namespace {
 
 // One field of a storage layout, as fp32 values on the device (the weights' master halves
-// joined and split).
+// joined and split). Offloaded fields are pinned host memory: copies let the runtime tell.
 struct FieldAt {
   bf16* w = nullptr;
   int16_t* w_lo = nullptr;
@@ -30,24 +30,24 @@ struct FieldAt {
 
   void read(float* out, size_t at, size_t n, cudaStream_t s) const {
     if (f)
-      CUDA_CHECK(cudaMemcpyAsync(out, f + at, sizeof(float) * n, cudaMemcpyDeviceToDevice, s));
+      CUDA_CHECK(cudaMemcpyAsync(out, f + at, sizeof(float) * n, cudaMemcpyDefault, s));
     else
       gpu::master_join(out, w + at, w_lo + at, int64_t(n), s);
   }
   void write(const float* in, size_t at, size_t n, cudaStream_t s) const {
     if (f)
-      CUDA_CHECK(cudaMemcpyAsync(f + at, in, sizeof(float) * n, cudaMemcpyDeviceToDevice, s));
+      CUDA_CHECK(cudaMemcpyAsync(f + at, in, sizeof(float) * n, cudaMemcpyDefault, s));
     else
       gpu::master_split(w + at, w_lo + at, in, int64_t(n), s);
   }
   // n values from `from` at `src` to this at `dst`, as they are.
   void copy_from(const FieldAt& from, size_t dst, size_t src, size_t n, cudaStream_t s) const {
     if (f) {
-      CUDA_CHECK(cudaMemcpyAsync(f + dst, from.f + src, sizeof(float) * n, cudaMemcpyDeviceToDevice, s));
+      CUDA_CHECK(cudaMemcpyAsync(f + dst, from.f + src, sizeof(float) * n, cudaMemcpyDefault, s));
       return;
     }
-    CUDA_CHECK(cudaMemcpyAsync(w + dst, from.w + src, sizeof(bf16) * n, cudaMemcpyDeviceToDevice, s));
-    CUDA_CHECK(cudaMemcpyAsync(w_lo + dst, from.w_lo + src, sizeof(int16_t) * n, cudaMemcpyDeviceToDevice, s));
+    CUDA_CHECK(cudaMemcpyAsync(w + dst, from.w + src, sizeof(bf16) * n, cudaMemcpyDefault, s));
+    CUDA_CHECK(cudaMemcpyAsync(w_lo + dst, from.w_lo + src, sizeof(int16_t) * n, cudaMemcpyDefault, s));
   }
 };
 

@@ -2,9 +2,11 @@
 // Linear weight in its layer's stored form, then the layers' extra tensors) and its host
 // copies in the flat layout (see model/gpu_transformer.h).
 #include <cmath>
+#include <cstring>
 #include <functional>
 
 #include "core/cuda_check.h"
+#include "core/parallel.h"
 #include "model/cuda/gpu_transformer_impl.h"
 
 namespace esplag {
@@ -80,22 +82,39 @@ __global__ void normal_kernel(float* p, int64_t n, int64_t base, uint64_t key, f
   p[i] = stddev * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
 }
 
+// Zeroes a buffer of the parameter state: on the stream, or by the host's threads where it
+// is offloaded (pinned host memory no stream work uses yet: lay_out_state has synchronised).
+void zero_fill(void* p, size_t bytes, bool offloaded, cudaStream_t s) {
+  if (!offloaded) {
+    CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, s));
+    return;
+  }
+  constexpr int64_t kPiece = int64_t(1) << 24;
+  parallel_for((int64_t(bytes) + kPiece - 1) / kPiece, [&](int64_t b, int64_t e) {
+    const size_t from = size_t(b * kPiece), to = std::min(bytes, size_t(e * kPiece));
+    std::memset(static_cast<char*>(p) + from, 0, to - from);
+  });
+}
+
 }  // namespace
 
 void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<ParamInfo>& stored,
-                                      GpuTransformer::Impl& im, GpuMemoryPlan& plan, Take take) {
+                                      const GpuModelOptions& o, GpuTransformer::Impl& im, GpuMemoryPlan& plan,
+                                      Take take, Take host) {
   const size_t n = stored.empty() ? 0 : stored.back().offset + stored.back().numel;
   const auto segments = segments_of(stored);
   const auto zeros = zero_table(c, stored);
+  host.bucket = &plan.host;
   take.bucket = &plan.params;
   im.w = take.arr<bf16>("params.bf16", n);
-  im.w_lo = take.arr<int16_t>("params.master_low", n);
+  im.w_lo = (o.offload_master ? host : take).arr<int16_t>("params.master_low", n);
   take.bucket = &plan.grads;
   im.grad = take.arr<float>("params.grad", n);
   im.zero_chunks = take.arr<ZeroChunk>("grad.zero_table", zeros.size());
   take.bucket = &plan.optimizer;
-  im.m = take.arr<float>("adamw.m", n);
-  im.v = take.arr<float>("adamw.v", n);
+  Take& moments = o.offload_moments ? host : take;
+  im.m = moments.arr<float>("adamw.m", n);
+  im.v = moments.arr<float>("adamw.v", n);
   plan.optimizer += gpu::SplitAdamWPlan::table_bytes_bound(segments);
   if (!take.arena) return;
   im.adamw = std::make_unique<gpu::SplitAdamWPlan>(segments, *take.arena, im.head_pad ? head_segment(c, stored) : -1);
@@ -110,6 +129,7 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
   if (keep) {
     keep->stored = std::move(im.stored);
     keep->arena = std::move(im.state);
+    keep->host_arena = std::move(im.state_host);
     keep->w = im.w;
     keep->w_lo = im.w_lo;
     keep->m = im.m;
@@ -142,11 +162,13 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
   // The old state goes first (unless kept), so that the device never holds both.
   im.adamw.reset();
   im.state = DeviceArena();
+  im.state_host = DeviceArena();
   GpuMemoryPlan state;
-  lay_out_state_buffers(cfg_, im.stored, im, state, Take{});
+  lay_out_state_buffers(cfg_, im.stored, opt_, im, state, Take{}, Take{});
   im.state = DeviceArena(state.total(), "parameter state");
+  im.state_host = DeviceArena(state.host, "offloaded optimizer state", DeviceArena::Memory::pinned_host);
   GpuMemoryPlan counted;
-  lay_out_state_buffers(cfg_, im.stored, im, counted, Take{&im.state, nullptr});
+  lay_out_state_buffers(cfg_, im.stored, opt_, im, counted, Take{&im.state, nullptr}, Take{&im.state_host, nullptr});
   plan_ = im.step_plan + state;
 
   // Parameter views, fixed until the next layout.
@@ -174,10 +196,10 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
 
   // A defined start: zero parameters, gradients and moments.
   CUDA_CHECK(cudaMemsetAsync(im.w, 0, sizeof(bf16) * nstored_, stream_));
-  CUDA_CHECK(cudaMemsetAsync(im.w_lo, 0, sizeof(int16_t) * nstored_, stream_));
   CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * nstored_, stream_));
-  CUDA_CHECK(cudaMemsetAsync(im.m, 0, sizeof(float) * nstored_, stream_));
-  CUDA_CHECK(cudaMemsetAsync(im.v, 0, sizeof(float) * nstored_, stream_));
+  zero_fill(im.w_lo, sizeof(int16_t) * nstored_, opt_.offload_master, stream_);
+  zero_fill(im.m, sizeof(float) * nstored_, opt_.offload_moments, stream_);
+  zero_fill(im.v, sizeof(float) * nstored_, opt_.offload_moments, stream_);
   im.zero_pending = false;
   // The captured graphs baked the old buffers in.
   im.step_graphs.clear();
@@ -233,11 +255,11 @@ size_t transfer_rows(const ParamInfo& info, int64_t stored_cols, int64_t group, 
 
 }  // namespace
 
-void GpuTransformer::transfer(const Transfer& t, bool to_store) const {
+void GpuTransformer::transfer(const Transfer& t, bool to_store, size_t first, size_t last) const {
   const Impl& im = *impl_;
   float* stage = reinterpret_cast<float*>(im.shared);
   const size_t floats = im.sizes.total / sizeof(float);
-  for (size_t k = 0; k < infos_.size(); ++k) {
+  for (size_t k = first; k < std::min(last, infos_.size()); ++k) {
     const ParamInfo& info = infos_[k];
     const ParamInfo& st = im.stored[k];
     if (st.numel == info.numel) {  // stored as it is
@@ -267,12 +289,14 @@ void GpuTransformer::transfer(const Transfer& t, bool to_store) const {
 
 namespace {
 
-// A Transfer::dense that copies the chunk into the host flat vector h (and waits: the
-// stage is reused by the next chunk).
-std::function<void(size_t, size_t, size_t, float*)> to_host(std::vector<float>& h, const std::vector<ParamInfo>& infos,
+// A Transfer::dense that copies the chunk into host memory at h + offset(k) (and waits: the
+// stage is reused by the next chunk). offset(k) is tensor k's flat offset, or 0 for a host
+// copy of one tensor.
+std::function<void(size_t, size_t, size_t, float*)> to_host(float* h, const std::vector<ParamInfo>* infos,
                                                             cudaStream_t s) {
-  return [&h, &infos, s](size_t k, size_t o, size_t n, float* stage) {
-    CUDA_CHECK(cudaMemcpyAsync(h.data() + infos[k].offset + o, stage, sizeof(float) * n, cudaMemcpyDeviceToHost, s));
+  return [h, infos, s](size_t k, size_t o, size_t n, float* stage) {
+    const size_t at = infos ? (*infos)[k].offset : 0;
+    CUDA_CHECK(cudaMemcpyAsync(h + at + o, stage, sizeof(float) * n, cudaMemcpyDeviceToHost, s));
     CUDA_CHECK(cudaStreamSynchronize(s));
   };
 }
@@ -281,7 +305,7 @@ std::function<void(size_t, size_t, size_t, float*)> to_host(std::vector<float>& 
 std::function<void(size_t, float*, size_t)> copy_stored(float* base, bool into_base, cudaStream_t s) {
   return [base, into_base, s](size_t at, float* buf, size_t n) {
     CUDA_CHECK(cudaMemcpyAsync(into_base ? base + at : buf, into_base ? buf : base + at, sizeof(float) * n,
-                               cudaMemcpyDeviceToDevice, s));
+                               cudaMemcpyDefault, s));  // base may be offloaded (pinned host) memory
   };
 }
 
@@ -310,19 +334,23 @@ void GpuTransformer::set_params(const float* host, size_t n) {
 }
 
 std::vector<float> GpuTransformer::params_to_host() const {
-  const Impl& im = *impl_;
   std::vector<float> h(nparams_);
+  params_to_host(h.data());
+  return h;
+}
+
+void GpuTransformer::params_to_host(float* out) const {
+  const Impl& im = *impl_;
   transfer(
-      {to_host(h, infos_, stream_),
+      {to_host(out, &infos_, stream_),
        [&](size_t at, float* buf, size_t n) { gpu::master_join(buf, im.w + at, im.w_lo + at, int64_t(n), stream_); }},
       false);
-  return h;
 }
 
 std::vector<float> GpuTransformer::grads_to_host() const {
   settle_zero_grad();
   std::vector<float> h(nparams_);
-  transfer({to_host(h, infos_, stream_), copy_stored(impl_->grad, false, stream_)}, false);
+  transfer({to_host(h.data(), &infos_, stream_), copy_stored(impl_->grad, false, stream_)}, false);
   return h;
 }
 
@@ -339,8 +367,21 @@ void GpuTransformer::set_optimizer_state(const float* m, const float* v, size_t 
 void GpuTransformer::optimizer_state_to_host(std::vector<float>& m, std::vector<float>& v) const {
   m.assign(nparams_, 0.f);
   v.assign(nparams_, 0.f);
-  transfer({to_host(m, infos_, stream_), copy_stored(impl_->m, false, stream_)}, false);
-  transfer({to_host(v, infos_, stream_), copy_stored(impl_->v, false, stream_)}, false);
+  transfer({to_host(m.data(), &infos_, stream_), copy_stored(impl_->m, false, stream_)}, false);
+  transfer({to_host(v.data(), &infos_, stream_), copy_stored(impl_->v, false, stream_)}, false);
+}
+
+void GpuTransformer::tensor_moments_to_host(size_t k, float* m, float* v) const {
+  ESPLAG_CHECK(k < infos_.size(), "GpuTransformer::tensor_moments_to_host: no flat tensor ", k);
+  transfer({to_host(m, nullptr, stream_), copy_stored(impl_->m, false, stream_)}, false, k, k + 1);
+  transfer({to_host(v, nullptr, stream_), copy_stored(impl_->v, false, stream_)}, false, k, k + 1);
+}
+
+std::pair<const float*, const float*> GpuTransformer::offloaded_moments(size_t k) const {
+  const Impl& im = *impl_;
+  if (!opt_.offload_moments || k >= infos_.size() || im.stored[k].numel != infos_[k].numel) return {nullptr, nullptr};
+  const size_t at = im.stored[k].offset;
+  return {im.m + at, im.v + at};
 }
 
 void GpuTransformer::init_weights(uint64_t seed) {
@@ -390,7 +431,7 @@ void GpuTransformer::stored_to_host(StateField f, size_t at, size_t n, float* ho
   }
   if (f == StateField::grad) settle_zero_grad();
   const float* base = f == StateField::grad ? im.grad : f == StateField::m ? im.m : im.v;
-  CUDA_CHECK(cudaMemcpyAsync(host, base + at, sizeof(float) * n, cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaMemcpyAsync(host, base + at, sizeof(float) * n, cudaMemcpyDefault, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
@@ -406,7 +447,7 @@ void GpuTransformer::stored_from_host(StateField f, size_t at, size_t n, const f
     }
   } else {
     float* base = f == StateField::grad ? im.grad : f == StateField::m ? im.m : im.v;
-    CUDA_CHECK(cudaMemcpyAsync(base + at, host, sizeof(float) * n, cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(base + at, host, sizeof(float) * n, cudaMemcpyDefault, stream_));
   }
   CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
