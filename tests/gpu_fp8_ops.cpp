@@ -6,9 +6,9 @@
 // once per format at scale 1 (ties, subnormals, the saturation thresholds, ±inf, NaN of
 // both signs); random tensors of awkward sizes (1, 17, 4097, 2^20 + 5) go through the
 // 16-byte path with and without a tail and, shifted by one element, the scalar path.
-// Outputs are poisoned first (0xFF, the code of -NaN, which random data never gives; the
-// exhaustive test, which does give it, runs twice with two poisons), and the bytes after
-// the output are checked to stay poisoned.
+// Outputs are poisoned first (0xFF, the code of -NaN, which the random tensors never give;
+// the exhaustive test, which does give it, runs twice with two poisons), and the bytes
+// after the output are checked to stay poisoned.
 //
 // GEMMs: against the fp64 product of the dequantised operands (codes · inverse scale, as
 // downloaded), each element within 2^-8 |ref| (bf16 rounding; 2^-20 for fp32 outputs) plus
@@ -85,16 +85,18 @@ class Dev : public esplag::gpu_test::DeviceBuffers {
 
 float value(uint16_t bits) { return esplag::bf16_to_float(bits); }
 
-// Random bf16 values scale · N(0, 1); `specials` puts NaN, -NaN, +inf, -inf at fixed spots.
+// Random bf16 values scale · N(0, 1); `specials` puts two NaNs, +inf and -inf at fixed
+// spots. The NaNs are positive, so that no code of a random tensor is the poison 0xFF
+// (-NaN's sign is checked by CastEveryBf16ValueBitExact).
 Bits random_bits(size_t n, uint64_t seed, double scale, bool specials = false) {
   Rng rng(seed);
   Bits b(n);
   for (auto& x : b) x = esplag::float_to_bf16(static_cast<float>(scale * rng.normal()));
   if (specials && n >= 8) {
-    b[n / 7] = 0x7FC0;      // NaN
-    b[n / 5] = 0xFFC1;      // -NaN
-    b[n / 3] = 0x7F80;      // +inf
-    b[n - 1] = 0xFF80;      // -inf
+    b[n / 7] = 0x7FC0;  // NaN
+    b[n / 5] = 0x7F81;  // signalling NaN
+    b[n / 3] = 0x7F80;  // +inf
+    b[n - 1] = 0xFF80;  // -inf
   }
   return b;
 }
@@ -216,7 +218,7 @@ TEST(GpuFp8, ScaleEdgeCases) {
   const std::vector<std::pair<std::string, Bits>> cases = {
       {"zeros", Bits(33, 0x0000)},
       {"negative zeros", Bits(9, 0x8000)},
-      {"non-finite only", Bits{0x7FC0, 0xFF80, 0x7F80, 0xFFC0}},
+      {"non-finite only", Bits{0x7FC0, 0xFF80, 0x7F80, 0x7FC1}},
       {"tiny", Bits{tiny, 0x0000, uint16_t(tiny | 0x8000), 0x0001}},
       {"empty", Bits{}},
   };
