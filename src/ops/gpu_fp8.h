@@ -21,7 +21,6 @@
 #error "ops/gpu_fp8.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
 #endif
 
-#include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

@@ -11,6 +11,7 @@
 // Plans use the heuristic's first algorithm (no autotuning, unlike gpu::Gemm) and assume
 // 16-byte alignment, which every call is checked for.
 #include <cstring>
+#include <string>
 #include <unordered_map>
 
 #include "core/cuda_check.h"
