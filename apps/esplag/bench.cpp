@@ -116,6 +116,9 @@ std::vector<std::string> parse_choices(const std::string& spec, const char* opti
 int bench_gemm(const Args& a) {
   const std::string dtype = a.get("dtype");
   ESPLAG_CHECK(dtype == "bf16" || dtype == "e4m3", "bench gemm: --dtype must be bf16 or e4m3, got '", dtype, "'");
+  const bool fp8_dense = a.has("fp8-dense");
+  ESPLAG_CHECK(!fp8_dense || dtype == "bf16",
+               "bench gemm: --fp8-dense times the dense GEMMs only; --dtype is the 2:4 product's type");
   const std::string products = a.get("products", dtype == "e4m3" ? "fwd" : "fwd,bwd");
   ESPLAG_CHECK(dtype == "bf16" || products == "fwd",
                "bench gemm: --dtype e4m3 runs the forward product only (--products fwd)");
@@ -140,6 +143,12 @@ int bench_gemm(const Args& a) {
   o.dtype = dtype == "e4m3" ? gpu::SparseDtype::e4m3 : gpu::SparseDtype::bf16;
   o.warmup = warmup;
   o.iters = iters;
+  if (fp8_dense) {
+    const GemmFp8Result r = run_gemm_fp8_bench(o);
+    std::cout << gemm_fp8_bench_table(r);
+    if (a.has("csv")) append_csv(a.get("csv"), gemm_fp8_bench_csv_header(), gemm_fp8_bench_csv_rows(r, commit_id()));
+    return 0;
+  }
   if (a.has("tuning-cache")) gpu::set_cusparselt_tuning_path(a.get("tuning-cache"));
   const GemmBenchResult r = run_gemm_bench(o);
   std::cout << gemm_bench_table(r);
@@ -434,14 +443,15 @@ const Command kBenchGemm = {
     "bench gemm",
     "dense cuBLASLt against 2:4 cuSPARSELt for the GEMMs of a Linear (cuda)",
     "fwd Y = X.W^T, bwd dX = dY.W, with the default and the searched cuSPARSELt algorithm; --dtype e4m3 times\n"
-    "the 2:4 forward product on fp8 W and X (bf16 out) against the bf16 dense one. The CSV's commit column comes\n"
-    "from $ESPLAG_COMMIT.",
+    "the 2:4 forward product on fp8 W and X (bf16 out) against the bf16 dense one; --fp8-dense times cuBLASLt's\n"
+    "fp8 dense GEMM against its bf16 one instead (docs/fp8.md). The CSV's commit column comes from $ESPLAG_COMMIT.",
     {
         shapes_option("LLM layer shapes (docs/sparse-gpu.md)"),
         Option::text("products", "fwd,bwd", "", "the products to time (default: fwd,bwd; fwd with --dtype e4m3)"),
         Option::text("operand", "A|B", "A", "the cuSPARSELt operand that holds W"),
         Option::text("dtype", "bf16|e4m3", "bf16", "the data type of the 2:4 product"),
         Option::flag("no-search", "skip the algorithm search"),
+        Option::flag("fp8-dense", "instead: cuBLASLt fp8 (e4m3) dense against bf16 dense, and the fp8 casts"),
         tuning_cache_option(),
         Option::integer("warmup", "10", 0, kIntMax, "untimed calls first"),
         Option::integer("iters", "50", 1, kIntMax, "timed calls (the median is reported)"),

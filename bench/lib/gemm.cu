@@ -16,6 +16,7 @@
 #include "core/device_buffer.h"
 #include "core/error.h"
 #include "ops/gpu.h"
+#include "ops/gpu_fp8.h"
 
 namespace esplag {
 
@@ -54,6 +55,24 @@ std::string fixed(double v, int digits) {
 
 const char* product_text(SparseProduct p) { return p == SparseProduct::forward ? "fwd" : "bwd-data"; }
 
+size_t l2_cache_bytes() {
+  int dev = 0, l2_bytes = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, dev));
+  return l2_bytes > 0 ? size_t(l2_bytes) : (size_t(50) << 20);
+}
+
+// Operands that fit in twice the L2 rotate over enough copies to fill four L2s.
+int rotation_sets(size_t set_bytes, size_t l2) {
+  return set_bytes >= 2 * l2 ? 1
+                             : static_cast<int>(std::min<size_t>(8, std::max<size_t>(2, (4 * l2) / set_bytes + 1)));
+}
+
+void check_int_sizes(const GemmBenchShape& sh) {
+  ESPLAG_CHECK(sh.out <= INT32_MAX && sh.in <= INT32_MAX && sh.tokens <= INT32_MAX, "bench gemm: shape ",
+               shape_text(sh), " is too large for the dense GEMM's int sizes");
+}
+
 }  // namespace
 
 std::vector<GemmBenchShape> default_gemm_bench_shapes() {
@@ -80,21 +99,15 @@ GemmBenchResult run_gemm_bench(const GemmBenchOptions& opt) {
   const cudaStream_t s = stream.s;
   DeviceArena gemm_arena(gpu::Gemm::kDefaultWorkspaceBytes + gpu::Gemm::kScratchBytes + 4096, "bench gemm");
   gpu::Gemm gemm(gemm_arena);
-  int dev = 0, l2_bytes = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, dev));
-  const size_t l2 = l2_bytes > 0 ? size_t(l2_bytes) : (size_t(50) << 20);
+  const size_t l2 = l2_cache_bytes();
 
   uint64_t seed = 1;
   for (const GemmBenchShape& sh : opt.shapes) {
     const int64_t out = sh.out, in = sh.in, tok = sh.tokens;
-    ESPLAG_CHECK(out <= INT32_MAX && in <= INT32_MAX && tok <= INT32_MAX, "bench gemm: shape ", shape_text(sh),
-                 " is too large for the dense GEMM's int sizes");
+    check_int_sizes(sh);
     const size_t n_w = size_t(out) * in, n_x = size_t(tok) * in, n_y = size_t(tok) * out;
     const size_t set_bytes = 2 * (n_w + 2 * n_x + 2 * n_y);
-    // Operands that fit in twice the L2 rotate over enough copies to fill four L2s.
-    const int sets =
-        set_bytes >= 2 * l2 ? 1 : static_cast<int>(std::min<size_t>(8, std::max<size_t>(2, (4 * l2) / set_bytes + 1)));
+    const int sets = rotation_sets(set_bytes, l2);
     std::vector<DeviceBuffer> W, X, dY, Y, dX, W8, X8;  // W8, X8: the e4m3 copies
     for (int k = 0; k < sets; ++k) {
       W.emplace_back(2 * n_w, "bench gemm", "W");
@@ -272,6 +285,178 @@ std::string gemm_bench_csv_rows(const GemmBenchResult& r, const std::string& com
       o += ",,,,,,,,,,,,";
     }
     o += std::to_string(r.warmup) + "," + std::to_string(r.iters) + "," + gpu::sparse_dtype_name(r.dtype) + "\n";
+  }
+  return o;
+}
+
+// ---------------------------------------------------------------------------------------
+// --fp8-dense
+
+namespace {
+
+uint8_t* u8(const DeviceBuffer& b) { return static_cast<uint8_t*>(b.get()); }
+
+// One copy of the operands of a shape: bf16 W, X, dY and the outputs Y, dX; the fp8 codes
+// of W, Wᵀ, X and dY with their inverse scales (from fp8_amax + the cast, made once).
+struct Fp8Set {
+  DeviceBuffer W, X, dY, Y, dX, W8, W8t, X8, dY8;
+  DeviceBuffer scales;  // [amax, inv_scale] for W, Wᵀ, X, dY
+
+  Fp8Set(int64_t out, int64_t in, int64_t tok, uint64_t& seed, cudaStream_t s) {
+    const size_t n_w = size_t(out) * in, n_x = size_t(tok) * in, n_y = size_t(tok) * out;
+    const char* who = "bench gemm --fp8-dense";
+    W.allocate(2 * n_w, who, "W");
+    X.allocate(2 * n_x, who, "X");
+    dY.allocate(2 * n_y, who, "dY");
+    Y.allocate(2 * n_y, who, "Y");
+    dX.allocate(2 * n_x, who, "dX");
+    W8.allocate(n_w, who, "W (e4m3)");
+    W8t.allocate(n_w, who, "W^T (e4m3)");
+    X8.allocate(n_x, who, "X (e4m3)");
+    dY8.allocate(n_y, who, "dY (e4m3)");
+    scales.allocate(8 * sizeof(float), who, "scales");
+    fill_nonzero_bf16(W.bf(), int64_t(n_w), seed++ * 0x1234567ull, 1.0f / std::sqrt(float(in)), s);
+    fill_nonzero_bf16(X.bf(), int64_t(n_x), seed++ * 0x1234567ull, 1.0f, s);
+    fill_nonzero_bf16(dY.bf(), int64_t(n_y), seed++ * 0x1234567ull, 1.0f, s);
+    const Fp8Format e4 = Fp8Format::e4m3;
+    gpu::fp8_amax(amax(0), W.bf(), int64_t(n_w), s);
+    gpu::fp8_cast(u8(W8), inv(0), W.bf(), int64_t(n_w), amax(0), e4, nullptr, s);
+    gpu::fp8_cast_transpose(u8(W8t), inv(1), W.bf(), out, in, amax(0), e4, nullptr, s);
+    gpu::fp8_amax(amax(2), X.bf(), int64_t(n_x), s);
+    gpu::fp8_cast(u8(X8), inv(2), X.bf(), int64_t(n_x), amax(2), e4, nullptr, s);
+    gpu::fp8_amax(amax(3), dY.bf(), int64_t(n_y), s);
+    gpu::fp8_cast(u8(dY8), inv(3), dY.bf(), int64_t(n_y), amax(3), e4, nullptr, s);
+  }
+  float* amax(int i) const { return static_cast<float*>(scales.get()) + 2 * i; }
+  float* inv(int i) const { return static_cast<float*>(scales.get()) + 2 * i + 1; }
+  gpu::Fp8Operand operand(const DeviceBuffer& codes, int i) const { return {u8(codes), inv(i), Fp8Format::e4m3}; }
+};
+
+}  // namespace
+
+GemmFp8Result run_gemm_fp8_bench(const GemmBenchOptions& opt) {
+  ESPLAG_CHECK(opt.warmup >= 0 && opt.iters > 0, "bench gemm: warm-up must not be negative and iterations positive");
+  ESPLAG_CHECK(opt.forward || opt.backward_data, "bench gemm: no product selected");
+  GemmFp8Result r;
+  r.warmup = opt.warmup;
+  r.iters = opt.iters;
+  r.gpu = current_gpu_name();
+
+  CudaStream stream;
+  const cudaStream_t s = stream.s;
+  DeviceArena gemm_arena(gpu::Gemm::kDefaultWorkspaceBytes + gpu::Gemm::kScratchBytes + 4096, "bench gemm");
+  gpu::Gemm gemm(gemm_arena);
+  DeviceBuffer fp8_ws(gpu::Gemm::kDefaultWorkspaceBytes, "bench gemm --fp8-dense", "fp8 GEMM workspace");
+  gpu::Fp8Gemm fp8(fp8_ws.get(), fp8_ws.bytes());
+  DeviceBuffer cast_scale(2 * sizeof(float), "bench gemm --fp8-dense", "cast amax and scale");
+  float* cast_amax = static_cast<float*>(cast_scale.get());
+  const size_t l2 = l2_cache_bytes();
+
+  uint64_t seed = 1;
+  for (const GemmBenchShape& sh : opt.shapes) {
+    check_int_sizes(sh);
+    const int out = int(sh.out), in = int(sh.in), tok = int(sh.tokens);
+    const size_t set_bytes = size_t(sh.out) * sh.in * 4 + size_t(sh.tokens) * (sh.in + sh.out) * 5;
+    const int sets = rotation_sets(set_bytes, l2);
+    std::vector<std::unique_ptr<Fp8Set>> set;
+    for (int k = 0; k < sets; ++k) set.push_back(std::make_unique<Fp8Set>(out, in, tok, seed, s));
+    CUDA_CHECK(cudaStreamSynchronize(s));
+
+    for (const SparseProduct product : {SparseProduct::forward, SparseProduct::backward_data}) {
+      const bool fwd = product == SparseProduct::forward;
+      if ((fwd && !opt.forward) || (!fwd && !opt.backward_data)) continue;
+      GemmFp8Row row;
+      row.shape = sh;
+      row.product = product;
+      row.flops = 2.0 * double(out) * double(in) * double(tok);
+      row.bf16_ms = median_event_ms(
+          [&](int i) {
+            const Fp8Set& k = *set[size_t(i % sets)];
+            if (fwd)
+              gemm.forward(k.Y.bf(), k.X.bf(), k.W.bf(), nullptr, tok, in, out, s);
+            else
+              gemm.backward_input(k.dX.bf(), k.dY.bf(), k.W.bf(), tok, in, out, false, s);
+          },
+          opt.warmup, opt.iters, s);
+      auto fp8_call = [&](int i) {
+        const Fp8Set& k = *set[size_t(i % sets)];
+        if (fwd)  // Y [tok, out] = X [tok, in] · W [out, in]ᵀ
+          fp8.matmul(k.Y.bf(), k.operand(k.X8, 2), k.operand(k.W8, 0), nullptr, tok, out, in, false, s);
+        else  // dX [tok, in] = dY [tok, out] · (Wᵀ [in, out])ᵀ
+          fp8.matmul(k.dX.bf(), k.operand(k.dY8, 3), k.operand(k.W8t, 1), nullptr, tok, in, out, false, s);
+      };
+      fp8.set_fast_accum(false);
+      row.fp8_ms = median_event_ms(fp8_call, opt.warmup, opt.iters, s);
+      fp8.set_fast_accum(true);
+      row.fp8_fast_ms = median_event_ms(fp8_call, opt.warmup, opt.iters, s);
+
+      // The token-side operand's casts: X [tok, in] (fwd) or dY [tok, out] (bwd-data).
+      const int cols = fwd ? in : out;
+      row.cast_values = int64_t(tok) * cols;
+      auto source = [&](int i) { return fwd ? set[size_t(i % sets)]->X.bf() : set[size_t(i % sets)]->dY.bf(); };
+      auto codes = [&](int i) { return fwd ? u8(set[size_t(i % sets)]->X8) : u8(set[size_t(i % sets)]->dY8); };
+      const Fp8Format e4 = Fp8Format::e4m3;
+      row.amax_ms = median_event_ms([&](int i) { gpu::fp8_amax(cast_amax, source(i), row.cast_values, s); },
+                                    opt.warmup, opt.iters, s);
+      row.cast_ms = median_event_ms(
+          [&](int i) { gpu::fp8_cast(codes(i), cast_amax + 1, source(i), row.cast_values, cast_amax, e4, nullptr, s); },
+          opt.warmup, opt.iters, s);
+      // Into the codes of the same size (their content is not used afterwards).
+      row.cast_transpose_ms = median_event_ms(
+          [&](int i) {
+            gpu::fp8_cast_transpose(codes(i), cast_amax + 1, source(i), tok, cols, cast_amax, e4, nullptr, s);
+          },
+          opt.warmup, opt.iters, s);
+      r.rows.push_back(row);
+    }
+  }
+  return r;
+}
+
+std::string gemm_fp8_bench_table(const GemmFp8Result& r) {
+  std::string o;
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "GEMM fp32 accumulate, bf16 out: cuBLASLt dense bf16 vs fp8 e4m3 x e4m3 (accurate / fast accumulation) "
+                "on %s; casts of the token-side operand; median of %d calls after %d warm-up\n",
+                r.gpu.c_str(), r.iters, r.warmup);
+  o += buf;
+  std::snprintf(buf, sizeof buf, "%-18s %-8s %8s %8s %8s %8s %7s %7s %15s %15s %15s\n", "out x in x tokens", "product",
+                "bf16_ms", "TFLOP/s", "fp8_ms", "fast_ms", "x_fp8", "x_fast", "amax ms (GB/s)", "cast ms (GB/s)",
+                "castT ms (GB/s)");
+  o += buf;
+  for (const GemmFp8Row& w : r.rows) {
+    auto timed = [](double ms, double gbps) {
+      char t[32];
+      std::snprintf(t, sizeof t, "%.3f (%.0f)", ms, gbps);
+      return std::string(t);
+    };
+    std::snprintf(buf, sizeof buf, "%-18s %-8s %8.3f %8.1f %8.3f %8.3f %6.2fx %6.2fx %15s %15s %15s\n",
+                  shape_text(w.shape).c_str(), product_text(w.product), w.bf16_ms, w.flops / (w.bf16_ms * 1e-3) / 1e12,
+                  w.fp8_ms, w.fp8_fast_ms, w.speedup(), w.speedup_fast(), timed(w.amax_ms, w.amax_gbps()).c_str(),
+                  timed(w.cast_ms, w.cast_gbps()).c_str(), timed(w.cast_transpose_ms, w.cast_transpose_gbps()).c_str());
+    o += buf;
+  }
+  return o;
+}
+
+std::string gemm_fp8_bench_csv_header() {
+  return "commit,gpu,product,out,in,tokens,bf16_ms,fp8_ms,fp8_fast_ms,speedup,speedup_fast,cast_values,amax_ms,"
+         "cast_ms,cast_transpose_ms,amax_gbps,cast_gbps,cast_transpose_gbps,warmup,iters\n";
+}
+
+std::string gemm_fp8_bench_csv_rows(const GemmFp8Result& r, const std::string& commit) {
+  std::string o;
+  char buf[1024];
+  for (const GemmFp8Row& w : r.rows) {
+    std::snprintf(buf, sizeof buf,
+                  "%s,\"%s\",%s,%lld,%lld,%lld,%.4f,%.4f,%.4f,%.3f,%.3f,%lld,%.4f,%.4f,%.4f,%.1f,%.1f,%.1f,%d,%d\n",
+                  commit.c_str(), r.gpu.c_str(), product_text(w.product), static_cast<long long>(w.shape.out),
+                  static_cast<long long>(w.shape.in), static_cast<long long>(w.shape.tokens), w.bf16_ms, w.fp8_ms,
+                  w.fp8_fast_ms, w.speedup(), w.speedup_fast(), static_cast<long long>(w.cast_values), w.amax_ms,
+                  w.cast_ms, w.cast_transpose_ms, w.amax_gbps(), w.cast_gbps(), w.cast_transpose_gbps(), r.warmup,
+                  r.iters);
+    o += buf;
   }
   return o;
 }

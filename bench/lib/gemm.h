@@ -7,6 +7,11 @@
 // cache rotate over several copies of every operand so that no call finds its inputs
 // cached by the previous one.
 //
+// `esplag bench gemm --fp8-dense` instead times cuBLASLt's fp8 dense GEMM (gpu::Fp8Gemm,
+// e4m3 x e4m3 -> bf16, per-tensor scales) against its bf16 one (gpu::Gemm) for the same
+// products, and the kernels that make the fp8 operands (ops/gpu_fp8.h); see
+// run_gemm_fp8_bench.
+//
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once
 
@@ -88,5 +93,43 @@ std::string gemm_bench_table(const GemmBenchResult& r);
 // CSV with a leading `commit` column.
 std::string gemm_bench_csv_header();
 std::string gemm_bench_csv_rows(const GemmBenchResult& r, const std::string& commit);
+
+// --fp8-dense: per shape and product, the bf16 dense GEMM, the fp8 one with fp32
+// accumulation promoted (gpu::Fp8Gemm's default) and with fast accumulation, and the casts
+// of the product's token-side operand (X [tokens, in] for fwd, dY [tokens, out] for
+// bwd-data): fp8_amax, fp8_cast and fp8_cast_transpose, each timed alone. The fp8 forward
+// multiplies X and W in e4m3; the fp8 bwd-data dY (e4m3) and Wᵀ (the transposed cast of
+// W), as fp8 training will. Every dimension must be a multiple of 16.
+struct GemmFp8Row {
+  GemmBenchShape shape;
+  gpu::SparseProduct product = gpu::SparseProduct::forward;
+  double flops = 0;
+  double bf16_ms = 0, fp8_ms = 0, fp8_fast_ms = 0;
+  int64_t cast_values = 0;  // of the token-side operand
+  double amax_ms = 0, cast_ms = 0, cast_transpose_ms = 0;
+
+  double speedup() const { return fp8_ms > 0 ? bf16_ms / fp8_ms : 0; }
+  double speedup_fast() const { return fp8_fast_ms > 0 ? bf16_ms / fp8_fast_ms : 0; }
+  // Bytes moved per second: amax reads 2 bytes a value, a cast reads 2 and writes 1.
+  double amax_gbps() const { return amax_ms > 0 ? 2.0 * double(cast_values) / (amax_ms * 1e6) : 0; }
+  double cast_gbps() const { return cast_ms > 0 ? 3.0 * double(cast_values) / (cast_ms * 1e6) : 0; }
+  double cast_transpose_gbps() const {
+    return cast_transpose_ms > 0 ? 3.0 * double(cast_values) / (cast_transpose_ms * 1e6) : 0;
+  }
+};
+
+struct GemmFp8Result {
+  std::string gpu;
+  int warmup = 0, iters = 0;
+  std::vector<GemmFp8Row> rows;
+};
+
+// Uses the options' shapes, products, warm-up and iterations. Throws Error when a GEMM
+// fails (e.g. a dimension not a multiple of 16, or a GPU without fp8 tensor cores) or the
+// device runs out of memory.
+GemmFp8Result run_gemm_fp8_bench(const GemmBenchOptions& options);
+std::string gemm_fp8_bench_table(const GemmFp8Result& r);
+std::string gemm_fp8_bench_csv_header();
+std::string gemm_fp8_bench_csv_rows(const GemmFp8Result& r, const std::string& commit);
 
 }  // namespace esplag

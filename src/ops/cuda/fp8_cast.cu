@@ -1,0 +1,320 @@
+// bf16 -> fp8 casts with core/fp8.h's scaling rule (ops/gpu_fp8.h).
+//
+// The code of a value comes from cvt.rn.satfinite (via cuda_fp8.h, which emulates it below
+// compute capability 8.9): round to nearest even from fp32, subnormals exact, anything
+// past the largest finite code (infinities included) to ±max, which is core's
+// fp8_encode of the same fp32 value. NaN is then given x's sign explicitly (neither the
+// device's product nor the instruction keeps it). The clipped test is core's too: a value
+// saturates when it would round past max, i.e. |v| > 464 for e4m3 (464 itself is a tie
+// that goes to the even 448) and |v| >= 61440 for e5m2 (the tie goes to the even 65536).
+//
+// amax is an integer atomicMax on the bits of |x| (non-negative floats order like their
+// bits), exact and so independent of the order of the blocks; the saturation counter is
+// an integer atomicAdd, one per block.
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cfloat>
+
+#include "core/error.h"
+#include "ops/cuda/common.cuh"
+#include "ops/gpu_fp8.h"
+
+namespace esplag::gpu {
+
+namespace {
+
+using detail::kPack;
+using detail::load8;
+using detail::to_f;
+
+constexpr int kThreads = 256;
+constexpr unsigned kMaxBlocks = 2048;  // grid-stride beyond this: a cast is bandwidth-bound
+constexpr int kTile = 64;              // cast_transpose: a 64 x 64 tile per block
+
+template <bool E5M2>
+struct Format {
+  static constexpr float max = E5M2 ? 57344.0f : 448.0f;
+  static constexpr __nv_fp8_interpretation_t kind = E5M2 ? __NV_E5M2 : __NV_E4M3;
+  __device__ static bool clips(float a) { return E5M2 ? a >= 61440.0f : a > 464.0f; }
+};
+
+// core's fp8_scale on the device (IEEE division, as on the host).
+template <bool E5M2>
+__device__ __forceinline__ float scale_of(float amax) {
+  if (!(amax > 0.0f)) return 1.0f;
+  const float s = __fdiv_rn(Format<E5M2>::max, amax);
+  return isfinite(s) ? s : FLT_MAX;
+}
+
+// The codes of x0 · s and x1 · s, x0's in the low byte. A NaN takes the sign of x (the
+// device's product of a NaN is the canonical, positive NaN; the host's keeps x's sign).
+template <bool E5M2>
+__device__ __forceinline__ uint32_t encode2(float x0, float x1, float s) {
+  uint32_t c = __nv_cvt_float2_to_fp8x2(make_float2(x0 * s, x1 * s), __NV_SATFINITE, Format<E5M2>::kind);
+  if (isnan(x0)) c = (c & 0xFF00u) | (signbit(x0) ? 0xFFu : 0x7Fu);
+  if (isnan(x1)) c = (c & 0x00FFu) | (signbit(x1) ? 0xFF00u : 0x7F00u);
+  return c;
+}
+
+// 1 when x · s saturates (never for NaN).
+template <bool E5M2>
+__device__ __forceinline__ int clips(float x, float s) {
+  return Format<E5M2>::clips(fabsf(x * s));
+}
+
+// Eight values as eight codes (little-endian: value 0 in the lowest byte), counting the
+// clipped ones.
+template <bool E5M2>
+__device__ __forceinline__ uint2 encode8(const float (&f)[kPack], float s, int& clipped) {
+#pragma unroll
+  for (int k = 0; k < kPack; ++k) clipped += clips<E5M2>(f[k], s);
+  uint2 c;
+  c.x = encode2<E5M2>(f[0], f[1], s) | encode2<E5M2>(f[2], f[3], s) << 16;
+  c.y = encode2<E5M2>(f[4], f[5], s) | encode2<E5M2>(f[6], f[7], s) << 16;
+  return c;
+}
+
+template <bool E5M2>
+__device__ __forceinline__ uint8_t encode1(float x, float s, int& clipped) {
+  clipped += clips<E5M2>(x, s);
+  return static_cast<uint8_t>(encode2<E5M2>(x, 0.0f, s));
+}
+
+// Block-wide max of non-negative values (blockDim.x == kThreads); every thread gets it.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = detail::warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < kThreads / 32 ? scratch[lane] : 0.0f;
+  return detail::warp_max(v);
+}
+
+// Adds the block's clipped count to *saturated (thread 0); the call synchronises the block.
+__device__ __forceinline__ void add_clipped(unsigned long long* saturated, int clipped, int* scratch) {
+  if (!saturated) return;
+  int v = clipped;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long total = 0;
+    for (int w = 0; w < kThreads / 32; ++w) total += unsigned(scratch[w]);
+    if (total) atomicAdd(saturated, total);
+  }
+}
+
+__device__ __forceinline__ float finite_abs(float x) { return isfinite(x) ? fabsf(x) : 0.0f; }
+
+// ---------------------------------------------------------------------------------------
+// amax
+
+__global__ void amax_kernel(unsigned* amax_bits, const bf16* x, int64_t n, int64_t packs) {
+  __shared__ float scratch[32];
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  float m = 0.0f;
+  for (int64_t p = first; p < packs; p += stride) {
+    float f[kPack];
+    load8(f, x + p * kPack);
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) m = fmaxf(m, finite_abs(f[k]));
+  }
+  for (int64_t i = packs * kPack + first; i < n; i += stride) m = fmaxf(m, finite_abs(to_f(x[i])));
+  m = block_max(m, scratch);
+  if (threadIdx.x == 0 && m > 0.0f) atomicMax(amax_bits, __float_as_uint(m));
+}
+
+// ---------------------------------------------------------------------------------------
+// Per-tensor cast
+
+template <bool E5M2>
+__global__ void cast_kernel(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, int64_t packs,
+                            const float* amax, unsigned long long* saturated) {
+  __shared__ int scratch[32];
+  const float s = scale_of<E5M2>(*amax);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = __frcp_rn(s);
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  int clipped = 0;
+  for (int64_t p = first; p < packs; p += stride) {
+    float f[kPack];
+    load8(f, x + p * kPack);
+    *reinterpret_cast<uint2*>(out + p * kPack) = encode8<E5M2>(f, s, clipped);
+  }
+  for (int64_t i = packs * kPack + first; i < n; i += stride) out[i] = encode1<E5M2>(to_f(x[i]), s, clipped);
+  add_clipped(saturated, clipped, scratch);
+}
+
+// ---------------------------------------------------------------------------------------
+// Cast + transpose: block (bx, by) reads the tile x[64·bx .. +64, 64·by .. +64] with its
+// warps along the columns (coalesced), keeps the codes transposed in shared memory, and
+// writes out[64·by .. +64, 64·bx .. +64] four codes (one 32-bit store) per thread along
+// the rows of x. Row tiles on grid.x (2^31 - 1), column tiles on grid.y (65535).
+
+template <bool E5M2>
+__global__ void cast_transpose_kernel(uint8_t* out, float* inv_scale, const bf16* x, int64_t rows, int64_t cols,
+                                      const float* amax, unsigned long long* saturated, bool pack4) {
+  constexpr int kPad = 4;  // keeps the 32-bit reads aligned and spreads the banks
+  __shared__ alignas(4) uint8_t tile[kTile][kTile + kPad];  // [column][row] of the tile
+  __shared__ int scratch[32];
+  const float s = scale_of<E5M2>(*amax);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *inv_scale = __frcp_rn(s);
+  const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int clipped = 0;
+  // Read: warp w takes rows w, w + 8, ...; lane l the columns 2l, 2l + 1.
+  for (int rr = warp; rr < kTile; rr += kThreads / 32) {
+    const int64_t r = r0 + rr;
+    if (r >= rows) break;
+    const int cc = 2 * lane;
+    const int64_t c = c0 + cc;
+    const bf16* row = x + r * cols;
+    // Columns past cols encode 0 (never clipped) and are not written out.
+    const float a = c < cols ? to_f(row[c]) : 0.0f;
+    const float b = c + 1 < cols ? to_f(row[c + 1]) : 0.0f;
+    clipped += clips<E5M2>(a, s) + clips<E5M2>(b, s);
+    const uint32_t code = encode2<E5M2>(a, b, s);
+    tile[cc][rr] = static_cast<uint8_t>(code);
+    tile[cc + 1][rr] = static_cast<uint8_t>(code >> 8);
+  }
+  __syncthreads();
+  // Write: 16 threads per output row (64 codes), 16 output rows per pass.
+  const int quad = threadIdx.x & 15;
+  const int64_t r = r0 + 4 * quad;
+  for (int cc = threadIdx.x >> 4; cc < kTile; cc += kThreads / 16) {
+    const int64_t c = c0 + cc;
+    if (c >= cols) break;
+    uint8_t* dst = out + c * rows + r;
+    if (pack4 && r + 4 <= rows) {
+      *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(&tile[cc][4 * quad]);
+    } else {
+      for (int k = 0; k < 4 && r + k < rows; ++k) dst[k] = tile[cc][4 * quad + k];
+    }
+  }
+  add_clipped(saturated, clipped, scratch);
+}
+
+// ---------------------------------------------------------------------------------------
+// Per-row cast: one block per row, the row read twice (amax, then cast; the second read
+// mostly hits the cache).
+
+template <bool E5M2>
+__global__ void cast_rows_kernel(uint8_t* out, float* inv_scale, float* row_amax, const bf16* x, int64_t cols,
+                                 bool vec, unsigned long long* saturated) {
+  __shared__ float fscratch[32];
+  __shared__ int iscratch[32];
+  const int64_t r = blockIdx.x;
+  const bf16* row = x + r * cols;
+  uint8_t* dst = out + r * cols;
+  const int64_t packs = vec ? cols / kPack : 0;
+  float m = 0.0f;
+  for (int64_t p = threadIdx.x; p < packs; p += kThreads) {
+    float f[kPack];
+    load8(f, row + p * kPack);
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) m = fmaxf(m, finite_abs(f[k]));
+  }
+  for (int64_t i = packs * kPack + threadIdx.x; i < cols; i += kThreads) m = fmaxf(m, finite_abs(to_f(row[i])));
+  m = block_max(m, fscratch);
+  const float s = scale_of<E5M2>(m);
+  if (threadIdx.x == 0) {
+    inv_scale[r] = __frcp_rn(s);
+    if (row_amax) row_amax[r] = m;
+  }
+  int clipped = 0;
+  for (int64_t p = threadIdx.x; p < packs; p += kThreads) {
+    float f[kPack];
+    load8(f, row + p * kPack);
+    *reinterpret_cast<uint2*>(dst + p * kPack) = encode8<E5M2>(f, s, clipped);
+  }
+  for (int64_t i = packs * kPack + threadIdx.x; i < cols; i += kThreads)
+    dst[i] = encode1<E5M2>(to_f(row[i]), s, clipped);
+  add_clipped(saturated, clipped, iscratch);
+}
+
+bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
+bool aligned4(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; }
+
+unsigned long long* counter(uint64_t* p) {
+  static_assert(sizeof(uint64_t) == sizeof(unsigned long long));
+  return reinterpret_cast<unsigned long long*>(p);
+}
+
+// Packs of 8 values when x is 16-byte and out 8-byte aligned (the tail goes value by
+// value), none otherwise.
+int64_t packs_of(const bf16* x, const uint8_t* out, int64_t n) {
+  return detail::aligned16(x) && (!out || aligned8(out)) ? n / kPack : 0;
+}
+
+unsigned grid_for(int64_t n) { return std::max(1u, std::min(kMaxBlocks, detail::blocks_for(n, kThreads * kPack))); }
+
+void check_cast(const char* op, const void* out, const void* scale_out, const bf16* x, int64_t n, const void* amax) {
+  ESPLAG_CHECK(n >= 0, op, ": negative size ", n);
+  ESPLAG_CHECK(n == 0 || (out && x), op, ": out and x must not be null");
+  ESPLAG_CHECK(scale_out && amax, op, ": inv_scale and amax must not be null");
+}
+
+}  // namespace
+
+void fp8_amax(float* amax, const bf16* x, int64_t n, cudaStream_t stream) {
+  ESPLAG_CHECK(amax && n >= 0 && (x || n == 0), "fp8_amax: null pointer or negative size ", n);
+  CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));  // 0.0f; the kernel only raises it
+  if (n == 0) return;
+  amax_kernel<<<grid_for(n), kThreads, 0, stream>>>(reinterpret_cast<unsigned*>(amax), x, n,
+                                                    packs_of(x, nullptr, n));
+  CUDA_CHECK_LAUNCH("fp8_amax");
+}
+
+void fp8_cast(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, const float* amax, Fp8Format format,
+              uint64_t* saturated, cudaStream_t stream) {
+  check_cast("fp8_cast", out, inv_scale, x, n, amax);
+  // One block even for n = 0: it writes inv_scale.
+  const int64_t packs = packs_of(x, out, n);
+  if (format == Fp8Format::e5m2)
+    cast_kernel<true><<<grid_for(n), kThreads, 0, stream>>>(out, inv_scale, x, n, packs, amax, counter(saturated));
+  else
+    cast_kernel<false><<<grid_for(n), kThreads, 0, stream>>>(out, inv_scale, x, n, packs, amax, counter(saturated));
+  CUDA_CHECK_LAUNCH("fp8_cast");
+}
+
+void fp8_cast_transpose(uint8_t* out, float* inv_scale, const bf16* x, int64_t rows, int64_t cols, const float* amax,
+                        Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
+  ESPLAG_CHECK(rows >= 0 && cols >= 0, "fp8_cast_transpose: negative size ", rows, " x ", cols);
+  check_cast("fp8_cast_transpose", out, inv_scale, x, rows * cols, amax);
+  const int64_t row_tiles = std::max<int64_t>(1, (rows + kTile - 1) / kTile);
+  const int64_t col_tiles = std::max<int64_t>(1, (cols + kTile - 1) / kTile);
+  ESPLAG_CHECK(row_tiles <= INT32_MAX && col_tiles <= 65535, "fp8_cast_transpose: ", rows, " x ", cols,
+               " is too large (at most 65535 · 64 columns)");
+  const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(col_tiles));
+  const bool pack4 = rows % 4 == 0 && aligned4(out);
+  if (format == Fp8Format::e5m2)
+    cast_transpose_kernel<true><<<grid, kThreads, 0, stream>>>(out, inv_scale, x, rows, cols, amax,
+                                                               counter(saturated), pack4);
+  else
+    cast_transpose_kernel<false><<<grid, kThreads, 0, stream>>>(out, inv_scale, x, rows, cols, amax,
+                                                                counter(saturated), pack4);
+  CUDA_CHECK_LAUNCH("fp8_cast_transpose");
+}
+
+void fp8_cast_rows(uint8_t* out, float* inv_scale, float* row_amax, const bf16* x, int64_t rows, int64_t cols,
+                   Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
+  ESPLAG_CHECK(rows >= 0 && cols >= 0, "fp8_cast_rows: negative size ", rows, " x ", cols);
+  ESPLAG_CHECK(rows <= INT32_MAX, "fp8_cast_rows: ", rows, " rows is too many (one block per row)");
+  if (rows == 0) return;
+  ESPLAG_CHECK(inv_scale && (cols == 0 || (out && x)), "fp8_cast_rows: null pointer");
+  const bool vec = cols % kPack == 0 && detail::aligned16(x) && aligned8(out);
+  const unsigned grid = static_cast<unsigned>(rows);
+  if (format == Fp8Format::e5m2)
+    cast_rows_kernel<true><<<grid, kThreads, 0, stream>>>(out, inv_scale, row_amax, x, cols, vec, counter(saturated));
+  else
+    cast_rows_kernel<false><<<grid, kThreads, 0, stream>>>(out, inv_scale, row_amax, x, cols, vec,
+                                                           counter(saturated));
+  CUDA_CHECK_LAUNCH("fp8_cast_rows");
+}
+
+}  // namespace esplag::gpu

@@ -1,0 +1,119 @@
+// FP8 on the GPU (docs/fp8.md, "GPU kernels"): the casts that make fp8 operands from bf16
+// tensors with the scaling rule of core/fp8.h, and cuBLASLt's fp8 GEMM. Namespace
+// esplag::gpu, conventions of ops/gpu.h (asynchronous launchers on a stream, device
+// pointers, deterministic results). Training does not call them yet.
+//
+// Casts (ops/cuda/fp8_cast.cu). A code is fp8_encode(float(x) · s) of core/fp8.h, bit for
+// bit: x · s rounded to fp32, then to the nearest code (ties to even, subnormals exact),
+// saturating to ±max (infinities too); NaN gives NaN with x's sign (0x7F / 0xFF). The
+// scale s = fp8_scale(amax) is computed on the device from an amax in device memory, so
+// nothing waits for the host. Every cast also writes 1 / s (the inverse scale: what the
+// GEMM's scale pointer multiplies the codes by) and, when `saturated` is not null, adds
+// the number of values it clipped (an infinity, or a finite x · s that rounds past max) to
+// that device counter. Codes are bytes (uint8_t): e4m3 (OCP E4M3FN) or e5m2.
+//
+// GEMM (ops/cuda/gemm_fp8.cu): Fp8Gemm, below.
+//
+// Only for the CUDA build (ESPLAG_CUDA=ON).
+#pragma once
+
+#ifndef ESPLAG_HAVE_CUDA
+#error "ops/gpu_fp8.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#endif
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "core/fp8.h"
+
+namespace esplag::gpu {
+
+using bf16 = __nv_bfloat16;
+
+// *amax (fp32) = the largest finite |x[i]| of the n values, 0 when there is none (core's
+// fp8_amax). Exact, so the same whatever the reduction order.
+void fp8_amax(float* amax, const bf16* x, int64_t n, cudaStream_t stream);
+
+// out[i] = the code of x[i] with the scale s = fp8_scale(*amax, format); *inv_scale = 1 / s.
+// out: n bytes. amax is read on the device (from fp8_amax, or any other rule, e.g. a
+// history: values above it then saturate).
+void fp8_cast(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, const float* amax, Fp8Format format,
+              uint64_t* saturated, cudaStream_t stream);
+
+// The same cast written transposed: x [rows, cols] row-major gives out [cols, rows]
+// row-major, out[c·rows + r] = code(x[r·cols + c]), with one scale for the tensor (amax of
+// x, e.g. from fp8_amax). The backward's fp8 GEMMs take their operands K-major (see
+// Fp8Gemm), so they need these transposed copies of W, dY and X.
+void fp8_cast_transpose(uint8_t* out, float* inv_scale, const bf16* x, int64_t rows, int64_t cols, const float* amax,
+                        Fp8Format format, uint64_t* saturated, cudaStream_t stream);
+
+// One scale per row of x [rows, cols] (core's fp8_quantize_dequantize_rows): each row's
+// amax (written to row_amax [rows] when not null), its scale, and the cast of the row, in
+// one kernel. out [rows, cols]; inv_scale [rows].
+void fp8_cast_rows(uint8_t* out, float* inv_scale, float* row_amax, const bf16* x, int64_t rows, int64_t cols,
+                   Fp8Format format, uint64_t* saturated, cudaStream_t stream);
+
+// One operand of an fp8 GEMM: codes row-major [rows, K] (K contiguous), and the device
+// fp32 that multiplies them back to values (the cast's inv_scale).
+struct Fp8Operand {
+  const uint8_t* data = nullptr;
+  const float* inv_scale = nullptr;
+  Fp8Format format = Fp8Format::e4m3;
+};
+
+// cuBLASLt's fp8 GEMM (compute capability 8.9 or newer), fp32 accumulation:
+//
+//   D [M, N] (=, or += when accumulate) (*A.inv_scale · *B.inv_scale) · A [M, K] · B [N, K]ᵀ  (+ bias [N])
+//
+// Every matrix row-major. Both operands are K-major ("TN", the only layout Hopper's fp8
+// GEMMs take), so each product of a Linear W [OC, C] names its operands:
+//   forward  Y  [N, OC] = X [N, C] · W [OC, C]ᵀ       A = X,   B = W
+//   backward dX [N, C]  = dY [N, OC] · (Wᵀ [C, OC])ᵀ  A = dY,  B = Wᵀ  (fp8_cast_transpose of W)
+//   backward dW [OC, C] = dYᵀ [OC, N] · (Xᵀ [C, N])ᵀ  A = dYᵀ, B = Xᵀ  (transposed casts of dY, X)
+// The bias (bf16 output only) is added per column, in fp32 before the output's rounding.
+// Formats: e4m3 or e5m2 for either operand, not both e5m2 (cuBLASLt has no such product).
+// Requirements, each refused with an Error naming it: M, N, K multiples of 16 (M may be
+// 0: nothing to do), every pointer 16-byte aligned.
+//
+// Accumulation: cuBLASLt's fast fp8 accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM) keeps
+// the partial sums in the tensor cores' reduced-precision accumulator; it is off by
+// default, so partial sums are promoted to fp32 (the accurate mode, which fp8 training
+// recipes use at least for the gradient products); set_fast_accum(true) turns it on.
+//
+// A plan (descriptor, layouts, the heuristic's first algorithm) is built at the first
+// call of a (shape, formats, output type, bias, fast accumulation) combination and cached;
+// calls are then asynchronous. Results are reproducible for a given GPU model and
+// cuBLASLt version, as those of gpu::Gemm.
+class Fp8Gemm {
+ public:
+  // `workspace` (device memory the caller owns and keeps for the Gemm's life; may be
+  // shared with other work on the same stream) of `workspace_bytes`; 32 MiB is cuBLAS's
+  // advice for Hopper (gpu::Gemm::kDefaultWorkspaceBytes).
+  Fp8Gemm(void* workspace, size_t workspace_bytes);
+  ~Fp8Gemm();
+  Fp8Gemm(const Fp8Gemm&) = delete;
+  Fp8Gemm& operator=(const Fp8Gemm&) = delete;
+
+  // bf16 output, with an optional bf16 bias [N] (null: none).
+  void matmul(bf16* D, const Fp8Operand& A, const Fp8Operand& B, const bf16* bias, int M, int N, int K,
+              bool accumulate, cudaStream_t stream);
+  // fp32 output (e.g. a weight gradient accumulated over micro-batches), no bias.
+  void matmul(float* D, const Fp8Operand& A, const Fp8Operand& B, int M, int N, int K, bool accumulate,
+              cudaStream_t stream);
+
+  void set_fast_accum(bool on) { fast_accum_ = on; }
+  bool fast_accum() const { return fast_accum_; }
+  size_t cached_plans() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+  bool fast_accum_ = false;
+};
+
+}  // namespace esplag::gpu

@@ -1,0 +1,587 @@
+// The GPU's fp8 kernels (ops/gpu_fp8.h) against core/fp8.h, the CPU reference.
+//
+// Casts must give core's codes bit for bit: fp8_encode(float(x) · s) with s =
+// fp8_scale(amax), amax = fp8_amax(x) computed on the device and equal to core's, the
+// inverse scale exactly 1 / s, and the saturated count core's. Every bf16 value is cast
+// once per format at scale 1 (ties, subnormals, the saturation thresholds, ±inf, NaN of
+// both signs); random tensors of awkward sizes (1, 17, 4097, 2^20 + 5) go through the
+// 16-byte path with and without a tail and, shifted by one element, the scalar path.
+// Outputs are poisoned first (0xFF, the code of -NaN, which the random tensors never give;
+// the exhaustive test, which does give it, runs twice with two poisons), and the bytes
+// after the output are checked to stay poisoned.
+//
+// GEMMs: against the fp64 product of the dequantised operands (codes · inverse scale, as
+// downloaded), each element within 2^-8 |ref| (bf16 rounding; 2^-20 for fp32 outputs) plus
+// 2^-10 · Σ_k |a_k b_k| (fp32 and tensor-core accumulation over K, relative to the
+// magnitude of the sum's terms), and the relative RMS error within 1e-2. A wrong scale,
+// operand order, layout, format, bias or accumulation misses both by far. The products of
+// a Linear are also checked end to end against core's fp8_quantize_dequantize of the bf16
+// tensors. GEMM tests skip below compute capability 8.9 (no fp8 tensor cores).
+#include <gtest/gtest.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/fp8.h"
+#include "core/rng.h"
+#include "ops/gpu_fp8.h"
+
+#include "gpu_test_util.h"
+
+namespace {
+
+using esplag::Fp8Format;
+using esplag::Rng;
+using esplag::gpu::bf16;
+using esplag::gpu_test::Bits;
+using esplag::gpu_test::has_device;
+using esplag::gpu_test::VD;
+using esplag::gpu_test::VF;
+namespace gpu = esplag::gpu;
+using Codes = std::vector<uint8_t>;
+
+#define REQUIRE_DEVICE() ASSERT_TRUE(has_device()) << "no CUDA device visible to the gpu tests"
+
+const Fp8Format kFormats[] = {Fp8Format::e4m3, Fp8Format::e5m2};
+constexpr uint8_t kPoison = 0xFF;
+constexpr int kGuard = 64;  // bytes after an output that must stay poisoned
+
+bool has_fp8_tensor_cores() {
+  int dev = 0, major = 0, minor = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  return major * 10 + minor >= 89;
+}
+
+#define REQUIRE_FP8_GEMM()                                                                        \
+  REQUIRE_DEVICE();                                                                               \
+  if (!has_fp8_tensor_cores()) GTEST_SKIP() << "fp8 GEMMs need compute capability 8.9 or newer"
+
+class Dev : public esplag::gpu_test::DeviceBuffers {
+ public:
+  explicit Dev(size_t bytes = size_t(256) << 20) : DeviceBuffers(bytes) {}
+  // n bytes followed by kGuard guard bytes, all `poison`.
+  uint8_t* poisoned_codes(size_t n, uint8_t poison = kPoison) {
+    auto* p = static_cast<uint8_t*>(scratch(n + kGuard, "codes"));
+    CUDA_CHECK(cudaMemset(p, poison, n + kGuard));
+    return p;
+  }
+  float* poisoned_floats(size_t n) { return poisoned<float>(n, "floats"); }
+  uint64_t* zeroed_counter() {
+    auto* p = static_cast<uint64_t*>(scratch(sizeof(uint64_t), "saturated"));
+    CUDA_CHECK(cudaMemset(p, 0, sizeof(uint64_t)));
+    return p;
+  }
+  float get_float(const float* p) { return get(p, 1)[0]; }
+  uint64_t get_count(const uint64_t* p) { return get(p, 1)[0]; }
+};
+
+float value(uint16_t bits) { return esplag::bf16_to_float(bits); }
+
+// Random bf16 values scale · N(0, 1); `specials` puts two NaNs, +inf and -inf at fixed
+// spots. The NaNs are positive, so that no code of a random tensor is the poison 0xFF
+// (-NaN's sign is checked by CastEveryBf16ValueBitExact).
+Bits random_bits(size_t n, uint64_t seed, double scale, bool specials = false) {
+  Rng rng(seed);
+  Bits b(n);
+  for (auto& x : b) x = esplag::float_to_bf16(static_cast<float>(scale * rng.normal()));
+  if (specials && n >= 8) {
+    b[n / 7] = 0x7FC0;  // NaN
+    b[n / 5] = 0x7F81;  // signalling NaN
+    b[n / 3] = 0x7F80;  // +inf
+    b[n - 1] = 0xFF80;  // -inf
+  }
+  return b;
+}
+
+// core's codes of the values at scale s, and how many saturated.
+struct Expected {
+  Codes codes;
+  uint64_t saturated = 0;
+};
+
+Expected cpu_cast(const Bits& x, size_t first, size_t n, float s, Fp8Format f) {
+  Expected e;
+  e.codes.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const float v = value(x[first + i]) * s;  // rounded to fp32, as core's emulation does
+    bool clipped = false;
+    e.codes[i] = esplag::fp8_encode(double(v), f, &clipped);
+    e.saturated += clipped;
+  }
+  return e;
+}
+
+float cpu_amax(const Bits& x, size_t first, size_t n) {
+  VF v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = value(x[first + i]);
+  return esplag::fp8_amax(v.data(), int64_t(n));
+}
+
+uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// got (with kGuard guard bytes after it) equals want, and the guard is untouched.
+void expect_codes(const std::string& what, const Codes& want, const Codes& got_with_guard, uint8_t poison = kPoison) {
+  ASSERT_EQ(got_with_guard.size(), want.size() + kGuard) << what;
+  int bad = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    if (got_with_guard[i] != want[i] && ++bad <= 5)
+      ADD_FAILURE() << what << ": code[" << i << "] = 0x" << std::hex << int(got_with_guard[i]) << ", core says 0x"
+                    << int(want[i]) << std::dec;
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << want.size() << " codes differ";
+  for (size_t i = want.size(); i < got_with_guard.size(); ++i)
+    ASSERT_EQ(got_with_guard[i], poison) << what << ": wrote past the end, at " << i;
+}
+
+// ---------------------------------------------------------------------------------------
+// Casts
+
+// Every bf16 bit pattern at scale 1 (amax given as the format's max): the rounding of
+// every value, including exact ties and subnormals, finite values past the threshold
+// (saturated and counted), infinities (saturated, counted) and NaNs (signed NaN codes).
+TEST(GpuFp8, CastEveryBf16ValueBitExact) {
+  REQUIRE_DEVICE();
+  Bits all(65536);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i);
+  for (const Fp8Format f : kFormats) {
+    // (first element, count): 16-byte path without tail, with a tail, and the scalar path.
+    for (const auto& [first, n] : {std::pair<size_t, size_t>{0, 65536}, {0, 65533}, {1, 65535}}) {
+      for (const uint8_t poison : {uint8_t(0xFF), uint8_t(0x00)}) {
+        Dev dev;
+        const std::string what = to_string(f) + " first=" + std::to_string(first) + " n=" + std::to_string(n) +
+                                 " poison=" + std::to_string(poison);
+        const bf16* x = dev.put_bf16(all) + first;
+        const float* amax = dev.put(VF{esplag::fp8_max(f)});
+        uint8_t* out = dev.poisoned_codes(n + 1, poison) + first % 2;  // the output shifted with the input
+        float* inv = dev.poisoned_floats(1);
+        uint64_t* sat = dev.zeroed_counter();
+        gpu::fp8_cast(out, inv, x, int64_t(n), amax, f, sat, dev.stream());
+        const Expected want = cpu_cast(all, first, n, 1.0f, f);
+        Codes got = dev.get(out, n + kGuard);
+        expect_codes(what, want.codes, got, poison);
+        EXPECT_EQ(dev.get_float(inv), 1.0f) << what;
+        EXPECT_EQ(dev.get_count(sat), want.saturated) << what;
+        EXPECT_GT(want.saturated, 0u) << what << ": the test must include saturating values";
+      }
+    }
+  }
+}
+
+// amax and scale from the data: random tensors of several sizes and magnitudes, one with
+// NaN and infinities (not in amax; NaN codes; infinities saturate and are counted).
+TEST(GpuFp8, AmaxScaleAndCastFromData) {
+  REQUIRE_DEVICE();
+  uint64_t seed = 100;
+  for (const Fp8Format f : kFormats)
+    for (const size_t n : {size_t(1), size_t(17), size_t(4097), (size_t(1) << 20) + 5})
+      for (const double scale : {1e-3, 1.0, 3e4})
+        for (const size_t first : {size_t(0), size_t(1)}) {
+          Dev dev;
+          const bool specials = n == 4097 && scale == 1.0;
+          const Bits x = random_bits(n + first, ++seed, scale, specials);
+          const std::string what = to_string(f) + " n=" + std::to_string(n) + " scale=" + std::to_string(scale) +
+                                   " first=" + std::to_string(first);
+          const bf16* dx = dev.put_bf16(x) + first;
+          float* amax = dev.poisoned_floats(1);
+          float* inv = dev.poisoned_floats(1);
+          uint8_t* out = dev.poisoned_codes(n);
+          uint64_t* sat = dev.zeroed_counter();
+          gpu::fp8_amax(amax, dx, int64_t(n), dev.stream());
+          gpu::fp8_cast(out, inv, dx, int64_t(n), amax, f, sat, dev.stream());
+          const float want_amax = cpu_amax(x, first, n);
+          const float s = esplag::fp8_scale(want_amax, f);
+          const Expected want = cpu_cast(x, first, n, s, f);
+          EXPECT_EQ(float_bits(dev.get_float(amax)), float_bits(want_amax)) << what << ": amax";
+          EXPECT_EQ(float_bits(dev.get_float(inv)), float_bits(1.0f / s)) << what << ": inverse scale";
+          expect_codes(what, want.codes, dev.get(out, n + kGuard));
+          EXPECT_EQ(dev.get_count(sat), want.saturated) << what;
+          EXPECT_EQ(want.saturated, specials ? 2u : 0u) << what << ": only the infinities saturate";
+        }
+}
+
+// The scale's edge rules: all zeros and only non-finite values (amax 0, scale 1), a tiny
+// amax (scale FLT_MAX), an empty tensor (amax 0; the cast still writes the scale).
+TEST(GpuFp8, ScaleEdgeCases) {
+  REQUIRE_DEVICE();
+  const uint16_t tiny = esplag::float_to_bf16(1e-38f);  // 448 / 1e-38 overflows fp32
+  const std::vector<std::pair<std::string, Bits>> cases = {
+      {"zeros", Bits(33, 0x0000)},
+      {"negative zeros", Bits(9, 0x8000)},
+      {"non-finite only", Bits{0x7FC0, 0xFF80, 0x7F80, 0x7FC1}},
+      {"tiny", Bits{tiny, 0x0000, uint16_t(tiny | 0x8000), 0x0001}},
+      {"empty", Bits{}},
+  };
+  for (const Fp8Format f : kFormats)
+    for (const auto& [name, x] : cases) {
+      Dev dev;
+      const std::string what = to_string(f) + " " + name;
+      const bf16* dx = x.empty() ? nullptr : dev.put_bf16(x);
+      float* amax = dev.poisoned_floats(1);
+      float* inv = dev.poisoned_floats(1);
+      uint8_t* out = dev.poisoned_codes(x.size());
+      gpu::fp8_amax(amax, dx, int64_t(x.size()), dev.stream());
+      gpu::fp8_cast(out, inv, dx, int64_t(x.size()), amax, f, nullptr, dev.stream());
+      const float want_amax = cpu_amax(x, 0, x.size());
+      const float s = esplag::fp8_scale(want_amax, f);
+      EXPECT_EQ(float_bits(dev.get_float(amax)), float_bits(want_amax)) << what;
+      EXPECT_EQ(float_bits(dev.get_float(inv)), float_bits(1.0f / s)) << what;
+      EXPECT_EQ(s, name == "tiny" ? FLT_MAX : 1.0f) << what << ": the rule under test";
+      expect_codes(what, cpu_cast(x, 0, x.size(), s, f).codes, dev.get(out, x.size() + kGuard));
+    }
+}
+
+// Transposed casts: out [cols, rows] holds the codes of x [rows, cols] at the tensor's scale.
+TEST(GpuFp8, CastTransposeBitExact) {
+  REQUIRE_DEVICE();
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 1},   {1, 17},   {17, 1},    {17, 33},   {64, 64},
+                                                           {65, 127}, {128, 96}, {300, 4097}, {4097, 3}, {48, 80}};
+  uint64_t seed = 200;
+  for (const Fp8Format f : kFormats)
+    for (const auto& [rows, cols] : shapes) {
+      Dev dev;
+      const size_t n = size_t(rows * cols);
+      const Bits x = random_bits(n, ++seed, 2.0, rows == 17 && cols == 33);
+      const std::string what = to_string(f) + " " + std::to_string(rows) + "x" + std::to_string(cols);
+      const bf16* dx = dev.put_bf16(x);
+      float* amax = dev.poisoned_floats(1);
+      float* inv = dev.poisoned_floats(1);
+      uint8_t* out = dev.poisoned_codes(n);
+      uint64_t* sat = dev.zeroed_counter();
+      gpu::fp8_amax(amax, dx, int64_t(n), dev.stream());
+      gpu::fp8_cast_transpose(out, inv, dx, rows, cols, amax, f, sat, dev.stream());
+      const float s = esplag::fp8_scale(cpu_amax(x, 0, n), f);
+      const Expected e = cpu_cast(x, 0, n, s, f);
+      Codes want(n);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) want[size_t(c * rows + r)] = e.codes[size_t(r * cols + c)];
+      expect_codes(what, want, dev.get(out, n + kGuard));
+      EXPECT_EQ(float_bits(dev.get_float(inv)), float_bits(1.0f / s)) << what;
+      EXPECT_EQ(dev.get_count(sat), e.saturated) << what;
+    }
+}
+
+// One scale per row: rows of very different magnitudes, a zero row, a row with NaN and
+// infinities; aligned and (shifted by one element) unaligned inputs.
+TEST(GpuFp8, CastRowsBitExact) {
+  REQUIRE_DEVICE();
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 1}, {3, 17}, {5, 4097}, {64, 64}, {33, 1024}, {7, 8}};
+  uint64_t seed = 300;
+  for (const Fp8Format f : kFormats)
+    for (const auto& [rows, cols] : shapes)
+      for (const size_t first : {size_t(0), size_t(1)}) {
+        Dev dev;
+        const size_t n = size_t(rows * cols);
+        Bits x = random_bits(n + first, ++seed, 1.0);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c) {
+            uint16_t& b = x[first + size_t(r * cols + c)];
+            b = esplag::float_to_bf16(value(b) * std::ldexp(1.0f, int(r % 9) * 6 - 24));
+            if (r == 1) b = 0;                                        // a zero row
+            if (r == 2 && c % 5 == 0) b = c % 10 ? 0x7F80 : 0x7FC0;  // +inf and NaN
+          }
+        const std::string what =
+            to_string(f) + " " + std::to_string(rows) + "x" + std::to_string(cols) + " first=" + std::to_string(first);
+        const bf16* dx = dev.put_bf16(x) + first;
+        float* inv = dev.poisoned_floats(size_t(rows));
+        float* amax = dev.poisoned_floats(size_t(rows));
+        uint8_t* out = dev.poisoned_codes(n + 1) + first;
+        uint64_t* sat = dev.zeroed_counter();
+        gpu::fp8_cast_rows(out, inv, amax, dx, rows, cols, f, sat, dev.stream());
+        const VF got_inv = dev.get(inv, size_t(rows)), got_amax = dev.get(amax, size_t(rows));
+        Codes want;
+        uint64_t want_sat = 0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const size_t row0 = first + size_t(r * cols);
+          const float a = cpu_amax(x, row0, size_t(cols));
+          const float s = esplag::fp8_scale(a, f);
+          const Expected e = cpu_cast(x, row0, size_t(cols), s, f);
+          want.insert(want.end(), e.codes.begin(), e.codes.end());
+          want_sat += e.saturated;
+          EXPECT_EQ(float_bits(got_amax[size_t(r)]), float_bits(a)) << what << ": amax of row " << r;
+          EXPECT_EQ(float_bits(got_inv[size_t(r)]), float_bits(1.0f / s)) << what << ": inverse scale of row " << r;
+        }
+        expect_codes(what, want, dev.get(out, n + kGuard));
+        EXPECT_EQ(dev.get_count(sat), want_sat) << what;
+      }
+}
+
+// ---------------------------------------------------------------------------------------
+// GEMMs
+
+// An fp8 operand made on the device from bf16 values by fp8_amax + fp8_cast (or
+// fp8_cast_transpose of x [rows, cols] when transposed), and its codes and inverse scale
+// brought back for the reference.
+struct Operand {
+  gpu::Fp8Operand dev;
+  Codes codes;
+  float inv_scale = 0;
+};
+
+Operand make_operand(Dev& dev, const Bits& x, int64_t rows, int64_t cols, Fp8Format f, bool transposed) {
+  const size_t n = size_t(rows * cols);
+  const bf16* dx = dev.put_bf16(x);
+  float* amax = dev.poisoned_floats(1);
+  float* inv = dev.poisoned_floats(1);
+  uint8_t* out = dev.poisoned_codes(n);
+  gpu::fp8_amax(amax, dx, int64_t(n), dev.stream());
+  if (transposed)
+    gpu::fp8_cast_transpose(out, inv, dx, rows, cols, amax, f, nullptr, dev.stream());
+  else
+    gpu::fp8_cast(out, inv, dx, int64_t(n), amax, f, nullptr, dev.stream());
+  Operand o;
+  o.dev = {out, inv, f};
+  o.codes = dev.get(out, n);
+  o.inv_scale = dev.get_float(inv);
+  return o;
+}
+
+// The dequantised values of an operand.
+VD dequantised(const Operand& o) {
+  VD v(o.codes.size());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = double(esplag::fp8_decode(o.codes[i], o.dev.format)) * o.inv_scale;
+  return v;
+}
+
+// The reference of D[i, j] = Σ_k a[i, k] b[j, k] (+ c0 + bias[j]) and the magnitude of its terms.
+struct RefElem {
+  double ref = 0, terms = 0;
+};
+RefElem ref_elem(const VD& a, const VD& b, int64_t i, int64_t j, int64_t K) {
+  RefElem e;
+  for (int64_t k = 0; k < K; ++k) {
+    const double t = a[size_t(i * K + k)] * b[size_t(j * K + k)];
+    e.ref += t;
+    e.terms += std::fabs(t);
+  }
+  return e;
+}
+
+// The tolerance rule of the header comment over the listed elements.
+struct Check {
+  double rel_out;  // 2^-8 (bf16 out) or 2^-20 (fp32 out)
+  double ss_err = 0, ss_ref = 0;
+  int bad = 0;
+  size_t count = 0;
+  void add(const std::string& what, size_t idx, double got, double ref, double terms) {
+    const double tol = rel_out * std::fabs(ref) + std::ldexp(terms, -10);
+    const double err = std::fabs(got - ref);
+    ss_err += err * err;
+    ss_ref += ref * ref;
+    ++count;
+    if (!(err <= tol) && ++bad <= 5)
+      ADD_FAILURE() << what << ": D[" << idx << "] = " << got << ", reference " << ref << " (tolerance " << tol << ")";
+  }
+  void finish(const std::string& what) const {
+    EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << count << " elements outside the tolerance";
+    EXPECT_GT(ss_ref, 0) << what << ": the reference is all zero";
+    EXPECT_LE(std::sqrt(ss_err / ss_ref), 1e-2) << what << ": relative RMS error";
+  }
+};
+
+struct GemmCase {
+  int M, N, K;
+  Fp8Format fa, fb;
+  bool bias, accumulate, f32_out, fast_accum;
+};
+
+std::string case_text(const GemmCase& c) {
+  return std::to_string(c.M) + "x" + std::to_string(c.N) + "x" + std::to_string(c.K) + " " + to_string(c.fa) + "*" +
+         to_string(c.fb) + (c.bias ? " bias" : "") + (c.accumulate ? " accumulate" : "") +
+         (c.f32_out ? " fp32-out" : " bf16-out") + (c.fast_accum ? " fast-accum" : "");
+}
+
+// Runs one case with D checked in full, or at `samples` random elements when samples > 0
+// (then every element is still checked to be finite).
+void run_gemm_case(const GemmCase& c, uint64_t seed, size_t arena_bytes, size_t samples = 0) {
+  Dev dev(arena_bytes);
+  const std::string what = case_text(c);
+  const Bits a_bits = random_bits(size_t(c.M) * c.K, seed, 1.0);
+  const Bits b_bits = random_bits(size_t(c.N) * c.K, seed + 1, 0.05);
+  const Operand A = make_operand(dev, a_bits, c.M, c.K, c.fa, false);
+  const Operand B = make_operand(dev, b_bits, c.N, c.K, c.fb, false);
+  const Bits bias_bits = random_bits(size_t(c.N), seed + 2, 1.0);
+  const bf16* bias = c.bias ? dev.put_bf16(bias_bits) : nullptr;
+  const size_t nd = size_t(c.M) * c.N;
+  // D before the call: random (accumulate) or poisoned.
+  const Bits d0_bits = c.accumulate ? random_bits(nd, seed + 3, 1.0) : Bits{};
+  VF d0(nd, 0.0f);
+  void* D = dev.scratch(nd * 4, "D");
+  if (c.accumulate) {
+    for (size_t i = 0; i < nd; ++i) d0[i] = value(d0_bits[i]);
+    if (c.f32_out)
+      CUDA_CHECK(cudaMemcpy(D, d0.data(), nd * 4, cudaMemcpyHostToDevice));
+    else
+      CUDA_CHECK(cudaMemcpy(D, d0_bits.data(), nd * 2, cudaMemcpyHostToDevice));
+  } else {
+    CUDA_CHECK(cudaMemset(D, 0xFF, nd * 4));
+  }
+  void* ws = dev.scratch(size_t(32) << 20, "workspace");
+  gpu::Fp8Gemm gemm(ws, size_t(32) << 20);
+  gemm.set_fast_accum(c.fast_accum);
+  if (c.f32_out)
+    gemm.matmul(static_cast<float*>(D), A.dev, B.dev, c.M, c.N, c.K, c.accumulate, dev.stream());
+  else
+    gemm.matmul(static_cast<bf16*>(D), A.dev, B.dev, bias, c.M, c.N, c.K, c.accumulate, dev.stream());
+  VF got;
+  if (c.f32_out)
+    got = dev.get(static_cast<const float*>(D), nd);
+  else
+    got = dev.get_bf16(static_cast<const bf16*>(D), nd);
+  size_t first_bad = 0;
+  ASSERT_EQ(esplag::gpu_test::count_non_finite(got, &first_bad), 0u) << what << ": first at " << first_bad;
+
+  const VD a = dequantised(A), b = dequantised(B);
+  Check check{c.f32_out ? std::ldexp(1.0, -20) : std::ldexp(1.0, -8)};
+  auto check_elem = [&](int64_t i, int64_t j) {
+    RefElem e = ref_elem(a, b, i, j, c.K);
+    const size_t idx = size_t(i * c.N + j);
+    const double extra = double(d0[idx]) + (c.bias ? double(value(bias_bits[size_t(j)])) : 0.0);
+    e.ref += extra;
+    e.terms += std::fabs(extra);
+    check.add(what, idx, got[idx], e.ref, e.terms);
+  };
+  if (samples == 0) {
+    for (int64_t i = 0; i < c.M; ++i)
+      for (int64_t j = 0; j < c.N; ++j) check_elem(i, j);
+  } else {
+    Rng rng(seed + 4);
+    for (size_t s = 0; s < samples; ++s) check_elem(rng.below(uint32_t(c.M)), rng.below(uint32_t(c.N)));
+    check_elem(0, 0);
+    check_elem(c.M - 1, c.N - 1);
+  }
+  check.finish(what);
+}
+
+TEST(GpuFp8, GemmMatchesDequantizedProduct) {
+  REQUIRE_FP8_GEMM();
+  const Fp8Format e4 = Fp8Format::e4m3, e5 = Fp8Format::e5m2;
+  const std::vector<GemmCase> cases = {
+      {48, 80, 64, e4, e4, false, false, false, false},   {48, 80, 64, e5, e4, false, false, false, false},
+      {48, 80, 64, e4, e5, false, false, false, false},   {48, 80, 64, e4, e4, true, false, false, false},
+      {80, 48, 112, e4, e4, true, true, false, false},    {48, 80, 64, e5, e4, false, false, true, false},
+      {64, 48, 80, e4, e5, false, true, true, false},     {48, 80, 64, e4, e4, true, false, false, true},
+      {16, 16, 16, e4, e4, false, false, false, false},   {0, 16, 16, e4, e4, false, false, false, false},
+  };
+  uint64_t seed = 400;
+  for (const GemmCase& c : cases) {
+    if (c.M == 0) {  // nothing to do, nothing written
+      Dev dev(size_t(64) << 20);
+      gpu::Fp8Gemm gemm(dev.scratch(size_t(32) << 20), size_t(32) << 20);
+      const Operand B = make_operand(dev, random_bits(256, seed, 1.0), 16, 16, c.fb, false);
+      bf16* D = dev.poisoned_bf16(16);
+      gemm.matmul(D, B.dev, B.dev, nullptr, 0, c.N, c.K, false, dev.stream());
+      for (const float v : dev.get_bf16(D, 16)) EXPECT_TRUE(std::isnan(v)) << "M=0 wrote D";
+      continue;
+    }
+    run_gemm_case(c, seed += 10, size_t(128) << 20);
+  }
+}
+
+// A large product, the size of an LLM's MLP GEMM, checked at sampled elements.
+TEST(GpuFp8, GemmLargeSampled) {
+  REQUIRE_FP8_GEMM();
+  run_gemm_case({2048, 5632, 8192, Fp8Format::e4m3, Fp8Format::e4m3, true, false, false, false}, 500,
+                size_t(640) << 20, 4096);
+  run_gemm_case({2048, 5632, 8192, Fp8Format::e5m2, Fp8Format::e4m3, false, false, true, false}, 510,
+                size_t(640) << 20, 4096);
+}
+
+// The three products of a Linear W [OC, C] on X [N, C] and dY [N, OC], with the operands
+// made as fp8 training will make them (transposed casts for the backward), against the
+// same products of core's fp8_quantize_dequantize of the bf16 tensors (per-tensor scales):
+// the GPU's casts, layout contract and scale pointers together match the CPU emulation.
+TEST(GpuFp8, LinearProductsMatchCpuEmulation) {
+  REQUIRE_FP8_GEMM();
+  const int N = 80, C = 48, OC = 64;
+  Dev dev(size_t(128) << 20);
+  const Bits x = random_bits(size_t(N) * C, 600, 1.0), w = random_bits(size_t(OC) * C, 601, 0.1),
+             dy = random_bits(size_t(N) * OC, 602, 1e-3);
+  auto emulated = [](const Bits& bits, Fp8Format f) {
+    VF v(bits.size());
+    for (size_t i = 0; i < v.size(); ++i) v[i] = value(bits[i]);
+    EXPECT_EQ(esplag::fp8_quantize_dequantize(v.data(), v.data(), int64_t(v.size()), f), 0);
+    return v;
+  };
+  const Fp8Format g = Fp8Format::e5m2, e4 = Fp8Format::e4m3;
+  const VF xq = emulated(x, e4), wq = emulated(w, e4), dyq = emulated(dy, g);
+  gpu::Fp8Gemm gemm(dev.scratch(size_t(32) << 20), size_t(32) << 20);
+
+  struct Product {
+    std::string name;
+    Operand A, B;
+    int M, Nn, K;
+    VD ref, terms;
+  };
+  auto product = [&](const std::string& name, const Operand& A, const Operand& B, int M, int Nn, int K,
+                     auto&& a_at, auto&& b_at) {
+    Product p{name, A, B, M, Nn, K, VD(size_t(M) * Nn), VD(size_t(M) * Nn)};
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < Nn; ++j)
+        for (int k = 0; k < K; ++k) {
+          const double t = double(a_at(i, k)) * double(b_at(j, k));
+          p.ref[size_t(i) * Nn + j] += t;
+          p.terms[size_t(i) * Nn + j] += std::fabs(t);
+        }
+    return p;
+  };
+  const std::vector<Product> products = {
+      // Y [N, OC] = X · Wᵀ
+      product("forward", make_operand(dev, x, N, C, e4, false), make_operand(dev, w, OC, C, e4, false), N, OC, C,
+              [&](int n, int c) { return xq[size_t(n) * C + c]; }, [&](int o, int c) { return wq[size_t(o) * C + c]; }),
+      // dX [N, C] = dY · W, B = Wᵀ [C, OC]
+      product("backward data", make_operand(dev, dy, N, OC, g, false), make_operand(dev, w, OC, C, e4, true), N, C,
+              OC, [&](int n, int o) { return dyq[size_t(n) * OC + o]; },
+              [&](int c, int o) { return wq[size_t(o) * C + c]; }),
+      // dW [OC, C] = dYᵀ · X, A = dYᵀ [OC, N], B = Xᵀ [C, N]
+      product("backward weight", make_operand(dev, dy, N, OC, g, true), make_operand(dev, x, N, C, e4, true), OC, C,
+              N, [&](int o, int n) { return dyq[size_t(n) * OC + o]; },
+              [&](int c, int n) { return xq[size_t(n) * C + c]; }),
+  };
+  for (const Product& p : products) {
+    float* D = dev.poisoned_floats(size_t(p.M) * p.Nn);
+    gemm.matmul(D, p.A.dev, p.B.dev, p.M, p.Nn, p.K, false, dev.stream());
+    const VF got = dev.get(D, size_t(p.M) * p.Nn);
+    Check check{std::ldexp(1.0, -20)};
+    for (size_t i = 0; i < got.size(); ++i) check.add(p.name, i, got[i], p.ref[i], p.terms[i]);
+    check.finish(p.name);
+  }
+}
+
+TEST(GpuFp8, GemmRefusesUnsupportedProblems) {
+  REQUIRE_DEVICE();
+  Dev dev(size_t(64) << 20);
+  gpu::Fp8Gemm gemm(dev.scratch(size_t(32) << 20), size_t(32) << 20);
+  auto* codes = static_cast<uint8_t*>(dev.scratch(4096));
+  float* inv = dev.put(VF{1.0f});
+  bf16* D = dev.poisoned_bf16(4096);
+  const gpu::Fp8Operand e4{codes, inv, Fp8Format::e4m3}, e5{codes, inv, Fp8Format::e5m2};
+  auto expect_error = [&](const std::string& what, const std::string& needle, auto&& call) {
+    try {
+      call();
+      ADD_FAILURE() << what << ": no error";
+    } catch (const esplag::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << what << ": " << e.what();
+    }
+  };
+  expect_error("K=40", "multiples of 16", [&] { gemm.matmul(D, e4, e4, nullptr, 16, 16, 40, false, dev.stream()); });
+  expect_error("N=24", "multiples of 16", [&] { gemm.matmul(D, e4, e4, nullptr, 16, 24, 16, false, dev.stream()); });
+  expect_error("M=8", "multiples of 16", [&] { gemm.matmul(D, e4, e4, nullptr, 8, 16, 16, false, dev.stream()); });
+  expect_error("e5m2 x e5m2", "e5m2 x e5m2", [&] { gemm.matmul(D, e5, e5, nullptr, 16, 16, 16, false, dev.stream()); });
+  const gpu::Fp8Operand shifted{codes + 1, inv, Fp8Format::e4m3};
+  expect_error("misaligned A", "16-byte aligned",
+               [&] { gemm.matmul(D, shifted, e4, nullptr, 16, 16, 16, false, dev.stream()); });
+  EXPECT_EQ(gemm.cached_plans(), 0u);
+}
+
+}  // namespace
