@@ -10,11 +10,12 @@
 # MFU = (6 N + 6 L T d) tokens/s / 989e12: N parameters, L layers, T sequence length, d model
 # width (the attention's causal half of 12 L T d), against the H100's dense bf16 peak.
 #
-#   bench/offload-gpu.sh [build dir] [llama-7b steps]     (default build/cuda and 4)
+#   bench/offload-gpu.sh [build dir] [llama-7b steps] [all|1b|7b]     (default build/cuda, 4, all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 esplag=${1:-build/cuda}/esplag
 big_steps=${2:-4}
+which=${3:-all}
 [ -x "$esplag" ] || { echo "offload-gpu: $esplag is missing: build the cuda preset first" >&2; exit 2; }
 run_dir=$(mktemp -d)
 trap 'rm -rf "$run_dir"' EXIT
@@ -56,7 +57,11 @@ print('$name,%d,%.0f,%.2f,%.1f,%d,%.1f' % (m['step'], tps, $tokens / tps, 100 * 
 echo "# commit ${ESPLAG_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 echo "run,step,tokens_per_s,step_s,mfu_percent,gpu_peak_mib,host_peak_gib"
 l1b=(953223168 16 2048 2048 8192)
-for offload in none optimizer optimizer+master; do
-  run "llama-1b-$offload" configs/gpu/llama-1b.yaml 8 "${l1b[@]}" --set train.offload="$offload"
-done
-run "llama-7b-optimizer+master" configs/gpu/llama-7b-offload.yaml "$big_steps" 6738415616 32 4096 4096 65536
+if [ "$which" != 7b ]; then
+  for offload in none optimizer optimizer+master; do
+    run "llama-1b-$offload" configs/gpu/llama-1b.yaml 8 "${l1b[@]}" --set train.offload="$offload"
+  done
+fi
+[ "$which" != 1b ] &&
+  run "llama-7b-optimizer+master" configs/gpu/llama-7b-offload.yaml "$big_steps" 6738415616 32 4096 4096 65536
+exit 0
