@@ -2,7 +2,7 @@
 # The optimizer offload (train.offload, docs/memory.md) on one GPU, in one session:
 # llama-1b (configs/gpu/llama-1b.yaml, 4 x 2048) without offload and with each offload, then
 # llama-7b (configs/gpu/llama-7b-offload.yaml, 1 x 4096, 16 accumulated) with
-# optimizer+master. Each run trains until STEPS steps are logged and is then ended (a
+# optimizer+master, dense and slope (configs/gpu/llama-7b-slope-offload.yaml). Each run trains until STEPS steps are logged and is then ended (a
 # llama-7b checkpoint, 81 GB, does not fit a 64 GB disk; nothing is saved by any run).
 # Prints one CSV row per run: the last step's time and tokens/s, MFU, the peak device memory
 # (nvidia-smi, sampled each second) and the peak host memory of the process (VmHWM).
@@ -62,6 +62,9 @@ if [ "$which" != 7b ]; then
     run "llama-1b-$offload" configs/gpu/llama-1b.yaml 8 "${l1b[@]}" --set train.offload="$offload"
   done
 fi
-[ "$which" != 1b ] &&
+if [ "$which" != 1b ]; then
   run "llama-7b-optimizer+master" configs/gpu/llama-7b-offload.yaml "$big_steps" 6738415616 32 4096 4096 65536
+  # MFU of the slope run counts the dense model's FLOPs (the work a dense step does).
+  run "llama-7b-slope-optimizer+master" configs/gpu/llama-7b-slope-offload.yaml "$big_steps" 6738415616 32 4096 4096 65536
+fi
 exit 0

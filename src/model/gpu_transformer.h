@@ -526,6 +526,9 @@ class GpuTransformer {
   size_t nstored_ = 0;  // in the storage layout
   int max_b_ = 0, max_t_ = 0, head_chunk_ = 0;
   int64_t step_ = 0;
+  // Weights or moments were given (set_params, init_weights, set_optimizer_state): until then
+  // the state is zero and a new layout has nothing to move.
+  bool state_written_ = false;
   GpuMemoryPlan plan_;
   std::string kind_change_report_;
   std::unique_ptr<DeviceArena> arena_;

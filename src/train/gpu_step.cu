@@ -90,9 +90,12 @@ class GpuStep final : public StepBackend {
         }()),
         model_(cfg.model, cfg.batch_size, cfg.seq_len, gpu_model_options(cfg)) {
     check_layout();
-    model_.set_params(host_.params(), host_.num_params());
     host_step_ = steps_done;
+    // The kinds first: a layer that stores its weight in another form (slope's kept values)
+    // is laid out before any weight arrives, so nothing moves and no second copy of the
+    // state exists even for a moment (llama-7b's offloaded state would not fit twice).
     follow_host_kinds();
+    model_.set_params(host_.params(), host_.num_params());
     if (!m.empty() || !v.empty()) {
       std::vector<float> mf(host_.num_params()), vf(host_.num_params());
       for (const auto& info : host_.param_infos()) {

@@ -87,7 +87,10 @@ bool GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   // A new layout: the state moves into it on the device, the old one kept until then with
   // the layers whose stored forms it holds. Where the device has no room for both, it goes
   // to the host in the flat layout (the layers' own tensors by name) and comes back.
-  const bool on_device = relayout && room_for_second_state();
+  // Before any weights were given (state_written_ false) the state is zero: the new layout
+  // starts from zero too, with nothing to move.
+  const bool moves = relayout && state_written_;
+  const bool on_device = moves && room_for_second_state();
   RetiredState old;
   if (on_device)
     for (const auto& [weight, slot] : im.linears) old.layers[weight] = &slot.top();
@@ -95,7 +98,7 @@ bool GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     if (on_device && layer) old.replaced.push_back(std::move(layer));
     layer.reset();
   };
-  if (relayout && !on_device) state_to_host(old);
+  if (moves && !on_device) state_to_host(old);
   lap(0);
   auto setup = [&](const Change& c, const DeviceLinear* previous) {
     return DeviceLinearSetup{c.setting, &im.ctx, c.out, c.in, cfg_.bias,
@@ -125,7 +128,7 @@ bool GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     if (on_device)
       move_state_from(old);
     else
-      state_from_host(old);
+      state_from_host(old);  // with nothing to move, the layers' own tensors start at their initial values
     old = RetiredState();
   }
   // A layer that becomes or stops being a kind whose CPU layer trains another tensor (its
@@ -161,7 +164,8 @@ bool GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
                 "%zu layers changed in %.2f s (checks and state out %.2f s, layers made %.2f s, state %s %.2f s, "
                 "attached %.2f s)",
                 changes.size(), phase_s[0] + phase_s[1] + phase_s[2] + phase_s[3], phase_s[0], phase_s[1],
-                on_device ? "moved on the device" : relayout ? "back from the host" : "kept", phase_s[2], phase_s[3]);
+                on_device ? "moved on the device" : moves ? "back from the host" : relayout ? "laid out" : "kept",
+                phase_s[2], phase_s[3]);
   kind_change_report_ = buf;
   return true;
 }

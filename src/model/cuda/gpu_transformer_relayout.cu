@@ -132,8 +132,10 @@ void GpuTransformer::state_to_host(RetiredState& old) const {
 void GpuTransformer::state_from_host(const RetiredState& old) {
   Impl& im = *impl_;
   const int64_t steps = step_;
-  set_params(old.host_params.data(), old.host_params.size());  // also prepares every layer
-  set_optimizer_state(old.host_m.data(), old.host_v.data(), old.host_m.size(), steps);
+  if (state_written_) {  // else the state is zero and stays so: nothing was given yet
+    set_params(old.host_params.data(), old.host_params.size());  // also prepares every layer
+    set_optimizer_state(old.host_m.data(), old.host_v.data(), old.host_m.size(), steps);
+  }
   // The layers' own tensors: carried over by name where their size is kept, else new.
   for (const auto& [weight, slot] : im.linears) {
     const auto tensors = slot.top().extra_tensors();

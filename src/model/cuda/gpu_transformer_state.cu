@@ -330,6 +330,7 @@ void GpuTransformer::set_params(const float* host, size_t n) {
   transfer({from_host(host, infos_, stream_), split_into_master(im, stream_)}, true);
   refresh_head_copy();
   prepare_layers();
+  state_written_ = true;
   synchronize();
 }
 
@@ -362,6 +363,7 @@ void GpuTransformer::set_optimizer_state(const float* m, const float* v, size_t 
   transfer({from_host(v, infos_, stream_), copy_stored(impl_->v, true, stream_)}, true);
   synchronize();
   step_ = steps;
+  state_written_ = true;
 }
 
 void GpuTransformer::optimizer_state_to_host(std::vector<float>& m, std::vector<float>& v) const {
@@ -406,6 +408,7 @@ void GpuTransformer::init_weights(uint64_t seed) {
   transfer({draw, split_into_master(im, stream_)}, true);
   refresh_head_copy();
   prepare_layers();
+  state_written_ = true;
   synchronize();
 }
 
