@@ -22,6 +22,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -401,17 +402,34 @@ std::string case_text(const GemmCase& c) {
          (c.f32_out ? " fp32-out" : " bf16-out") + (c.fast_accum ? " fast-accum" : "");
 }
 
+// Where a case puts the pointers whose alignment cuBLASLt's heuristic reads (by default
+// each in its own 256-byte aligned allocation).
+struct PointerLayout {
+  bool packed_scales = false;  // both inverse scales in one buffer, 4-byte aligned, as the bench keeps them
+  int bias_shift = 0;          // the bias this many elements past a 256-byte boundary
+};
+
 // Runs one case with D checked in full, or at `samples` random elements when samples > 0
-// (then every element is still checked to be finite).
-void run_gemm_case(const GemmCase& c, uint64_t seed, size_t arena_bytes, size_t samples = 0) {
+// (then every element is still checked to be finite), on `shared` (null: a Gemm of its own).
+void run_gemm_case(const GemmCase& c, uint64_t seed, size_t arena_bytes, size_t samples = 0,
+                   const PointerLayout& layout = {}, gpu::Fp8Gemm* shared = nullptr) {
   Dev dev(arena_bytes);
   const std::string what = case_text(c);
   const Bits a_bits = random_bits(size_t(c.M) * c.K, seed, 1.0);
   const Bits b_bits = random_bits(size_t(c.N) * c.K, seed + 1, 0.05);
-  const Operand A = make_operand(dev, a_bits, c.M, c.K, c.fa, false);
-  const Operand B = make_operand(dev, b_bits, c.N, c.K, c.fb, false);
+  Operand A = make_operand(dev, a_bits, c.M, c.K, c.fa, false);
+  Operand B = make_operand(dev, b_bits, c.N, c.K, c.fb, false);
+  if (layout.packed_scales) {
+    float* scales = dev.poisoned_floats(4);
+    CUDA_CHECK(cudaMemcpy(scales + 1, A.dev.inv_scale, sizeof(float), cudaMemcpyDeviceToDevice));
+    CUDA_CHECK(cudaMemcpy(scales + 3, B.dev.inv_scale, sizeof(float), cudaMemcpyDeviceToDevice));
+    A.dev.inv_scale = scales + 1;
+    B.dev.inv_scale = scales + 3;
+  }
   const Bits bias_bits = random_bits(size_t(c.N), seed + 2, 1.0);
-  const bf16* bias = c.bias ? dev.put_bf16(bias_bits) : nullptr;
+  Bits shifted_bias(size_t(layout.bias_shift), 0);
+  shifted_bias.insert(shifted_bias.end(), bias_bits.begin(), bias_bits.end());
+  const bf16* bias = c.bias ? dev.put_bf16(shifted_bias) + layout.bias_shift : nullptr;
   const size_t nd = size_t(c.M) * c.N;
   // D before the call: random (accumulate) or poisoned.
   const Bits d0_bits = c.accumulate ? random_bits(nd, seed + 3, 1.0) : Bits{};
@@ -426,8 +444,9 @@ void run_gemm_case(const GemmCase& c, uint64_t seed, size_t arena_bytes, size_t 
   } else {
     CUDA_CHECK(cudaMemset(D, 0xFF, nd * 4));
   }
-  void* ws = dev.scratch(size_t(32) << 20, "workspace");
-  gpu::Fp8Gemm gemm(ws, size_t(32) << 20);
+  std::unique_ptr<gpu::Fp8Gemm> own;
+  if (!shared) own = std::make_unique<gpu::Fp8Gemm>(dev.scratch(size_t(32) << 20, "workspace"), size_t(32) << 20);
+  gpu::Fp8Gemm& gemm = shared ? *shared : *own;
   gemm.set_fast_accum(c.fast_accum);
   if (c.f32_out)
     gemm.matmul(static_cast<float*>(D), A.dev, B.dev, c.M, c.N, c.K, c.accumulate, dev.stream());
@@ -469,7 +488,7 @@ TEST(GpuFp8, GemmMatchesDequantizedProduct) {
   const std::vector<GemmCase> cases = {
       {48, 80, 64, e4, e4, false, false, false, false},   {48, 80, 64, e5, e4, false, false, false, false},
       {48, 80, 64, e4, e5, false, false, false, false},   {48, 80, 64, e4, e4, true, false, false, false},
-      {80, 48, 112, e4, e4, true, true, false, false},    {48, 80, 64, e5, e4, false, false, true, false},
+      {80, 48, 112, e4, e4, false, true, false, false},   {48, 80, 64, e5, e4, false, false, true, false},
       {64, 48, 80, e4, e5, false, true, true, false},     {48, 80, 64, e4, e4, true, false, false, true},
       {16, 16, 16, e4, e4, false, false, false, false},   {0, 16, 16, e4, e4, false, false, false, false},
   };
@@ -486,6 +505,34 @@ TEST(GpuFp8, GemmMatchesDequantizedProduct) {
     }
     run_gemm_case(c, seed += 10, size_t(128) << 20);
   }
+}
+
+// The first product `esplag bench gemm --fp8-dense` times (shape 8192x2048x16384 forward:
+// M = 16384 tokens, N = 8192, K = 2048) with its inverse scales laid out as the bench keeps
+// them, in both accumulation modes. The bench died on it with CUBLAS_STATUS_NOT_SUPPORTED
+// when Fp8Gemm still asked the heuristic without the scale pointers.
+TEST(GpuFp8, GemmBenchProblem) {
+  REQUIRE_FP8_GEMM();
+  for (const bool fast : {false, true})
+    run_gemm_case({16384, 8192, 2048, Fp8Format::e4m3, Fp8Format::e4m3, false, false, false, fast}, 520,
+                  size_t(800) << 20, 4096, {.packed_scales = true});
+}
+
+// The heuristic reads the alignment of the bias and scale pointers, so a plan serves only
+// calls whose pointers are aligned as those of the call that made it.
+TEST(GpuFp8, GemmPlanPerPointerAlignment) {
+  REQUIRE_FP8_GEMM();
+  Dev ws(size_t(40) << 20);
+  gpu::Fp8Gemm gemm(ws.scratch(size_t(32) << 20), size_t(32) << 20);
+  const GemmCase c{48, 80, 64, Fp8Format::e4m3, Fp8Format::e4m3, true, false, false, false};
+  run_gemm_case(c, 700, size_t(64) << 20, 0, {}, &gemm);
+  EXPECT_EQ(gemm.cached_plans(), 1u);
+  run_gemm_case(c, 710, size_t(64) << 20, 0, {}, &gemm);  // aligned as before: the same plan
+  EXPECT_EQ(gemm.cached_plans(), 1u);
+  run_gemm_case(c, 720, size_t(64) << 20, 0, {.bias_shift = 8}, &gemm);  // a 16-byte aligned bias
+  EXPECT_EQ(gemm.cached_plans(), 2u);
+  run_gemm_case(c, 730, size_t(64) << 20, 0, {.packed_scales = true}, &gemm);  // 4-byte aligned scales
+  EXPECT_EQ(gemm.cached_plans(), 3u);
 }
 
 // A large product, the size of an LLM's MLP GEMM, checked at sampled elements.
@@ -581,6 +628,9 @@ TEST(GpuFp8, GemmRefusesUnsupportedProblems) {
   const gpu::Fp8Operand shifted{codes + 1, inv, Fp8Format::e4m3};
   expect_error("misaligned A", "16-byte aligned",
                [&] { gemm.matmul(D, shifted, e4, nullptr, 16, 16, 16, false, dev.stream()); });
+  const bf16* bias = dev.poisoned_bf16(16);
+  expect_error("bias with accumulate", "bias together with accumulate",
+               [&] { gemm.matmul(D, e4, e4, bias, 16, 16, 16, true, dev.stream()); });
   EXPECT_EQ(gemm.cached_plans(), 0u);
 }
 

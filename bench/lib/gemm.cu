@@ -6,7 +6,10 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <iterator>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "bench/lib/fill.h"
 #include "bench/lib/summary.h"
@@ -351,33 +354,63 @@ GemmFp8Result run_gemm_fp8_bench(const GemmBenchOptions& opt) {
   DeviceBuffer cast_scale(2 * sizeof(float), "bench gemm --fp8-dense", "cast amax and scale");
   float* cast_amax = static_cast<float*>(cast_scale.get());
   const size_t l2 = l2_cache_bytes();
+  std::vector<SparseProduct> products;
+  if (opt.forward) products.push_back(SparseProduct::forward);
+  if (opt.backward_data) products.push_back(SparseProduct::backward_data);
 
   uint64_t seed = 1;
   for (const GemmBenchShape& sh : opt.shapes) {
     check_int_sizes(sh);
     const int out = int(sh.out), in = int(sh.in), tok = int(sh.tokens);
-    const size_t set_bytes = size_t(sh.out) * sh.in * 4 + size_t(sh.tokens) * (sh.in + sh.out) * 5;
-    const int sets = rotation_sets(set_bytes, l2);
-    std::vector<std::unique_ptr<Fp8Set>> set;
-    for (int k = 0; k < sets; ++k) set.push_back(std::make_unique<Fp8Set>(out, in, tok, seed, s));
-    CUDA_CHECK(cudaStreamSynchronize(s));
-
-    for (const SparseProduct product : {SparseProduct::forward, SparseProduct::backward_data}) {
-      const bool fwd = product == SparseProduct::forward;
-      if ((fwd && !opt.forward) || (!fwd && !opt.backward_data)) continue;
+    const size_t first_row = r.rows.size();
+    for (const SparseProduct product : products) {
       GemmFp8Row row;
       row.shape = sh;
       row.product = product;
       row.flops = 2.0 * double(out) * double(in) * double(tok);
-      row.bf16_ms = median_event_ms(
-          [&](int i) {
-            const Fp8Set& k = *set[size_t(i % sets)];
-            if (fwd)
-              gemm.forward(k.Y.bf(), k.X.bf(), k.W.bf(), nullptr, tok, in, out, s);
-            else
-              gemm.backward_input(k.dX.bf(), k.dY.bf(), k.W.bf(), tok, in, out, false, s);
-          },
-          opt.warmup, opt.iters, s);
+      r.rows.push_back(row);
+    }
+    const size_t set_bytes = size_t(sh.out) * sh.in * 4 + size_t(sh.tokens) * (sh.in + sh.out) * 5;
+    const int sets = rotation_sets(set_bytes, l2);
+    std::vector<std::unique_ptr<Fp8Set>> set;
+    try {
+      for (int k = 0; k < sets; ++k) set.push_back(std::make_unique<Fp8Set>(out, in, tok, seed, s));
+      CUDA_CHECK(cudaStreamSynchronize(s));
+    } catch (const Error& e) {
+      set.clear();
+      CUDA_CHECK(cudaStreamSynchronize(s));  // a sticky CUDA error ends the bench here
+      std::fprintf(stderr, "bench gemm --fp8-dense: %s: the operands failed: %s\n", shape_text(sh).c_str(), e.what());
+      for (size_t i = first_row; i < r.rows.size(); ++i)
+        r.rows[i].failures.push_back(std::string("operands: ") + e.what());
+      continue;
+    }
+
+    for (size_t ri = first_row; ri < r.rows.size(); ++ri) {
+      GemmFp8Row& row = r.rows[ri];
+      const bool fwd = row.product == SparseProduct::forward;
+      const std::string where = shape_text(sh) + " " + product_text(row.product);
+      std::fprintf(stderr, "bench gemm --fp8-dense: %s (M=%d N=%d K=%d)\n", where.c_str(), tok, fwd ? out : in,
+                   fwd ? in : out);
+      // Times one call; a failure is printed and recorded in the row, and the bench goes on.
+      auto timed = [&](const std::string& what, const std::function<void(int)>& call) {
+        try {
+          const double ms = median_event_ms(call, opt.warmup, opt.iters, s);
+          std::fprintf(stderr, "bench gemm --fp8-dense: %s %s: %.3f ms\n", where.c_str(), what.c_str(), ms);
+          return ms;
+        } catch (const Error& e) {
+          CUDA_CHECK(cudaStreamSynchronize(s));  // a sticky CUDA error ends the bench here
+          std::fprintf(stderr, "bench gemm --fp8-dense: %s %s failed: %s\n", where.c_str(), what.c_str(), e.what());
+          row.failures.push_back(what + ": " + e.what());
+          return 0.0;
+        }
+      };
+      row.bf16_ms = timed("bf16", [&](int i) {
+        const Fp8Set& k = *set[size_t(i % sets)];
+        if (fwd)
+          gemm.forward(k.Y.bf(), k.X.bf(), k.W.bf(), nullptr, tok, in, out, s);
+        else
+          gemm.backward_input(k.dX.bf(), k.dY.bf(), k.W.bf(), tok, in, out, false, s);
+      });
       auto fp8_call = [&](int i) {
         const Fp8Set& k = *set[size_t(i % sets)];
         if (fwd)  // Y [tok, out] = X [tok, in] · W [out, in]ᵀ
@@ -386,9 +419,9 @@ GemmFp8Result run_gemm_fp8_bench(const GemmBenchOptions& opt) {
           fp8.matmul(k.dX.bf(), k.operand(k.dY8, 3), k.operand(k.W8t, 1), nullptr, tok, in, out, false, s);
       };
       fp8.set_fast_accum(false);
-      row.fp8_ms = median_event_ms(fp8_call, opt.warmup, opt.iters, s);
+      row.fp8_ms = timed("fp8 (accurate accumulation)", fp8_call);
       fp8.set_fast_accum(true);
-      row.fp8_fast_ms = median_event_ms(fp8_call, opt.warmup, opt.iters, s);
+      row.fp8_fast_ms = timed("fp8 (fast accumulation)", fp8_call);
 
       // The token-side operand's casts: X [tok, in] (fwd) or dY [tok, out] (bwd-data).
       const int cols = fwd ? in : out;
@@ -396,22 +429,33 @@ GemmFp8Result run_gemm_fp8_bench(const GemmBenchOptions& opt) {
       auto source = [&](int i) { return fwd ? set[size_t(i % sets)]->X.bf() : set[size_t(i % sets)]->dY.bf(); };
       auto codes = [&](int i) { return fwd ? u8(set[size_t(i % sets)]->X8) : u8(set[size_t(i % sets)]->dY8); };
       const Fp8Format e4 = Fp8Format::e4m3;
-      row.amax_ms = median_event_ms([&](int i) { gpu::fp8_amax(cast_amax, source(i), row.cast_values, s); },
-                                    opt.warmup, opt.iters, s);
-      row.cast_ms = median_event_ms(
-          [&](int i) { gpu::fp8_cast(codes(i), cast_amax + 1, source(i), row.cast_values, cast_amax, e4, nullptr, s); },
-          opt.warmup, opt.iters, s);
+      row.amax_ms = timed("fp8_amax", [&](int i) { gpu::fp8_amax(cast_amax, source(i), row.cast_values, s); });
+      row.cast_ms = timed("fp8_cast", [&](int i) {
+        gpu::fp8_cast(codes(i), cast_amax + 1, source(i), row.cast_values, cast_amax, e4, nullptr, s);
+      });
       // Into the codes of the same size (their content is not used afterwards).
-      row.cast_transpose_ms = median_event_ms(
-          [&](int i) {
-            gpu::fp8_cast_transpose(codes(i), cast_amax + 1, source(i), tok, cols, cast_amax, e4, nullptr, s);
-          },
-          opt.warmup, opt.iters, s);
-      r.rows.push_back(row);
+      row.cast_transpose_ms = timed("fp8_cast_transpose", [&](int i) {
+        gpu::fp8_cast_transpose(codes(i), cast_amax + 1, source(i), tok, cols, cast_amax, e4, nullptr, s);
+      });
     }
   }
   return r;
 }
+
+namespace {
+
+// v with `digits` decimals, or `none` where its call failed (0) or it derives from one that did.
+std::string measured(double v, int digits, const char* none) {
+  return v > 0 && std::isfinite(v) ? fixed(v, digits) : none;
+}
+
+std::string csv_quoted(const std::string& s) {
+  std::string q = "\"";
+  for (const char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return q + "\"";
+}
+
+}  // namespace
 
 std::string gemm_fp8_bench_table(const GemmFp8Result& r) {
   std::string o;
@@ -425,38 +469,61 @@ std::string gemm_fp8_bench_table(const GemmFp8Result& r) {
                 "bf16_ms", "TFLOP/s", "fp8_ms", "fast_ms", "x_fp8", "x_fast", "amax ms (GB/s)", "cast ms (GB/s)",
                 "castT ms (GB/s)");
   o += buf;
+  std::string failures;
   for (const GemmFp8Row& w : r.rows) {
-    auto timed = [](double ms, double gbps) {
-      char t[32];
-      std::snprintf(t, sizeof t, "%.3f (%.0f)", ms, gbps);
-      return std::string(t);
+    auto with_rate = [](double ms, double gbps) {
+      return ms > 0 ? measured(ms, 3, "-") + " (" + measured(gbps, 0, "-") + ")" : std::string("-");
     };
-    std::snprintf(buf, sizeof buf, "%-18s %-8s %8.3f %8.1f %8.3f %8.3f %6.2fx %6.2fx %15s %15s %15s\n",
-                  shape_text(w.shape).c_str(), product_text(w.product), w.bf16_ms, w.flops / (w.bf16_ms * 1e-3) / 1e12,
-                  w.fp8_ms, w.fp8_fast_ms, w.speedup(), w.speedup_fast(), timed(w.amax_ms, w.amax_gbps()).c_str(),
-                  timed(w.cast_ms, w.cast_gbps()).c_str(), timed(w.cast_transpose_ms, w.cast_transpose_gbps()).c_str());
+    auto speedup = [](double x) { return x > 0 ? measured(x, 2, "-") + "x" : std::string("-"); };
+    std::snprintf(buf, sizeof buf, "%-18s %-8s %8s %8s %8s %8s %7s %7s %15s %15s %15s\n", shape_text(w.shape).c_str(),
+                  product_text(w.product), measured(w.bf16_ms, 3, "-").c_str(),
+                  measured(w.flops / (w.bf16_ms * 1e-3) / 1e12, 1, "-").c_str(), measured(w.fp8_ms, 3, "-").c_str(),
+                  measured(w.fp8_fast_ms, 3, "-").c_str(), speedup(w.speedup()).c_str(),
+                  speedup(w.speedup_fast()).c_str(), with_rate(w.amax_ms, w.amax_gbps()).c_str(),
+                  with_rate(w.cast_ms, w.cast_gbps()).c_str(),
+                  with_rate(w.cast_transpose_ms, w.cast_transpose_gbps()).c_str());
     o += buf;
+    for (const std::string& f : w.failures)
+      failures += "  " + shape_text(w.shape) + " " + product_text(w.product) + " " + f + "\n";
   }
+  if (!failures.empty()) o += "failed (-):\n" + failures;
   return o;
 }
 
 std::string gemm_fp8_bench_csv_header() {
   return "commit,gpu,product,out,in,tokens,bf16_ms,fp8_ms,fp8_fast_ms,speedup,speedup_fast,cast_values,amax_ms,"
-         "cast_ms,cast_transpose_ms,amax_gbps,cast_gbps,cast_transpose_gbps,warmup,iters\n";
+         "cast_ms,cast_transpose_ms,amax_gbps,cast_gbps,cast_transpose_gbps,warmup,iters,failures\n";
 }
 
+// A failed time, and what derives from it, is an empty field; `failures` says why.
 std::string gemm_fp8_bench_csv_rows(const GemmFp8Result& r, const std::string& commit) {
   std::string o;
-  char buf[1024];
   for (const GemmFp8Row& w : r.rows) {
-    std::snprintf(buf, sizeof buf,
-                  "%s,\"%s\",%s,%lld,%lld,%lld,%.4f,%.4f,%.4f,%.3f,%.3f,%lld,%.4f,%.4f,%.4f,%.1f,%.1f,%.1f,%d,%d\n",
-                  commit.c_str(), r.gpu.c_str(), product_text(w.product), static_cast<long long>(w.shape.out),
-                  static_cast<long long>(w.shape.in), static_cast<long long>(w.shape.tokens), w.bf16_ms, w.fp8_ms,
-                  w.fp8_fast_ms, w.speedup(), w.speedup_fast(), static_cast<long long>(w.cast_values), w.amax_ms,
-                  w.cast_ms, w.cast_transpose_ms, w.amax_gbps(), w.cast_gbps(), w.cast_transpose_gbps(), r.warmup,
-                  r.iters);
-    o += buf;
+    std::string failures;
+    for (const std::string& f : w.failures) failures += (failures.empty() ? "" : "; ") + f;
+    const std::string fields[] = {commit,
+                                  csv_quoted(r.gpu),
+                                  product_text(w.product),
+                                  std::to_string(w.shape.out),
+                                  std::to_string(w.shape.in),
+                                  std::to_string(w.shape.tokens),
+                                  measured(w.bf16_ms, 4, ""),
+                                  measured(w.fp8_ms, 4, ""),
+                                  measured(w.fp8_fast_ms, 4, ""),
+                                  measured(w.speedup(), 3, ""),
+                                  measured(w.speedup_fast(), 3, ""),
+                                  std::to_string(w.cast_values),
+                                  measured(w.amax_ms, 4, ""),
+                                  measured(w.cast_ms, 4, ""),
+                                  measured(w.cast_transpose_ms, 4, ""),
+                                  measured(w.amax_gbps(), 1, ""),
+                                  measured(w.cast_gbps(), 1, ""),
+                                  measured(w.cast_transpose_gbps(), 1, ""),
+                                  std::to_string(r.warmup),
+                                  std::to_string(r.iters),
+                                  failures.empty() ? std::string() : csv_quoted(failures)};
+    for (size_t i = 0; i < std::size(fields); ++i) o += (i ? "," : "") + fields[i];
+    o += "\n";
   }
   return o;
 }

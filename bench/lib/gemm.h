@@ -99,7 +99,8 @@ std::string gemm_bench_csv_rows(const GemmBenchResult& r, const std::string& com
 // of the product's token-side operand (X [tokens, in] for fwd, dY [tokens, out] for
 // bwd-data): fp8_amax, fp8_cast and fp8_cast_transpose, each timed alone. The fp8 forward
 // multiplies X and W in e4m3; the fp8 bwd-data dY (e4m3) and Wᵀ (the transposed cast of
-// W), as fp8 training will. Every dimension must be a multiple of 16.
+// W), as fp8 training will. Every dimension must be a multiple of 16. A time is 0 when its
+// call failed; `failures` then says which call and why (e.g. cuBLASLt's status).
 struct GemmFp8Row {
   GemmBenchShape shape;
   gpu::SparseProduct product = gpu::SparseProduct::forward;
@@ -107,6 +108,7 @@ struct GemmFp8Row {
   double bf16_ms = 0, fp8_ms = 0, fp8_fast_ms = 0;
   int64_t cast_values = 0;  // of the token-side operand
   double amax_ms = 0, cast_ms = 0, cast_transpose_ms = 0;
+  std::vector<std::string> failures;  // "what: message", one per failed call
 
   double speedup() const { return fp8_ms > 0 ? bf16_ms / fp8_ms : 0; }
   double speedup_fast() const { return fp8_fast_ms > 0 ? bf16_ms / fp8_fast_ms : 0; }
@@ -124,9 +126,11 @@ struct GemmFp8Result {
   std::vector<GemmFp8Row> rows;
 };
 
-// Uses the options' shapes, products, warm-up and iterations. Throws Error when a GEMM
-// fails (e.g. a dimension not a multiple of 16, or a GPU without fp8 tensor cores) or the
-// device runs out of memory.
+// Uses the options' shapes, products, warm-up and iterations, and prints each shape, product
+// and time to stderr as it goes. A call that fails with an Error (cuBLASLt refusing a GEMM, a
+// dimension not a multiple of 16, a GPU without fp8 tensor cores, no device memory for a
+// shape's operands) is printed and recorded in its row, and the bench goes on; only an error
+// that leaves the device unusable (a sticky CUDA error) ends it.
 GemmFp8Result run_gemm_fp8_bench(const GemmBenchOptions& options);
 std::string gemm_fp8_bench_table(const GemmFp8Result& r);
 std::string gemm_fp8_bench_csv_header();

@@ -23,7 +23,6 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -33,6 +32,7 @@
 #include "core/env.h"
 #include "core/error.h"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/cublaslt_plan.cuh"
 #include "ops/cuda/reduce.cuh"
 #include "ops/gpu.h"
 
@@ -40,8 +40,12 @@ namespace esplag::gpu {
 
 namespace {
 
+using detail::alignment_of;
+using detail::KeyBytesEqual;
+using detail::KeyBytesHash;
 using detail::to_bf;
 using detail::to_f;
+using detail::zeroed_key;
 
 constexpr int kThreads = 256;
 
@@ -57,30 +61,11 @@ __global__ void add_vec_kernel(float* dst, const float* src, int n) {
   if (i < n) dst[i] += src[i];
 }
 
-uint32_t alignment_of(const void* p) {
-  if (!p) return 256;
-  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  uint32_t al = 1;
-  while (al < 256 && (a & al) == 0) al <<= 1;
-  return al;
-}
-
 struct PlanKey {
   int32_t m, n, k, lda, ldb, ldd;
   int32_t transa, transb, dtype_d, epilogue;
   uint32_t align_a, align_b, align_d, align_bias, align_aux;
   int64_t aux_ld;
-  bool operator==(const PlanKey& o) const { return std::memcmp(this, &o, sizeof(PlanKey)) == 0; }
-};
-
-struct PlanKeyHash {
-  size_t operator()(const PlanKey& k) const {
-    // FNV-1a over the bytes; the key is zero-initialised, so padding is deterministic.
-    const unsigned char* p = reinterpret_cast<const unsigned char*>(&k);
-    uint64_t h = 1469598103934665603ull;
-    for (size_t i = 0; i < sizeof(PlanKey); ++i) h = (h ^ p[i]) * 1099511628211ull;
-    return static_cast<size_t>(h);
-  }
 };
 
 struct Plan {
@@ -106,15 +91,6 @@ struct TuneKey {
   PlanKey plan;
   uint64_t workspace_bytes;
   int32_t device, pad;
-  bool operator==(const TuneKey& o) const { return std::memcmp(this, &o, sizeof(TuneKey)) == 0; }
-};
-struct TuneKeyHash {
-  size_t operator()(const TuneKey& k) const {
-    const unsigned char* p = reinterpret_cast<const unsigned char*>(&k);
-    uint64_t h = 1469598103934665603ull;
-    for (size_t i = 0; i < sizeof(TuneKey); ++i) h = (h ^ p[i]) * 1099511628211ull;
-    return static_cast<size_t>(h);
-  }
 };
 struct TuneChoice {
   cublasLtMatmulAlgo_t algo;
@@ -122,14 +98,14 @@ struct TuneChoice {
   float first_ms, chosen_ms;
 };
 std::mutex g_tuned_mutex;
-std::unordered_map<TuneKey, TuneChoice, TuneKeyHash>& tuned_choices() {
-  static auto* m = new std::unordered_map<TuneKey, TuneChoice, TuneKeyHash>();  // never destroyed: used until exit
+using TuneMap = std::unordered_map<TuneKey, TuneChoice, KeyBytesHash<TuneKey>, KeyBytesEqual<TuneKey>>;
+TuneMap& tuned_choices() {
+  static auto* m = new TuneMap();  // never destroyed: used until exit
   return *m;
 }
 
 TuneKey tune_key(const PlanKey& key, size_t workspace_bytes) {
-  TuneKey t;
-  std::memset(&t, 0, sizeof t);
+  auto t = zeroed_key<TuneKey>();
   t.plan = key;
   t.workspace_bytes = workspace_bytes;
   CUDA_CHECK(cudaGetDevice(&t.device));
@@ -193,7 +169,7 @@ struct Gemm::Impl {
   size_t workspace_bytes = 0;
   float* scratch = nullptr;
   size_t scratch_floats = 0;
-  std::unordered_map<PlanKey, Plan, PlanKeyHash> cache;
+  std::unordered_map<PlanKey, Plan, KeyBytesHash<PlanKey>, KeyBytesEqual<PlanKey>> cache;
   // Tuning: the output buffer for timed runs that must not touch the caller's output
   // (own cudaMalloc, grown on demand), and the events that time them.
   void* tune_out = nullptr;
@@ -201,7 +177,7 @@ struct Gemm::Impl {
   cudaEvent_t events[Gemm::kTuneReps + 1] = {};
 
   ~Impl() {
-    for (auto& [key, plan] : cache) destroy(plan);
+    for (auto& [key, plan] : cache) detail::destroy_plan(plan);
     for (cudaEvent_t e : events)
       if (e) cudaEventDestroy(e);
     if (tune_out) cudaFree(tune_out);
@@ -306,22 +282,13 @@ struct Gemm::Impl {
     }
   }
 
-  static void destroy(Plan& p) {
-    if (p.desc) cublasLtMatmulDescDestroy(p.desc);
-    if (p.a) cublasLtMatrixLayoutDestroy(p.a);
-    if (p.b) cublasLtMatrixLayoutDestroy(p.b);
-    if (p.d) cublasLtMatrixLayoutDestroy(p.d);
-    p = Plan{};
-  }
-
   // D (m×n, column-major, ld ldd) = alpha · op(A) · op(B) + beta · D with the epilogue.
   // Returns false when cuBLASLt does not support the combination with a non-default
   // epilogue (the caller falls back); throws for anything else.
   bool matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const bf16* A, int lda,
               const bf16* B, int ldb, void* D, int ldd, cudaDataType_t dtype_d, float beta,
               cublasLtEpilogue_t epi, const void* bias, const void* aux, int64_t aux_ld, cudaStream_t stream) {
-    PlanKey key;
-    std::memset(&key, 0, sizeof key);
+    auto key = zeroed_key<PlanKey>();
     key.m = m;
     key.n = n;
     key.k = k;
@@ -388,37 +355,22 @@ struct Gemm::Impl {
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, b_n ? key.k : key.n, b_n ? key.n : key.k, key.ldb));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.d, dt, key.m, key.n, key.ldd));
 
-    cublasLtMatmulPreference_t pref = nullptr;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    const uint64_t ws = workspace_bytes;
-    const uint32_t al_a = key.align_a, al_b = key.align_b, al_d = key.align_d;
     // With autotuning, several candidates to time at the first eager call; without, the
     // heuristic's first pick only (exactly what it would return for a request of one).
     const bool want_tuning = gemm_autotune();
     cublasLtMatmulHeuristicResult_t res[Gemm::kTuneCandidates] = {};
     int found = 0;
-    cublasStatus_t st =
-        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
-    if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a);
-    if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b);
-    if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof al_d);
-    if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof al_d);
-    if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref,
-                                          want_tuning ? Gemm::kTuneCandidates : 1, res, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
+    const cublasStatus_t st =
+        detail::query_heuristic(handle, p.desc, p.a, p.b, p.d, workspace_bytes, key.align_a, key.align_b, key.align_d,
+                                want_tuning ? Gemm::kTuneCandidates : 1, res, &found);
     // NOT_SUPPORTED (or no result) means this combination cannot run. With a fused
     // epilogue any refusal just selects the separate kernels; otherwise it is an error.
     if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED && epi == CUBLASLT_EPILOGUE_DEFAULT) {
-      destroy(p);
+      detail::destroy_plan(p);
       CUBLAS_CHECK(st);
     }
     if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
-      destroy(p);
+      detail::destroy_plan(p);
       return p;  // ok = false
     }
     p.num_candidates = 0;
@@ -426,7 +378,7 @@ struct Gemm::Impl {
       if (res[i].state == CUBLAS_STATUS_SUCCESS && res[i].workspaceSize <= workspace_bytes)
         p.candidates[p.num_candidates++] = res[i].algo;
     if (p.num_candidates == 0) {
-      destroy(p);
+      detail::destroy_plan(p);
       return p;  // ok = false
     }
     p.algo = p.candidates[0];

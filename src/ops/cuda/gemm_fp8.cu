@@ -6,38 +6,38 @@
 //   Dᵀ (N×M, ld N) = op_T(B_cm: K×N) · A_cm (K×M)     cuBLASLt m=N n=M k=K, A=B, B=A
 // the "TN" layout that Hopper's fp8 kernels require (as gpu::Gemm's forward, ops/cuda/gemm.cu).
 // The bias epilogue adds per row of Dᵀ, i.e. per column of D. The scales are cuBLASLt's
-// A/B scale pointers: D = scale_a · scale_b · Σ codes (+ beta · D + bias).
+// A/B scale pointers: D = scale_a · scale_b · Σ codes (+ beta · D or + bias).
 //
-// Plans use the heuristic's first algorithm (no autotuning, unlike gpu::Gemm) and assume
-// 16-byte alignment, which every call is checked for.
-#include <cstring>
+// A plan's algorithm is the heuristic's first pick (no autotuning, unlike gpu::Gemm) for
+// the descriptor as its first call sets it: the scale and bias pointers are on it before
+// the query, because cuBLASLt may otherwise pick a kernel that cannot apply scales, which
+// cublasLtMatmul then refuses (CUBLAS_STATUS_NOT_SUPPORTED), and it reads the bias pointer
+// for its alignment. So the plan key holds everything the query sees: the shape, the
+// types, the bias epilogue, fast accumulation, and the alignments of the bias and scale
+// pointers. The operands and D are checked 16-byte aligned, the alignment the query is
+// told. beta is no input of the query: a plan serves overwriting and accumulating calls.
 #include <string>
 #include <unordered_map>
+#include <utility>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "ops/cuda/cublaslt_plan.cuh"
 #include "ops/gpu_fp8.h"
 
 namespace esplag::gpu {
 
 namespace {
 
+using detail::alignment_of;
+
 constexpr uint32_t kAlignment = 16;
 
 struct Fp8PlanKey {
-  int32_t m, n, k;
+  int32_t m, n, k;  // cuBLASLt's: m = N, n = M
   int32_t type_a, type_b, type_d;
   int32_t bias, fast_accum;
-  bool operator==(const Fp8PlanKey& o) const { return std::memcmp(this, &o, sizeof(Fp8PlanKey)) == 0; }
-};
-
-struct Fp8PlanKeyHash {
-  size_t operator()(const Fp8PlanKey& k) const {
-    const unsigned char* p = reinterpret_cast<const unsigned char*>(&k);
-    uint64_t h = 1469598103934665603ull;  // FNV-1a; the key has no padding
-    for (size_t i = 0; i < sizeof(Fp8PlanKey); ++i) h = (h ^ p[i]) * 1099511628211ull;
-    return static_cast<size_t>(h);
-  }
+  uint32_t align_bias, align_scale_a, align_scale_b;
 };
 
 struct Fp8Plan {
@@ -48,12 +48,30 @@ struct Fp8Plan {
 
 cudaDataType_t cuda_type(Fp8Format f) { return f == Fp8Format::e4m3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
 
-bool aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & (kAlignment - 1)) == 0; }
+bool aligned(const void* p) { return alignment_of(p) >= kAlignment; }
 
 std::string problem_text(const Fp8PlanKey& k) {
   return "M=" + std::to_string(k.n) + " N=" + std::to_string(k.m) + " K=" + std::to_string(k.k) + " (" +
          (k.type_b == CUDA_R_8F_E4M3 ? "e4m3" : "e5m2") + " x " + (k.type_a == CUDA_R_8F_E4M3 ? "e4m3" : "e5m2") +
-         " -> " + (k.type_d == CUDA_R_32F ? "fp32" : "bf16") + (k.bias ? ", bias" : "") + ")";
+         " -> " + (k.type_d == CUDA_R_32F ? "fp32" : "bf16") + (k.bias ? ", bias" : "") +
+         (k.fast_accum ? ", fast accumulation" : ", accurate accumulation") + ")";
+}
+
+// The algorithm's configuration, for an error message.
+std::string algo_text(const cublasLtMatmulAlgo_t& algo) {
+  std::string t;
+  const std::pair<cublasLtMatmulAlgoConfigAttributes_t, const char*> fields[] = {
+      {CUBLASLT_ALGO_CONFIG_ID, "algorithm "},
+      {CUBLASLT_ALGO_CONFIG_TILE_ID, ", tile "},
+      {CUBLASLT_ALGO_CONFIG_SPLITK_NUM, ", split-K "},
+      {CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, ", reduction scheme "}};
+  for (const auto& [attr, name] : fields) {
+    uint32_t v = 0;  // each of these is 32 bits wide
+    size_t written = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof v, &written) == CUBLAS_STATUS_SUCCESS)
+      t += name + std::to_string(v);
+  }
+  return t;
 }
 
 }  // namespace
@@ -62,36 +80,42 @@ struct Fp8Gemm::Impl {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
-  std::unordered_map<Fp8PlanKey, Fp8Plan, Fp8PlanKeyHash> cache;
+  std::unordered_map<Fp8PlanKey, Fp8Plan, detail::KeyBytesHash<Fp8PlanKey>, detail::KeyBytesEqual<Fp8PlanKey>> cache;
 
   ~Impl() {
-    for (auto& [key, plan] : cache) destroy(plan);
+    for (auto& [key, plan] : cache) detail::destroy_plan(plan);
     if (handle) cublasLtDestroy(handle);
   }
 
-  static void destroy(Fp8Plan& p) {
-    if (p.desc) cublasLtMatmulDescDestroy(p.desc);
-    if (p.a) cublasLtMatrixLayoutDestroy(p.a);
-    if (p.b) cublasLtMatrixLayoutDestroy(p.b);
-    if (p.d) cublasLtMatrixLayoutDestroy(p.d);
-    p = Fp8Plan{};
+  // The call's pointers onto the plan's descriptor (shared by every call of the plan).
+  static void set_pointers(Fp8Plan& p, const float* scale_a, const float* scale_b, const bf16* bias) {
+    CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a, sizeof scale_a));
+    CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b, sizeof scale_b));
+    if (bias)
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
   }
 
-  // The plan of `key`, built on first use; throws when cuBLASLt has no algorithm for it.
-  Fp8Plan& plan(const Fp8PlanKey& key) {
+  // The plan of `key` with this call's pointers set, built on first use; throws when
+  // cuBLASLt has no algorithm for it.
+  Fp8Plan& plan(const Fp8PlanKey& key, const float* scale_a, const float* scale_b, const bf16* bias) {
     auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
+    if (it != cache.end()) {
+      set_pointers(it->second, scale_a, scale_b, bias);
+      return it->second;
+    }
     Fp8Plan p;
     try {
-      build(p, key);
+      build(p, key, scale_a, scale_b, bias);
     } catch (...) {
-      destroy(p);
+      detail::destroy_plan(p);
       throw;
     }
     return cache.emplace(key, p).first->second;
   }
 
-  void build(Fp8Plan& p, const Fp8PlanKey& key) {
+  void build(Fp8Plan& p, const Fp8PlanKey& key, const float* scale_a, const float* scale_b, const bf16* bias) {
     int dev = 0, major = 0, minor = 0;
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
@@ -112,26 +136,18 @@ struct Fp8Gemm::Impl {
       CUBLAS_CHECK(
           cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type));
     }
+    set_pointers(p, scale_a, scale_b, bias);
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, static_cast<cudaDataType_t>(key.type_a), key.k, key.m, key.k));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, static_cast<cudaDataType_t>(key.type_b), key.k, key.n, key.k));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.d, type_d, key.m, key.n, key.m));
 
-    cublasLtMatmulPreference_t pref = nullptr;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    const uint64_t ws = workspace_bytes;
     cublasLtMatmulHeuristicResult_t res{};
     int found = 0;
-    cublasStatus_t st =
-        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
-    for (const auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                            CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-      if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &kAlignment, sizeof kAlignment);
-    if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref, 1, &res, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
+    const cublasStatus_t st = detail::query_heuristic(handle, p.desc, p.a, p.b, p.d, workspace_bytes, kAlignment,
+                                                      kAlignment, kAlignment, 1, &res, &found);
     if (st != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_CHECK(st);
-    ESPLAG_CHECK(st == CUBLAS_STATUS_SUCCESS && found > 0 && res.state == CUBLAS_STATUS_SUCCESS,
+    ESPLAG_CHECK(st == CUBLAS_STATUS_SUCCESS && found > 0 && res.state == CUBLAS_STATUS_SUCCESS &&
+                     res.workspaceSize <= workspace_bytes,
                  "cuBLASLt has no algorithm for the fp8 GEMM ", problem_text(key), " with a ", workspace_bytes,
                  "-byte workspace");
     p.algo = res.algo;
@@ -143,13 +159,15 @@ struct Fp8Gemm::Impl {
                  "Fp8Gemm: M=", M, ", N=", N, ", K=", K, " must be positive multiples of 16 (M may be 0)");
     ESPLAG_CHECK(!(A.format == Fp8Format::e5m2 && B.format == Fp8Format::e5m2),
                  "Fp8Gemm: cuBLASLt has no e5m2 x e5m2 product; one operand must be e4m3");
+    ESPLAG_CHECK(!(bias && accumulate),
+                 "Fp8Gemm: a bias together with accumulate is not supported (cuBLASLt's fp8 kernels then round an "
+                 "intermediate sum to bf16); a Linear's forward, the product with a bias, overwrites its output");
     if (M == 0) return;
     ESPLAG_CHECK(D && A.data && B.data && A.inv_scale && B.inv_scale,
                  "Fp8Gemm: D, the operands and their inv_scale must not be null");
     ESPLAG_CHECK(aligned(D) && aligned(A.data) && aligned(B.data) && (!bias || aligned(bias)),
                  "Fp8Gemm: D, A, B and the bias must be 16-byte aligned");
-    Fp8PlanKey key;
-    std::memset(&key, 0, sizeof key);
+    auto key = detail::zeroed_key<Fp8PlanKey>();
     key.m = N;
     key.n = M;
     key.k = K;
@@ -158,17 +176,17 @@ struct Fp8Gemm::Impl {
     key.type_d = type_d;
     key.bias = bias != nullptr;
     key.fast_accum = fast_accum;
-    Fp8Plan& p = plan(key);
-    // Pointers are per call; the descriptor is shared by every call of this plan.
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &B.inv_scale,
-                                                sizeof B.inv_scale));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &A.inv_scale,
-                                                sizeof A.inv_scale));
-    if (bias)
-      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+    key.align_bias = bias ? alignment_of(bias) : 0;
+    key.align_scale_a = alignment_of(B.inv_scale);
+    key.align_scale_b = alignment_of(A.inv_scale);
+    Fp8Plan& p = plan(key, B.inv_scale, A.inv_scale, bias);
     const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
-    CUBLAS_CHECK(cublasLtMatmul(handle, p.desc, &alpha, B.data, p.a, A.data, p.b, &beta, D, p.d, D, p.d, &p.algo,
-                                workspace, workspace_bytes, stream));
+    const cublasStatus_t st = cublasLtMatmul(handle, p.desc, &alpha, B.data, p.a, A.data, p.b, &beta, D, p.d, D, p.d,
+                                             &p.algo, workspace, workspace_bytes, stream);
+    if (st != CUBLAS_STATUS_SUCCESS)
+      fail("cuBLASLt refused the fp8 GEMM ", problem_text(key), (accumulate ? " accumulating into D" : ""),
+           " with its heuristic's ", algo_text(p.algo), ": ", cublasLtGetStatusName(st), " (",
+           cublasLtGetStatusString(st), ")");
   }
 };
 
