@@ -35,6 +35,7 @@
 #include "model/gpu_transformer.h"
 #include "model/linear.h"
 #include "model/linear_kinds.h"
+#include "model/linear_precision.h"
 #include "ops/gpu.h"
 #include "sparse/cuda/sparse_linear.h"
 
@@ -109,6 +110,7 @@ struct DeviceLinearContext {
   int64_t tokens = 0;           // max_batch · max_seq_len: a full-size micro-batch
   bool gelu_mlp = false;        // the MLP's activation is GELU
   bool sparse_dispatch = true;  // GpuModelOptions::sparse_dispatch
+  LinearPrecision precision;    // GpuModelOptions::precision
   std::vector<std::pair<int64_t, int64_t>> shapes;  // every block Linear's [out, in]
   std::vector<GpuTransformer::SparseDispatch> dispatch;  // the decisions so far
   SharedScratch scratch;

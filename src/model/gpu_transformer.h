@@ -81,6 +81,7 @@
 #include "model/activation_checkpointing.h"
 #include "model/config.h"
 #include "model/linear_kinds.h"
+#include "model/linear_precision.h"
 #include "model/linear_semi_sparse.h"
 #include "model/transformer.h"
 #include "ops/gpu_attention.h"
@@ -126,6 +127,13 @@ struct GpuModelOptions {
   // and 8 written per offloaded parameter for the moments, 2 and 2 for the master halves).
   bool offload_moments = false;
   bool offload_master = false;
+  // The block Linear layers' products (train.precision, docs/fp8.md): with precision.fp8 a
+  // dense layer (and masked, vnm: the dense products of their masked weights) multiplies
+  // e4m3 activations and weights and precision.grad output gradients, each cast with its
+  // per-tensor scale from its current amax, on cuBLASLt's fp8 GEMMs (fp32 accumulation;
+  // cuBLASLt's fast accumulation in the forward product only); the LM head, attention and
+  // the other ops stay bf16. The 2:4 kinds do not take it yet (Error).
+  LinearPrecision precision;
   // Replay forward_backward_device and step_adamw as CUDA graphs (see the top of the file).
   bool cuda_graph = true;
   // Norm backwards in one pass that also sums the norm's weight (and bias) gradients and

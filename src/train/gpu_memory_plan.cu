@@ -11,6 +11,7 @@ GpuModelOptions gpu_model_options(const TrainConfig& config) {
   o.checkpointing = config.checkpointing;
   o.offload_moments = config.offload != "none";
   o.offload_master = config.offload == "optimizer+master";
+  o.precision = config.linear_precision();
   return o;
 }
 

@@ -1,5 +1,6 @@
 // dense on the GPU: cuBLASLt's products of W with their epilogues (bias, GELU and its
-// gradient, the bias gradient). The base of masked and vnm.
+// gradient, the bias gradient), in bf16 or fp8 (GpuModelOptions::precision). The base of
+// masked and vnm.
 //
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once
@@ -10,10 +11,18 @@ namespace esplag {
 
 class DeviceDenseLinear : public DeviceLinear {
  public:
-  explicit DeviceDenseLinear(const DeviceLinearSetup& s, const std::string& kind = "dense") : DeviceLinear(kind, s) {}
+  explicit DeviceDenseLinear(const DeviceLinearSetup& s, const std::string& kind = "dense");
   void forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) override;
   void backward_dx(bf16* dinp, const bf16* dout, int N, const bf16* pre_act, const char* op) override;
   void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad, const char* op) override;
+  void shared_parts(std::set<std::string>& used) const override;
+
+ private:
+  // The fp8 products (GpuModelOptions::precision): each casts its operands (amax, scale and
+  // cast on the device; the backward's transposed copies, as cuBLASLt's fp8 GEMMs take
+  // their operands K-major) into a scratch all fp8 layers share, then multiplies them.
+  struct Fp8Scratch;
+  Fp8Scratch* fp8_ = nullptr;
 };
 
 }  // namespace esplag

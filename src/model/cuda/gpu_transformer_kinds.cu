@@ -23,6 +23,7 @@ void GpuTransformer::make_linears() {
   ctx.tokens = int64_t(max_b_) * max_t_;
   ctx.gelu_mlp = cfg_.mlp == MlpKind::gelu;
   ctx.sparse_dispatch = opt_.sparse_dispatch;
+  ctx.precision = opt_.precision;
   ctx.colsum_scratch = im.colsum_scratch;
   ctx.colsum_scratch_bytes = im.colsum_scratch_bytes;
   const DeviceLinearKind& first = device_linear_kinds().front();  // every layer starts as the first kind

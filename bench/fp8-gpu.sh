@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# fp8 training on the GPU (train.precision fp8: the dense layers' GEMMs on fp8 operands,
+# docs/fp8.md) against bf16, in one session: llama-1b 4 x 2048 (configs/gpu/llama-1b.yaml)
+# and gpt2-124m 16 x 1024, each trained a few steps in bf16 and in fp8. Prints the steady
+# tokens/s of each run, the speed-up, and the device memory the first log line reports.
+#
+#   bench/fp8-gpu.sh [build dir]     (default build/cuda)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+esplag=${1:-build/cuda}/esplag
+[ -x "$esplag" ] || { echo "fp8-gpu: $esplag is missing: build the cuda preset first" >&2; exit 2; }
+run_dir=$(mktemp -d)
+trap 'rm -rf "$run_dir"' EXIT
+steps=16
+sed -e 's/preset: llama-1b/preset: gpt2-124m/' -e 's/vocab_size: 32000/vocab_size: 50257/' \
+  -e 's/batch_size: 4/batch_size: 16/' -e 's/seq_len: 2048/seq_len: 1024/' configs/gpu/llama-1b.yaml >"$run_dir/gpt2-124m.yaml"
+rate() {  # name, config, then esplag train options: prints "tokens/s,device GiB" of the last step
+  local name=$1 config=$2; shift 2
+  local log="$run_dir/$name.log"
+  timeout 300 "$esplag" train "$@" --config "$config" --out "$run_dir/$name" --set train.steps=$steps \
+    --set train.log_every=4 --set schedule.warmup_steps=2 --set train.eval_every=0 --set train.checkpoint_every=0 \
+    >"$log" 2>&1 || { echo "$name failed: $(tail -2 "$log")" >&2; echo "0,0"; return; }
+  local tps gib
+  tps=$(grep -E "^step +$steps/" "$log" | grep -oE '[0-9.]+[KM]? tok/s' | awk '{v=$1; m=1;
+    if (v ~ /K$/) m=1e3; if (v ~ /M$/) m=1e6; sub(/[KM]$/, "", v); print v*m}')
+  gib=$(grep -m1 -oE '[0-9.]+ GiB of device memory' "$log" | awk '{print $1}')
+  echo "${tps:-0},${gib:-0}"
+}
+echo "# commit ${ESPLAG_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+echo "model,precision,tokens_per_s,device_gib,speedup"
+for model in llama-1b gpt2-124m; do
+  config=configs/gpu/llama-1b.yaml
+  [ "$model" = gpt2-124m ] && config="$run_dir/gpt2-124m.yaml"
+  bf16=$(rate "$model-bf16" "$config")
+  fp8=$(rate "$model-fp8" "$config" --set train.precision=fp8)
+  echo "$model,bf16,$bf16,1.00"
+  awk -v m="$model" -v a="${bf16%%,*}" -v b="$fp8" 'BEGIN { split(b, f, ","); printf "%s,fp8,%s,%.2f\n", m, b, (a > 0 ? f[1] / a : 0) }'
+done
