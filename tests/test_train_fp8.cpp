@@ -45,19 +45,22 @@ TEST(TrainPrecision, UnknownValuesAreKeyErrors) {
   EXPECT_NE(grad.find("train.fp8_grad"), std::string::npos) << grad;
 }
 
-TEST(TrainPrecision, GpuTrainingRefusesFp8AndAutoStaysOnTheCpu) {
+// The GPU trains fp8 for dense layers; with a sparse kind it refuses, and auto stays on the CPU.
+TEST(TrainPrecision, GpuTrainingRefusesFp8WithSparseKindsAndAutoStaysOnTheCpu) {
   TrainConfig c;
   EXPECT_EQ(gpu_training_blocker(c), "");
   c.precision = "fp8";
+  EXPECT_EQ(gpu_training_blocker(c), "") << "dense fp8 trains on the GPU";
+  c.recipe_yaml = "- slope: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight']}\n";
   const std::string why = gpu_training_blocker(c);
-  EXPECT_NE(why.find("train.precision is fp8"), std::string::npos) << why;
+  EXPECT_NE(why.find("train.precision is fp8 with sparse Linear kinds"), std::string::npos) << why;
   const DeviceProbe gpu{true, 1, ""};
   const DeviceChoice choice = choose_train_device("auto", gpu, why);
   EXPECT_EQ(choice.device, "cpu");
   EXPECT_NE(choice.note.find("train.precision is fp8"), std::string::npos) << choice.note;
   try {
     choose_train_device("cuda", gpu, why);
-    FAIL() << "train.device=cuda with fp8 must be refused";
+    FAIL() << "train.device=cuda with fp8 and a sparse kind must be refused";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("train.precision is fp8"), std::string::npos) << e.what();
   }
