@@ -317,7 +317,7 @@ struct Fp8Set {
     W8t.allocate(n_w, who, "W^T (e4m3)");
     X8.allocate(n_x, who, "X (e4m3)");
     dY8.allocate(n_y, who, "dY (e4m3)");
-    scales.allocate(8 * sizeof(float), who, "scales");
+    scales.allocate(8 * kScaleStride * sizeof(float), who, "scales");
     fill_nonzero_bf16(W.bf(), int64_t(n_w), seed++ * 0x1234567ull, 1.0f / std::sqrt(float(in)), s);
     fill_nonzero_bf16(X.bf(), int64_t(n_x), seed++ * 0x1234567ull, 1.0f, s);
     fill_nonzero_bf16(dY.bf(), int64_t(n_y), seed++ * 0x1234567ull, 1.0f, s);
@@ -330,8 +330,11 @@ struct Fp8Set {
     gpu::fp8_amax(amax(3), dY.bf(), int64_t(n_y), s);
     gpu::fp8_cast(u8(dY8), inv(3), dY.bf(), int64_t(n_y), amax(3), e4, nullptr, s);
   }
-  float* amax(int i) const { return static_cast<float*>(scales.get()) + 2 * i; }
-  float* inv(int i) const { return static_cast<float*>(scales.get()) + 2 * i + 1; }
+  // Each value 256 bytes apart: cuBLASLt's fp8 kernels refuse scale pointers that are not
+  // 16-byte aligned.
+  static constexpr int kScaleStride = 64;
+  float* amax(int i) const { return static_cast<float*>(scales.get()) + kScaleStride * (2 * i); }
+  float* inv(int i) const { return static_cast<float*>(scales.get()) + kScaleStride * (2 * i + 1); }
   gpu::Fp8Operand operand(const DeviceBuffer& codes, int i) const { return {u8(codes), inv(i), Fp8Format::e4m3}; }
 };
 
@@ -351,7 +354,7 @@ GemmFp8Result run_gemm_fp8_bench(const GemmBenchOptions& opt) {
   gpu::Gemm gemm(gemm_arena);
   DeviceBuffer fp8_ws(gpu::Gemm::kDefaultWorkspaceBytes, "bench gemm --fp8-dense", "fp8 GEMM workspace");
   gpu::Fp8Gemm fp8(fp8_ws.get(), fp8_ws.bytes());
-  DeviceBuffer cast_scale(2 * sizeof(float), "bench gemm --fp8-dense", "cast amax and scale");
+  DeviceBuffer cast_scale(128 * sizeof(float), "bench gemm --fp8-dense", "cast amax and scale");
   float* cast_amax = static_cast<float*>(cast_scale.get());
   const size_t l2 = l2_cache_bytes();
   std::vector<SparseProduct> products;

@@ -77,7 +77,8 @@ struct Fp8Operand {
 // The bias (bf16 output only) is added per column, in fp32 before the output's rounding.
 // Formats: e4m3 or e5m2 for either operand, not both e5m2 (cuBLASLt has no such product).
 // Requirements, each refused with an Error naming it: M, N, K multiples of 16 (M may be
-// 0: nothing to do), every pointer 16-byte aligned, no bias together with accumulate
+// 0: nothing to do), every pointer 16-byte aligned (the inverse scales' too: cuBLASLt's
+// fp8 kernels refused 4-byte aligned ones on H100), no bias together with accumulate
 // (cuBLASLt's fp8 kernels then round an intermediate sum to bf16, see docs/fp8.md; no
 // product of a Linear needs both). A call cuBLASLt refuses throws an Error naming the
 // problem, the algorithm and cuBLASLt's status.
@@ -88,8 +89,8 @@ struct Fp8Operand {
 // recipes use at least for the gradient products); set_fast_accum(true) turns it on.
 //
 // A plan (descriptor, layouts, the heuristic's first algorithm) is built at the first
-// call of a (shape, formats, output type, bias, fast accumulation, alignment of the bias
-// and scale pointers) combination and cached; calls are then asynchronous. Results are
+// call of a (shape, formats, output type, bias, fast accumulation, alignment of the bias)
+// combination and cached; calls are then asynchronous. Results are
 // reproducible for a given GPU model and cuBLASLt version, as those of gpu::Gemm.
 class Fp8Gemm {
  public:

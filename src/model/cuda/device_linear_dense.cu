@@ -1,5 +1,6 @@
 #include "model/cuda/device_linear_dense.h"
 
+#include "core/cuda_check.h"
 #include "core/device_arena.h"
 #include "model/cuda/step_marks.h"
 #include "ops/gpu_fp8.h"
@@ -20,10 +21,14 @@ struct DeviceDenseLinear::Fp8Scratch : SharedScratch::Part {
   DeviceArena arena;
   std::unique_ptr<gpu::Fp8Gemm> gemm;
   uint8_t *a = nullptr, *b = nullptr, *w = nullptr;
-  float* scale = nullptr;  // [role · 2]: amax, then the inverse scale; roles below
+  bf16* bias = nullptr;  // a bias that is not 16-byte aligned, copied (the fp8 GEMM reads it so)
+  // Per role, the amax, then the inverse scale, 256 bytes apart: cuBLASLt's fp8 kernels
+  // refuse scale pointers that are not 16-byte aligned.
+  static constexpr int kStride = 64;
+  float* scale = nullptr;
   enum Role { input, weight, grad };
-  float* amax(Role r) const { return scale + 2 * r; }
-  float* inv(Role r) const { return scale + 2 * r + 1; }
+  float* amax(Role r) const { return scale + kStride * (2 * r); }
+  float* inv(Role r) const { return scale + kStride * (2 * r + 1); }
   size_t bytes() const override { return arena.capacity(); }
 };
 
@@ -37,11 +42,15 @@ DeviceDenseLinear::DeviceDenseLinear(const DeviceLinearSetup& s, const std::stri
     const size_t weight = ctx_.largest([](int64_t out, int64_t in) { return size_t(out * in); });
     const size_t ws = gpu::Gemm::kDefaultWorkspaceBytes, align = DeviceArena::kDefaultAlignment;
     auto p = std::make_unique<Fp8Scratch>();
-    p->arena = DeviceArena(2 * side + weight + ws + 6 * sizeof(float) + 5 * align, "fp8 operands");
+    const size_t outs = ctx_.largest([](int64_t out, int64_t) { return size_t(out); });
+    const size_t scales = 6 * Fp8Scratch::kStride;
+    p->arena = DeviceArena(2 * side + weight + sizeof(bf16) * outs + sizeof(float) * scales + ws + 6 * align,
+                           "fp8 operands");
     p->a = p->arena.allocate_array<uint8_t>("fp8.a", side);
     p->b = p->arena.allocate_array<uint8_t>("fp8.b", side);
     p->w = p->arena.allocate_array<uint8_t>("fp8.w", weight);
-    p->scale = p->arena.allocate_array<float>("fp8.scales", 6);
+    p->bias = p->arena.allocate_array<bf16>("fp8.bias", outs);
+    p->scale = p->arena.allocate_array<float>("fp8.scales", scales);
     p->gemm = std::make_unique<gpu::Fp8Gemm>(p->arena.allocate("fp8.workspace", ws), ws);
     return p;
   });
@@ -70,9 +79,14 @@ void DeviceDenseLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16*
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   const bool gelu = act == Act::gelu;
   bf16* y = gelu && pre_act ? pre_act : out;
+  const bf16* bias = p_.bias.w;
+  if (bias && reinterpret_cast<uintptr_t>(bias) % 16 != 0) {
+    CUDA_CHECK(cudaMemcpyAsync(f.bias, bias, sizeof(bf16) * OC, cudaMemcpyDeviceToDevice, s));
+    bias = f.bias;
+  }
   f.gemm->set_fast_accum(true);  // the forward's product, as fp8 training recipes run it
-  f.gemm->matmul(y, {f.a, f.inv(R::input), Fp8Format::e4m3}, {f.w, f.inv(R::weight), Fp8Format::e4m3}, p_.bias.w, N,
-                 OC, K, false, s);
+  f.gemm->matmul(y, {f.a, f.inv(R::input), Fp8Format::e4m3}, {f.w, f.inv(R::weight), Fp8Format::e4m3}, bias, N, OC,
+                 K, false, s);
   if (gelu) {
     ctx_.marks->mark(s, "gelu fwd");
     gpu::gelu_forward(out, y, int64_t(N) * OC, s);
