@@ -32,18 +32,23 @@ struct DeviceDenseLinear::Fp8Scratch : SharedScratch::Part {
   size_t bytes() const override { return arena.capacity(); }
 };
 
-DeviceDenseLinear::DeviceDenseLinear(const DeviceLinearSetup& s, const std::string& kind) : DeviceLinear(kind, s) {
-  if (!ctx_.precision.fp8) return;
-  ESPLAG_CHECK(in_ % 16 == 0 && out_ % 16 == 0, "linear [out ", out_, ", in ", in_,
+DeviceDenseLinear::DeviceDenseLinear(const DeviceLinearSetup& s, const std::string& kind)
+    : DeviceLinear(kind, s), fp8_(ctx_.precision.fp8) {
+  ESPLAG_CHECK(!fp8_ || (in_ % 16 == 0 && out_ % 16 == 0), "linear [out ", out_, ", in ", in_,
                "]: fp8 products need in and out features that are multiples of 16 (cuBLASLt's fp8 GEMMs)");
-  fp8_ = &ctx_.scratch.get<Fp8Scratch>(kFp8Scratch, [&] {
+}
+
+// Made at the first product, when the model knows every layer's shape (the layers are made
+// one by one).
+DeviceDenseLinear::Fp8Scratch& DeviceDenseLinear::fp8_scratch() {
+  return ctx_.scratch.get<Fp8Scratch>(kFp8Scratch, [&] {
     const size_t tokens = size_t(ctx_.tokens);
     const size_t side = tokens * size_t(ctx_.largest([](int64_t out, int64_t in) { return size_t(std::max(out, in)); }));
     const size_t weight = ctx_.largest([](int64_t out, int64_t in) { return size_t(out * in); });
-    const size_t ws = gpu::Gemm::kDefaultWorkspaceBytes, align = DeviceArena::kDefaultAlignment;
-    auto p = std::make_unique<Fp8Scratch>();
     const size_t outs = ctx_.largest([](int64_t out, int64_t) { return size_t(out); });
     const size_t scales = 6 * Fp8Scratch::kStride;
+    const size_t ws = gpu::Gemm::kDefaultWorkspaceBytes, align = DeviceArena::kDefaultAlignment;
+    auto p = std::make_unique<Fp8Scratch>();
     p->arena = DeviceArena(2 * side + weight + sizeof(bf16) * outs + sizeof(float) * scales + ws + 6 * align,
                            "fp8 operands");
     p->a = p->arena.allocate_array<uint8_t>("fp8.a", side);
@@ -69,7 +74,7 @@ void DeviceDenseLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16*
     return;
   }
   using R = Fp8Scratch::Role;
-  Fp8Scratch& f = *fp8_;
+  Fp8Scratch& f = fp8_scratch();
   ctx_.marks->mark(s, "fp8 cast");
   gpu::fp8_amax(f.amax(R::input), in, int64_t(N) * K, s);
   gpu::fp8_cast(f.a, f.inv(R::input), in, int64_t(N) * K, f.amax(R::input), Fp8Format::e4m3, nullptr, s);
@@ -103,7 +108,7 @@ void DeviceDenseLinear::backward_dx(bf16* dinp, const bf16* dout, int N, const b
   }
   // dX [N, in] = dY [N, out] · (Wᵀ [in, out])ᵀ
   using R = Fp8Scratch::Role;
-  Fp8Scratch& f = *fp8_;
+  Fp8Scratch& f = fp8_scratch();
   const Fp8Format g = ctx_.precision.grad;
   ctx_.marks->mark(s, "fp8 cast");
   gpu::fp8_amax(f.amax(R::grad), dout, int64_t(N) * OC, s);
@@ -130,7 +135,7 @@ void DeviceDenseLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bo
   }
   // dW [out, in] = dYᵀ [out, N] · (Xᵀ [in, N])ᵀ, accumulated in fp32
   using R = Fp8Scratch::Role;
-  Fp8Scratch& f = *fp8_;
+  Fp8Scratch& f = fp8_scratch();
   const Fp8Format g = ctx_.precision.grad;
   ctx_.marks->mark(s, "fp8 cast");
   gpu::fp8_amax(f.amax(R::grad), dout, int64_t(N) * OC, s);

@@ -22,7 +22,8 @@ class DeviceDenseLinear : public DeviceLinear {
   // cast on the device; the backward's transposed copies, as cuBLASLt's fp8 GEMMs take
   // their operands K-major) into a scratch all fp8 layers share, then multiplies them.
   struct Fp8Scratch;
-  Fp8Scratch* fp8_ = nullptr;
+  Fp8Scratch& fp8_scratch();
+  bool fp8_ = false;
 };
 
 }  // namespace esplag
