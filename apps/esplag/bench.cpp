@@ -1,6 +1,6 @@
 // esplag bench: benchmarks of the engine (training steps; on the GPU also the GEMMs of a
 // Linear, one sparse Linear's training step, the 2:4 sparsification kernels, attention,
-// the V:N:M GEMM and SLoPe's sparse AdamW), printed as a table and optionally appended to
+// the V:N:M GEMM, SLoPe's sparse AdamW and generation), printed as a table and optionally appended to
 // a CSV. Every subcommand parses and checks its options first, so a CPU build reports bad
 // options the same way before saying that the benchmark needs the GPU.
 #include <algorithm>
@@ -24,6 +24,7 @@
 #ifdef ESPLAG_HAVE_CUDA
 #include "bench/lib/attention.h"
 #include "bench/lib/gemm.h"
+#include "bench/lib/generate.h"
 #include "bench/lib/layer.h"
 #include "bench/lib/slope_merged.h"
 #include "bench/lib/sparse_adamw.h"
@@ -111,6 +112,43 @@ std::vector<std::string> parse_choices(const std::string& spec, const char* opti
     items.push_back(k);
   }
   return items;
+}
+
+// --batch of bench generate: a comma-separated list of positive integers.
+std::vector<int> parse_batches(const std::string& spec) {
+  std::vector<int> out;
+  size_t pos = 0;
+  while (pos <= spec.size()) {
+    const size_t comma = spec.find(',', pos);
+    const std::string item = spec.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    pos = comma == std::string::npos ? spec.size() + 1 : comma + 1;
+    const bool digits = !item.empty() && item.size() <= 7 &&
+                        std::all_of(item.begin(), item.end(), [](unsigned char c) { return std::isdigit(c); });
+    ESPLAG_CHECK(digits && std::stoi(item) > 0, "bench generate: --batch item '", item,
+                 "' is not a positive integer (e.g. --batch 1,32)");
+    out.push_back(std::stoi(item));
+  }
+  return out;
+}
+
+int bench_generate(const Args& a) {
+  const std::vector<int> batches = parse_batches(a.get("batch"));
+  const std::string preset = a.get("model");
+  model_preset(preset);  // an unknown preset is an Error before anything else
+#ifdef ESPLAG_HAVE_CUDA
+  gpu::GenerateBenchOptions o;
+  o.model = preset;
+  o.batches = batches;
+  o.prompt_len = a.int32("prompt-len");
+  o.new_tokens = a.int32("new-tokens");
+  if (a.has("vocab")) o.vocab = a.int32("vocab");
+  const auto rows = gpu::bench_generate(o);
+  std::cout << gpu::format_generate_bench(rows);
+  if (a.has("csv")) append_csv(a.get("csv"), gpu::generate_bench_csv(rows));
+  return 0;
+#else
+  needs_cuda("generate");
+#endif
 }
 
 int bench_gemm(const Args& a) {
@@ -488,6 +526,24 @@ const Command kBenchVnm = {
 const Command kBenchSparseAdamw = {
     "bench sparse-adamw", "SLoPe's sparse AdamW against dense AdamW (cuda)", "", {csv_option()}, bench_sparse_adamw};
 
+const Command kBenchGenerate = {
+    "bench generate",
+    "GPU generation with a KV cache: prefill and decode tokens/s (cuda)",
+    "A model preset with random weights on GpuGenerator (docs/cli.md, GPU generation): per batch size, the\n"
+    "median prefill of --prompt-len random tokens per sequence and the median decode step (one token per\n"
+    "sequence, CUDA graphs) over --new-tokens steps, after warm-up. 2:4 models run the same dense products of\n"
+    "their pruned weights, so the dense rows are theirs too.",
+    {
+        Option::text("model", "PRESET", "llama-1b", "the model preset"),
+        Option::text("batch", "B,...", "1,32", "batch sizes"),
+        Option::integer("prompt-len", "128", 1, kIntMax, "prompt tokens per sequence"),
+        Option::integer("new-tokens", "128", 1, kIntMax, "timed decode steps"),
+        Option::integer("vocab", "", 1, kIntMax, "vocabulary size (default: the preset's, else 257)"),
+        csv_option(),
+    },
+    bench_generate,
+};
+
 const Command kBenchSlopeMerged = {
     "bench slope-merged",
     "SLoPe's inference product with its adapter as one 2:4 GEMM (cuda)",
@@ -508,7 +564,7 @@ const Command kBenchSlopeMerged = {
 const std::vector<const Command*>& bench_commands() {
   static const std::vector<const Command*> commands = {&kBenchTrain,    &kBenchGemm,      &kBenchLayer,
                                                        &kBenchSparsify, &kBenchAttention, &kBenchVnm,
-                                                       &kBenchSparseAdamw, &kBenchSlopeMerged};
+                                                       &kBenchSparseAdamw, &kBenchSlopeMerged, &kBenchGenerate};
   return commands;
 }
 

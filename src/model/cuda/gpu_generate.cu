@@ -1,0 +1,369 @@
+// GpuGenerator (model/gpu_generate.h): the weights' snapshot, the KV cache and the
+// cached forward pass on the GPU.
+#include "model/gpu_generate.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <string>
+
+#include "core/cuda_check.h"
+#include "core/device_arena.h"
+#include "core/error.h"
+#include "ops/gpu.h"
+#include "ops/gpu_attention.h"
+#include "ops/gpu_decode.h"
+#include "ops/gpu_fused.h"
+
+namespace esplag {
+
+using gpu::bf16;
+
+namespace {
+
+constexpr size_t kAlign = DeviceArena::kDefaultAlignment;
+
+// Either counts the bytes of an allocation sequence (arena null) or performs it, so the
+// arena's size and its layout cannot disagree.
+struct Take {
+  DeviceArena* arena = nullptr;
+  size_t bytes = 0;
+  template <typename T>
+  T* arr(const std::string& name, size_t count) {
+    count = std::max<size_t>(count, 1);
+    bytes += (count * sizeof(T) + kAlign - 1) / kAlign * kAlign;
+    return arena ? arena->allocate_array<T>(name, count) : nullptr;
+  }
+};
+
+// A host fp32 tensor into device bf16, rounded as the GPU model rounds its master weights.
+void upload_bf16(bf16* dst, const float* src, size_t n) {
+  std::vector<uint16_t> bits(n);
+  for (size_t i = 0; i < n; ++i) bits[i] = gpu::master_hi_bits(src[i]);
+  CUDA_CHECK(cudaMemcpy(dst, bits.data(), n * sizeof(uint16_t), cudaMemcpyHostToDevice));
+}
+
+}  // namespace
+
+struct GpuGenerator::Impl {
+  struct Norm {
+    bf16 *w = nullptr, *b = nullptr;
+  };
+  struct Lin {
+    bf16 *w = nullptr, *b = nullptr;
+  };
+  struct Layer {
+    Norm n1, n2;
+    Lin qkv, proj, fc, mproj;
+  };
+  struct Graph {
+    bool seen = false, failed = false;
+    cudaGraphExec_t exec = nullptr;
+  };
+
+  std::unique_ptr<DeviceArena> arena;
+  std::unique_ptr<gpu::Gemm> gemm;
+  std::vector<Layer> layers;
+  Norm nf;
+  bf16 *wte = nullptr, *wpe = nullptr, *head = nullptr;
+  bf16 *k_cache = nullptr, *v_cache = nullptr;  // [layer][max_batch][max_len][KVR]
+  size_t layer_cache = 0;                       // elements of one layer's cache
+  // One forward pass's buffers, chunk_rows rows each (last: max_batch rows).
+  bf16 *x = nullptr, *ln = nullptr, *branch = nullptr, *qkv = nullptr, *atty = nullptr, *fc = nullptr, *act = nullptr,
+       *last = nullptr;
+  float* logits = nullptr;  // [max_batch, V]
+  void* attn_ws = nullptr;
+  size_t attn_ws_bytes = 0;
+  // Staged rows: tokens, sequences, positions (chunk_rows each), then the head's rows (max_batch).
+  int32_t* rows = nullptr;
+  int32_t* host_rows = nullptr;  // pinned mirror
+  float* host_logits = nullptr;  // pinned, [max_batch, V]
+  std::map<int, Graph> graphs;   // decode steps by row count
+
+  ~Impl() {
+    for (auto& [n, g] : graphs)
+      if (g.exec) cudaGraphExecDestroy(g.exec);
+    if (host_rows) cudaFreeHost(host_rows);
+    if (host_logits) cudaFreeHost(host_logits);
+  }
+
+  void lay_out(const ModelConfig& c, int max_batch, int max_len, int R, Take& t) {
+    const size_t C = c.d_model, V = c.vocab_size, Q = c.qkv_dim(), F = c.fc_dim(), H = c.d_ff;
+    const bool ln = c.norm == NormKind::layernorm, bias = c.bias;
+    auto norm = [&](const std::string& name) {
+      return Norm{t.arr<bf16>(name + ".weight", C), ln ? t.arr<bf16>(name + ".bias", C) : nullptr};
+    };
+    auto lin = [&](const std::string& name, size_t out, size_t in) {
+      return Lin{t.arr<bf16>(name + ".weight", out * in), bias ? t.arr<bf16>(name + ".bias", out) : nullptr};
+    };
+    wte = t.arr<bf16>("embed.tokens.weight", V * C);
+    wpe = c.pos == PosKind::learned ? t.arr<bf16>("embed.positions.weight", size_t(c.max_seq_len) * C) : nullptr;
+    head = c.tie_embeddings ? wte : t.arr<bf16>("lm_head.weight", V * C);
+    layers.assign(c.n_layer, {});
+    for (int l = 0; l < c.n_layer; ++l) {
+      const std::string p = "blocks." + std::to_string(l) + ".";
+      Layer& L = layers[l];
+      L.n1 = norm(p + "norm1");
+      L.qkv = lin(p + "attn.qkv", Q, C);
+      L.proj = lin(p + "attn.proj", C, size_t(c.n_head) * c.head_dim());
+      L.n2 = norm(p + "norm2");
+      L.fc = lin(p + "mlp.fc", F, C);
+      L.mproj = lin(p + "mlp.proj", C, H);
+    }
+    nf = norm("norm_f");
+    layer_cache = size_t(max_batch) * max_len * c.n_kv_head * c.head_dim();
+    k_cache = t.arr<bf16>("kv_cache.keys", layer_cache * c.n_layer);
+    v_cache = t.arr<bf16>("kv_cache.values", layer_cache * c.n_layer);
+    x = t.arr<bf16>("rows.residual", R * C);
+    this->ln = t.arr<bf16>("rows.norm", R * C);
+    branch = t.arr<bf16>("rows.branch", R * C);
+    qkv = t.arr<bf16>("rows.qkv", R * Q);
+    atty = t.arr<bf16>("rows.attention", R * size_t(c.n_head) * c.head_dim());
+    fc = t.arr<bf16>("rows.fc", R * F);
+    act = t.arr<bf16>("rows.mlp", R * H);
+    last = t.arr<bf16>("head.rows", max_batch * C);
+    logits = t.arr<float>("head.logits", max_batch * V);
+    attn_ws_bytes = gpu::decode_attention_workspace_bytes(R, c.n_head, c.head_dim(), max_len);
+    attn_ws = t.arr<unsigned char>("attention.workspace", attn_ws_bytes);
+    rows = t.arr<int32_t>("rows.ids", 3 * size_t(R) + max_batch);
+  }
+
+  void upload_weights(Transformer<float>& m) {
+    const ModelConfig& c = m.config();
+    auto param = [&](bf16* dst, const std::string& name) {
+      const Tensor p = m.param(name);
+      upload_bf16(dst, p.data<float>(), p.numel());
+    };
+    auto norm = [&](const Norm& n, const std::string& name) {
+      param(n.w, name + ".weight");
+      if (n.b) param(n.b, name + ".bias");
+    };
+    std::vector<float> w;
+    auto lin = [&](const Lin& l, const std::string& weight_name) {
+      Linear<float>& layer = m.linear(weight_name);
+      const LinearParams<float>& p = layer.params();
+      w.resize(size_t(p.out_features) * p.in_features);
+      layer.dense_weight(w.data());  // the effective weight: pruned, adapters folded in
+      upload_bf16(l.w, w.data(), w.size());
+      if (l.b) upload_bf16(l.b, p.bias, p.out_features);
+    };
+    param(wte, "embed.tokens.weight");
+    if (wpe) param(wpe, "embed.positions.weight");
+    if (!c.tie_embeddings) param(head, "lm_head.weight");
+    for (int l = 0; l < c.n_layer; ++l) {
+      const std::string p = "blocks." + std::to_string(l) + ".";
+      norm(layers[l].n1, p + "norm1");
+      norm(layers[l].n2, p + "norm2");
+      lin(layers[l].qkv, p + "attn.qkv.weight");
+      lin(layers[l].proj, p + "attn.proj.weight");
+      lin(layers[l].fc, p + "mlp.fc.weight");
+      lin(layers[l].mproj, p + "mlp.proj.weight");
+    }
+    norm(nf, "norm_f");
+  }
+};
+
+GpuGenerator::GpuGenerator(Transformer<float>& model, int max_batch, int max_len, const GpuGeneratorOptions& options)
+    : cfg_(model.config()), opt_(options), impl_(std::make_unique<Impl>()) {
+  const ModelConfig& c = cfg_;
+  ESPLAG_CHECK(max_batch > 0, "GpuGenerator: max_batch must be positive, got ", max_batch);
+  ESPLAG_CHECK(max_len >= 0 && max_len <= c.max_seq_len, "GpuGenerator: max_len=", max_len,
+               " must be in [0, max_seq_len=", c.max_seq_len, "] (0: max_seq_len)");
+  ESPLAG_CHECK(c.head_dim() <= gpu::kAttentionMaxHeadDim, "GpuGenerator: head size ", c.head_dim(), " above ",
+               gpu::kAttentionMaxHeadDim);
+  ESPLAG_CHECK(options.chunk_rows >= 0, "GpuGenerator: chunk_rows must not be negative, got ", options.chunk_rows);
+  max_batch_ = max_batch;
+  max_len_ = max_len == 0 ? c.max_seq_len : max_len;
+  chunk_rows_ = options.chunk_rows > 0 ? std::max(options.chunk_rows, max_batch) : std::max(max_batch, 1024);
+  ESPLAG_CHECK(chunk_rows_ <= 65535, "GpuGenerator: chunk_rows=", chunk_rows_, " above 65535");
+  Impl& im = *impl_;
+
+  Take count;
+  im.lay_out(c, max_batch_, max_len_, chunk_rows_, count);
+  const size_t gemm_bytes = gpu::Gemm::kDefaultWorkspaceBytes + gpu::Gemm::kScratchBytes + 2 * kAlign;
+  im.arena = std::make_unique<DeviceArena>(count.bytes + gemm_bytes, "generate");
+  Take real{im.arena.get()};
+  im.lay_out(c, max_batch_, max_len_, chunk_rows_, real);
+  im.gemm = std::make_unique<gpu::Gemm>(*im.arena);
+  if (opt_.poison) CUDA_CHECK(cudaMemset(im.arena->base(), 0xFF, im.arena->used()));  // bf16 and fp32 NaN
+  im.upload_weights(model);
+  CUDA_CHECK(cudaMallocHost(&im.host_rows, (3 * size_t(chunk_rows_) + max_batch_) * sizeof(int32_t)));
+  CUDA_CHECK(cudaMallocHost(&im.host_logits, size_t(max_batch_) * c.vocab_size * sizeof(float)));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+}
+
+GpuGenerator::~GpuGenerator() {
+  if (stream_) cudaStreamSynchronize(stream_);
+  impl_.reset();
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+size_t GpuGenerator::device_bytes() const { return impl_->arena->capacity(); }
+
+std::vector<float> GpuGenerator::prefill(const std::vector<std::vector<int32_t>>& prompts) {
+  ESPLAG_CHECK(!prompts.empty(), "generation needs at least one prompt");
+  ESPLAG_CHECK(static_cast<int>(prompts.size()) <= max_batch_, "GpuGenerator: ", prompts.size(),
+               " prompts, more than its max_batch=", max_batch_);
+  for (size_t b = 0; b < prompts.size(); ++b) ESPLAG_CHECK(!prompts[b].empty(), "prompt ", b, " has no tokens");
+  const std::vector<int> before = length_;
+  length_.assign(prompts.size(), 0);
+  try {
+    return append(prompts, false);
+  } catch (...) {
+    length_ = before;  // a prompt that does not fit changes nothing
+    throw;
+  }
+}
+
+std::vector<float> GpuGenerator::decode_step(const std::vector<int32_t>& next_ids) {
+  ESPLAG_CHECK(static_cast<int>(next_ids.size()) == batch(), "decode_step got ", next_ids.size(),
+               " ids for a batch of ", batch(), " sequences");
+  std::vector<std::vector<int32_t>> tokens(next_ids.size());
+  for (size_t b = 0; b < next_ids.size(); ++b)
+    if (next_ids[b] >= 0) tokens[b] = {next_ids[b]};
+  return append(tokens, true);
+}
+
+namespace {
+
+// Runs `body` on stream s as graph g: eagerly the first time (the GEMMs are tuned outside
+// any capture), captured the second, replayed from then on. A refused capture leaves g
+// eager, with one warning.
+void run_as_graph(GpuGenerator::Impl::Graph& g, cudaStream_t s, int64_t& launches, const std::function<void()>& body) {
+  if (g.failed) return body();
+  if (!g.exec) {
+    if (!g.seen) {
+      g.seen = true;
+      return body();
+    }
+    auto give_up = [&](const std::string& why) {
+      g.failed = true;
+      (void)cudaGetLastError();
+      std::fprintf(stderr, "esplag: warning: GpuGenerator: CUDA graph capture failed (%s); running eagerly\n",
+                   why.c_str());
+      body();
+    };
+    cudaGraph_t graph = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    try {
+      body();
+    } catch (const std::exception& e) {
+      if (cudaStreamEndCapture(s, &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
+      return give_up(e.what());
+    }
+    const cudaError_t end = cudaStreamEndCapture(s, &graph);
+    if (end != cudaSuccess || !graph) return give_up(cudaGetErrorString(end));
+    const cudaError_t inst = cudaGraphInstantiateWithFlags(&g.exec, graph, 0);
+    cudaGraphDestroy(graph);
+    if (inst != cudaSuccess) {
+      g.exec = nullptr;
+      return give_up(cudaGetErrorString(inst));
+    }
+  }
+  CUDA_CHECK(cudaGraphLaunch(g.exec, s));
+  ++launches;
+}
+
+}  // namespace
+
+std::vector<float> GpuGenerator::append(const std::vector<std::vector<int32_t>>& tokens, bool decode) {
+  const int V = cfg_.vocab_size, B = batch(), R = chunk_rows_;
+  for (int b = 0; b < B; ++b) {  // checked first, so an error changes nothing
+    for (int32_t id : tokens[b])
+      ESPLAG_CHECK(id >= 0 && id < V, "token ", id, " of sequence ", b, " is outside the vocabulary [0, ", V, ")");
+    const size_t reach = length_[b] + tokens[b].size();
+    ESPLAG_CHECK(reach <= size_t(max_len_), "sequence ", b, " would reach ", reach, " positions, past ",
+                 max_len_ == cfg_.max_seq_len ? "the model's max_seq_len=" : "the generator's max_len=", max_len_,
+                 " (positions do not slide)");
+  }
+  // The rows of this call, sequence after sequence, and each sequence's last one.
+  std::vector<int32_t> tok, seq, pos;
+  std::vector<int> last_row(B, -1);
+  for (int b = 0; b < B; ++b) {
+    for (size_t i = 0; i < tokens[b].size(); ++i) {
+      tok.push_back(tokens[b][i]);
+      seq.push_back(b);
+      pos.push_back(length_[b] + static_cast<int>(i));
+    }
+    if (!tokens[b].empty()) last_row[b] = static_cast<int>(tok.size()) - 1;
+    length_[b] += static_cast<int>(tokens[b].size());
+  }
+  std::vector<float> out(size_t(B) * V, 0.0f);
+  Impl& im = *impl_;
+  const int total = static_cast<int>(tok.size());
+  for (int c0 = 0; c0 < total; c0 += R) {
+    const int n = std::min(R, total - c0);
+    std::copy_n(tok.begin() + c0, n, im.host_rows);
+    std::copy_n(seq.begin() + c0, n, im.host_rows + R);
+    std::copy_n(pos.begin() + c0, n, im.host_rows + 2 * R);
+    std::vector<int> heads;  // the sequences whose last new row is in this chunk
+    for (int b = 0; b < B; ++b)
+      if (last_row[b] >= c0 && last_row[b] < c0 + n) {
+        im.host_rows[3 * R + heads.size()] = last_row[b] - c0;
+        heads.push_back(b);
+      }
+    const int a = static_cast<int>(heads.size());
+    CUDA_CHECK(cudaMemcpyAsync(im.rows, im.host_rows, (3 * size_t(R) + max_batch_) * sizeof(int32_t),
+                               cudaMemcpyHostToDevice, stream_));
+    if (decode && opt_.cuda_graph)  // one row per sequence: the graph of n rows holds
+      run_as_graph(im.graphs[n], stream_, graph_launches_, [&] { forward_rows(n, a); });
+    else
+      forward_rows(n, a);
+    CUDA_CHECK(cudaMemcpyAsync(im.host_logits, im.logits, size_t(a) * V * sizeof(float), cudaMemcpyDeviceToHost,
+                               stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    for (int i = 0; i < a; ++i)
+      std::copy_n(im.host_logits + size_t(i) * V, V, out.data() + size_t(heads[i]) * V);
+  }
+  return out;
+}
+
+void GpuGenerator::forward_rows(int n, int a) {
+  const ModelConfig& c = cfg_;
+  Impl& im = *impl_;
+  cudaStream_t s = stream_;
+  const int C = c.d_model, V = c.vocab_size, Q = c.qkv_dim(), F = c.fc_dim(), H = c.d_ff, R = chunk_rows_;
+  const int NH = c.n_head, NKV = c.n_kv_head, HD = c.head_dim();
+  const int32_t *tok = im.rows, *seq = im.rows + R, *pos = im.rows + 2 * R, *heads = im.rows + 3 * R;
+  // ln = norm(x + branch), the sum kept in x (x alone when branch is null).
+  auto norm = [&](const Impl::Norm& nm, const bf16* branch) {
+    if (c.norm == NormKind::layernorm)
+      gpu::layernorm_forward(im.ln, nullptr, nullptr, im.x, im.x, branch, nm.w, nm.b, n, C, s, float(c.norm_eps));
+    else
+      gpu::rmsnorm_forward(im.ln, nullptr, im.x, im.x, branch, nm.w, n, C, s, float(c.norm_eps));
+  };
+  gpu::embedding_rows(im.x, tok, pos, im.wte, im.wpe, n, C, V, s);
+  for (int l = 0; l < c.n_layer; ++l) {
+    const Impl::Layer& L = im.layers[l];
+    bf16* kc = im.k_cache + l * im.layer_cache;
+    bf16* vc = im.v_cache + l * im.layer_cache;
+    norm(L.n1, l == 0 ? nullptr : im.branch);
+    im.gemm->forward(im.qkv, im.ln, L.qkv.w, L.qkv.b, n, C, Q, s);
+    if (c.pos == PosKind::rope) gpu::rope_rows(im.qkv, pos, n, NH, NKV, HD, c.rope_theta, s);
+    gpu::store_kv_rows(kc, vc, im.qkv, seq, pos, n, NH, NKV, HD, max_len_, s);
+    gpu::decode_attention(im.atty, im.qkv, kc, vc, seq, pos, n, NH, NKV, HD, max_len_, im.attn_ws, im.attn_ws_bytes,
+                          s);
+    im.gemm->forward(im.branch, im.atty, L.proj.w, L.proj.b, n, NH * HD, C, s);
+    norm(L.n2, im.branch);
+    switch (c.mlp) {
+      case MlpKind::gelu: im.gemm->forward(im.act, im.ln, L.fc.w, L.fc.b, n, C, H, s, gpu::Gemm::Act::gelu); break;
+      case MlpKind::swiglu:
+        im.gemm->forward(im.fc, im.ln, L.fc.w, L.fc.b, n, C, F, s);
+        gpu::swiglu_forward(im.act, im.fc, n, H, s);
+        break;
+      case MlpKind::relu2:
+        im.gemm->forward(im.fc, im.ln, L.fc.w, L.fc.b, n, C, F, s);
+        gpu::relu2_forward(im.act, im.fc, int64_t(n) * H, s);
+        break;
+    }
+    im.gemm->forward(im.branch, im.act, L.mproj.w, L.mproj.b, n, H, C, s);
+  }
+  norm(im.nf, im.branch);
+  if (a == 0) return;
+  gpu::gather_rows(im.last, im.ln, heads, a, C, s);
+  im.gemm->forward(im.logits, im.last, im.head, a, C, V, s);
+}
+
+}  // namespace esplag

@@ -1,0 +1,110 @@
+// Incremental generation on the GPU: the CUDA counterpart of Generator (model/generate.h),
+// with the same semantics (per-sequence lengths without padding, prefill then decode_step,
+// logits [batch, vocab] of each sequence's last new position, a negative id leaving a
+// finished sequence alone with a zero row, positions that do not slide).
+//
+//   GpuGenerator gen(model, /*max_batch=*/8);
+//   std::vector<float> logits = gen.prefill({{1, 2, 3}, {4, 5}});  // [2, vocab], fp32 on the host
+//   logits = gen.decode_step({7, 8});
+//
+// Weights: a snapshot of the host model's at construction, in bf16 on the device (rounded
+// as the GPU training model rounds its master weights, ops/gpu_fused.h's master_hi_bits).
+// Every block Linear contributes its effective dense weight (Linear::dense_weight: a 2:4
+// kind's pruned weight, a slope adapter folded in) and its products are dense cuBLASLt
+// GEMMs, so a 2:4 model runs the same products as its dense twin (2:4 cuSPARSELt products
+// are not used here). Products run in bf16 whatever the model's linear precision.
+//
+// Device state, in one DeviceArena reserved up front: the weights; the KV cache in bf16,
+// [layer][max_batch][max_len][n_kv_head · head_dim] for keys and for values (keys after
+// RoPE at each sequence's own positions); and the buffers of one forward pass over up to
+// chunk_rows positions (the rows of a call, sequence after sequence; a longer prefill runs
+// in chunks of rows, each chunk's keys and values in the cache before the next). Each
+// layer: norm (the residual add fused in), qkv GEMM, RoPE and the cache writes, split-K
+// attention over the cache (ops/gpu_decode.h), projection, norm, MLP; then the final
+// norm, and the LM head on each sequence's last new row only, with fp32 logits.
+//
+// CUDA graphs: a decode step with N active sequences is captured once per N (after one
+// eager run, which tunes the GEMMs outside any capture) and replayed; the rows' ids and
+// positions live in device buffers written before each replay, and the attention's grid
+// depends on max_len only, so the graph holds for any lengths. Prefill runs eagerly.
+//
+// Numerics: activations and the residual stream are bf16, every sum fp32 (as the GPU
+// training model's forward). Only for the CUDA build (ESPLAG_CUDA=ON).
+#pragma once
+
+#ifndef ESPLAG_HAVE_CUDA
+#error "model/gpu_generate.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#endif
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "model/config.h"
+#include "model/transformer.h"
+
+namespace esplag {
+
+struct GpuGeneratorOptions {
+  // Positions one forward pass takes at most (prefill runs longer calls in chunks); 0:
+  // max(max_batch, 1024).
+  int chunk_rows = 0;
+  bool cuda_graph = true;  // replay decode steps as CUDA graphs
+  // For tests: every buffer is filled with NaN before the weights are written, so that a
+  // read of anything not written first shows in the logits.
+  bool poison = false;
+};
+
+class GpuGenerator {
+ public:
+  // Copies the model's weights to the current device (the model is read only, but
+  // Linear::dense_weight is reached through the non-const Transformer) and reserves room
+  // for max_batch sequences of max_len positions (0: the model's max_seq_len, at most
+  // that). Throws Error when the device lacks the memory.
+  GpuGenerator(Transformer<float>& model, int max_batch, int max_len = 0, const GpuGeneratorOptions& options = {});
+  ~GpuGenerator();
+  GpuGenerator(const GpuGenerator&) = delete;
+  GpuGenerator& operator=(const GpuGenerator&) = delete;
+
+  // As Generator::prefill: at most max_batch prompts, each non-empty with at most
+  // max_length() ids. Returns [prompts.size(), vocab_size] fp32.
+  std::vector<float> prefill(const std::vector<std::vector<int32_t>>& prompts);
+  // As Generator::decode_step.
+  std::vector<float> decode_step(const std::vector<int32_t>& next_ids);
+
+  const ModelConfig& config() const { return cfg_; }
+  int batch() const { return static_cast<int>(length_.size()); }
+  int length(int b) const { return length_.at(b); }
+  int max_batch() const { return max_batch_; }
+  int max_length() const { return max_len_; }
+  int chunk_rows() const { return chunk_rows_; }
+  size_t device_bytes() const;
+  // Decode steps replayed from a CUDA graph so far.
+  int64_t graph_launches() const { return graph_launches_; }
+  // The stream every call runs on (for event timing around prefill / decode_step, which
+  // return only once their logits are on the host).
+  cudaStream_t stream() const { return stream_; }
+
+  struct Impl;
+
+ private:
+  // Runs tokens[b] at the next positions of sequence b and returns each sequence's logits at
+  // its last new position (zero rows for sequences given none); `decode`: one token per
+  // sequence at most (the graph path).
+  std::vector<float> append(const std::vector<std::vector<int32_t>>& tokens, bool decode);
+  // One forward pass over the n rows staged on the device, with the head on `a` of them.
+  void forward_rows(int n, int a);
+
+  ModelConfig cfg_;
+  GpuGeneratorOptions opt_;
+  int max_batch_ = 0, max_len_ = 0, chunk_rows_ = 0;
+  std::vector<int> length_;
+  int64_t graph_launches_ = 0;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace esplag

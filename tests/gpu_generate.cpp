@@ -1,0 +1,224 @@
+// GPU generation (model/gpu_generate.h) against the CPU Generator (model/generate.h), on
+// random small GPT-2-style (tiny: LayerNorm, learned positions, GELU, tied head, biases,
+// head size 24) and LLaMA-style models (llama-tiny: RMSNorm, RoPE, SwiGLU, 4 heads over 2
+// key/value heads, untied head; also with semi_sparse layers), at awkward sizes: a batch of
+// three prompts of 1, 7 and 150 tokens (past one attention split of 128 positions), then
+// decode steps with a finished sequence among them, and prefill in chunks of 16 rows.
+//
+// Tolerance: the GPU runs bf16 weights, activations and KV cache against the CPU's fp32,
+// so each sequence's row of logits must be within 3e-2 relative L2 error of the CPU's
+// (the bound tests/gpu_model.cu gives the GPU model's gradients) and within 5% of the row's
+// largest magnitude everywhere. Greedy generation matches the CPU's tokens at every step
+// whose CPU top-2 gap is larger than twice that 5% bound (at least the first step must be
+// such a step, or the test would check nothing). Going past max_len is an Error that
+// changes nothing; a generator whose buffers were filled with NaN first gives the bits of
+// one that was not; graph-replayed decode steps give the bits of eager ones.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "model/generate.h"
+#include "model/gpu_generate.h"
+#include "model/linear_kinds.h"
+#include "model/transformer.h"
+
+#include "gpu_test_util.h"
+
+using namespace esplag;
+
+namespace {
+
+constexpr int kVocab = 203;
+constexpr double kMaxRelL2 = 3e-2;
+constexpr double kMaxAbsFraction = 5e-2;
+
+#define REQUIRE_DEVICE() \
+  if (!gpu_test::has_device()) GTEST_SKIP() << "no CUDA device visible"
+
+ModelConfig small_config(const std::string& flavour) {
+  ModelConfig c = model_preset(flavour == "gpt2" ? "tiny" : "llama-tiny");
+  c.vocab_size = kVocab;
+  c.max_seq_len = 170;
+  c.n_layer = 2;
+  c.init_std = 0.08;  // sharper attention than the default 0.02, so position mistakes show in the logits
+  return c;
+}
+
+std::unique_ptr<Transformer<float>> make_model(const std::string& flavour, const std::string& kind = "dense") {
+  auto m = std::make_unique<Transformer<float>>(small_config(flavour));
+  m->init_weights(17);
+  if (kind != "dense") {
+    LinearOptions o;
+    o.kind = kind;
+    for (const auto& name : m->linear_names())
+      m->replace_linear(name, make_linear(m->linear_params(name), o, &m->linear(name)));
+    m->after_optimizer_step();
+  }
+  return m;
+}
+
+std::vector<int32_t> random_tokens(int n, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<int32_t> t(n);
+  for (auto& id : t) id = static_cast<int32_t>(rng.below(kVocab));
+  return t;
+}
+
+std::vector<std::vector<int32_t>> awkward_prompts() {
+  return {random_tokens(1, 1), random_tokens(7, 2), random_tokens(150, 3)};
+}
+
+// Row b of got against row b of want (both [batch, kVocab]).
+void expect_rows_close(const std::vector<float>& got, const std::vector<float>& want, int batch,
+                       const std::string& what) {
+  ASSERT_EQ(got.size(), size_t(batch) * kVocab) << what;
+  for (int b = 0; b < batch; ++b) {
+    const float* g = got.data() + size_t(b) * kVocab;
+    const float* w = want.data() + size_t(b) * kVocab;
+    float scale = 0, worst = 0;
+    for (int v = 0; v < kVocab; ++v) {
+      ASSERT_TRUE(std::isfinite(g[v])) << what << ": sequence " << b << ", id " << v;
+      scale = std::max(scale, std::fabs(w[v]));
+      worst = std::max(worst, std::fabs(g[v] - w[v]));
+    }
+    if (scale == 0) {  // a finished sequence: a zero row on both
+      EXPECT_EQ(worst, 0.0f) << what << ": sequence " << b;
+      continue;
+    }
+    EXPECT_LE(gpu_test::rel_l2(g, w, kVocab), kMaxRelL2) << what << ": sequence " << b;
+    EXPECT_LE(worst, kMaxAbsFraction * scale) << what << ": sequence " << b;
+  }
+}
+
+// Prefill then decode steps on both generators with the same ids (the CPU's greedy
+// choice; sequence 0 finishes after two steps), every row of logits compared.
+void compare_with_cpu(Transformer<float>& m, const GpuGeneratorOptions& options) {
+  const auto prompts = awkward_prompts();
+  const int B = static_cast<int>(prompts.size());
+  Generator cpu(m);
+  GpuGenerator gpu(m, B, 0, options);
+  std::vector<float> want = cpu.prefill(prompts), got = gpu.prefill(prompts);
+  expect_rows_close(got, want, B, "prefill");
+  for (int step = 0; step < 6; ++step) {
+    std::vector<int32_t> next(B);
+    for (int b = 0; b < B; ++b) {
+      const float* row = want.data() + size_t(b) * kVocab;
+      next[b] = b == 0 && step >= 2 ? -1 : static_cast<int32_t>(std::max_element(row, row + kVocab) - row);
+    }
+    want = cpu.decode_step(next);
+    got = gpu.decode_step(next);
+    expect_rows_close(got, want, B, "decode step " + std::to_string(step));
+  }
+  for (int b = 0; b < B; ++b) EXPECT_EQ(gpu.length(b), cpu.cache().length(b));
+}
+
+class GpuGenerateFlavours : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GpuGenerateFlavours, LogitsMatchTheCpuGeneratorInABatchOfDifferentLengths) {
+  REQUIRE_DEVICE();
+  auto m = make_model(GetParam());
+  compare_with_cpu(*m, {});
+}
+
+TEST_P(GpuGenerateFlavours, PrefillInChunksMatchesTheCpuGenerator) {
+  REQUIRE_DEVICE();
+  auto m = make_model(GetParam());
+  GpuGeneratorOptions o;
+  o.chunk_rows = 16;  // the 158 prompt rows in 10 chunks
+  compare_with_cpu(*m, o);
+}
+
+TEST_P(GpuGenerateFlavours, GreedyTokensMatchTheCpuWhileTheTopTwoAreApart) {
+  REQUIRE_DEVICE();
+  auto m = make_model(GetParam());
+  const std::vector<std::vector<int32_t>> prompt = {random_tokens(9, 4)};
+  Generator cpu(*m);
+  GpuGenerator gpu(*m, 1);
+  std::vector<float> want = cpu.prefill(prompt), got = gpu.prefill(prompt);
+  int checked = 0;
+  for (int step = 0; step < 12; ++step) {
+    std::vector<float> sorted = want;
+    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+    float scale = 0;
+    for (float v : want) scale = std::max(scale, std::fabs(v));
+    if (sorted[0] - sorted[1] <= 2 * kMaxAbsFraction * scale) break;  // a near tie may go either way
+    const int32_t cpu_id = static_cast<int32_t>(std::max_element(want.begin(), want.end()) - want.begin());
+    const int32_t gpu_id = static_cast<int32_t>(std::max_element(got.begin(), got.end()) - got.begin());
+    ASSERT_EQ(gpu_id, cpu_id) << "step " << step;
+    ++checked;
+    want = cpu.decode_step({cpu_id});
+    got = gpu.decode_step({gpu_id});
+  }
+  EXPECT_GE(checked, 1) << "the first step's top two logits are too close to compare greedy choices";
+}
+
+INSTANTIATE_TEST_SUITE_P(Flavours, GpuGenerateFlavours, ::testing::Values("gpt2", "llama"));
+
+TEST(GpuGenerate, SemiSparseLayersMatchTheCpuGenerator) {
+  REQUIRE_DEVICE();
+  auto m = make_model("llama", "semi_sparse");
+  compare_with_cpu(*m, {});
+}
+
+TEST(GpuGenerate, PastMaxLenIsAnErrorThatChangesNothing) {
+  REQUIRE_DEVICE();
+  auto m = make_model("llama");
+  GpuGenerator gen(*m, 2, 10);
+  EXPECT_THROW(gen.prefill({random_tokens(11, 5)}), Error);
+  EXPECT_THROW(gen.prefill({random_tokens(3, 5), random_tokens(2, 6), random_tokens(2, 7)}), Error);  // > max_batch
+  gen.prefill({random_tokens(10, 5), random_tokens(4, 6)});
+  EXPECT_THROW(gen.decode_step({1, 2}), Error);  // sequence 0 is full
+  EXPECT_EQ(gen.length(0), 10);
+  EXPECT_EQ(gen.length(1), 4);
+  EXPECT_THROW(gen.decode_step({-1, kVocab}), Error);  // outside the vocabulary
+  EXPECT_EQ(gen.length(1), 4);
+  const std::vector<float> logits = gen.decode_step({-1, 2});  // the full one finished
+  EXPECT_EQ(gen.length(1), 5);
+  EXPECT_TRUE(std::all_of(logits.begin(), logits.begin() + kVocab, [](float v) { return v == 0.0f; }));
+  GpuGenerator model_long(*m, 1);
+  EXPECT_THROW(model_long.prefill({random_tokens(171, 5)}), Error);  // past the model's max_seq_len=170
+  EXPECT_THROW({ GpuGenerator too_long(*m, 1, 171); }, Error);
+}
+
+// Runs the awkward batch through gen: the prefill's and each decode step's logits, in order.
+std::vector<float> run_batch(GpuGenerator& gen) {
+  std::vector<float> all = gen.prefill(awkward_prompts());
+  for (int step = 0; step < 4; ++step) {
+    const std::vector<float> l = gen.decode_step({step < 2 ? 5 : -1, 7 + step, 11 + step});
+    all.insert(all.end(), l.begin(), l.end());
+  }
+  return all;
+}
+
+TEST(GpuGenerate, NanFilledBuffersDoNotLeakIntoTheLogits) {
+  REQUIRE_DEVICE();
+  for (const std::string flavour : {"gpt2", "llama"}) {
+    auto m = make_model(flavour);
+    GpuGeneratorOptions poisoned;
+    poisoned.poison = true;
+    GpuGenerator clean_gen(*m, 3), poisoned_gen(*m, 3, 0, poisoned);
+    const std::vector<float> clean = run_batch(clean_gen), got = run_batch(poisoned_gen);
+    ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << flavour;
+    EXPECT_EQ(got, clean) << flavour;
+  }
+}
+
+TEST(GpuGenerate, GraphReplayedDecodeStepsGiveTheBitsOfEagerOnes) {
+  REQUIRE_DEVICE();
+  auto m = make_model("llama");
+  GpuGeneratorOptions eager;
+  eager.cuda_graph = false;
+  GpuGenerator graph_gen(*m, 3), eager_gen(*m, 3, 0, eager);
+  EXPECT_EQ(run_batch(graph_gen), run_batch(eager_gen));
+  EXPECT_GT(graph_gen.graph_launches(), 0);
+  EXPECT_EQ(eager_gen.graph_launches(), 0);
+}
+
+}  // namespace
