@@ -1,6 +1,6 @@
 """PyTorch `transformers` generation of a llama-1b-shaped model (random weights, bf16), the
-baseline of `esplag bench generate` (docs/cli.md, GPU generation): a static KV cache and
-`torch.compile` of the forward ("reduce-overhead": CUDA graphs), greedy, batch 1 and 32,
+baseline of `esplag bench generate` (docs/cli.md, GPU generation): a static KV cache, with
+which `generate` compiles the decode step itself (`torch.compile`, CUDA graphs), greedy, batch 1 and 32,
 128 prompt tokens and 128 new ones. Prints prefill tokens/s (one forward of the prompts)
 and decode tokens/s (the new tokens of every sequence over the time after the prefill),
 each the median of 3 timed runs after the compiling ones.
@@ -34,7 +34,6 @@ def main():
                                    max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print("batch,prompt,new,prefill_tok_s,decode_tok_s")
     for batch in [int(b) for b in a.batch.split(",")]:
