@@ -750,8 +750,13 @@ TEST_F(GpuModelSparse, SlopeTrainingCurveMatchesCpu) {
 
 // Graphs for steps with and without a backward-mask refresh give the bits of eager steps.
 TEST_F(GpuModelSparse, SlopeGraphReplayGivesTheSameBitsAsEagerSteps) {
+  // Dispatch by measurement off: the two models time their products separately and, when the
+  // 2:4 and dense products run close, may choose differently (seen once in a full run), which
+  // is not what this test compares.
+  GpuModelOptions o;
+  o.sparse_dispatch = false;
   expect_graphs_give_eager_bits(
-      gpt_config(), GpuModelOptions{}, 2, 64, 6,
+      gpt_config(), o, 2, 64, 6,
       [](GpuTransformer& gm, const std::string& w) { gm.set_linear_kind(w, "slope", 2); },
       [](GpuTransformer& gm) { EXPECT_EQ(gm.slope_state("blocks.0.mlp.fc.weight").refresh_step, 6); });
 }
