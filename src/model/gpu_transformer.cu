@@ -203,42 +203,9 @@ void lay_out(const ModelConfig& c, int B, int T, const GpuModelOptions& o, GpuTr
   im.emb_ws = take.arr<unsigned char>("scratch.embedding", im.emb_ws_bytes);
 }
 
-// Runs `body` on stream s as the graph g: eagerly the first time, captured the second,
-// replayed from then on (see the header). A capture the libraries refuse leaves g eager.
-void run_as_graph(GpuTransformer::Impl::Graph& g, cudaStream_t s, int64_t& launches,
-                  const std::function<void()>& body) {
-  if (g.failed) return body();
-  if (!g.exec) {
-    if (!g.seen) {
-      g.seen = true;
-      return body();
-    }
-    auto give_up = [&](const std::string& why) {
-      g.failed = true;
-      (void)cudaGetLastError();  // capture errors are not sticky; leave none behind
-      std::fprintf(stderr, "esplag: warning: GpuTransformer: CUDA graph capture failed (%s); running eagerly\n",
-                   why.c_str());
-      body();
-    };
-    cudaGraph_t graph = nullptr;
-    CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    try {
-      body();
-    } catch (const std::exception& e) {
-      if (cudaStreamEndCapture(s, &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
-      return give_up(e.what());
-    }
-    const cudaError_t end = cudaStreamEndCapture(s, &graph);
-    if (end != cudaSuccess || !graph) return give_up(cudaGetErrorString(end));
-    const cudaError_t inst = cudaGraphInstantiateWithFlags(&g.exec, graph, 0);
-    cudaGraphDestroy(graph);
-    if (inst != cudaSuccess) {
-      g.exec = nullptr;
-      return give_up(cudaGetErrorString(inst));
-    }
-  }
-  CUDA_CHECK(cudaGraphLaunch(g.exec, s));
-  ++launches;
+// Runs `body` on stream s as the graph g (core/cuda_graph.h; see the header).
+void run_as_graph(ReplayedGraph& g, cudaStream_t s, int64_t& launches, const std::function<void()>& body) {
+  g.run(s, launches, body, "GpuTransformer");
 }
 
 // A norm's forward over N rows (ops/gpu.h; with the residual add when b is given).

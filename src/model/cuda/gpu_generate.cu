@@ -10,6 +10,7 @@
 #include <string>
 
 #include "core/cuda_check.h"
+#include "core/cuda_graph.h"
 #include "core/device_arena.h"
 #include "core/error.h"
 #include "ops/gpu.h"
@@ -58,10 +59,6 @@ struct GpuGenerator::Impl {
     Norm n1, n2;
     Lin qkv, proj, fc, mproj;
   };
-  struct Graph {
-    bool seen = false, failed = false;
-    cudaGraphExec_t exec = nullptr;
-  };
 
   std::unique_ptr<DeviceArena> arena;
   std::unique_ptr<gpu::Gemm> gemm;
@@ -80,11 +77,9 @@ struct GpuGenerator::Impl {
   int32_t* rows = nullptr;
   int32_t* host_rows = nullptr;  // pinned mirror
   float* host_logits = nullptr;  // pinned, [max_batch, V]
-  std::map<int, Graph> graphs;   // decode steps by row count
+  std::map<int, ReplayedGraph> graphs;  // decode steps by row count
 
   ~Impl() {
-    for (auto& [n, g] : graphs)
-      if (g.exec) cudaGraphExecDestroy(g.exec);
     if (host_rows) cudaFreeHost(host_rows);
     if (host_logits) cudaFreeHost(host_logits);
   }
@@ -226,48 +221,6 @@ std::vector<float> GpuGenerator::decode_step(const std::vector<int32_t>& next_id
   return append(tokens, true);
 }
 
-namespace {
-
-// Runs `body` on stream s as graph g: eagerly the first time (the GEMMs are tuned outside
-// any capture), captured the second, replayed from then on. A refused capture leaves g
-// eager, with one warning.
-void run_as_graph(GpuGenerator::Impl::Graph& g, cudaStream_t s, int64_t& launches, const std::function<void()>& body) {
-  if (g.failed) return body();
-  if (!g.exec) {
-    if (!g.seen) {
-      g.seen = true;
-      return body();
-    }
-    auto give_up = [&](const std::string& why) {
-      g.failed = true;
-      (void)cudaGetLastError();
-      std::fprintf(stderr, "esplag: warning: GpuGenerator: CUDA graph capture failed (%s); running eagerly\n",
-                   why.c_str());
-      body();
-    };
-    cudaGraph_t graph = nullptr;
-    CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    try {
-      body();
-    } catch (const std::exception& e) {
-      if (cudaStreamEndCapture(s, &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
-      return give_up(e.what());
-    }
-    const cudaError_t end = cudaStreamEndCapture(s, &graph);
-    if (end != cudaSuccess || !graph) return give_up(cudaGetErrorString(end));
-    const cudaError_t inst = cudaGraphInstantiateWithFlags(&g.exec, graph, 0);
-    cudaGraphDestroy(graph);
-    if (inst != cudaSuccess) {
-      g.exec = nullptr;
-      return give_up(cudaGetErrorString(inst));
-    }
-  }
-  CUDA_CHECK(cudaGraphLaunch(g.exec, s));
-  ++launches;
-}
-
-}  // namespace
-
 std::vector<float> GpuGenerator::append(const std::vector<std::vector<int32_t>>& tokens, bool decode) {
   const int V = cfg_.vocab_size, B = batch(), R = chunk_rows_;
   for (int b = 0; b < B; ++b) {  // checked first, so an error changes nothing
@@ -308,7 +261,7 @@ std::vector<float> GpuGenerator::append(const std::vector<std::vector<int32_t>>&
     CUDA_CHECK(cudaMemcpyAsync(im.rows, im.host_rows, (3 * size_t(R) + max_batch_) * sizeof(int32_t),
                                cudaMemcpyHostToDevice, stream_));
     if (decode && opt_.cuda_graph)  // one row per sequence: the graph of n rows holds
-      run_as_graph(im.graphs[n], stream_, graph_launches_, [&] { forward_rows(n, a); });
+      im.graphs[n].run(stream_, graph_launches_, [&] { forward_rows(n, a); }, "GpuGenerator");
     else
       forward_rows(n, a);
     CUDA_CHECK(cudaMemcpyAsync(im.host_logits, im.logits, size_t(a) * V * sizeof(float), cudaMemcpyDeviceToHost,

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "core/cuda_graph.h"
 #include "core/device_arena.h"
 #include "core/error.h"
 #include "model/cuda/step_marks.h"
@@ -124,18 +125,7 @@ struct GpuTransformer::Impl {
     bool recomputed = false;
   };
 
-  // One captured graph and the state of its capture.
-  struct Graph {
-    bool seen = false;    // ran once eagerly
-    bool failed = false;  // capture refused: stays eager
-    cudaGraphExec_t exec = nullptr;
-    void reset() {
-      if (exec) cudaGraphExecDestroy(exec);
-      exec = nullptr;
-      seen = failed = false;
-    }
-    ~Graph() { reset(); }
-  };
+  using Graph = ReplayedGraph;
   struct StepGraph {
     const int32_t* tokens = nullptr;
     const int32_t* targets = nullptr;
