@@ -294,8 +294,10 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
   if (!parts.empty()) why = "the run needs sparse Linear kinds that the GPU does not train yet (" + join(parts, "; ") + ")";
   // fp8 on the GPU: the dense products only so far (model/gpu_transformer.h, precision).
   bool sparse_layers = false;
-  if (!config.recipe_yaml.empty())
-    for (const auto& m : config.recipe().modifiers()) sparse_layers = sparse_layers || !m.kind().empty();
+  if (!config.recipe_yaml.empty()) {
+    const Recipe recipe = config.recipe();
+    for (const auto& m : recipe.modifiers()) sparse_layers = sparse_layers || !m.kind().empty();
+  }
   if (model)
     for (const auto& name : model->linear_names()) sparse_layers = sparse_layers || model->linear(name).kind() != "dense";
   if (config.precision == "fp8" && sparse_layers)
