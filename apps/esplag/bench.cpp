@@ -185,7 +185,9 @@ int bench_gemm(const Args& a) {
     const GemmFp8Result r = run_gemm_fp8_bench(o);
     std::cout << gemm_fp8_bench_table(r);
     if (a.has("csv")) append_csv(a.get("csv"), gemm_fp8_bench_csv_header(), gemm_fp8_bench_csv_rows(r, commit_id()));
-    return 0;
+    // The table lists the failed calls; scripts see them in the exit status too.
+    const bool failed = std::any_of(r.rows.begin(), r.rows.end(), [](const auto& row) { return !row.failures.empty(); });
+    return failed ? 1 : 0;
   }
   if (a.has("tuning-cache")) gpu::set_cusparselt_tuning_path(a.get("tuning-cache"));
   const GemmBenchResult r = run_gemm_bench(o);
