@@ -38,6 +38,7 @@
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "model/cuda/device_linear_dense.h"
 #include "model/cuda/gpu_transformer_impl.h"
 #include "ops/gpu.h"
 #include "ops/gpu_fused.h"
@@ -255,7 +256,15 @@ GpuMemoryPlan GpuTransformer::memory_plan(const ModelConfig& config, int max_bat
   GpuMemoryPlan state;
   Impl dummy;
   lay_out_state_buffers(config, infos, options, dummy, state, Take{}, Take{});
-  return step_arena_plan(config, max_batch, max_seq_len, options) + state;
+  GpuMemoryPlan plan = step_arena_plan(config, max_batch, max_seq_len, options) + state;
+  if (options.precision.fp8) {  // the fp8 products' shared scratch (outside the arena)
+    std::vector<std::pair<int64_t, int64_t>> shapes;
+    for (const ParamInfo& i : infos)
+      if (i.name.rfind("blocks.0.", 0) == 0 && ends_with(i.name, ".weight") && i.shape.size() == 2)
+        shapes.push_back({i.shape.at(0), i.shape.at(1)});
+    plan.scratch += DeviceDenseLinear::fp8_scratch_bytes(shapes, int64_t(max_batch) * max_seq_len);
+  }
+  return plan;
 }
 
 GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max_seq_len,

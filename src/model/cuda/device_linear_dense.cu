@@ -11,6 +11,9 @@ namespace esplag {
 namespace {
 
 constexpr const char* kFp8Scratch = "fp8 operands";
+// Each amax and inverse scale 256 bytes apart: cuBLASLt's fp8 kernels refuse scale
+// pointers that are not 16-byte aligned.
+constexpr int kScaleStride = 64;
 
 }  // namespace
 
@@ -22,13 +25,10 @@ struct DeviceDenseLinear::Fp8Scratch : SharedScratch::Part {
   std::unique_ptr<gpu::Fp8Gemm> gemm;
   uint8_t *a = nullptr, *b = nullptr, *w = nullptr;
   bf16* bias = nullptr;  // a bias that is not 16-byte aligned, copied (the fp8 GEMM reads it so)
-  // Per role, the amax, then the inverse scale, 256 bytes apart: cuBLASLt's fp8 kernels
-  // refuse scale pointers that are not 16-byte aligned.
-  static constexpr int kStride = 64;
-  float* scale = nullptr;
+  float* scale = nullptr;  // per role the amax, then the inverse scale (kScaleStride apart)
   enum Role { input, weight, grad };
-  float* amax(Role r) const { return scale + kStride * (2 * r); }
-  float* inv(Role r) const { return scale + kStride * (2 * r + 1); }
+  float* amax(Role r) const { return scale + kScaleStride * (2 * r); }
+  float* inv(Role r) const { return scale + kScaleStride * (2 * r + 1); }
   size_t bytes() const override { return arena.capacity(); }
 };
 
@@ -38,25 +38,46 @@ DeviceDenseLinear::DeviceDenseLinear(const DeviceLinearSetup& s, const std::stri
                "]: fp8 products need in and out features that are multiples of 16 (cuBLASLt's fp8 GEMMs)");
 }
 
+namespace {
+
+// The parts of the fp8 scratch, in the order they are taken from its arena.
+struct Fp8Sizes {
+  size_t side, weight, outs, scales, workspace;
+  Fp8Sizes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens) {
+    side = weight = outs = 0;
+    for (const auto& [out, in] : shapes) {
+      side = std::max(side, size_t(tokens) * size_t(std::max(out, in)));
+      weight = std::max(weight, size_t(out * in));
+      outs = std::max(outs, size_t(out));
+    }
+    scales = 6 * size_t(kScaleStride);
+    workspace = gpu::Gemm::kDefaultWorkspaceBytes;
+  }
+  size_t bytes() const {
+    return 2 * side + weight + sizeof(bf16) * outs + sizeof(float) * scales + workspace +
+           6 * DeviceArena::kDefaultAlignment;
+  }
+};
+
+}  // namespace
+
+size_t DeviceDenseLinear::fp8_scratch_bytes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens) {
+  return Fp8Sizes(shapes, tokens).bytes();
+}
+
 // Made at the first product, when the model knows every layer's shape (the layers are made
 // one by one).
 DeviceDenseLinear::Fp8Scratch& DeviceDenseLinear::fp8_scratch() {
   return ctx_.scratch.get<Fp8Scratch>(kFp8Scratch, [&] {
-    const size_t tokens = size_t(ctx_.tokens);
-    const size_t side = tokens * size_t(ctx_.largest([](int64_t out, int64_t in) { return size_t(std::max(out, in)); }));
-    const size_t weight = ctx_.largest([](int64_t out, int64_t in) { return size_t(out * in); });
-    const size_t outs = ctx_.largest([](int64_t out, int64_t) { return size_t(out); });
-    const size_t scales = 6 * Fp8Scratch::kStride;
-    const size_t ws = gpu::Gemm::kDefaultWorkspaceBytes, align = DeviceArena::kDefaultAlignment;
+    const Fp8Sizes n(ctx_.shapes, ctx_.tokens);
     auto p = std::make_unique<Fp8Scratch>();
-    p->arena = DeviceArena(2 * side + weight + sizeof(bf16) * outs + sizeof(float) * scales + ws + 6 * align,
-                           "fp8 operands");
-    p->a = p->arena.allocate_array<uint8_t>("fp8.a", side);
-    p->b = p->arena.allocate_array<uint8_t>("fp8.b", side);
-    p->w = p->arena.allocate_array<uint8_t>("fp8.w", weight);
-    p->bias = p->arena.allocate_array<bf16>("fp8.bias", outs);
-    p->scale = p->arena.allocate_array<float>("fp8.scales", scales);
-    p->gemm = std::make_unique<gpu::Fp8Gemm>(p->arena.allocate("fp8.workspace", ws), ws);
+    p->arena = DeviceArena(n.bytes(), "fp8 operands");
+    p->a = p->arena.allocate_array<uint8_t>("fp8.a", n.side);
+    p->b = p->arena.allocate_array<uint8_t>("fp8.b", n.side);
+    p->w = p->arena.allocate_array<uint8_t>("fp8.w", n.weight);
+    p->bias = p->arena.allocate_array<bf16>("fp8.bias", n.outs);
+    p->scale = p->arena.allocate_array<float>("fp8.scales", n.scales);
+    p->gemm = std::make_unique<gpu::Fp8Gemm>(p->arena.allocate("fp8.workspace", n.workspace), n.workspace);
     return p;
   });
 }

@@ -16,6 +16,9 @@ class DeviceDenseLinear : public DeviceLinear {
   void backward_dx(bf16* dinp, const bf16* dout, int N, const bf16* pre_act, const char* op) override;
   void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad, const char* op) override;
   void shared_parts(std::set<std::string>& used) const override;
+  // Device bytes of the scratch the fp8 products share (GpuModelOptions::precision), for
+  // block Linear shapes [out, in] and micro-batches of `tokens` rows.
+  static size_t fp8_scratch_bytes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens);
 
  private:
   // The fp8 products (GpuModelOptions::precision): each casts its operands (amax, scale and
