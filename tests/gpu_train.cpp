@@ -404,8 +404,9 @@ TEST_F(GpuTrain, OptimizerOffloadChangesNoBit) {
 // fp8 products on the GPU (train.precision fp8: the dense layers' GEMMs on e4m3 activations
 // and weights and e5m2 output gradients) follow the CPU's fp8 emulation of the same run,
 // within 3% per step (the bf16 suite's 2%, plus the GPU's casts of bf16 rather than fp32
-// tensors and its fast accumulation in the forward); the run learns, and it is not the bf16
-// run. A sparse kind with fp8 is refused on the GPU with the reason.
+// tensors and its fast accumulation in the forward); the run learns, it is not the bf16 run,
+// and full activation checkpointing gives its bits. A sparse kind with fp8 is refused on the
+// GPU with the reason.
 TEST_F(GpuTrain, Fp8TracksTheCpuEmulation) {
   const RunLog cpu = train(tiny(*data_, "cpu", {"train.precision=fp8"}), *dir_ / "fp8_cpu");
   const RunLog gpu = train(tiny(*data_, "cuda", {"train.precision=fp8"}), *dir_ / "fp8_gpu");
@@ -415,6 +416,9 @@ TEST_F(GpuTrain, Fp8TracksTheCpuEmulation) {
   expect_curve(gpu, cpu, 1, kSteps, 3e-2, "fp8");
   EXPECT_LT(gpu.loss.at(kSteps), 0.8 * gpu.loss.at(1));
   EXPECT_FALSE(bit_identical(gpu, *gpu_, 2, kSteps)) << "the fp8 run logged the bf16 run's losses";
+  // Full activation checkpointing casts the recomputed inputs again: the same bits.
+  const RunLog full = train(tiny(*data_, "cuda", {"train.precision=fp8", "train.checkpointing=full"}), *dir_ / "fp8_full");
+  EXPECT_TRUE(bit_identical(full, gpu, 1, kSteps)) << "fp8 with full checkpointing";
   const fs::path yaml = *dir_ / "fp8_slope.yaml";
   std::ofstream(yaml) << read_file(tiny_yaml()) << "recipe:\n  - slope: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight']}\n";
   TrainConfig cfg = twelve_steps(yaml, "cuda");

@@ -18,31 +18,48 @@ constexpr int kScaleStride = 64;
 }  // namespace
 
 // One for all fp8 layers, sized for the largest: two token-side operands (X or dY, either
-// orientation) of tokens · max(in, out) bytes, the weight's cast of out · in bytes, the
-// amax and inverse scale of each operand role, and the fp8 GEMM with its workspace.
+// orientation) of tokens · max(in, out) bytes, the weight's cast of out · in bytes, a
+// bias's aligned copy, and the fp8 GEMM with its workspace.
 struct DeviceDenseLinear::Fp8Scratch : SharedScratch::Part {
   DeviceArena arena;
   std::unique_ptr<gpu::Fp8Gemm> gemm;
   uint8_t *a = nullptr, *b = nullptr, *w = nullptr;
   bf16* bias = nullptr;  // a bias that is not 16-byte aligned, copied (the fp8 GEMM reads it so)
-  float* scale = nullptr;  // per role the amax, then the inverse scale (kScaleStride apart)
   enum Role { input, weight, grad };
-  float* amax(Role r) const { return scale + kScaleStride * (2 * r); }
-  float* inv(Role r) const { return scale + kScaleStride * (2 * r + 1); }
   size_t bytes() const override { return arena.capacity(); }
 };
 
 DeviceDenseLinear::DeviceDenseLinear(const DeviceLinearSetup& s, const std::string& kind)
     : DeviceLinear(kind, s), fp8_(ctx_.precision.fp8) {
-  ESPLAG_CHECK(!fp8_ || (in_ % 16 == 0 && out_ % 16 == 0), "linear [out ", out_, ", in ", in_,
+  if (!fp8_) return;
+  ESPLAG_CHECK(in_ % 16 == 0 && out_ % 16 == 0, "linear [out ", out_, ", in ", in_,
                "]: fp8 products need in and out features that are multiples of 16 (cuBLASLt's fp8 GEMMs)");
+  fp8_scales_ = DeviceArena(6 * kScaleStride * sizeof(float), "fp8 scales");
+  fp8_scales_.allocate_array<float>("fp8.scales", 6 * kScaleStride);
+}
+
+float* DeviceDenseLinear::fp8_amax(int role) const {
+  return static_cast<float*>(fp8_scales_.base()) + kScaleStride * (2 * role);
+}
+float* DeviceDenseLinear::fp8_inv(int role) const {
+  return static_cast<float*>(fp8_scales_.base()) + kScaleStride * (2 * role + 1);
+}
+
+bool DeviceDenseLinear::dy_amax_ready(const bf16* dout, int N) {
+  if (dy_amax_of_ == dout && dy_amax_rows_ == N) {
+    dy_amax_of_ = nullptr;  // both products of this dY have it now
+    return true;
+  }
+  dy_amax_of_ = dout;
+  dy_amax_rows_ = N;
+  return false;
 }
 
 namespace {
 
 // The parts of the fp8 scratch, in the order they are taken from its arena.
 struct Fp8Sizes {
-  size_t side, weight, outs, scales, workspace;
+  size_t side, weight, outs, workspace;
   Fp8Sizes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens) {
     side = weight = outs = 0;
     for (const auto& [out, in] : shapes) {
@@ -50,12 +67,10 @@ struct Fp8Sizes {
       weight = std::max(weight, size_t(out * in));
       outs = std::max(outs, size_t(out));
     }
-    scales = 6 * size_t(kScaleStride);
     workspace = gpu::Gemm::kDefaultWorkspaceBytes;
   }
   size_t bytes() const {
-    return 2 * side + weight + sizeof(bf16) * outs + sizeof(float) * scales + workspace +
-           6 * DeviceArena::kDefaultAlignment;
+    return 2 * side + weight + sizeof(bf16) * outs + workspace + 5 * DeviceArena::kDefaultAlignment;
   }
 };
 
@@ -76,7 +91,6 @@ DeviceDenseLinear::Fp8Scratch& DeviceDenseLinear::fp8_scratch() {
     p->b = p->arena.allocate_array<uint8_t>("fp8.b", n.side);
     p->w = p->arena.allocate_array<uint8_t>("fp8.w", n.weight);
     p->bias = p->arena.allocate_array<bf16>("fp8.bias", n.outs);
-    p->scale = p->arena.allocate_array<float>("fp8.scales", n.scales);
     p->gemm = std::make_unique<gpu::Fp8Gemm>(p->arena.allocate("fp8.workspace", n.workspace), n.workspace);
     return p;
   });
@@ -97,10 +111,10 @@ void DeviceDenseLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16*
   using R = Fp8Scratch::Role;
   Fp8Scratch& f = fp8_scratch();
   ctx_.marks->mark(s, "fp8 cast");
-  gpu::fp8_amax(f.amax(R::input), in, int64_t(N) * K, s);
-  gpu::fp8_cast(f.a, f.inv(R::input), in, int64_t(N) * K, f.amax(R::input), Fp8Format::e4m3, nullptr, s);
-  gpu::fp8_amax(f.amax(R::weight), p_.weight.w, int64_t(OC) * K, s);
-  gpu::fp8_cast(f.w, f.inv(R::weight), p_.weight.w, int64_t(OC) * K, f.amax(R::weight), Fp8Format::e4m3, nullptr,
+  gpu::fp8_amax(fp8_amax(R::input), in, int64_t(N) * K, s);
+  gpu::fp8_cast(f.a, fp8_inv(R::input), in, int64_t(N) * K, fp8_amax(R::input), Fp8Format::e4m3, nullptr, s);
+  gpu::fp8_amax(fp8_amax(R::weight), p_.weight.w, int64_t(OC) * K, s);
+  gpu::fp8_cast(f.w, fp8_inv(R::weight), p_.weight.w, int64_t(OC) * K, fp8_amax(R::weight), Fp8Format::e4m3, nullptr,
                 s);
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   const bool gelu = act == Act::gelu;
@@ -111,8 +125,8 @@ void DeviceDenseLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16*
     bias = f.bias;
   }
   f.gemm->set_fast_accum(true);  // the forward's product, as fp8 training recipes run it
-  f.gemm->matmul(y, {f.a, f.inv(R::input), Fp8Format::e4m3}, {f.w, f.inv(R::weight), Fp8Format::e4m3}, bias, N, OC,
-                 K, false, s);
+  f.gemm->matmul(y, {f.a, fp8_inv(R::input), Fp8Format::e4m3}, {f.w, fp8_inv(R::weight), Fp8Format::e4m3}, bias, N,
+                 OC, K, false, s);
   if (gelu) {
     ctx_.marks->mark(s, "gelu fwd");
     gpu::gelu_forward(out, y, int64_t(N) * OC, s);
@@ -132,15 +146,14 @@ void DeviceDenseLinear::backward_dx(bf16* dinp, const bf16* dout, int N, const b
   Fp8Scratch& f = fp8_scratch();
   const Fp8Format g = ctx_.precision.grad;
   ctx_.marks->mark(s, "fp8 cast");
-  gpu::fp8_amax(f.amax(R::grad), dout, int64_t(N) * OC, s);
-  gpu::fp8_cast(f.a, f.inv(R::grad), dout, int64_t(N) * OC, f.amax(R::grad), g, nullptr, s);
-  gpu::fp8_amax(f.amax(R::weight), p_.weight.w, int64_t(OC) * K, s);
-  gpu::fp8_cast_transpose(f.w, f.inv(R::weight), p_.weight.w, OC, K, f.amax(R::weight), Fp8Format::e4m3, nullptr,
-                          s);
+  if (!dy_amax_ready(dout, N)) gpu::fp8_amax(fp8_amax(R::grad), dout, int64_t(N) * OC, s);
+  gpu::fp8_cast(f.a, fp8_inv(R::grad), dout, int64_t(N) * OC, fp8_amax(R::grad), g, nullptr, s);
+  gpu::fp8_cast_transpose(f.w, fp8_inv(R::weight), p_.weight.w, OC, K, fp8_amax(R::weight), Fp8Format::e4m3, nullptr,
+                          s);  // the forward's amax of W
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   f.gemm->set_fast_accum(false);
-  f.gemm->matmul(dinp, {f.a, f.inv(R::grad), g}, {f.w, f.inv(R::weight), Fp8Format::e4m3}, nullptr, N, K, OC, false,
-                 s);
+  f.gemm->matmul(dinp, {f.a, fp8_inv(R::grad), g}, {f.w, fp8_inv(R::weight), Fp8Format::e4m3}, nullptr, N, K, OC,
+                 false, s);
   gelu_backward_pass(dinp, pre_act, N);
 }
 
@@ -159,13 +172,13 @@ void DeviceDenseLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bo
   Fp8Scratch& f = fp8_scratch();
   const Fp8Format g = ctx_.precision.grad;
   ctx_.marks->mark(s, "fp8 cast");
-  gpu::fp8_amax(f.amax(R::grad), dout, int64_t(N) * OC, s);
-  gpu::fp8_cast_transpose(f.a, f.inv(R::grad), dout, N, OC, f.amax(R::grad), g, nullptr, s);
-  gpu::fp8_amax(f.amax(R::input), inp, int64_t(N) * K, s);
-  gpu::fp8_cast_transpose(f.b, f.inv(R::input), inp, N, K, f.amax(R::input), Fp8Format::e4m3, nullptr, s);
+  if (!dy_amax_ready(dout, N)) gpu::fp8_amax(fp8_amax(R::grad), dout, int64_t(N) * OC, s);
+  gpu::fp8_cast_transpose(f.a, fp8_inv(R::grad), dout, N, OC, fp8_amax(R::grad), g, nullptr, s);
+  gpu::fp8_cast_transpose(f.b, fp8_inv(R::input), inp, N, K, fp8_amax(R::input), Fp8Format::e4m3, nullptr,
+                          s);  // the forward's amax of X
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   f.gemm->set_fast_accum(false);
-  f.gemm->matmul(p_.weight.grad, {f.a, f.inv(R::grad), g}, {f.b, f.inv(R::input), Fp8Format::e4m3}, OC, K, N,
+  f.gemm->matmul(p_.weight.grad, {f.a, fp8_inv(R::grad), g}, {f.b, fp8_inv(R::input), Fp8Format::e4m3}, OC, K, N,
                  accumulate, s);
   if (bias_grad) {  // the exact sum of dY, as the CPU's (the bias gradient is not an fp8 product)
     ctx_.marks->mark(s, "bias grad");
