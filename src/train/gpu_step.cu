@@ -258,7 +258,8 @@ class GpuStep final : public StepBackend {
         views_v_.emplace(info.name, std::span<const float>(ov, info.numel));
         continue;
       }
-      std::vector<float>&mt = m_[info.name], &vt = v_[info.name];
+      std::vector<float>& mt = m_[info.name];
+      std::vector<float>& vt = v_[info.name];
       mt.resize(info.numel);
       vt.resize(info.numel);
       model_.tensor_moments_to_host(k, mt.data(), vt.data());
