@@ -52,6 +52,34 @@ TEST(MemoryPlan, TheHostBreakdownSumsToHostBytesForTraining) {
     }
 }
 
+// A recipe's sparse kinds keep state on the host (their CPU layers, which checkpoints are
+// written from in a GPU run too): the plan counts each claimed block Linear weight at its
+// kind's bytes, the most of the kinds it takes over the run, on either device.
+TEST(MemoryPlan, TheHostPlanCountsTheSparseKindsState) {
+  TrainConfig c = tiny_config("cuda");
+  EXPECT_EQ(host_memory_plan(c, "cuda").kinds, 0u);
+  uint64_t mlp = 0, all = 0;
+  for (const ParamInfo& i : transformer_param_layout(c.model)) {
+    const bool linear = i.name.rfind("blocks.", 0) == 0 && i.shape.size() == 2;
+    if (linear) all += i.numel;
+    if (linear && i.name.find(".mlp.") != std::string::npos) mlp += i.numel;
+  }
+  ASSERT_GT(mlp, 0u);
+  c.recipe_yaml = "- slope: {params: ['re:blocks\\..*\\.mlp\\.\\w+\\.weight']}\n";
+  for (const std::string device : {"cpu", "cuda"}) {
+    const HostMemoryPlan p = host_memory_plan(c, device);
+    EXPECT_EQ(p.kinds, uint64_t(11.25 * double(mlp))) << device;
+    EXPECT_EQ(p.total(), host_bytes_for_training(c, device));
+  }
+  // Masked, then vnm on the same layers: the larger of the two.
+  c.recipe_yaml =
+      "- gradual_magnitude: {params: ['re:blocks\\..*\\.(attn|mlp)\\.\\w+\\.weight'], mask_type: '2:4', start: 0.0, "
+      "end: 0.5, update_every: 1}\n"
+      "- kernel_replacement: {params: ['re:blocks\\..*\\.(attn|mlp)\\.\\w+\\.weight'], start: 0.75}\n";
+  EXPECT_EQ(host_memory_plan(c, "cuda").kinds, 4 * all);
+  EXPECT_TRUE(contains(describe(c, plan_memory(c, "cpu"), {}), "sparse kinds"));
+}
+
 TEST(MemoryPlan, AConfigThatFitsNeedsNoChange) {
   const TrainConfig c = tiny_config("cpu");
   const auto settings = settings_that_fit(c, "cpu", {0, host_bytes_for_training(c, "cpu")});

@@ -73,6 +73,10 @@ struct LinearKindInfo {
   // The GPU model trains it: the CUDA build's kind table has an entry of this name, and
   // has none for a kind without it (checked by device_linear_kinds()).
   bool gpu = false;
+  // About the host memory its CPU layer keeps per weight of the layer besides the flat
+  // weight (masks, compressed copies, their indices), in a GPU run too (the host model is
+  // what checkpoints are written from): the host memory plan counts it.
+  double host_bytes_per_weight = 0;
   MakeCpuLinear<float> make_float;
   MakeCpuLinear<double> make_double;
 

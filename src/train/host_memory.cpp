@@ -5,8 +5,10 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "model/linear_registry.h"
 #include "model/transformer.h"
 #include "train/progress.h"
+#include "train/recipe.h"
 
 namespace esplag {
 
@@ -35,6 +37,26 @@ uint64_t cgroup_value(const char* path) {
   return (in >> v) ? v : 0;
 }
 
+// The bytes the recipe's sparse kinds keep on the host: per block Linear weight, the most
+// any modifier that claims it keeps (a layer may go masked, then vnm).
+uint64_t kinds_host_bytes(const TrainConfig& config) {
+  if (config.recipe_yaml.empty()) return 0;
+  const Recipe recipe = config.recipe();
+  double bytes = 0;
+  for (const ParamInfo& info : transformer_param_layout(config.model)) {
+    const std::string& n = info.name;
+    const bool linear = n.rfind("blocks.", 0) == 0 && n.size() > 7 && n.compare(n.size() - 7, 7, ".weight") == 0 &&
+                        (n.find(".attn.") != std::string::npos || n.find(".mlp.") != std::string::npos);
+    if (!linear) continue;
+    double per_weight = 0;
+    for (const auto& m : recipe.modifiers())
+      if (!m.kind().empty() && m.claims(n))
+        per_weight = std::max(per_weight, find_linear_kind(m.kind(), "recipe").host_bytes_per_weight);
+    bytes += per_weight * double(info.numel);
+  }
+  return uint64_t(bytes);
+}
+
 }  // namespace
 
 HostMemoryPlan host_memory_plan(const TrainConfig& config, const std::string& device) {
@@ -42,6 +64,7 @@ HostMemoryPlan host_memory_plan(const TrainConfig& config, const std::string& de
   HostMemoryPlan plan;
   plan.weights = params * kFloat;
   plan.moments = 2 * params * kFloat;
+  plan.kinds = kinds_host_bytes(config);
   if (device == "cuda") {
     if (config.offload == "optimizer+master") plan.master_low = params * sizeof(uint16_t);
     return plan;

@@ -13,8 +13,8 @@ namespace esplag {
 // bytes of fp32: on the CPU the weights, their gradients, the two AdamW moments and the
 // activations of one micro-batch as train.checkpointing keeps them (model/transformer.cpp's
 // Activations); on the GPU the host copy of the weights and of the moments that checkpoints
-// are written from (no gradients nor activations). model.vocab_size must be resolved (not
-// 0). An estimate from below: Linear kinds' own state and the data come on top.
+// are written from (no gradients nor activations); and the sparse kinds' own state. model.vocab_size
+// must be resolved (not 0). An estimate from below: the data and scratch buffers come on top.
 struct HostMemoryPlan {
   uint64_t weights = 0;
   uint64_t gradients = 0;
@@ -23,7 +23,10 @@ struct HostMemoryPlan {
   // train.offload optimizer+master: the low halves of the master weights (2 bytes each; the
   // offloaded moments are `moments`, which checkpoints are then written from in place).
   uint64_t master_low = 0;
-  uint64_t total() const { return weights + gradients + moments + activations + master_low; }
+  // The CPU layers' own state of the sparse kinds a recipe gives its layers (the largest a
+  // layer takes over the run; LinearKindInfo::host_bytes_per_weight), on either device.
+  uint64_t kinds = 0;
+  uint64_t total() const { return weights + gradients + moments + activations + master_low + kinds; }
 };
 HostMemoryPlan host_memory_plan(const TrainConfig& config, const std::string& device);
 

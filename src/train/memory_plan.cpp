@@ -234,6 +234,7 @@ std::string describe(const TrainConfig& config, const MemoryPlan& plan, const Me
      << ":\n"
      << row("weights", plan.host.weights) << row("gradients", plan.host.gradients) << row("moments", plan.host.moments)
      << (plan.host.master_low ? row("master low", plan.host.master_low) : "")
+     << (plan.host.kinds ? row("sparse kinds", plan.host.kinds) : "")
      << row("activations", plan.host.activations) << row("total", plan.host.total()) << "  "
      << verdict(plan.fits_host(budget), budget.host, budget.host_source) << "\n";
   os << "GPU memory:";
