@@ -277,13 +277,17 @@ LinearParams<T> Transformer<T>::linear_params(const std::string& weight_name) {
   return lp;
 }
 
-template <typename T>
-std::vector<std::string> Transformer<T>::linear_names() const {
+std::vector<std::string> transformer_linear_names(const ModelConfig& config) {
   std::vector<std::string> names;
-  for (int l = 0; l < cfg_.n_layer; ++l)
+  for (int l = 0; l < config.n_layer; ++l)
     for (const char* n : {"attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"})
       names.push_back(block_prefix(l) + n + ".weight");
   return names;
+}
+
+template <typename T>
+std::vector<std::string> Transformer<T>::linear_names() const {
+  return transformer_linear_names(cfg_);
 }
 
 template <typename T>

@@ -28,6 +28,9 @@ struct ParamInfo {
 // The flat parameter layout of a model of `config` (names, shapes, offsets, decay) in the
 // order of its flat buffers: the one definition Transformer and GpuTransformer both use.
 std::vector<ParamInfo> transformer_param_layout(const ModelConfig& config);
+// The weight names of the block Linear layers of a model of `config`, block by block (qkv,
+// attn.proj, fc, mlp.proj): Transformer<T>::linear_names().
+std::vector<std::string> transformer_linear_names(const ModelConfig& config);
 // Elements of the activations Transformer<T> keeps for micro-batches of B×T tokens with
 // `checkpointing`: what the forward saves for the backward in every block (less in
 // checkpointed blocks, plus the buffers their recomputation shares), the final norm, the

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "core/error.h"
@@ -42,17 +43,15 @@ uint64_t cgroup_value(const char* path) {
 uint64_t kinds_host_bytes(const TrainConfig& config) {
   if (config.recipe_yaml.empty()) return 0;
   const Recipe recipe = config.recipe();
+  std::map<std::string, size_t> numel;
+  for (const ParamInfo& info : transformer_param_layout(config.model)) numel[info.name] = info.numel;
   double bytes = 0;
-  for (const ParamInfo& info : transformer_param_layout(config.model)) {
-    const std::string& n = info.name;
-    const bool linear = n.rfind("blocks.", 0) == 0 && n.size() > 7 && n.compare(n.size() - 7, 7, ".weight") == 0 &&
-                        (n.find(".attn.") != std::string::npos || n.find(".mlp.") != std::string::npos);
-    if (!linear) continue;
+  for (const std::string& name : transformer_linear_names(config.model)) {
     double per_weight = 0;
     for (const auto& m : recipe.modifiers())
-      if (!m.kind().empty() && m.claims(n))
+      if (!m.kind().empty() && m.claims(name))
         per_weight = std::max(per_weight, find_linear_kind(m.kind(), "recipe").host_bytes_per_weight);
-    bytes += per_weight * double(info.numel);
+    bytes += per_weight * double(numel.at(name));
   }
   return uint64_t(bytes);
 }

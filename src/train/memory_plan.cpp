@@ -43,10 +43,10 @@ std::vector<TrainConfig> candidates(const TrainConfig& config, bool smaller_batc
   // Checkpointing costs compute, the optimizer offload PCIe traffic in every step (more
   // than a step of llama-1b takes): the checkpointing choices first, then each again with
   // more of the optimizer offloaded (GPU runs only).
+  const std::vector<std::string> more_offloaded = {"none", "optimizer", "optimizer+master"};
+  const auto from = std::find(more_offloaded.begin(), more_offloaded.end(), config.offload);
   std::vector<std::string> offloads = {config.offload};
-  if (config.device != "cpu")
-    for (const std::string o : {"optimizer", "optimizer+master"})
-      if (config.offload == "none" || (config.offload == "optimizer" && o == "optimizer+master")) offloads.push_back(o);
+  if (config.device != "cpu" && from != more_offloaded.end()) offloads.assign(from, more_offloaded.end());
   for (const std::string& offload : offloads)
     for (const ActivationCheckpointing& checkpointing : checkpointing_choices(config.model))
       with(checkpointing, offload, config.batch_size, config.grad_accum);

@@ -45,14 +45,21 @@ float* DeviceDenseLinear::fp8_inv(int role) const {
   return static_cast<float*>(fp8_scales_.base()) + kScaleStride * (2 * role + 1);
 }
 
-bool DeviceDenseLinear::dy_amax_ready(const bf16* dout, int N) {
+void DeviceDenseLinear::cast_grad(uint8_t* out, const bf16* dout, int N, bool transposed) {
+  using R = Fp8Scratch::Role;
+  cudaStream_t s = ctx_.stream;
+  const int64_t n = int64_t(N) * out_;
   if (dy_amax_of_ == dout && dy_amax_rows_ == N) {
-    dy_amax_of_ = nullptr;  // both products of this dY have it now
-    return true;
+    dy_amax_of_ = nullptr;  // the other product of this dY took its amax
+  } else {
+    gpu::fp8_amax(fp8_amax(R::grad), dout, n, s);
+    dy_amax_of_ = dout;
+    dy_amax_rows_ = N;
   }
-  dy_amax_of_ = dout;
-  dy_amax_rows_ = N;
-  return false;
+  if (transposed)
+    gpu::fp8_cast_transpose(out, fp8_inv(R::grad), dout, N, out_, fp8_amax(R::grad), ctx_.precision.grad, nullptr, s);
+  else
+    gpu::fp8_cast(out, fp8_inv(R::grad), dout, n, fp8_amax(R::grad), ctx_.precision.grad, nullptr, s);
 }
 
 namespace {
@@ -146,8 +153,7 @@ void DeviceDenseLinear::backward_dx(bf16* dinp, const bf16* dout, int N, const b
   Fp8Scratch& f = fp8_scratch();
   const Fp8Format g = ctx_.precision.grad;
   ctx_.marks->mark(s, "fp8 cast");
-  if (!dy_amax_ready(dout, N)) gpu::fp8_amax(fp8_amax(R::grad), dout, int64_t(N) * OC, s);
-  gpu::fp8_cast(f.a, fp8_inv(R::grad), dout, int64_t(N) * OC, fp8_amax(R::grad), g, nullptr, s);
+  cast_grad(f.a, dout, N, false);
   gpu::fp8_cast_transpose(f.w, fp8_inv(R::weight), p_.weight.w, OC, K, fp8_amax(R::weight), Fp8Format::e4m3, nullptr,
                           s);  // the forward's amax of W
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
@@ -172,8 +178,7 @@ void DeviceDenseLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bo
   Fp8Scratch& f = fp8_scratch();
   const Fp8Format g = ctx_.precision.grad;
   ctx_.marks->mark(s, "fp8 cast");
-  if (!dy_amax_ready(dout, N)) gpu::fp8_amax(fp8_amax(R::grad), dout, int64_t(N) * OC, s);
-  gpu::fp8_cast_transpose(f.a, fp8_inv(R::grad), dout, N, OC, fp8_amax(R::grad), g, nullptr, s);
+  cast_grad(f.a, dout, N, true);
   gpu::fp8_cast_transpose(f.b, fp8_inv(R::input), inp, N, K, fp8_amax(R::input), Fp8Format::e4m3, nullptr,
                           s);  // the forward's amax of X
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);

@@ -34,8 +34,9 @@ class DeviceDenseLinear : public DeviceLinear {
   // This layer's amax and inverse scale of X, W and dY (Fp8Scratch::Role), 256 bytes apart.
   float* fp8_amax(int role) const;
   float* fp8_inv(int role) const;
-  // The amax of dY for the first backward product of dout: taken (false) or already there.
-  bool dy_amax_ready(const bf16* dout, int N);
+  // dY's fp8 copy into out, as it is or transposed; its amax taken by the first of the two
+  // backward products of dout only.
+  void cast_grad(uint8_t* out, const bf16* dout, int N, bool transposed);
   bool fp8_ = false;
   DeviceArena fp8_scales_;
   const bf16* dy_amax_of_ = nullptr;  // the dY whose amax fp8_amax(grad) holds, until consumed

@@ -2,11 +2,9 @@
 // Linear weight in its layer's stored form, then the layers' extra tensors) and its host
 // copies in the flat layout (see model/gpu_transformer.h).
 #include <cmath>
-#include <cstring>
 #include <functional>
 
 #include "core/cuda_check.h"
-#include "core/parallel.h"
 #include "model/cuda/gpu_transformer_impl.h"
 
 namespace esplag {
@@ -80,20 +78,6 @@ __global__ void normal_kernel(float* p, int64_t n, int64_t base, uint64_t key, f
   const float u1 = (static_cast<float>(h >> 40) + 1.f) * (1.f / 16777216.f);  // (0, 1]
   const float u2 = static_cast<float>(h & 0xFFFFFFull) * (1.f / 16777216.f);  // [0, 1)
   p[i] = stddev * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
-}
-
-// Zeroes a buffer of the parameter state: on the stream, or by the host's threads where it
-// is offloaded (pinned host memory no stream work uses yet: lay_out_state has synchronised).
-void zero_fill(void* p, size_t bytes, bool offloaded, cudaStream_t s) {
-  if (!offloaded) {
-    CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, s));
-    return;
-  }
-  constexpr int64_t kPiece = int64_t(1) << 24;
-  parallel_for((int64_t(bytes) + kPiece - 1) / kPiece, [&](int64_t b, int64_t e) {
-    const size_t from = size_t(b * kPiece), to = std::min(bytes, size_t(e * kPiece));
-    std::memset(static_cast<char*>(p) + from, 0, to - from);
-  });
 }
 
 }  // namespace
@@ -197,9 +181,10 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
   // A defined start: zero parameters, gradients and moments.
   CUDA_CHECK(cudaMemsetAsync(im.w, 0, sizeof(bf16) * nstored_, stream_));
   CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * nstored_, stream_));
-  zero_fill(im.w_lo, sizeof(int16_t) * nstored_, opt_.offload_master, stream_);
-  zero_fill(im.m, sizeof(float) * nstored_, opt_.offload_moments, stream_);
-  zero_fill(im.v, sizeof(float) * nstored_, opt_.offload_moments, stream_);
+  // Offloaded buffers too: the device writes the mapped host memory.
+  CUDA_CHECK(cudaMemsetAsync(im.w_lo, 0, sizeof(int16_t) * nstored_, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.m, 0, sizeof(float) * nstored_, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.v, 0, sizeof(float) * nstored_, stream_));
   im.zero_pending = false;
   // The captured graphs baked the old buffers in.
   im.step_graphs.clear();
