@@ -1,7 +1,8 @@
 // Data-parallel training on two GPUs end to end (`esplag train --gpus 2`, NCCL): two ranks
 // with grad_accum 1 follow one GPU with grad_accum 2 (the same tokens and mean gradient;
-// bf16 products and another order of the fp32 sums), slope included, and the run resumes on
-// one GPU. Skipped on machines with fewer than two GPUs.
+// bf16 products and another order of the fp32 sums), slope included, with ZeRO stage 0 and
+// 1, and the run resumes on one GPU; stage 1's gathered checkpoint holds the moments stage 0
+// holds. Skipped on machines with fewer than two GPUs.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -13,6 +14,7 @@
 
 #include "cli_util.h"
 #include "io/atomic_file.h"
+#include "io/safetensors.h"
 
 namespace fs = std::filesystem;
 
@@ -52,7 +54,32 @@ std::vector<double> losses(const fs::path& run_dir) {
   return out;
 }
 
-void expect_two_ranks_follow_one_gpu(const std::string& name, const std::string& recipe) {
+// The largest difference between two checkpoints' tensors of the same names, relative to
+// the largest magnitude of each tensor.
+double max_relative_difference(const fs::path& a, const fs::path& b) {
+  const auto ta = esplag::load_safetensors(a.string()).tensors, tb = esplag::load_safetensors(b.string()).tensors;
+  EXPECT_EQ(ta.size(), tb.size());
+  double worst = 0;
+  for (const auto& [name, x] : ta) {
+    const auto it = tb.find(name);
+    if (it == tb.end()) {
+      ADD_FAILURE() << name << " is missing from " << b;
+      continue;
+    }
+    const float *p = x.data<float>(), *q = it->second.data<float>();
+    const int64_t n = x.numel();
+    EXPECT_EQ(n, it->second.numel()) << name;
+    double scale = 1e-30, diff = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      scale = std::max(scale, double(std::abs(p[i])));
+      diff = std::max(diff, double(std::abs(p[i] - q[i])));
+    }
+    worst = std::max(worst, diff / scale);
+  }
+  return worst;
+}
+
+void expect_two_ranks_follow_one_gpu(const std::string& name, const std::string& recipe, int zero = 0) {
   const fs::path config = root() / (name + ".yaml");
   esplag::testing::write_text(
       config, "model: {preset: tiny, n_layer: 2, d_model: 64, n_head: 4, n_kv_head: 4, d_ff: 256, max_seq_len: 64}\n"
@@ -63,8 +90,10 @@ void expect_two_ranks_follow_one_gpu(const std::string& name, const std::string&
   const fs::path one = root() / (name + "-one"), two = root() / (name + "-two");
   const Result a = run("train --config " + config.string() + " --out " + one.string() + " --set train.grad_accum=2");
   ASSERT_EQ(a.code, 0) << a.err;
-  const Result b = run("train --gpus 2 --config " + config.string() + " --out " + two.string());
+  const Result b = run("train --gpus 2 --config " + config.string() + " --out " + two.string() +
+                       " --set parallel.zero=" + std::to_string(zero));
   ASSERT_EQ(b.code, 0) << b.err;
+  if (zero == 1) EXPECT_NE(b.out.find("ZeRO stage 1"), std::string::npos) << b.out;
   const auto la = losses(one), lb = losses(two);
   ASSERT_EQ(la.size(), 12u);
   ASSERT_EQ(lb.size(), la.size());
@@ -72,6 +101,18 @@ void expect_two_ranks_follow_one_gpu(const std::string& name, const std::string&
   const Result c = run("train --resume " + two.string() + " --steps 14");
   ASSERT_EQ(c.code, 0) << c.err;
   EXPECT_TRUE(fs::exists(two / "step-000014" / "model.safetensors"));
+  if (zero == 0) return;
+  // The gathered moments and the weights are stage 0's (up to the clipping norm's order of
+  // sums), and the sharded run resumes sharded.
+  const fs::path zero0 = root() / (name + "-zero0");
+  const Result d = run("train --gpus 2 --config " + config.string() + " --out " + zero0.string());
+  ASSERT_EQ(d.code, 0) << d.err;
+  for (const char* file : {"optimizer.safetensors", "model.safetensors"})
+    EXPECT_LT(max_relative_difference(two / "step-000006" / file, zero0 / "step-000006" / file), 2e-2)
+        << name << ": " << file;
+  const Result e = run("train --gpus 2 --resume " + two.string() + " --steps 16");  // its config says zero: 1
+  ASSERT_EQ(e.code, 0) << e.err;
+  EXPECT_TRUE(fs::exists(two / "step-000016" / "optimizer.safetensors"));
 }
 
 }  // namespace
@@ -85,4 +126,17 @@ TEST(GpuDataParallel, SlopeOnTwoGpusFollowsOneGpu) {
   if (gpus() < 2) GTEST_SKIP() << "needs two GPUs";
   expect_two_ranks_follow_one_gpu("slope", "recipe:\n  - slope: {params: ['re:blocks\\.\\d+\\.mlp\\.\\w+\\.weight'], "
                                            "start: 0, lora_rank: 8, lora_start: 6}\n");
+}
+
+TEST(GpuDataParallel, ZeroStageOneFollowsOneGpu) {
+  if (gpus() < 2) GTEST_SKIP() << "needs two GPUs";
+  expect_two_ranks_follow_one_gpu("dense-zero1", "", 1);
+}
+
+TEST(GpuDataParallel, ZeroStageOneSlopeFollowsOneGpu) {
+  if (gpus() < 2) GTEST_SKIP() << "needs two GPUs";
+  expect_two_ranks_follow_one_gpu("slope-zero1",
+                                  "recipe:\n  - slope: {params: ['re:blocks\\.\\d+\\.mlp\\.\\w+\\.weight'], "
+                                  "start: 0, lora_rank: 8, lora_start: 6}\n",
+                                  1);
 }

@@ -234,11 +234,13 @@ TEST(CliZero, StageThreeIsRefused) {
   EXPECT_FALSE(fs::exists(root() / "zero3" / "config.yaml"));
 }
 
-TEST(CliZero, TheGpuRefusesShardedStagesAndAutoStaysOnTheCpu) {
+TEST(CliZero, TheGpuRefusesStageTwoAndAutoStaysOnTheCpu) {
   esplag::TrainConfig config;
+  config.parallel.zero = 1;  // the GPU shards the optimizer state
+  EXPECT_EQ(esplag::gpu_training_blocker(config), "");
   config.parallel.zero = 2;
   const std::string blocker = esplag::gpu_training_blocker(config);
-  EXPECT_NE(blocker.find("parallel.zero is 2, and only the CPU reference shards the training state so far"),
+  EXPECT_NE(blocker.find("parallel.zero is 2, and the GPU shards the optimizer state only (stage 1"),
             std::string::npos)
       << blocker;
   const esplag::DeviceProbe gpu{true, 1, ""};

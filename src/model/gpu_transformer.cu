@@ -684,11 +684,29 @@ void GpuTransformer::adamw_body() {
   Impl& im = *impl_;
   // Over the storage layout: a Linear weight in its layer's form (slope: the kept values
   // only, the CPU's sparse AdamW).
-  im.marks.mark(stream_, "grad norm");
-  gpu::sum_squares(norm_sq_, im.grad, int64_t(nstored_), im.gnorm_scratch, stream_);
-  im.marks.mark(stream_, "adamw");
-  gpu::adamw_update_split(*im.adamw, im.w, im.w_lo, im.m, im.v, im.grad, im.adam_params, norm_sq_, im.head_pad,
-                          stream_);
+  if (DeviceCollectives* ranks = opt_.shard_optimizer) {
+    // ZeRO stage 1: this rank's chunk of the mean gradient, the norm over every chunk, the
+    // chunk's update, and every rank's updated weights.
+    const size_t at = im.shard_begin, n = im.shard_size;
+    im.marks.mark(stream_, "reduce-scatter (gradients)");
+    ranks->reduce_scatter_mean(im.grad, n, stream_);
+    im.marks.mark(stream_, "grad norm");
+    gpu::sum_squares(norm_sq_, im.grad + at, int64_t(n), im.gnorm_scratch, stream_);
+    ranks->all_reduce_sum(norm_sq_, 1, stream_);
+    im.marks.mark(stream_, "adamw");
+    gpu::adamw_update_split(*im.adamw, im.w + at, im.w_lo + at, im.m_shard, im.v_shard, im.grad + at,
+                            im.adam_params, norm_sq_, nullptr, stream_);
+    im.marks.mark(stream_, "all-gather (weights)");
+    ranks->all_gather(im.w, sizeof(bf16) * n, stream_);
+    ranks->all_gather(im.w_lo, sizeof(int16_t) * n, stream_);
+    refresh_head_copy();
+  } else {
+    im.marks.mark(stream_, "grad norm");
+    gpu::sum_squares(norm_sq_, im.grad, int64_t(nstored_), im.gnorm_scratch, stream_);
+    im.marks.mark(stream_, "adamw");
+    gpu::adamw_update_split(*im.adamw, im.w, im.w_lo, im.m, im.v, im.grad, im.adam_params, norm_sq_, im.head_pad,
+                            stream_);
+  }
   // The layers' own work after the update (a masked layer zeroes its pruned weights), then
   // their preparation for the next step.
   const char* after = nullptr;
@@ -718,6 +736,7 @@ void GpuTransformer::prepare_layers() {
 void GpuTransformer::step_adamw(const GpuAdamW& hyper) {
   Impl& im = *impl_;
   settle_zero_grad();
+  settle_moments();
   gpu::AdamWConfig c;
   c.lr = static_cast<float>(hyper.lr);
   c.beta1 = static_cast<float>(hyper.beta1);
@@ -732,7 +751,9 @@ void GpuTransformer::step_adamw(const GpuAdamW& hyper) {
   // The preparation serves step step_ + 1: the layers due then choose new masks.
   im.refreshing.clear();
   for (const auto& [name, slot] : im.linears) im.refreshing.push_back(slot.top().refresh_due(step_ + 1));
-  if (!opt_.cuda_graph || im.marks.timing() || im.marks.tracing()) {
+  // Sharded, the step runs eagerly: its collectives stay out of captured graphs, as the
+  // data-parallel all-reduce does.
+  if (!opt_.cuda_graph || opt_.shard_optimizer || im.marks.timing() || im.marks.tracing()) {
     adamw_body();
     im.marks.end_ops();
     im.marks.collect(stream_);

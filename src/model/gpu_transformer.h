@@ -78,6 +78,7 @@
 #include <vector>
 
 #include "core/device_arena.h"
+#include "core/device_collectives.h"
 #include "model/activation_checkpointing.h"
 #include "model/config.h"
 #include "model/linear_kinds.h"
@@ -127,6 +128,18 @@ struct GpuModelOptions {
   // and 8 written per offloaded parameter for the moments, 2 and 2 for the master halves).
   bool offload_moments = false;
   bool offload_master = false;
+  // ZeRO stage 1 (docs/distributed.md): the data-parallel ranks of `shard_optimizer` share
+  // the AdamW moments. The storage layout is cut into one contiguous chunk per rank
+  // (ceil(elements / ranks), rounded up to 64); a rank keeps the moments of its chunk only
+  // (on the device, or offloaded), 8/ranks bytes per parameter instead of 8. step_adamw
+  // then reduce-scatters the gradients (the mean over the ranks), takes the global
+  // gradient norm from every chunk's sum of squares, updates its chunk and all-gathers the
+  // updated master weights (bf16 high and low halves), so every rank holds them whole, as
+  // without sharding. Whatever needs the moments in the whole layout (their host copies,
+  // a kind change that lays the state out again) gathers them first into pinned host
+  // memory (gather_optimizer_state), a collective; the next step_adamw drops that copy.
+  // Null: no sharding. The communicator must outlive the model.
+  DeviceCollectives* shard_optimizer = nullptr;
   // The block Linear layers' products (train.precision, docs/fp8.md): with precision.fp8 a
   // dense layer (and masked, vnm: the dense products of their masked weights) multiplies
   // e4m3 activations and weights and precision.grad output gradients, each cast with its
@@ -229,7 +242,14 @@ class GpuTransformer {
   // Where the optimizer state is offloaded (GpuModelOptions::offload_moments) and flat tensor
   // k is stored as it is: its moments in the pinned host memory, readable by the host once
   // the device is idle (synchronize()). {null, null} otherwise.
+  // With sharded moments: into the whole copy gather_optimizer_state made, while it lasts.
   std::pair<const float*, const float*> offloaded_moments(size_t k) const;
+  // With GpuModelOptions::shard_optimizer: every rank's chunk of the moments into a copy of
+  // the whole moments in pinned host memory, which optimizer_state_to_host,
+  // tensor_moments_to_host and offloaded_moments read (they refuse sharded moments
+  // otherwise), kept until the next step_adamw. A collective: every rank calls it. Without
+  // sharding, nothing to do.
+  void gather_optimizer_state();
   int64_t optimizer_steps() const { return step_; }
   // GPT-2 initialisation with the CPU's rules (N(0, init_std), residual projections
   // scaled by 1/sqrt(2·n_layer), biases 0, norm weights 1), drawn on the device from a
@@ -526,6 +546,19 @@ class GpuTransformer {
   void stored_from_host(StateField f, size_t at, size_t n, const float* host);
   // The padded bf16 head weight follows set_params and init_weights (AdamW writes it too).
   void refresh_head_copy();
+  // Sharded moments (GpuModelOptions::shard_optimizer): the whole moments are about to be
+  // written (gathered first, and marked to be cut into this rank's chunk again), or are
+  // done with (cut into the chunk where they were written, then dropped).
+  void whole_moments_for_write();
+  void settle_moments();
+  // A whole copy (uninitialised, or of zeros: a state laid out anew), without gathering.
+  void allocate_whole_moments();
+  void fresh_whole_moments();
+  // Error unless the moments are whole (not sharded, or gathered).
+  void check_whole_moments(const char* who) const;
+  // Zeroes the moments of [at, at + n) of the storage layout, in the chunk and in the whole
+  // copy where there is one.
+  void zero_moments(size_t at, size_t n);
 
   ModelConfig cfg_;
   GpuModelOptions opt_;

@@ -84,11 +84,16 @@ class GpuStep final : public StepBackend {
           HostChannel* ranks)
       : cfg_(cfg),
         host_(host),
+        comm_(ranks ? std::make_unique<NcclComm>(*ranks) : nullptr),
         linears_([&] {
           const std::vector<std::string> names = host.linear_names();
           return std::set<std::string>(names.begin(), names.end());
         }()),
-        model_(cfg.model, cfg.batch_size, cfg.seq_len, gpu_model_options(cfg)) {
+        model_(cfg.model, cfg.batch_size, cfg.seq_len, [&] {
+          GpuModelOptions o = gpu_model_options(cfg);
+          if (comm_ && cfg.parallel.zero >= 1) o.shard_optimizer = comm_.get();
+          return o;
+        }()) {
     check_layout();
     host_step_ = steps_done;
     // The kinds first: a layer that stores its weight in another form (slope's kept values)
@@ -121,7 +126,6 @@ class GpuStep final : public StepBackend {
     x_.resize(size_t(cfg_.batch_size) * cfg_.seq_len);
     y_.resize(x_.size());
     gpu_name_ = current_gpu_name();
-    if (ranks) comm_ = std::make_unique<NcclComm>(*ranks);
     model_.synchronize();
     CUDA_CHECK(cudaMallocHost(&host_health_, sizeof(StepHealth)));  // last: nothing throws after it
   }
@@ -140,7 +144,11 @@ class GpuStep final : public StepBackend {
     return "cuda (" + gpu_name_ + ", " + gib(plan.total()) + " of device memory for the model" +
            (plan.host ? ", the optimizer offloaded (" + cfg_.offload + "): " + gib(plan.host) + " of pinned host memory"
                       : "") +
-           ")";
+           ")" +
+           (comm_ && cfg_.parallel.zero >= 1
+                ? ", ZeRO stage 1 (each rank keeps the AdamW moments of 1/" + std::to_string(comm_->size()) +
+                      " of the stored elements)"
+                : "");
   }
 
   void step(int64_t step, double lr, DataLoader& data) override {
@@ -159,7 +167,8 @@ class GpuStep final : public StepBackend {
     }
     int micro_batches = accum;
     if (comm_) {  // every rank's sums, so that every rank takes the same step
-      comm_->all_reduce_mean(model_.device_gradients(), model_.stored_params(), s);
+      // (sharded, step_adamw reduce-scatters the gradients itself)
+      if (cfg_.parallel.zero == 0) comm_->all_reduce_mean(model_.device_gradients(), model_.stored_params(), s);
       comm_->all_reduce_sum(&health_->loss_sum, 1, s);
       micro_batches *= comm_->size();
     }
@@ -215,6 +224,7 @@ class GpuStep final : public StepBackend {
   void write_back(bool moments) {
     written_back_ = true;
     host_step_ = model_.optimizer_steps();
+    if (moments) model_.gather_optimizer_state();  // sharded: a collective, which every rank calls here
     model_.params_to_host(host_.params());
     m_.clear();
     v_.clear();
@@ -334,6 +344,7 @@ class GpuStep final : public StepBackend {
 
   const TrainConfig cfg_;
   Transformer<float>& host_;
+  std::unique_ptr<NcclComm> comm_;  // data parallel: the other ranks' GPUs (before model_, which may shard over them)
   const std::set<std::string> linears_;  // the host's block Linear weights
   GpuTransformer model_;
   size_t dispatch_seen_ = 0;        // dispatch decisions already reported
@@ -346,7 +357,6 @@ class GpuStep final : public StepBackend {
   Moments m_, v_;                   // host copies of the moments, filled by state_to_host
   MomentViews views_m_, views_v_;  // every moment: of m_ / v_, or of the offloaded state
   std::string gpu_name_;
-  std::unique_ptr<NcclComm> comm_;  // data parallel: the other ranks' GPUs
 };
 
 }  // namespace

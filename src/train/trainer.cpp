@@ -304,9 +304,9 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
     why += std::string(why.empty() ? "" : "; ") +
            "train.precision is fp8 with sparse Linear kinds, whose fp8 products only the CPU's emulation trains so "
            "far (the GPU's fp8 products are the dense ones; docs/fp8.md)";
-  if (config.parallel.zero > 0)
+  if (config.parallel.zero > 1)
     why += (why.empty() ? "" : "; ") + std::string("parallel.zero is ") + std::to_string(config.parallel.zero) +
-           ", and only the CPU reference shards the training state so far (docs/distributed.md)";
+           ", and the GPU shards the optimizer state only (stage 1; docs/distributed.md)";
   // Only the CPU step computes the distillation loss so far.
   if (!config.recipe_yaml.empty())
     if (const Recipe::Modifier* d = config.recipe().distill())

@@ -25,7 +25,7 @@ namespace {
 // The entry points used, resolved with dlsym; the types come from nccl.h.
 #define ESPLAG_NCCL_ENTRY_POINTS(X)                                                                      \
   X(GetVersion) X(GetUniqueId) X(CommInitRank) X(CommDestroy) X(CommAbort) X(CommGetAsyncError) X(AllReduce) \
-  X(GetErrorString)
+  X(ReduceScatter) X(AllGather) X(GetErrorString)
 
 struct NcclApi {
 #define ESPLAG_DECLARE(name) decltype(&nccl##name) name = nullptr;
@@ -117,6 +117,23 @@ void NcclComm::all_reduce_sum(double* data, size_t n, cudaStream_t stream) {
   NCCL_CALL("all-reduce", loaded_nccl().AllReduce(data, data, n, ncclFloat64, ncclSum, handle_->comm, stream));
 }
 
+void NcclComm::all_reduce_sum(float* data, size_t n, cudaStream_t stream) {
+  NCCL_CALL("all-reduce", loaded_nccl().AllReduce(data, data, n, ncclFloat32, ncclSum, handle_->comm, stream));
+}
+
+// In place as NCCL defines it: the received chunk sits at the rank's own place in the buffer.
+void NcclComm::reduce_scatter_mean(float* data, size_t chunk, cudaStream_t stream) {
+  NCCL_CALL("reduce-scatter of the gradients",
+            loaded_nccl().ReduceScatter(data, data + size_t(rank_) * chunk, chunk, ncclFloat32, ncclAvg,
+                                        handle_->comm, stream));
+}
+
+void NcclComm::all_gather(void* data, size_t chunk_bytes, cudaStream_t stream) {
+  unsigned char* bytes = static_cast<unsigned char*>(data);
+  NCCL_CALL("all-gather", loaded_nccl().AllGather(bytes + size_t(rank_) * chunk_bytes, bytes, chunk_bytes, ncclUint8,
+                                                   handle_->comm, stream));
+}
+
 void NcclComm::synchronize(cudaStream_t stream, const std::string& what) {
   const NcclApi& a = loaded_nccl();
   const double timeout = timeout_s_;
@@ -156,6 +173,9 @@ NcclComm::~NcclComm() = default;
 void NcclComm::abort_and_fail(const std::string& what, const std::string& why) { fail(what, ": ", why); }
 void NcclComm::all_reduce_mean(float*, size_t, cudaStream_t) {}
 void NcclComm::all_reduce_sum(double*, size_t, cudaStream_t) {}
+void NcclComm::all_reduce_sum(float*, size_t, cudaStream_t) {}
+void NcclComm::reduce_scatter_mean(float*, size_t, cudaStream_t) {}
+void NcclComm::all_gather(void*, size_t, cudaStream_t) {}
 void NcclComm::synchronize(cudaStream_t, const std::string&) {}
 std::string NcclComm::version() { return "built without nccl.h"; }
 

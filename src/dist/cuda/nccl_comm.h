@@ -22,11 +22,13 @@
 #include <memory>
 #include <string>
 
+#include "core/device_collectives.h"
+
 namespace esplag {
 
 class HostChannel;
 
-class NcclComm {
+class NcclComm final : public DeviceCollectives {
  public:
   // Joins every rank of `channel` on the current CUDA device (each rank its own device).
   // Throws Error when NCCL cannot be loaded or the communicator cannot be made.
@@ -35,12 +37,16 @@ class NcclComm {
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
 
-  int rank() const { return rank_; }
-  int size() const { return size_; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
 
   // In place, queued on `stream` (nothing waits). Every rank calls them in the same order.
   void all_reduce_mean(float* data, size_t n, cudaStream_t stream);
   void all_reduce_sum(double* data, size_t n, cudaStream_t stream);
+  // DeviceCollectives (core/device_collectives.h): ZeRO stage 1's collectives.
+  void reduce_scatter_mean(float* data, size_t chunk, cudaStream_t stream) override;
+  void all_gather(void* data, size_t chunk_bytes, cudaStream_t stream) override;
+  void all_reduce_sum(float* data, size_t n, cudaStream_t stream) override;
 
   // Waits for `stream`, watching NCCL's asynchronous errors meanwhile. An error, or work
   // still queued after the host channel's timeout, aborts the communicator and throws

@@ -169,6 +169,15 @@ struct GpuTransformer::Impl {
   bf16* w = nullptr;         // bf16 weights (the high halves of the master weights)
   int16_t* w_lo = nullptr;   // low halves
   float *grad = nullptr, *m = nullptr, *v = nullptr;
+  // This rank's chunk [shard_begin, shard_begin + shard_size) of the storage layout, whose
+  // moments m_shard, v_shard hold (GpuModelOptions::shard_optimizer; without it the whole
+  // layout, m_shard = m). Sharded, w, w_lo and grad are padded to ranks · shard_size
+  // elements (zeros), and m, v point into `gathered` (the whole moments, pinned host) while
+  // it exists, else are null; `gathered_written`: the whole copy changed since it was made.
+  size_t shard_begin = 0, shard_size = 0, padded = 0;
+  float *m_shard = nullptr, *v_shard = nullptr;
+  DeviceArena gathered;
+  bool gathered_written = false;
 
   std::vector<Block> blocks;
   Norm nf;
@@ -216,7 +225,7 @@ struct GpuTransformer::Impl {
 // host in the flat layout (state_to_host, state_from_host).
 struct GpuTransformer::RetiredState {
   std::vector<ParamInfo> stored;
-  DeviceArena arena, host_arena;
+  DeviceArena arena, host_arena, gathered;
   bf16* w = nullptr;
   int16_t* w_lo = nullptr;
   float *m = nullptr, *v = nullptr;

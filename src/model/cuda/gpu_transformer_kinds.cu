@@ -99,6 +99,7 @@ bool GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     if (on_device && layer) old.replaced.push_back(std::move(layer));
     layer.reset();
   };
+  if (moves) gather_optimizer_state();  // sharded moments move whole (a collective: `moves` is the same on every rank)
   if (moves && !on_device) state_to_host(old);
   lap(0);
   auto setup = [&](const Change& c, const DeviceLinear* previous) {
@@ -137,8 +138,7 @@ bool GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   for (const Change& c : changes)
     if (c.rebuild && c.kind != c.was && (c.kind->trains_own_tensor || c.was->trains_own_tensor)) {
       const ParamInfo& at = info_named(im.stored, c.setting->weight_name);
-      CUDA_CHECK(cudaMemsetAsync(im.m + at.offset, 0, sizeof(float) * at.numel, stream_));
-      CUDA_CHECK(cudaMemsetAsync(im.v + at.offset, 0, sizeof(float) * at.numel, stream_));
+      zero_moments(at.offset, at.numel);
     }
   lap(2);
   // The layers made after the layout, in their kinds' order; every new layer attached

@@ -20,9 +20,13 @@ __global__ void zero_chunks_kernel(const ZeroChunk* table, float* grad) {
 }
 
 // The flat-layout segments AdamW updates, and the index of the head weight's segment.
-std::vector<gpu::ParamSegment> segments_of(const std::vector<ParamInfo>& infos) {
+// The tensors' parts within [begin, begin + size) of the storage layout, at offsets from begin.
+std::vector<gpu::ParamSegment> segments_of(const std::vector<ParamInfo>& infos, size_t begin, size_t size) {
   std::vector<gpu::ParamSegment> segs;
-  for (const auto& i : infos) segs.push_back({int64_t(i.offset), int64_t(i.numel), i.decay});
+  for (const auto& i : infos) {
+    const size_t lo = std::max(i.offset, begin), hi = std::min(i.offset + i.numel, begin + size);
+    if (lo < hi) segs.push_back({int64_t(lo - begin), int64_t(hi - lo), i.decay});
+  }
   return segs;
 }
 
@@ -86,22 +90,31 @@ void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<Pa
                                       const GpuModelOptions& o, GpuTransformer::Impl& im, GpuMemoryPlan& plan,
                                       Take take, Take host) {
   const size_t n = stored.empty() ? 0 : stored.back().offset + stored.back().numel;
-  const auto segments = segments_of(stored);
+  const DeviceCollectives* shards = o.shard_optimizer;
+  const size_t ranks = shards ? size_t(shards->size()) : 1;
+  im.shard_size = shards ? ((n + ranks - 1) / ranks + 63) / 64 * 64 : n;
+  im.shard_begin = shards ? size_t(shards->rank()) * im.shard_size : 0;
+  im.padded = im.shard_size * ranks;
+  const auto segments = segments_of(stored, im.shard_begin, im.shard_size);
   const auto zeros = zero_table(c, stored);
   host.bucket = &plan.host;
   take.bucket = &plan.params;
-  im.w = take.arr<bf16>("params.bf16", n);
-  im.w_lo = (o.offload_master ? host : take).arr<int16_t>("params.master_low", n);
+  im.w = take.arr<bf16>("params.bf16", im.padded);
+  im.w_lo = (o.offload_master ? host : take).arr<int16_t>("params.master_low", im.padded);
   take.bucket = &plan.grads;
-  im.grad = take.arr<float>("params.grad", n);
+  im.grad = take.arr<float>("params.grad", im.padded);
   im.zero_chunks = take.arr<ZeroChunk>("grad.zero_table", zeros.size());
   take.bucket = &plan.optimizer;
   Take& moments = o.offload_moments ? host : take;
-  im.m = moments.arr<float>("adamw.m", n);
-  im.v = moments.arr<float>("adamw.v", n);
+  im.m_shard = moments.arr<float>("adamw.m", im.shard_size);
+  im.v_shard = moments.arr<float>("adamw.v", im.shard_size);
+  im.m = shards ? nullptr : im.m_shard;
+  im.v = shards ? nullptr : im.v_shard;
   plan.optimizer += gpu::SplitAdamWPlan::table_bytes_bound(segments);
   if (!take.arena) return;
-  im.adamw = std::make_unique<gpu::SplitAdamWPlan>(segments, *take.arena, im.head_pad ? head_segment(c, stored) : -1);
+  // Sharded, the padded head copy is refreshed from the gathered weights instead.
+  im.adamw = std::make_unique<gpu::SplitAdamWPlan>(segments, *take.arena,
+                                                   im.head_pad && !shards ? head_segment(c, stored) : -1);
   im.num_zero_chunks = static_cast<int64_t>(zeros.size());
   if (!zeros.empty())
     CUDA_CHECK(cudaMemcpy(im.zero_chunks, zeros.data(), zeros.size() * sizeof(ZeroChunk), cudaMemcpyHostToDevice));
@@ -116,6 +129,7 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
     keep->host_arena = std::move(im.state_host);
     keep->w = im.w;
     keep->w_lo = im.w_lo;
+    keep->gathered = std::move(im.gathered);  // sharded: the whole moments, gathered by the caller
     keep->m = im.m;
     keep->v = im.v;
   }
@@ -147,6 +161,7 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
   im.adamw.reset();
   im.state = DeviceArena();
   im.state_host = DeviceArena();
+  im.gathered = DeviceArena();
   GpuMemoryPlan state;
   lay_out_state_buffers(cfg_, im.stored, opt_, im, state, Take{}, Take{});
   im.state = DeviceArena(state.total(), "parameter state");
@@ -178,13 +193,15 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
     slot.db = gp(module_of(weight) + ".bias");
   }
 
-  // A defined start: zero parameters, gradients and moments.
-  CUDA_CHECK(cudaMemsetAsync(im.w, 0, sizeof(bf16) * nstored_, stream_));
-  CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * nstored_, stream_));
+  // A defined start: zero parameters, gradients and moments (and the padding, for good).
+  CUDA_CHECK(cudaMemsetAsync(im.w, 0, sizeof(bf16) * im.padded, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * im.padded, stream_));
   // Offloaded buffers too: the device writes the mapped host memory.
-  CUDA_CHECK(cudaMemsetAsync(im.w_lo, 0, sizeof(int16_t) * nstored_, stream_));
-  CUDA_CHECK(cudaMemsetAsync(im.m, 0, sizeof(float) * nstored_, stream_));
-  CUDA_CHECK(cudaMemsetAsync(im.v, 0, sizeof(float) * nstored_, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.w_lo, 0, sizeof(int16_t) * im.padded, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.m_shard, 0, sizeof(float) * im.shard_size, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.v_shard, 0, sizeof(float) * im.shard_size, stream_));
+  // Sharded, a state that moves in is written whole: into a whole copy of zeros.
+  if (opt_.shard_optimizer && state_written_) fresh_whole_moments();
   im.zero_pending = false;
   // The captured graphs baked the old buffers in.
   im.step_graphs.clear();
@@ -344,6 +361,7 @@ void GpuTransformer::set_optimizer_state(const float* m, const float* v, size_t 
   ESPLAG_CHECK(n == nparams_, "GpuTransformer::set_optimizer_state: got ", n, " moments, the model has ", nparams_,
                " parameters");
   ESPLAG_CHECK(steps >= 0, "GpuTransformer::set_optimizer_state: negative step count ", steps);
+  whole_moments_for_write();
   transfer({from_host(m, infos_, stream_), copy_stored(impl_->m, true, stream_)}, true);
   transfer({from_host(v, infos_, stream_), copy_stored(impl_->v, true, stream_)}, true);
   synchronize();
@@ -352,6 +370,7 @@ void GpuTransformer::set_optimizer_state(const float* m, const float* v, size_t 
 }
 
 void GpuTransformer::optimizer_state_to_host(std::vector<float>& m, std::vector<float>& v) const {
+  check_whole_moments("optimizer_state_to_host");
   m.assign(nparams_, 0.f);
   v.assign(nparams_, 0.f);
   transfer({to_host(m.data(), &infos_, stream_), copy_stored(impl_->m, false, stream_)}, false);
@@ -360,13 +379,15 @@ void GpuTransformer::optimizer_state_to_host(std::vector<float>& m, std::vector<
 
 void GpuTransformer::tensor_moments_to_host(size_t k, float* m, float* v) const {
   ESPLAG_CHECK(k < infos_.size(), "GpuTransformer::tensor_moments_to_host: no flat tensor ", k);
+  check_whole_moments("tensor_moments_to_host");
   transfer({to_host(m, nullptr, stream_), copy_stored(impl_->m, false, stream_)}, false, k, k + 1);
   transfer({to_host(v, nullptr, stream_), copy_stored(impl_->v, false, stream_)}, false, k, k + 1);
 }
 
 std::pair<const float*, const float*> GpuTransformer::offloaded_moments(size_t k) const {
   const Impl& im = *impl_;
-  if (!opt_.offload_moments || k >= infos_.size() || im.stored[k].numel != infos_[k].numel) return {nullptr, nullptr};
+  const bool whole_on_host = opt_.shard_optimizer ? im.m != nullptr : opt_.offload_moments;
+  if (!whole_on_host || k >= infos_.size() || im.stored[k].numel != infos_[k].numel) return {nullptr, nullptr};
   const size_t at = im.stored[k].offset;
   return {im.m + at, im.v + at};
 }
@@ -418,6 +439,7 @@ void GpuTransformer::stored_to_host(StateField f, size_t at, size_t n, float* ho
     return;
   }
   if (f == StateField::grad) settle_zero_grad();
+  if (f != StateField::grad) check_whole_moments("stored_to_host");
   const float* base = f == StateField::grad ? im.grad : f == StateField::m ? im.m : im.v;
   CUDA_CHECK(cudaMemcpyAsync(host, base + at, sizeof(float) * n, cudaMemcpyDefault, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -434,6 +456,7 @@ void GpuTransformer::stored_from_host(StateField f, size_t at, size_t n, const f
       gpu::master_split(im.w + at + o, im.w_lo + at + o, stage, int64_t(k), stream_);
     }
   } else {
+    if (f != StateField::grad) whole_moments_for_write();
     float* base = f == StateField::grad ? im.grad : f == StateField::m ? im.m : im.v;
     CUDA_CHECK(cudaMemcpyAsync(base + at, host, sizeof(float) * n, cudaMemcpyDefault, stream_));
   }
@@ -460,6 +483,97 @@ void GpuTransformer::settle_zero_grad() const {
   if (!im.zero_pending) return;
   CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * nstored_, stream_));
   im.zero_pending = false;
+}
+
+}  // namespace esplag
+
+// --- sharded moments (GpuModelOptions::shard_optimizer) -----------------------------------
+
+namespace esplag {
+
+void GpuTransformer::check_whole_moments(const char* who) const {
+  ESPLAG_CHECK(impl_->m, "GpuTransformer::", who, ": the moments are sharded over the ranks; call "
+               "gather_optimizer_state first");
+}
+
+void GpuTransformer::gather_optimizer_state() {
+  Impl& im = *impl_;
+  DeviceCollectives* ranks = opt_.shard_optimizer;
+  if (!ranks || im.m) return;
+  allocate_whole_moments();
+  // Through the shared scratch region, a piece of every rank's chunk at a time.
+  float* stage = reinterpret_cast<float*>(im.shared);
+  const size_t n = size_t(ranks->size());
+  const size_t piece = std::min(im.shard_size, im.sizes.total / sizeof(float) / n);
+  ESPLAG_CHECK(piece > 0 || im.shard_size == 0, "GpuTransformer: no room to gather the optimizer state");
+  for (auto [shard, whole] : {std::pair{im.m_shard, im.m}, std::pair{im.v_shard, im.v}})
+    for (size_t o = 0; o < im.shard_size; o += piece) {
+      const size_t len = std::min(piece, im.shard_size - o);
+      CUDA_CHECK(cudaMemcpyAsync(stage + size_t(ranks->rank()) * len, shard + o, sizeof(float) * len,
+                                 cudaMemcpyDefault, stream_));
+      ranks->all_gather(stage, sizeof(float) * len, stream_);
+      for (size_t r = 0; r < n; ++r)
+        CUDA_CHECK(cudaMemcpyAsync(whole + r * im.shard_size + o, stage + r * len, sizeof(float) * len,
+                                   cudaMemcpyDefault, stream_));
+    }
+  synchronize();
+}
+
+void GpuTransformer::whole_moments_for_write() {
+  Impl& im = *impl_;
+  if (!opt_.shard_optimizer) return;
+  if (!im.m) {
+    if (state_written_)
+      gather_optimizer_state();
+    else  // all zero everywhere: nothing to gather
+      fresh_whole_moments();
+  }
+  impl_->gathered_written = true;
+}
+
+void GpuTransformer::fresh_whole_moments() {
+  Impl& im = *impl_;
+  allocate_whole_moments();
+  CUDA_CHECK(cudaMemsetAsync(im.m, 0, sizeof(float) * im.padded, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.v, 0, sizeof(float) * im.padded, stream_));
+  im.gathered_written = true;
+}
+
+void GpuTransformer::allocate_whole_moments() {
+  Impl& im = *impl_;
+  im.gathered = DeviceArena(2 * sizeof(float) * im.padded + 2 * DeviceArena::kDefaultAlignment,
+                            "the whole optimizer state (sharded over the ranks)", DeviceArena::Memory::pinned_host);
+  im.m = im.gathered.allocate_array<float>("adamw.m (whole)", im.padded);
+  im.v = im.gathered.allocate_array<float>("adamw.v (whole)", im.padded);
+  im.gathered_written = false;
+}
+
+void GpuTransformer::settle_moments() {
+  Impl& im = *impl_;
+  if (!opt_.shard_optimizer || !im.m) return;
+  if (im.gathered_written) {
+    CUDA_CHECK(cudaMemcpyAsync(im.m_shard, im.m + im.shard_begin, sizeof(float) * im.shard_size, cudaMemcpyDefault,
+                               stream_));
+    CUDA_CHECK(cudaMemcpyAsync(im.v_shard, im.v + im.shard_begin, sizeof(float) * im.shard_size, cudaMemcpyDefault,
+                               stream_));
+  }
+  synchronize();  // before the pinned memory goes
+  im.gathered = DeviceArena();
+  im.m = im.v = nullptr;
+  im.gathered_written = false;
+}
+
+void GpuTransformer::zero_moments(size_t at, size_t n) {
+  Impl& im = *impl_;
+  if (im.m) {
+    CUDA_CHECK(cudaMemsetAsync(im.m + at, 0, sizeof(float) * n, stream_));
+    CUDA_CHECK(cudaMemsetAsync(im.v + at, 0, sizeof(float) * n, stream_));
+  }
+  if (im.m_shard == im.m) return;  // not sharded
+  const size_t lo = std::max(at, im.shard_begin), hi = std::min(at + n, im.shard_begin + im.shard_size);
+  if (lo >= hi) return;
+  CUDA_CHECK(cudaMemsetAsync(im.m_shard + (lo - im.shard_begin), 0, sizeof(float) * (hi - lo), stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.v_shard + (lo - im.shard_begin), 0, sizeof(float) * (hi - lo), stream_));
 }
 
 }  // namespace esplag

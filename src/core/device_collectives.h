@@ -1,0 +1,33 @@
+// The collectives a GPU model needs when data-parallel ranks shard its optimizer state
+// (ZeRO stage 1: GpuModelOptions::shard_optimizer). The model only queues them; what
+// carries them (NCCL: dist/cuda/nccl_comm.h) is the caller's. Every rank calls them in the
+// same order with the same sizes; each is queued on `stream` and waits for nothing.
+//
+// Only for the CUDA build.
+#pragma once
+
+#ifndef ESPLAG_HAVE_CUDA
+#error "core/device_collectives.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#endif
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+namespace esplag {
+
+class DeviceCollectives {
+ public:
+  virtual ~DeviceCollectives() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // data [size() · chunk] fp32, in place: chunk r of rank r becomes the mean over the ranks
+  // of everyone's chunk r (the rest of data is left as it was, or scratch).
+  virtual void reduce_scatter_mean(float* data, size_t chunk, cudaStream_t stream) = 0;
+  // data [size() · chunk_bytes], in place: every rank's chunk r becomes rank r's chunk r.
+  virtual void all_gather(void* data, size_t chunk_bytes, cudaStream_t stream) = 0;
+  // data [n] fp32, in place: the sum over the ranks.
+  virtual void all_reduce_sum(float* data, size_t n, cudaStream_t stream) = 0;
+};
+
+}  // namespace esplag
