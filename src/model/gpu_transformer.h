@@ -72,6 +72,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -424,6 +425,12 @@ class GpuTransformer {
   std::string linear_kind(const std::string& weight_name) const;
   // The block Linear layer of that weight (its adapter when it has one; model/device_linear.h).
   DeviceLinear& linear(const std::string& weight_name);
+  // That layer's own tensors (an adapter's) from its CPU twin, with their moments where m, v
+  // hold them (DeviceLinear::extras_from_twin); sharded moments are written into the whole
+  // copy (gathered first: a collective when the layer has such tensors).
+  using NamedMoments = std::map<std::string, std::vector<float>>;  // NamedValues (model/device_linear.h)
+  void extras_from_twin(const std::string& weight_name, Linear<float>& twin, const NamedMoments* m,
+                        const NamedMoments* v);
   // What the last set_linear_kinds that changed a layer spent its time on ("" before one).
   const std::string& kind_change_report() const { return kind_change_report_; }
   // A semi_sparse_activation layer's pattern (Error for other layers).
@@ -556,6 +563,9 @@ class GpuTransformer {
   void fresh_whole_moments();
   // Error unless the moments are whole (not sharded, or gathered).
   void check_whole_moments(const char* who) const;
+  // Every block Linear layer's views of the current state (lay_out_state; sharded, again
+  // whenever the whole moments appear or go).
+  void bind_layers();
   // Zeroes the moments of [at, at + n) of the storage layout, in the chunk and in the whole
   // copy where there is one.
   void zero_moments(size_t at, size_t n);

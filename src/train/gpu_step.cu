@@ -117,7 +117,7 @@ class GpuStep final : public StepBackend {
         std::copy(vi->second.begin(), vi->second.end(), vf.begin() + info.offset);
       }
       model_.set_optimizer_state(mf.data(), vf.data(), mf.size(), steps_done);
-      for (const auto& name : linears_) model_.linear(name).extras_from_twin(host_.linear(name), &m, &v);
+      for (const auto& name : linears_) model_.extras_from_twin(name, host_.linear(name), &m, &v);
     } else {
       ESPLAG_CHECK(steps_done == 0, "GPU training: no optimizer state given after ", steps_done, " steps");
     }
@@ -324,7 +324,7 @@ class GpuStep final : public StepBackend {
     // An adapter enabled for this step starts from the host's (L drawn, R zero), moments zero.
     for (const auto& name : linears_)
       if (model_.lora_rank(name) > 0 && !had_adapter.count(name))
-        model_.linear(name).extras_from_twin(host_.linear(name), nullptr, nullptr);
+        model_.extras_from_twin(name, host_.linear(name), nullptr, nullptr);
     const auto t3 = clock::now();
     if (changed) {
       const auto s = [](auto d) { return std::chrono::duration<double>(d).count(); };

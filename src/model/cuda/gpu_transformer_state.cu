@@ -188,10 +188,8 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
     im.blocks[l].n1 = norm(b + "norm1");
     im.blocks[l].n2 = norm(b + "norm2");
   }
-  for (auto& [weight, slot] : im.linears) {  // each keeps its kind
-    slot.top().bind(linear_views(weight, &slot.top()));
-    slot.db = gp(module_of(weight) + ".bias");
-  }
+  for (auto& [weight, slot] : im.linears) slot.db = gp(module_of(weight) + ".bias");
+  bind_layers();  // each keeps its kind
 
   // A defined start: zero parameters, gradients and moments (and the padding, for good).
   CUDA_CHECK(cudaMemsetAsync(im.w, 0, sizeof(bf16) * im.padded, stream_));
@@ -214,7 +212,18 @@ DeviceTensorView GpuTransformer::view(const std::string& name) const {
   const auto it = std::find_if(im.stored.begin(), im.stored.end(), [&](const ParamInfo& i) { return i.name == name; });
   if (it == im.stored.end()) return {};
   const size_t o = it->offset;
-  return {im.w + o, im.w_lo + o, im.grad + o, im.m + o, im.v + o};
+  return {im.w + o, im.w_lo + o, im.grad + o, im.m ? im.m + o : nullptr, im.v ? im.v + o : nullptr};
+}
+
+void GpuTransformer::bind_layers() {
+  for (auto& [weight, slot] : impl_->linears) slot.top().bind(linear_views(weight, &slot.top()));
+}
+
+void GpuTransformer::extras_from_twin(const std::string& weight_name, Linear<float>& twin, const NamedMoments* m,
+                                      const NamedMoments* v) {
+  DeviceLinear& layer = linear(weight_name);
+  if (!layer.extra_tensors().empty()) whole_moments_for_write();  // they write their moments through their views
+  layer.extras_from_twin(twin, m, v);
 }
 
 DeviceLinearParams GpuTransformer::linear_views(const std::string& weight_name, const DeviceLinear* layer) const {
@@ -546,6 +555,7 @@ void GpuTransformer::allocate_whole_moments() {
   im.m = im.gathered.allocate_array<float>("adamw.m (whole)", im.padded);
   im.v = im.gathered.allocate_array<float>("adamw.v (whole)", im.padded);
   im.gathered_written = false;
+  bind_layers();  // the layers' own tensors reach their moments through their views
 }
 
 void GpuTransformer::settle_moments() {
@@ -561,6 +571,7 @@ void GpuTransformer::settle_moments() {
   im.gathered = DeviceArena();
   im.m = im.v = nullptr;
   im.gathered_written = false;
+  bind_layers();
 }
 
 void GpuTransformer::zero_moments(size_t at, size_t n) {
