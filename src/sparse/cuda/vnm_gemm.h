@@ -26,7 +26,10 @@
 // Supported: V a multiple of 64 (64, 128, ...; the 16 and 32 that the CPU side allows are
 // refused), 4 <= M <= 16 (M = 4 is plain 2:4), any in features that are a multiple of M.
 //
-// Performance (H100, bench/results/vnm-gemm-h100.csv): correct, but on the measured LLM
+// On sm_90 the forward runs by default on a second kernel built on Hopper's sparse warpgroup
+// MMA, wgmma.sp (sparse/cuda/vnm_wgmma.cu; VnmKernel below), from the same converted weight.
+//
+// Performance of the mma.sp kernel (H100, bench/results/vnm-gemm-h100.csv): correct, but on the measured LLM
 // shapes SLOWER than the dense cuBLASLt GEMM on the decompressed weight: dense time / ours
 // is 0.55-0.57 for 64:2:8, 0.60-0.62 for 128:2:8 and 0.89-0.96 for 64:2:16. Until the
 // kernel is faster (vnm_gemm.cu says why it is not, and what would fix it), a model should
