@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -81,8 +82,47 @@ class Dev : public esplag::gpu_test::DeviceBuffers {
   }
 };
 
-void expect_matches(const std::string& what, const VD& ref, const VF& low, const VF& got, bool bf16_out) {
+// Where a wrong result goes wrong, for the failure message: the first non-finite output and
+// the largest error, as (token, out row) with got vs expected. `rows` = out features.
+std::string first_bad(const VD& ref, const VF& got, int64_t rows) {
+  size_t nan_at = got.size(), worst = 0;
+  double worst_err = -1;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) {
+      if (nan_at == got.size()) nan_at = i;
+      continue;
+    }
+    const double e = std::fabs(double(got[i]) - ref[i]);
+    if (e > worst_err) worst_err = e, worst = i;
+  }
+  char buf[256];
+  std::string out;
+  if (nan_at < got.size()) {
+    std::snprintf(buf, sizeof buf, "first non-finite output at index %zu (token %lld, row %lld), expected %.6g; ",
+                  nan_at, (long long)(int64_t(nan_at) / rows), (long long)(int64_t(nan_at) % rows), ref[nan_at]);
+    out += buf;
+  }
+  if (worst_err >= 0) {
+    std::snprintf(buf, sizeof buf, "largest error %.3g at index %zu (token %lld, row %lld): got %.6g, expected %.6g",
+                  worst_err, worst, (long long)(int64_t(worst) / rows), (long long)(int64_t(worst) % rows),
+                  double(got[worst]), ref[worst]);
+    out += buf;
+  }
+  return out;
+}
+
+void expect_matches(const std::string& what, const VD& ref, const VF& low, const VF& got, bool bf16_out,
+                    int64_t rows) {
+  SCOPED_TRACE(what + ": " + first_bad(ref, got, rows));
   esplag::gpu_test::expect_within_low_precision(what, ref, low, got, bf16_out, "CPU fp32");
+}
+
+// The kernels a forward test runs: the mma.sp kernel always, the wgmma.sp kernel where the
+// device has it (WgmmaKernelIsAvailableOnSm90 fails where it should and does not).
+std::vector<gpu::VnmKernel> kernels_to_test() {
+  std::vector<gpu::VnmKernel> k = {gpu::VnmKernel::mma_sp};
+  if (gpu::vnm_wgmma_available()) k.push_back(gpu::VnmKernel::wgmma_sp);
+  return k;
 }
 
 class GpuVnm : public ::testing::Test {
@@ -196,31 +236,37 @@ void run_forward(const Case& c, uint64_t seed) {
   gpu::vnm_transpose_input(reinterpret_cast<bf16*>(xt), dx, c.tokens, c.cols, dev.stream());
   std::vector<VF> results;
   std::vector<std::string> names;
-  for (const gpu::VnmTile tile : tiles)
-    for (const bool transposed : {false, true}) {
-      VF got;
-      if (c.f32_out) {
-        float* out = dev.poisoned<float>(n_out, c.out_offset);
-        if (transposed)
-          gpu::vnm_linear_forward_xt(out, reinterpret_cast<const bf16*>(xt), ldxt, dw, dbias, c.tokens, dev.stream(),
-                                     tile);
-        else
-          gpu::vnm_linear_forward(out, dx, dw, dbias, c.tokens, dev.stream(), tile);
-        got = dev.get(out, n_out);
-      } else {
-        uint16_t* out = dev.poisoned<uint16_t>(n_out, c.out_offset);
-        if (transposed)
-          gpu::vnm_linear_forward_xt(reinterpret_cast<bf16*>(out), reinterpret_cast<const bf16*>(xt), ldxt, dw, dbias,
-                                     c.tokens, dev.stream(), tile);
-        else
-          gpu::vnm_linear_forward(reinterpret_cast<bf16*>(out), dx, dw, dbias, c.tokens, dev.stream(), tile);
-        const Bits bits = dev.get(out, n_out);
-        got.resize(n_out);
-        for (size_t i = 0; i < n_out; ++i) got[i] = esplag::bf16_to_float(bits[i]);
+  for (const gpu::VnmKernel kernel : kernels_to_test())
+    for (const gpu::VnmTile tile : tiles) {
+      if (kernel == gpu::VnmKernel::wgmma_sp && tile != tiles.front()) continue;  // no warp tiles to choose
+      for (const bool transposed : {false, true}) {
+        VF got;
+        if (c.f32_out) {
+          float* out = dev.poisoned<float>(n_out, c.out_offset);
+          if (transposed)
+            gpu::vnm_linear_forward_xt(out, reinterpret_cast<const bf16*>(xt), ldxt, dw, dbias, c.tokens,
+                                       dev.stream(), tile, kernel);
+          else
+            gpu::vnm_linear_forward(out, dx, dw, dbias, c.tokens, dev.stream(), tile, kernel);
+          got = dev.get(out, n_out);
+        } else {
+          uint16_t* out = dev.poisoned<uint16_t>(n_out, c.out_offset);
+          if (transposed)
+            gpu::vnm_linear_forward_xt(reinterpret_cast<bf16*>(out), reinterpret_cast<const bf16*>(xt), ldxt, dw,
+                                       dbias, c.tokens, dev.stream(), tile, kernel);
+          else
+            gpu::vnm_linear_forward(reinterpret_cast<bf16*>(out), dx, dw, dbias, c.tokens, dev.stream(), tile, kernel);
+          const Bits bits = dev.get(out, n_out);
+          got.resize(n_out);
+          for (size_t i = 0; i < n_out; ++i) got[i] = esplag::bf16_to_float(bits[i]);
+        }
+        results.push_back(std::move(got));
+        std::string name = kernel == gpu::VnmKernel::wgmma_sp ? "wgmma.sp" : "mma.sp";
+        name += transposed ? " forward from X transposed" : " forward";
+        if (kernel == gpu::VnmKernel::mma_sp)
+          name += tile == gpu::VnmTile::rows128 ? ", 128-row warp tile" : ", 64-row warp tile";
+        names.push_back(name);
       }
-      results.push_back(std::move(got));
-      names.push_back(std::string(transposed ? "vnm forward from X transposed" : "vnm forward") +
-                      (tile == gpu::VnmTile::rows128 ? ", 128-row warp tile" : ", 64-row warp tile"));
     }
   // fp64 reference over the kept values, and the CPU's fp32 computation.
   const int64_t blocks = c.cols / c.m;
@@ -238,7 +284,7 @@ void run_forward(const Case& c, uint64_t seed) {
   cpu::linear_vnm(low.data(), x.f.data(), w, c.bias ? bias.f.data() : nullptr, c.tokens);
   if (!c.f32_out)
     for (float& v : low) v = round_bf16(v);
-  for (size_t i = 0; i < results.size(); ++i) expect_matches(names[i], ref, low, results[i], !c.f32_out);
+  for (size_t i = 0; i < results.size(); ++i) expect_matches(names[i], ref, low, results[i], !c.f32_out, c.rows);
 }
 
 TEST_F(GpuVnm, ForwardSmallestWeights) {
@@ -262,6 +308,60 @@ TEST_F(GpuVnm, ForwardNonSquare) {
   // V not dividing the 256-row tile: row blocks straddle thread-block tiles.
   run_forward({192, 8, 576, 8 * 16, 100}, 41);
   run_forward({256, 6, 768, 6 * 40, 77, true, true}, 42);
+}
+
+// The wgmma.sp kernel's tiles (128 out rows as two 64-row warpgroups, 128 tokens, K steps
+// of 8 blocks) at sizes that are not multiples of them, small and large, for the patterns
+// the benchmark runs; every case runs on both kernels (run_forward).
+TEST_F(GpuVnm, ForwardAwkwardSizesAllPatterns) {
+  struct P {
+    int v, m;
+  };
+  for (const P pat : {P{64, 8}, P{128, 8}, P{64, 16}, P{64, 5}}) {
+    const int64_t v = pat.v, m = pat.m;
+    const uint64_t seed = uint64_t(1000 + 10 * v + m);
+    run_forward({pat.v, pat.m, v, m * 3, 1}, seed);                              // one row block, one partial step
+    run_forward({pat.v, pat.m, 3 * v, m * 8 * 5 + m * 3, 129, true}, seed + 1);  // a half-empty 128-row tile
+    run_forward({pat.v, pat.m, 5 * v, m * 8 * 12, 255, false, true}, seed + 2);
+    run_forward({pat.v, pat.m, 16 * v, m * 8 * 24 + m, 700, true}, seed + 3);    // larger, bias, 1 block past a step
+  }
+}
+
+TEST_F(GpuVnm, WgmmaKernelIsAvailableOnSm90) {
+  int dev = 0, major = 0, minor = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  std::printf("[ vnm kernels ] compute capability %d.%d, wgmma.sp kernel %s\n", major, minor,
+              gpu::vnm_wgmma_available() ? "available" : "not available");
+  if (major == 9 && minor == 0)
+    EXPECT_TRUE(gpu::vnm_wgmma_available()) << "an sm_90 device, but the loaded image of vnm_wgmma.cu is not the "
+                                               "sm_90a one (check the --generate-code flags of the build)";
+}
+
+TEST_F(GpuVnm, KernelSelection) {
+  const gpu::VnmKernel best = gpu::vnm_wgmma_available() ? gpu::VnmKernel::wgmma_sp : gpu::VnmKernel::mma_sp;
+  unsetenv("ESPLAG_VNM_KERNEL");
+  EXPECT_EQ(gpu::vnm_resolve_kernel(gpu::VnmKernel::automatic), best);
+  EXPECT_EQ(gpu::vnm_resolve_kernel(gpu::VnmKernel::mma_sp), gpu::VnmKernel::mma_sp);
+  setenv("ESPLAG_VNM_KERNEL", "mma_sp", 1);
+  EXPECT_EQ(gpu::vnm_resolve_kernel(gpu::VnmKernel::automatic), gpu::VnmKernel::mma_sp);
+  setenv("ESPLAG_VNM_KERNEL", "fast", 1);
+  try {
+    gpu::vnm_resolve_kernel(gpu::VnmKernel::automatic);
+    ADD_FAILURE() << "an unknown ESPLAG_VNM_KERNEL was accepted";
+  } catch (const esplag::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ESPLAG_VNM_KERNEL"), std::string::npos) << e.what();
+  }
+  unsetenv("ESPLAG_VNM_KERNEL");
+  if (!gpu::vnm_wgmma_available()) {
+    try {
+      gpu::vnm_resolve_kernel(gpu::VnmKernel::wgmma_sp);
+      ADD_FAILURE() << "the wgmma.sp kernel was accepted on a device without it";
+    } catch (const esplag::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("sm_90a"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST_F(GpuVnm, ForwardUnalignedPointersAndWidths) {
@@ -326,12 +426,10 @@ TEST_F(GpuVnm, UpdateValuesKeepsIndices) {
   for (uint16_t& v : w.inner.values) v = esplag::float_to_bf16(float(rng.normal()));
   gpu::vnm_update_values(dw, reinterpret_cast<const bf16*>(dev.put(w.inner.values)), dev.stream());
   const Data x = random_bf16(size_t(tokens * cols), 73);
-  float* out = dev.poisoned<float>(size_t(tokens * rows));
-  gpu::vnm_linear_forward(out, reinterpret_cast<const bf16*>(dev.put(x.bits)), dw, nullptr, tokens, dev.stream());
-  const VF got = dev.get(out, size_t(tokens * rows));
-  VF low(got.size());
+  const size_t n_out = size_t(tokens * rows);
+  VF low(n_out);
   cpu::linear_vnm(low.data(), x.f.data(), w, nullptr, tokens);
-  VD ref(got.size());
+  VD ref(n_out);
   VF dense(size_t(rows * cols));
   cpu::decompress_vnm(w, dense.data());
   for (int64_t t = 0; t < tokens; ++t)
@@ -340,7 +438,14 @@ TEST_F(GpuVnm, UpdateValuesKeepsIndices) {
       for (int64_t k = 0; k < cols; ++k) acc += double(dense[r * cols + k]) * double(x.f[t * cols + k]);
       ref[t * rows + r] = acc;
     }
-  expect_matches("forward after vnm_update_values", ref, low, got, false);
+  const bf16* dx = reinterpret_cast<const bf16*>(dev.put(x.bits));
+  for (const gpu::VnmKernel kernel : kernels_to_test()) {
+    float* out = dev.poisoned<float>(n_out);
+    gpu::vnm_linear_forward(out, dx, dw, nullptr, tokens, dev.stream(), gpu::VnmTile::automatic, kernel);
+    expect_matches(std::string("forward after vnm_update_values, ") +
+                       (kernel == gpu::VnmKernel::wgmma_sp ? "wgmma.sp" : "mma.sp"),
+                   ref, low, dev.get(out, n_out), false, rows);
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -414,6 +519,7 @@ TEST_F(GpuVnm, VnmGemmTiming) {
   for (const auto& r : results) {
     EXPECT_GT(r.vnm_ms, 0.0);
     EXPECT_GT(r.vnm_xt_ms, 0.0);
+    if (gpu::vnm_wgmma_available()) EXPECT_GT(r.wgmma_ms * r.wgmma_xt_ms, 0.0);
     EXPECT_LT(r.spot_rel_error, 2e-2) << r.pattern.v << ":2:" << r.pattern.m << " " << r.shape.out << "x"
                                       << r.shape.in << "x" << r.shape.tokens << ": sparse GEMM output is wrong";
   }

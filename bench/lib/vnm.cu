@@ -57,7 +57,18 @@ std::vector<VnmBenchShape> vnm_bench_default_shapes() {
   return {{8192, 2048, 16384}, {2048, 8192, 16384}, {11008, 4096, 8192}, {4096, 11008, 8192}, {4096, 4096, 8192}};
 }
 
-std::vector<VnmBenchPattern> vnm_bench_default_patterns() { return {{64, 8}, {128, 8}, {64, 16}}; }
+std::vector<VnmBenchPattern> vnm_bench_default_patterns() { return {{64, 8}, {128, 8}, {64, 16}, {64, 5}}; }
+
+double vnm_wgmma_sp_peak_tflops() {
+  int dev = 0, major = 0, minor = 0, sms = 0, clock_khz = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, dev));
+  if (major != 9 || minor != 0) return 0.0;
+  return double(sms) * 4096.0 * double(clock_khz) * 1e3 / 1e12;
+}
 
 CompressedVNMBf16 random_vnm_weight(int64_t rows, int64_t cols, int v, int m, uint64_t seed) {
   ESPLAG_CHECK(v > 0 && m >= 4 && m <= 16 && rows > 0 && cols > 0 && rows % v == 0 && cols % m == 0,
@@ -109,7 +120,8 @@ std::vector<VnmBenchResult> vnm_bench(const std::vector<VnmBenchShape>& shapes,
                    "vnm_bench: bad shape out ", sh.out, " in ", sh.in, " tokens ", sh.tokens);
       size_t vnm_bytes = 0;
       for (const VnmBenchPattern& p : patterns)
-        vnm_bytes = std::max(vnm_bytes, vnm_device_weight_bytes(sh.out, sh.in, p.v, p.m));
+        if (sh.out % p.v == 0 && sh.in % p.m == 0)
+          vnm_bytes = std::max(vnm_bytes, vnm_device_weight_bytes(sh.out, sh.in, p.v, p.m));
       const size_t x_bytes = size_t(sh.tokens * sh.in) * 2, y_bytes = size_t(sh.tokens * sh.out) * 2,
                    w_bytes = size_t(sh.out * sh.in) * 2;
       // The upload's temporaries: columns, values, metadata of the CPU layout (< 1 B per weight).
@@ -128,28 +140,43 @@ std::vector<VnmBenchResult> vnm_bench(const std::vector<VnmBenchShape>& shapes,
       const double dense_ms =
           median_ms([&] { gemm.forward(y, x, wd, nullptr, N, C, OC, stream); }, warmup, iters, stream);
       const double flops = 2.0 * double(sh.out) * double(sh.in) * double(sh.tokens);
+      const bool wgmma = vnm_wgmma_available();
+      const double peak = vnm_wgmma_sp_peak_tflops();
       for (const VnmBenchPattern& p : patterns) {
+        if (sh.out % p.v != 0 || sh.in % p.m != 0) continue;
         const size_t mark = arena.mark();
         const CompressedVNMBf16 hw = random_vnm_weight(sh.out, sh.in, p.v, p.m, seed * 7919 + uint64_t(p.v * 17 + p.m));
         const VnmDeviceWeight w = vnm_upload_weight(hw, arena, stream);
-        CUDA_CHECK(cudaMemsetAsync(y, 0xFF, y_bytes, stream));  // NaN: unwritten outputs would show
         VnmBenchResult r;
         r.pattern = p;
         r.shape = sh;
         r.dense_ms = dense_ms;
-        r.vnm_ms = median_ms([&] { vnm_linear_forward(y, x, w, nullptr, sh.tokens, stream); }, warmup, iters, stream);
-        r.spot_rel_error = spot_check(hw, x, y, sh.tokens, stream);
-        CUDA_CHECK(cudaMemsetAsync(y, 0xFF, y_bytes, stream));
+        // One timed path: median time, then the spot check of its output (poisoned before).
+        auto timed = [&](const std::function<void()>& launch) {
+          CUDA_CHECK(cudaMemsetAsync(y, 0xFF, y_bytes, stream));  // NaN: unwritten outputs would show
+          const double ms = median_ms(launch, warmup, iters, stream);
+          r.spot_rel_error = std::max(r.spot_rel_error, spot_check(hw, x, y, sh.tokens, stream));
+          return ms;
+        };
+        constexpr VnmTile kTile = VnmTile::automatic;
         r.transpose_ms =
             median_ms([&] { vnm_transpose_input(xt, x, sh.tokens, sh.in, stream); }, warmup, iters, stream);
-        r.vnm_xt_ms = median_ms([&] { vnm_linear_forward_xt(y, xt, ldxt, w, nullptr, sh.tokens, stream); }, warmup,
-                                iters, stream);
-        r.spot_rel_error = std::max(r.spot_rel_error, spot_check(hw, x, y, sh.tokens, stream));
-        r.speedup = dense_ms / r.vnm_ms;
-        r.speedup_xt = dense_ms / (r.transpose_ms + r.vnm_xt_ms);
-        r.speedup_xt_only = dense_ms / r.vnm_xt_ms;
+        if (wgmma) {
+          r.wgmma_ms =
+              timed([&] { vnm_linear_forward(y, x, w, nullptr, sh.tokens, stream, kTile, VnmKernel::wgmma_sp); });
+          r.wgmma_xt_ms = timed(
+              [&] { vnm_linear_forward_xt(y, xt, ldxt, w, nullptr, sh.tokens, stream, kTile, VnmKernel::wgmma_sp); });
+          r.speedup = dense_ms / r.wgmma_ms;
+          r.speedup_xt = dense_ms / r.wgmma_xt_ms;
+        }
+        r.vnm_ms = timed([&] { vnm_linear_forward(y, x, w, nullptr, sh.tokens, stream, kTile, VnmKernel::mma_sp); });
+        r.vnm_xt_ms =
+            timed([&] { vnm_linear_forward_xt(y, xt, ldxt, w, nullptr, sh.tokens, stream, kTile, VnmKernel::mma_sp); });
+        r.speedup_mma = dense_ms / r.vnm_ms;
         r.dense_tflops = flops / (dense_ms * 1e9);
-        r.best_useful_tflops = flops * 2.0 / p.m / (std::min(r.vnm_ms, r.vnm_xt_ms) * 1e9);
+        const double best_ms = wgmma ? std::min(r.wgmma_ms, r.wgmma_xt_ms) : std::min(r.vnm_ms, r.vnm_xt_ms);
+        r.kept_tflops = flops * 2.0 / p.m / (best_ms * 1e9);
+        r.peak_fraction = peak > 0 ? r.kept_tflops / peak : 0.0;
         results.push_back(r);
         arena.release_to(mark);
       }
@@ -164,34 +191,38 @@ std::vector<VnmBenchResult> vnm_bench(const std::vector<VnmBenchShape>& shapes,
 
 std::string vnm_bench_table(const std::vector<VnmBenchResult>& results) {
   std::ostringstream os;
-  char line[320];
-  std::snprintf(line, sizeof line, "%-8s %6s %6s %6s | %8s %6s | %8s %7s | %8s %8s %7s %7s | %8s | %8s\n", "pattern",
-                "out", "in", "tokens", "dense ms", "TF/s", "X ms", "speedup", "Xt ms", "T ms", "T+Xt", "Xt only",
-                "kept TF", "spot err");
+  char line[400];
+  std::snprintf(line, sizeof line, "%-8s %6s %6s %6s | %8s %6s | %8s %8s %7s %7s | %8s %8s %7s | %8s | %7s %6s | %8s\n",
+                "pattern", "out", "in", "tokens", "dense ms", "TF/s", "wgmma X", "wgmma Xt", "ratio", "ratioXt",
+                "mma X", "mma Xt", "ratio", "T ms", "kept TF", "%peak", "spot err");
   os << line;
   for (const VnmBenchResult& r : results) {
     const std::string pat = std::to_string(r.pattern.v) + ":2:" + std::to_string(r.pattern.m);
     std::snprintf(line, sizeof line,
-                  "%-8s %6lld %6lld %6lld | %8.4f %6.1f | %8.4f %6.2fx | %8.4f %8.4f %6.2fx %6.2fx | %8.1f | %8.2e\n",
+                  "%-8s %6lld %6lld %6lld | %8.4f %6.1f | %8.4f %8.4f %6.2fx %6.2fx | %8.4f %8.4f %6.2fx | %8.4f | %7.1f "
+                  "%5.1f%% | %8.2e\n",
                   pat.c_str(), (long long)r.shape.out, (long long)r.shape.in, (long long)r.shape.tokens, r.dense_ms,
-                  r.dense_tflops, r.vnm_ms, r.speedup, r.vnm_xt_ms, r.transpose_ms, r.speedup_xt, r.speedup_xt_only,
-                  r.best_useful_tflops, r.spot_rel_error);
+                  r.dense_tflops, r.wgmma_ms, r.wgmma_xt_ms, r.speedup, r.speedup_xt, r.vnm_ms, r.vnm_xt_ms,
+                  r.speedup_mma, r.transpose_ms, r.kept_tflops, 100.0 * r.peak_fraction, r.spot_rel_error);
     os << line;
   }
-  os << "X: vnm_linear_forward on X [tokens, in]; Xt: vnm_linear_forward_xt on X transposed; T: the transpose;\n"
-        "speedups are cuBLASLt dense time over ours; kept TF: 2*out*tokens*in*2/M over the faster sparse time\n";
+  os << "wgmma: the wgmma.sp kernel (sm_90a; 0 where not available), mma: the mma.sp kernel; X: input [tokens, in],\n"
+        "Xt: input transposed (already there; T ms: the transpose that makes it); ratios: cuBLASLt dense time over\n"
+        "ours; kept TF: 2*out*tokens*in*2/M over the fastest sparse time (wgmma.sp where available); %peak: of the\n"
+        "wgmma.sp peak of kept products (SMs x 4096 FLOP/cycle x peak clock); shapes a pattern does not divide are "
+        "skipped\n";
   return os.str();
 }
 
 std::string vnm_bench_csv(const std::vector<VnmBenchResult>& results) {
   std::ostringstream os;
-  os << "v,m,out,in,tokens,dense_ms,vnm_ms,vnm_xt_ms,transpose_ms,speedup,speedup_xt,speedup_xt_only,dense_tflops,"
-        "best_useful_tflops,spot_rel_error\n";
+  os << "v,m,out,in,tokens,dense_ms,wgmma_ms,wgmma_xt_ms,vnm_ms,vnm_xt_ms,transpose_ms,speedup,speedup_xt,"
+        "speedup_mma,dense_tflops,kept_tflops,peak_fraction,spot_rel_error\n";
   for (const VnmBenchResult& r : results)
     os << r.pattern.v << ',' << r.pattern.m << ',' << r.shape.out << ',' << r.shape.in << ',' << r.shape.tokens << ','
-       << r.dense_ms << ',' << r.vnm_ms << ',' << r.vnm_xt_ms << ',' << r.transpose_ms << ',' << r.speedup << ','
-       << r.speedup_xt << ',' << r.speedup_xt_only << ',' << r.dense_tflops << ',' << r.best_useful_tflops << ','
-       << r.spot_rel_error << '\n';
+       << r.dense_ms << ',' << r.wgmma_ms << ',' << r.wgmma_xt_ms << ',' << r.vnm_ms << ',' << r.vnm_xt_ms << ','
+       << r.transpose_ms << ',' << r.speedup << ',' << r.speedup_xt << ',' << r.speedup_mma << ',' << r.dense_tflops
+       << ',' << r.kept_tflops << ',' << r.peak_fraction << ',' << r.spot_rel_error << '\n';
   return os.str();
 }
 

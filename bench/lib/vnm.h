@@ -35,33 +35,42 @@ struct VnmBenchResult {
   VnmBenchPattern pattern;
   VnmBenchShape shape;
   double dense_ms = 0;      // median, cuBLASLt dense bf16
-  double vnm_ms = 0;        // median, vnm_linear_forward (X as given, [tokens, in])
-  double vnm_xt_ms = 0;     // median, vnm_linear_forward_xt (Xᵀ [in, tokens] already there)
-  double transpose_ms = 0;  // median, vnm_transpose_input (what the Xᵀ path adds when X is [tokens, in])
-  double speedup = 0;       // dense_ms / vnm_ms
-  double speedup_xt = 0;    // dense_ms / (transpose_ms + vnm_xt_ms)
-  double speedup_xt_only = 0;         // dense_ms / vnm_xt_ms
-  double dense_tflops = 0;            // 2·out·in·tokens / dense time
-  double best_useful_tflops = 0;      // 2·out·tokens·(in·2/M) (kept weights only) / fastest sparse time
-  double spot_rel_error = 0;          // max |gpu - host| / rms(host) over the checked rows, both paths
+  double wgmma_ms = 0;      // median, wgmma.sp kernel on X [tokens, in] (0: not available on this device)
+  double wgmma_xt_ms = 0;   // median, wgmma.sp kernel on Xᵀ [in, tokens] (0: not available)
+  double vnm_ms = 0;        // median, mma.sp kernel (the fallback) on X [tokens, in]
+  double vnm_xt_ms = 0;     // median, mma.sp kernel on Xᵀ
+  double transpose_ms = 0;  // median, vnm_transpose_input (what the Xᵀ paths add when X is [tokens, in])
+  double speedup = 0;       // dense_ms / wgmma_ms (0 without wgmma.sp)
+  double speedup_xt = 0;    // dense_ms / wgmma_xt_ms (Xᵀ already there; 0 without wgmma.sp)
+  double speedup_mma = 0;   // dense_ms / vnm_ms
+  double dense_tflops = 0;  // 2·out·in·tokens / dense time
+  double kept_tflops = 0;   // 2·out·tokens·(in·2/M) (kept weights only) / fastest wgmma.sp time (mma.sp without it)
+  double peak_fraction = 0; // kept_tflops / the wgmma.sp peak of kept products (0 where unknown)
+  double spot_rel_error = 0;  // max |gpu - host| / rms(host) over the checked rows, all paths
 };
+
+// The wgmma.sp peak in TFLOP/s of kept products on the current device: a 2:4 sparse wgmma
+// does k32 in the time of a dense k16, so kept products run at the dense bf16 rate, 4096
+// FLOP per cycle per SM on sm_90 at the peak clock. 0 on other devices.
+double vnm_wgmma_sp_peak_tflops();
 
 // The benchmark shapes of llama-1b/7b GEMMs (out, in, tokens): 8192×2048×16384, 2048×8192×16384,
 // 11008×4096×8192, 4096×11008×8192, 4096×4096×8192 (11008 = 64·172 = 256·43, so every
 // pattern divides it without padding).
 std::vector<VnmBenchShape> vnm_bench_default_shapes();
-// 64:2:8, 128:2:8, 64:2:16.
+// 64:2:8, 128:2:8, 64:2:16, 64:2:5 (vnm_bench skips a pattern on shapes it does not divide).
 std::vector<VnmBenchPattern> vnm_bench_default_patterns();
 
-// Runs every pattern on every shape on the current device (warp tile: VnmTile::automatic).
-// Throws esplag::Error when a shape does not fit a pattern or the device lacks memory.
+// Runs every pattern on every shape it divides (out % V, in % M) on the current device: the
+// wgmma.sp kernel where available and the mma.sp kernel (warp tile automatic), each chosen
+// explicitly (ESPLAG_VNM_KERNEL does not apply). Throws esplag::Error when the device lacks memory.
 std::vector<VnmBenchResult> vnm_bench(const std::vector<VnmBenchShape>& shapes,
                                       const std::vector<VnmBenchPattern>& patterns, int warmup = 5, int iters = 20,
                                       uint64_t seed = 1);
 
 // A fixed-width table, one line per result, with a header (what a CLI prints).
 std::string vnm_bench_table(const std::vector<VnmBenchResult>& results);
-// CSV with a header line: v,m,out,in,tokens,dense_ms,vnm_ms,vnm_xt_ms,transpose_ms,...
+// CSV with a header line: v,m,out,in,tokens,dense_ms,wgmma_ms,wgmma_xt_ms,vnm_ms,vnm_xt_ms,...
 std::string vnm_bench_csv(const std::vector<VnmBenchResult>& results);
 
 // A random valid V:2:M weight in the CPU compressed layout (bf16 values, never zero):

@@ -59,11 +59,14 @@
 #include "sparse/cuda/vnm_gemm.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "core/cuda_check.h"
 #include "core/device_arena.h"
 #include "core/error.h"
+#include "sparse/cuda/vnm_wgmma.h"
 
 namespace esplag::gpu {
 
@@ -650,7 +653,7 @@ void check_weight(const VnmDeviceWeight& w, const char* what) {
 // x is X [tokens, cols] (ldxt = 0) or Xᵀ [cols, ldxt].
 template <typename OutT>
 void forward(OutT* out, const bf16* x, int64_t ldxt, const VnmDeviceWeight& w, const bf16* bias, int64_t tokens,
-             cudaStream_t stream, VnmTile tile, const char* what) {
+             cudaStream_t stream, VnmTile tile, VnmKernel kernel, const char* what) {
   check_weight(w, what);
   ESPLAG_CHECK(tile != VnmTile::rows128 || w.v % 128 == 0, what,
                ": the 128-row warp tile needs V to be a multiple of 128, got V = ", w.v);
@@ -686,6 +689,10 @@ void forward(OutT* out, const bf16* x, int64_t ldxt, const VnmDeviceWeight& w, c
   p.x_async = reinterpret_cast<uintptr_t>(x) % 16 == 0 && w.cols % 8 == 0;
   // rows % 64 == 0, so every output row is 16-byte aligned when the base is.
   p.out_vec = reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  if (vnm_resolve_kernel(kernel) == VnmKernel::wgmma_sp) {
+    vnm_wgmma::forward(out, x, ldxt, w, bias, tokens, stream);
+    return;
+  }
   const bool rows128 = tile == VnmTile::rows128 || (tile == VnmTile::automatic && w.v % 128 == 0);
   if (xt)
     launch_for<OutT, true>(p, rows128, stream);
@@ -712,6 +719,26 @@ ConvertArgs convert_args(const VnmDeviceWeight& w) {
 unsigned grid_for(int64_t n, int threads) { return unsigned((n + threads - 1) / threads); }
 
 }  // namespace
+
+bool vnm_wgmma_available() { return vnm_wgmma::available(); }
+
+VnmKernel vnm_resolve_kernel(VnmKernel requested) {
+  if (requested == VnmKernel::automatic) {
+    const char* env = std::getenv("ESPLAG_VNM_KERNEL");
+    if (env && *env && std::strcmp(env, "automatic") != 0) {
+      ESPLAG_CHECK(std::strcmp(env, "wgmma_sp") == 0 || std::strcmp(env, "mma_sp") == 0,
+                   "environment variable ESPLAG_VNM_KERNEL: unknown V:N:M kernel '", env,
+                   "' (automatic, wgmma_sp or mma_sp)");
+      requested = std::strcmp(env, "wgmma_sp") == 0 ? VnmKernel::wgmma_sp : VnmKernel::mma_sp;
+    } else {
+      return vnm_wgmma_available() ? VnmKernel::wgmma_sp : VnmKernel::mma_sp;
+    }
+  }
+  ESPLAG_CHECK(requested != VnmKernel::wgmma_sp || vnm_wgmma_available(),
+               "the wgmma.sp V:N:M kernel needs a compute-capability 9.0 device (H100/H200) and a build with the "
+               "sm_90a target");
+  return requested;
+}
 
 size_t vnm_device_weight_bytes(int64_t rows, int64_t cols, int v, int m) {
   check_shape(rows, cols, v, m, "vnm_device_weight_bytes");
@@ -812,13 +839,13 @@ void vnm_decompress(bf16* out, const VnmDeviceWeight& w, cudaStream_t stream) {
 }
 
 void vnm_linear_forward(bf16* out, const bf16* x, const VnmDeviceWeight& w, const bf16* bias, int64_t tokens,
-                        cudaStream_t stream, VnmTile tile) {
-  forward(out, x, 0, w, bias, tokens, stream, tile, "vnm_linear_forward");
+                        cudaStream_t stream, VnmTile tile, VnmKernel kernel) {
+  forward(out, x, 0, w, bias, tokens, stream, tile, kernel, "vnm_linear_forward");
 }
 
 void vnm_linear_forward(float* out, const bf16* x, const VnmDeviceWeight& w, const bf16* bias, int64_t tokens,
-                        cudaStream_t stream, VnmTile tile) {
-  forward(out, x, 0, w, bias, tokens, stream, tile, "vnm_linear_forward");
+                        cudaStream_t stream, VnmTile tile, VnmKernel kernel) {
+  forward(out, x, 0, w, bias, tokens, stream, tile, kernel, "vnm_linear_forward");
 }
 
 int64_t vnm_transposed_ld(int64_t tokens) { return (tokens + 7) / 8 * 8; }
@@ -840,15 +867,15 @@ void vnm_transpose_input(bf16* xt, const bf16* x, int64_t tokens, int64_t cols, 
 }
 
 void vnm_linear_forward_xt(bf16* out, const bf16* xt, int64_t ldxt, const VnmDeviceWeight& w, const bf16* bias,
-                           int64_t tokens, cudaStream_t stream, VnmTile tile) {
+                           int64_t tokens, cudaStream_t stream, VnmTile tile, VnmKernel kernel) {
   ESPLAG_CHECK(ldxt > 0, "vnm_linear_forward_xt: leading dimension ", ldxt, " must be positive");
-  forward(out, xt, ldxt, w, bias, tokens, stream, tile, "vnm_linear_forward_xt");
+  forward(out, xt, ldxt, w, bias, tokens, stream, tile, kernel, "vnm_linear_forward_xt");
 }
 
 void vnm_linear_forward_xt(float* out, const bf16* xt, int64_t ldxt, const VnmDeviceWeight& w, const bf16* bias,
-                           int64_t tokens, cudaStream_t stream, VnmTile tile) {
+                           int64_t tokens, cudaStream_t stream, VnmTile tile, VnmKernel kernel) {
   ESPLAG_CHECK(ldxt > 0, "vnm_linear_forward_xt: leading dimension ", ldxt, " must be positive");
-  forward(out, xt, ldxt, w, bias, tokens, stream, tile, "vnm_linear_forward_xt");
+  forward(out, xt, ldxt, w, bias, tokens, stream, tile, kernel, "vnm_linear_forward_xt");
 }
 
 }  // namespace esplag::gpu

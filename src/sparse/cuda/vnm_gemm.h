@@ -26,7 +26,10 @@
 // Supported: V a multiple of 64 (64, 128, ...; the 16 and 32 that the CPU side allows are
 // refused), 4 <= M <= 16 (M = 4 is plain 2:4), any in features that are a multiple of M.
 //
-// Performance (H100, bench/results/vnm-gemm-h100.csv): correct, but on the measured LLM
+// On sm_90 the forward runs by default on a second kernel built on Hopper's sparse warpgroup
+// MMA, wgmma.sp (sparse/cuda/vnm_wgmma.cu; VnmKernel below), from the same converted weight.
+//
+// Performance of the mma.sp kernel (H100, bench/results/vnm-gemm-h100.csv): correct, but on the measured LLM
 // shapes SLOWER than the dense cuBLASLt GEMM on the decompressed weight: dense time / ours
 // is 0.55-0.57 for 64:2:8, 0.60-0.62 for 128:2:8 and 0.89-0.96 for 64:2:16. Until the
 // kernel is faster (vnm_gemm.cu says why it is not, and what would fix it), a model should
@@ -115,14 +118,31 @@ void vnm_decompress(bf16* out, const VnmDeviceWeight& w, cudaStream_t stream);
 // 128-row tile whenever V allows it.
 enum class VnmTile { automatic, rows64, rows128 };
 
+// Which kernel runs the forward. `wgmma_sp`: Hopper's sparse warpgroup MMA (vnm_wgmma.cu,
+// sm_90a; a warp-specialised producer/consumer pipeline, the tile parameter does not apply);
+// `mma_sp`: the mma.sp.m16n8k32 kernel above (sm_80 and up). `automatic` takes wgmma_sp where
+// vnm_wgmma_available(), mma_sp otherwise; the environment variable ESPLAG_VNM_KERNEL
+// (automatic, wgmma_sp or mma_sp) overrides `automatic`, e.g. to force the old kernel. Asking
+// for wgmma_sp where it is not available is an error.
+enum class VnmKernel { automatic, wgmma_sp, mma_sp };
+
+// True on a compute-capability 9.0 device when the binary carries the sm_90a kernel.
+bool vnm_wgmma_available();
+
+// The kernel a forward called with `requested` runs on the current device (reads
+// ESPLAG_VNM_KERNEL for `automatic`; throws for an unknown value or an unavailable kernel).
+VnmKernel vnm_resolve_kernel(VnmKernel requested);
+
 // out[tokens, w.rows] = x[tokens, w.cols] · Wᵀ (+ bias[w.rows], added in fp32 before the
 // rounding), overwritten. Any tokens >= 0; x and out may have any 2-byte (4-byte for fp32)
 // alignment (16-byte aligned x with cols % 8 == 0 takes the cp.async path, otherwise a
 // slower element-wise load path).
 void vnm_linear_forward(bf16* out, const bf16* x, const VnmDeviceWeight& w, const bf16* bias, int64_t tokens,
-                        cudaStream_t stream, VnmTile tile = VnmTile::automatic);
+                        cudaStream_t stream, VnmTile tile = VnmTile::automatic,
+                        VnmKernel kernel = VnmKernel::automatic);
 void vnm_linear_forward(float* out, const bf16* x, const VnmDeviceWeight& w, const bf16* bias, int64_t tokens,
-                        cudaStream_t stream, VnmTile tile = VnmTile::automatic);
+                        cudaStream_t stream, VnmTile tile = VnmTile::automatic,
+                        VnmKernel kernel = VnmKernel::automatic);
 
 // The same product from Xᵀ [cols, ldxt] (ldxt >= tokens, a multiple of 8; 16-byte aligned).
 // With the tokens contiguous, one 16-byte shared-memory load gathers a selected column for
@@ -130,9 +150,11 @@ void vnm_linear_forward(float* out, const bf16* x, const VnmDeviceWeight& w, con
 // instructions than vnm_linear_forward (see vnm_gemm.cu). Worth it where the producer of X
 // can write it transposed, or with vnm_transpose_input (one extra pass over X).
 void vnm_linear_forward_xt(bf16* out, const bf16* xt, int64_t ldxt, const VnmDeviceWeight& w, const bf16* bias,
-                           int64_t tokens, cudaStream_t stream, VnmTile tile = VnmTile::automatic);
+                           int64_t tokens, cudaStream_t stream, VnmTile tile = VnmTile::automatic,
+                           VnmKernel kernel = VnmKernel::automatic);
 void vnm_linear_forward_xt(float* out, const bf16* xt, int64_t ldxt, const VnmDeviceWeight& w, const bf16* bias,
-                           int64_t tokens, cudaStream_t stream, VnmTile tile = VnmTile::automatic);
+                           int64_t tokens, cudaStream_t stream, VnmTile tile = VnmTile::automatic,
+                           VnmKernel kernel = VnmKernel::automatic);
 
 // Xᵀ for vnm_linear_forward_xt: xt [cols, vnm_transposed_ld(tokens)] = x [tokens, cols]ᵀ
 // (the padding columns are not written and never read).
