@@ -68,6 +68,7 @@ std::vector<GenerateBenchRow> bench_generate(const GenerateBenchOptions& o) {
       GpuGeneratorOptions go;
       go.chunk_rows = o.chunk_rows;
       go.sparse = sparse;
+      go.sparse_min_rows = 1;  // the 2:4 run's every prefill pass sparse, however short
       GpuGenerator gen(model, B, max_len, go);
       GenerateBenchRow r;
       r.model = o.model;

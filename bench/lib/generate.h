@@ -6,8 +6,8 @@
 // Dense against 2:4: with prune_24 every block Linear's weight is pruned 2:4 along its
 // inputs by magnitude first, and each batch size runs twice on those same weights, once
 // with dense products only (GpuSparse::off) and once with the prefill's block products
-// through cuSPARSELt (GpuSparse::on; decode steps stay dense, as in any 2:4 generator), one
-// generator after the other. The 2:4 row reports its tokens/s, their ratios to the dense row's, and the
+// through cuSPARSELt (GpuSparse::on, every prefill pass however short; decode steps stay
+// dense, as in any 2:4 generator), one generator after the other. The 2:4 row reports its tokens/s, their ratios to the dense row's, and the
 // relative L2 difference of its last prefill's logits from the dense one's.
 //
 // Only for the CUDA build (ESPLAG_CUDA=ON).
