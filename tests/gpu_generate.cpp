@@ -13,6 +13,13 @@
 // such a step, or the test would check nothing). Going past max_len is an Error that
 // changes nothing; a generator whose buffers were filled with NaN first gives the bits of
 // one that was not; graph-replayed decode steps give the bits of eager ones.
+//
+// 2:4 prefill (GpuGeneratorOptions::sparse): on models whose block Linears are 2:4 (pruned
+// by magnitude, or semi_sparse layers), the cuSPARSELt prefill's logits match the dense
+// prefill's of the same weights within the same bf16 tolerance, in rows that are not
+// multiples of 16 (the awkward batch, chunks of 40 rows), and the decode steps after it too;
+// a layer whose shape is not a multiple of 16 stays dense; sparse on names the first layer
+// that cannot run 2:4; a prefill shorter than sparse_min_rows gives the dense bits.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -28,6 +35,8 @@
 #include "model/gpu_generate.h"
 #include "model/linear_kinds.h"
 #include "model/transformer.h"
+#include "sparse/cuda/cusparselt.h"
+#include "sparse/masks.h"
 
 #include "gpu_test_util.h"
 
@@ -225,6 +234,138 @@ TEST(GpuGenerate, GraphReplayedDecodeStepsGiveTheBitsOfEagerOnes) {
   EXPECT_EQ(run_batch(graph_gen), run_batch(eager_gen));
   EXPECT_GT(graph_gen.graph_launches(), 0);
   EXPECT_EQ(eager_gen.graph_launches(), 0);
+}
+
+// Every block Linear keeps the 2 largest magnitudes of each 4 consecutive inputs.
+void prune_24(Transformer<float>& m) {
+  for (const auto& name : m.linear_names()) {
+    const LinearParams<float> p = m.linear_params(name);
+    const cpu::Mask mask = cpu::nm_mask(p.weight, p.out_features, p.in_features, 2, 4);
+    cpu::apply_mask(p.weight, mask.data(), int64_t(p.out_features) * p.in_features);
+  }
+}
+
+std::unique_ptr<Transformer<float>> make_pruned_model(const std::string& flavour, int d_ff = 0) {
+  ModelConfig c = small_config(flavour);
+  if (d_ff > 0) c.d_ff = d_ff;
+  auto m = std::make_unique<Transformer<float>>(c);
+  m->init_weights(17);
+  prune_24(*m);
+  return m;
+}
+
+GpuGeneratorOptions sparse_options(GpuSparse mode, int chunk_rows = 0) {
+  GpuGeneratorOptions o;
+  o.sparse = mode;
+  o.sparse_min_rows = 16;  // every chunk of these small prompts runs 2:4
+  o.chunk_rows = chunk_rows;
+  return o;
+}
+
+// The awkward batch's prefill and decode steps on a sparse and a dense generator of the same
+// weights, every row of logits compared.
+void compare_sparse_with_dense(Transformer<float>& m, const GpuGeneratorOptions& sparse, size_t sparse_layers) {
+  const auto prompts = awkward_prompts();
+  const int B = static_cast<int>(prompts.size());
+  GpuGenerator sparse_gen(m, B, 0, sparse), dense_gen(m, B, 0, sparse_options(GpuSparse::off));
+  EXPECT_EQ(sparse_gen.sparse_layers().size(), sparse_layers);
+  EXPECT_TRUE(dense_gen.sparse_layers().empty());
+  std::vector<float> want = dense_gen.prefill(prompts), got = sparse_gen.prefill(prompts);
+  EXPECT_NE(got, want) << "the 2:4 products gave the dense bits: were they run?";
+  expect_rows_close(got, want, B, "sparse prefill");
+  for (int step = 0; step < 3; ++step) {
+    std::vector<int32_t> next(B);
+    for (int b = 0; b < B; ++b) {
+      const float* row = want.data() + size_t(b) * kVocab;
+      next[b] = static_cast<int32_t>(std::max_element(row, row + kVocab) - row);
+    }
+    want = dense_gen.decode_step(next);
+    got = sparse_gen.decode_step(next);
+    expect_rows_close(got, want, B, "decode step " + std::to_string(step) + " after the sparse prefill");
+  }
+}
+
+#define REQUIRE_CUSPARSELT() \
+  if (!gpu::cusparselt_available()) GTEST_SKIP() << gpu::cusparselt_unavailable_reason()
+
+TEST_P(GpuGenerateFlavours, SparsePrefillMatchesTheDensePrefillOfTheSameWeights) {
+  REQUIRE_DEVICE();
+  REQUIRE_CUSPARSELT();
+  auto m = make_pruned_model(GetParam());
+  compare_sparse_with_dense(*m, sparse_options(GpuSparse::on), m->linear_names().size());
+}
+
+TEST_P(GpuGenerateFlavours, SparsePrefillInChunksOfRowsNotAMultipleOf16) {
+  REQUIRE_DEVICE();
+  REQUIRE_CUSPARSELT();
+  auto m = make_pruned_model(GetParam());
+  compare_sparse_with_dense(*m, sparse_options(GpuSparse::automatic, 40), m->linear_names().size());
+}
+
+TEST(GpuGenerate, SemiSparseLayersRunTheSparsePrefill) {
+  REQUIRE_DEVICE();
+  REQUIRE_CUSPARSELT();
+  auto m = make_model("llama", "semi_sparse");
+  compare_sparse_with_dense(*m, sparse_options(GpuSparse::automatic), m->linear_names().size());
+}
+
+// d_ff = 168: mlp.proj's inputs are not a multiple of 16, so auto keeps that layer dense
+// (the others, mlp.fc's 336 outputs among them, run 2:4) and on refuses the model.
+TEST(GpuGenerate, ALayerWhoseShapeIsNotAMultipleOf16StaysDense) {
+  REQUIRE_DEVICE();
+  REQUIRE_CUSPARSELT();
+  auto m = make_pruned_model("llama", 168);
+  compare_sparse_with_dense(*m, sparse_options(GpuSparse::automatic), 3 * size_t(m->config().n_layer));
+  try {
+    GpuGenerator gen(*m, 1, 0, sparse_options(GpuSparse::on));
+    ADD_FAILURE() << "sparse on accepted a layer of 168 inputs";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("blocks.0.mlp.proj.weight cannot run 2:4: its shape [64, 168] is not a "
+                                         "multiple of 16"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(GpuGenerate, SparseOnNamesTheFirstLayerThatIsNot24) {
+  REQUIRE_DEVICE();
+  auto m = make_model("llama");  // dense random weights
+  try {
+    GpuGenerator gen(*m, 1, 0, sparse_options(GpuSparse::on));
+    ADD_FAILURE() << "sparse on accepted a dense model";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("2:4 prefill (sparse on): blocks.0.attn.qkv.weight cannot run 2:4: it is "
+                                         "not 2:4 along its inputs: row 0 columns"),
+              std::string::npos)
+        << e.what();
+  }
+  GpuGenerator automatic(*m, 1, 0, sparse_options(GpuSparse::automatic));
+  EXPECT_TRUE(automatic.sparse_layers().empty());
+}
+
+TEST(GpuGenerate, APrefillShorterThanSparseMinRowsGivesTheDenseBits) {
+  REQUIRE_DEVICE();
+  REQUIRE_CUSPARSELT();
+  auto m = make_pruned_model("llama");
+  GpuGeneratorOptions sparse;  // the default sparse_min_rows, far above these 9 rows
+  GpuGenerator sparse_gen(*m, 2, 0, sparse), dense_gen(*m, 2, 0, sparse_options(GpuSparse::off));
+  ASSERT_EQ(sparse_gen.sparse_layers().size(), m->linear_names().size());
+  const std::vector<std::vector<int32_t>> prompts = {random_tokens(4, 8), random_tokens(5, 9)};
+  EXPECT_EQ(sparse_gen.prefill(prompts), dense_gen.prefill(prompts));
+}
+
+TEST(GpuGenerate, NanFilledBuffersDoNotLeakIntoTheSparsePrefill) {
+  REQUIRE_DEVICE();
+  REQUIRE_CUSPARSELT();
+  for (const std::string flavour : {"gpt2", "llama"}) {
+    auto m = make_pruned_model(flavour);
+    GpuGeneratorOptions poisoned = sparse_options(GpuSparse::on, 40);
+    poisoned.poison = true;
+    GpuGenerator clean_gen(*m, 3, 0, sparse_options(GpuSparse::on, 40)), poisoned_gen(*m, 3, 0, poisoned);
+    const std::vector<float> clean = run_batch(clean_gen), got = run_batch(poisoned_gen);
+    ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); })) << flavour;
+    EXPECT_EQ(got, clean) << flavour;
+  }
 }
 
 }  // namespace

@@ -141,6 +141,8 @@ int bench_generate(const Args& a) {
   o.batches = batches;
   o.prompt_len = a.int32("prompt-len");
   o.new_tokens = a.int32("new-tokens");
+  o.chunk_rows = a.int32("chunk-rows");
+  o.prune_24 = a.has("prune-24");
   if (a.has("vocab")) o.vocab = a.int32("vocab");
   const auto rows = gpu::bench_generate(o);
   std::cout << gpu::format_generate_bench(rows);
@@ -533,14 +535,18 @@ const Command kBenchGenerate = {
     "GPU generation with a KV cache: prefill and decode tokens/s (cuda)",
     "A model preset with random weights on GpuGenerator (docs/cli.md, GPU generation): per batch size, the\n"
     "median prefill of --prompt-len random tokens per sequence and the median decode step (one token per\n"
-    "sequence, CUDA graphs) over --new-tokens steps, after warm-up. 2:4 models run the same dense products of\n"
-    "their pruned weights, so the dense rows are theirs too.",
+    "sequence, CUDA graphs) over --new-tokens steps, after warm-up. --prune-24 prunes every block Linear 2:4\n"
+    "by magnitude and runs each batch twice on those weights: dense products, then the prefill's block products\n"
+    "through cuSPARSELt (decode stays dense), with the 2:4 run's speedups and its prefill logits' difference.",
     {
         Option::text("model", "PRESET", "llama-1b", "the model preset"),
         Option::text("batch", "B,...", "1,32", "batch sizes"),
         Option::integer("prompt-len", "128", 1, kIntMax, "prompt tokens per sequence"),
         Option::integer("new-tokens", "128", 1, kIntMax, "timed decode steps"),
         Option::integer("vocab", "", 1, kIntMax, "vocabulary size (default: the preset's, else 257)"),
+        Option::integer("chunk-rows", "0", 0, 65535,
+                        "positions per prefill forward pass (0: the generator's, max(batch, 1024))"),
+        Option::flag("prune-24", "prune the weights 2:4 and compare dense with 2:4 (cuSPARSELt) prefill"),
         csv_option(),
     },
     bench_generate,

@@ -68,6 +68,15 @@ std::string choose_device(const std::string& requested) {
   return "cuda";
 }
 
+// --sparse: the GPU generator's 2:4 prefill (auto, on or off); the CPU's products are dense.
+std::string choose_sparse(const std::string& requested, const std::string& device) {
+  ESPLAG_CHECK(requested == "auto" || requested == "on" || requested == "off",
+               "sample: --sparse must be auto, on or off, got '", requested, "'");
+  ESPLAG_CHECK(requested != "on" || device == "cuda", "sample: --sparse on needs --device cuda (the ", device,
+               " generator runs dense products)");
+  return requested;
+}
+
 // The generator of either device, as the loop below uses it.
 struct Decoder {
   std::function<std::vector<float>(const std::vector<std::vector<int32_t>>&)> prefill;
@@ -85,6 +94,7 @@ int sample(const Args& a) {
   const uint64_t seed = static_cast<uint64_t>(a.integer("seed"));
   const std::vector<std::string> texts = read_prompts(a);
   const std::string device = choose_device(a.get("device"));
+  const std::string sparse = choose_sparse(a.get("sparse"), device);
   const std::string ck = resolve_checkpoint(a.get("checkpoint"));
   CheckpointContents info;
   const auto model = load_model(ck, &info);
@@ -115,7 +125,12 @@ int sample(const Args& a) {
 #ifdef ESPLAG_HAVE_CUDA
   std::unique_ptr<GpuGenerator> gpu_gen;
   if (device == "cuda") {
-    gpu_gen = std::make_unique<GpuGenerator>(*model, B);
+    GpuGeneratorOptions o;
+    o.sparse = sparse == "on" ? GpuSparse::on : sparse == "off" ? GpuSparse::off : GpuSparse::automatic;
+    gpu_gen = std::make_unique<GpuGenerator>(*model, B, 0, o);
+    if (!gpu_gen->sparse_layers().empty())
+      std::cerr << "sample: the prefill runs " << gpu_gen->sparse_layers().size() << " of "
+                << model->linear_names().size() << " block Linears as 2:4 products (cuSPARSELt)" << std::endl;
     gen = {[&](const auto& p) { return gpu_gen->prefill(p); }, [&](const auto& ids) { return gpu_gen->decode_step(ids); },
            [&](int b) { return gpu_gen->length(b); }};
   }
@@ -168,7 +183,8 @@ const Command kSample = {
     "A sequence stops at <|endoftext|> or when it fills the model's max_seq_len (positions do not\n"
     "slide). Prompt i (from 1) draws with seed + i - 1, so its text does not depend on the others.\n"
     "On cuda the weights are bf16 and the KV cache too (docs/cli.md, GPU generation), so a text can differ\n"
-    "from the CPU's once two tokens are nearly as likely.",
+    "from the CPU's once two tokens are nearly as likely. There, block Linears whose weights are 2:4 (slope,\n"
+    "semi_sparse, or pruned so) run the prefill through cuSPARSELt (--sparse); decode steps stay dense.",
     {
         Option::text("checkpoint", "DIR", "", "a run directory (its latest checkpoint) or a step-NNNNNN directory")
             .mandatory(),
@@ -182,6 +198,9 @@ const Command kSample = {
                        "sample from the most likely tokens whose probability reaches p, in (0, 1]; 1: from all"),
         Option::integer("seed", "1", 0, kInt64Max, "random seed"),
         Option::text("device", "auto|cpu|cuda", "auto", "where to generate (auto: the GPU when one is visible)"),
+        Option::text("sparse", "auto|on|off", "auto",
+                     "cuda: 2:4 prefill products (auto: the layers whose weights are 2:4, when cuSPARSELt loads; "
+                     "on: every block Linear, else an error; off: dense)"),
     },
     sample,
 };

@@ -10,11 +10,23 @@
 // Weights: a snapshot of the host model's at construction, in bf16 on the device (rounded
 // as the GPU training model rounds its master weights, ops/gpu_fused.h's master_hi_bits).
 // Every block Linear contributes its effective dense weight (Linear::dense_weight: a 2:4
-// kind's pruned weight, a slope adapter folded in) and its products are dense cuBLASLt
-// GEMMs, so a 2:4 model runs the same products as its dense twin (2:4 cuSPARSELt products
-// are not used here). Products run in bf16 whatever the model's linear precision.
+// kind's pruned weight, a slope adapter folded in). Products run in bf16 whatever the
+// model's linear precision.
 //
-// Device state, in one DeviceArena reserved up front: the weights; the KV cache in bf16,
+// 2:4 prefill (GpuGeneratorOptions::sparse): a block Linear whose effective weight is 2:4
+// along its input dimension (at most 2 non-zeros in every 4 consecutive inputs: semi_sparse
+// and slope layers without an adapter, or any weight pruned so), with both dimensions
+// multiples of 16, is compressed once at construction for cuSPARSELt (sparse/cuda/
+// cusparselt.h), and the forward passes of at least sparse_min_rows rows (a prefill of
+// batch × prompt positions) run its product as a 2:4 GEMM over the rows rounded up to a
+// multiple of 16 (the extra rows' outputs are never read). Decode steps and short
+// prefills keep the dense cuBLASLt product of the same weight, kept on the device too: a
+// 2:4 product of a few rows does not pay. Each row count gets its own cuSPARSELt plan
+// (tuned on first use, sparse/cuda/cusparselt_tuning_cache.h), so the first prefill of a
+// new length is slower. The bias is cuSPARSELt's epilogue; GELU runs after the product.
+//
+// Device state, in one DeviceArena reserved up front (apart from the 2:4 layers' compressed
+// weights and the cuSPARSELt workspace): the weights; the KV cache in bf16,
 // [layer][max_batch][max_len][n_kv_head · head_dim] for keys and for values (keys after
 // RoPE at each sequence's own positions); and the buffers of one forward pass over up to
 // chunk_rows positions (the rows of a call, sequence after sequence; a longer prefill runs
@@ -40,13 +52,22 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "model/config.h"
 #include "model/transformer.h"
 
 namespace esplag {
+
+// Whether 2:4 block Linears run the prefill through cuSPARSELt (see above).
+enum class GpuSparse : uint8_t {
+  off,        // dense products only
+  automatic,  // the layers whose weights are 2:4, when cuSPARSELt loads (else dense, with a warning)
+  on          // every block Linear; Error naming the first that is not 2:4, or why cuSPARSELt is missing
+};
 
 struct GpuGeneratorOptions {
   // Positions one forward pass takes at most (prefill runs longer calls in chunks); 0:
@@ -56,6 +77,9 @@ struct GpuGeneratorOptions {
   // For tests: every buffer is filled with NaN before the weights are written, so that a
   // read of anything not written first shows in the logits.
   bool poison = false;
+  GpuSparse sparse = GpuSparse::automatic;
+  // Fewest rows a forward pass has for its 2:4 layers to run cuSPARSELt products.
+  int sparse_min_rows = 256;
 };
 
 class GpuGenerator {
@@ -82,6 +106,8 @@ class GpuGenerator {
   int max_length() const { return max_len_; }
   int chunk_rows() const { return chunk_rows_; }
   size_t device_bytes() const;
+  // The block Linears (weight names, in model order) whose prefill products run 2:4.
+  const std::vector<std::string>& sparse_layers() const { return sparse_layers_; }
   // Decode steps replayed from a CUDA graph so far.
   int64_t graph_launches() const { return graph_launches_; }
   // The stream every call runs on (for event timing around prefill / decode_step, which
@@ -95,13 +121,18 @@ class GpuGenerator {
   // its last new position (zero rows for sequences given none); `decode`: one token per
   // sequence at most (the graph path).
   std::vector<float> append(const std::vector<std::vector<int32_t>>& tokens, bool decode);
-  // One forward pass over the n rows staged on the device, with the head on `a` of them.
-  void forward_rows(int n, int a);
+  // Compresses the block Linears that can run 2:4 (not_24: why the others cannot, by weight
+  // name), as options.sparse asks; throws Error for sparse on where one cannot.
+  void choose_sparse_layers(const std::map<std::string, std::string>& not_24);
+  // One forward pass over the n rows staged on the device, with the head on `a` of them;
+  // `sparse`: the 2:4 layers' products through cuSPARSELt.
+  void forward_rows(int n, int a, bool sparse);
 
   ModelConfig cfg_;
   GpuGeneratorOptions opt_;
   int max_batch_ = 0, max_len_ = 0, chunk_rows_ = 0;
   std::vector<int> length_;
+  std::vector<std::string> sparse_layers_;
   int64_t graph_launches_ = 0;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<Impl> impl_;

@@ -12,11 +12,15 @@
 #include "core/cuda_check.h"
 #include "core/cuda_graph.h"
 #include "core/device_arena.h"
+#include "core/device_buffer.h"
 #include "core/error.h"
 #include "ops/gpu.h"
 #include "ops/gpu_attention.h"
 #include "ops/gpu_decode.h"
 #include "ops/gpu_fused.h"
+#include "sparse/cuda/cusparselt.h"
+#include "sparse/masks.h"
+#include "sparse/pattern.h"
 
 namespace esplag {
 
@@ -25,6 +29,10 @@ using gpu::bf16;
 namespace {
 
 constexpr size_t kAlign = DeviceArena::kDefaultAlignment;
+// cuSPARSELt's rule for 16-bit operands: every dimension a multiple of 16.
+constexpr int kSparseMultiple = 16;
+
+int round_up_rows(int n) { return (n + kSparseMultiple - 1) / kSparseMultiple * kSparseMultiple; }
 
 // Either counts the bytes of an allocation sequence (arena null) or performs it, so the
 // arena's size and its layout cannot disagree.
@@ -54,6 +62,8 @@ struct GpuGenerator::Impl {
   };
   struct Lin {
     bf16 *w = nullptr, *b = nullptr;
+    int out = 0, in = 0;
+    const void* packed = nullptr;  // the compressed 2:4 weight of cuSPARSELt, when the layer runs 2:4
   };
   struct Layer {
     Norm n1, n2;
@@ -78,20 +88,27 @@ struct GpuGenerator::Impl {
   int32_t* host_rows = nullptr;  // pinned mirror
   float* host_logits = nullptr;  // pinned, [max_batch, V]
   std::map<int, ReplayedGraph> graphs;  // decode steps by row count
+  // The 2:4 layers' compressed weights and the cuSPARSELt workspace (grown as plans ask).
+  std::vector<DeviceBuffer> packed;
+  DeviceBuffer sparse_ws;
+  size_t packed_bytes = 0;
 
   ~Impl() {
     if (host_rows) cudaFreeHost(host_rows);
     if (host_logits) cudaFreeHost(host_logits);
   }
 
-  void lay_out(const ModelConfig& c, int max_batch, int max_len, int R, Take& t) {
+  void lay_out(const ModelConfig& c, int max_batch, int max_len, int chunk_rows, Take& t) {
+    // The products' operands have room for a 2:4 product over the rows rounded up to 16.
+    const size_t R = round_up_rows(chunk_rows);
     const size_t C = c.d_model, V = c.vocab_size, Q = c.qkv_dim(), F = c.fc_dim(), H = c.d_ff;
     const bool ln = c.norm == NormKind::layernorm, bias = c.bias;
     auto norm = [&](const std::string& name) {
       return Norm{t.arr<bf16>(name + ".weight", C), ln ? t.arr<bf16>(name + ".bias", C) : nullptr};
     };
     auto lin = [&](const std::string& name, size_t out, size_t in) {
-      return Lin{t.arr<bf16>(name + ".weight", out * in), bias ? t.arr<bf16>(name + ".bias", out) : nullptr};
+      return Lin{t.arr<bf16>(name + ".weight", out * in), bias ? t.arr<bf16>(name + ".bias", out) : nullptr, int(out),
+                 int(in)};
     };
     wte = t.arr<bf16>("embed.tokens.weight", V * C);
     wpe = c.pos == PosKind::learned ? t.arr<bf16>("embed.positions.weight", size_t(c.max_seq_len) * C) : nullptr;
@@ -120,12 +137,14 @@ struct GpuGenerator::Impl {
     act = t.arr<bf16>("rows.mlp", R * H);
     last = t.arr<bf16>("head.rows", max_batch * C);
     logits = t.arr<float>("head.logits", max_batch * V);
-    attn_ws_bytes = gpu::decode_attention_workspace_bytes(R, c.n_head, c.head_dim(), max_len);
+    attn_ws_bytes = gpu::decode_attention_workspace_bytes(chunk_rows, c.n_head, c.head_dim(), max_len);
     attn_ws = t.arr<unsigned char>("attention.workspace", attn_ws_bytes);
-    rows = t.arr<int32_t>("rows.ids", 3 * size_t(R) + max_batch);
+    rows = t.arr<int32_t>("rows.ids", 3 * size_t(chunk_rows) + max_batch);
   }
 
-  void upload_weights(Transformer<float>& m) {
+  // Uploads every weight; with not_24, also says there why a block Linear cannot run 2:4, by
+  // weight name (absent: it can).
+  void upload_weights(Transformer<float>& m, std::map<std::string, std::string>* not_24) {
     const ModelConfig& c = m.config();
     auto param = [&](bf16* dst, const std::string& name) {
       const Tensor p = m.param(name);
@@ -143,6 +162,15 @@ struct GpuGenerator::Impl {
       layer.dense_weight(w.data());  // the effective weight: pruned, adapters folded in
       upload_bf16(l.w, w.data(), w.size());
       if (l.b) upload_bf16(l.b, p.bias, p.out_features);
+      if (!not_24) return;
+      // Rounding to bf16 keeps zeros zero, so a 2:4 fp32 weight is a 2:4 bf16 one.
+      if (l.out % kSparseMultiple || l.in % kSparseMultiple) {
+        (*not_24)[weight_name] = "its shape [" + std::to_string(l.out) + ", " + std::to_string(l.in) +
+                                 "] is not a multiple of 16 (cuSPARSELt)";
+        return;
+      }
+      const cpu::PatternCheck check = cpu::check_pattern(w.data(), l.out, l.in, SparsityPattern::nm(2, 4));
+      if (!check.ok) (*not_24)[weight_name] = "it is not 2:4 along its inputs: " + check.detail;
     };
     param(wte, "embed.tokens.weight");
     if (wpe) param(wpe, "embed.positions.weight");
@@ -158,6 +186,33 @@ struct GpuGenerator::Impl {
     }
     norm(nf, "norm_f");
   }
+
+  // The layer's 2:4 weight compressed for cuSPARSELt's forward product (W as operand A;
+  // the compressed form depends on the weight's shape only, not on the rows of a product).
+  void pack(Lin& l, int rows, cudaStream_t s) {
+    const auto& g = gpu::SparseGemm24::get(gpu::SparseGemm24Problem::linear_forward(l.out, l.in, rows, l.b != nullptr));
+    DeviceBuffer scratch(g.compress_scratch_bytes(), "GpuGenerator", "the 2:4 compression scratch");
+    packed.emplace_back(g.compressed_allocation_bytes(), "GpuGenerator", "a compressed 2:4 weight");
+    g.compress(packed.back().get(), l.w, scratch.get(), scratch.bytes(), s);
+    CUDA_CHECK(cudaStreamSynchronize(s));  // before the scratch is freed
+    l.packed = packed.back().get();
+    packed_bytes += packed.back().bytes();
+  }
+
+  void ensure_sparse_workspace(size_t bytes) {
+    if (bytes > sparse_ws.bytes()) sparse_ws.allocate(bytes, "GpuGenerator", "the cuSPARSELt workspace");
+  }
+
+  // y [n, out] = x [n, in] · Wᵀ (+ bias) as the 2:4 product over n rounded up to 16 rows.
+  // The first product of a row count tunes its plan (which synchronises).
+  void sparse_forward(bf16* y, const bf16* x, const Lin& l, int n, cudaStream_t s) {
+    auto& g = gpu::SparseGemm24::get(
+        gpu::SparseGemm24Problem::linear_forward(l.out, l.in, round_up_rows(n), l.b != nullptr));
+    ensure_sparse_workspace(g.workspace_bytes());
+    g.tune(y, l.packed, x, l.b, sparse_ws.get(), sparse_ws.bytes(), s);
+    ensure_sparse_workspace(g.workspace_bytes());  // the tuned plan may need more
+    g.matmul(y, l.packed, x, l.b, sparse_ws.get(), sparse_ws.bytes(), s);
+  }
 };
 
 GpuGenerator::GpuGenerator(Transformer<float>& model, int max_batch, int max_len, const GpuGeneratorOptions& options)
@@ -169,6 +224,8 @@ GpuGenerator::GpuGenerator(Transformer<float>& model, int max_batch, int max_len
   ESPLAG_CHECK(c.head_dim() <= gpu::kAttentionMaxHeadDim, "GpuGenerator: head size ", c.head_dim(), " above ",
                gpu::kAttentionMaxHeadDim);
   ESPLAG_CHECK(options.chunk_rows >= 0, "GpuGenerator: chunk_rows must not be negative, got ", options.chunk_rows);
+  ESPLAG_CHECK(options.sparse_min_rows > 0, "GpuGenerator: sparse_min_rows must be positive, got ",
+               options.sparse_min_rows);
   max_batch_ = max_batch;
   max_len_ = max_len == 0 ? c.max_seq_len : max_len;
   chunk_rows_ = options.chunk_rows > 0 ? std::max(options.chunk_rows, max_batch) : std::max(max_batch, 1024);
@@ -183,10 +240,40 @@ GpuGenerator::GpuGenerator(Transformer<float>& model, int max_batch, int max_len
   im.lay_out(c, max_batch_, max_len_, chunk_rows_, real);
   im.gemm = std::make_unique<gpu::Gemm>(*im.arena);
   if (opt_.poison) CUDA_CHECK(cudaMemset(im.arena->base(), 0xFF, im.arena->used()));  // bf16 and fp32 NaN
-  im.upload_weights(model);
+  std::map<std::string, std::string> not_24;
+  im.upload_weights(model, opt_.sparse == GpuSparse::off ? nullptr : &not_24);
   CUDA_CHECK(cudaMallocHost(&im.host_rows, (3 * size_t(chunk_rows_) + max_batch_) * sizeof(int32_t)));
   CUDA_CHECK(cudaMallocHost(&im.host_logits, size_t(max_batch_) * c.vocab_size * sizeof(float)));
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  if (opt_.sparse != GpuSparse::off) choose_sparse_layers(not_24);
+}
+
+void GpuGenerator::choose_sparse_layers(const std::map<std::string, std::string>& not_24) {
+  const bool required = opt_.sparse == GpuSparse::on;
+  std::vector<std::pair<std::string, Impl::Lin*>> chosen;
+  for (int l = 0; l < cfg_.n_layer; ++l) {
+    const std::string p = "blocks." + std::to_string(l) + ".";
+    Impl::Layer& L = impl_->layers[l];
+    for (auto [name, lin] : {std::pair{p + "attn.qkv.weight", &L.qkv}, std::pair{p + "attn.proj.weight", &L.proj},
+                             std::pair{p + "mlp.fc.weight", &L.fc}, std::pair{p + "mlp.proj.weight", &L.mproj}}) {
+      const auto why = not_24.find(name);
+      if (why == not_24.end())
+        chosen.emplace_back(name, lin);
+      else
+        ESPLAG_CHECK(!required, "2:4 prefill (sparse on): ", name, " cannot run 2:4: ", why->second);
+    }
+  }
+  if (chosen.empty()) return;
+  if (!gpu::cusparselt_available()) {
+    ESPLAG_CHECK(!required, "2:4 prefill (sparse on): cuSPARSELt is not available (",
+                 gpu::cusparselt_unavailable_reason(), "); ESPLAG_CUSPARSELT_LIB names its file or folder");
+    gpu::warn_cusparselt_fallback_once("GpuGenerator's 2:4 prefill");
+    return;
+  }
+  for (auto& [name, lin] : chosen) {
+    impl_->pack(*lin, round_up_rows(chunk_rows_), stream_);
+    sparse_layers_.push_back(name);
+  }
 }
 
 GpuGenerator::~GpuGenerator() {
@@ -195,7 +282,7 @@ GpuGenerator::~GpuGenerator() {
   if (stream_) cudaStreamDestroy(stream_);
 }
 
-size_t GpuGenerator::device_bytes() const { return impl_->arena->capacity(); }
+size_t GpuGenerator::device_bytes() const { return impl_->arena->capacity() + impl_->packed_bytes; }
 
 std::vector<float> GpuGenerator::prefill(const std::vector<std::vector<int32_t>>& prompts) {
   ESPLAG_CHECK(!prompts.empty(), "generation needs at least one prompt");
@@ -261,9 +348,9 @@ std::vector<float> GpuGenerator::append(const std::vector<std::vector<int32_t>>&
     CUDA_CHECK(cudaMemcpyAsync(im.rows, im.host_rows, (3 * size_t(R) + max_batch_) * sizeof(int32_t),
                                cudaMemcpyHostToDevice, stream_));
     if (decode && opt_.cuda_graph)  // one row per sequence: the graph of n rows holds
-      im.graphs[n].run(stream_, graph_launches_, [&] { forward_rows(n, a); }, "GpuGenerator");
+      im.graphs[n].run(stream_, graph_launches_, [&] { forward_rows(n, a, false); }, "GpuGenerator");
     else
-      forward_rows(n, a);
+      forward_rows(n, a, !decode && n >= opt_.sparse_min_rows && !sparse_layers_.empty());
     CUDA_CHECK(cudaMemcpyAsync(im.host_logits, im.logits, size_t(a) * V * sizeof(float), cudaMemcpyDeviceToHost,
                                stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -273,11 +360,11 @@ std::vector<float> GpuGenerator::append(const std::vector<std::vector<int32_t>>&
   return out;
 }
 
-void GpuGenerator::forward_rows(int n, int a) {
+void GpuGenerator::forward_rows(int n, int a, bool sparse) {
   const ModelConfig& c = cfg_;
   Impl& im = *impl_;
   cudaStream_t s = stream_;
-  const int C = c.d_model, V = c.vocab_size, Q = c.qkv_dim(), F = c.fc_dim(), H = c.d_ff, R = chunk_rows_;
+  const int C = c.d_model, V = c.vocab_size, H = c.d_ff, R = chunk_rows_;
   const int NH = c.n_head, NKV = c.n_kv_head, HD = c.head_dim();
   const int32_t *tok = im.rows, *seq = im.rows + R, *pos = im.rows + 2 * R, *heads = im.rows + 3 * R;
   // ln = norm(x + branch), the sum kept in x (x alone when branch is null).
@@ -287,31 +374,43 @@ void GpuGenerator::forward_rows(int n, int a) {
     else
       gpu::rmsnorm_forward(im.ln, nullptr, im.x, im.x, branch, nm.w, n, C, s, float(c.norm_eps));
   };
+  // y = x · Wᵀ (+ bias) over the n rows, then GELU into gelu_out when given: the 2:4 product
+  // where this pass is sparse and the layer has a compressed weight, else the dense one.
+  auto linear = [&](bf16* y, const bf16* x, const Impl::Lin& L, bf16* gelu_out = nullptr) {
+    if (sparse && L.packed) {
+      im.sparse_forward(y, x, L, n, s);
+      if (gelu_out) gpu::gelu_forward(gelu_out, y, int64_t(n) * L.out, s);
+    } else if (gelu_out) {
+      im.gemm->forward(gelu_out, x, L.w, L.b, n, L.in, L.out, s, gpu::Gemm::Act::gelu);
+    } else {
+      im.gemm->forward(y, x, L.w, L.b, n, L.in, L.out, s);
+    }
+  };
   gpu::embedding_rows(im.x, tok, pos, im.wte, im.wpe, n, C, V, s);
   for (int l = 0; l < c.n_layer; ++l) {
     const Impl::Layer& L = im.layers[l];
     bf16* kc = im.k_cache + l * im.layer_cache;
     bf16* vc = im.v_cache + l * im.layer_cache;
     norm(L.n1, l == 0 ? nullptr : im.branch);
-    im.gemm->forward(im.qkv, im.ln, L.qkv.w, L.qkv.b, n, C, Q, s);
+    linear(im.qkv, im.ln, L.qkv);
     if (c.pos == PosKind::rope) gpu::rope_rows(im.qkv, pos, n, NH, NKV, HD, c.rope_theta, s);
     gpu::store_kv_rows(kc, vc, im.qkv, seq, pos, n, NH, NKV, HD, max_len_, s);
     gpu::decode_attention(im.atty, im.qkv, kc, vc, seq, pos, n, NH, NKV, HD, max_len_, im.attn_ws, im.attn_ws_bytes,
                           s);
-    im.gemm->forward(im.branch, im.atty, L.proj.w, L.proj.b, n, NH * HD, C, s);
+    linear(im.branch, im.atty, L.proj);
     norm(L.n2, im.branch);
     switch (c.mlp) {
-      case MlpKind::gelu: im.gemm->forward(im.act, im.ln, L.fc.w, L.fc.b, n, C, H, s, gpu::Gemm::Act::gelu); break;
+      case MlpKind::gelu: linear(im.fc, im.ln, L.fc, im.act); break;
       case MlpKind::swiglu:
-        im.gemm->forward(im.fc, im.ln, L.fc.w, L.fc.b, n, C, F, s);
+        linear(im.fc, im.ln, L.fc);
         gpu::swiglu_forward(im.act, im.fc, n, H, s);
         break;
       case MlpKind::relu2:
-        im.gemm->forward(im.fc, im.ln, L.fc.w, L.fc.b, n, C, F, s);
+        linear(im.fc, im.ln, L.fc);
         gpu::relu2_forward(im.act, im.fc, int64_t(n) * H, s);
         break;
     }
-    im.gemm->forward(im.branch, im.act, L.mproj.w, L.mproj.b, n, H, C, s);
+    linear(im.branch, im.act, L.mproj);
   }
   norm(im.nf, im.branch);
   if (a == 0) return;
