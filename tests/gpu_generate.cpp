@@ -271,7 +271,8 @@ void compare_sparse_with_dense(Transformer<float>& m, const GpuGeneratorOptions&
   EXPECT_EQ(sparse_gen.sparse_layers().size(), sparse_layers);
   EXPECT_TRUE(dense_gen.sparse_layers().empty());
   std::vector<float> want = dense_gen.prefill(prompts), got = sparse_gen.prefill(prompts);
-  EXPECT_NE(got, want) << "the 2:4 products gave the dense bits: were they run?";
+  EXPECT_GT(sparse_gen.sparse_products(), 0) << "the prefill ran no 2:4 product";
+  EXPECT_EQ(dense_gen.sparse_products(), 0);
   expect_rows_close(got, want, B, "sparse prefill");
   for (int step = 0; step < 3; ++step) {
     std::vector<int32_t> next(B);

@@ -108,6 +108,9 @@ class GpuGenerator {
   size_t device_bytes() const;
   // The block Linears (weight names, in model order) whose prefill products run 2:4.
   const std::vector<std::string>& sparse_layers() const { return sparse_layers_; }
+  // The 2:4 products run so far (one per layer and sparse pass): small models' 2:4 and dense
+  // products can agree to the bit, so this is how a caller knows the sparse path ran.
+  int64_t sparse_products() const { return sparse_products_; }
   // Decode steps replayed from a CUDA graph so far.
   int64_t graph_launches() const { return graph_launches_; }
   // The stream every call runs on (for event timing around prefill / decode_step, which
@@ -133,6 +136,7 @@ class GpuGenerator {
   int max_batch_ = 0, max_len_ = 0, chunk_rows_ = 0;
   std::vector<int> length_;
   std::vector<std::string> sparse_layers_;
+  int64_t sparse_products_ = 0;
   int64_t graph_launches_ = 0;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<Impl> impl_;

@@ -379,6 +379,7 @@ void GpuGenerator::forward_rows(int n, int a, bool sparse) {
   auto linear = [&](bf16* y, const bf16* x, const Impl::Lin& L, bf16* gelu_out = nullptr) {
     if (sparse && L.packed) {
       im.sparse_forward(y, x, L, n, s);
+      ++sparse_products_;
       if (gelu_out) gpu::gelu_forward(gelu_out, y, int64_t(n) * L.out, s);
     } else if (gelu_out) {
       im.gemm->forward(gelu_out, x, L.w, L.b, n, L.in, L.out, s, gpu::Gemm::Act::gelu);

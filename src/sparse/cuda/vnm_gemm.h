@@ -120,10 +120,11 @@ enum class VnmTile { automatic, rows64, rows128 };
 
 // Which kernel runs the forward. `wgmma_sp`: Hopper's sparse warpgroup MMA (vnm_wgmma.cu,
 // sm_90a; a warp-specialised producer/consumer pipeline, the tile parameter does not apply);
-// `mma_sp`: the mma.sp.m16n8k32 kernel above (sm_80 and up). `automatic` takes wgmma_sp where
-// vnm_wgmma_available(), mma_sp otherwise; the environment variable ESPLAG_VNM_KERNEL
-// (automatic, wgmma_sp or mma_sp) overrides `automatic`, e.g. to force the old kernel. Asking
-// for wgmma_sp where it is not available is an error.
+// `mma_sp`: the mma.sp.m16n8k32 kernel above (sm_80 and up). `automatic` takes mma_sp: the
+// wgmma.sp kernel is correct but slower so far (H100, bench/results/vnm-wgmma-h100.txt: 0.29-0.67x
+// of cuBLASLt on Xᵀ, 0.03-0.07x on X, against mma.sp's 0.52-1.08x; docs/sparse-gpu.md says what it
+// lacks). The environment variable ESPLAG_VNM_KERNEL (automatic, wgmma_sp or mma_sp) overrides
+// `automatic`. Asking for wgmma_sp where it is not available is an error.
 enum class VnmKernel { automatic, wgmma_sp, mma_sp };
 
 // True on a compute-capability 9.0 device when the binary carries the sm_90a kernel.
