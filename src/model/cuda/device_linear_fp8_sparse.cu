@@ -131,7 +131,7 @@ void Fp8SparseProducts::tune(gpu::SparseGemm24& g, bf16* out, const void* compre
 }
 
 void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,
-                                const std::function<const bf16*()>& wf) {
+                                const std::function<const bf16*()>& wf, const char* op) {
   cudaStream_t s = ctx_.stream;
   Scratch& sc = scratch();
   const int64_t nx = int64_t(N) * in_;
@@ -144,7 +144,7 @@ void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,
       tune(*fwd_, y, comp_fwd_, sc.a);
       tuned_fwd_ = true;
     }
-    ctx_.marks->mark_product(s, "fp8 2:4 fwd", 2.0 * N * in_ * out_, true);
+    ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
     fwd_->matmul_scaled(y, comp_fwd_, sc.a, alpha_fwd_, workspace_.base(), workspace_.capacity(), s);
     return;
   }
@@ -153,7 +153,7 @@ void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,
     CUDA_CHECK(cudaMemcpyAsync(sc.bias, bias, sizeof(bf16) * out_, cudaMemcpyDeviceToDevice, s));
     bias = sc.bias;
   }
-  ctx_.marks->mark(s, "fp8 fwd", 2.0 * N * in_ * out_);
+  ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
   sc.gemm->set_fast_accum(true);  // as the dense kind's forward
   sc.gemm->matmul(y, {sc.a, inv(input), Fp8Format::e4m3}, {sc.w, inv(weight_fwd), Fp8Format::e4m3}, bias, N,
                   int(out_), int(in_), false, s);
@@ -176,7 +176,7 @@ void Fp8SparseProducts::cast_grad(uint8_t* out, const bf16* dy, int N, bool tran
 }
 
 void Fp8SparseProducts::backward_dx(bf16* dx, const bf16* dy, int N, const std::function<const bf16*()>& wb,
-                                    bool wb_transposed) {
+                                    bool wb_transposed, const char* op) {
   cudaStream_t s = ctx_.stream;
   Scratch& sc = scratch();
   ctx_.marks->mark(s, "fp8 cast");
@@ -187,7 +187,7 @@ void Fp8SparseProducts::backward_dx(bf16* dx, const bf16* dy, int N, const std::
       tune(*bwd_, dx, comp_bwd_, sc.a);
       tuned_bwd_ = true;
     }
-    ctx_.marks->mark_product(s, "fp8 2:4 dX", 2.0 * N * in_ * out_, true);
+    ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
     bwd_->matmul_scaled(dx, comp_bwd_, sc.a, alpha_bwd_, workspace_.base(), workspace_.capacity(), s);
     return;
   }
@@ -196,20 +196,21 @@ void Fp8SparseProducts::backward_dx(bf16* dx, const bf16* dy, int N, const std::
     gpu::fp8_cast(sc.w, inv(weight_bwd), wb(), out_ * in_, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
   else
     gpu::fp8_cast_transpose(sc.w, inv(weight_bwd), wb(), out_, in_, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
-  ctx_.marks->mark(s, "fp8 dX", 2.0 * N * in_ * out_);
+  ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
   sc.gemm->set_fast_accum(false);
   sc.gemm->matmul(dx, {sc.a, inv(grad), ctx_.precision.grad}, {sc.w, inv(weight_bwd), Fp8Format::e4m3}, nullptr, N,
                   int(in_), int(out_), false, s);
 }
 
-void Fp8SparseProducts::backward_dw(float* dw, const bf16* dy, const bf16* x, int N, bool accumulate) {
+void Fp8SparseProducts::backward_dw(float* dw, const bf16* dy, const bf16* x, int N, bool accumulate,
+                                    const char* op) {
   cudaStream_t s = ctx_.stream;
   Scratch& sc = scratch();
   ctx_.marks->mark(s, "fp8 cast");
   cast_grad(sc.a, dy, N, true);
   gpu::fp8_cast_transpose(sc.b, inv(input), x, N, in_, amax(input), Fp8Format::e4m3, nullptr,
                           s);  // the forward's amax of X
-  ctx_.marks->mark(s, "fp8 dW", 2.0 * N * in_ * out_);
+  ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
   sc.gemm->set_fast_accum(false);
   sc.gemm->matmul(dw, {sc.a, inv(grad), ctx_.precision.grad}, {sc.b, inv(input), Fp8Format::e4m3}, int(out_),
                   int(in_), N, accumulate, s);

@@ -52,12 +52,15 @@ class Fp8SparseProducts {
   void prepare(const bf16* wf, const bf16* wb, bool wb_transposed);
   // y [N, out] = X · Wfᵀ (+ bias). wf: the pruned weight as prepare() had it, read by the
   // dense products only (N other than the full size, or !sparse()).
-  void forward(bf16* y, const bf16* x, const bf16* bias, int N, const std::function<const bf16*()>& wf);
+  void forward(bf16* y, const bf16* x, const bf16* bias, int N, const std::function<const bf16*()>& wf,
+               const char* op);
   // dx [N, in] = dY · Wb; wb as for prepare(), read by the dense product only.
-  void backward_dx(bf16* dx, const bf16* dy, int N, const std::function<const bf16*()>& wb, bool wb_transposed);
+  void backward_dx(bf16* dx, const bf16* dy, int N, const std::function<const bf16*()>& wb, bool wb_transposed,
+                   const char* op);
   // dw [out, in] fp32 (= or += when accumulate) = dYᵀ · X.
-  void backward_dw(float* dw, const bf16* dy, const bf16* x, int N, bool accumulate);
-  // Before each backward: dY's amax is taken again.
+  void backward_dw(float* dw, const bf16* dy, const bf16* x, int N, bool accumulate, const char* op);
+  // `op` names each product for the op timings ("sparse " + op for the 2:4 ones, as the bf16
+  // products). Before each backward: dY's amax is taken again.
   void begin_backward() { dy_amax_of_ = nullptr; }
 
   size_t device_bytes() const { return own_.capacity() + workspace_.capacity(); }

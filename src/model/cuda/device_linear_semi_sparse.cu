@@ -107,7 +107,7 @@ const bf16* DeviceSemiSparseLinear::dense_weight() {
 void DeviceSemiSparseLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) {
   if (fp8_) {
     bf16* y = act == Act::gelu ? pre_act : out;
-    fp8_->forward(y, in, p_.bias.w, N, [&] { return dense_weight(); });
+    fp8_->forward(y, in, p_.bias.w, N, [&] { return dense_weight(); }, op);
     if (act == Act::gelu) {
       ctx_.marks->mark(ctx_.stream, "gelu fwd");
       gpu::gelu_forward(out, y, int64_t(N) * out_, ctx_.stream);
@@ -121,7 +121,7 @@ void DeviceSemiSparseLinear::forward(bf16* out, const bf16* in, int N, Act act, 
 
 void DeviceSemiSparseLinear::backward_dx(bf16* dinp, const bf16* dout, int N, const bf16* pre_act, const char* op) {
   if (fp8_) {
-    fp8_->backward_dx(dinp, dout, N, [&] { return dense_weight(); }, false);
+    fp8_->backward_dx(dinp, dout, N, [&] { return dense_weight(); }, false, op);
     return gelu_backward_pass(dinp, pre_act, N);
   }
   if (sparse_for(N)) return backward_dx_24(*sp_, dinp, dout, N, pre_act, op);
@@ -136,7 +136,7 @@ void DeviceSemiSparseLinear::backward_dw(const bf16* dout, const bf16* inp, int 
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   float* db = bias_grad ? p_.bias.grad : nullptr;
   if (fp8_) {
-    fp8_->backward_dw(p_.weight.grad, dout, inp, N, accumulate);
+    fp8_->backward_dw(p_.weight.grad, dout, inp, N, accumulate, op);
   } else if (!(sp_->sparse_dw() && sp_->tokens() == N)) {
     ctx_.gemm->backward_weight(p_.weight.grad, db, dout, inp, N, K, OC, accumulate, s);
     return;

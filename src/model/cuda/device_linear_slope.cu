@@ -222,7 +222,7 @@ gpu::SparseLinear::ProductTimes DeviceSlopeLinear::time_products() {
 void DeviceSlopeLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) {
   if (fp8_) {
     bf16* y = act == Act::gelu ? pre_act : out;
-    fp8_->forward(y, in, p_.bias.w, N, [&] { return expand_w1(); });
+    fp8_->forward(y, in, p_.bias.w, N, [&] { return expand_w1(); }, op);
     if (act == Act::gelu) {
       ctx_.marks->mark(ctx_.stream, "gelu fwd");
       gpu::gelu_forward(out, y, int64_t(N) * out_, ctx_.stream);
@@ -239,7 +239,7 @@ void DeviceSlopeLinear::backward_dx(bf16* dinp, const bf16* dout, int N, const b
     fp8_->backward_dx(dinp, dout, N, [&] {
       expand_w1();
       return sp_->refill_backward_weight_t(ctx_.stream);
-    }, true);
+    }, true, op);
     return gelu_backward_pass(dinp, pre_act, N);
   }
   if (sparse_for(N)) return backward_dx_24(*sp_, dinp, dout, N, pre_act, op);
@@ -263,7 +263,7 @@ void DeviceSlopeLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bo
   cudaStream_t s = ctx_.stream;
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   if (fp8_)
-    fp8_->backward_dw(scratch_.dw, dout, inp, N, false);
+    fp8_->backward_dw(scratch_.dw, dout, inp, N, false, op);
   else if (sp_->sparse_dw() && sp_->tokens() == N)
     sp_->backward(nullptr, scratch_.dw, dout, inp, false, s);
   else
