@@ -99,14 +99,15 @@ void expect_scaled_product(int64_t out, int64_t in, int64_t N) {
   void* comp = d.arena().allocate("compressed", g.compressed_allocation_bytes());
   void* cs = d.arena().allocate("compress scratch", std::max<size_t>(g.compress_scratch_bytes(), 1));
   void* ws = d.arena().allocate("workspace", std::max<size_t>(g.workspace_bytes(), 1));
-  float* alpha = d.poisoned<float>(size_t(out), "alpha");
+  const int64_t na = std::max(out, N);
+  float* alpha = d.poisoned<float>(size_t(na), "alpha");
   gpu::bf16* y = d.poisoned<gpu::bf16>(size_t(N * out), "Y");
   gpu::fp8_amax(scales, dw, out * in, s);
   gpu::fp8_cast(w8, scales + 64, dw, out * in, scales, Fp8Format::e4m3, nullptr, s);
   g.compress(comp, w8, cs, g.compress_scratch_bytes(), s);
   gpu::fp8_amax(scales + 128, dx, N * in, s);
   gpu::fp8_cast(x8, scales + 192, dx, N * in, scales + 128, Fp8Format::e4m3, nullptr, s);
-  gpu::fp8_product_scale(alpha, scales + 192, scales + 64, out, s);
+  gpu::fp8_product_scale(alpha, scales + 192, scales + 64, na, s);
   g.matmul_scaled(y, comp, x8, alpha, ws, g.workspace_bytes(), s);
   CUDA_CHECK(cudaStreamSynchronize(s));
   std::vector<uint16_t> ybits(size_t(N * out));

@@ -52,12 +52,16 @@ Fp8SparseProducts::Fp8SparseProducts(DeviceLinearContext& ctx, const std::string
   }
   const size_t a = DeviceArena::kDefaultAlignment;
   const size_t scales = sizeof(float) * kScaleStride * 2 * slots;
-  const size_t alphas = sizeof(float) * size_t(out + in);
+  // cuSPARSELt documents one alpha per row of D (an output feature); filled for the tokens too,
+  // so that a library reading them along the other dimension stays inside the vector.
+  alpha_len_fwd_ = std::max(out, ctx.tokens);
+  alpha_len_bwd_ = std::max(in, ctx.tokens);
+  const size_t alphas = sizeof(float) * size_t(alpha_len_fwd_ + alpha_len_bwd_);
   const size_t comp = sparse() ? fwd_->compressed_allocation_bytes() + bwd_->compressed_allocation_bytes() : 0;
   own_ = DeviceArena(scales + alphas + comp + 6 * a, "fp8 2:4 " + name_);
   own_.allocate_array<float>("scales", kScaleStride * 2 * slots);
-  alpha_fwd_ = own_.allocate_array<float>("alpha fwd", size_t(out));
-  alpha_bwd_ = own_.allocate_array<float>("alpha bwd", size_t(in));
+  alpha_fwd_ = own_.allocate_array<float>("alpha fwd", size_t(alpha_len_fwd_));
+  alpha_bwd_ = own_.allocate_array<float>("alpha bwd", size_t(alpha_len_bwd_));
   if (!sparse()) return;
   comp_fwd_ = own_.allocate("compressed Wf (e4m3)", fwd_->compressed_allocation_bytes());
   comp_bwd_ = own_.allocate("compressed Wb^T (e4m3)", bwd_->compressed_allocation_bytes());
@@ -139,7 +143,7 @@ void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,
   gpu::fp8_amax(amax(input), x, nx, s);
   gpu::fp8_cast(sc.a, inv(input), x, nx, amax(input), Fp8Format::e4m3, nullptr, s);
   if (sparse() && N == ctx_.tokens) {
-    gpu::fp8_product_scale(alpha_fwd_, inv(input), inv(weight_fwd), out_, s);
+    gpu::fp8_product_scale(alpha_fwd_, inv(input), inv(weight_fwd), alpha_len_fwd_, s);
     if (!tuned_fwd_) {
       tune(*fwd_, y, comp_fwd_, sc.a);
       tuned_fwd_ = true;
@@ -182,7 +186,7 @@ void Fp8SparseProducts::backward_dx(bf16* dx, const bf16* dy, int N, const std::
   ctx_.marks->mark(s, "fp8 cast");
   cast_grad(sc.a, dy, N, false);
   if (sparse() && N == ctx_.tokens) {
-    gpu::fp8_product_scale(alpha_bwd_, inv(grad), inv(weight_bwd), in_, s);
+    gpu::fp8_product_scale(alpha_bwd_, inv(grad), inv(weight_bwd), alpha_len_bwd_, s);
     if (!tuned_bwd_) {
       tune(*bwd_, dx, comp_bwd_, sc.a);
       tuned_bwd_ = true;

@@ -84,7 +84,8 @@ class Fp8SparseProducts {
   gpu::SparseGemm24 *fwd_ = nullptr, *bwd_ = nullptr;  // the 2:4 plans (process-wide cache)
   DeviceArena own_;        // scales, alpha vectors, compressed copies
   DeviceArena workspace_;  // the 2:4 products' workspace
-  float *alpha_fwd_ = nullptr, *alpha_bwd_ = nullptr;  // [out], [in]: the 2:4 products' alpha vectors
+  float *alpha_fwd_ = nullptr, *alpha_bwd_ = nullptr;  // the 2:4 products' alpha vectors
+  int64_t alpha_len_fwd_ = 0, alpha_len_bwd_ = 0;
   void *comp_fwd_ = nullptr, *comp_bwd_ = nullptr;
   bool tuned_fwd_ = false, tuned_bwd_ = false;
   const bf16* dy_amax_of_ = nullptr;

@@ -406,7 +406,9 @@ SparseGemm24::SparseGemm24(const SparseGemm24Problem& p, Algorithm alg) : impl_(
   if (!p.bias) m.bound.emplace(nullptr, std::move(first));
   CUDA_CHECK(cudaMalloc(&m.d_valid, sizeof(int)));
   if (p.alpha_vector) {
-    const std::vector<float> ones(size_t(m.output_features()), 1.f);
+    // One per row of D (an output feature) as documented, and as many as the tokens, so that
+    // reading them along the other dimension stays inside the vector.
+    const std::vector<float> ones(size_t(std::max(m.output_features(), p.tokens)), 1.f);
     CUDA_CHECK(cudaMalloc(&m.d_ones, sizeof(float) * ones.size()));
     CUDA_CHECK(cudaMemcpy(m.d_ones, ones.data(), sizeof(float) * ones.size(), cudaMemcpyHostToDevice));
   }

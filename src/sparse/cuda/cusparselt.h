@@ -239,9 +239,10 @@ class SparseGemm24 {
   // layer's bias costs one plan initialisation, once.
   void matmul(bf16* out, const void* compressed, const void* dense, const bf16* bias, void* workspace,
               size_t workspace_bytes, cudaStream_t stream) const;
-  // The same for a problem with alpha_vector: out = alpha ⊙ (the product), alpha [the
-  // output's features] fp32 in device memory (16-byte aligned), one value per output
-  // feature. matmul() and search() on such a problem multiply by ones.
+  // The same for a problem with alpha_vector: out = alpha ⊙ (the product), alpha fp32 in
+  // device memory (16-byte aligned), one value per output feature (cuSPARSELt's rows of D);
+  // give max(features, tokens) values, all equal for a per-tensor scale, as the library's
+  // reading order is not checked here. matmul() and search() on such a problem multiply by ones.
   void matmul_scaled(bf16* out, const void* compressed, const void* dense, const float* alpha, void* workspace,
                      size_t workspace_bytes, cudaStream_t stream) const;
 
