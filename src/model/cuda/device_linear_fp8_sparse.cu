@@ -110,7 +110,10 @@ void Fp8SparseProducts::prepare(const bf16* wf, const bf16* wb, bool wb_transpos
   const int64_t n = out_ * in_;
   ctx_.marks->mark(s, "fp8 cast");
   gpu::fp8_amax(amax(weight_fwd), wf, n, s);
-  gpu::fp8_amax(amax(weight_bwd), wb, n, s);
+  if (wb == wf)  // semi_sparse: Ws both ways, one amax
+    CUDA_CHECK(cudaMemcpyAsync(amax(weight_bwd), amax(weight_fwd), sizeof(float), cudaMemcpyDeviceToDevice, s));
+  else
+    gpu::fp8_amax(amax(weight_bwd), wb, n, s);
   if (!sparse()) return;  // the dense products cast the weights themselves
   Scratch& sc = scratch();
   void* cs = sc.compress.capacity() ? sc.compress.base() : nullptr;
