@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# fp8 training on the GPU (train.precision fp8: the dense layers' GEMMs on fp8 operands,
-# docs/fp8.md) against bf16, in one session: llama-1b 4 x 2048 (configs/gpu/llama-1b.yaml)
-# and gpt2-124m 16 x 1024, each trained a few steps in bf16 and in fp8. Prints the steady
-# tokens/s of each run, the speed-up, and the device memory the first log line reports.
+# fp8 training on the GPU (train.precision fp8: the block Linear layers' GEMMs on fp8
+# operands, docs/fp8.md) against bf16, in one session: llama-1b 4 x 2048
+# (configs/gpu/llama-1b.yaml) dense, slope (configs/gpu/llama-1b-slope.yaml) and semi_sparse
+# (configs/gpu/llama-1b-semi-sparse.yaml), and gpt2-124m 16 x 1024 dense, each trained a few
+# steps in bf16 and in fp8 (the 2:4 kinds with train.fp8_grad e4m3: their fp8 input-gradient
+# products take e4m3 only). Prints the steady tokens/s of each run, the speed-up over the
+# same model's bf16 dense run, and the device memory the first log line reports.
 #
 #   bench/fp8-gpu.sh [build dir]     (default build/cuda)
 set -uo pipefail
@@ -27,12 +30,24 @@ rate() {  # name, config, then esplag train options: prints "tokens/s,device GiB
   echo "${tps:-0},${gib:-0}"
 }
 echo "# commit ${ESPLAG_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
-echo "model,precision,tokens_per_s,device_gib,speedup"
+echo "model,kind,precision,tokens_per_s,device_gib,speedup"
+row() {  # model, kind, precision, "tokens/s,GiB", the bf16 dense tokens/s
+  awk -v m="$1" -v k="$2" -v p="$3" -v r="$4" -v base="$5" \
+    'BEGIN { split(r, f, ","); printf "%s,%s,%s,%s,%.2f\n", m, k, p, r, (base > 0 ? f[1] / base : 0) }'
+}
 for model in llama-1b gpt2-124m; do
   config=configs/gpu/llama-1b.yaml
   [ "$model" = gpt2-124m ] && config="$run_dir/gpt2-124m.yaml"
   bf16=$(rate "$model-bf16" "$config")
   fp8=$(rate "$model-fp8" "$config" --set train.precision=fp8)
-  echo "$model,bf16,$bf16,1.00"
-  awk -v m="$model" -v a="${bf16%%,*}" -v b="$fp8" 'BEGIN { split(b, f, ","); printf "%s,fp8,%s,%.2f\n", m, b, (a > 0 ? f[1] / a : 0) }'
+  row "$model" dense bf16 "$bf16" "${bf16%%,*}"
+  row "$model" dense fp8 "$fp8" "${bf16%%,*}"
+  [ "$model" = llama-1b ] || continue
+  for kind in slope semi_sparse; do
+    sparse_config=configs/gpu/llama-1b-${kind//_/-}.yaml
+    sparse_bf16=$(rate "$model-$kind-bf16" "$sparse_config")
+    sparse_fp8=$(rate "$model-$kind-fp8" "$sparse_config" --set train.precision=fp8 --set train.fp8_grad=e4m3)
+    row "$model" "$kind" bf16 "$sparse_bf16" "${bf16%%,*}"
+    row "$model" "$kind" fp8 "$sparse_fp8" "${bf16%%,*}"
+  done
 done

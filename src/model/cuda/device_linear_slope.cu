@@ -13,6 +13,7 @@
 #include "model/linear_slope.h"
 #include "sparse/masks.h"
 #include "ops/gpu_fused.h"
+#include "sparse/cuda/cusparselt.h"
 #include "sparse/cuda/kept_values.h"
 
 namespace esplag {
@@ -43,6 +44,13 @@ DeviceSlopeLinear::DeviceSlopeLinear(const DeviceLinearSetup& s)
       })) {
   const Setting& st = *s.setting;
   cudaStream_t stream = ctx_.stream;
+  if (ctx_.precision.fp8) {
+    ESPLAG_CHECK(!st.sparse_dw, weight_name_,
+                 ": sparse_dw with train.precision fp8 is trained by the CPU's emulation only so far (docs/fp8.md)");
+    ESPLAG_CHECK(gpu::cusparselt_available(), weight_name_, ": slope with train.precision fp8 needs cuSPARSELt (",
+                 gpu::cusparselt_unavailable_reason(), ")");
+    fp8_ = std::make_unique<Fp8SparseProducts>(ctx_, weight_name_, out_, in_, s.bias);
+  }
   gpu::SparseLinearOptions o;
   o.kind = gpu::SparseLinearKind::slope;
   o.bias = s.bias;
@@ -141,6 +149,7 @@ void DeviceSlopeLinear::weight_from_stored(float* dense, const float* stored, in
 void DeviceSlopeLinear::shared_parts(std::set<std::string>& used) const {
   used.insert(kScratchName);
   if (sp_->sparse_dw()) used.insert(kSparseDwScratch);
+  if (fp8_) Fp8SparseProducts::shared_parts(used);
 }
 
 const bf16* DeviceSlopeLinear::expand_w1() const {
@@ -149,6 +158,14 @@ const bf16* DeviceSlopeLinear::expand_w1() const {
 }
 
 void DeviceSlopeLinear::prepare(bool refresh) {
+  if (fp8_) {  // W1 and W2ᵀ dense (a refresh first chooses the backward mask), cast and compressed in fp8
+    cudaStream_t s = ctx_.stream;
+    ctx_.marks->mark(s, "sparse prepare (2:4 prune)");
+    expand_w1();
+    if (refresh) sp_->prepare(s, true);
+    fp8_->prepare(scratch_.w1, sp_->refill_backward_weight_t(s), true);
+    return;
+  }
   // From the stored kept values in one pass; a refresh (or the library's layouts) needs the
   // dense W1. With dense products they expand W1 and W2ᵀ themselves.
   if (dense_products_ && !refresh) return;
@@ -159,7 +176,7 @@ void DeviceSlopeLinear::prepare(bool refresh) {
 }
 
 void DeviceSlopeLinear::attach() {
-  if (ctx_.sparse_dispatch)  // now that the kept values are stored
+  if (ctx_.sparse_dispatch && !fp8_)  // now that the kept values are stored
     dense_products_ = !ctx_.sparse_is_faster("slope", weight_name_, out_, in_, true, [&] { return time_products(); });
 }
 
@@ -203,12 +220,28 @@ gpu::SparseLinear::ProductTimes DeviceSlopeLinear::time_products() {
 }
 
 void DeviceSlopeLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) {
+  if (fp8_) {
+    bf16* y = act == Act::gelu ? pre_act : out;
+    fp8_->forward(y, in, p_.bias.w, N, [&] { return expand_w1(); }, op);
+    if (act == Act::gelu) {
+      ctx_.marks->mark(ctx_.stream, "gelu fwd");
+      gpu::gelu_forward(out, y, int64_t(N) * out_, ctx_.stream);
+    }
+    return;
+  }
   if (sparse_for(N)) return forward_24(*sp_, out, in, N, act, pre_act, op);
   ctx_.marks->mark(ctx_.stream, op, 2.0 * N * in_ * out_);
   ctx_.gemm->forward(out, in, expand_w1(), p_.bias.w, N, int(in_), int(out_), ctx_.stream, act, pre_act);
 }
 
 void DeviceSlopeLinear::backward_dx(bf16* dinp, const bf16* dout, int N, const bf16* pre_act, const char* op) {
+  if (fp8_) {
+    fp8_->backward_dx(dinp, dout, N, [&] {
+      expand_w1();
+      return sp_->refill_backward_weight_t(ctx_.stream);
+    }, true, op);
+    return gelu_backward_pass(dinp, pre_act, N);
+  }
   if (sparse_for(N)) return backward_dx_24(*sp_, dinp, dout, N, pre_act, op);
   // dinp = dout · W2 as the forward-form product of W2ᵀ [K, OC], made again now (the slope
   // layers share the scratch it lives in).
@@ -229,7 +262,9 @@ void DeviceSlopeLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bo
   const int K = int(in_), OC = int(out_);
   cudaStream_t s = ctx_.stream;
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
-  if (sp_->sparse_dw() && sp_->tokens() == N)
+  if (fp8_)
+    fp8_->backward_dw(scratch_.dw, dout, inp, N, false, op);
+  else if (sp_->sparse_dw() && sp_->tokens() == N)
     sp_->backward(nullptr, scratch_.dw, dout, inp, false, s);
   else
     ctx_.gemm->backward_weight(scratch_.dw, nullptr, dout, inp, N, K, OC, false, s);

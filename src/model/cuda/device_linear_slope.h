@@ -12,13 +12,16 @@
 // product at another micro-batch size or where dispatch chose cuBLASLt, which run the dense
 // products of W1 and of W2, and where cuSPARSELt's layout is not our writer's). All slope
 // layers share one scratch of 10 bytes per weight of the largest (W1 expanded, W2 and W2ᵀ,
-// the fp32 dW).
+// the fp32 dW). With train.precision fp8 the three products are Fp8SparseProducts'
+// (model/cuda/device_linear_fp8_sparse.h) on W1 and W2ᵀ, expanded at every prepare (no bf16
+// compression but at a refresh, no per-layer dispatch, no sparse_dw).
 //
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once
 
 #include <memory>
 
+#include "model/cuda/device_linear_fp8_sparse.h"
 #include "model/device_linear.h"
 #include "sparse/cuda/sparse_linear.h"
 
@@ -35,7 +38,7 @@ class DeviceSlopeLinear : public DeviceLinear {
   int64_t stored_row_group() const override { return 4; }
   void weight_to_stored(float* stored, const float* dense, int64_t row0, int64_t rows) const override;
   void weight_from_stored(float* dense, const float* stored, int64_t row0, int64_t rows) const override;
-  size_t device_bytes() const override { return sp_->device_bytes(); }
+  size_t device_bytes() const override { return sp_->device_bytes() + (fp8_ ? fp8_->device_bytes() : 0); }
   void shared_parts(std::set<std::string>& used) const override;
   bool prepares() const override { return true; }
   bool refresh_due(int64_t step) const override {
@@ -46,6 +49,9 @@ class DeviceSlopeLinear : public DeviceLinear {
   void forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) override;
   void backward_dx(bf16* dinp, const bf16* dout, int N, const bf16* pre_act, const char* op) override;
   void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad, const char* op) override;
+  void begin_backward() override {
+    if (fp8_) fp8_->begin_backward();
+  }
   void update(const Setting& s) override { mask_change_freq_ = s.mask_change_freq; }
   void attach() override;
   bool sparse_dw() const override { return sp_->sparse_dw(); }
@@ -74,6 +80,7 @@ class DeviceSlopeLinear : public DeviceLinear {
 
   Scratch& scratch_;
   std::unique_ptr<gpu::SparseLinear> sp_;
+  std::unique_ptr<Fp8SparseProducts> fp8_;  // train.precision fp8
   bool dense_products_ = false;  // per-layer dispatch: cuBLASLt products of W1 and W2
   int mask_change_freq_ = 0;
   int64_t refresh_step_ = 0;  // the step whose forward first used the current backward mask

@@ -103,8 +103,11 @@ enum class SparseOperand : uint8_t { a, b };
 enum class SparseActivation : uint8_t { none, relu, gelu };
 // The element type of both input operands (the output is bf16 either way, accumulation
 // fp32). e4m3 (fp8, 1 byte) runs the forward product with W as A only, without bias or
-// activation, every dimension a multiple of 32: the inference-side product of a 2:4
-// weight whose values and inputs were quantised to fp8 (no training kind uses it).
+// activation, every dimension a multiple of 32: the product of a 2:4 weight whose values
+// and inputs were quantised to fp8. fp8 training (semi_sparse and slope with
+// train.precision fp8) runs its forward and its input gradient on it, the latter as the
+// forward-form product dY · (Wᵀ)ᵀ with Wᵀ [in, out] as the structured operand, both with
+// the alpha vector (SparseGemm24Problem::alpha_vector) carrying the operands' inverse scales.
 enum class SparseDtype : uint8_t { bf16, e4m3 };
 const char* sparse_dtype_name(SparseDtype d);  // "bf16", "e4m3"
 
@@ -115,6 +118,10 @@ struct SparseGemm24Problem {
   bool bias = false;                                   // forward, weight as A only; bf16 [out]
   SparseActivation activation = SparseActivation::none;  // forward only; after the bias
   SparseDtype dtype = SparseDtype::bf16;                 // of the input operands
+  // e4m3 only: the product is multiplied by alpha [features of the output] read from device
+  // memory at every call (cuSPARSELt's alpha vector scaling; matmul_scaled): fp8 training's
+  // inverse scales, without waiting for the host.
+  bool alpha_vector = false;
 
   static SparseGemm24Problem linear_forward(int64_t out, int64_t in, int64_t tokens, bool bias = false,
                                             SparseActivation act = SparseActivation::none,
@@ -132,7 +139,8 @@ struct SparseGemm24Problem {
   // "fwd out=4096 in=4096 tokens=8192 w=A bias=1 act=gelu bf16",
   // "dw out=4096 in=4096 tokens=8192 w=A bias=0 act=none bf16" (w: the structured operand),
   // "xfwd out=4096 in=4096 tokens=8192 w=A bias=0 act=none bf16" (and "xdw ..."),
-  // "fwd out=4096 in=4096 tokens=8192 w=A bias=0 act=none e4m3".
+  // "fwd out=4096 in=4096 tokens=8192 w=A bias=0 act=none e4m3",
+  // "fwd out=4096 in=4096 tokens=8192 w=A bias=0 act=none e4m3 alpha=vector".
   std::string key() const;
   // The reduction dimension K of the product.
   bool reduces_tokens() const {
@@ -231,6 +239,12 @@ class SparseGemm24 {
   // layer's bias costs one plan initialisation, once.
   void matmul(bf16* out, const void* compressed, const void* dense, const bf16* bias, void* workspace,
               size_t workspace_bytes, cudaStream_t stream) const;
+  // The same for a problem with alpha_vector: out = alpha ⊙ (the product), alpha fp32 in
+  // device memory (16-byte aligned), one value per output feature (cuSPARSELt's rows of D);
+  // give max(features, tokens) values, all equal for a per-tensor scale, as the library's
+  // reading order is not checked here. matmul() and search() on such a problem multiply by ones.
+  void matmul_scaled(bf16* out, const void* compressed, const void* dense, const float* alpha, void* workspace,
+                     size_t workspace_bytes, cudaStream_t stream) const;
 
   // Runs cusparseLtMatmulSearch on these operands (it overwrites `out`), adopts the
   // configuration it finds and records it in the tuning cache (written to disk at once).

@@ -1,0 +1,226 @@
+#include "model/cuda/device_linear_fp8_sparse.h"
+
+#include <algorithm>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "model/cuda/step_marks.h"
+#include "ops/gpu_fp8.h"
+#include "sparse/cuda/cusparselt.h"
+
+namespace esplag {
+
+namespace {
+
+constexpr const char* kScratchName = "fp8 2:4 operands";
+// Each amax and inverse scale 256 bytes apart (16-byte aligned, as the fp8 GEMMs need).
+constexpr int64_t kScaleStride = 64;
+
+gpu::SparseGemm24Problem fp8_problem(int64_t out, int64_t in, int64_t tokens) {
+  gpu::SparseGemm24Problem p = gpu::SparseGemm24Problem::linear_forward(out, in, tokens);
+  p.dtype = gpu::SparseDtype::e4m3;
+  p.alpha_vector = true;
+  return p;
+}
+
+}  // namespace
+
+// One for all fp8 2:4 layers, sized for the largest: two token-side operands (X or dY, either
+// orientation), a weight's e4m3 cast (compressed from here, or multiplied by the dense
+// products), cusparseLtSpMMACompress's scratch, and the fp8 GEMM with its workspace.
+struct Fp8SparseProducts::Scratch : SharedScratch::Part {
+  DeviceArena arena;
+  DeviceArena compress;  // grows to the largest layer's need
+  std::unique_ptr<gpu::Fp8Gemm> gemm;
+  uint8_t *a = nullptr, *b = nullptr, *w = nullptr;
+  bf16* bias = nullptr;  // a bias that is not 16-byte aligned, copied (the fp8 GEMM reads it so)
+  size_t bytes() const override { return arena.capacity() + compress.capacity(); }
+};
+
+Fp8SparseProducts::Fp8SparseProducts(DeviceLinearContext& ctx, const std::string& weight_name, int64_t out,
+                                     int64_t in, bool bias)
+    : ctx_(ctx), name_(weight_name), out_(out), in_(in), bias_(bias) {
+  ESPLAG_CHECK(ctx.precision.grad == Fp8Format::e4m3, name_,
+               ": train.precision is fp8 and train.fp8_grad is e5m2, but the 2:4 kinds' fp8 input-gradient "
+               "products on the GPU take e4m3 operands only (cuSPARSELt): set train.fp8_grad: e4m3");
+  ESPLAG_CHECK(in % 16 == 0 && out % 16 == 0, name_, " [out ", out, ", in ", in,
+               "]: fp8 products need in and out features that are multiples of 16");
+  const bool fits = !bias && out % 32 == 0 && in % 32 == 0 && ctx.tokens % 32 == 0;
+  if (fits && gpu::cusparselt_available()) {
+    fwd_ = &gpu::SparseGemm24::get(fp8_problem(out, in, ctx.tokens));
+    bwd_ = &gpu::SparseGemm24::get(fp8_problem(in, out, ctx.tokens));  // Wbᵀ [in, out] structured
+  }
+  const size_t a = DeviceArena::kDefaultAlignment;
+  const size_t scales = sizeof(float) * kScaleStride * 2 * slots;
+  // cuSPARSELt documents one alpha per row of D (an output feature); filled for the tokens too,
+  // so that a library reading them along the other dimension stays inside the vector.
+  alpha_len_fwd_ = std::max(out, ctx.tokens);
+  alpha_len_bwd_ = std::max(in, ctx.tokens);
+  const size_t alphas = sizeof(float) * size_t(alpha_len_fwd_ + alpha_len_bwd_);
+  const size_t comp = sparse() ? fwd_->compressed_allocation_bytes() + bwd_->compressed_allocation_bytes() : 0;
+  own_ = DeviceArena(scales + alphas + comp + 6 * a, "fp8 2:4 " + name_);
+  own_.allocate_array<float>("scales", kScaleStride * 2 * slots);
+  alpha_fwd_ = own_.allocate_array<float>("alpha fwd", size_t(alpha_len_fwd_));
+  alpha_bwd_ = own_.allocate_array<float>("alpha bwd", size_t(alpha_len_bwd_));
+  if (!sparse()) return;
+  comp_fwd_ = own_.allocate("compressed Wf (e4m3)", fwd_->compressed_allocation_bytes());
+  comp_bwd_ = own_.allocate("compressed Wb^T (e4m3)", bwd_->compressed_allocation_bytes());
+  const size_t ws = std::max(fwd_->workspace_bytes(), bwd_->workspace_bytes());
+  workspace_ = DeviceArena(ws + a, "fp8 2:4 workspace " + name_);
+  if (ws) workspace_.allocate("workspace", ws);
+  Scratch& s = scratch();
+  const size_t need = std::max(fwd_->compress_scratch_bytes(), bwd_->compress_scratch_bytes());
+  if (need && s.compress.capacity() < need + a) s.compress = DeviceArena(need + a, "fp8 2:4 compress scratch");
+}
+
+Fp8SparseProducts::~Fp8SparseProducts() = default;
+
+float* Fp8SparseProducts::amax(Slot s) const {
+  return static_cast<float*>(own_.base()) + kScaleStride * (2 * int64_t(s));
+}
+float* Fp8SparseProducts::inv(Slot s) const {
+  return static_cast<float*>(own_.base()) + kScaleStride * (2 * int64_t(s) + 1);
+}
+
+Fp8SparseProducts::Scratch& Fp8SparseProducts::scratch() {
+  return ctx_.scratch.get<Scratch>(kScratchName, [&] {
+    size_t side = 0, weight = 0, outs = 0;
+    for (const auto& [out, in] : ctx_.shapes) {
+      side = std::max(side, size_t(ctx_.tokens) * size_t(std::max(out, in)));
+      weight = std::max(weight, size_t(out * in));
+      outs = std::max(outs, size_t(out));
+    }
+    const size_t ws = gpu::Gemm::kDefaultWorkspaceBytes;
+    auto p = std::make_unique<Scratch>();
+    p->arena =
+        DeviceArena(2 * side + weight + sizeof(bf16) * outs + ws + 5 * DeviceArena::kDefaultAlignment, "fp8 2:4 operands");
+    p->a = p->arena.allocate_array<uint8_t>("fp8.a", side);
+    p->b = p->arena.allocate_array<uint8_t>("fp8.b", side);
+    p->w = p->arena.allocate_array<uint8_t>("fp8.w", weight);
+    p->bias = p->arena.allocate_array<bf16>("fp8.bias", outs);
+    p->gemm = std::make_unique<gpu::Fp8Gemm>(p->arena.allocate("fp8.workspace", ws), ws);
+    return p;
+  });
+}
+
+void Fp8SparseProducts::shared_parts(std::set<std::string>& used) { used.insert(kScratchName); }
+
+void Fp8SparseProducts::prepare(const bf16* wf, const bf16* wb, bool wb_transposed) {
+  cudaStream_t s = ctx_.stream;
+  const int64_t n = out_ * in_;
+  ctx_.marks->mark(s, "fp8 cast");
+  gpu::fp8_amax(amax(weight_fwd), wf, n, s);
+  if (wb == wf)  // semi_sparse: Ws both ways, one amax
+    CUDA_CHECK(cudaMemcpyAsync(amax(weight_bwd), amax(weight_fwd), sizeof(float), cudaMemcpyDeviceToDevice, s));
+  else
+    gpu::fp8_amax(amax(weight_bwd), wb, n, s);
+  if (!sparse()) return;  // the dense products cast the weights themselves
+  Scratch& sc = scratch();
+  void* cs = sc.compress.capacity() ? sc.compress.base() : nullptr;
+  gpu::fp8_cast(sc.w, inv(weight_fwd), wf, n, amax(weight_fwd), Fp8Format::e4m3, nullptr, s);
+  fwd_->compress(comp_fwd_, sc.w, cs, sc.compress.capacity(), s);
+  if (wb_transposed)
+    gpu::fp8_cast(sc.w, inv(weight_bwd), wb, n, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
+  else
+    gpu::fp8_cast_transpose(sc.w, inv(weight_bwd), wb, out_, in_, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
+  bwd_->compress(comp_bwd_, sc.w, cs, sc.compress.capacity(), s);
+}
+
+void Fp8SparseProducts::tune(gpu::SparseGemm24& g, bf16* out, const void* compressed, const void* dense) {
+  g.tune(out, compressed, dense, nullptr, workspace_.capacity() ? workspace_.base() : nullptr,
+         workspace_.capacity(), ctx_.stream);
+  const size_t ws = std::max(fwd_->workspace_bytes(), bwd_->workspace_bytes());
+  if (ws + DeviceArena::kDefaultAlignment > workspace_.capacity()) {
+    CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));  // the old workspace may still be in use
+    workspace_ = DeviceArena(ws + DeviceArena::kDefaultAlignment, "fp8 2:4 workspace " + name_);
+    workspace_.allocate("workspace", ws);
+  }
+}
+
+void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,
+                                const std::function<const bf16*()>& wf, const char* op) {
+  cudaStream_t s = ctx_.stream;
+  Scratch& sc = scratch();
+  const int64_t nx = int64_t(N) * in_;
+  ctx_.marks->mark(s, "fp8 cast");
+  gpu::fp8_amax(amax(input), x, nx, s);
+  gpu::fp8_cast(sc.a, inv(input), x, nx, amax(input), Fp8Format::e4m3, nullptr, s);
+  if (sparse() && N == ctx_.tokens) {
+    gpu::fp8_product_scale(alpha_fwd_, inv(input), inv(weight_fwd), alpha_len_fwd_, s);
+    if (!tuned_fwd_) {
+      tune(*fwd_, y, comp_fwd_, sc.a);
+      tuned_fwd_ = true;
+    }
+    ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
+    fwd_->matmul_scaled(y, comp_fwd_, sc.a, alpha_fwd_, workspace_.base(), workspace_.capacity(), s);
+    return;
+  }
+  gpu::fp8_cast(sc.w, inv(weight_fwd), wf(), out_ * in_, amax(weight_fwd), Fp8Format::e4m3, nullptr, s);
+  if (bias && reinterpret_cast<uintptr_t>(bias) % 16 != 0) {
+    CUDA_CHECK(cudaMemcpyAsync(sc.bias, bias, sizeof(bf16) * out_, cudaMemcpyDeviceToDevice, s));
+    bias = sc.bias;
+  }
+  ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
+  sc.gemm->set_fast_accum(true);  // as the dense kind's forward
+  sc.gemm->matmul(y, {sc.a, inv(input), Fp8Format::e4m3}, {sc.w, inv(weight_fwd), Fp8Format::e4m3}, bias, N,
+                  int(out_), int(in_), false, s);
+}
+
+void Fp8SparseProducts::cast_grad(uint8_t* out, const bf16* dy, int N, bool transposed) {
+  cudaStream_t s = ctx_.stream;
+  const int64_t n = int64_t(N) * out_;
+  if (dy_amax_of_ == dy && dy_amax_rows_ == N) {
+    dy_amax_of_ = nullptr;  // the other product of this dY took its amax
+  } else {
+    gpu::fp8_amax(amax(grad), dy, n, s);
+    dy_amax_of_ = dy;
+    dy_amax_rows_ = N;
+  }
+  if (transposed)
+    gpu::fp8_cast_transpose(out, inv(grad), dy, N, out_, amax(grad), ctx_.precision.grad, nullptr, s);
+  else
+    gpu::fp8_cast(out, inv(grad), dy, n, amax(grad), ctx_.precision.grad, nullptr, s);
+}
+
+void Fp8SparseProducts::backward_dx(bf16* dx, const bf16* dy, int N, const std::function<const bf16*()>& wb,
+                                    bool wb_transposed, const char* op) {
+  cudaStream_t s = ctx_.stream;
+  Scratch& sc = scratch();
+  ctx_.marks->mark(s, "fp8 cast");
+  cast_grad(sc.a, dy, N, false);
+  if (sparse() && N == ctx_.tokens) {
+    gpu::fp8_product_scale(alpha_bwd_, inv(grad), inv(weight_bwd), alpha_len_bwd_, s);
+    if (!tuned_bwd_) {
+      tune(*bwd_, dx, comp_bwd_, sc.a);
+      tuned_bwd_ = true;
+    }
+    ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
+    bwd_->matmul_scaled(dx, comp_bwd_, sc.a, alpha_bwd_, workspace_.base(), workspace_.capacity(), s);
+    return;
+  }
+  // Fp8Gemm's B is Wbᵀ [in, out], K-major.
+  if (wb_transposed)
+    gpu::fp8_cast(sc.w, inv(weight_bwd), wb(), out_ * in_, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
+  else
+    gpu::fp8_cast_transpose(sc.w, inv(weight_bwd), wb(), out_, in_, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
+  ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
+  sc.gemm->set_fast_accum(false);
+  sc.gemm->matmul(dx, {sc.a, inv(grad), ctx_.precision.grad}, {sc.w, inv(weight_bwd), Fp8Format::e4m3}, nullptr, N,
+                  int(in_), int(out_), false, s);
+}
+
+void Fp8SparseProducts::backward_dw(float* dw, const bf16* dy, const bf16* x, int N, bool accumulate,
+                                    const char* op) {
+  cudaStream_t s = ctx_.stream;
+  Scratch& sc = scratch();
+  ctx_.marks->mark(s, "fp8 cast");
+  cast_grad(sc.a, dy, N, true);
+  gpu::fp8_cast_transpose(sc.b, inv(input), x, N, in_, amax(input), Fp8Format::e4m3, nullptr,
+                          s);  // the forward's amax of X
+  ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
+  sc.gemm->set_fast_accum(false);
+  sc.gemm->matmul(dw, {sc.a, inv(grad), ctx_.precision.grad}, {sc.b, inv(input), Fp8Format::e4m3}, int(out_),
+                  int(in_), N, accumulate, s);
+}
+
+}  // namespace esplag

@@ -1,0 +1,95 @@
+// The fp8 products of the 2:4 kinds on the GPU (train.precision fp8, docs/fp8.md): semi_sparse
+// and slope hand their pruned weights to one Fp8SparseProducts after every weight change.
+//
+//   forward  Y  = X · Wfᵀ   cuSPARSELt e4m3 2:4, Wf [out, in] structured (semi_sparse: Ws; slope: W1)
+//   dX       dX = dY · Wb   cuSPARSELt e4m3 2:4 in the forward form dY · (Wbᵀ)ᵀ, Wbᵀ [in, out]
+//                           structured (semi_sparse: Wsᵀ; slope: W2ᵀ)
+//   dW       dW = dYᵀ · X   cuBLASLt fp8 (gpu::Fp8Gemm), dense, as the dense kind's
+//
+// Scaling as the CPU's emulation (model/linear_precision.h): per tensor from the current amax,
+// X and the weights e4m3, dY in train.fp8_grad, which must be e4m3 (cuSPARSELt's fp8
+// products take e4m3 operands only). Wf and Wb each have their own scale (the CPU quantises
+// W1's and W2ᵀ's kept values separately); X's and dY's amax are taken once per step and
+// shared by the products that read them. The 2:4 products take the scales through
+// cuSPARSELt's alpha vector (1 / (s_a · s_b) per output feature, written on the device).
+//
+// prepare() casts each pruned weight (a pass over its bf16 values, transposed for Wf's
+// backward form in semi_sparse) into a shared e4m3 scratch and compresses it with
+// cusparseLtSpMMACompress into the layer's two e4m3 copies (9/16 byte per weight each).
+// Where the 2:4 products do not apply, the same scaled products run dense on Fp8Gemm from
+// the pruned weights the caller gives again: a micro-batch of another size than the full
+// one, a bias (cuSPARSELt's e4m3 kernels are run without epilogues here), dimensions that
+// are not multiples of 32, or no cuSPARSELt.
+//
+// Only for the CUDA build (ESPLAG_CUDA=ON).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+
+#include "core/device_arena.h"
+#include "model/device_linear.h"
+
+namespace esplag {
+
+namespace gpu {
+class SparseGemm24;
+}
+
+class Fp8SparseProducts {
+ public:
+  // Error naming the layer when train.fp8_grad is not e4m3.
+  Fp8SparseProducts(DeviceLinearContext& ctx, const std::string& weight_name, int64_t out, int64_t in, bool bias);
+  ~Fp8SparseProducts();
+
+  // Whether full-size micro-batches run the 2:4 products.
+  bool sparse() const { return fwd_ != nullptr; }
+  // The scales and (sparse()) the compressed e4m3 copies from the current pruned weights:
+  // wf [out, in]; wb [out, in] (wb_transposed false: semi_sparse's Ws) or Wbᵀ [in, out]
+  // (true: slope's W2ᵀ). Call after every weight change; the pointers may be reused after.
+  void prepare(const bf16* wf, const bf16* wb, bool wb_transposed);
+  // y [N, out] = X · Wfᵀ (+ bias). wf: the pruned weight as prepare() had it, read by the
+  // dense products only (N other than the full size, or !sparse()).
+  void forward(bf16* y, const bf16* x, const bf16* bias, int N, const std::function<const bf16*()>& wf,
+               const char* op);
+  // dx [N, in] = dY · Wb; wb as for prepare(), read by the dense product only.
+  void backward_dx(bf16* dx, const bf16* dy, int N, const std::function<const bf16*()>& wb, bool wb_transposed,
+                   const char* op);
+  // dw [out, in] fp32 (= or += when accumulate) = dYᵀ · X.
+  void backward_dw(float* dw, const bf16* dy, const bf16* x, int N, bool accumulate, const char* op);
+  // `op` names each product for the op timings ("sparse " + op for the 2:4 ones, as the bf16
+  // products). Before each backward: dY's amax is taken again.
+  void begin_backward() { dy_amax_of_ = nullptr; }
+
+  size_t device_bytes() const { return own_.capacity() + workspace_.capacity(); }
+  static void shared_parts(std::set<std::string>& used);
+
+ private:
+  struct Scratch;
+  enum Slot { input, weight_fwd, weight_bwd, grad, slots };
+  float* amax(Slot s) const;
+  float* inv(Slot s) const;
+  Scratch& scratch();
+  // dY's amax (once per dY) and its cast, as it lies or transposed.
+  void cast_grad(uint8_t* out, const bf16* dy, int N, bool transposed);
+  // The first product of each plan searches its configuration; the workspace may grow.
+  void tune(gpu::SparseGemm24& g, bf16* out, const void* compressed, const void* dense);
+
+  DeviceLinearContext& ctx_;
+  const std::string name_;
+  const int64_t out_, in_;
+  const bool bias_;
+  gpu::SparseGemm24 *fwd_ = nullptr, *bwd_ = nullptr;  // the 2:4 plans (process-wide cache)
+  DeviceArena own_;        // scales, alpha vectors, compressed copies
+  DeviceArena workspace_;  // the 2:4 products' workspace
+  float *alpha_fwd_ = nullptr, *alpha_bwd_ = nullptr;  // the 2:4 products' alpha vectors
+  int64_t alpha_len_fwd_ = 0, alpha_len_bwd_ = 0;
+  void *comp_fwd_ = nullptr, *comp_bwd_ = nullptr;
+  bool tuned_fwd_ = false, tuned_bwd_ = false;
+  const bf16* dy_amax_of_ = nullptr;
+  int dy_amax_rows_ = 0;
+};
+
+}  // namespace esplag
