@@ -405,8 +405,8 @@ TEST_F(GpuTrain, OptimizerOffloadChangesNoBit) {
 // and weights and e5m2 output gradients) follow the CPU's fp8 emulation of the same run,
 // within 3% per step (the bf16 suite's 2%, plus the GPU's casts of bf16 rather than fp32
 // tensors and its fast accumulation in the forward); the run learns, it is not the bf16 run,
-// and full activation checkpointing gives its bits. A sparse kind with fp8 is refused on the
-// GPU with the reason.
+// and full activation checkpointing gives its bits. fp8 slope needs e4m3 gradients on the
+// GPU (refused with e5m2, trains with e4m3).
 TEST_F(GpuTrain, Fp8TracksTheCpuEmulation) {
   const RunLog cpu = train(tiny(*data_, "cpu", {"train.precision=fp8"}), *dir_ / "fp8_cpu");
   const RunLog gpu = train(tiny(*data_, "cuda", {"train.precision=fp8"}), *dir_ / "fp8_gpu");
@@ -425,11 +425,18 @@ TEST_F(GpuTrain, Fp8TracksTheCpuEmulation) {
   cfg.precision = "fp8";
   try {
     Trainer t(cfg, (*dir_ / "fp8_slope").string(), [](const std::string&) {});
-    ADD_FAILURE() << "fp8 with a slope layer trained on the GPU";
+    ADD_FAILURE() << "fp8 slope with e5m2 gradients trained on the GPU";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("train.precision is fp8 with sparse Linear kinds"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("train.fp8_grad is e5m2"), std::string::npos) << e.what();
   }
+  // With e4m3 gradients fp8 slope trains on the GPU (tests/gpu_fp8_sparse.cpp checks its
+  // products against the CPU's emulation) and learns.
+  cfg.fp8_grad = "e4m3";
+  Trainer t(cfg, (*dir_ / "fp8_slope_e4m3").string(), [](const std::string&) {});
+  EXPECT_EQ(t.device(), "cuda");
+  const esplag::TrainResult r = t.run();
+  EXPECT_EQ(r.steps, cfg.steps);
+  EXPECT_LT(r.last_loss, 0.9 * r.first_loss);
 }
 
 TEST_F(GpuTrain, AutoPicksTheGpuAndSparseRecipesAreRefused) {

@@ -45,22 +45,32 @@ TEST(TrainPrecision, UnknownValuesAreKeyErrors) {
   EXPECT_NE(grad.find("train.fp8_grad"), std::string::npos) << grad;
 }
 
-// The GPU trains fp8 for dense layers; with a sparse kind it refuses, and auto stays on the CPU.
-TEST(TrainPrecision, GpuTrainingRefusesFp8WithSparseKindsAndAutoStaysOnTheCpu) {
+// The GPU trains fp8 for dense, semi_sparse and slope layers (the 2:4 kinds with e4m3
+// gradients only); with another sparse kind, or sparse_dw, it refuses, and auto stays on the CPU.
+TEST(TrainPrecision, GpuTrainingRefusesFp8WithOtherSparseKindsAndAutoStaysOnTheCpu) {
   TrainConfig c;
   EXPECT_EQ(gpu_training_blocker(c), "");
   c.precision = "fp8";
   EXPECT_EQ(gpu_training_blocker(c), "") << "dense fp8 trains on the GPU";
   c.recipe_yaml = "- slope: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight']}\n";
+  const std::string e5m2 = gpu_training_blocker(c);
+  EXPECT_NE(e5m2.find("train.precision is fp8 with slope layers and train.fp8_grad is e5m2"), std::string::npos)
+      << e5m2;
+  c.fp8_grad = "e4m3";
+  EXPECT_EQ(gpu_training_blocker(c), "") << "fp8 slope with e4m3 gradients trains on the GPU";
+  c.recipe_yaml = "- semi_sparse: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], sparse_dw: true}\n";
+  EXPECT_NE(gpu_training_blocker(c).find("train.precision is fp8 with sparse_dw"), std::string::npos);
+  c.recipe_yaml = "- gradual_magnitude: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], mask_type: '2:4', "
+                  "start: 0, end: 4, update_every: 1}\n";
   const std::string why = gpu_training_blocker(c);
-  EXPECT_NE(why.find("train.precision is fp8 with sparse Linear kinds"), std::string::npos) << why;
+  EXPECT_NE(why.find("train.precision is fp8 with sparse Linear kinds (masked)"), std::string::npos) << why;
   const DeviceProbe gpu{true, 1, ""};
   const DeviceChoice choice = choose_train_device("auto", gpu, why);
   EXPECT_EQ(choice.device, "cpu");
   EXPECT_NE(choice.note.find("train.precision is fp8"), std::string::npos) << choice.note;
   try {
     choose_train_device("cuda", gpu, why);
-    FAIL() << "train.device=cuda with fp8 and a sparse kind must be refused";
+    FAIL() << "train.device=cuda with fp8 and a masked layer must be refused";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("train.precision is fp8"), std::string::npos) << e.what();
   }
