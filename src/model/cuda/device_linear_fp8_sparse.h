@@ -11,7 +11,7 @@
 // products take e4m3 operands only). Wf and Wb each have their own scale (the CPU quantises
 // W1's and W2ᵀ's kept values separately); X's and dY's amax are taken once per step and
 // shared by the products that read them. The 2:4 products take the scales through
-// cuSPARSELt's alpha vector (1 / (s_a · s_b) per output feature, written on the device).
+// an alpha vector (1 / (s_a · s_b) per output feature, written on the device; SparseGemm24::matmul_scaled).
 //
 // prepare() casts each pruned weight (a pass over its bf16 values, transposed for Wf's
 // backward form in semi_sparse) into a shared e4m3 scratch and compresses it with

@@ -150,16 +150,10 @@ struct SparseGemm24::Impl {
   // gets a plan initialised with it (one per layer, once), which is right either way.
   mutable std::map<const void*, std::unique_ptr<Bound>> bound;
   int* d_valid = nullptr;  // PruneCheck's device flag
-  float* d_ones = nullptr;  // alpha_vector: the alpha of matmul() and search(), ones [output features]
 
   cusparseLtMatDescriptor_t* weight_descr() { return weight_is_a ? &a : &b; }
   // The length of an alpha vector: m, the output's features (the forward's out).
   int64_t output_features() const { return p.product == SparseProduct::backward_data ? p.in : p.out; }
-  // What cusparseLtMatmul and MatmulSearch take as alpha: a host scalar, or with
-  // alpha_vector a device vector (`scaled`, or ones).
-  const void* alpha_of(const float* scaled, const float* one) const {
-    return p.alpha_vector ? static_cast<const void*>(scaled ? scaled : d_ones) : one;
-  }
   const cusparseLtMatDescriptor_t* weight_descr() const { return weight_is_a ? &a : &b; }
 
   ~Impl() {
@@ -169,7 +163,6 @@ struct SparseGemm24::Impl {
     if (has_b) api.MatDescriptorDestroy(&b);
     if (has_c) api.MatDescriptorDestroy(&c);
     if (d_valid) cudaFree(d_valid);
-    if (d_ones) cudaFree(d_ones);
   }
 
   void apply_config(Bound& bd, const SparseGemm24Config& cfg) const {
@@ -231,10 +224,6 @@ struct SparseGemm24::Impl {
                    p.activation == SparseActivation::relu ? "ReLU" : "GELU", " epilogue for bf16 operands (",
                    api.GetErrorName(st), "); run the GEMM without activation and apply it separately");
     }
-    if (p.alpha_vector)
-      LT_CHECK(api.MatmulDescSetAttribute(&lib->handle, &bd->matmul, CUSPARSELT_MATMUL_ALPHA_VECTOR_SCALING, &on,
-                                          sizeof(on)),
-               ctx);
     if (p.bias) {
       const void* ptr = bias;
       LT_CHECK(api.MatmulDescSetAttribute(&lib->handle, &bd->matmul, CUSPARSELT_MATMUL_BIAS_POINTER, &ptr,
@@ -275,10 +264,15 @@ struct SparseGemm24::Impl {
 
 namespace {
 
-// cusparseLtMatmul of a checked call: alpha the device vector `scaled` (alpha_vector
-// problems; null: ones) or 1.
+// out [tokens, features] *= alpha [features], in place (fp32 products, rounded once more).
+__global__ void scale_features_kernel(bf16* out, int64_t n, int64_t features, const float* alpha) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = __float2bfloat16(__bfloat162float(out[i]) * alpha[i % features]);
+}
+
+// cusparseLtMatmul of a checked call, alpha 1.
 void run_matmul(const SparseGemm24::Impl& m, bf16* out, const void* compressed, const void* dense, const bf16* bias,
-                const float* scaled, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(m.mu);
   Bound& bd = m.bound_for(bias);
   ESPLAG_CHECK(workspace_bytes >= bd.workspace, m.ctx, ": the plan needs ", bd.workspace,
@@ -287,7 +281,7 @@ void run_matmul(const SparseGemm24::Impl& m, bf16* out, const void* compressed, 
   const void* A = m.weight_is_a ? compressed : static_cast<const void*>(dense);
   const void* B = m.weight_is_a ? static_cast<const void*>(dense) : compressed;
   cudaStream_t streams[1] = {stream};
-  LT_CHECK(m.lib->api.Matmul(&m.lib->handle, &bd.plan, m.alpha_of(scaled, &one), A, B, &beta, out, out,
+  LT_CHECK(m.lib->api.Matmul(&m.lib->handle, &bd.plan, &one, A, B, &beta, out, out,
                              bd.workspace ? workspace : nullptr, streams, 1),
            m.ctx);
 }
@@ -405,13 +399,6 @@ SparseGemm24::SparseGemm24(const SparseGemm24Problem& p, Algorithm alg) : impl_(
   m.workspace_hint = first->workspace;
   if (!p.bias) m.bound.emplace(nullptr, std::move(first));
   CUDA_CHECK(cudaMalloc(&m.d_valid, sizeof(int)));
-  if (p.alpha_vector) {
-    // One per row of D (an output feature) as documented, and as many as the tokens, so that
-    // reading them along the other dimension stays inside the vector.
-    const std::vector<float> ones(size_t(std::max(m.output_features(), p.tokens)), 1.f);
-    CUDA_CHECK(cudaMalloc(&m.d_ones, sizeof(float) * ones.size()));
-    CUDA_CHECK(cudaMemcpy(m.d_ones, ones.data(), sizeof(float) * ones.size(), cudaMemcpyHostToDevice));
-  }
   m.plan_ms = ms_since(t0);
 }
 
@@ -465,7 +452,7 @@ void SparseGemm24::compress(void* compressed, const void* pruned, void* scratch,
 void SparseGemm24::matmul(bf16* out, const void* compressed, const void* dense, const bf16* bias, void* workspace,
                           size_t workspace_bytes, cudaStream_t stream) const {
   impl_->check_operands(compressed, dense, out, bias);
-  run_matmul(*impl_, out, compressed, dense, bias, nullptr, workspace, workspace_bytes, stream);
+  run_matmul(*impl_, out, compressed, dense, bias, workspace, workspace_bytes, stream);
 }
 
 void SparseGemm24::matmul_scaled(bf16* out, const void* compressed, const void* dense, const float* alpha,
@@ -475,7 +462,11 @@ void SparseGemm24::matmul_scaled(bf16* out, const void* compressed, const void* 
   ESPLAG_CHECK(alpha && reinterpret_cast<uintptr_t>(alpha) % 16 == 0, m.ctx, ": the alpha vector ",
                static_cast<const void*>(alpha), " is null or not 16-byte aligned");
   m.check_operands(compressed, dense, out, nullptr);
-  run_matmul(m, out, compressed, dense, nullptr, alpha, workspace, workspace_bytes, stream);
+  run_matmul(m, out, compressed, dense, nullptr, workspace, workspace_bytes, stream);
+  const int64_t n = m.output_features() * m.p.tokens;
+  scale_features_kernel<<<unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(
+      out, n, m.output_features(), alpha);
+  CUDA_CHECK_LAUNCH("SparseGemm24::matmul_scaled (scale)");
 }
 
 void SparseGemm24::search(bf16* out, const void* compressed, const void* dense, const bf16* bias, void* workspace,
@@ -493,7 +484,7 @@ void SparseGemm24::search(bf16* out, const void* compressed, const void* dense, 
   const void* B = m.weight_is_a ? static_cast<const void*>(dense) : compressed;
   cudaStream_t streams[1] = {stream};
   const auto t0 = std::chrono::steady_clock::now();
-  LT_CHECK(m.lib->api.MatmulSearch(&m.lib->handle, &bd->plan, m.alpha_of(nullptr, &one), A, B, &beta, out, out,
+  LT_CHECK(m.lib->api.MatmulSearch(&m.lib->handle, &bd->plan, &one, A, B, &beta, out, out,
                                    bd->workspace ? workspace : nullptr, streams, 1),
            m.ctx);
   CUDA_CHECK(cudaStreamSynchronize(stream));

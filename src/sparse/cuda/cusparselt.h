@@ -106,8 +106,8 @@ enum class SparseActivation : uint8_t { none, relu, gelu };
 // activation, every dimension a multiple of 32: the product of a 2:4 weight whose values
 // and inputs were quantised to fp8. fp8 training (semi_sparse and slope with
 // train.precision fp8) runs its forward and its input gradient on it, the latter as the
-// forward-form product dY · (Wᵀ)ᵀ with Wᵀ [in, out] as the structured operand, both with
-// the alpha vector (SparseGemm24Problem::alpha_vector) carrying the operands' inverse scales.
+// forward-form product dY · (Wᵀ)ᵀ with Wᵀ [in, out] as the structured operand, both scaled
+// by the operands' inverse scales from device memory (SparseGemm24Problem::alpha_vector).
 enum class SparseDtype : uint8_t { bf16, e4m3 };
 const char* sparse_dtype_name(SparseDtype d);  // "bf16", "e4m3"
 
@@ -119,8 +119,9 @@ struct SparseGemm24Problem {
   SparseActivation activation = SparseActivation::none;  // forward only; after the bias
   SparseDtype dtype = SparseDtype::bf16;                 // of the input operands
   // e4m3 only: the product is multiplied by alpha [features of the output] read from device
-  // memory at every call (cuSPARSELt's alpha vector scaling; matmul_scaled): fp8 training's
-  // inverse scales, without waiting for the host.
+  // memory at every call (matmul_scaled): fp8 training's inverse scales, without waiting for
+  // the host. cuSPARSELt 0.8 refuses its own alpha vector scaling for e4m3 operands on sm_90
+  // (CUSPARSE_STATUS_NOT_SUPPORTED), so a pass over the bf16 output applies it.
   bool alpha_vector = false;
 
   static SparseGemm24Problem linear_forward(int64_t out, int64_t in, int64_t tokens, bool bias = false,
@@ -240,9 +241,8 @@ class SparseGemm24 {
   void matmul(bf16* out, const void* compressed, const void* dense, const bf16* bias, void* workspace,
               size_t workspace_bytes, cudaStream_t stream) const;
   // The same for a problem with alpha_vector: out = alpha ⊙ (the product), alpha fp32 in
-  // device memory (16-byte aligned), one value per output feature (cuSPARSELt's rows of D);
-  // give max(features, tokens) values, all equal for a per-tensor scale, as the library's
-  // reading order is not checked here. matmul() and search() on such a problem multiply by ones.
+  // device memory (16-byte aligned), one value per output feature; the product is rounded to
+  // bf16, then scaled and rounded again. matmul() and search() on such a problem do not scale.
   void matmul_scaled(bf16* out, const void* compressed, const void* dense, const float* alpha, void* workspace,
                      size_t workspace_bytes, cudaStream_t stream) const;
 
