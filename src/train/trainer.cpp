@@ -293,8 +293,8 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
   }
   std::string why;
   if (!parts.empty()) why = "the run needs sparse Linear kinds that the GPU does not train yet (" + join(parts, "; ") + ")";
-  // fp8 on the GPU: the dense products, and the 2:4 ones of semi_sparse and slope, whose
-  // input-gradient products take e4m3 gradients only (model/cuda/device_linear_fp8_sparse.h).
+  // fp8 on the GPU: the dense products, and slope's 2:4 ones, whose input-gradient products
+  // take e4m3 gradients only (model/cuda/device_linear_fp8_sparse.h).
   std::set<std::string> fp8_kinds;
   bool fp8_sparse_dw = false;
   if (!config.recipe_yaml.empty()) {
@@ -307,18 +307,18 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
   if (model)
     for (const auto& name : model->linear_names()) fp8_kinds.insert(model->linear(name).kind());
   if (config.precision == "fp8") {
-    std::vector<std::string> others, two_four;
+    std::vector<std::string> others;
     for (const auto& k : fp8_kinds)
-      if (k != "dense") (k == "semi_sparse" || k == "slope" ? two_four : others).push_back(k);
+      if (k != "dense" && k != "slope") others.push_back(k);
     const auto add = [&](const std::string& reason) { why += (why.empty() ? "" : "; ") + reason; };
     if (!others.empty())
       add("train.precision is fp8 with sparse Linear kinds (" + join(others, ", ") +
           ") whose fp8 products only the CPU's emulation trains so far (the GPU's fp8 products are the dense ones and "
-          "semi_sparse's and slope's; docs/fp8.md)");
-    if (!two_four.empty() && config.fp8_grad != "e4m3")
-      add("train.precision is fp8 with " + join(two_four, " and ") + " layers and train.fp8_grad is " +
-          config.fp8_grad + ", but their fp8 input-gradient products on the GPU take e4m3 gradients only "
-          "(cuSPARSELt; set train.fp8_grad: e4m3)");
+          "slope's; docs/fp8.md)");
+    if (fp8_kinds.count("slope") && config.fp8_grad != "e4m3")
+      add("train.precision is fp8 with slope layers and train.fp8_grad is " + config.fp8_grad +
+          ", but their fp8 input-gradient products on the GPU take e4m3 gradients only (cuSPARSELt; set "
+          "train.fp8_grad: e4m3)");
     if (fp8_sparse_dw) add("train.precision is fp8 with sparse_dw, which only the CPU's emulation trains so far");
   }
   if (config.parallel.zero > 1)

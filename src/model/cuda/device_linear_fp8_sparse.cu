@@ -105,24 +105,18 @@ Fp8SparseProducts::Scratch& Fp8SparseProducts::scratch() {
 
 void Fp8SparseProducts::shared_parts(std::set<std::string>& used) { used.insert(kScratchName); }
 
-void Fp8SparseProducts::prepare(const bf16* wf, const bf16* wb, bool wb_transposed) {
+void Fp8SparseProducts::prepare(const bf16* wf, const bf16* wbt) {
   cudaStream_t s = ctx_.stream;
   const int64_t n = out_ * in_;
   ctx_.marks->mark(s, "fp8 cast");
   gpu::fp8_amax(amax(weight_fwd), wf, n, s);
-  if (wb == wf)  // semi_sparse: Ws both ways, one amax
-    CUDA_CHECK(cudaMemcpyAsync(amax(weight_bwd), amax(weight_fwd), sizeof(float), cudaMemcpyDeviceToDevice, s));
-  else
-    gpu::fp8_amax(amax(weight_bwd), wb, n, s);
+  gpu::fp8_amax(amax(weight_bwd), wbt, n, s);
   if (!sparse()) return;  // the dense products cast the weights themselves
   Scratch& sc = scratch();
   void* cs = sc.compress.capacity() ? sc.compress.base() : nullptr;
   gpu::fp8_cast(sc.w, inv(weight_fwd), wf, n, amax(weight_fwd), Fp8Format::e4m3, nullptr, s);
   fwd_->compress(comp_fwd_, sc.w, cs, sc.compress.capacity(), s);
-  if (wb_transposed)
-    gpu::fp8_cast(sc.w, inv(weight_bwd), wb, n, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
-  else
-    gpu::fp8_cast_transpose(sc.w, inv(weight_bwd), wb, out_, in_, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
+  gpu::fp8_cast(sc.w, inv(weight_bwd), wbt, n, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
   bwd_->compress(comp_bwd_, sc.w, cs, sc.compress.capacity(), s);
 }
 
@@ -182,8 +176,8 @@ void Fp8SparseProducts::cast_grad(uint8_t* out, const bf16* dy, int N, bool tran
     gpu::fp8_cast(out, inv(grad), dy, n, amax(grad), ctx_.precision.grad, nullptr, s);
 }
 
-void Fp8SparseProducts::backward_dx(bf16* dx, const bf16* dy, int N, const std::function<const bf16*()>& wb,
-                                    bool wb_transposed, const char* op) {
+void Fp8SparseProducts::backward_dx(bf16* dx, const bf16* dy, int N, const std::function<const bf16*()>& wbt,
+                                    const char* op) {
   cudaStream_t s = ctx_.stream;
   Scratch& sc = scratch();
   ctx_.marks->mark(s, "fp8 cast");
@@ -199,10 +193,7 @@ void Fp8SparseProducts::backward_dx(bf16* dx, const bf16* dy, int N, const std::
     return;
   }
   // Fp8Gemm's B is Wbᵀ [in, out], K-major.
-  if (wb_transposed)
-    gpu::fp8_cast(sc.w, inv(weight_bwd), wb(), out_ * in_, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
-  else
-    gpu::fp8_cast_transpose(sc.w, inv(weight_bwd), wb(), out_, in_, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
+  gpu::fp8_cast(sc.w, inv(weight_bwd), wbt(), out_ * in_, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
   ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
   sc.gemm->set_fast_accum(false);
   sc.gemm->matmul(dx, {sc.a, inv(grad), ctx_.precision.grad}, {sc.w, inv(weight_bwd), Fp8Format::e4m3}, nullptr, N,

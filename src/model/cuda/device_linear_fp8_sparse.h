@@ -1,21 +1,22 @@
-// The fp8 products of the 2:4 kinds on the GPU (train.precision fp8, docs/fp8.md): semi_sparse
-// and slope hand their pruned weights to one Fp8SparseProducts after every weight change.
+// The fp8 products of a 2:4 layer on the GPU (train.precision fp8, docs/fp8.md): slope hands
+// its pruned weights to its Fp8SparseProducts after every weight change. (semi_sparse refuses
+// fp8 on the GPU so far: see its constructor.)
 //
-//   forward  Y  = X · Wfᵀ   cuSPARSELt e4m3 2:4, Wf [out, in] structured (semi_sparse: Ws; slope: W1)
+//   forward  Y  = X · Wfᵀ   cuSPARSELt e4m3 2:4, Wf [out, in] structured (slope: W1)
 //   dX       dX = dY · Wb   cuSPARSELt e4m3 2:4 in the forward form dY · (Wbᵀ)ᵀ, Wbᵀ [in, out]
-//                           structured (semi_sparse: Wsᵀ; slope: W2ᵀ)
+//                           structured (slope: W2ᵀ)
 //   dW       dW = dYᵀ · X   cuBLASLt fp8 (gpu::Fp8Gemm), dense, as the dense kind's
 //
 // Scaling as the CPU's emulation (model/linear_precision.h): per tensor from the current amax,
 // X and the weights e4m3, dY in train.fp8_grad, which must be e4m3 (cuSPARSELt's fp8
 // products take e4m3 operands only). Wf and Wb each have their own scale (the CPU quantises
 // W1's and W2ᵀ's kept values separately); X's and dY's amax are taken once per step and
-// shared by the products that read them. The 2:4 products take the scales through
-// an alpha vector (1 / (s_a · s_b) per output feature, written on the device; SparseGemm24::matmul_scaled).
+// shared by the products that read them. The 2:4 products take the scales through an alpha
+// vector (1 / (s_a · s_b) per output feature, written on the device; matmul_scaled).
 //
-// prepare() casts each pruned weight (a pass over its bf16 values, transposed for Wf's
-// backward form in semi_sparse) into a shared e4m3 scratch and compresses it with
-// cusparseLtSpMMACompress into the layer's two e4m3 copies (9/16 byte per weight each).
+// prepare() casts each pruned weight (a pass over its bf16 values) into a shared e4m3 scratch
+// and compresses it with cusparseLtSpMMACompress into the layer's two e4m3 copies (9/16 byte
+// per weight each).
 // Where the 2:4 products do not apply, the same scaled products run dense on Fp8Gemm from
 // the pruned weights the caller gives again: a micro-batch of another size than the full
 // one, a bias (cuSPARSELt's e4m3 kernels are run without epilogues here), dimensions that
@@ -47,16 +48,15 @@ class Fp8SparseProducts {
   // Whether full-size micro-batches run the 2:4 products.
   bool sparse() const { return fwd_ != nullptr; }
   // The scales and (sparse()) the compressed e4m3 copies from the current pruned weights:
-  // wf [out, in]; wb [out, in] (wb_transposed false: semi_sparse's Ws) or Wbᵀ [in, out]
-  // (true: slope's W2ᵀ). Call after every weight change; the pointers may be reused after.
-  void prepare(const bf16* wf, const bf16* wb, bool wb_transposed);
+  // wf [out, in], wbt = Wbᵀ [in, out] (slope's W2ᵀ). Call after every weight change; the
+  // pointers may be reused after.
+  void prepare(const bf16* wf, const bf16* wbt);
   // y [N, out] = X · Wfᵀ (+ bias). wf: the pruned weight as prepare() had it, read by the
   // dense products only (N other than the full size, or !sparse()).
   void forward(bf16* y, const bf16* x, const bf16* bias, int N, const std::function<const bf16*()>& wf,
                const char* op);
-  // dx [N, in] = dY · Wb; wb as for prepare(), read by the dense product only.
-  void backward_dx(bf16* dx, const bf16* dy, int N, const std::function<const bf16*()>& wb, bool wb_transposed,
-                   const char* op);
+  // dx [N, in] = dY · Wb; wbt as for prepare(), read by the dense product only.
+  void backward_dx(bf16* dx, const bf16* dy, int N, const std::function<const bf16*()>& wbt, const char* op);
   // dw [out, in] fp32 (= or += when accumulate) = dYᵀ · X.
   void backward_dw(float* dw, const bf16* dy, const bf16* x, int N, bool accumulate, const char* op);
   // `op` names each product for the op timings ("sparse " + op for the 2:4 ones, as the bf16

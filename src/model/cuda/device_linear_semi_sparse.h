@@ -6,16 +6,13 @@
 // for full-size micro-batches), the master weight stays dense. Micro-batches of another
 // size than the full one run the dense products of Ws (the 2:4 plans are per token count;
 // Ws is then pruned again into a shared scratch as large as the largest such layer), and so
-// do all micro-batches where per-layer dispatch found cuBLASLt faster. With train.precision
-// fp8 the three products are Fp8SparseProducts' (model/cuda/device_linear_fp8_sparse.h) on Ws,
-// pruned at every prepare (no bf16 compression, no per-layer dispatch, no sparse_dw).
+// do all micro-batches where per-layer dispatch found cuBLASLt faster.
 //
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once
 
 #include <memory>
 
-#include "model/cuda/device_linear_fp8_sparse.h"
 #include "model/device_linear.h"
 #include "sparse/cuda/sparse_linear.h"
 
@@ -38,9 +35,6 @@ class DeviceSemiSparseLinear : public DeviceLinear {
   void forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) override;
   void backward_dx(bf16* dinp, const bf16* dout, int N, const bf16* pre_act, const char* op) override;
   void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad, const char* op) override;
-  void begin_backward() override {
-    if (fp8_) fp8_->begin_backward();
-  }
   bool sparse_dw() const override;
   uint64_t sparse_dw_draws() const override;
   // The CPU twin is a SemiSparseLinear (model/linear_semi_sparse.h): its sparse dW's seed
@@ -56,8 +50,6 @@ class DeviceSemiSparseLinear : public DeviceLinear {
   const bf16* dense_weight();
 
   std::unique_ptr<gpu::SparseLinear> sp_;
-  // train.precision fp8: the products on fp8 operands, from Ws pruned at every prepare.
-  std::unique_ptr<Fp8SparseProducts> fp8_;
 };
 
 }  // namespace esplag

@@ -163,7 +163,7 @@ void DeviceSlopeLinear::prepare(bool refresh) {
     ctx_.marks->mark(s, "sparse prepare (2:4 prune)");
     expand_w1();
     if (refresh) sp_->prepare(s, true);
-    fp8_->prepare(scratch_.w1, sp_->refill_backward_weight_t(s), true);
+    fp8_->prepare(scratch_.w1, sp_->refill_backward_weight_t(s));
     return;
   }
   // From the stored kept values in one pass; a refresh (or the library's layouts) needs the
@@ -239,7 +239,7 @@ void DeviceSlopeLinear::backward_dx(bf16* dinp, const bf16* dout, int N, const b
     fp8_->backward_dx(dinp, dout, N, [&] {
       expand_w1();
       return sp_->refill_backward_weight_t(ctx_.stream);
-    }, true, op);
+    }, op);
     return gelu_backward_pass(dinp, pre_act, N);
   }
   if (sparse_for(N)) return backward_dx_24(*sp_, dinp, dout, N, pre_act, op);
