@@ -72,7 +72,7 @@ std::vector<int> pass_ends(const std::vector<std::vector<int32_t>>& tokens, int 
 
 // The number of sequences in a pass of n > 0 rows (seq, pos) when the rows are positions
 // 0..T-1 of each, the same T for all (what flash attention computes); 0 otherwise.
-int flash_batch(const int32_t* seq, const int32_t* pos, int n) {
+int flash_sequences(const int32_t* seq, const int32_t* pos, int n) {
   int T = 0;
   while (T < n && seq[T] == seq[0]) ++T;
   if (n % T != 0) return 0;
@@ -383,7 +383,7 @@ std::vector<float> GpuGenerator::append(const std::vector<std::vector<int32_t>>&
       im.graphs[n].run(stream_, graph_launches_, [&] { forward_rows(n, a, false, 0); }, "GpuGenerator");
     else
       forward_rows(n, a, !decode && n >= opt_.sparse_min_rows && !sparse_layers_.empty(),
-                   !decode && opt_.flash_prefill ? flash_batch(seq.data() + c0, pos.data() + c0, n) : 0);
+                   !decode && opt_.flash_prefill ? flash_sequences(seq.data() + c0, pos.data() + c0, n) : 0);
     CUDA_CHECK(cudaMemcpyAsync(im.host_logits, im.logits, size_t(a) * V * sizeof(float), cudaMemcpyDeviceToHost,
                                stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
