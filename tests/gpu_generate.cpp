@@ -22,7 +22,8 @@
 // prompt's first 16 positions), equal prompts in chunks of 80 rows two (two prompts, then
 // one), and none with flash_prefill off. NaN-filled buffers do not reach the flash
 // prefill's logits, and a 2:4 prefill of equal prompts runs flash attention and 2:4
-// products together within the tolerance of the dense one.
+// products together within the tolerance of the dense one. A split-K pass of more rows than
+// one split-K call takes (1024) matches the CPU too.
 //
 // 2:4 prefill (GpuGeneratorOptions::sparse): on models whose block Linears are 2:4 (pruned
 // by magnitude, or semi_sparse layers), the cuSPARSELt prefill's logits match the dense
@@ -232,6 +233,18 @@ TEST_P(GpuGenerateFlash, NanFilledBuffersDoNotLeakIntoTheFlashPrefill) {
   EXPECT_EQ(poisoned_gen.flash_prefill_passes(), 1);
   ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); }));
   EXPECT_EQ(got, clean);
+}
+
+// 8 prompts of 150 and 149 positions in one pass of 1196 rows: the split-K attention runs in
+// two calls (of 1024 rows at most), the second on rows past the first's.
+TEST(GpuGenerate, ASplitKPassOfMoreThan1024RowsMatchesTheCpuGenerator) {
+  REQUIRE_DEVICE();
+  auto m = make_model("llama");
+  std::vector<std::vector<int32_t>> prompts;
+  for (int b = 0; b < 8; ++b) prompts.push_back(random_tokens(150 - b % 2, 30 + b));
+  GpuGeneratorOptions o;
+  o.chunk_rows = 2048;
+  EXPECT_EQ(compare_with_cpu(*m, o, prompts), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Flavours, GpuGenerateFlash, ::testing::Values("gpt2", "llama", "llama-hd32"));

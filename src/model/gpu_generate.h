@@ -46,7 +46,8 @@
 // where it loads, else our tensor-core kernels), as no position before them exists. Every
 // other pass (decode steps, prompts of different lengths in one pass, a prompt continued
 // past its first pass) runs split-K attention of each row over its sequence's cache
-// (ops/gpu_decode.h).
+// (ops/gpu_decode.h), in calls of max(max_batch, 1024) rows at most (its workspace grows
+// with rows × max_len; the flash attention reuses it).
 //
 // CUDA graphs: a decode step with N active sequences is captured once per N (after one
 // eager run, which tunes the GEMMs outside any capture) and replayed; the rows' ids and

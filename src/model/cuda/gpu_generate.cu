@@ -32,6 +32,10 @@ constexpr size_t kAlign = DeviceArena::kDefaultAlignment;
 // cuSPARSELt's rule for 16-bit operands: every dimension a multiple of 16.
 constexpr int kSparseMultiple = 16;
 
+// Rows of one split-K attention call at most: its workspace grows with rows × max_len, so a
+// longer pass runs it in parts rather than sizing the workspace for chunk_rows.
+constexpr int kSplitKRows = 1024;
+
 int round_up_rows(int n) { return (n + kSparseMultiple - 1) / kSparseMultiple * kSparseMultiple; }
 
 // Either counts the bytes of an allocation sequence (arena null) or performs it, so the
@@ -108,11 +112,12 @@ struct GpuGenerator::Impl {
   bf16 *x = nullptr, *ln = nullptr, *branch = nullptr, *qkv = nullptr, *atty = nullptr, *fc = nullptr, *act = nullptr,
        *last = nullptr;
   float* logits = nullptr;  // [max_batch, V]
-  // The split-K attention's workspace, also the flash attention's (a pass runs one of them):
-  // cuDNN's forward plan needs little or none, and where it needs more, attention_forward
-  // runs our kernels (which need none) with a warning.
+  // The split-K attention's workspace for split_k_rows rows, also the flash attention's (a
+  // pass runs one of them): cuDNN's forward plan needs little or none, and where it needs
+  // more, attention_forward runs our kernels (which need none) with a warning.
   void* attn_ws = nullptr;
   size_t attn_ws_bytes = 0;
+  int split_k_rows = 0;  // max_batch rows at least, so that a decode step is one call (one graph)
   float* lse = nullptr;  // the flash attention's log-sum-exp, [chunk_rows · n_head], never read
   // Staged rows: tokens, sequences, positions (chunk_rows each), then the head's rows (max_batch).
   int32_t* rows = nullptr;
@@ -168,7 +173,8 @@ struct GpuGenerator::Impl {
     act = t.arr<bf16>("rows.mlp", R * H);
     last = t.arr<bf16>("head.rows", max_batch * C);
     logits = t.arr<float>("head.logits", max_batch * V);
-    attn_ws_bytes = gpu::decode_attention_workspace_bytes(chunk_rows, c.n_head, c.head_dim(), max_len);
+    split_k_rows = std::min(chunk_rows, std::max(max_batch, kSplitKRows));
+    attn_ws_bytes = gpu::decode_attention_workspace_bytes(split_k_rows, c.n_head, c.head_dim(), max_len);
     attn_ws = t.arr<unsigned char>("attention.workspace", attn_ws_bytes);
     lse = t.arr<float>("attention.lse", size_t(chunk_rows) * c.n_head);
     rows = t.arr<int32_t>("rows.ids", 3 * size_t(chunk_rows) + max_batch);
@@ -435,8 +441,11 @@ void GpuGenerator::forward_rows(int n, int a, bool sparse, int flash_batch) {
       gpu::attention_forward(im.atty, im.lse, im.qkv, flash_batch, n / flash_batch, NH, NKV, HD, im.attn_ws,
                              im.attn_ws_bytes, s);
     else
-      gpu::decode_attention(im.atty, im.qkv, kc, vc, seq, pos, n, NH, NKV, HD, max_len_, im.attn_ws,
-                            im.attn_ws_bytes, s);
+      for (int r0 = 0; r0 < n; r0 += im.split_k_rows) {
+        const int rows = std::min(im.split_k_rows, n - r0);
+        gpu::decode_attention(im.atty + size_t(r0) * NH * HD, im.qkv + size_t(r0) * c.qkv_dim(), kc, vc, seq + r0,
+                              pos + r0, rows, NH, NKV, HD, max_len_, im.attn_ws, im.attn_ws_bytes, s);
+      }
     linear(im.branch, im.atty, L.proj);
     norm(L.n2, im.branch);
     switch (c.mlp) {
