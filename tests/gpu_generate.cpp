@@ -14,6 +14,17 @@
 // changes nothing; a generator whose buffers were filled with NaN first gives the bits of
 // one that was not; graph-replayed decode steps give the bits of eager ones.
 //
+// Flash prefill (GpuGeneratorOptions::flash_prefill): prompts of one length T at awkward
+// sizes (3 of 37 positions, 1 of 150; a llama-hd32 flavour adds head size 32, a size of the
+// tensor-core attention kernels) match the CPU generator, prefill and the decode steps that
+// read its cache, and flash_prefill_passes() counts the passes that ran flash attention:
+// the awkward batch of different lengths runs none, its chunks of 16 rows one (the long
+// prompt's first 16 positions), equal prompts in chunks of 80 rows two (two prompts, then
+// one), and none with flash_prefill off. NaN-filled buffers do not reach the flash
+// prefill's logits, and a 2:4 prefill of equal prompts runs flash attention and 2:4
+// products together within the tolerance of the dense one. A split-K pass of more rows than
+// one split-K call takes (1024) matches the CPU too.
+//
 // 2:4 prefill (GpuGeneratorOptions::sparse): on models whose block Linears are 2:4 (pruned
 // by magnitude, or semi_sparse layers), the cuSPARSELt prefill's logits match the dense
 // prefill's of the same weights within the same bf16 tolerance, in rows that are not
@@ -57,6 +68,7 @@ ModelConfig small_config(const std::string& flavour) {
   c.max_seq_len = 170;
   c.n_layer = 2;
   c.init_std = 0.08;  // sharper attention than the default 0.02, so position mistakes show in the logits
+  if (flavour == "llama-hd32") c.d_model = 2 * c.d_model;  // 4 heads of 32
   return c;
 }
 
@@ -84,6 +96,13 @@ std::vector<std::vector<int32_t>> awkward_prompts() {
   return {random_tokens(1, 1), random_tokens(7, 2), random_tokens(150, 3)};
 }
 
+// Prompts of one length (what the flash prefill takes), each with its own ids.
+std::vector<std::vector<int32_t>> equal_prompts(int batch, int length) {
+  std::vector<std::vector<int32_t>> p;
+  for (int b = 0; b < batch; ++b) p.push_back(random_tokens(length, 20 + b));
+  return p;
+}
+
 // Row b of got against row b of want (both [batch, kVocab]).
 void expect_rows_close(const std::vector<float>& got, const std::vector<float>& want, int batch,
                        const std::string& what) {
@@ -107,9 +126,10 @@ void expect_rows_close(const std::vector<float>& got, const std::vector<float>& 
 }
 
 // Prefill then decode steps on both generators with the same ids (the CPU's greedy
-// choice; sequence 0 finishes after two steps), every row of logits compared.
-void compare_with_cpu(Transformer<float>& m, const GpuGeneratorOptions& options) {
-  const auto prompts = awkward_prompts();
+// choice; sequence 0 finishes after two steps), every row of logits compared. Returns the
+// GPU generator's flash prefill passes.
+int64_t compare_with_cpu(Transformer<float>& m, const GpuGeneratorOptions& options,
+                         const std::vector<std::vector<int32_t>>& prompts = awkward_prompts()) {
   const int B = static_cast<int>(prompts.size());
   Generator cpu(m);
   GpuGenerator gpu(m, B, 0, options);
@@ -126,6 +146,7 @@ void compare_with_cpu(Transformer<float>& m, const GpuGeneratorOptions& options)
     expect_rows_close(got, want, B, "decode step " + std::to_string(step));
   }
   for (int b = 0; b < B; ++b) EXPECT_EQ(gpu.length(b), cpu.cache().length(b));
+  return gpu.flash_prefill_passes();
 }
 
 class GpuGenerateFlavours : public ::testing::TestWithParam<std::string> {};
@@ -133,15 +154,15 @@ class GpuGenerateFlavours : public ::testing::TestWithParam<std::string> {};
 TEST_P(GpuGenerateFlavours, LogitsMatchTheCpuGeneratorInABatchOfDifferentLengths) {
   REQUIRE_DEVICE();
   auto m = make_model(GetParam());
-  compare_with_cpu(*m, {});
+  EXPECT_EQ(compare_with_cpu(*m, {}), 0) << "prompts of different lengths ran flash attention";
 }
 
 TEST_P(GpuGenerateFlavours, PrefillInChunksMatchesTheCpuGenerator) {
   REQUIRE_DEVICE();
   auto m = make_model(GetParam());
   GpuGeneratorOptions o;
-  o.chunk_rows = 16;  // the 158 prompt rows in 10 chunks
-  compare_with_cpu(*m, o);
+  o.chunk_rows = 16;  // the 158 prompt rows in 11 passes: 1 + 7, then the 150 in chunks of 16
+  EXPECT_EQ(compare_with_cpu(*m, o), 1) << "the long prompt's first 16 positions run flash attention";
 }
 
 // Greedy decoding picks the CPU's token wherever the CPU's top two logits are further apart
@@ -175,6 +196,58 @@ TEST_P(GpuGenerateFlavours, GreedyTokensMatchTheCpuWhileTheTopTwoAreApart) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Flavours, GpuGenerateFlavours, ::testing::Values("gpt2", "llama"));
+
+class GpuGenerateFlash : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GpuGenerateFlash, FlashPrefillOfEqualPromptsMatchesTheCpuGenerator) {
+  REQUIRE_DEVICE();
+  auto m = make_model(GetParam());
+  EXPECT_EQ(compare_with_cpu(*m, {}, equal_prompts(3, 37)), 1);
+  EXPECT_EQ(compare_with_cpu(*m, {}, equal_prompts(1, 150)), 1);
+}
+
+TEST_P(GpuGenerateFlash, FlashPrefillInPassesOfWholePromptsMatchesTheCpuGenerator) {
+  REQUIRE_DEVICE();
+  auto m = make_model(GetParam());
+  GpuGeneratorOptions o;
+  o.chunk_rows = 80;  // two prompts of 37, then the third
+  EXPECT_EQ(compare_with_cpu(*m, o, equal_prompts(3, 37)), 2);
+}
+
+TEST_P(GpuGenerateFlash, FlashPrefillOffRunsTheSplitKAttention) {
+  REQUIRE_DEVICE();
+  auto m = make_model(GetParam());
+  GpuGeneratorOptions o;
+  o.flash_prefill = false;
+  EXPECT_EQ(compare_with_cpu(*m, o, equal_prompts(3, 37)), 0);
+}
+
+TEST_P(GpuGenerateFlash, NanFilledBuffersDoNotLeakIntoTheFlashPrefill) {
+  REQUIRE_DEVICE();
+  auto m = make_model(GetParam());
+  GpuGeneratorOptions poisoned;
+  poisoned.poison = true;
+  GpuGenerator clean_gen(*m, 3), poisoned_gen(*m, 3, 0, poisoned);
+  const auto prompts = equal_prompts(3, 37);
+  const std::vector<float> clean = clean_gen.prefill(prompts), got = poisoned_gen.prefill(prompts);
+  EXPECT_EQ(poisoned_gen.flash_prefill_passes(), 1);
+  ASSERT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); }));
+  EXPECT_EQ(got, clean);
+}
+
+// 8 prompts of 150 and 149 positions in one pass of 1196 rows: the split-K attention runs in
+// two calls (of 1024 rows at most), the second on rows past the first's.
+TEST(GpuGenerate, ASplitKPassOfMoreThan1024RowsMatchesTheCpuGenerator) {
+  REQUIRE_DEVICE();
+  auto m = make_model("llama");
+  std::vector<std::vector<int32_t>> prompts;
+  for (int b = 0; b < 8; ++b) prompts.push_back(random_tokens(150 - b % 2, 30 + b));
+  GpuGeneratorOptions o;
+  o.chunk_rows = 2048;
+  EXPECT_EQ(compare_with_cpu(*m, o, prompts), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Flavours, GpuGenerateFlash, ::testing::Values("gpt2", "llama", "llama-hd32"));
 
 TEST(GpuGenerate, SemiSparseLayersMatchTheCpuGenerator) {
   REQUIRE_DEVICE();
@@ -262,10 +335,10 @@ GpuGeneratorOptions sparse_options(GpuSparse mode, int chunk_rows = 0) {
   return o;
 }
 
-// The awkward batch's prefill and decode steps on a sparse and a dense generator of the same
+// The prompts' prefill and decode steps on a sparse and a dense generator of the same
 // weights, every row of logits compared.
-void compare_sparse_with_dense(Transformer<float>& m, const GpuGeneratorOptions& sparse, size_t sparse_layers) {
-  const auto prompts = awkward_prompts();
+void compare_sparse_with_dense(Transformer<float>& m, const GpuGeneratorOptions& sparse, size_t sparse_layers,
+                               const std::vector<std::vector<int32_t>>& prompts = awkward_prompts()) {
   const int B = static_cast<int>(prompts.size());
   GpuGenerator sparse_gen(m, B, 0, sparse), dense_gen(m, B, 0, sparse_options(GpuSparse::off));
   EXPECT_EQ(sparse_gen.sparse_layers().size(), sparse_layers);
@@ -301,6 +374,18 @@ TEST_P(GpuGenerateFlavours, SparsePrefillInChunksOfRowsNotAMultipleOf16) {
   REQUIRE_CUSPARSELT();
   auto m = make_pruned_model(GetParam());
   compare_sparse_with_dense(*m, sparse_options(GpuSparse::automatic, 40), m->linear_names().size());
+}
+
+TEST_P(GpuGenerateFlavours, SparsePrefillRunsWithFlashAttention) {
+  REQUIRE_DEVICE();
+  REQUIRE_CUSPARSELT();
+  auto m = make_pruned_model(GetParam());
+  GpuGeneratorOptions o = sparse_options(GpuSparse::on);
+  compare_sparse_with_dense(*m, o, m->linear_names().size(), equal_prompts(2, 45));
+  GpuGenerator gen(*m, 2, 0, o);
+  gen.prefill(equal_prompts(2, 45));
+  EXPECT_EQ(gen.flash_prefill_passes(), 1);
+  EXPECT_EQ(gen.sparse_products(), int64_t(m->linear_names().size()));
 }
 
 TEST(GpuGenerate, SemiSparseLayersRunTheSparsePrefill) {

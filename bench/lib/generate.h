@@ -10,6 +10,9 @@
 // dense, as in any 2:4 generator), one generator after the other. The 2:4 row reports its tokens/s, their ratios to the dense row's, and the
 // relative L2 difference of its last prefill's logits from the dense one's.
 //
+// Each row also says how many forward passes of one prefill ran flash attention (all of
+// them when the prompts fit one pass each; GpuGenerator's "Attention").
+//
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once
 
@@ -44,6 +47,7 @@ struct GenerateBenchRow {
   double prefill_ms = 0, prefill_tokens_per_s = 0;     // median prefill of the batch's prompts
   double decode_step_ms = 0, decode_tokens_per_s = 0;  // median step, batch tokens per step
   size_t device_bytes = 0;                             // the generator's arena and compressed weights
+  int flash_passes = 0;  // passes of one prefill that ran flash attention (GpuGenerator::flash_prefill_passes)
   // The 2:4 row only (0 otherwise): tokens/s over the dense row's of the same batch, and its
   // last prefill's logits against the dense one's (relative L2 over the whole batch).
   double prefill_speedup = 0, decode_speedup = 0, logits_rel_l2 = 0;

@@ -29,11 +29,25 @@
 // weights and the cuSPARSELt workspace): the weights; the KV cache in bf16,
 // [layer][max_batch][max_len][n_kv_head · head_dim] for keys and for values (keys after
 // RoPE at each sequence's own positions); and the buffers of one forward pass over up to
-// chunk_rows positions (the rows of a call, sequence after sequence; a longer prefill runs
-// in chunks of rows, each chunk's keys and values in the cache before the next). Each
-// layer: norm (the residual add fused in), qkv GEMM, RoPE and the cache writes, split-K
-// attention over the cache (ops/gpu_decode.h), projection, norm, MLP; then the final
-// norm, and the LM head on each sequence's last new row only, with fp32 logits.
+// chunk_rows positions. Each layer: norm (the residual add fused in), qkv GEMM, RoPE and
+// the cache writes, attention, projection, norm, MLP; then the final norm, and the LM head
+// on each sequence's last new row only, with fp32 logits.
+//
+// Passes: the rows of a call, sequence after sequence, run in passes of at most chunk_rows
+// rows, each pass's keys and values in the cache before the next. A pass ends early before
+// a sequence whose new rows do not fit whole in what is left of it, so that equal prompts
+// no longer than chunk_rows each run whole; a prompt longer than chunk_rows is cut into
+// passes of chunk_rows rows.
+//
+// Attention (GpuGeneratorOptions::flash_prefill): a prefill pass whose rows are positions
+// 0..T-1 of each of its sequences, the same T for all (a fresh batch of equal prompts, or
+// the first chunk_rows positions of a longer prompt), runs the training model's causal
+// flash attention over the pass's own q, k and v (ops/gpu_attention.h: cuDNN's fused SDPA
+// where it loads, else our tensor-core kernels), as no position before them exists. Every
+// other pass (decode steps, prompts of different lengths in one pass, a prompt continued
+// past its first pass) runs split-K attention of each row over its sequence's cache
+// (ops/gpu_decode.h), in calls of max(max_batch, 1024) rows at most (its workspace grows
+// with rows × max_len; the flash attention reuses it).
 //
 // CUDA graphs: a decode step with N active sequences is captured once per N (after one
 // eager run, which tunes the GEMMs outside any capture) and replayed; the rows' ids and
@@ -70,8 +84,9 @@ enum class GpuSparse : uint8_t {
 };
 
 struct GpuGeneratorOptions {
-  // Positions one forward pass takes at most (prefill runs longer calls in chunks); 0:
-  // max(max_batch, 1024).
+  // Positions one forward pass takes at most (prefill runs longer calls in passes); 0:
+  // max(max_batch, max_len clamped to [1024, 4096]), so that a prompt of up to 4096
+  // positions runs its attention in one flash pass.
   int chunk_rows = 0;
   bool cuda_graph = true;  // replay decode steps as CUDA graphs
   // For tests: every buffer is filled with NaN before the weights are written, so that a
@@ -80,6 +95,9 @@ struct GpuGeneratorOptions {
   GpuSparse sparse = GpuSparse::automatic;
   // Fewest rows a forward pass has for its 2:4 layers to run cuSPARSELt products.
   int sparse_min_rows = 256;
+  // Flash attention for the prefill passes that allow it (see above); off: the split-K
+  // attention over the cache for every pass.
+  bool flash_prefill = true;
 };
 
 class GpuGenerator {
@@ -111,6 +129,8 @@ class GpuGenerator {
   // The 2:4 products run so far (one per layer and sparse pass): small models' 2:4 and dense
   // products can agree to the bit, so this is how a caller knows the sparse path ran.
   int64_t sparse_products() const { return sparse_products_; }
+  // Forward passes whose attention ran as flash attention (see above) so far.
+  int64_t flash_prefill_passes() const { return flash_prefill_passes_; }
   // Decode steps replayed from a CUDA graph so far.
   int64_t graph_launches() const { return graph_launches_; }
   // The stream every call runs on (for event timing around prefill / decode_step, which
@@ -128,8 +148,10 @@ class GpuGenerator {
   // name), as options.sparse asks; throws Error for sparse on where one cannot.
   void choose_sparse_layers(const std::map<std::string, std::string>& not_24);
   // One forward pass over the n rows staged on the device, with the head on `a` of them;
-  // `sparse`: the 2:4 layers' products through cuSPARSELt.
-  void forward_rows(int n, int a, bool sparse);
+  // `sparse`: the 2:4 layers' products through cuSPARSELt; `flash_batch` > 0: the rows are
+  // positions 0..n/flash_batch-1 of flash_batch sequences, and the attention runs as flash
+  // attention over them (0: split-K attention over the cache).
+  void forward_rows(int n, int a, bool sparse, int flash_batch);
 
   ModelConfig cfg_;
   GpuGeneratorOptions opt_;
@@ -137,6 +159,7 @@ class GpuGenerator {
   std::vector<int> length_;
   std::vector<std::string> sparse_layers_;
   int64_t sparse_products_ = 0;
+  int64_t flash_prefill_passes_ = 0;
   int64_t graph_launches_ = 0;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<Impl> impl_;

@@ -32,6 +32,10 @@ constexpr size_t kAlign = DeviceArena::kDefaultAlignment;
 // cuSPARSELt's rule for 16-bit operands: every dimension a multiple of 16.
 constexpr int kSparseMultiple = 16;
 
+// Rows of one split-K attention call at most: its workspace grows with rows × max_len, so a
+// longer pass runs it in parts rather than sizing the workspace for chunk_rows.
+constexpr int kSplitKRows = 1024;
+
 int round_up_rows(int n) { return (n + kSparseMultiple - 1) / kSparseMultiple * kSparseMultiple; }
 
 // Either counts the bytes of an allocation sequence (arena null) or performs it, so the
@@ -52,6 +56,33 @@ void upload_bf16(bf16* dst, const float* src, size_t n) {
   std::vector<uint16_t> bits(n);
   for (size_t i = 0; i < n; ++i) bits[i] = gpu::master_hi_bits(src[i]);
   CUDA_CHECK(cudaMemcpy(dst, bits.data(), n * sizeof(uint16_t), cudaMemcpyHostToDevice));
+}
+
+// Where the passes of a call end (increasing row indices, the last one the call's row count),
+// given each sequence's new ids in row order: a pass ends before a sequence that does not
+// fit whole in what is left of it, or after R rows (the header's "Passes").
+std::vector<int> pass_ends(const std::vector<std::vector<int32_t>>& tokens, int R) {
+  std::vector<int> ends;
+  int start = 0, row = 0;
+  for (const auto& t : tokens) {
+    const int end = row + static_cast<int>(t.size());
+    if (end - start > R && row > start) ends.push_back(start = row);
+    while (end - start > R) ends.push_back(start += R);
+    row = end;
+  }
+  if (row > start) ends.push_back(row);
+  return ends;
+}
+
+// The number of sequences in a pass of n > 0 rows (seq, pos) when the rows are positions
+// 0..T-1 of each, the same T for all (what flash attention computes); 0 otherwise.
+int flash_sequences(const int32_t* seq, const int32_t* pos, int n) {
+  int T = 0;
+  while (T < n && seq[T] == seq[0]) ++T;
+  if (n % T != 0) return 0;
+  for (int i = 0; i < n; ++i)
+    if (pos[i] != i % T || seq[i] != seq[i - i % T]) return 0;
+  return n / T;
 }
 
 }  // namespace
@@ -81,8 +112,13 @@ struct GpuGenerator::Impl {
   bf16 *x = nullptr, *ln = nullptr, *branch = nullptr, *qkv = nullptr, *atty = nullptr, *fc = nullptr, *act = nullptr,
        *last = nullptr;
   float* logits = nullptr;  // [max_batch, V]
+  // The split-K attention's workspace for split_k_rows rows, also the flash attention's (a
+  // pass runs one of them): cuDNN's forward plan needs little or none, and where it needs
+  // more, attention_forward runs our kernels (which need none) with a warning.
   void* attn_ws = nullptr;
   size_t attn_ws_bytes = 0;
+  int split_k_rows = 0;  // max_batch rows at least, so that a decode step is one call (one graph)
+  float* lse = nullptr;  // the flash attention's log-sum-exp, [chunk_rows · n_head], never read
   // Staged rows: tokens, sequences, positions (chunk_rows each), then the head's rows (max_batch).
   int32_t* rows = nullptr;
   int32_t* host_rows = nullptr;  // pinned mirror
@@ -137,8 +173,10 @@ struct GpuGenerator::Impl {
     act = t.arr<bf16>("rows.mlp", R * H);
     last = t.arr<bf16>("head.rows", max_batch * C);
     logits = t.arr<float>("head.logits", max_batch * V);
-    attn_ws_bytes = gpu::decode_attention_workspace_bytes(chunk_rows, c.n_head, c.head_dim(), max_len);
+    split_k_rows = std::min(chunk_rows, std::max(max_batch, kSplitKRows));
+    attn_ws_bytes = gpu::decode_attention_workspace_bytes(split_k_rows, c.n_head, c.head_dim(), max_len);
     attn_ws = t.arr<unsigned char>("attention.workspace", attn_ws_bytes);
+    lse = t.arr<float>("attention.lse", size_t(chunk_rows) * c.n_head);
     rows = t.arr<int32_t>("rows.ids", 3 * size_t(chunk_rows) + max_batch);
   }
 
@@ -228,7 +266,7 @@ GpuGenerator::GpuGenerator(Transformer<float>& model, int max_batch, int max_len
                options.sparse_min_rows);
   max_batch_ = max_batch;
   max_len_ = max_len == 0 ? c.max_seq_len : max_len;
-  chunk_rows_ = options.chunk_rows > 0 ? std::max(options.chunk_rows, max_batch) : std::max(max_batch, 1024);
+  chunk_rows_ = std::max(max_batch, options.chunk_rows > 0 ? options.chunk_rows : std::clamp(max_len_, 1024, 4096));
   ESPLAG_CHECK(chunk_rows_ <= 65535, "GpuGenerator: chunk_rows=", chunk_rows_, " above 65535");
   Impl& im = *impl_;
 
@@ -332,9 +370,9 @@ std::vector<float> GpuGenerator::append(const std::vector<std::vector<int32_t>>&
   }
   std::vector<float> out(size_t(B) * V, 0.0f);
   Impl& im = *impl_;
-  const int total = static_cast<int>(tok.size());
-  for (int c0 = 0; c0 < total; c0 += R) {
-    const int n = std::min(R, total - c0);
+  int c0 = 0;
+  for (const int c1 : pass_ends(tokens, R)) {
+    const int n = c1 - c0;
     std::copy_n(tok.begin() + c0, n, im.host_rows);
     std::copy_n(seq.begin() + c0, n, im.host_rows + R);
     std::copy_n(pos.begin() + c0, n, im.host_rows + 2 * R);
@@ -348,19 +386,21 @@ std::vector<float> GpuGenerator::append(const std::vector<std::vector<int32_t>>&
     CUDA_CHECK(cudaMemcpyAsync(im.rows, im.host_rows, (3 * size_t(R) + max_batch_) * sizeof(int32_t),
                                cudaMemcpyHostToDevice, stream_));
     if (decode && opt_.cuda_graph)  // one row per sequence: the graph of n rows holds
-      im.graphs[n].run(stream_, graph_launches_, [&] { forward_rows(n, a, false); }, "GpuGenerator");
+      im.graphs[n].run(stream_, graph_launches_, [&] { forward_rows(n, a, false, 0); }, "GpuGenerator");
     else
-      forward_rows(n, a, !decode && n >= opt_.sparse_min_rows && !sparse_layers_.empty());
+      forward_rows(n, a, !decode && n >= opt_.sparse_min_rows && !sparse_layers_.empty(),
+                   !decode && opt_.flash_prefill ? flash_sequences(seq.data() + c0, pos.data() + c0, n) : 0);
     CUDA_CHECK(cudaMemcpyAsync(im.host_logits, im.logits, size_t(a) * V * sizeof(float), cudaMemcpyDeviceToHost,
                                stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     for (int i = 0; i < a; ++i)
       std::copy_n(im.host_logits + size_t(i) * V, V, out.data() + size_t(heads[i]) * V);
+    c0 = c1;
   }
   return out;
 }
 
-void GpuGenerator::forward_rows(int n, int a, bool sparse) {
+void GpuGenerator::forward_rows(int n, int a, bool sparse, int flash_batch) {
   const ModelConfig& c = cfg_;
   Impl& im = *impl_;
   cudaStream_t s = stream_;
@@ -387,6 +427,7 @@ void GpuGenerator::forward_rows(int n, int a, bool sparse) {
       im.gemm->forward(y, x, L.w, L.b, n, L.in, L.out, s);
     }
   };
+  if (flash_batch > 0) ++flash_prefill_passes_;
   gpu::embedding_rows(im.x, tok, pos, im.wte, im.wpe, n, C, V, s);
   for (int l = 0; l < c.n_layer; ++l) {
     const Impl::Layer& L = im.layers[l];
@@ -396,8 +437,15 @@ void GpuGenerator::forward_rows(int n, int a, bool sparse) {
     linear(im.qkv, im.ln, L.qkv);
     if (c.pos == PosKind::rope) gpu::rope_rows(im.qkv, pos, n, NH, NKV, HD, c.rope_theta, s);
     gpu::store_kv_rows(kc, vc, im.qkv, seq, pos, n, NH, NKV, HD, max_len_, s);
-    gpu::decode_attention(im.atty, im.qkv, kc, vc, seq, pos, n, NH, NKV, HD, max_len_, im.attn_ws, im.attn_ws_bytes,
-                          s);
+    if (flash_batch > 0)  // [B, T, ·] rows: the pass's own keys and values are all there is
+      gpu::attention_forward(im.atty, im.lse, im.qkv, flash_batch, n / flash_batch, NH, NKV, HD, im.attn_ws,
+                             im.attn_ws_bytes, s);
+    else
+      for (int r0 = 0; r0 < n; r0 += im.split_k_rows) {
+        const int rows = std::min(im.split_k_rows, n - r0);
+        gpu::decode_attention(im.atty + size_t(r0) * NH * HD, im.qkv + size_t(r0) * c.qkv_dim(), kc, vc, seq + r0,
+                              pos + r0, rows, NH, NKV, HD, max_len_, im.attn_ws, im.attn_ws_bytes, s);
+      }
     linear(im.branch, im.atty, L.proj);
     norm(L.n2, im.branch);
     switch (c.mlp) {
