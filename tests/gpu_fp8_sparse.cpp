@@ -221,11 +221,12 @@ void compare_fp8_step(const std::string& kind, int maxB, int maxT, int B, int T)
   EXPECT_EQ(sparse_ops, B * T == maxB * maxT ? 8 : 0) << "forward and dX of the 4 Linear roles on the 2:4 path";
 }
 
-// semi_sparse refuses fp8 on the GPU (its e4m3 input-gradient product gave wrong gradients).
-TEST_F(GpuFp8Sparse, SemiSparseRefusesFp8) {
+// The first block Linear of a GPU model in `precision` made `kind`: an Error holding `want`
+// (and the layer's name).
+void expect_refused(const LinearPrecision& precision, const std::string& kind, const std::string& want) {
   GpuModelOptions o;
   o.sparse_dispatch = false;
-  o.precision = kFp8;
+  o.precision = precision;
   const ModelConfig cfg = llama_config();
   Transformer<float> cm(cfg);
   cm.init_weights(5);
@@ -233,12 +234,11 @@ TEST_F(GpuFp8Sparse, SemiSparseRefusesFp8) {
   gm.set_params(cm.params(), cm.num_params());
   const std::string name = cm.linear_names().front();
   try {
-    gm.set_linear_kind(name, "semi_sparse");
-    ADD_FAILURE() << "semi_sparse took fp8 on the GPU";
+    gm.set_linear_kind(name, kind);
+    ADD_FAILURE() << kind << " took " << (precision.grad == Fp8Format::e5m2 ? "e5m2 gradients" : "fp8");
   } catch (const esplag::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("semi_sparse with train.precision fp8 is trained by the CPU's emulation"),
-              std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
   }
 }
 
@@ -247,23 +247,13 @@ TEST_F(GpuFp8Sparse, SlopeTracksTheCpuEmulation) {
   compare_fp8_step("slope", 2, 96, 1, 64);  // the dense fp8 products of W1 and W2ᵀ
 }
 
+// semi_sparse refuses fp8 on the GPU (its e4m3 input-gradient product gave wrong gradients).
+TEST_F(GpuFp8Sparse, SemiSparseRefusesFp8) {
+  expect_refused(kFp8, "semi_sparse", "semi_sparse with train.precision fp8 is trained by the CPU's emulation");
+}
+
 TEST_F(GpuFp8Sparse, E5m2GradientsAreRefused) {
-  GpuModelOptions o;
-  o.sparse_dispatch = false;
-  o.precision = {true, Fp8Format::e5m2};
-  const ModelConfig cfg = llama_config();
-  Transformer<float> cm(cfg);
-  cm.init_weights(5);
-  GpuTransformer gm(cfg, 2, 96, o);
-  gm.set_params(cm.params(), cm.num_params());
-  const std::string name = cm.linear_names().front();
-  try {
-    gm.set_linear_kind(name, "slope");
-    ADD_FAILURE() << "slope with e5m2 gradients in fp8";
-  } catch (const esplag::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("set train.fp8_grad: e4m3"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
-  }
+  expect_refused({true, Fp8Format::e5m2}, "slope", "set train.fp8_grad: e4m3");
 }
 
 }  // namespace

@@ -545,7 +545,8 @@ const Command kBenchGenerate = {
         Option::integer("new-tokens", "128", 1, kIntMax, "timed decode steps"),
         Option::integer("vocab", "", 1, kIntMax, "vocabulary size (default: the preset's, else 257)"),
         Option::integer("chunk-rows", "0", 0, 65535,
-                        "positions per prefill forward pass (0: the generator's, max(batch, 1024))"),
+                        "positions per prefill forward pass (0: the generator's, max(batch, max_len within "
+                        "[1024, 4096]))"),
         Option::flag("prune-24", "prune the weights 2:4 and compare dense with 2:4 (cuSPARSELt) prefill"),
         csv_option(),
     },
