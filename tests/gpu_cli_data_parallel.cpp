@@ -117,7 +117,8 @@ void expect_two_ranks_follow_one_gpu(const std::string& name, const std::string&
     const Result d = run("train --gpus 2 --config " + config.string() + " --out " + zero0.string());
     ASSERT_EQ(d.code, 0) << d.err;
     for (const char* file : {"optimizer.safetensors", "model.safetensors"}) {
-      const auto [difference, tensor] = max_relative_difference(two / "step-000012" / file, zero0 / "step-000012" / file);
+      const auto [difference, tensor] =
+          max_relative_difference(two / "step-000012" / file, zero0 / "step-000012" / file);
       EXPECT_LT(difference, 2e-2) << name << ": " << file << ", " << tensor;
     }
   }

@@ -79,7 +79,8 @@ std::vector<GenerateBenchRow> bench_generate(const GenerateBenchOptions& o) {
       r.device_bytes = gen.device_bytes();
       std::vector<float> logits;
       r.prefill_ms =
-          median_of(event_times_ms([&](int) { logits = gen.prefill(prompts); }, o.warmup, o.prefill_iters, gen.stream()));
+          median_of(event_times_ms([&](int) { logits = gen.prefill(prompts); }, o.warmup, o.prefill_iters,
+                                   gen.stream()));
       r.prefill_tokens_per_s = double(B) * o.prompt_len / (r.prefill_ms * 1e-3);
       r.flash_passes = static_cast<int>(gen.flash_prefill_passes() / (o.warmup + o.prefill_iters));
       // Decode steps from the last prefill on: positions prompt_len .. max_len - 1.

@@ -7,8 +7,9 @@
 // inputs by magnitude first, and each batch size runs twice on those same weights, once
 // with dense products only (GpuSparse::off) and once with the prefill's block products
 // through cuSPARSELt (GpuSparse::on, every prefill pass however short; decode steps stay
-// dense, as in any 2:4 generator), one generator after the other. The 2:4 row reports its tokens/s, their ratios to the dense row's, and the
-// relative L2 difference of its last prefill's logits from the dense one's.
+// dense, as in any 2:4 generator), one generator after the other. The 2:4 row reports its
+// tokens/s, their ratios to the dense row's, and the relative L2 difference of its last
+// prefill's logits from the dense one's.
 //
 // Each row also says how many forward passes of one prefill ran flash attention (all of
 // them when the prompts fit one pass each; GpuGenerator's "Attention").

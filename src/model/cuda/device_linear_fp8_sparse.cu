@@ -93,7 +93,8 @@ Fp8SparseProducts::Scratch& Fp8SparseProducts::scratch() {
     const size_t ws = gpu::Gemm::kDefaultWorkspaceBytes;
     auto p = std::make_unique<Scratch>();
     p->arena =
-        DeviceArena(2 * side + weight + sizeof(bf16) * outs + ws + 5 * DeviceArena::kDefaultAlignment, "fp8 2:4 operands");
+        DeviceArena(2 * side + weight + sizeof(bf16) * outs + ws + 5 * DeviceArena::kDefaultAlignment,
+                    "fp8 2:4 operands");
     p->a = p->arena.allocate_array<uint8_t>("fp8.a", side);
     p->b = p->arena.allocate_array<uint8_t>("fp8.b", side);
     p->w = p->arena.allocate_array<uint8_t>("fp8.w", weight);

@@ -19,8 +19,8 @@ __global__ void zero_chunks_kernel(const ZeroChunk* table, float* grad) {
   for (int64_t i = threadIdx.x; i < c.n; i += kThreads) grad[c.offset + i] = 0.f;
 }
 
-// The flat-layout segments AdamW updates, and the index of the head weight's segment.
-// The tensors' parts within [begin, begin + size) of the storage layout, at offsets from begin.
+// The segments AdamW updates: the tensors' parts within [begin, begin + size) of the storage
+// layout (this rank's chunk), at offsets from begin.
 std::vector<gpu::ParamSegment> segments_of(const std::vector<ParamInfo>& infos, size_t begin, size_t size) {
   std::vector<gpu::ParamSegment> segs;
   for (const auto& i : infos) {
@@ -494,11 +494,7 @@ void GpuTransformer::settle_zero_grad() const {
   im.zero_pending = false;
 }
 
-}  // namespace esplag
-
 // --- sharded moments (GpuModelOptions::shard_optimizer) -----------------------------------
-
-namespace esplag {
 
 void GpuTransformer::check_whole_moments(const char* who) const {
   ESPLAG_CHECK(impl_->m, "GpuTransformer::", who, ": the moments are sharded over the ranks; call "
@@ -537,7 +533,7 @@ void GpuTransformer::whole_moments_for_write() {
     else  // all zero everywhere: nothing to gather
       fresh_whole_moments();
   }
-  impl_->gathered_written = true;
+  im.gathered_written = true;
 }
 
 void GpuTransformer::fresh_whole_moments() {
