@@ -10,6 +10,7 @@
 #   (default 2, build/cuda and "configs/gpu/llama-1b.yaml configs/gpu/llama-1b-slope.yaml")
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # NVLink multicast off unless asked for (scripts/gpu-check.sh says why)
 gpus=${1:-2}
 esplag=${2:-build/cuda}/esplag
 configs=${3:-configs/gpu/llama-1b.yaml configs/gpu/llama-1b-slope.yaml}
