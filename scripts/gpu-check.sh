@@ -13,8 +13,8 @@
 #                                           SLoPe's merged inference product
 #   scripts/gpu-check.sh --bench-only       the benchmarks without the tests
 #   scripts/gpu-check.sh --tests REGEX      only the gpu tests whose names match REGEX
-#   scripts/gpu-check.sh --multigpu         only the tests labelled `multigpu` (data parallel over
-#                                           NCCL; they skip with fewer than two GPUs)
+#   scripts/gpu-check.sh --multigpu         only the gpu tests of several GPUs (GpuDataParallel.*:
+#                                           data parallel over NCCL; they skip with fewer than two)
 #   scripts/gpu-check.sh --benches A,B      only these benchmarks (implies --bench): train,
 #                                           gemm, layer, attention, sparsify, sparse-adamw,
 #                                           vnm, slope-merged
@@ -43,7 +43,6 @@ bench=0
 tests=1
 sanitize=0
 test_regex=""
-test_label=gpu
 benches="train,gemm,layer,attention,sparsify,sparse-adamw,vnm,slope-merged"
 while (($#)); do
   case "$1" in
@@ -53,7 +52,7 @@ while (($#)); do
     --configure-only) configure_only=1 ;;
     --deps-only) deps_only=1 ;;
     --tests) shift; test_regex=${1:?gpu-check: --tests needs a regular expression} ;;
-    --multigpu) test_label=multigpu ;;
+    --multigpu) test_regex='^GpuDataParallel\.' ;;
     --benches) shift; benches=${1:?gpu-check: --benches needs a list}; bench=1 ;;
     *) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
   esac
@@ -136,8 +135,8 @@ if ((status == 0)); then
 fi
 if ((status == 0)) && ((tests)); then
   stage=test
-  echo "== ctest -L $test_label"
-  ctest_args=(--test-dir "$build" -L "$test_label" --output-on-failure --timeout 300 --output-junit "$logs/ctest-junit.xml")
+  echo "== ctest -L gpu"
+  ctest_args=(--test-dir "$build" -L gpu --output-on-failure --timeout 300 --output-junit "$logs/ctest-junit.xml")
   [ -n "$test_regex" ] && ctest_args+=(-R "$test_regex")
   ctest "${ctest_args[@]}" >"$logs/ctest.log" 2>&1 || status=$?
   # The GEMM tests print which calls used fused epilogues; keep that (cheap to rerun).
