@@ -9,6 +9,7 @@
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -270,65 +271,65 @@ std::string sparse_24_gpu_shape_problem(const TrainConfig& config, const Recipe:
 }  // namespace
 
 std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* model) {
-  std::vector<std::string> parts;
-  if (!config.recipe_yaml.empty()) {
-    const Recipe recipe = config.recipe();
-    for (const auto& m : recipe.modifiers()) {
-      if (m.kind().empty()) continue;  // distill: no layers (its own reason below)
-      const std::string what = "modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") +
-                               (m.sparse_dw ? " with sparse_dw" : "") + " on " + join(m.params, ", ");
-      // The GPU has no LoRA wrapper (only adapters of a kind's own, slope's).
-      const LinearKindInfo& kind = find_linear_kind(m.kind(), "recipe");
-      if (!kind.gpu || (m.lora_rank > 0 && kind.adapter == AdapterStyle::wrapper))
-        parts.push_back(what);
-      else if (const std::string why = kind.gpu_needs_16 ? sparse_24_gpu_shape_problem(config, m) : ""; !why.empty())
-        parts.push_back(what + ": " + why + " (cuSPARSELt's 2:4 products need multiples of 16)");
-    }
-  }
-  if (model) {
-    for (const auto& name : model->linear_names()) {
-      const Linear<float>& l = model->linear(name);
-      if (!gpu_trains_kind(l.kind())) parts.push_back(name + " of kind " + l.kind());
-    }
-  }
+  // Parsed once and kept: modifiers() and distill() refer into the Recipe.
+  const std::optional<Recipe> recipe =
+      config.recipe_yaml.empty() ? std::nullopt : std::optional<Recipe>(config.recipe());
+  const std::vector<Recipe::Modifier> none;
+  const std::vector<Recipe::Modifier>& modifiers = recipe ? recipe->modifiers() : none;
   std::string why;
-  if (!parts.empty()) why = "the run needs sparse Linear kinds that the GPU does not train yet (" + join(parts, "; ") + ")";
-  // fp8 on the GPU: the dense products, and slope's 2:4 ones, whose input-gradient products
-  // take e4m3 gradients only (model/cuda/device_linear_fp8_sparse.h).
-  std::set<std::string> fp8_kinds;
-  bool fp8_sparse_dw = false;
-  if (!config.recipe_yaml.empty()) {
-    const Recipe recipe = config.recipe();  // modifiers() refers into it
-    for (const auto& m : recipe.modifiers()) {
-      if (!m.kind().empty()) fp8_kinds.insert(m.kind());
-      fp8_sparse_dw = fp8_sparse_dw || m.sparse_dw;
-    }
+  const auto add = [&](const std::string& reason) { why += (why.empty() ? "" : "; ") + reason; };
+
+  std::vector<std::string> parts;
+  for (const auto& m : modifiers) {
+    if (m.kind().empty()) continue;  // distill: no layers (its own reason below)
+    const std::string what = "modifier " + m.type + (m.lora_rank > 0 ? " with LoRA adapters" : "") +
+                             (m.sparse_dw ? " with sparse_dw" : "") + " on " + join(m.params, ", ");
+    // The GPU has no LoRA wrapper (only adapters of a kind's own, slope's).
+    const LinearKindInfo& kind = find_linear_kind(m.kind(), "recipe");
+    if (!kind.gpu || (m.lora_rank > 0 && kind.adapter == AdapterStyle::wrapper))
+      parts.push_back(what);
+    else if (const std::string shape = kind.gpu_needs_16 ? sparse_24_gpu_shape_problem(config, m) : "";
+             !shape.empty())
+      parts.push_back(what + ": " + shape + " (cuSPARSELt's 2:4 products need multiples of 16)");
   }
   if (model)
-    for (const auto& name : model->linear_names()) fp8_kinds.insert(model->linear(name).kind());
+    for (const auto& name : model->linear_names())
+      if (const std::string kind = model->linear(name).kind(); !gpu_trains_kind(kind))
+        parts.push_back(name + " of kind " + kind);
+  if (!parts.empty())
+    add("the run needs sparse Linear kinds that the GPU does not train yet (" + join(parts, "; ") + ")");
+
+  // fp8 on the GPU: the dense products, and slope's 2:4 ones, whose input-gradient products
+  // take e4m3 gradients only (model/cuda/device_linear_fp8_sparse.h).
   if (config.precision == "fp8") {
+    std::set<std::string> kinds;
+    bool sparse_dw = false;
+    for (const auto& m : modifiers) {
+      if (!m.kind().empty()) kinds.insert(m.kind());
+      sparse_dw = sparse_dw || m.sparse_dw;
+    }
+    if (model)
+      for (const auto& name : model->linear_names()) kinds.insert(model->linear(name).kind());
     std::vector<std::string> others;
-    for (const auto& k : fp8_kinds)
+    for (const auto& k : kinds)
       if (k != "dense" && k != "slope") others.push_back(k);
-    const auto add = [&](const std::string& reason) { why += (why.empty() ? "" : "; ") + reason; };
     if (!others.empty())
       add("train.precision is fp8 with sparse Linear kinds (" + join(others, ", ") +
           ") whose fp8 products only the CPU's emulation trains so far (the GPU's fp8 products are the dense ones and "
           "slope's; docs/fp8.md)");
-    if (fp8_kinds.count("slope") && config.fp8_grad != "e4m3")
+    if (kinds.count("slope") && config.fp8_grad != "e4m3")
       add("train.precision is fp8 with slope layers and train.fp8_grad is " + config.fp8_grad +
           ", but their fp8 input-gradient products on the GPU take e4m3 gradients only (cuSPARSELt; set "
           "train.fp8_grad: e4m3)");
-    if (fp8_sparse_dw) add("train.precision is fp8 with sparse_dw, which only the CPU's emulation trains so far");
+    if (sparse_dw) add("train.precision is fp8 with sparse_dw, which only the CPU's emulation trains so far");
   }
   if (config.parallel.zero > 1)
-    why += (why.empty() ? "" : "; ") + std::string("parallel.zero is ") + std::to_string(config.parallel.zero) +
-           ", and the GPU shards the optimizer state only (stage 1; docs/distributed.md)";
+    add("parallel.zero is " + std::to_string(config.parallel.zero) +
+        ", and the GPU shards the optimizer state only (stage 1; docs/distributed.md)");
   // Only the CPU step computes the distillation loss so far.
-  if (!config.recipe_yaml.empty())
-    if (const Recipe::Modifier* d = config.recipe().distill())
-      why += (why.empty() ? "" : "; ") + std::string("the run distills from a teacher (recipe: distill from '") +
-             d->teacher + "'), which GPU training does not do yet";
+  if (const Recipe::Modifier* d = recipe ? recipe->distill() : nullptr)
+    add("the run distills from a teacher (recipe: distill from '" + d->teacher + "'), which GPU training does not do "
+        "yet");
   return why;
 }
 
