@@ -37,6 +37,7 @@
 
 namespace {
 
+using esplag::gpu_test::has_fp8_tensor_cores;
 using esplag::Fp8Format;
 using esplag::Rng;
 using esplag::gpu::bf16;
@@ -53,13 +54,6 @@ const Fp8Format kFormats[] = {Fp8Format::e4m3, Fp8Format::e5m2};
 constexpr uint8_t kPoison = 0xFF;
 constexpr int kGuard = 64;  // bytes after an output that must stay poisoned
 
-bool has_fp8_tensor_cores() {
-  int dev = 0, major = 0, minor = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  return major * 10 + minor >= 89;
-}
 
 #define REQUIRE_FP8_GEMM()                                                                        \
   REQUIRE_DEVICE();                                                                               \

@@ -37,6 +37,8 @@
 
 namespace {
 
+using esplag::gpu_test::has_fp8_tensor_cores;
+using esplag::gpu_test::sparse_llama_config;
 using esplag::Fp8Format;
 using esplag::GpuModelOptions;
 using esplag::GpuTransformer;
@@ -46,13 +48,6 @@ using esplag::Transformer;
 using esplag::gpu_test::rel_l2;
 namespace gpu = esplag::gpu;
 
-bool has_fp8_tensor_cores() {
-  int dev = 0, major = 0, minor = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  return major * 10 + minor >= 89;
-}
 
 class GpuFp8Sparse : public ::testing::Test {
  protected:
@@ -134,18 +129,6 @@ TEST_F(GpuFp8Sparse, ScaledE4m3ProductMatchesTheQuantisedOperands) {
   expect_scaled_product(64, 96, 128);  // the input gradient: Wᵀ [in, out] as the structured operand
 }
 
-// LLaMA flavour, every Linear dimension a multiple of 32 (cuSPARSELt's rule for 8-bit
-// operands): d_model 128, qkv 256, d_ff 352.
-ModelConfig llama_config() {
-  ModelConfig c = esplag::model_preset("llama-tiny");
-  c.vocab_size = 384;
-  c.n_layer = 2;
-  c.d_model = 128;
-  c.n_head = 4;
-  c.n_kv_head = 2;
-  c.d_ff = 352;
-  return c;
-}
 
 const LinearPrecision kFp8{true, Fp8Format::e4m3};
 
@@ -175,7 +158,7 @@ void make_kind(Transformer<float>& cm, GpuTransformer& gm, const std::string& ki
 // full-size micro-batch.
 void compare_fp8_step(const std::string& kind, int maxB, int maxT, int B, int T) {
   SCOPED_TRACE(kind + " " + std::to_string(B) + "x" + std::to_string(T));
-  const ModelConfig cfg = llama_config();
+  const ModelConfig cfg = sparse_llama_config();
   Transformer<float> cm(cfg);
   cm.init_weights(5);
   for (size_t i = 0; i < cm.num_params(); ++i) cm.params()[i] = esplag::gpu_test::round_bf16(cm.params()[i]);
@@ -227,7 +210,7 @@ void expect_refused(const LinearPrecision& precision, const std::string& kind, c
   GpuModelOptions o;
   o.sparse_dispatch = false;
   o.precision = precision;
-  const ModelConfig cfg = llama_config();
+  const ModelConfig cfg = sparse_llama_config();
   Transformer<float> cm(cfg);
   cm.init_weights(5);
   GpuTransformer gm(cfg, 2, 96, o);

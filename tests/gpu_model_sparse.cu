@@ -42,6 +42,7 @@
 
 namespace {
 
+using esplag::gpu_test::sparse_llama_config;
 using esplag::GpuModelOptions;
 using esplag::GpuTransformer;
 using esplag::ModelConfig;
@@ -62,17 +63,6 @@ ModelConfig gpt_config() {
   return c;
 }
 
-// LLaMA flavour (RMSNorm, RoPE, SwiGLU, GQA, untied, no bias).
-ModelConfig llama_config() {
-  ModelConfig c = esplag::model_preset("llama-tiny");
-  c.vocab_size = 384;
-  c.n_layer = 2;
-  c.d_model = 128;
-  c.n_head = 4;
-  c.n_kv_head = 2;
-  c.d_ff = 352;
-  return c;
-}
 
 // Every block linear of both models semi_sparse.
 void make_semi_sparse(Transformer<float>& cm, GpuTransformer& gm) {
@@ -177,15 +167,15 @@ void compare_step(const std::string& label, const ModelConfig& cfg, int maxB, in
 
 TEST_F(GpuModelSparse, SemiSparseMatchesCpu) {
   compare_step("gpt (bias + GELU around the 2:4 products)", gpt_config(), 4, 64, 4, 64);
-  compare_step("llama (SwiGLU, RoPE, GQA)", llama_config(), 2, 96, 2, 96);
+  compare_step("llama (SwiGLU, RoPE, GQA)", sparse_llama_config(), 2, 96, 2, 96);
   compare_step("gpt, smaller micro-batch than sized", gpt_config(), 4, 64, 2, 48);
   // d_model 128: qkv, proj and fc use the one-pass preparation, which keeps no Ws, so
   // their dense products prune again into the model's scratch.
-  compare_step("llama, smaller micro-batch than sized", llama_config(), 2, 96, 1, 96);
+  compare_step("llama, smaller micro-batch than sized", sparse_llama_config(), 2, 96, 1, 96);
 }
 
 TEST_F(GpuModelSparse, DispatchByMeasurementMatchesCpu) {
-  compare_step("llama, products chosen per layer shape", llama_config(), 2, 96, 2, 96, true);
+  compare_step("llama, products chosen per layer shape", sparse_llama_config(), 2, 96, 2, 96, true);
   compare_step("gpt, GELU passes counted against the 2:4 path", gpt_config(), 4, 64, 4, 64, true);
 }
 
@@ -269,7 +259,7 @@ void expect_graphs_give_eager_bits(const ModelConfig& c, GpuModelOptions o, int 
 // The captured steps (forward + backward, AdamW + the 2:4 preparation) give the bits of
 // eager steps.
 TEST_F(GpuModelSparse, GraphReplayGivesTheSameBitsAsEagerSteps) {
-  expect_graphs_give_eager_bits(llama_config(), always_sparse(), 2, 64, 4,
+  expect_graphs_give_eager_bits(sparse_llama_config(), always_sparse(), 2, 64, 4,
                                 [](GpuTransformer& gm, const std::string& w) { gm.set_linear_kind(w, "semi_sparse"); });
 }
 
@@ -421,18 +411,18 @@ void compare_activation_step(const std::string& label, const ModelConfig& cfg, e
 TEST_F(GpuModelSparse, SemiSparseActivationMatchesCpu) {
   for (auto a : {esplag::ActivationSparsity::row_24, esplag::ActivationSparsity::tile_24}) {
     compare_activation_step("gpt (bias + GELU)", gpt_config(), a, 4, 64, 4, 64, false);
-    compare_activation_step("llama (SwiGLU, RoPE, GQA)", llama_config(), a, 2, 96, 2, 96, false);
-    compare_activation_step("llama, smaller micro-batch than sized", llama_config(), a, 2, 96, 1, 40, false);
+    compare_activation_step("llama (SwiGLU, RoPE, GQA)", sparse_llama_config(), a, 2, 96, 2, 96, false);
+    compare_activation_step("llama, smaller micro-batch than sized", sparse_llama_config(), a, 2, 96, 1, 40, false);
     compare_activation_step("gpt, dispatch by measurement", gpt_config(), a, 4, 64, 4, 64, true);
   }
 }
 
 // A short training curve with the CPU's, and graph replay giving the bits of eager steps.
 TEST_F(GpuModelSparse, SemiSparseActivationTrainsLikeTheCpu) {
-  expect_adamw_curves_agree(llama_config(), 2, 64, 15, 78, 0.8, [](Transformer<float>& cm, GpuTransformer& gm) {
+  expect_adamw_curves_agree(sparse_llama_config(), 2, 64, 15, 78, 0.8, [](Transformer<float>& cm, GpuTransformer& gm) {
     make_activation(cm, gm, esplag::ActivationSparsity::tile_24);
   });
-  expect_graphs_give_eager_bits(llama_config(), always_sparse(), 2, 64, 4,
+  expect_graphs_give_eager_bits(sparse_llama_config(), always_sparse(), 2, 64, 4,
                                 [](GpuTransformer& gm, const std::string& w) {
                                   GpuTransformer::LinearKindSetting st(w, {.kind = "semi_sparse_activation"});
                                   st.activation = esplag::ActivationSparsity::row_24;
@@ -582,7 +572,7 @@ void compare_slope_step(const std::string& label, const ModelConfig& cfg, int ma
 }
 
 TEST_F(GpuModelSparse, SlopeMatchesCpu) {
-  compare_slope_step("llama (SwiGLU, RoPE, GQA)", llama_config(), 2, 96, 2, 96);
+  compare_slope_step("llama (SwiGLU, RoPE, GQA)", sparse_llama_config(), 2, 96, 2, 96);
   compare_slope_step("gpt (bias + GELU around the 2:4 products)", gpt_config(), 4, 64, 4, 64);
   // Another token count: the dense products of W1 and of W2 (made again for the product).
   compare_slope_step("gpt, smaller micro-batch than sized", gpt_config(), 4, 64, 2, 48);
@@ -591,7 +581,7 @@ TEST_F(GpuModelSparse, SlopeMatchesCpu) {
 // Per-layer dispatch of slope layers: each shape's products as measured (2:4, or cuBLASLt's
 // of W1 and W2 expanded from the kept values), the same gradients either way.
 TEST_F(GpuModelSparse, SlopeDispatchByMeasurementMatchesCpu) {
-  compare_slope_step("llama, slope products chosen per layer shape", llama_config(), 2, 96, 2, 96, 0, true);
+  compare_slope_step("llama, slope products chosen per layer shape", sparse_llama_config(), 2, 96, 2, 96, 0, true);
   compare_slope_step("gpt, GELU passes counted against the 2:4 path", gpt_config(), 4, 64, 4, 64, 4, true);
 }
 
@@ -599,7 +589,7 @@ TEST_F(GpuModelSparse, SlopeDispatchByMeasurementMatchesCpu) {
 // into dX before the GELU gradient, dL and dR follow the CPU's, with the 2:4 products and
 // with the dense ones of another token count; odd ranks too.
 TEST_F(GpuModelSparse, SlopeAdapterMatchesCpu) {
-  compare_slope_step("llama with rank-8 adapters", llama_config(), 2, 96, 2, 96, 8);
+  compare_slope_step("llama with rank-8 adapters", sparse_llama_config(), 2, 96, 2, 96, 8);
   compare_slope_step("gpt with rank-4 adapters (GELU after the adapter)", gpt_config(), 4, 64, 4, 64, 4);
   compare_slope_step("gpt with rank-3 adapters, smaller micro-batch than sized", gpt_config(), 4, 64, 2, 48, 3);
 }
@@ -616,7 +606,7 @@ TEST_F(GpuModelSparse, SlopeAdapterMatchesCpu) {
 class GpuModelRelayout : public GpuModelSparse, public ::testing::WithParamInterface<bool> {};
 
 TEST_P(GpuModelRelayout, SlopeAdapterTrainsLikeTheCpuAndSurvivesLayoutChanges) {
-  const ModelConfig c = llama_config();
+  const ModelConfig c = sparse_llama_config();
   const int B = 2, T = 64, steps = 12;
   Transformer<float> cm(c);
   cm.init_weights(9);
@@ -714,7 +704,7 @@ TEST_F(GpuModelSparse, SlopeAdapterGraphReplayGivesTheSameBitsAsEagerSteps) {
 // trainer's AdamW over the kept values; the masks and the refresh step end where the
 // CPU's do, pruned weights stay exactly 0.
 TEST_F(GpuModelSparse, SlopeTrainingCurveMatchesCpu) {
-  const ModelConfig c = llama_config();
+  const ModelConfig c = sparse_llama_config();
   const int B = 2, T = 64, steps = 20, freq = 5;
   Transformer<float> cm(c);
   cm.init_weights(9);
@@ -766,7 +756,7 @@ TEST_F(GpuModelSparse, SlopeGraphReplayGivesTheSameBitsAsEagerSteps) {
 // every other tensor's weights and moments bit for bit (the layers that become or stop
 // being slope restart their moments at zero, and keep W1).
 TEST_P(GpuModelRelayout, SlopeStoresKeptValuesAndLayoutChangesKeepTheRest) {
-  const ModelConfig c = llama_config();
+  const ModelConfig c = sparse_llama_config();
   const int B = 2, T = 64;
   Transformer<float> cm(c);
   cm.init_weights(3);
@@ -894,7 +884,8 @@ TEST_F(GpuModelSparse, SparseDwIsUnbiasedAndChangesOnlyTheWeightGradients) {
   gpt.d_model = 128;
   gpt.n_head = 4;
   gpt.d_ff = 512;
-  for (const auto& [cfg, kind] : {std::pair<ModelConfig, const char*>{gpt, "semi_sparse"}, {llama_config(), "slope"}}) {
+  for (const auto& [cfg, kind] :
+       {std::pair<ModelConfig, const char*>{gpt, "semi_sparse"}, {sparse_llama_config(), "slope"}}) {
     SCOPED_TRACE(kind);
     const int B = 2, T = 64;
     Transformer<float> cm(cfg);
@@ -964,7 +955,7 @@ TEST_F(GpuModelSparse, SparseDwIsUnbiasedAndChangesOnlyTheWeightGradients) {
 }
 
 TEST_F(GpuModelSparse, ProfilerSeesEveryOpWithTheCpuNames) {
-  const ModelConfig c = llama_config();
+  const ModelConfig c = sparse_llama_config();
   const int B = 2, T = 64;
   Transformer<float> cm(c);
   cm.init_weights(6);
@@ -1031,7 +1022,7 @@ TEST_F(GpuModelSparse, ProfilerSeesEveryOpWithTheCpuNames) {
 // CPU trainer's curve with the pruned weights exactly 0 throughout; a new mask zeroes the
 // newly pruned weights at once.
 TEST_F(GpuModelSparse, MaskedMatchesCpuAndKeepsPrunedWeightsAtZero) {
-  const ModelConfig c = llama_config();
+  const ModelConfig c = sparse_llama_config();
   const int B = 2, T = 64, steps = 12;
   Transformer<float> cm(c);
   cm.init_weights(4);
@@ -1175,7 +1166,7 @@ void expect_checkpointing_gives_the_same_bits(
 TEST_F(GpuModelSparse, CheckpointingGivesTheSameBitsForEveryKind) {
   using esplag::CheckpointMode;
   using Setting = GpuTransformer::LinearKindSetting;
-  ModelConfig gpt = gpt_config(), llama = llama_config();
+  ModelConfig gpt = gpt_config(), llama = sparse_llama_config();
   gpt.n_layer = llama.n_layer = 3;
   std::map<std::string, std::vector<uint8_t>> masks;  // masked, vnm: 4 of every 5 kept
   auto with_mask = [&](const std::string& kind) {

@@ -18,6 +18,7 @@
 #include "core/device_arena.h"
 #include "core/dtype.h"
 #include "core/rng.h"
+#include "model/config.h"
 #include "ops/adamw.h"
 #include "ops/gpu.h"
 
@@ -31,6 +32,29 @@ using esplag::gpu::bf16;
 inline bool has_device() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+// Whether the current device has fp8 tensor cores (compute capability 8.9 and up).
+inline bool has_fp8_tensor_cores() {
+  int dev = 0, major = 0, minor = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  return major * 10 + minor >= 89;
+}
+
+// The sparse GPU tests' LLaMA flavour (RMSNorm, RoPE, SwiGLU, GQA, untied, no bias), every
+// Linear dimension a multiple of 32 (cuSPARSELt's rule for 8-bit operands): d_model 128,
+// qkv 256, d_ff 352.
+inline ModelConfig sparse_llama_config() {
+  ModelConfig c = model_preset("llama-tiny");
+  c.vocab_size = 384;
+  c.n_layer = 2;
+  c.d_model = 128;
+  c.n_head = 4;
+  c.n_kv_head = 2;
+  c.d_ff = 352;
+  return c;
 }
 
 // ---------------------------------------------------------------------------------------
