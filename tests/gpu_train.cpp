@@ -552,6 +552,38 @@ TEST_F(GpuTrain, SlopeRecipeTracksTheCpuAndResumes) {
   expect_resumes("slope", r, kLossTol, true);
 }
 
+// Distillation on the GPU (a forward-only GPU copy of the teacher: the suite's CPU run)
+// of a slope student: the curve and the logged loss parts follow the CPU run's, and the run
+// resumes, the teacher loaded again.
+TEST_F(GpuTrain, DistillRecipeTracksTheCpuAndResumes) {
+  if (!esplag::gpu::cusparselt_available()) GTEST_SKIP() << esplag::gpu::cusparselt_unavailable_reason();
+  const std::string teacher = (*dir_ / "cpu").string();
+  const Runs r = recipe_on_both("distill",
+                                "slope: {params: ['re:blocks\\..*\\.mlp\\.proj\\.weight'], start: 2}\n"
+                                "  - distill: {teacher: '" + teacher + "', alpha: 0.5, temperature: 2.0, start: 1}",
+                                kLossTol);
+  const auto parts = [&](const std::string& run) {
+    std::map<int64_t, std::pair<double, double>> out;  // step: (ce, kl)
+    std::ifstream in(*dir_ / run / "metrics.jsonl");
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.contains("distill_kl")) out[j["step"].get<int64_t>()] = {j["distill_ce"], j["distill_kl"]};
+    }
+    return out;
+  };
+  const auto cpu = parts("distill_cpu_run"), gpu = parts("distill_gpu_run");
+  EXPECT_EQ(cpu.size(), 11u) << "steps 2..12 distil";
+  ASSERT_EQ(gpu.size(), cpu.size());
+  for (const auto& [step, c] : cpu) {
+    const auto& g = gpu.at(step);
+    EXPECT_NEAR(g.first, c.first, kLossTol * c.first) << "ce at step " << step;
+    EXPECT_NEAR(g.second, c.second, 0.1 * c.second) << "kl at step " << step;
+    EXPECT_GT(g.second, 0.0);
+  }
+  expect_resumes("distill", r, kLossTol, true);
+}
+
 // SLoPe's lazy adapters on the GPU: every block linear slope from the start, rank-4
 // adapters from step 4 (the last part of a short run). The curve follows the CPU run's,
 // the log says when the adapters come, the checkpoint at step 6 holds trained adapters

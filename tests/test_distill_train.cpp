@@ -203,19 +203,14 @@ TEST_F(DistillTrain, RefusesATeacherOfAnotherVocabularyOrNone) {
       << empty;
 }
 
-// GPU training refuses distillation with the reason, and `auto` stays on the CPU.
-TEST(DistillDevice, GpuRefusesAndAutoStaysOnTheCpu) {
+// GPU training distills too (a forward-only GPU copy of the teacher): nothing blocks the
+// GPU, and `auto` takes it.
+TEST(DistillDevice, GpuDistillsAndAutoTakesIt) {
   TrainConfig cfg = config("unused", "- distill: {teacher: runs/dense}\n");
   const std::string blocker = gpu_training_blocker(cfg, nullptr);
-  EXPECT_EQ(blocker, "the run distills from a teacher (recipe: distill from 'runs/dense'), which GPU training does "
-                     "not do yet");
+  EXPECT_EQ(blocker, "");
   DeviceProbe gpu;
   gpu.cuda_build = true;
   gpu.gpus = 1;
-  const std::string e = error_of([&] { choose_train_device("cuda", gpu, blocker); });
-  EXPECT_NE(e.find("train.device=cuda: the run distills from a teacher"), std::string::npos) << e;
-  EXPECT_NE(e.find("use train.device=cpu"), std::string::npos) << e;
-  const DeviceChoice autod = choose_train_device("auto", gpu, blocker);
-  EXPECT_EQ(autod.device, "cpu");
-  EXPECT_NE(autod.note.find("distills from a teacher"), std::string::npos);
+  EXPECT_EQ(choose_train_device("auto", gpu, blocker).device, "cuda");
 }

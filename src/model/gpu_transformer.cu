@@ -56,8 +56,13 @@ __global__ void add_kernel(float* dst, const float* src, int64_t n, bool accumul
 
 // Mean of the per-row losses into *out (fp64), one block, fixed summation order.
 constexpr int kLossThreads = 1024;
-__global__ void __launch_bounds__(kLossThreads) mean_loss_kernel(double* out, const float* losses, int64_t n) {
+// Block k: out[k] = the mean of the n values at losses + k·stride (the losses, and a
+// distillation's cross-entropies and KL divergences after them).
+__global__ void __launch_bounds__(kLossThreads)
+    mean_loss_kernel(double* out, const float* losses, int64_t n, int64_t stride) {
   __shared__ double sh[kLossThreads];
+  losses += blockIdx.x * stride;
+  out += blockIdx.x;
   double acc = 0.0;
   for (int64_t i = threadIdx.x; i < n; i += kLossThreads) acc += losses[i];
   sh[threadIdx.x] = acc;
@@ -130,7 +135,7 @@ void lay_out(const ModelConfig& c, int B, int T, const GpuModelOptions& o, GpuTr
   take.bucket = &plan.params;
   if (pad) im.head_pad = take.arr<bf16>("params.head_padded", size_t(im.Vp) * C);
   take.bucket = &plan.grads;
-  if (pad) im.head_dw_pad = take.arr<float>("params.head_grad_padded", size_t(im.Vp) * C);
+  if (pad && !o.forward_only) im.head_dw_pad = take.arr<float>("params.head_grad_padded", size_t(im.Vp) * C);
   take.bucket = &plan.optimizer;
   im.adam_params = take.arr<gpu::AdamWStepParams>("adamw.step_params", 1);
 
@@ -180,10 +185,10 @@ void lay_out(const ModelConfig& c, int B, int T, const GpuModelOptions& o, GpuTr
   im.s1 = take.arr<bf16>("step.s1", N * C);
   im.sizes = shared_sizes(c, B, T, o);
   im.shared = take.arr<unsigned char>("step.shared", im.sizes.total);
-  im.losses = take.arr<float>("head.losses", N);
+  im.losses = take.arr<float>("head.losses", 3 * N);  // losses, then a distillation's CE and KL
   *tokens = take.arr<int32_t>("batch.tokens", N);
   *targets = take.arr<int32_t>("batch.targets", N);
-  *loss = take.arr<double>("loss", 1);
+  *loss = take.arr<double>("loss", 3);
   *norm_sq = take.arr<float>("grad_norm_sq", 1);
   im.fused_norm = o.fused_norm_backward && gpu::fused_norm_backward_supported(c.d_model);
   // Column sums give bias gradients with the fused norm backward, and a slope or sparse_dw
@@ -232,6 +237,12 @@ std::vector<ParamInfo> GpuTransformer::param_layout(const ModelConfig& cfg) { re
 
 namespace {
 
+// The options as the model applies them: a forward-only model checkpoints every block.
+GpuModelOptions effective(GpuModelOptions o) {
+  if (o.forward_only) o.checkpointing = {CheckpointMode::full, 1};
+  return o;
+}
+
 // The step arena's share of the memory plan (lay_out's buffers and the GEMM workspace).
 GpuMemoryPlan step_arena_plan(const ModelConfig& config, int B, int T, const GpuModelOptions& options) {
   GpuMemoryPlan step;
@@ -247,7 +258,8 @@ GpuMemoryPlan step_arena_plan(const ModelConfig& config, int B, int T, const Gpu
 }  // namespace
 
 GpuMemoryPlan GpuTransformer::memory_plan(const ModelConfig& config, int max_batch, int max_seq_len,
-                                          const GpuModelOptions& options) {
+                                          const GpuModelOptions& given) {
+  const GpuModelOptions options = effective(given);
   const auto infos = param_layout(config);
   ESPLAG_CHECK(max_batch > 0 && max_seq_len > 0, "GpuTransformer::memory_plan: bad micro-batch ", max_batch, " x ",
                max_seq_len);
@@ -271,7 +283,7 @@ GpuMemoryPlan GpuTransformer::memory_plan(const ModelConfig& config, int max_bat
 
 GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max_seq_len,
                                const GpuModelOptions& options)
-    : cfg_(config), opt_(options), impl_(std::make_unique<Impl>()) {
+    : cfg_(config), opt_(effective(options)), impl_(std::make_unique<Impl>()) {
   cfg_.validate();
   ESPLAG_CHECK(max_batch > 0, "GpuTransformer: max_batch must be positive, got ", max_batch);
   ESPLAG_CHECK(max_seq_len > 0 && max_seq_len <= cfg_.max_seq_len, "GpuTransformer: sequence length ", max_seq_len,
@@ -300,7 +312,11 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
   Impl& im = *impl_;
   im.step_plan = step_arena_plan(cfg_, max_b_, max_t_, opt_);
   arena_ = std::make_unique<DeviceArena>(im.step_plan.total() + opt_.extra_arena_bytes, "model");
-  CUDA_CHECK(cudaStreamCreate(&stream_));
+  stream_ = opt_.stream;
+  if (!stream_) {
+    CUDA_CHECK(cudaStreamCreate(&stream_));
+    owns_stream_ = true;
+  }
 
   GpuMemoryPlan counted;
   lay_out(cfg_, max_b_, max_t_, opt_, im, counted, Take{arena_.get(), nullptr}, &tokens_, &targets_, &loss_, &norm_sq_);
@@ -315,17 +331,15 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
 
   if (im.head_pad) CUDA_CHECK(cudaMemsetAsync(im.head_pad, 0, sizeof(bf16) * size_t(im.Vp) * cfg_.d_model, stream_));
   CUDA_CHECK(cudaMemsetAsync(norm_sq_, 0, sizeof(float), stream_));
-  CUDA_CHECK(cudaMemsetAsync(loss_, 0, sizeof(double), stream_));
+  CUDA_CHECK(cudaMemsetAsync(loss_, 0, 3 * sizeof(double), stream_));
   im.blocks.resize(cfg_.n_layer);
   make_linears();
   lay_out_state();
 }
 
 GpuTransformer::~GpuTransformer() {
-  if (stream_) {
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
-  }
+  if (stream_) cudaStreamSynchronize(stream_);
+  if (owns_stream_) cudaStreamDestroy(stream_);
 }
 
 size_t GpuTransformer::state_bytes() const { return impl_->state.capacity(); }
@@ -390,29 +404,53 @@ double GpuTransformer::forward_loss(const int32_t* tokens, const int32_t* target
 }
 
 void GpuTransformer::forward_backward_body(const int32_t* tokens, const int32_t* targets, int B, int T,
-                                           double loss_scale, bool overwrite) {
+                                           double loss_scale, bool overwrite, const Distillation* distill) {
+  if (distill) {
+    impl_->marks.mark(stream_, "teacher fwd");  // the teacher's own marks stay off
+    distill->teacher->forward_body(tokens, B, T);
+  }
   forward_body(tokens, B, T);
-  head(targets, B, T, true, loss_scale, overwrite);
+  head(targets, B, T, true, loss_scale, overwrite, distill);
   backward_body(tokens, B, T, overwrite);
 }
 
+void GpuTransformer::check_trains(const char* who) const {
+  ESPLAG_CHECK(!opt_.forward_only, "GpuTransformer::", who, ": the model runs forward only (a teacher)");
+}
+
+void GpuTransformer::check_teacher(const Distillation& d) const {
+  const GpuTransformer* t = d.teacher;
+  ESPLAG_CHECK(t && t->opt_.forward_only, "GpuTransformer: a distillation teacher must be a forward_only model");
+  ESPLAG_CHECK(t->stream_ == stream_, "GpuTransformer: the distillation teacher must run on its student's stream");
+  ESPLAG_CHECK(t->cfg_.vocab_size == cfg_.vocab_size, "GpuTransformer: the teacher's vocabulary (",
+               t->cfg_.vocab_size, ") is not the student's (", cfg_.vocab_size, ")");
+  ESPLAG_CHECK(t->head_chunk_ >= head_chunk_ && t->max_b_ >= max_b_ && t->max_t_ >= max_t_,
+               "GpuTransformer: the distillation teacher was sized for ", t->max_b_, " x ", t->max_t_, " and ",
+               t->head_chunk_, " head rows, the student needs ", max_b_, " x ", max_t_, " and ", head_chunk_);
+  ESPLAG_CHECK(d.alpha >= 0 && d.alpha <= 1 && d.temperature > 0 && std::isfinite(d.temperature),
+               "GpuTransformer: distillation needs alpha in [0, 1] and a positive temperature, got alpha ", d.alpha,
+               ", temperature ", d.temperature);
+}
+
 void GpuTransformer::forward_backward_device(const int32_t* tokens, const int32_t* targets, int B, int T,
-                                             double loss_scale) {
+                                             double loss_scale, const Distillation* distill) {
+  check_trains("forward_backward_device");
   check_batch(B, T);
   ESPLAG_CHECK(tokens && targets, "GpuTransformer::forward_backward_device: null tokens or targets");
+  if (distill) check_teacher(*distill);
   Impl& im = *impl_;
   // After zero_grad the weight GEMMs write their gradients instead of adding to them.
   const bool overwrite = im.zero_pending;
   im.zero_pending = false;
   if (!opt_.cuda_graph || im.marks.timing() || im.marks.tracing()) {
-    forward_backward_body(tokens, targets, B, T, loss_scale, overwrite);
+    forward_backward_body(tokens, targets, B, T, loss_scale, overwrite, distill);
     im.marks.end_ops();
     im.marks.collect(stream_);
     return;
   }
   auto it = std::find_if(im.step_graphs.begin(), im.step_graphs.end(), [&](const Impl::StepGraph& g) {
     return g.tokens == tokens && g.targets == targets && g.B == B && g.T == T && g.loss_scale == loss_scale &&
-           g.overwrite == overwrite;
+           g.overwrite == overwrite && g.distill == (distill ? *distill : Distillation{nullptr, 0, 0});
   });
   if (it == im.step_graphs.end()) {
     constexpr size_t kMaxGraphs = 8;
@@ -421,12 +459,13 @@ void GpuTransformer::forward_backward_device(const int32_t* tokens, const int32_
                                   [](const auto& a, const auto& b) { return a.last_use < b.last_use; });
       im.step_graphs.erase(lru);
     }
-    im.step_graphs.push_back({tokens, targets, B, T, loss_scale, overwrite, std::make_unique<Impl::Graph>(), 0});
+    im.step_graphs.push_back({tokens, targets, B, T, loss_scale, overwrite,
+                              distill ? *distill : Distillation{nullptr, 0, 0}, std::make_unique<Impl::Graph>(), 0});
     it = im.step_graphs.end() - 1;
   }
   it->last_use = ++im.graph_uses;
   run_as_graph(*it->graph, stream_, im.graph_launches,
-               [&] { forward_backward_body(tokens, targets, B, T, loss_scale, overwrite); });
+               [&] { forward_backward_body(tokens, targets, B, T, loss_scale, overwrite, distill); });
 }
 
 void GpuTransformer::forward_loss_device(const int32_t* tokens, const int32_t* targets, int B, int T) {
@@ -505,10 +544,12 @@ void GpuTransformer::block_forward(int l, int B, int T, bool again) {
   if (!again) linear(blk.mproj, "gemm mproj fwd", branch, act);
 }
 
-void GpuTransformer::head(const int32_t* targets, int B, int T, bool train, double loss_scale, bool overwrite) {
+void GpuTransformer::head(const int32_t* targets, int B, int T, bool train, double loss_scale, bool overwrite,
+                          const Distillation* distill) {
   Impl& im = *impl_;
   cudaStream_t s = stream_;
   const int N = B * T, C = cfg_.d_model, V = cfg_.vocab_size, Vp = im.Vp;
+  const int64_t N_max = int64_t(max_b_) * max_t_;  // the stride of im.losses' three parts
   const float dloss = static_cast<float>(loss_scale / N);
   const bool pad = im.head_pad != nullptr;
   const bf16* W = pad ? im.head_pad : im.head_w;
@@ -522,8 +563,15 @@ void GpuTransformer::head(const int32_t* targets, int B, int T, bool train, doub
     const bf16* h = lnf + size_t(r0) * C;
     im.marks.mark(s, "head gemm fwd", fl);
     im.gemm->forward(logits, h, W, nullptr, rows, C, Vp, s);
-    im.marks.mark(s, "cross-entropy");
-    gpu::softmax_cross_entropy(im.losses + r0, logits, targets + r0, rows, V, Vp, dloss, train, s);
+    if (distill) {
+      const auto* teacher = static_cast<const bf16*>(distill->teacher->teacher_logits(r0, rows));
+      im.marks.mark(s, "distillation loss");
+      gpu::distill_cross_entropy(im.losses + r0, im.losses + N_max + r0, im.losses + 2 * N_max + r0, logits, teacher,
+                                 targets + r0, rows, V, Vp, distill->alpha, distill->temperature, dloss, train, s);
+    } else {
+      im.marks.mark(s, "cross-entropy");
+      gpu::softmax_cross_entropy(im.losses + r0, logits, targets + r0, rows, V, Vp, dloss, train, s);
+    }
     if (train) {
       // The chunk's dlogits (now in logits, zero in the padding) give its rows of dlnf and
       // add into the head's weight gradient; the padded gradient starts over with each
@@ -541,8 +589,18 @@ void GpuTransformer::head(const int32_t* targets, int B, int T, bool train, doub
     CUDA_CHECK_LAUNCH("GpuTransformer (LM head gradient)");
   }
   im.marks.mark(s, "mean loss");
-  mean_loss_kernel<<<1, kLossThreads, 0, s>>>(loss_, im.losses, N);
+  mean_loss_kernel<<<distill ? 3 : 1, kLossThreads, 0, s>>>(loss_, im.losses, N, N_max);
   CUDA_CHECK_LAUNCH("GpuTransformer (mean loss)");
+}
+
+const void* GpuTransformer::teacher_logits(int row0, int rows) {
+  Impl& im = *impl_;
+  const int C = cfg_.d_model, Vp = im.Vp;
+  bf16* logits = reinterpret_cast<bf16*>(im.shared);  // idle once the forward is done
+  im.marks.mark(stream_, "teacher head gemm fwd", 2.0 * rows * C * Vp);
+  im.gemm->forward(logits, im.s0 + size_t(row0) * C, im.head_pad ? im.head_pad : im.head_w, nullptr, rows, C, Vp,
+                   stream_);
+  return logits;
 }
 
 void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool overwrite) {
@@ -734,6 +792,7 @@ void GpuTransformer::prepare_layers() {
 }
 
 void GpuTransformer::step_adamw(const GpuAdamW& hyper) {
+  check_trains("step_adamw");
   Impl& im = *impl_;
   settle_zero_grad();
   settle_moments();

@@ -172,6 +172,16 @@ struct GpuModelOptions {
   bool kind_change_on_device = true;
   // Added to the computed arena size (e.g. for callers that allocate from arena()).
   size_t extra_arena_bytes = 0;
+  // A model that runs forward only (a distillation teacher, Distillation below): no
+  // gradients and no AdamW moments are allocated, every block keeps only its input (full
+  // activation checkpointing of every block: the rest of the forward lives in one set of
+  // buffers the blocks share), and what trains (forward_backward*, step_adamw, zero_grad,
+  // set_linear_kinds, the moments) throws Error. Its weights cost 4 bytes per parameter.
+  bool forward_only = false;
+  // The stream the model queues its work on, not owned (null: a stream of its own). A
+  // teacher shares its student's: the teacher's forward is then part of the student's
+  // step, in the same CUDA graph.
+  cudaStream_t stream = nullptr;
 };
 
 // One AdamW step's hyper-parameters, as OptimizerConfig plus the learning rate.
@@ -272,11 +282,27 @@ class GpuTransformer {
   // Mean loss without gradients (one host synchronisation).
   double forward_loss(const int32_t* tokens, const int32_t* targets, int B, int T);
 
+  // Knowledge distillation (the recipe's distill entry, docs/recipes.md): the loss of each
+  // row becomes (1 - alpha)·CE + alpha·temperature²·KL(teacher_T || student_T), as the CPU's
+  // (ops/distill.h). The teacher runs its forward on the same tokens first, then its LM
+  // head chunk by chunk beside the student's (the full logits of neither ever exist); it
+  // gets no gradient. The teacher: a forward_only model on this model's stream, of the
+  // same vocabulary, whose head_chunk_rows() is at least this model's (Error otherwise).
+  struct Distillation {
+    GpuTransformer* teacher = nullptr;
+    double alpha = 0.5, temperature = 2.0;
+    bool operator==(const Distillation&) const = default;
+  };
+
   // The same with tokens and targets already on the device ([B·T] int32 each, e.g. in
   // device_tokens() / device_targets()); nothing waits for the device. The mean loss is
-  // left in device_loss(); read_loss() waits for it. Bad ids give a NaN loss.
-  void forward_backward_device(const int32_t* tokens, const int32_t* targets, int B, int T, double loss_scale);
+  // left in device_loss(); read_loss() waits for it. Bad ids give a NaN loss. With
+  // `distill`, the loss is distillation's and device_loss() holds its parts after it.
+  void forward_backward_device(const int32_t* tokens, const int32_t* targets, int B, int T, double loss_scale,
+                               const Distillation* distill = nullptr);
   void forward_loss_device(const int32_t* tokens, const int32_t* targets, int B, int T);
+  // Three doubles: the mean loss, then, after a distilling forward_backward_device, the
+  // mean cross-entropy and the mean KL divergence (their values before it otherwise).
   const double* device_loss() const { return loss_; }
   double read_loss();
   // Device buffers of max_batch·max_seq_len int32 each that callers may fill.
@@ -510,10 +536,18 @@ class GpuTransformer {
   // its kept input, without mlp.proj (and without the MLP activation where the backward
   // recomputes that anyway).
   void block_forward(int l, int B, int T, bool again);
-  void head(const int32_t* targets, int B, int T, bool train, double loss_scale, bool overwrite = false);
+  void head(const int32_t* targets, int B, int T, bool train, double loss_scale, bool overwrite = false,
+            const Distillation* distill = nullptr);
+  // A teacher's logits for rows [row0, row0 + rows) of its last forward_body, into its
+  // scratch region ([rows, padded vocabulary] bf16, valid until its next forward).
+  const void* teacher_logits(int row0, int rows);
+  // Error when `distill` cannot teach this model (see Distillation).
+  void check_teacher(const Distillation& distill) const;
   void backward_body(const int32_t* tokens, int B, int T, bool overwrite);
   void forward_backward_body(const int32_t* tokens, const int32_t* targets, int B, int T, double loss_scale,
-                             bool overwrite);
+                             bool overwrite, const Distillation* distill);
+  // Error naming `who` in a forward_only model.
+  void check_trains(const char* who) const;
   // Finishes a zero_grad whose zeros the backward was to write.
   void settle_zero_grad() const;
   void adamw_body();
@@ -576,6 +610,7 @@ class GpuTransformer {
   size_t nparams_ = 0;  // in the flat layout
   size_t nstored_ = 0;  // in the storage layout
   int max_b_ = 0, max_t_ = 0, head_chunk_ = 0;
+  bool owns_stream_ = false;
   int64_t step_ = 0;
   // Weights or moments were given (set_params, init_weights, set_optimizer_state): until then
   // the state is zero and a new layout has nothing to move.

@@ -127,6 +127,16 @@ void residual_forward(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaSt
 void softmax_cross_entropy(float* losses, bf16* logits, const int32_t* targets, int64_t N, int V, int Vp,
                            float dloss, bool write_dlogits, cudaStream_t stream);
 
+// Distillation's loss (ops/distill.h's cpu::distill_cross_entropy) over a chunk of N rows:
+// the student's logits and the teacher's, both [N, Vp] bf16 with row stride Vp (padding
+// ignored). ce[n] and kl[n] as on the CPU, losses[n] = (1 - alpha)·ce[n] +
+// alpha·temperature²·kl[n]; with write_dlogits the student's logits are OVERWRITTEN with
+// dloss · d(losses[n])/d(logits[n]) (padding 0); the teacher's are read only. A target
+// outside [0, V) gives NaN ce, loss and gradient row. alpha in [0, 1], temperature > 0, or Error.
+void distill_cross_entropy(float* losses, float* ce, float* kl, bf16* logits, const bf16* teacher,
+                           const int32_t* targets, int64_t N, int V, int Vp, double alpha, double temperature,
+                           float dloss, bool write_dlogits, cudaStream_t stream);
+
 // ---------------------------------------------------------------------------------------
 // Optimizer: AdamW over every parameter in one launch, and the global gradient norm.
 //

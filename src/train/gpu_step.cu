@@ -26,23 +26,25 @@ namespace esplag {
 
 namespace {
 
-// What the device keeps of the steps between two reads by the host.
+// What the device keeps of the steps between two reads by the host. The loss, then a
+// distillation's cross-entropy and KL parts (GpuTransformer::device_loss), `parts` of them.
 struct StepHealth {
-  double loss_sum;     // Σ of the running step's micro-batch losses
-  double loss;         // mean loss of the last finished step
+  double sum[3];       // Σ over the running step's micro-batches
+  double mean[3];      // the means of the last finished step (NaN: not computed)
   long long bad_step;  // first step (1-based) whose loss was not finite; 0: none
   double bad_loss;     // its loss
 };
 
 // One thread each: the bookkeeping of a step costs two tiny launches per micro-batch
 // instead of a host round trip.
-__global__ void add_micro_loss_kernel(StepHealth* h, const double* micro_loss, int first) {
-  h->loss_sum = (first ? 0.0 : h->loss_sum) + *micro_loss;
+__global__ void add_micro_loss_kernel(StepHealth* h, const double* micro_loss, int parts, int first) {
+  for (int k = 0; k < parts; ++k) h->sum[k] = (first ? 0.0 : h->sum[k]) + micro_loss[k];
 }
 
-__global__ void finish_step_kernel(StepHealth* h, int micro_batches, long long step) {
-  const double loss = h->loss_sum / micro_batches;  // as the CPU: the sum in order, then one division
-  h->loss = loss;
+__global__ void finish_step_kernel(StepHealth* h, int parts, int micro_batches, long long step) {
+  for (int k = 0; k < 3; ++k)  // as the CPU: the sum in order, then one division
+    h->mean[k] = k < parts ? h->sum[k] / micro_batches : __longlong_as_double(0x7ff8000000000000ll);
+  const double loss = h->mean[0];
   if (!isfinite(loss) && h->bad_step == 0) {
     h->bad_step = step;
     h->bad_loss = loss;
@@ -78,10 +80,28 @@ std::vector<GpuTransformer::LinearKindSetting> host_kind_settings(
   return settings;
 }
 
+// The GPU copy of a distillation teacher (loaded on the host by the trainer): forward only,
+// on the student's stream, its block Linear layers dense with the weights its own kinds
+// apply (Linear::dense_weight: a sparse teacher's masked weight, adapters merged in).
+std::unique_ptr<GpuTransformer> gpu_teacher(Transformer<float>& host, const TrainConfig& cfg, GpuTransformer& student) {
+  GpuModelOptions o;
+  o.forward_only = true;
+  o.stream = student.stream();
+  o.head_chunk_rows = student.head_chunk_rows();
+  o.attention = gpu_model_options(cfg).attention;
+  auto teacher = std::make_unique<GpuTransformer>(host.config(), cfg.batch_size, cfg.seq_len, o);
+  std::vector<float> flat(host.params(), host.params() + host.num_params());
+  std::map<std::string, size_t> offset;
+  for (const auto& info : host.param_infos()) offset[info.name] = info.offset;
+  for (const auto& name : host.linear_names()) host.linear(name).dense_weight(flat.data() + offset.at(name));
+  teacher->set_params(flat.data(), flat.size());
+  return teacher;
+}
+
 class GpuStep final : public StepBackend {
  public:
   GpuStep(const TrainConfig& cfg, Transformer<float>& host, Moments m, Moments v, int64_t steps_done,
-          HostChannel* ranks)
+          HostChannel* ranks, std::unique_ptr<Transformer<float>> teacher, const Recipe* recipe)
       : cfg_(cfg),
         host_(host),
         comm_(ranks ? std::make_unique<NcclComm>(*ranks) : nullptr),
@@ -121,6 +141,12 @@ class GpuStep final : public StepBackend {
     } else {
       ESPLAG_CHECK(steps_done == 0, "GPU training: no optimizer state given after ", steps_done, " steps");
     }
+    if (teacher) {
+      teacher_ = gpu_teacher(*teacher, cfg_, model_);
+      const Recipe::Modifier& d = *recipe->distill();
+      distill_ = {teacher_.get(), d.alpha, d.temperature};
+      recipe_ = recipe;
+    }
     health_ = model_.arena().allocate_array<StepHealth>("train.step_health", 1);
     CUDA_CHECK(cudaMemsetAsync(health_, 0, sizeof(StepHealth), model_.stream()));
     x_.resize(size_t(cfg_.batch_size) * cfg_.seq_len);
@@ -142,6 +168,7 @@ class GpuStep final : public StepBackend {
     };
     const GpuMemoryPlan& plan = model_.plan();
     return "cuda (" + gpu_name_ + ", " + gib(plan.total()) + " of device memory for the model" +
+           (teacher_ ? ", " + gib(teacher_->plan().total()) + " for the distillation teacher" : "") +
            (plan.host ? ", the optimizer offloaded (" + cfg_.offload + "): " + gib(plan.host) + " of pinned host memory"
                       : "") +
            ")" +
@@ -158,21 +185,24 @@ class GpuStep final : public StepBackend {
     cudaStream_t s = model_.stream();
     follow_host_kinds();  // the trainer applied the recipe's plan for this step to the host model
     model_.zero_grad();
+    const bool distill = teacher_ && recipe_->distills_at(step);
+    parts_ = distill ? 3 : 1;
     for (int micro = 0; micro < accum; ++micro) {
       data.next_batch(x_.data(), y_.data());
       model_.upload_batch(x_.data(), y_.data(), B, T);
-      model_.forward_backward_device(model_.device_tokens(), model_.device_targets(), B, T, 1.0 / accum);
-      add_micro_loss_kernel<<<1, 1, 0, s>>>(health_, model_.device_loss(), micro == 0);
+      model_.forward_backward_device(model_.device_tokens(), model_.device_targets(), B, T, 1.0 / accum,
+                                     distill ? &distill_ : nullptr);
+      add_micro_loss_kernel<<<1, 1, 0, s>>>(health_, model_.device_loss(), parts_, micro == 0);
       CUDA_CHECK_LAUNCH("GPU training (loss accumulation)");
     }
     int micro_batches = accum;
     if (comm_) {  // every rank's sums, so that every rank takes the same step
       // (sharded, step_adamw reduce-scatters the gradients itself)
       if (cfg_.parallel.zero == 0) comm_->all_reduce_mean(model_.device_gradients(), model_.stored_params(), s);
-      comm_->all_reduce_sum(&health_->loss_sum, 1, s);
+      comm_->all_reduce_sum(health_->sum, parts_, s);
       micro_batches *= comm_->size();
     }
-    finish_step_kernel<<<1, 1, 0, s>>>(health_, micro_batches, static_cast<long long>(step + 1));
+    finish_step_kernel<<<1, 1, 0, s>>>(health_, parts_, micro_batches, static_cast<long long>(step + 1));
     CUDA_CHECK_LAUNCH("GPU training (step loss)");
     const auto& o = cfg_.optimizer;
     GpuAdamW hyper;
@@ -193,7 +223,7 @@ class GpuStep final : public StepBackend {
     const StepHealth h = *host_health_;
     if (h.bad_step != 0) diverged("loss", h.bad_loss, h.bad_step);
     if (!std::isfinite(norm)) diverged("gradient norm", norm, model_.optimizer_steps());
-    return {h.loss, norm};
+    return {h.mean[0], norm, h.mean[1], h.mean[2]};
   }
 
   double eval_loss(const int32_t* inputs, const int32_t* targets, int B, int T) override {
@@ -347,6 +377,10 @@ class GpuStep final : public StepBackend {
   std::unique_ptr<NcclComm> comm_;  // data parallel: the other ranks' GPUs (before model_, which may shard over them)
   const std::set<std::string> linears_;  // the host's block Linear weights
   GpuTransformer model_;
+  std::unique_ptr<GpuTransformer> teacher_;  // distillation (recipe distill), on model_'s stream
+  GpuTransformer::Distillation distill_;
+  const Recipe* recipe_ = nullptr;           // with a teacher: when it teaches
+  int parts_ = 1;                            // of the loss the running step sums (3 when distilling)
   size_t dispatch_seen_ = 0;        // dispatch decisions already reported
   bool written_back_ = false;       // state_to_host ran since the kinds were last followed
   int64_t host_step_ = -1;          // the host model holds the weights after this many steps
@@ -396,8 +430,11 @@ void use_cuda_device(int index) {
 }
 
 std::unique_ptr<StepBackend> make_gpu_step(const TrainConfig& config, Transformer<float>& host_model, Moments m,
-                                           Moments v, int64_t steps_done, HostChannel* ranks) {
-  return std::make_unique<GpuStep>(config, host_model, std::move(m), std::move(v), steps_done, ranks);
+                                           Moments v, int64_t steps_done, HostChannel* ranks,
+                                           std::unique_ptr<Transformer<float>> teacher, const Recipe* recipe) {
+  ESPLAG_CHECK(!teacher || (recipe && recipe->distill()), "GPU training: a teacher without the recipe's distill entry");
+  return std::make_unique<GpuStep>(config, host_model, std::move(m), std::move(v), steps_done, ranks,
+                                   std::move(teacher), recipe);
 }
 
 }  // namespace esplag

@@ -28,6 +28,7 @@
 #include <memory>
 #include <string>
 
+#include "train/recipe.h"
 #include "train/trainer.h"
 
 namespace esplag {
@@ -51,8 +52,13 @@ void use_cuda_device(int index);
 // name (empty: zero, for a fresh run) after `steps_done` optimizer steps. Sized for
 // micro-batches of train.batch_size x train.seq_len; throws with the memory plan when that
 // does not fit. With `ranks` (data parallel), the ranks' gradients are averaged through
-// NCCL (dist/cuda/nccl_comm.h) before each optimizer step, and the loss too.
+// NCCL (dist/cuda/nccl_comm.h) before each optimizer step, and the loss too. With a
+// `teacher` (the recipe's distill entry, loaded by the trainer; `recipe` says when it
+// teaches), a forward-only GPU copy of it (dense, bf16) teaches the steps that distill,
+// as CpuStep does; the host copy is not kept.
 std::unique_ptr<StepBackend> make_gpu_step(const TrainConfig& config, Transformer<float>& host_model, Moments m,
-                                           Moments v, int64_t steps_done, HostChannel* ranks = nullptr);
+                                           Moments v, int64_t steps_done, HostChannel* ranks = nullptr,
+                                           std::unique_ptr<Transformer<float>> teacher = nullptr,
+                                           const Recipe* recipe = nullptr);
 
 }  // namespace esplag

@@ -326,10 +326,6 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
   if (config.parallel.zero > 1)
     add("parallel.zero is " + std::to_string(config.parallel.zero) +
         ", and the GPU shards the optimizer state only (stage 1; docs/distributed.md)");
-  // Only the CPU step computes the distillation loss so far.
-  if (const Recipe::Modifier* d = recipe ? recipe->distill() : nullptr)
-    add("the run distills from a teacher (recipe: distill from '" + d->teacher + "'), which GPU training does not do "
-        "yet");
   return why;
 }
 
@@ -526,22 +522,24 @@ void Trainer::resolve_device() {
 }
 
 void Trainer::make_backend(Moments m, Moments v) {
-  if (device_ == "cuda") {
-#ifdef ESPLAG_HAVE_CUDA
-    if (world_.distributed()) use_cuda_device(world_.local_rank);
-    backend_ = make_gpu_step(cfg_, *model_, std::move(m), std::move(v), state_.step, ranks_.get());
-    return;
-#else
-    fail("train.device=cuda: this esplag was built without the CUDA backend");  // choose_train_device refuses first
-#endif
-  }
   std::unique_ptr<Transformer<float>> teacher;
   if (const Recipe::Modifier* d = recipe_.distill()) {
     const int index = static_cast<int>(d - recipe_.modifiers().data());
     teacher = load_teacher(*d, recipe_.source() + ": recipe[" + std::to_string(index) + "] (distill)", cfg_.model,
                            tokenizer_);
     log_("distilling from " + d->teacher + " (" + std::to_string(teacher->config().n_layer) + " layers, d=" +
-         std::to_string(teacher->config().d_model) + ", forward only on the CPU)");
+         std::to_string(teacher->config().d_model) + ", forward only on the " +
+         (device_ == "cuda" ? "GPU, dense bf16)" : "CPU)"));
+  }
+  if (device_ == "cuda") {
+#ifdef ESPLAG_HAVE_CUDA
+    if (world_.distributed()) use_cuda_device(world_.local_rank);
+    backend_ = make_gpu_step(cfg_, *model_, std::move(m), std::move(v), state_.step, ranks_.get(), std::move(teacher),
+                             &recipe_);
+    return;
+#else
+    fail("train.device=cuda: this esplag was built without the CUDA backend");  // choose_train_device refuses first
+#endif
   }
   backend_ = std::make_unique<CpuStep>(*model_, cfg_, std::move(m), std::move(v), ranks_.get(), std::move(teacher),
                                        &recipe_);

@@ -132,6 +132,7 @@ struct GpuTransformer::Impl {
     int B = 0, T = 0;
     double loss_scale = 0;
     bool overwrite = false;
+    Distillation distill;  // teacher null: none
     std::unique_ptr<Graph> graph;
     uint64_t last_use = 0;
   };

@@ -43,6 +43,7 @@ void GpuTransformer::make_linears() {
 }
 
 bool GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& settings) {
+  check_trains("set_linear_kinds");  // its layers are dense: a teacher takes their dense weights
   Impl& im = *impl_;
   const int64_t tokens = int64_t(max_b_) * max_t_;
   // Where a change spends its time (kind_change_report): each phase ends in a synchronize.

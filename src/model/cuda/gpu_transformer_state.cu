@@ -101,6 +101,7 @@ void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<Pa
   take.bucket = &plan.params;
   im.w = take.arr<bf16>("params.bf16", im.padded);
   im.w_lo = (o.offload_master ? host : take).arr<int16_t>("params.master_low", im.padded);
+  if (o.forward_only) return;  // no gradients, no optimizer
   take.bucket = &plan.grads;
   im.grad = take.arr<float>("params.grad", im.padded);
   im.zero_chunks = take.arr<ZeroChunk>("grad.zero_table", zeros.size());
@@ -193,11 +194,13 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
 
   // A defined start: zero parameters, gradients and moments (and the padding, for good).
   CUDA_CHECK(cudaMemsetAsync(im.w, 0, sizeof(bf16) * im.padded, stream_));
-  CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * im.padded, stream_));
   // Offloaded buffers too: the device writes the mapped host memory.
   CUDA_CHECK(cudaMemsetAsync(im.w_lo, 0, sizeof(int16_t) * im.padded, stream_));
-  CUDA_CHECK(cudaMemsetAsync(im.m_shard, 0, sizeof(float) * im.shard_size, stream_));
-  CUDA_CHECK(cudaMemsetAsync(im.v_shard, 0, sizeof(float) * im.shard_size, stream_));
+  if (!opt_.forward_only) {
+    CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * im.padded, stream_));
+    CUDA_CHECK(cudaMemsetAsync(im.m_shard, 0, sizeof(float) * im.shard_size, stream_));
+    CUDA_CHECK(cudaMemsetAsync(im.v_shard, 0, sizeof(float) * im.shard_size, stream_));
+  }
   // Sharded, a state that moves in is written whole: into a whole copy of zeros.
   if (opt_.shard_optimizer && state_written_) fresh_whole_moments();
   im.zero_pending = false;
@@ -212,7 +215,8 @@ DeviceTensorView GpuTransformer::view(const std::string& name) const {
   const auto it = std::find_if(im.stored.begin(), im.stored.end(), [&](const ParamInfo& i) { return i.name == name; });
   if (it == im.stored.end()) return {};
   const size_t o = it->offset;
-  return {im.w + o, im.w_lo + o, im.grad + o, im.m ? im.m + o : nullptr, im.v ? im.v + o : nullptr};
+  return {im.w + o, im.w_lo + o, im.grad ? im.grad + o : nullptr, im.m ? im.m + o : nullptr,
+          im.v ? im.v + o : nullptr};
 }
 
 void GpuTransformer::bind_layers() {
@@ -360,6 +364,7 @@ void GpuTransformer::params_to_host(float* out) const {
 }
 
 std::vector<float> GpuTransformer::grads_to_host() const {
+  check_trains("grads_to_host");
   settle_zero_grad();
   std::vector<float> h(nparams_);
   transfer({to_host(h.data(), &infos_, stream_), copy_stored(impl_->grad, false, stream_)}, false);
@@ -367,6 +372,7 @@ std::vector<float> GpuTransformer::grads_to_host() const {
 }
 
 void GpuTransformer::set_optimizer_state(const float* m, const float* v, size_t n, int64_t steps) {
+  check_trains("set_optimizer_state");
   ESPLAG_CHECK(n == nparams_, "GpuTransformer::set_optimizer_state: got ", n, " moments, the model has ", nparams_,
                " parameters");
   ESPLAG_CHECK(steps >= 0, "GpuTransformer::set_optimizer_state: negative step count ", steps);
@@ -473,6 +479,7 @@ void GpuTransformer::stored_from_host(StateField f, size_t at, size_t n, const f
 }
 
 void GpuTransformer::zero_grad() {
+  check_trains("zero_grad");
   Impl& im = *impl_;
   if (im.zero_pending) return;
   if (im.num_zero_chunks > 0) {
@@ -483,6 +490,7 @@ void GpuTransformer::zero_grad() {
 }
 
 float* GpuTransformer::device_gradients() {
+  check_trains("device_gradients");
   settle_zero_grad();
   return impl_->grad;
 }
@@ -497,6 +505,7 @@ void GpuTransformer::settle_zero_grad() const {
 // --- sharded moments (GpuModelOptions::shard_optimizer) -----------------------------------
 
 void GpuTransformer::check_whole_moments(const char* who) const {
+  check_trains(who);
   ESPLAG_CHECK(impl_->m, "GpuTransformer::", who, ": the moments are sharded over the ranks; call "
                "gather_optimizer_state first");
 }
