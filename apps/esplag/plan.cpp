@@ -1,6 +1,7 @@
 // esplag plan: the memory a training run of a config needs, on the host and on the GPU, by
-// category; whether it fits; the cheapest settings that would; and with train.memory auto
-// what the run would choose. Nothing is allocated.
+// category, for one rank of --gpus N under train.parallel.zero; whether it fits; the
+// cheapest settings that would; and with train.memory auto what the run would choose.
+// Nothing is allocated.
 #include <algorithm>
 #include <cmath>
 
@@ -108,13 +109,14 @@ const Command kPlan = {
     "  esplag plan --config FILE.yaml [--set key=value]... [--batch-size N] [--gpus N] [--gpu-memory GiB]\n"
     "              [--host-memory GiB]\n"
     "Prints, without allocating anything, the bytes the run of the config needs on the host (weights,\n"
-    "gradients, AdamW moments, activations) and, for train.device cuda in the CUDA build, on the GPU (params,\n"
-    "grads, optimizer, activations, scratch, workspace), and whether each fits: the GPU against --gpu-memory\n"
-    "or the free memory of the device, the host against --host-memory or the memory available now. A run\n"
-    "that does not fit exits with 1 and names the cheapest --set assignments that would make it fit\n"
-    "(train.checkpointing selective, then full every K blocks for K from model.n_layer down to 1, then a smaller\n"
-    "train.batch_size with more train.grad_accum). With train.memory auto it first prints the line the run would\n"
-    "log, what it would choose (the cheapest checkpointing that fits), and plans that choice; an error when none does.\n"
+    "gradients, AdamW moments, activations) and, for train.device cuda, on the GPU (in the CUDA build params,\n"
+    "grads, optimizer, activations, scratch, workspace; else the model state: params, grads, optimizer), and\n"
+    "whether each fits: the GPU against --gpu-memory or the free memory of the device, the host against\n"
+    "--host-memory or the memory available now. A run that does not fit exits with 1 and names the cheapest\n"
+    "--set assignments that would make it fit (train.checkpointing selective, then full every K blocks for K\n"
+    "from model.n_layer down to 1, then a smaller train.batch_size with more train.grad_accum).\n"
+    "With train.memory auto it first prints the line the run would log, what it would choose (the cheapest\n"
+    "checkpointing that fits), and plans that choice; an error when none does.\n"
     "The numbers are one rank's of a data-parallel run over --gpus N ranks (default: the launcher's WORLD_SIZE,\n"
     "else 1) with train.parallel.zero (docs/distributed.md): with stage 1 each GPU keeps the AdamW moments of its\n"
     "chunk of the stored elements only, and a checkpoint's whole moments in pinned host memory are noted. The\n"
