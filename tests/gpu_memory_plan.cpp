@@ -13,6 +13,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <tuple>
 #include <vector>
 
 #include "core/rng.h"
@@ -21,6 +22,7 @@
 #include "train/config.h"
 #include "train/gpu_memory_plan.h"
 #include "train/gpu_step.h"
+#include "train/memory_plan.h"
 
 namespace {
 
@@ -73,6 +75,27 @@ void expect_plan_within_5_percent(const std::string& checkpointing) {
 }
 
 }  // namespace
+
+// `esplag plan`'s model state per GPU (gpu_model_state, what a CPU build reports) is what
+// GpuTransformer::memory_plan lays out for ZeRO stage 0 and 1 over 1 to 8 ranks: the same
+// bytes but for the arenas' alignment and the tables of the zeroing and the AdamW update.
+TEST(GpuMemoryPlan, TheModelStatePerGpuIsTheLayoutsForEachZeroStageAndWorld) {
+  TrainConfig cfg = parse_train_config(
+      "model: {preset: llama-1b, vocab_size: 32000}\n"
+      "train: {batch_size: 4, seq_len: 2048, device: cuda}\n", "test");
+  for (int zero : {0, 1})
+    for (int world : {1, 2, 3, 8}) {
+      cfg.parallel.zero = zero;
+      const GpuMemoryBytes plan = gpu_memory_plan(cfg, world);
+      const GpuModelState state = gpu_model_state(cfg, world);
+      for (const auto& [name, planned, analytic] : {std::tuple{"params", plan.params, state.params},
+                                                    std::tuple{"grads", plan.grads, state.grads},
+                                                    std::tuple{"optimizer", plan.optimizer, state.optimizer}}) {
+        EXPECT_GE(planned, analytic) << name << ", zero " << zero << ", world " << world;
+        EXPECT_LE(planned - analytic, analytic / 1000 + 65536) << name << ", zero " << zero << ", world " << world;
+      }
+    }
+}
 
 TEST(GpuMemoryPlan, Llama1bPlanIsWithinFivePercentOfWhatTheStepUses) { expect_plan_within_5_percent("none"); }
 

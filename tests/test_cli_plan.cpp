@@ -4,6 +4,7 @@
 
 #include "cli_util.h"
 #include "train/memory_plan.h"
+#include "train/progress.h"
 #ifdef ESPLAG_HAVE_CUDA
 #include "train/gpu_step.h"
 #endif
@@ -106,6 +107,47 @@ TEST(CliPlan, BadOptionsGiveOneError) {
       run_esplag("plan --config " + kTiny + " --set model.vocab_size=0 --set data.path=" + (scratch() / "no").string(),
                  scratch()),
       "model.vocab_size 0 is the dataset's vocabulary");
+}
+
+// --gpus N (default: the launcher's world size) and train.parallel.zero: one GPU's numbers.
+TEST(CliPlan, PlansOneGpuOfTheWorldWithItsZeroStage) {
+  const std::string cuda = "plan --config " + kTiny + " --set train.device=cuda --host-memory 1000 ";
+  const auto r = run_esplag(cuda + "--gpus 4 --set parallel.zero=1", scratch());
+  EXPECT_EQ(r.code, 0) << r.err;
+  TrainConfig c = load_train_config(kTinyFile, {"train.device=cuda", "model.vocab_size=257", "parallel.zero=1"});
+  const GpuModelState s = gpu_model_state(c, 4);
+  for (const std::string line : {"per GPU of 4, ZeRO stage 1: each GPU keeps the AdamW moments of a chunk of " +
+                                     std::to_string(s.chunk) + " of the " + std::to_string(s.elements),
+                                 "a checkpoint gathers the whole moments into " + format_bytes(s.checkpoint_moments)})
+    EXPECT_TRUE(contains(r.out, line)) << line << " in\n" << r.out;
+  // Without --gpus, the world of the launcher's variables; with neither, one GPU.
+  const auto launched = run_command("RANK=0 WORLD_SIZE=4 " + std::string(ESPLAG_BINARY) + " " + cuda +
+                                        "--set parallel.zero=1", scratch() / "out.txt", scratch() / "err.txt");
+  EXPECT_EQ(launched.code, 0) << launched.err;
+  EXPECT_TRUE(contains(launched.out, "per GPU of 4, ZeRO stage 1")) << launched.out;
+  const auto alone = run_esplag(cuda + "--set parallel.zero=1", scratch());
+  EXPECT_TRUE(contains(alone.out, "per GPU of 1, ZeRO stage 1: one GPU keeps the whole state")) << alone.out;
+  // On the CPU, one rank's range of the moments.
+  const auto cpu = run_esplag("plan --config " + kTiny + " --set train.device=cpu --set parallel.zero=2 --gpus 2",
+                              scratch());
+  EXPECT_TRUE(contains(cpu.out, "per rank of 2, ZeRO stage 2: each rank keeps the AdamW moments and the mean "
+                                "gradient of at most 186336 of the 372672 trained elements")) << cpu.out;
+}
+
+TEST(CliPlan, ABadWorldOrAStageTheGpuRefusesIsOneError) {
+  const std::string cuda = "plan --config " + kTiny + " --set train.device=cuda ";
+  expect_one_line_error(run_esplag(cuda + "--gpus 0", scratch()), "plan: --gpus must be an integer in [1, 1024], got '0'");
+  expect_one_line_error(run_command("RANK=0 WORLD_SIZE=0 " + std::string(ESPLAG_BINARY) + " " + cuda, scratch() / "o.txt",
+                                    scratch() / "e.txt"),
+                        "WORLD_SIZE");
+  expect_one_line_error(run_esplag(cuda + "--set parallel.zero=3", scratch()), "parallel.zero = 3: ZeRO stage 3");
+  // Stage 2: the trainer's refusal on the GPU; auto plans it on the CPU, where it runs.
+  expect_one_line_error(run_esplag(cuda + "--gpus 2 --set parallel.zero=2", scratch()),
+                        "train.device=cuda: parallel.zero is 2, and the GPU shards the optimizer state only (stage 1");
+  const auto automatic = run_esplag("plan --config " + kTiny + " --set train.device=auto --set parallel.zero=2 --gpus 2",
+                                    scratch());
+  EXPECT_EQ(automatic.code, 0) << automatic.err;
+  EXPECT_TRUE(contains(automatic.out, "per rank of 2, ZeRO stage 2")) << automatic.out;
 }
 
 #ifdef ESPLAG_HAVE_CUDA

@@ -153,6 +153,108 @@ TEST(MemoryPlan, TheReportNamesEachCategory) {
 #endif
 }
 
+// --- data parallel and ZeRO ------------------------------------------------------------------
+
+// The GPU's ZeRO stage 1 (GpuModelOptions::shard_optimizer): chunks of ceil(E/N) rounded up to
+// 64 elements, the moments of one chunk per GPU, the weights and gradients padded to N chunks.
+TEST(MemoryPlanZero, StageOneKeepsTheMomentsOfOneChunkPerGpu) {
+  TrainConfig c = tiny_config("cuda");
+  c.parallel.zero = 1;
+  const uint64_t e = uint64_t(c.model.num_params());
+  ASSERT_EQ(e, 372672u);  // the numbers below are tiny's
+  const GpuModelState s = gpu_model_state(c, 4);
+  EXPECT_TRUE(s.sharded);
+  EXPECT_EQ(s.elements, e);
+  EXPECT_EQ(s.chunk, 93184u);  // ceil(372672 / 4) = 93168, rounded up to 64
+  EXPECT_EQ(s.padded, 4 * 93184u);
+  EXPECT_EQ(s.params, s.padded * 4);  // bf16 weights and the master weights' low halves
+  EXPECT_EQ(s.grads, s.padded * 4);
+  EXPECT_EQ(s.optimizer, 93184u * 8);
+  EXPECT_EQ(s.offloaded, 0u);
+  EXPECT_EQ(s.checkpoint_moments, s.padded * 8);
+  // A chunk that is a multiple of 64 already pads nothing.
+  const GpuModelState three = gpu_model_state(c, 3);
+  EXPECT_EQ(three.chunk, e / 3);
+  EXPECT_EQ(three.padded, e);
+  // Stage 0 over several GPUs, and stage 1 on one, keep the whole state: 16 bytes per element.
+  for (const auto& [zero, world] : {std::pair{0, 4}, std::pair{1, 1}}) {
+    c.parallel.zero = zero;
+    const GpuModelState whole = gpu_model_state(c, world);
+    EXPECT_FALSE(whole.sharded);
+    EXPECT_EQ(whole.chunk, e);
+    EXPECT_EQ(whole.padded, e);
+    EXPECT_EQ(whole.total(), 16 * e);
+    EXPECT_EQ(whole.checkpoint_moments, 0u);
+  }
+}
+
+TEST(MemoryPlanZero, TheOffloadMovesTheChunkToPinnedHostMemory) {
+  TrainConfig c = tiny_config("cuda");
+  c.parallel.zero = 1;
+  c.offload = "optimizer";
+  GpuModelState s = gpu_model_state(c, 4);
+  EXPECT_EQ(s.optimizer, 0u);
+  EXPECT_EQ(s.offloaded, 93184u * 8);
+  c.offload = "optimizer+master";
+  s = gpu_model_state(c, 4);
+  EXPECT_EQ(s.params, s.padded * 2);
+  EXPECT_EQ(s.offloaded, 93184u * 8 + s.padded * 2);
+}
+
+TEST(MemoryPlanZero, StagesTheGpuDoesNotTakeAndNoRanksAreErrors) {
+  TrainConfig c = tiny_config("cuda");
+  EXPECT_TRUE(contains(error_of([&] { plan_memory(c, "cuda", 0); }), "the world size must be at least 1, got 0"));
+  c.parallel.zero = 2;
+  EXPECT_TRUE(contains(error_of([&] { plan_memory(c, "cuda", 2); }),
+                       "parallel.zero is 2, and the GPU shards the optimizer state only (stage 1"));
+  EXPECT_EQ(error_of([&] { plan_memory(c, "cpu", 2); }), "(no error)");  // the CPU reference takes it
+}
+
+// On the CPU (ZeroCpuOptimizer) a rank keeps the moments of its range of the partition, the
+// largest ceil(E/N); stage 2 also a buffer of that range's mean gradient.
+TEST(MemoryPlanZero, OnTheCpuEachRankKeepsTheMomentsOfItsRange) {
+  TrainConfig c = tiny_config("cpu");
+  const HostMemoryPlan whole = plan_memory(c, "cpu", 4).host;  // stage 0
+  EXPECT_EQ(whole.moments, host_memory_plan(c, "cpu").moments);
+  c.parallel.zero = 1;
+  HostMemoryPlan p = plan_memory(c, "cpu", 4).host;
+  EXPECT_EQ(p.moments, 93168u * 8);
+  EXPECT_EQ(p.gradients, whole.gradients);
+  c.parallel.zero = 2;
+  p = plan_memory(c, "cpu", 4).host;
+  EXPECT_EQ(p.moments, 93168u * 8);
+  EXPECT_EQ(p.gradients, whole.gradients + 93168u * 4);
+  EXPECT_EQ(plan_memory(c, "cpu", 1).host.moments, whole.moments);  // one rank shares nothing
+}
+
+TEST(MemoryPlanZero, TheReportSaysWhoseNumbersTheyAre) {
+  TrainConfig c = tiny_config("cuda");
+  c.parallel.zero = 1;
+  const std::string text = describe(c, plan_memory(c, "cuda", 4), {});
+  for (const char* line : {"per GPU of 4, ZeRO stage 1: each GPU keeps the AdamW moments of a chunk of 93184 of "
+                           "the 372672 stored elements", "the weights and gradients padded to 372736",
+                           "a checkpoint gathers the whole moments into 2.8 MiB of pinned host memory on every rank"})
+    EXPECT_TRUE(contains(text, line)) << line << " in\n" << text;
+  EXPECT_TRUE(contains(describe(c, plan_memory(c, "cuda", 1), {}),
+                       "per GPU of 1, ZeRO stage 1: one GPU keeps the whole state (sharding needs several ranks)"));
+  c.parallel.zero = 0;
+  const std::string stage0 = describe(c, plan_memory(c, "cuda", 2), {});
+  EXPECT_TRUE(contains(stage0, "per GPU of 2, ZeRO stage 0: every GPU keeps the whole state")) << stage0;
+  EXPECT_FALSE(contains(stage0, "a checkpoint gathers")) << stage0;
+  c.parallel.zero = 2;
+  EXPECT_TRUE(contains(describe(c, plan_memory(c, "cpu", 4), {}),
+                       "per rank of 4, ZeRO stage 2: each rank keeps the AdamW moments and the mean gradient of at "
+                       "most 93168 of the 372672 trained elements"));
+#ifndef ESPLAG_HAVE_CUDA
+  // Without a GPU plan, the model state by category.
+  c.parallel.zero = 1;
+  const std::string cpu_build = describe(c, plan_memory(c, "cuda", 4), {});
+  for (const char* line : {"built without the CUDA backend (the cuda preset); the model state:\n", "  params ",
+                           "  grads ", "  optimizer ", "  model state "})
+    EXPECT_TRUE(contains(cpu_build, line)) << line << " in\n" << cpu_build;
+#endif
+}
+
 // --- train.memory --------------------------------------------------------------------------
 
 namespace {

@@ -1,11 +1,14 @@
 // esplag plan: the memory a training run of a config needs, on the host and on the GPU, by
-// category; whether it fits; the cheapest settings that would; and with train.memory auto
-// what the run would choose. Nothing is allocated.
+// category, for one rank of --gpus N under train.parallel.zero; whether it fits; the
+// cheapest settings that would; and with train.memory auto what the run would choose.
+// Nothing is allocated.
+#include <algorithm>
 #include <cmath>
 
 #include "commands.h"
 #include "core/error.h"
 #include "data/prepare.h"
+#include "dist/world.h"
 #include "train/checkpoint.h"
 #include "train/memory_plan.h"
 #include "train/trainer.h"
@@ -38,12 +41,19 @@ void resolve_model(TrainConfig& cfg) {
   if (cfg.model.vocab_size == 0) cfg.model.vocab_size = meta.vocab_size;
 }
 
-// train.device, with auto as the trainer takes it when the recipe's kinds run on the GPU.
-std::string planned_device(const std::string& requested) {
-  if (requested != "auto") return requested;
-  const DeviceProbe probe = probe_devices();
-  return probe.cuda_build && probe.gpus > 0 ? "cuda" : "cpu";
+// train.device as the trainer resolves it (choose_train_device), with its refusals of what
+// the GPU does not train (gpu_training_blocker): auto stays on the CPU with the trainer's note
+// (printed), cuda is the trainer's error. A cuda run is planned without a GPU here too.
+std::string planned_device(const TrainConfig& cfg) {
+  DeviceProbe probe = probe_devices();
+  if (cfg.device == "cuda") probe = {true, std::max(probe.gpus, 1), ""};
+  const DeviceChoice choice = choose_train_device(cfg.device, probe, gpu_training_blocker(cfg));
+  if (!choice.note.empty()) std::cout << choice.note << std::endl;
+  return choice.device;
 }
+
+// The data-parallel ranks to plan one of: --gpus, else the launcher's (WORLD_SIZE, ...), else 1.
+int world_size(const Args& a) { return a.has("gpus") ? a.int32("gpus") : world_from_env().size; }
 
 // The memory at hand as the trainer sees it, where --gpu-memory or --host-memory do not say.
 MemoryBudget budget_of(const Args& a, const std::string& device) {
@@ -68,15 +78,16 @@ int plan(const Args& a) {
   if (a.has("batch-size")) cfg.batch_size = a.int32("batch-size", 0);
   resolve_model(cfg);
   cfg.validate();
-  const std::string device = planned_device(cfg.device);
+  const int world = world_size(a);
+  const std::string device = planned_device(cfg);
   const MemoryBudget budget = budget_of(a, device);
   if (cfg.memory == "auto")
-    std::cout << apply_train_memory(cfg, budget, [&](const TrainConfig& c) { return plan_memory(c, device); })
+    std::cout << apply_train_memory(cfg, budget, [&](const TrainConfig& c) { return plan_memory(c, device, world); })
               << std::endl;
-  const MemoryPlan plan = plan_memory(cfg, device);
+  const MemoryPlan plan = plan_memory(cfg, device, world);
   std::cout << describe(cfg, plan, budget);
   if (plan.fits(budget)) return 0;
-  const auto settings = settings_that_fit(cfg, device, budget);
+  const auto settings = settings_that_fit(cfg, device, budget, world);
   if (!settings) {
     std::cerr << "esplag: error: the run does not fit, nor with train.checkpointing full and train.batch_size 1; it "
                  "needs a smaller model, a shorter train.seq_len or more memory"
@@ -95,19 +106,28 @@ int plan(const Args& a) {
 const Command kPlan = {
     "plan",
     "the memory a training run needs, by category, whether it fits, and what would",
-    "  esplag plan --config FILE.yaml [--set key=value]... [--batch-size N] [--gpu-memory GiB] [--host-memory GiB]\n"
+    "  esplag plan --config FILE.yaml [--set key=value]... [--batch-size N] [--gpus N] [--gpu-memory GiB]\n"
+    "              [--host-memory GiB]\n"
     "Prints, without allocating anything, the bytes the run of the config needs on the host (weights,\n"
-    "gradients, AdamW moments, activations) and, for train.device cuda in the CUDA build, on the GPU (params,\n"
-    "grads, optimizer, activations, scratch, workspace), and whether each fits: the GPU against --gpu-memory\n"
-    "or the free memory of the device, the host against --host-memory or the memory available now. A run\n"
-    "that does not fit exits with 1 and names the cheapest --set assignments that would make it fit\n"
-    "(train.checkpointing selective, then full every K blocks for K from model.n_layer down to 1, then a smaller\n"
-    "train.batch_size with more train.grad_accum). With train.memory auto it first prints the line the run would\n"
-    "log, what it would choose (the cheapest checkpointing that fits), and plans that choice; an error when none does.",
+    "gradients, AdamW moments, activations) and, for train.device cuda, on the GPU (in the CUDA build params,\n"
+    "grads, optimizer, activations, scratch, workspace; else the model state: params, grads, optimizer), and\n"
+    "whether each fits: the GPU against --gpu-memory or the free memory of the device, the host against\n"
+    "--host-memory or the memory available now. A run that does not fit exits with 1 and names the cheapest\n"
+    "--set assignments that would make it fit (train.checkpointing selective, then full every K blocks for K\n"
+    "from model.n_layer down to 1, then a smaller train.batch_size with more train.grad_accum).\n"
+    "With train.memory auto it first prints the line the run would log, what it would choose (the cheapest\n"
+    "checkpointing that fits), and plans that choice; an error when none does.\n"
+    "The numbers are one rank's of a data-parallel run over --gpus N ranks (default: the launcher's WORLD_SIZE,\n"
+    "else 1) with train.parallel.zero (docs/distributed.md): with stage 1 each GPU keeps the AdamW moments of its\n"
+    "chunk of the stored elements only, and a checkpoint's whole moments in pinned host memory are noted. The\n"
+    "device is the trainer's choice: a train.device cuda run the GPU does not train (parallel.zero 2) is its error.",
     {
         Option::text("config", "FILE.yaml", "", "the run's config").mandatory(),
         Option::list("set", "KEY=VALUE", "override one config key, e.g. train.checkpointing=full"),
         Option::integer("batch-size", "", 1, kIntMax, "the micro-batch to plan (default: train.batch_size)"),
+        Option::integer("gpus", "", 1, 1024,
+                        "data-parallel ranks, one per GPU, as train --gpus N (default: the launcher's WORLD_SIZE, "
+                        "else 1)"),
         gib(Option::number("gpu-memory", "", 0.001, kRealMax,
                            "GPU memory to plan against (default: the free memory of CUDA device 0)")),
         gib(Option::number("host-memory", "", 0.001, kRealMax,

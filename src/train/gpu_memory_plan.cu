@@ -2,8 +2,30 @@
 
 #include <cuda_runtime.h>
 
+#include "core/device_collectives.h"
+#include "core/error.h"
 
 namespace esplag {
+
+namespace {
+
+// The ranks of a sharded run, as GpuTransformer::memory_plan asks them: how many, and this
+// one's index (rank 0: every rank's chunk is the same size). Nothing is communicated.
+class PlannedRanks final : public DeviceCollectives {
+ public:
+  explicit PlannedRanks(int world) : world_(world) {}
+  int rank() const override { return 0; }
+  int size() const override { return world_; }
+  void reduce_scatter_mean(float*, size_t, cudaStream_t) override { refuse(); }
+  void all_gather(void*, size_t, cudaStream_t) override { refuse(); }
+  void all_reduce_sum(float*, size_t, cudaStream_t) override { refuse(); }
+
+ private:
+  [[noreturn]] static void refuse() { fail("the memory plan's ranks do not communicate"); }
+  int world_;
+};
+
+}  // namespace
 
 GpuModelOptions gpu_model_options(const TrainConfig& config) {
   GpuModelOptions o;
@@ -15,9 +37,12 @@ GpuModelOptions gpu_model_options(const TrainConfig& config) {
   return o;
 }
 
-GpuMemoryBytes gpu_memory_plan(const TrainConfig& config) {
-  const GpuMemoryPlan p =
-      GpuTransformer::memory_plan(config.model, config.batch_size, config.seq_len, gpu_model_options(config));
+GpuMemoryBytes gpu_memory_plan(const TrainConfig& config, int world) {
+  GpuModelOptions options = gpu_model_options(config);
+  PlannedRanks ranks(world);
+  // As the GPU step shards: stage 1 over several ranks.
+  if (world > 1 && config.parallel.zero >= 1) options.shard_optimizer = &ranks;
+  const GpuMemoryPlan p = GpuTransformer::memory_plan(config.model, config.batch_size, config.seq_len, options);
   return {p.params, p.grads, p.optimizer, p.activations, p.scratch, p.workspace};
 }
 

@@ -22,8 +22,9 @@ namespace esplag {
 GpuModelOptions gpu_model_options(const TrainConfig& config);
 
 // The device memory GpuTransformer reserves for `config`'s micro-batch with its
-// train.checkpointing (what the GPU training step builds).
-GpuMemoryBytes gpu_memory_plan(const TrainConfig& config);
+// train.checkpointing (what the GPU training step builds), on each of `world` data-parallel
+// ranks: with train.parallel.zero 1 and several ranks, the sharded optimizer state's.
+GpuMemoryBytes gpu_memory_plan(const TrainConfig& config, int world = 1);
 
 // Free memory of CUDA device `device` (cudaMemGetInfo), which becomes the current device;
 // 0 when there is no such device.

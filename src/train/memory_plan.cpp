@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "train/progress.h"
+#include "train/zero_partition.h"
 #ifdef ESPLAG_HAVE_CUDA
 #include "train/gpu_memory_plan.h"
 #include "train/gpu_step.h"
@@ -103,16 +104,91 @@ std::string verdict(bool fits, uint64_t budget, const std::string& source) {
   return std::string(fits ? "fits in " : "does NOT fit in ") + format_bytes(budget) + " (" + source + ")";
 }
 
+// The elements of the largest range when `elements` are cut among `world` ranks: ceil(elements / world).
+uint64_t largest_range(int64_t elements, int world) { return uint64_t(ZeroPartition({elements}, world).count(0)); }
+
+// Whose numbers the plan gives: "per GPU of 4, ZeRO stage 1: each GPU keeps the AdamW moments
+// of a chunk of 3136 of the 12345 stored elements (...)".
+std::string ranks_text(const TrainConfig& config, const MemoryPlan& plan) {
+  const bool gpu = plan.device == "cuda";
+  const std::string rank = gpu ? "GPU" : "rank", world = std::to_string(plan.world);
+  const int zero = config.parallel.zero;
+  const std::string line = "per " + rank + " of " + world + ", ZeRO stage " + std::to_string(zero) + ": ";
+  if (gpu && plan.gpu_state->sharded) {
+    const GpuModelState& s = *plan.gpu_state;
+    return line + "each GPU keeps the AdamW moments of a chunk of " + std::to_string(s.chunk) + " of the " +
+           std::to_string(s.elements) + " stored elements (ceil(E/" + world +
+           ") rounded up to 64), the weights and gradients padded to " + std::to_string(s.padded) + "\n";
+  }
+  if (!gpu && plan.world > 1 && zero >= 1)
+    return line + "each rank keeps the AdamW moments" + (zero == 2 ? " and the mean gradient" : "") + " of at most " +
+           std::to_string(largest_range(config.model.num_params(), plan.world)) + " of the " +
+           std::to_string(config.model.num_params()) + " trained elements\n";
+  if (plan.world == 1)
+    return line + "one " + rank + " keeps the whole state" + (zero >= 1 ? " (sharding needs several ranks)" : "") + "\n";
+  return line + "every " + rank + " keeps the whole state\n";
+}
+
+// The GPU model state's rows (without a GPU plan) and notes on the pinned host memory it
+// takes outside the device.
+std::string model_state_text(const GpuModelState& s, const std::string& offload, bool rows) {
+  std::string text;
+  if (rows)
+    text += row("params", s.params) + row("grads", s.grads) + row("optimizer", s.optimizer) +
+            row("model state", s.total());
+  if (s.offloaded)
+    text += "  note: " + format_bytes(s.offloaded) + " of the optimizer state is in pinned host memory (train.offload " +
+            offload + "), not counted above\n";
+  if (s.checkpoint_moments)
+    text += "  note: a checkpoint gathers the whole moments into " + format_bytes(s.checkpoint_moments) +
+            " of pinned host memory on every rank, kept from the save until the next step, not counted above\n";
+  return text;
+}
+
 }  // namespace
 
-MemoryPlan plan_memory(const TrainConfig& config, const std::string& device) {
+GpuModelState gpu_model_state(const TrainConfig& config, int world) {
+  ESPLAG_CHECK(world >= 1, "the world size must be at least 1, got ", world);
+  ESPLAG_CHECK(config.parallel.zero <= 1, "parallel.zero is ", config.parallel.zero,
+               ", and the GPU shards the optimizer state only (stage 1; docs/distributed.md)");
+  GpuModelState s;
+  s.world = world;
+  s.zero = config.parallel.zero;
+  s.sharded = world > 1 && config.parallel.zero == 1;
+  s.elements = uint64_t(config.model.num_params());
+  // The largest range of the partition is ceil(E / world); the GPU pads it to 64 elements.
+  const uint64_t largest = largest_range(config.model.num_params(), world);
+  s.chunk = s.sharded ? (largest + 63) / 64 * 64 : s.elements;
+  s.padded = s.sharded ? s.chunk * uint64_t(world) : s.elements;
+  const uint64_t master_low = s.padded * sizeof(uint16_t), moments = s.chunk * 2 * sizeof(float);
+  const bool offload_master = config.offload == "optimizer+master", offload_moments = config.offload != "none";
+  s.params = s.padded * sizeof(uint16_t) + (offload_master ? 0 : master_low);
+  s.grads = s.padded * sizeof(float);
+  s.optimizer = offload_moments ? 0 : moments;
+  s.offloaded = (offload_master ? master_low : 0) + (offload_moments ? moments : 0);
+  s.checkpoint_moments = s.sharded ? s.padded * 2 * sizeof(float) : 0;
+  return s;
+}
+
+MemoryPlan plan_memory(const TrainConfig& config, const std::string& device, int world) {
+  ESPLAG_CHECK(world >= 1, "the world size must be at least 1, got ", world);
   MemoryPlan plan;
   plan.device = device;
+  plan.world = world;
   plan.host = host_memory_plan(config, device);
-  if (device != "cuda") return plan;
+  if (device != "cuda") {
+    if (world > 1 && config.parallel.zero >= 1) {
+      // ZeroCpuOptimizer: the moments of the rank's range; stage 2 also its mean gradient.
+      const uint64_t range = largest_range(config.model.num_params(), world);
+      plan.host.moments = range * 2 * sizeof(float);
+      if (config.parallel.zero == 2) plan.host.gradients += range * sizeof(float);
+    }
+    return plan;
+  }
+  plan.gpu_state = gpu_model_state(config, world);
 #ifdef ESPLAG_HAVE_CUDA
   // The attention's workspace size is the device library's answer: no device, no plan.
-  if (cuda_device_count() > 0) plan.gpu = gpu_memory_plan(config);
+  if (cuda_device_count() > 0) plan.gpu = gpu_memory_plan(config, world);
   else plan.no_gpu_plan = "no CUDA device is visible (the attention's workspace is the device library's answer)";
 #else
   plan.no_gpu_plan = "this esplag was built without the CUDA backend (the cuda preset)";
@@ -157,8 +233,8 @@ std::optional<TrainConfig> cheapest_fit(const TrainConfig& config, const MemoryB
 }
 
 std::optional<std::vector<std::string>> settings_that_fit(const TrainConfig& config, const std::string& device,
-                                                          const MemoryBudget& budget) {
-  const auto plan = [&](const TrainConfig& c) { return plan_memory(c, device); };
+                                                          const MemoryBudget& budget, int world) {
+  const auto plan = [&](const TrainConfig& c) { return plan_memory(c, device, world); };
   const std::optional<TrainConfig> fit = cheapest_fit(config, budget, plan, true);
   if (!fit) return std::nullopt;
   return overrides(config, *fit);
@@ -214,9 +290,9 @@ std::string apply_train_memory(TrainConfig& config, const MemoryBudget& budget, 
   return line;
 }
 
-std::string apply_train_memory(TrainConfig& config, const std::string& device, int cuda_device) {
+std::string apply_train_memory(TrainConfig& config, const std::string& device, int cuda_device, int world) {
   return apply_train_memory(config, memory_at_hand(device, cuda_device),
-                            [&](const TrainConfig& c) { return plan_memory(c, device); });
+                            [&](const TrainConfig& c) { return plan_memory(c, device, world); });
 }
 
 std::string describe(const TrainConfig& config, const MemoryPlan& plan, const MemoryBudget& budget) {
@@ -225,7 +301,7 @@ std::string describe(const TrainConfig& config, const MemoryPlan& plan, const Me
      << config.batch_size << " x " << config.seq_len << ", train.grad_accum " << config.grad_accum
      << ", train.checkpointing " << to_string(config.checkpointing.mode);
   if (config.checkpointing.mode != CheckpointMode::none) os << " every " << config.checkpointing.every;
-  os << ", on " << plan.device << "\n";
+  os << ", on " << plan.device << "\n" << ranks_text(config, plan);
   const bool offload = plan.device == "cuda" && config.offload != "none";
   os << "host memory"
      << (plan.device != "cuda" ? ""
@@ -239,12 +315,15 @@ std::string describe(const TrainConfig& config, const MemoryPlan& plan, const Me
      << verdict(plan.fits_host(budget), budget.host, budget.host_source) << "\n";
   os << "GPU memory:";
   if (plan.device != "cuda") return os.str() + " none (train.device " + plan.device + ")\n";
-  if (!plan.gpu) return os.str() + " unknown: " + plan.no_gpu_plan + "\n";
+  if (!plan.gpu)
+    return os.str() + " unknown: " + plan.no_gpu_plan + "; the model state:\n" +
+           model_state_text(*plan.gpu_state, config.offload, true);
   const GpuMemoryBytes& g = *plan.gpu;
   os << "\n"
      << row("params", g.params) << row("grads", g.grads) << row("optimizer", g.optimizer)
      << row("activations", g.activations) << row("scratch", g.scratch) << row("workspace", g.workspace)
-     << row("total", g.total()) << "  " << verdict(plan.fits_gpu(budget), budget.gpu, budget.gpu_source) << "\n";
+     << row("total", g.total()) << "  " << verdict(plan.fits_gpu(budget), budget.gpu, budget.gpu_source) << "\n"
+     << model_state_text(*plan.gpu_state, config.offload, false);
   return os.str();
 }
 

@@ -27,6 +27,34 @@ struct GpuMemoryBytes {
   uint64_t total() const { return params + grads + optimizer + activations + scratch + workspace; }
 };
 
+// The model state of one GPU of a run over `world` data-parallel ranks (docs/distributed.md,
+// "ZeRO stage 1 on the GPU"): the weights, gradients and AdamW moments of the E stored
+// elements, laid out as GpuTransformer::memory_plan lays out the state a run starts with
+// (every Linear layer dense; a slope layer's kept values take half). With
+// train.parallel.zero 1 and several ranks each keeps the moments of one chunk of the storage
+// layout, ceil(E / world) rounded up to 64 (GpuModelOptions::shard_optimizer), and the
+// weights and gradients are padded to world chunks; otherwise every GPU keeps the whole state.
+struct GpuModelState {
+  int world = 1;
+  int zero = 0;            // train.parallel.zero
+  bool sharded = false;    // zero 1 over several ranks
+  uint64_t elements = 0;   // E
+  uint64_t chunk = 0;      // elements whose moments one GPU keeps: E unsharded
+  uint64_t padded = 0;     // elements of the weights and gradients: world chunks sharded, else E
+  uint64_t params = 0;     // on the device: bf16 weights + the master weights' low halves
+  uint64_t grads = 0;      // fp32
+  uint64_t optimizer = 0;  // AdamW m and v of the chunk
+  uint64_t offloaded = 0;  // train.offload's part of the above, in pinned host memory instead
+  // Sharded: the whole moments (8 bytes per stored element, padded) that a checkpoint gathers
+  // into pinned host memory on every rank, from the save until the next step. 0 unsharded.
+  uint64_t checkpoint_moments = 0;
+  uint64_t total() const { return params + grads + optimizer; }
+};
+
+// The GPU model state of `config` (model.vocab_size resolved) over `world` ranks (>= 1;
+// train.parallel.zero at most 1, the GPU's stages).
+GpuModelState gpu_model_state(const TrainConfig& config, int world);
+
 // The memory to plan against, in bytes (0: unknown, anything fits), and where each number
 // comes from ("--gpu-memory", "free on CUDA device 0", ...), for the report.
 struct MemoryBudget {
@@ -37,7 +65,12 @@ struct MemoryBudget {
 
 struct MemoryPlan {
   std::string device;  // "cpu" or "cuda": where the steps run
+  int world = 1;       // data-parallel ranks: the numbers are one rank's (one GPU's)
+  // One rank's host memory. On the CPU with train.parallel.zero 1 or 2 over several ranks, the
+  // moments (stage 2: and the mean gradient's buffer) of its range of the trained elements
+  // (train/zero_partition.h, the largest range).
   HostMemoryPlan host;
+  std::optional<GpuModelState> gpu_state;  // a cuda run, in either build
   std::optional<GpuMemoryBytes> gpu;  // a cuda run in the CUDA build with a visible device only
   std::string no_gpu_plan;            // for a cuda run without `gpu`: why
   bool fits_host(const MemoryBudget& budget) const { return budget.host == 0 || host.total() <= budget.host; }
@@ -45,8 +78,10 @@ struct MemoryPlan {
   bool fits(const MemoryBudget& budget) const { return fits_host(budget) && fits_gpu(budget); }
 };
 
-// The plan of `config` (model.vocab_size resolved) on `device` ("cpu" or "cuda").
-MemoryPlan plan_memory(const TrainConfig& config, const std::string& device);
+// The plan of `config` (model.vocab_size resolved) on `device` ("cpu" or "cuda"), for one of
+// `world` data-parallel ranks (>= 1) under train.parallel.zero. An Error for a cuda run of a
+// stage the GPU does not take (2).
+MemoryPlan plan_memory(const TrainConfig& config, const std::string& device, int world = 1);
 
 // The plan of a config where the run steps: plan_memory with the run's device, or a
 // stand-in (tests).
@@ -68,11 +103,11 @@ std::vector<ActivationCheckpointing> checkpointing_choices(const ModelConfig& mo
 std::optional<TrainConfig> cheapest_fit(const TrainConfig& config, const MemoryBudget& budget,
                                         const PlanFunction& plan, bool smaller_batches);
 
-// cheapest_fit(config, budget, plan_memory on `device`, smaller_batches) as the config
+// cheapest_fit(config, budget, plan_memory on `device` over `world` ranks, smaller_batches) as the config
 // overrides to give ("train.checkpointing=full", ...): empty when the config fits as it is;
 // nullopt when nothing tried fits.
 std::optional<std::vector<std::string>> settings_that_fit(const TrainConfig& config, const std::string& device,
-                                                          const MemoryBudget& budget);
+                                                          const MemoryBudget& budget, int world = 1);
 
 // Applies train.memory to `config` (model resolved; `plan` plans where it steps), before
 // anything is allocated. fixed keeps the settings as written and throws an Error with the
@@ -84,12 +119,14 @@ std::optional<std::vector<std::string>> settings_that_fit(const TrainConfig& con
 // plan of full in every block and what would fit. Returns "" with fixed.
 std::string apply_train_memory(TrainConfig& config, const MemoryBudget& budget, const PlanFunction& plan);
 
-// The same for a run on `device` (CUDA device `cuda_device`) with memory_at_hand: what the
-// trainer calls once the config is final.
-std::string apply_train_memory(TrainConfig& config, const std::string& device, int cuda_device);
+// The same for a run on `device` (CUDA device `cuda_device`) with memory_at_hand, planned for
+// one of `world` ranks: what the trainer calls once the config is final.
+std::string apply_train_memory(TrainConfig& config, const std::string& device, int cuda_device, int world = 1);
 
-// The plan as text: the run, one line per category on the host and on the GPU with the
-// totals, and for each whether it fits its budget ("unknown" without one).
+// The plan as text: the run, the ranks and ZeRO stage the numbers are one rank's of, one line
+// per category on the host and on the GPU with the totals (without a GPU plan, the GPU model
+// state), and for each whether it fits its budget ("unknown" without one); a sharded GPU run
+// notes the pinned host memory of a checkpoint's whole moments.
 std::string describe(const TrainConfig& config, const MemoryPlan& plan, const MemoryBudget& budget);
 
 }  // namespace esplag
