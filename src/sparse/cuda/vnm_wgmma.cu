@@ -25,9 +25,11 @@
 //         low half row g, high half row g+8; sparsity selector 0).
 // Completion is tracked by mbarriers: `full` (64 producer arrivals, cp.async arrivals
 // included, plus the bulk copies' transaction bytes) and `empty` (128 consumer arrivals).
-// A consumer waits on full, loads its A fragment and metadata register from the stage,
-// issues one wgmma.sp (A from registers, B by descriptor), waits for it and releases the
-// stage. The epilogue adds the bias in fp32 and stores straight from the accumulators.
+// A consumer waits on full, loads its A fragment and metadata register from the stage and
+// issues one wgmma.sp (A from registers, B by descriptor), keeping it in flight: it waits
+// only for the previous step's wgmma (wait_group 1) and then releases that step's stage, so
+// a stage is never overwritten while a wgmma still reads it. The epilogue adds the bias in
+// fp32 and stores straight from the accumulators.
 #include "sparse/cuda/vnm_wgmma.h"
 
 #include <mutex>
@@ -154,6 +156,13 @@ __device__ __forceinline__ void wgmma_sp(float (&d)[64], const uint4& a, uint64_
       : "memory");
 }
 
+// Orders the compiler's accesses to the accumulators against the wgmma asm statements: the
+// registers are written asynchronously, so nothing may read or copy them before the wait.
+__device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
 // The selected column (offset inside the K step) of gathered position k for row block rb.
 // The sel record is in the mma.sp B-fragment order: position k = 2t + 8i + j at [8t + 2i + j].
 __device__ __forceinline__ int selected(const Params& p, int64_t ks, int64_t rb, int k) {
@@ -242,6 +251,9 @@ __device__ void consume(const Params& p, unsigned char* stages, uint32_t full0, 
   float acc[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  // Not unrolled: the copies of the accumulators between an unrolled loop and its remainder
+  // would fall inside the wgmma pipeline (ptxas would then serialise the wgmmas).
+#pragma unroll 1
   for (int64_t ks = 0; ks < p.ksteps; ++ks) {
     const int s = int(ks % kStages);
     const uint32_t use = uint32_t(ks / kStages);
@@ -251,12 +263,18 @@ __device__ void consume(const Params& p, unsigned char* stages, uint32_t full0, 
     const unsigned char* st = stages + s * kStageBytes;
     const uint4 a = *reinterpret_cast<const uint4*>(st + kBBytes + w * 512 + lane * 16);
     const uint32_t e = *reinterpret_cast<const uint32_t*>(st + kBBytes + kABytes + w * 128 + lane * 4);
+    fence_accumulators(acc);
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
     wgmma_sp(acc, a, b_descriptor(smem_u32(st)), e);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    mbar_arrive(empty0 + 8 * s);
+    // Keep this step's wgmma in flight; once the previous one is done, its stage goes back.
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+    fence_accumulators(acc);
+    if (ks > 0) mbar_arrive(empty0 + 8 * int((ks - 1) % kStages));
   }
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  fence_accumulators(acc);
+  mbar_arrive(empty0 + 8 * int((p.ksteps - 1) % kStages));
   // Accumulator layout (per warp, as mma's m16n8): acc[4j + 2h + e] is row g + 8h, token 8j + 2t + e.
   OutT* out = static_cast<OutT*>(p.out);
 #pragma unroll
