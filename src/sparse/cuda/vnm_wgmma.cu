@@ -2,7 +2,10 @@
 // bf16 in, fp32 accumulate), for sm_90a. Like the mma.sp kernel (vnm_gemm.cu) it computes
 // D = W · Xᵀ as [out, tokens] tiles, W being the sparse operand A.
 //
-// Thread block: 384 threads, tile 128 out rows × 128 tokens, warp-specialised:
+// Persistent thread blocks (one per SM) walk the tiles of 128 out rows × 128 tokens, block b
+// taking tiles b, b + grid, ... (row tiles fastest, so the blocks at work share the tokens);
+// each consumer warpgroup's epilogue overlaps its producers' first stages of the next tile.
+// Thread block: 384 threads, warp-specialised:
 //   warps 0-3   producers: warps 0-1 feed consumer warpgroup 0, warps 2-3 consumer 1;
 //   warps 4-7   consumer warpgroup 0: out rows 0-63 of the tile;
 //   warps 8-11  consumer warpgroup 1: out rows 64-127.
@@ -32,12 +35,12 @@
 // fp32 and stores straight from the accumulators.
 #include "sparse/cuda/vnm_wgmma.h"
 
+#include <algorithm>
 #include <mutex>
 #include <type_traits>
 #include <vector>
 
 #include "core/cuda_check.h"
-#include "core/error.h"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define ESPLAG_VNM_WGMMA_DEVICE 1
@@ -77,6 +80,7 @@ struct Params {
   const unsigned char* meta = nullptr;
   const uint8_t* sel = nullptr;
   int64_t tokens = 0, rows = 0, cols = 0, ksteps = 0, tiles16 = 0, row_blocks = 0;
+  int64_t row_tiles = 0, tiles = 0;  // thread-block tiles: along the out rows, in all
   int m = 0, v = 0;
 };
 
@@ -171,10 +175,11 @@ __device__ __forceinline__ int selected(const Params& p, int64_t ks, int64_t rb,
 }
 
 // Producer thread lp (0..63) of consumer warpgroup c: gathered position k = lp % 32 of every
-// step, token groups (of 8) lp / 32 + 2q, q = 0..7.
+// step, token groups (of 8) lp / 32 + 2q, q = 0..7. The ring has carried it0 steps before
+// this tile's: its step ks goes to stage (it0 + ks) % kStages, use (it0 + ks) / kStages.
 template <bool XT>
 __device__ void produce(const Params& p, unsigned char* stages, uint32_t full0, uint32_t empty0, int64_t row0,
-                        int64_t n0, int lp) {
+                        int64_t n0, int64_t it0, int lp) {
   const int k = lp % 32, group0 = lp / 32;
   const int64_t rb = row0 / p.v, tile = row0 / 16;
   const int step_cols = kStepBlocks * p.m;
@@ -183,14 +188,14 @@ __device__ void produce(const Params& p, unsigned char* stages, uint32_t full0, 
   int sel1 = p.ksteps > 1 ? selected(p, 1, rb, k) : 0;
   int sel2 = p.ksteps > 2 ? selected(p, 2, rb, k) : 0;
   for (int64_t ks = 0; ks < p.ksteps; ++ks) {
-    const int s = int(ks % kStages);
-    const uint32_t use = uint32_t(ks / kStages);
+    const int s = int((it0 + ks) % kStages);
+    const int64_t use = (it0 + ks) / kStages;
     const uint32_t full = full0 + 8 * s, empty = empty0 + 8 * s;
     const int sel = sel0;
     sel0 = sel1;
     sel1 = sel2;
     if (ks + 3 < p.ksteps) sel2 = selected(p, ks + 3, rb, k);
-    if (use > 0) mbar_wait(empty, (use - 1) & 1u);
+    if (use > 0) mbar_wait(empty, uint32_t(use - 1) & 1u);
     unsigned char* st = stages + s * kStageBytes;
     if (lp == 0) {
       mbar_arrive_expect_tx(full, kABytes + kEBytes);
@@ -230,9 +235,6 @@ __device__ void produce(const Params& p, unsigned char* stages, uint32_t full0, 
       mbar_arrive(full);
     }
   }
-  // Stay until the consumers have taken the last stages: the copies into them have landed.
-  for (int64_t ks = p.ksteps > kStages ? p.ksteps - kStages : 0; ks < p.ksteps; ++ks)
-    mbar_wait(empty0 + 8 * int(ks % kStages), uint32_t(ks / kStages) & 1u);
 }
 
 template <typename OutT>
@@ -243,10 +245,10 @@ __device__ __forceinline__ void store(OutT* out, int64_t i, float v) {
     out[i] = __float2bfloat16_rn(v);
 }
 
-// Consumer warpgroup: thread ct (0..127) = warp w (16 rows each), lane (g, t).
+// Consumer warpgroup: thread ct (0..127) = warp w (16 rows each), lane (g, t); it0 as produce.
 template <typename OutT>
 __device__ void consume(const Params& p, unsigned char* stages, uint32_t full0, uint32_t empty0, int64_t row0,
-                        int64_t n0, int ct) {
+                        int64_t n0, int64_t it0, int ct) {
   const int w = ct / 32, lane = ct % 32, g = lane / 4, t = lane % 4;
   float acc[64];
 #pragma unroll
@@ -255,9 +257,9 @@ __device__ void consume(const Params& p, unsigned char* stages, uint32_t full0, 
   // would fall inside the wgmma pipeline (ptxas would then serialise the wgmmas).
 #pragma unroll 1
   for (int64_t ks = 0; ks < p.ksteps; ++ks) {
-    const int s = int(ks % kStages);
-    const uint32_t use = uint32_t(ks / kStages);
-    mbar_wait(full0 + 8 * s, use & 1u);
+    const int s = int((it0 + ks) % kStages);
+    const int64_t use = (it0 + ks) / kStages;
+    mbar_wait(full0 + 8 * s, uint32_t(use) & 1u);
     // B reaches the async proxy (wgmma) after generic-proxy writes (st.shared; cp.async).
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     const unsigned char* st = stages + s * kStageBytes;
@@ -270,11 +272,11 @@ __device__ void consume(const Params& p, unsigned char* stages, uint32_t full0, 
     // Keep this step's wgmma in flight; once the previous one is done, its stage goes back.
     asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
     fence_accumulators(acc);
-    if (ks > 0) mbar_arrive(empty0 + 8 * int((ks - 1) % kStages));
+    if (ks > 0) mbar_arrive(empty0 + 8 * int((it0 + ks - 1) % kStages));
   }
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
   fence_accumulators(acc);
-  mbar_arrive(empty0 + 8 * int((p.ksteps - 1) % kStages));
+  mbar_arrive(empty0 + 8 * int((it0 + p.ksteps - 1) % kStages));
   // Accumulator layout (per warp, as mma's m16n8): acc[4j + 2h + e] is row g + 8h, token 8j + 2t + e.
   OutT* out = static_cast<OutT*>(p.out);
 #pragma unroll
@@ -309,15 +311,23 @@ __global__ void __launch_bounds__(kThreads, 1) vnm_wgmma_kernel(const Params p) 
   __syncthreads();
   // Which consumer warpgroup this thread serves (producer warps 0-1 / 2-3, consumers 4-7 / 8-11).
   const int c = warp < 4 ? warp / 2 : warp / 4 - 1;
-  const int64_t row0 = int64_t(blockIdx.x) * kBM + c * kWgRows;
-  const int64_t n0 = int64_t(blockIdx.y) * kBN;
-  if (row0 >= p.rows) return;  // out rows are a multiple of 64: a warpgroup's rows are all in or all out
   unsigned char* stages = smem + c * kStages * kStageBytes;
   const uint32_t full0 = bars + 8 * c * kStages, empty0 = bars + 8 * (kConsumers * kStages + c * kStages);
+  // Steps the warpgroup's ring has carried so far; its producers and consumer walk the same tiles.
+  int64_t it = 0;
+  for (int64_t tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+    const int64_t row0 = (tile % p.row_tiles) * kBM + c * kWgRows, n0 = (tile / p.row_tiles) * kBN;
+    if (row0 >= p.rows) continue;  // out rows are a multiple of 64: a warpgroup's rows are all in or all out
+    if (warp < 4)
+      produce<XT>(p, stages, full0, empty0, row0, n0, it, tid % kProducerThreads);
+    else
+      consume<OutT>(p, stages, full0, empty0, row0, n0, it, tid % 128);
+    it += p.ksteps;
+  }
+  // Producers stay until the consumers have taken the last stages: the copies into them have landed.
   if (warp < 4)
-    produce<XT>(p, stages, full0, empty0, row0, n0, tid % kProducerThreads);
-  else
-    consume<OutT>(p, stages, full0, empty0, row0, n0, tid % 128);
+    for (int64_t j = it > kStages ? it - kStages : 0; j < it; ++j)
+      mbar_wait(empty0 + 8 * int(j % kStages), uint32_t(j / kStages) & 1u);
 #endif
 }
 
@@ -357,7 +367,10 @@ void launch(const Params& p, cudaStream_t stream) {
     return true;
   }();
   (void)configured;
-  const dim3 grid(unsigned((p.rows + kBM - 1) / kBM), unsigned((p.tokens + kBN - 1) / kBN));
+  int dev = 0, sms = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const unsigned grid = unsigned(std::min<int64_t>(p.tiles, sms));  // one block per SM (kSmemBytes)
   vnm_wgmma_kernel<OutT, XT><<<grid, kThreads, kSmemBytes, stream>>>(p);
   CUDA_CHECK_LAUNCH("vnm_wgmma_kernel");
 }
@@ -365,8 +378,6 @@ void launch(const Params& p, cudaStream_t stream) {
 template <typename OutT>
 void run(OutT* out, const bf16* x, int64_t ldxt, const VnmDeviceWeight& w, const bf16* bias, int64_t tokens,
          cudaStream_t stream) {
-  ESPLAG_CHECK((tokens + kBN - 1) / kBN <= 65535, "vnm wgmma forward: ", tokens, " tokens exceed the grid limit of ",
-               int64_t(65535) * kBN);
   Params p;
   p.x = x;
   p.ldxt = ldxt;
@@ -383,6 +394,8 @@ void run(OutT* out, const bf16* x, int64_t ldxt, const VnmDeviceWeight& w, const
   p.row_blocks = w.row_blocks;
   p.m = w.m;
   p.v = w.v;
+  p.row_tiles = (w.rows + kBM - 1) / kBM;
+  p.tiles = p.row_tiles * ((tokens + kBN - 1) / kBN);
   if (ldxt > 0)
     launch<OutT, true>(p, stream);
   else
