@@ -18,7 +18,7 @@
 //         per k row, 128 bytes each), 128 bytes apart along k (LBO) and 512 apart along the
 //         tokens (SBO). Gathered with cp.async from Xᵀ (one 16-byte copy = 8 tokens of one
 //         selected column), or through registers from row-major X (8 two-byte loads, one
-//         16-byte store);
+//         16-byte store; each step's loads issued one step ahead);
 //   A     the 4 warps' A fragments of the step (2 KB), and
 //   E     their metadata registers (512 B), both by one bulk copy (TMA) each: the converted
 //         weight (vnm_prepare_weight) already holds them in wgmma.sp's register order, which
@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "core/error.h"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define ESPLAG_VNM_WGMMA_DEVICE 1
@@ -174,6 +175,31 @@ __device__ __forceinline__ int selected(const Params& p, int64_t ks, int64_t rb,
   return p.sel[(ks * p.row_blocks + rb) * 32 + 8 * t + 2 * i + j];
 }
 
+// From row-major X: the 64 values producer thread (k, group0) stores for step ks, whose
+// gathered position k is column `sel` of the step: tokens n0 + 8·(group0 + 2q) + 2e (+1) at
+// v[q][e] (low half, high half); zeros past the tokens and in the padding blocks.
+__device__ __forceinline__ void load_x_step(const Params& p, int64_t ks, int sel, int64_t n0, int group0,
+                                            uint32_t (&v)[8][4]) {
+  const int64_t col = ks * kStepBlocks * p.m + sel;
+  const bool col_ok = col < p.cols;
+  // Every load is issued (from the tile's first token where out of range, then masked): no
+  // branches between the loads, so all 64 are in flight together. Offsets from the tile's
+  // first token fit 32 bits (the host checks kBN · cols < 2^31).
+  const unsigned short* xt = reinterpret_cast<const unsigned short*>(p.x) + n0 * p.cols + (col_ok ? col : 0);
+  const uint32_t cols = uint32_t(p.cols), in_tile = uint32_t(min(int64_t(kBN), p.tokens - n0));
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    const uint32_t t = 8 * (group0 + 2 * q);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t t0 = t + 2 * e, t1 = t0 + 1;
+      const uint32_t lo = __ldg(xt + (t0 < in_tile ? t0 * cols : 0u));
+      const uint32_t hi = __ldg(xt + (t1 < in_tile ? t1 * cols : 0u));
+      v[q][e] = (col_ok && t0 < in_tile ? lo : 0u) | (col_ok && t1 < in_tile ? hi : 0u) << 16;
+    }
+  }
+}
+
 // Producer thread lp (0..63) of consumer warpgroup c: gathered position k = lp % 32 of every
 // step, token groups (of 8) lp / 32 + 2q, q = 0..7. The ring has carried it0 steps before
 // this tile's: its step ks goes to stage (it0 + ks) % kStages, use (it0 + ks) / kStages.
@@ -187,6 +213,10 @@ __device__ void produce(const Params& p, unsigned char* stages, uint32_t full0, 
   int sel0 = selected(p, 0, rb, k);
   int sel1 = p.ksteps > 1 ? selected(p, 1, rb, k) : 0;
   int sel2 = p.ksteps > 2 ? selected(p, 2, rb, k) : 0;
+  // X path: the values of the step, loaded one step ahead (right after the previous step's
+  // stores) so that their latency overlaps the wait for the stage.
+  uint32_t v[8][4];
+  if constexpr (!XT) load_x_step(p, 0, sel0, n0, group0, v);
   for (int64_t ks = 0; ks < p.ksteps; ++ks) {
     const int s = int((it0 + ks) % kStages);
     const int64_t use = (it0 + ks) / kStages;
@@ -203,10 +233,10 @@ __device__ void produce(const Params& p, unsigned char* stages, uint32_t full0, 
       bulk_copy(smem_u32(st + kBBytes), p.frag + first * 512, kABytes, full);
       bulk_copy(smem_u32(st + kBBytes + kABytes), p.meta + first * 128, kEBytes, full);
     }
-    const int64_t col = ks * step_cols + sel;
-    const bool col_ok = col < p.cols;  // padding blocks of the last step: zeros (their A values are zero)
     const uint32_t row_dst = smem_u32(st) + (k / 8) * kLbo + (k % 8) * 16;
     if constexpr (XT) {
+      const int64_t col = ks * step_cols + sel;
+      const bool col_ok = col < p.cols;  // padding blocks of the last step: zeros (their A values are zero)
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
         const int group = group0 + 2 * q;
@@ -216,23 +246,13 @@ __device__ void produce(const Params& p, unsigned char* stages, uint32_t full0, 
       }
       mbar_arrive_cp_async(full);
     } else {
-      const uint16_t* xs = reinterpret_cast<const uint16_t*>(p.x);
 #pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const int group = group0 + 2 * q;
-        const int64_t tok = n0 + 8 * group;
-        uint32_t w[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const uint32_t lo = col_ok && tok + 2 * e < p.tokens ? xs[(tok + 2 * e) * p.cols + col] : 0u;
-          const uint32_t hi = col_ok && tok + 2 * e + 1 < p.tokens ? xs[(tok + 2 * e + 1) * p.cols + col] : 0u;
-          w[e] = lo | hi << 16;
-        }
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row_dst + group * kSbo), "r"(w[0]),
-                     "r"(w[1]), "r"(w[2]), "r"(w[3])
+      for (int q = 0; q < 8; ++q)
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row_dst + (group0 + 2 * q) * kSbo),
+                     "r"(v[q][0]), "r"(v[q][1]), "r"(v[q][2]), "r"(v[q][3])
                      : "memory");
-      }
       mbar_arrive(full);
+      if (ks + 1 < p.ksteps) load_x_step(p, ks + 1, sel0, n0, group0, v);
     }
   }
 }
@@ -378,6 +398,8 @@ void launch(const Params& p, cudaStream_t stream) {
 template <typename OutT>
 void run(OutT* out, const bf16* x, int64_t ldxt, const VnmDeviceWeight& w, const bf16* bias, int64_t tokens,
          cudaStream_t stream) {
+  ESPLAG_CHECK(ldxt > 0 || int64_t(kBN) * w.cols < (int64_t(1) << 31), "vnm wgmma forward: ", w.cols,
+               " in features exceed the kernel's limit for X [tokens, in] of ", ((int64_t(1) << 31) - 1) / kBN);
   Params p;
   p.x = x;
   p.ldxt = ldxt;
