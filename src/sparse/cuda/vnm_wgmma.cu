@@ -2,7 +2,10 @@
 // bf16 in, fp32 accumulate), for sm_90a. Like the mma.sp kernel (vnm_gemm.cu) it computes
 // D = W · Xᵀ as [out, tokens] tiles, W being the sparse operand A.
 //
-// Thread block: 384 threads, tile 128 out rows × 128 tokens, warp-specialised:
+// Persistent thread blocks (one per SM) walk the tiles of 128 out rows × 128 tokens, block b
+// taking tiles b, b + grid, ... (row tiles fastest, so the blocks at work share the tokens);
+// each consumer warpgroup's epilogue overlaps its producers' first stages of the next tile.
+// Thread block: 384 threads, warp-specialised:
 //   warps 0-3   producers: warps 0-1 feed consumer warpgroup 0, warps 2-3 consumer 1;
 //   warps 4-7   consumer warpgroup 0: out rows 0-63 of the tile;
 //   warps 8-11  consumer warpgroup 1: out rows 64-127.
@@ -15,7 +18,7 @@
 //         per k row, 128 bytes each), 128 bytes apart along k (LBO) and 512 apart along the
 //         tokens (SBO). Gathered with cp.async from Xᵀ (one 16-byte copy = 8 tokens of one
 //         selected column), or through registers from row-major X (8 two-byte loads, one
-//         16-byte store);
+//         16-byte store; each step's loads issued one step ahead);
 //   A     the 4 warps' A fragments of the step (2 KB), and
 //   E     their metadata registers (512 B), both by one bulk copy (TMA) each: the converted
 //         weight (vnm_prepare_weight) already holds them in wgmma.sp's register order, which
@@ -25,11 +28,14 @@
 //         low half row g, high half row g+8; sparsity selector 0).
 // Completion is tracked by mbarriers: `full` (64 producer arrivals, cp.async arrivals
 // included, plus the bulk copies' transaction bytes) and `empty` (128 consumer arrivals).
-// A consumer waits on full, loads its A fragment and metadata register from the stage,
-// issues one wgmma.sp (A from registers, B by descriptor), waits for it and releases the
-// stage. The epilogue adds the bias in fp32 and stores straight from the accumulators.
+// A consumer waits on full, loads its A fragment and metadata register from the stage and
+// issues one wgmma.sp (A from registers, B by descriptor), keeping it in flight: it waits
+// only for the previous step's wgmma (wait_group 1) and then releases that step's stage, so
+// a stage is never overwritten while a wgmma still reads it. The epilogue adds the bias in
+// fp32 and stores straight from the accumulators.
 #include "sparse/cuda/vnm_wgmma.h"
 
+#include <algorithm>
 #include <mutex>
 #include <type_traits>
 #include <vector>
@@ -75,6 +81,7 @@ struct Params {
   const unsigned char* meta = nullptr;
   const uint8_t* sel = nullptr;
   int64_t tokens = 0, rows = 0, cols = 0, ksteps = 0, tiles16 = 0, row_blocks = 0;
+  int64_t row_tiles = 0, tiles = 0;  // thread-block tiles: along the out rows, in all
   int m = 0, v = 0;
 };
 
@@ -154,6 +161,13 @@ __device__ __forceinline__ void wgmma_sp(float (&d)[64], const uint4& a, uint64_
       : "memory");
 }
 
+// Orders the compiler's accesses to the accumulators against the wgmma asm statements: the
+// registers are written asynchronously, so nothing may read or copy them before the wait.
+__device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
 // The selected column (offset inside the K step) of gathered position k for row block rb.
 // The sel record is in the mma.sp B-fragment order: position k = 2t + 8i + j at [8t + 2i + j].
 __device__ __forceinline__ int selected(const Params& p, int64_t ks, int64_t rb, int k) {
@@ -161,11 +175,37 @@ __device__ __forceinline__ int selected(const Params& p, int64_t ks, int64_t rb,
   return p.sel[(ks * p.row_blocks + rb) * 32 + 8 * t + 2 * i + j];
 }
 
+// From row-major X: the 64 values producer thread (k, group0) stores for step ks, whose
+// gathered position k is column `sel` of the step: tokens n0 + 8·(group0 + 2q) + 2e (+1) at
+// v[q][e] (low half, high half); zeros past the tokens and in the padding blocks.
+__device__ __forceinline__ void load_x_step(const Params& p, int64_t ks, int sel, int64_t n0, int group0,
+                                            uint32_t (&v)[8][4]) {
+  const int64_t col = ks * kStepBlocks * p.m + sel;
+  const bool col_ok = col < p.cols;
+  // Every load is issued (from the tile's first token where out of range, then masked): no
+  // branches between the loads, so all 64 are in flight together. Offsets from the tile's
+  // first token fit 32 bits (the host checks kBN · cols < 2^31).
+  const unsigned short* xt = reinterpret_cast<const unsigned short*>(p.x) + n0 * p.cols + (col_ok ? col : 0);
+  const uint32_t cols = uint32_t(p.cols), in_tile = uint32_t(min(int64_t(kBN), p.tokens - n0));
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    const uint32_t t = 8 * (group0 + 2 * q);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t t0 = t + 2 * e, t1 = t0 + 1;
+      const uint32_t lo = __ldg(xt + (t0 < in_tile ? t0 * cols : 0u));
+      const uint32_t hi = __ldg(xt + (t1 < in_tile ? t1 * cols : 0u));
+      v[q][e] = (col_ok && t0 < in_tile ? lo : 0u) | (col_ok && t1 < in_tile ? hi : 0u) << 16;
+    }
+  }
+}
+
 // Producer thread lp (0..63) of consumer warpgroup c: gathered position k = lp % 32 of every
-// step, token groups (of 8) lp / 32 + 2q, q = 0..7.
+// step, token groups (of 8) lp / 32 + 2q, q = 0..7. The ring has carried it0 steps before
+// this tile's: its step ks goes to stage (it0 + ks) % kStages, use (it0 + ks) / kStages.
 template <bool XT>
 __device__ void produce(const Params& p, unsigned char* stages, uint32_t full0, uint32_t empty0, int64_t row0,
-                        int64_t n0, int lp) {
+                        int64_t n0, int64_t it0, int lp) {
   const int k = lp % 32, group0 = lp / 32;
   const int64_t rb = row0 / p.v, tile = row0 / 16;
   const int step_cols = kStepBlocks * p.m;
@@ -173,15 +213,19 @@ __device__ void produce(const Params& p, unsigned char* stages, uint32_t full0, 
   int sel0 = selected(p, 0, rb, k);
   int sel1 = p.ksteps > 1 ? selected(p, 1, rb, k) : 0;
   int sel2 = p.ksteps > 2 ? selected(p, 2, rb, k) : 0;
+  // X path: the values of the step, loaded one step ahead (right after the previous step's
+  // stores) so that their latency overlaps the wait for the stage.
+  uint32_t v[8][4];
+  if constexpr (!XT) load_x_step(p, 0, sel0, n0, group0, v);
   for (int64_t ks = 0; ks < p.ksteps; ++ks) {
-    const int s = int(ks % kStages);
-    const uint32_t use = uint32_t(ks / kStages);
+    const int s = int((it0 + ks) % kStages);
+    const int64_t use = (it0 + ks) / kStages;
     const uint32_t full = full0 + 8 * s, empty = empty0 + 8 * s;
     const int sel = sel0;
     sel0 = sel1;
     sel1 = sel2;
     if (ks + 3 < p.ksteps) sel2 = selected(p, ks + 3, rb, k);
-    if (use > 0) mbar_wait(empty, (use - 1) & 1u);
+    if (use > 0) mbar_wait(empty, uint32_t(use - 1) & 1u);
     unsigned char* st = stages + s * kStageBytes;
     if (lp == 0) {
       mbar_arrive_expect_tx(full, kABytes + kEBytes);
@@ -189,10 +233,10 @@ __device__ void produce(const Params& p, unsigned char* stages, uint32_t full0, 
       bulk_copy(smem_u32(st + kBBytes), p.frag + first * 512, kABytes, full);
       bulk_copy(smem_u32(st + kBBytes + kABytes), p.meta + first * 128, kEBytes, full);
     }
-    const int64_t col = ks * step_cols + sel;
-    const bool col_ok = col < p.cols;  // padding blocks of the last step: zeros (their A values are zero)
     const uint32_t row_dst = smem_u32(st) + (k / 8) * kLbo + (k % 8) * 16;
     if constexpr (XT) {
+      const int64_t col = ks * step_cols + sel;
+      const bool col_ok = col < p.cols;  // padding blocks of the last step: zeros (their A values are zero)
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
         const int group = group0 + 2 * q;
@@ -202,28 +246,15 @@ __device__ void produce(const Params& p, unsigned char* stages, uint32_t full0, 
       }
       mbar_arrive_cp_async(full);
     } else {
-      const uint16_t* xs = reinterpret_cast<const uint16_t*>(p.x);
 #pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const int group = group0 + 2 * q;
-        const int64_t tok = n0 + 8 * group;
-        uint32_t w[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const uint32_t lo = col_ok && tok + 2 * e < p.tokens ? xs[(tok + 2 * e) * p.cols + col] : 0u;
-          const uint32_t hi = col_ok && tok + 2 * e + 1 < p.tokens ? xs[(tok + 2 * e + 1) * p.cols + col] : 0u;
-          w[e] = lo | hi << 16;
-        }
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row_dst + group * kSbo), "r"(w[0]),
-                     "r"(w[1]), "r"(w[2]), "r"(w[3])
+      for (int q = 0; q < 8; ++q)
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row_dst + (group0 + 2 * q) * kSbo),
+                     "r"(v[q][0]), "r"(v[q][1]), "r"(v[q][2]), "r"(v[q][3])
                      : "memory");
-      }
       mbar_arrive(full);
+      if (ks + 1 < p.ksteps) load_x_step(p, ks + 1, sel0, n0, group0, v);
     }
   }
-  // Stay until the consumers have taken the last stages: the copies into them have landed.
-  for (int64_t ks = p.ksteps > kStages ? p.ksteps - kStages : 0; ks < p.ksteps; ++ks)
-    mbar_wait(empty0 + 8 * int(ks % kStages), uint32_t(ks / kStages) & 1u);
 }
 
 template <typename OutT>
@@ -234,29 +265,38 @@ __device__ __forceinline__ void store(OutT* out, int64_t i, float v) {
     out[i] = __float2bfloat16_rn(v);
 }
 
-// Consumer warpgroup: thread ct (0..127) = warp w (16 rows each), lane (g, t).
+// Consumer warpgroup: thread ct (0..127) = warp w (16 rows each), lane (g, t); it0 as produce.
 template <typename OutT>
 __device__ void consume(const Params& p, unsigned char* stages, uint32_t full0, uint32_t empty0, int64_t row0,
-                        int64_t n0, int ct) {
+                        int64_t n0, int64_t it0, int ct) {
   const int w = ct / 32, lane = ct % 32, g = lane / 4, t = lane % 4;
   float acc[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  // Not unrolled: the copies of the accumulators between an unrolled loop and its remainder
+  // would fall inside the wgmma pipeline (ptxas would then serialise the wgmmas).
+#pragma unroll 1
   for (int64_t ks = 0; ks < p.ksteps; ++ks) {
-    const int s = int(ks % kStages);
-    const uint32_t use = uint32_t(ks / kStages);
-    mbar_wait(full0 + 8 * s, use & 1u);
+    const int s = int((it0 + ks) % kStages);
+    const int64_t use = (it0 + ks) / kStages;
+    mbar_wait(full0 + 8 * s, uint32_t(use) & 1u);
     // B reaches the async proxy (wgmma) after generic-proxy writes (st.shared; cp.async).
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     const unsigned char* st = stages + s * kStageBytes;
     const uint4 a = *reinterpret_cast<const uint4*>(st + kBBytes + w * 512 + lane * 16);
     const uint32_t e = *reinterpret_cast<const uint32_t*>(st + kBBytes + kABytes + w * 128 + lane * 4);
+    fence_accumulators(acc);
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
     wgmma_sp(acc, a, b_descriptor(smem_u32(st)), e);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    mbar_arrive(empty0 + 8 * s);
+    // Keep this step's wgmma in flight; once the previous one is done, its stage goes back.
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+    fence_accumulators(acc);
+    if (ks > 0) mbar_arrive(empty0 + 8 * int((it0 + ks - 1) % kStages));
   }
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  fence_accumulators(acc);
+  mbar_arrive(empty0 + 8 * int((it0 + p.ksteps - 1) % kStages));
   // Accumulator layout (per warp, as mma's m16n8): acc[4j + 2h + e] is row g + 8h, token 8j + 2t + e.
   OutT* out = static_cast<OutT*>(p.out);
 #pragma unroll
@@ -291,15 +331,23 @@ __global__ void __launch_bounds__(kThreads, 1) vnm_wgmma_kernel(const Params p) 
   __syncthreads();
   // Which consumer warpgroup this thread serves (producer warps 0-1 / 2-3, consumers 4-7 / 8-11).
   const int c = warp < 4 ? warp / 2 : warp / 4 - 1;
-  const int64_t row0 = int64_t(blockIdx.x) * kBM + c * kWgRows;
-  const int64_t n0 = int64_t(blockIdx.y) * kBN;
-  if (row0 >= p.rows) return;  // out rows are a multiple of 64: a warpgroup's rows are all in or all out
   unsigned char* stages = smem + c * kStages * kStageBytes;
   const uint32_t full0 = bars + 8 * c * kStages, empty0 = bars + 8 * (kConsumers * kStages + c * kStages);
+  // Steps the warpgroup's ring has carried so far; its producers and consumer walk the same tiles.
+  int64_t it = 0;
+  for (int64_t tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+    const int64_t row0 = (tile % p.row_tiles) * kBM + c * kWgRows, n0 = (tile / p.row_tiles) * kBN;
+    if (row0 >= p.rows) continue;  // out rows are a multiple of 64: a warpgroup's rows are all in or all out
+    if (warp < 4)
+      produce<XT>(p, stages, full0, empty0, row0, n0, it, tid % kProducerThreads);
+    else
+      consume<OutT>(p, stages, full0, empty0, row0, n0, it, tid % 128);
+    it += p.ksteps;
+  }
+  // Producers stay until the consumers have taken the last stages: the copies into them have landed.
   if (warp < 4)
-    produce<XT>(p, stages, full0, empty0, row0, n0, tid % kProducerThreads);
-  else
-    consume<OutT>(p, stages, full0, empty0, row0, n0, tid % 128);
+    for (int64_t j = it > kStages ? it - kStages : 0; j < it; ++j)
+      mbar_wait(empty0 + 8 * int(j % kStages), uint32_t(j / kStages) & 1u);
 #endif
 }
 
@@ -339,7 +387,10 @@ void launch(const Params& p, cudaStream_t stream) {
     return true;
   }();
   (void)configured;
-  const dim3 grid(unsigned((p.rows + kBM - 1) / kBM), unsigned((p.tokens + kBN - 1) / kBN));
+  int dev = 0, sms = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const unsigned grid = unsigned(std::min<int64_t>(p.tiles, sms));  // one block per SM (kSmemBytes)
   vnm_wgmma_kernel<OutT, XT><<<grid, kThreads, kSmemBytes, stream>>>(p);
   CUDA_CHECK_LAUNCH("vnm_wgmma_kernel");
 }
@@ -347,8 +398,8 @@ void launch(const Params& p, cudaStream_t stream) {
 template <typename OutT>
 void run(OutT* out, const bf16* x, int64_t ldxt, const VnmDeviceWeight& w, const bf16* bias, int64_t tokens,
          cudaStream_t stream) {
-  ESPLAG_CHECK((tokens + kBN - 1) / kBN <= 65535, "vnm wgmma forward: ", tokens, " tokens exceed the grid limit of ",
-               int64_t(65535) * kBN);
+  ESPLAG_CHECK(ldxt > 0 || int64_t(kBN) * w.cols < (int64_t(1) << 31), "vnm wgmma forward: ", w.cols,
+               " in features exceed the kernel's limit for X [tokens, in] of ", ((int64_t(1) << 31) - 1) / kBN);
   Params p;
   p.x = x;
   p.ldxt = ldxt;
@@ -365,6 +416,8 @@ void run(OutT* out, const bf16* x, int64_t ldxt, const VnmDeviceWeight& w, const
   p.row_blocks = w.row_blocks;
   p.m = w.m;
   p.v = w.v;
+  p.row_tiles = (w.rows + kBM - 1) / kBM;
+  p.tiles = p.row_tiles * ((tokens + kBN - 1) / kBN);
   if (ldxt > 0)
     launch<OutT, true>(p, stream);
   else
