@@ -361,7 +361,8 @@ Trainer::Trainer(TrainConfig config, std::string run_dir, LogFn log)
   cfg_.validate();
   resolve_device();
   check_no_checkpoints();  // before the minutes a large model's initialisation can take
-  if (const std::string memory = apply_train_memory(cfg_, device_, world_.local_rank); !memory.empty()) log_(memory);
+  if (const std::string memory = apply_train_memory(cfg_, device_, world_.local_rank, world_.size); !memory.empty())
+    log_(memory);
   check_host_memory(cfg_, device_, available_host_bytes());
 
   // Initialised on the host whatever the device, so a CPU and a GPU run of one config
@@ -456,7 +457,8 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, cons
   }
   if (!options.device.empty()) t->cfg_.device = options.device;
   t->resolve_device();  // without the model's kinds yet: enough to know what host memory it takes
-  if (const std::string memory = apply_train_memory(t->cfg_, t->device_, t->world_.local_rank); !memory.empty())
+  if (const std::string memory = apply_train_memory(t->cfg_, t->device_, t->world_.local_rank, t->world_.size);
+      !memory.empty())
     t->log_(memory);
   check_host_memory(t->cfg_, t->device_, available_host_bytes());
   t->model_ = std::make_unique<Transformer<float>>(t->cfg_.model);
