@@ -13,8 +13,9 @@
 #
 #   bench/distill.sh [build dir] [out.csv]   (defaults build/cpu, bench/results/distill-$DEVICE.csv)
 #   env: DEVICE (cpu; cuda trains and evaluates on the GPU), STEPS (600), ALPHA (0.5),
-#   TEMPERATURE (2.0), STUDENT and WIDE (space-separated model keys, e.g. "d_model=256
-#   n_layer=4 d_ff=704"; STUDENT applies to the student and its twin)
+#   TEMPERATURE (2.0), STUDENT and WIDE (space-separated config keys, a bare key being the
+#   model's, e.g. "d_model=256 n_layer=4 d_ff=704 optimizer.lr=1e-3"; STUDENT applies to the
+#   student and its twin)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 esplag=${1:-build/cpu}/esplag
@@ -23,7 +24,9 @@ out=${2:-bench/results/distill-$device.csv}
 steps=${STEPS:-600} alpha=${ALPHA:-0.5} temperature=${TEMPERATURE:-2.0}
 [ -x "$esplag" ] || { echo "distill: $esplag is missing: build the $device preset first" >&2; exit 2; }
 [ -f data/kjv/meta.json ] || { echo "distill: data/kjv is missing: run scripts/setup.sh" >&2; exit 2; }
-sets() { for kv in $1; do printf -- '--set\nmodel.%s\n' "$kv"; done; }  # "k=v k=v" -> --set model.k=v ...
+sets() {  # "k=v a.k=v" -> --set model.k=v --set a.k=v (keys without a section are the model's)
+  for kv in $1; do [[ ${kv%%=*} == *.* ]] && printf -- '--set\n%s\n' "$kv" || printf -- '--set\nmodel.%s\n' "$kv"; done
+}
 mapfile -t student_sets < <(sets "${STUDENT:-}")
 mapfile -t wide_sets < <(sets "${WIDE:-d_model=128 n_layer=4 d_ff=352}")
 name() { [ -z "$2" ] && echo "$1" || echo "$1($(echo "$2" | tr ' ' ';'))"; }
@@ -82,4 +85,4 @@ student_name=$(name llama-tiny "${STUDENT:-}")
   row slope+twin "$student_name+slope" teacher-twin "$alpha" "$temperature"
   row slope+wide "$student_name+slope" teacher-wide "$alpha" "$temperature"
 } >>"$out"
-column -s, -t "$out"
+column -s, -t "$out" 2>/dev/null || cat "$out"
