@@ -4,8 +4,11 @@
 // fp8_scale(amax), amax = fp8_amax(x) computed on the device and equal to core's, the
 // inverse scale exactly 1 / s, and the saturated count core's. Every bf16 value is cast
 // once per format at scale 1 (ties, subnormals, the saturation thresholds, ±inf, NaN of
-// both signs); random tensors of awkward sizes (1, 17, 4097, 2^20 + 5) go through the
-// 16-byte path with and without a tail and, shifted by one element, the scalar path.
+// both signs); random tensors of awkward sizes (1, 17, 4097, 2^20 + 5, and one past a
+// round of the grid-stride loops) go through the 16-byte path with and without a tail and,
+// shifted by one element, the scalar path. The tiled casts (transposed, and both layouts
+// from one read) take matrices around the 64 x 64 tile, tiny and empty ones, inputs and
+// outputs off their 16-byte alignment, and every bf16 value laid out in several shapes.
 // Outputs are poisoned first (0xFF, the code of -NaN, which the random tensors never give;
 // the exhaustive test, which does give it, runs twice with two poisons), and the bytes
 // after the output are checked to stay poisoned.
@@ -205,6 +208,36 @@ TEST(GpuFp8, AmaxScaleAndCastFromData) {
         }
 }
 
+// Tensors past what one round of the grid-stride loops covers (2048 blocks · 256 threads ·
+// 4 packs of 8 values in flight per thread: 16M values), so that every pack of a thread's
+// round is used and a second round runs; with NaN and infinities, aligned and not.
+TEST(GpuFp8, AmaxAndCastOfLargeTensors) {
+  REQUIRE_DEVICE();
+  const size_t n = (size_t(1) << 24) + (size_t(1) << 22) + 5;
+  uint64_t seed = 150;
+  for (const Fp8Format f : kFormats)
+    for (const size_t first : {size_t(0), size_t(1)}) {
+      Dev dev;
+      const Bits x = random_bits(n + first, ++seed, 1.0, true);
+      const std::string what = to_string(f) + " first=" + std::to_string(first);
+      const bf16* dx = dev.put_bf16(x) + first;
+      float* amax = dev.poisoned_floats(1);
+      float* inv = dev.poisoned_floats(1);
+      uint8_t* out = dev.poisoned_codes(n);
+      uint64_t* sat = dev.zeroed_counter();
+      gpu::fp8_amax(amax, dx, int64_t(n), dev.stream());
+      gpu::fp8_cast(out, inv, dx, int64_t(n), amax, f, sat, dev.stream());
+      const float want_amax = cpu_amax(x, first, n);
+      const float s = esplag::fp8_scale(want_amax, f);
+      const Expected want = cpu_cast(x, first, n, s, f);
+      EXPECT_EQ(float_bits(dev.get_float(amax)), float_bits(want_amax)) << what << ": amax";
+      EXPECT_EQ(float_bits(dev.get_float(inv)), float_bits(1.0f / s)) << what << ": inverse scale";
+      expect_codes(what, want.codes, dev.get(out, n + kGuard));
+      EXPECT_EQ(dev.get_count(sat), want.saturated) << what;
+      EXPECT_EQ(want.saturated, 2u) << what << ": the two infinities saturate";
+    }
+}
+
 // The scale's edge rules: all zeros and only non-finite values (amax 0, scale 1), a tiny
 // amax (scale FLT_MAX), an empty tensor (amax 0; the cast still writes the scale).
 TEST(GpuFp8, ScaleEdgeCases) {
@@ -236,34 +269,95 @@ TEST(GpuFp8, ScaleEdgeCases) {
     }
 }
 
-// Transposed casts: out [cols, rows] holds the codes of x [rows, cols] at the tensor's scale.
+// The tiled casts of x [rows, cols]: fp8_cast_transpose (out_t only) or fp8_cast_both
+// (out and out_t from one read), against core's codes at the tensor's scale: the amax from
+// fp8_amax on the device, or `scale_one` (amax given as the format's max: scale 1). x lies
+// `first` values into its upload (first 1: x is not 16-byte aligned, the values are read one
+// by one), the outputs `shift` bytes into theirs (shift 1: the codes are stored one by one),
+// every output poisoned with `poison` first, and the bytes after each must stay so.
+struct TiledCase {
+  int64_t rows, cols;
+  size_t first = 0, shift = 0;
+  bool both = true, scale_one = false;
+  uint8_t poison = kPoison;
+};
+
+void expect_tiled_cast(const Bits& x_all, Fp8Format f, const TiledCase& t) {
+  const size_t n = size_t(t.rows * t.cols);
+  const std::string what = std::string(t.both ? "fp8_cast_both " : "fp8_cast_transpose ") + to_string(f) + " " +
+                           std::to_string(t.rows) + "x" + std::to_string(t.cols) + " first=" + std::to_string(t.first) +
+                           " shift=" + std::to_string(t.shift) + " poison=" + std::to_string(t.poison);
+  SCOPED_TRACE(what);
+  ASSERT_EQ(x_all.size(), n + t.first);
+  Dev dev;
+  const bf16* x = dev.put_bf16(x_all) + t.first;
+  float* amax = t.scale_one ? dev.put(VF{esplag::fp8_max(f)}) : dev.poisoned_floats(1);
+  float* inv = dev.poisoned_floats(1);
+  uint8_t* out = t.both ? dev.poisoned_codes(n + t.shift, t.poison) + t.shift : nullptr;
+  uint8_t* out_t = dev.poisoned_codes(n + t.shift, t.poison) + t.shift;
+  uint64_t* sat = dev.zeroed_counter();
+  if (!t.scale_one) gpu::fp8_amax(amax, x, int64_t(n), dev.stream());
+  if (t.both)
+    gpu::fp8_cast_both(out, out_t, inv, x, t.rows, t.cols, amax, f, sat, dev.stream());
+  else
+    gpu::fp8_cast_transpose(out_t, inv, x, t.rows, t.cols, amax, f, sat, dev.stream());
+  const float s = t.scale_one ? 1.0f : esplag::fp8_scale(cpu_amax(x_all, t.first, n), f);
+  const Expected e = cpu_cast(x_all, t.first, n, s, f);
+  Codes want_t(n);
+  for (int64_t r = 0; r < t.rows; ++r)
+    for (int64_t c = 0; c < t.cols; ++c) want_t[size_t(c * t.rows + r)] = e.codes[size_t(r * t.cols + c)];
+  expect_codes(what + " (transposed)", want_t, dev.get(out_t, n + kGuard), t.poison);
+  if (t.both) expect_codes(what + " (as it lies)", e.codes, dev.get(out, n + kGuard), t.poison);
+  EXPECT_EQ(float_bits(dev.get_float(inv)), float_bits(1.0f / s));
+  EXPECT_EQ(dev.get_count(sat), e.saturated) << "each clipped value counted once";
+}
+
+// Shapes around the 64 x 64 tile and the vectorised paths (rows a multiple of 16 for the
+// transposed stores, cols a multiple of 8 for the loads and the row-major stores), tiny
+// ones, one of NaN and infinities (NaN codes; the infinities saturate and are counted).
+const std::vector<std::pair<int64_t, int64_t>> kTiledShapes = {
+    {1, 1},   {1, 17},   {17, 1},   {17, 33},   {64, 64},   {65, 127}, {128, 96}, {300, 4097},
+    {4097, 3}, {48, 80}, {16, 8},   {96, 200},  {130, 72},  {32, 1000}, {1, 64},  {64, 1}};
+
+void expect_tiled_casts(bool both, uint64_t seed) {
+  for (const Fp8Format f : kFormats)
+    for (const auto& [rows, cols] : kTiledShapes)
+      for (const auto& [first, shift] : {std::pair<size_t, size_t>{0, 0}, {1, 0}, {0, 1}}) {
+        const size_t n = size_t(rows * cols);
+        const Bits x = random_bits(n + first, ++seed, 2.0, rows == 17 && cols == 33);
+        expect_tiled_cast(x, f, {rows, cols, first, shift, both});
+      }
+}
+
 TEST(GpuFp8, CastTransposeBitExact) {
   REQUIRE_DEVICE();
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 1},   {1, 17},   {17, 1},    {17, 33},   {64, 64},
-                                                           {65, 127}, {128, 96}, {300, 4097}, {4097, 3}, {48, 80}};
-  uint64_t seed = 200;
+  expect_tiled_casts(false, 200);
+}
+
+TEST(GpuFp8, CastBothBitExact) {
+  REQUIRE_DEVICE();
+  expect_tiled_casts(true, 250);
+}
+
+// Every bf16 bit pattern through both tiled casts at scale 1, laid out as matrices of several
+// shapes (full tiles, a partial tile, a single row or column), with two poisons (the codes
+// include 0xFF, -NaN's).
+TEST(GpuFp8, TiledCastsOfEveryBf16ValueBitExact) {
+  REQUIRE_DEVICE();
+  Bits all(65536);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i);
   for (const Fp8Format f : kFormats)
-    for (const auto& [rows, cols] : shapes) {
-      Dev dev;
-      const size_t n = size_t(rows * cols);
-      const Bits x = random_bits(n, ++seed, 2.0, rows == 17 && cols == 33);
-      const std::string what = to_string(f) + " " + std::to_string(rows) + "x" + std::to_string(cols);
-      const bf16* dx = dev.put_bf16(x);
-      float* amax = dev.poisoned_floats(1);
-      float* inv = dev.poisoned_floats(1);
-      uint8_t* out = dev.poisoned_codes(n);
-      uint64_t* sat = dev.zeroed_counter();
-      gpu::fp8_amax(amax, dx, int64_t(n), dev.stream());
-      gpu::fp8_cast_transpose(out, inv, dx, rows, cols, amax, f, sat, dev.stream());
-      const float s = esplag::fp8_scale(cpu_amax(x, 0, n), f);
-      const Expected e = cpu_cast(x, 0, n, s, f);
-      Codes want(n);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) want[size_t(c * rows + r)] = e.codes[size_t(r * cols + c)];
-      expect_codes(what, want, dev.get(out, n + kGuard));
-      EXPECT_EQ(float_bits(dev.get_float(inv)), float_bits(1.0f / s)) << what;
-      EXPECT_EQ(dev.get_count(sat), e.saturated) << what;
-    }
+    for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{256, 256}, {512, 128}, {1, 65536}, {65536, 1}})
+      for (const bool both : {true, false})
+        for (const uint8_t poison : {uint8_t(0xFF), uint8_t(0x00)})
+          expect_tiled_cast(all, f, {rows, cols, 0, 0, both, true, poison});
+}
+
+// Empty tensors: nothing written but the inverse scale (1: amax 0).
+TEST(GpuFp8, TiledCastsOfEmptyTensors) {
+  REQUIRE_DEVICE();
+  for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{0, 0}, {0, 5}, {7, 0}})
+    for (const bool both : {true, false}) expect_tiled_cast(Bits{}, Fp8Format::e4m3, {rows, cols, 0, 0, both});
 }
 
 // One scale per row: rows of very different magnitudes, a zero row, a row with NaN and

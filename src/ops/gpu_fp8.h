@@ -1,7 +1,7 @@
 // FP8 on the GPU (docs/fp8.md, "GPU kernels"): the casts that make fp8 operands from bf16
 // tensors with the scaling rule of core/fp8.h, and cuBLASLt's fp8 GEMM. Namespace
 // esplag::gpu, conventions of ops/gpu.h (asynchronous launchers on a stream, device
-// pointers, deterministic results). Training does not call them yet.
+// pointers, deterministic results).
 //
 // Casts (ops/cuda/fp8_cast.cu). A code is fp8_encode(float(x) · s) of core/fp8.h, bit for
 // bit: x · s rounded to fp32, then to the nearest code (ties to even, subnormals exact),
@@ -47,9 +47,18 @@ void fp8_cast(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, const fl
 // The same cast written transposed: x [rows, cols] row-major gives out [cols, rows]
 // row-major, out[c·rows + r] = code(x[r·cols + c]), with one scale for the tensor (amax of
 // x, e.g. from fp8_amax). The backward's fp8 GEMMs take their operands K-major (see
-// Fp8Gemm), so they need these transposed copies of W, dY and X.
+// Fp8Gemm), so they need these transposed copies of W, dY and X. One pass over 64 x 64
+// tiles, 16-byte accesses on both sides where the sizes and pointers allow (rows a
+// multiple of 16 and out 16-byte aligned; cols a multiple of 8 and x 16-byte aligned).
 void fp8_cast_transpose(uint8_t* out, float* inv_scale, const bf16* x, int64_t rows, int64_t cols, const float* amax,
                         Fp8Format format, uint64_t* saturated, cudaStream_t stream);
+
+// Both at once, reading x once: out [rows, cols] as fp8_cast writes it and out_t
+// [cols, rows] as fp8_cast_transpose does (for a tensor whose products take it in both
+// orientations: dY for dX and dW, W for the forward and dX). Each clipped value is counted
+// once. 2 bytes read and 2 written per value, where the two casts move 6.
+void fp8_cast_both(uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows, int64_t cols,
+                   const float* amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream);
 
 // One scale per row of x [rows, cols] (core's fp8_quantize_dequantize_rows): each row's
 // amax (written to row_amax [rows] when not null), its scale, and the cast of the row, in
@@ -78,7 +87,7 @@ struct Fp8Operand {
 // Every matrix row-major. Both operands are K-major ("TN", the only layout Hopper's fp8
 // GEMMs take), so each product of a Linear W [OC, C] names its operands:
 //   forward  Y  [N, OC] = X [N, C] · W [OC, C]ᵀ       A = X,   B = W
-//   backward dX [N, C]  = dY [N, OC] · (Wᵀ [C, OC])ᵀ  A = dY,  B = Wᵀ  (fp8_cast_transpose of W)
+//   backward dX [N, C]  = dY [N, OC] · (Wᵀ [C, OC])ᵀ  A = dY,  B = Wᵀ  (transposed cast of W)
 //   backward dW [OC, C] = dYᵀ [OC, N] · (Xᵀ [C, N])ᵀ  A = dYᵀ, B = Xᵀ  (transposed casts of dY, X)
 // The bias (bf16 output only) is added per column, in fp32 before the output's rounding.
 // Formats: e4m3 or e5m2 for either operand, not both e5m2 (cuBLASLt has no such product).

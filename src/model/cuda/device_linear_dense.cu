@@ -17,71 +17,107 @@ constexpr int kScaleStride = 64;
 
 }  // namespace
 
-// One for all fp8 layers, sized for the largest: two token-side operands (X or dY, either
-// orientation) of tokens · max(in, out) bytes, the weight's cast of out · in bytes, a
-// bias's aligned copy, and the fp8 GEMM with its workspace.
+// One for all fp8 layers, sized for the largest: X's codes (or Xᵀ's) of tokens · in bytes,
+// dY's and dYᵀ's of tokens · out bytes each, a bias's aligned copy, and the fp8 GEMM with
+// its workspace.
 struct DeviceDenseLinear::Fp8Scratch : SharedScratch::Part {
   DeviceArena arena;
   std::unique_ptr<gpu::Fp8Gemm> gemm;
-  uint8_t *a = nullptr, *b = nullptr, *w = nullptr;
+  uint8_t *x = nullptr, *dy = nullptr, *dyt = nullptr;
   bf16* bias = nullptr;  // a bias that is not 16-byte aligned, copied (the fp8 GEMM reads it so)
+  // Whose codes dy and dyt hold between the two backward products of one dY (grad_codes):
+  // the layer, the tensor and its rows; null once taken over or at a new backward.
+  const DeviceDenseLinear* dy_layer = nullptr;
+  const bf16* dy_of = nullptr;
+  int dy_rows = 0;
   enum Role { input, weight, grad };
   size_t bytes() const override { return arena.capacity(); }
 };
+
+namespace {
+
+constexpr int kScaleSlots = 6;  // amax and inverse scale of X, W, dY
+
+// The parts of the fp8 scratch, in the order they are taken from its arena.
+struct Fp8Sizes {
+  size_t x, dy, outs, workspace;
+  Fp8Sizes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens) {
+    x = dy = outs = 0;
+    for (const auto& [out, in] : shapes) {
+      x = std::max(x, size_t(tokens) * size_t(in));
+      dy = std::max(dy, size_t(tokens) * size_t(out));
+      outs = std::max(outs, size_t(out));
+    }
+    workspace = gpu::Gemm::kDefaultWorkspaceBytes;
+  }
+  size_t bytes() const { return x + 2 * dy + sizeof(bf16) * outs + workspace + 5 * DeviceArena::kDefaultAlignment; }
+};
+
+}  // namespace
 
 DeviceDenseLinear::DeviceDenseLinear(const DeviceLinearSetup& s, const std::string& kind)
     : DeviceLinear(kind, s), fp8_(ctx_.precision.fp8) {
   if (!fp8_) return;
   ESPLAG_CHECK(in_ % 16 == 0 && out_ % 16 == 0, "linear [out ", out_, ", in ", in_,
                "]: fp8 products need in and out features that are multiples of 16 (cuBLASLt's fp8 GEMMs)");
-  fp8_scales_ = DeviceArena(6 * kScaleStride * sizeof(float), "fp8 scales");
-  fp8_scales_.allocate_array<float>("fp8.scales", 6 * kScaleStride);
+  fp8_own_ = DeviceArena(fp8_layer_bytes(out_, in_), "fp8 " + weight_name_);
+  fp8_own_.allocate_array<float>("fp8.scales", kScaleSlots * kScaleStride);
+  w8_ = fp8_own_.allocate_array<uint8_t>("fp8.w", size_t(out_ * in_));
+  wt8_ = fp8_own_.allocate_array<uint8_t>("fp8.wt", size_t(out_ * in_));
+}
+
+size_t DeviceDenseLinear::fp8_layer_bytes(int64_t out, int64_t in) {
+  return sizeof(float) * kScaleSlots * kScaleStride + 2 * size_t(out * in) + 3 * DeviceArena::kDefaultAlignment;
 }
 
 float* DeviceDenseLinear::fp8_amax(int role) const {
-  return static_cast<float*>(fp8_scales_.base()) + kScaleStride * (2 * role);
+  return static_cast<float*>(fp8_own_.base()) + kScaleStride * (2 * role);
 }
 float* DeviceDenseLinear::fp8_inv(int role) const {
-  return static_cast<float*>(fp8_scales_.base()) + kScaleStride * (2 * role + 1);
+  return static_cast<float*>(fp8_own_.base()) + kScaleStride * (2 * role + 1);
 }
 
-void DeviceDenseLinear::cast_grad(uint8_t* out, const bf16* dout, int N, bool transposed) {
+void DeviceDenseLinear::bind(const DeviceLinearParams& p) {
+  DeviceLinear::bind(p);
+  w8_current_ = false;  // another weight: its codes are made at the next prepare or product
+}
+
+void DeviceDenseLinear::prepare(bool) {
+  if (!fp8_) return;
+  ctx_.marks->mark(ctx_.stream, "fp8 cast");
+  cast_weight();
+}
+
+void DeviceDenseLinear::cast_weight() {
   using R = Fp8Scratch::Role;
   cudaStream_t s = ctx_.stream;
-  const int64_t n = int64_t(N) * out_;
-  if (dy_amax_of_ == dout && dy_amax_rows_ == N) {
-    dy_amax_of_ = nullptr;  // the other product of this dY took its amax
-  } else {
-    gpu::fp8_amax(fp8_amax(R::grad), dout, n, s);
-    dy_amax_of_ = dout;
-    dy_amax_rows_ = N;
-  }
-  if (transposed)
-    gpu::fp8_cast_transpose(out, fp8_inv(R::grad), dout, N, out_, fp8_amax(R::grad), ctx_.precision.grad, nullptr, s);
-  else
-    gpu::fp8_cast(out, fp8_inv(R::grad), dout, n, fp8_amax(R::grad), ctx_.precision.grad, nullptr, s);
+  gpu::fp8_amax(fp8_amax(R::weight), p_.weight.w, out_ * in_, s);
+  gpu::fp8_cast_both(w8_, wt8_, fp8_inv(R::weight), p_.weight.w, out_, in_, fp8_amax(R::weight), Fp8Format::e4m3,
+                     nullptr, s);
+  w8_current_ = true;
 }
 
-namespace {
+void DeviceDenseLinear::begin_backward() {
+  if (!fp8_) return;
+  if (Fp8Scratch* f = ctx_.scratch.find<Fp8Scratch>(kFp8Scratch)) f->dy_layer = nullptr;
+}
 
-// The parts of the fp8 scratch, in the order they are taken from its arena.
-struct Fp8Sizes {
-  size_t side, weight, outs, workspace;
-  Fp8Sizes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens) {
-    side = weight = outs = 0;
-    for (const auto& [out, in] : shapes) {
-      side = std::max(side, size_t(tokens) * size_t(std::max(out, in)));
-      weight = std::max(weight, size_t(out * in));
-      outs = std::max(outs, size_t(out));
-    }
-    workspace = gpu::Gemm::kDefaultWorkspaceBytes;
+DeviceDenseLinear::Fp8Scratch& DeviceDenseLinear::grad_codes(const bf16* dout, int N) {
+  using R = Fp8Scratch::Role;
+  Fp8Scratch& f = fp8_scratch();
+  if (f.dy_layer == this && f.dy_of == dout && f.dy_rows == N) {
+    f.dy_layer = nullptr;  // the other product of this dY cast it
+    return f;
   }
-  size_t bytes() const {
-    return 2 * side + weight + sizeof(bf16) * outs + workspace + 5 * DeviceArena::kDefaultAlignment;
-  }
-};
-
-}  // namespace
+  cudaStream_t s = ctx_.stream;
+  gpu::fp8_amax(fp8_amax(R::grad), dout, int64_t(N) * out_, s);
+  gpu::fp8_cast_both(f.dy, f.dyt, fp8_inv(R::grad), dout, N, out_, fp8_amax(R::grad), ctx_.precision.grad, nullptr,
+                     s);
+  f.dy_layer = this;
+  f.dy_of = dout;
+  f.dy_rows = N;
+  return f;
+}
 
 size_t DeviceDenseLinear::fp8_scratch_bytes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens) {
   return Fp8Sizes(shapes, tokens).bytes();
@@ -94,9 +130,9 @@ DeviceDenseLinear::Fp8Scratch& DeviceDenseLinear::fp8_scratch() {
     const Fp8Sizes n(ctx_.shapes, ctx_.tokens);
     auto p = std::make_unique<Fp8Scratch>();
     p->arena = DeviceArena(n.bytes(), "fp8 operands");
-    p->a = p->arena.allocate_array<uint8_t>("fp8.a", n.side);
-    p->b = p->arena.allocate_array<uint8_t>("fp8.b", n.side);
-    p->w = p->arena.allocate_array<uint8_t>("fp8.w", n.weight);
+    p->x = p->arena.allocate_array<uint8_t>("fp8.x", n.x);
+    p->dy = p->arena.allocate_array<uint8_t>("fp8.dy", n.dy);
+    p->dyt = p->arena.allocate_array<uint8_t>("fp8.dyt", n.dy);
     p->bias = p->arena.allocate_array<bf16>("fp8.bias", n.outs);
     p->gemm = std::make_unique<gpu::Fp8Gemm>(p->arena.allocate("fp8.workspace", n.workspace), n.workspace);
     return p;
@@ -118,11 +154,9 @@ void DeviceDenseLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16*
   using R = Fp8Scratch::Role;
   Fp8Scratch& f = fp8_scratch();
   ctx_.marks->mark(s, "fp8 cast");
+  if (!w8_current_) cast_weight();
   gpu::fp8_amax(fp8_amax(R::input), in, int64_t(N) * K, s);
-  gpu::fp8_cast(f.a, fp8_inv(R::input), in, int64_t(N) * K, fp8_amax(R::input), Fp8Format::e4m3, nullptr, s);
-  gpu::fp8_amax(fp8_amax(R::weight), p_.weight.w, int64_t(OC) * K, s);
-  gpu::fp8_cast(f.w, fp8_inv(R::weight), p_.weight.w, int64_t(OC) * K, fp8_amax(R::weight), Fp8Format::e4m3, nullptr,
-                s);
+  gpu::fp8_cast(f.x, fp8_inv(R::input), in, int64_t(N) * K, fp8_amax(R::input), Fp8Format::e4m3, nullptr, s);
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   const bool gelu = act == Act::gelu;
   bf16* y = gelu && pre_act ? pre_act : out;
@@ -132,7 +166,7 @@ void DeviceDenseLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16*
     bias = f.bias;
   }
   f.gemm->set_fast_accum(true);  // the forward's product, as fp8 training recipes run it
-  f.gemm->matmul(y, {f.a, fp8_inv(R::input), Fp8Format::e4m3}, {f.w, fp8_inv(R::weight), Fp8Format::e4m3}, bias, N,
+  f.gemm->matmul(y, {f.x, fp8_inv(R::input), Fp8Format::e4m3}, {w8_, fp8_inv(R::weight), Fp8Format::e4m3}, bias, N,
                  OC, K, false, s);
   if (gelu) {
     ctx_.marks->mark(s, "gelu fwd");
@@ -150,16 +184,13 @@ void DeviceDenseLinear::backward_dx(bf16* dinp, const bf16* dout, int N, const b
   }
   // dX [N, in] = dY [N, out] · (Wᵀ [in, out])ᵀ
   using R = Fp8Scratch::Role;
-  Fp8Scratch& f = fp8_scratch();
-  const Fp8Format g = ctx_.precision.grad;
   ctx_.marks->mark(s, "fp8 cast");
-  cast_grad(f.a, dout, N, false);
-  gpu::fp8_cast_transpose(f.w, fp8_inv(R::weight), p_.weight.w, OC, K, fp8_amax(R::weight), Fp8Format::e4m3, nullptr,
-                          s);  // the forward's amax of W
+  if (!w8_current_) cast_weight();
+  Fp8Scratch& f = grad_codes(dout, N);
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   f.gemm->set_fast_accum(false);
-  f.gemm->matmul(dinp, {f.a, fp8_inv(R::grad), g}, {f.w, fp8_inv(R::weight), Fp8Format::e4m3}, nullptr, N, K, OC,
-                 false, s);
+  f.gemm->matmul(dinp, {f.dy, fp8_inv(R::grad), ctx_.precision.grad}, {wt8_, fp8_inv(R::weight), Fp8Format::e4m3},
+                 nullptr, N, K, OC, false, s);
   gelu_backward_pass(dinp, pre_act, N);
 }
 
@@ -175,16 +206,14 @@ void DeviceDenseLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bo
   }
   // dW [out, in] = dYᵀ [out, N] · (Xᵀ [in, N])ᵀ, accumulated in fp32
   using R = Fp8Scratch::Role;
-  Fp8Scratch& f = fp8_scratch();
-  const Fp8Format g = ctx_.precision.grad;
   ctx_.marks->mark(s, "fp8 cast");
-  cast_grad(f.a, dout, N, true);
-  gpu::fp8_cast_transpose(f.b, fp8_inv(R::input), inp, N, K, fp8_amax(R::input), Fp8Format::e4m3, nullptr,
+  Fp8Scratch& f = grad_codes(dout, N);
+  gpu::fp8_cast_transpose(f.x, fp8_inv(R::input), inp, N, K, fp8_amax(R::input), Fp8Format::e4m3, nullptr,
                           s);  // the forward's amax of X
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   f.gemm->set_fast_accum(false);
-  f.gemm->matmul(p_.weight.grad, {f.a, fp8_inv(R::grad), g}, {f.b, fp8_inv(R::input), Fp8Format::e4m3}, OC, K, N,
-                 accumulate, s);
+  f.gemm->matmul(p_.weight.grad, {f.dyt, fp8_inv(R::grad), ctx_.precision.grad},
+                 {f.x, fp8_inv(R::input), Fp8Format::e4m3}, OC, K, N, accumulate, s);
   if (bias_grad) {  // the exact sum of dY, as the CPU's (the bias gradient is not an fp8 product)
     ctx_.marks->mark(s, "bias grad");
     gpu::column_sum_add(p_.bias.grad, dout, N, OC, ctx_.colsum_scratch, ctx_.colsum_scratch_bytes, s);

@@ -17,30 +17,43 @@ class DeviceDenseLinear : public DeviceLinear {
   void backward_dx(bf16* dinp, const bf16* dout, int N, const bf16* pre_act, const char* op) override;
   void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad, const char* op) override;
   void shared_parts(std::set<std::string>& used) const override;
-  void begin_backward() override { dy_amax_of_ = nullptr; }
+  // fp8: the weight's codes, cast once per weight change (see below).
+  bool prepares() const override { return fp8_; }
+  void prepare(bool refresh) override;
+  void bind(const DeviceLinearParams& p) override;
+  size_t device_bytes() const override { return fp8_own_.capacity(); }
+  void begin_backward() override;
   // Device bytes of the scratch the fp8 products share (GpuModelOptions::precision), for
   // block Linear shapes [out, in] and micro-batches of `tokens` rows.
   static size_t fp8_scratch_bytes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens);
+  // Device bytes an fp8 layer [out, in] holds itself (device_bytes): its weight's codes in
+  // both orientations and its scales.
+  static size_t fp8_layer_bytes(int64_t out, int64_t in);
 
  private:
-  // The fp8 products (GpuModelOptions::precision): each casts its operands (amax, scale and
-  // cast on the device; the backward's transposed copies, as cuBLASLt's fp8 GEMMs take
-  // their operands K-major) into a scratch all fp8 layers share, then multiplies them. Each
-  // tensor's amax is taken once: X's and W's in the forward (the backward's transposed casts
-  // reuse them: the saved input and the weight are unchanged until then), dY's by the first
-  // of backward_dx and backward_dw for it.
+  // The fp8 products (GpuModelOptions::precision), cuBLASLt's fp8 GEMMs, which take their
+  // operands K-major, so the backward's need transposed copies:
+  // - W: its amax and one pass writing W [out, in] (forward) and Wᵀ [in, out] (dX) into the
+  //   layer's own codes, at every prepare() (after each optimizer step and weight change),
+  //   not per micro-batch;
+  // - X: amax and cast in the forward, into a scratch all fp8 layers share; its transposed
+  //   cast in dW with the forward's amax (the saved input is unchanged until then);
+  // - dY: amax and one pass writing dY (dX) and dYᵀ (dW) into the shared scratch, by the
+  //   first of backward_dx and backward_dw for it; the second takes them over.
   struct Fp8Scratch;
   Fp8Scratch& fp8_scratch();
   // This layer's amax and inverse scale of X, W and dY (Fp8Scratch::Role), 256 bytes apart.
   float* fp8_amax(int role) const;
   float* fp8_inv(int role) const;
-  // dY's fp8 copy into out, as it is or transposed; its amax taken by the first of the two
-  // backward products of dout only.
-  void cast_grad(uint8_t* out, const bf16* dout, int N, bool transposed);
+  // The weight's codes (w8_, wt8_) from the bound weight.
+  void cast_weight();
+  // The scratch with dout's codes in both orientations, cast unless the other product of
+  // this layer and dout just did.
+  Fp8Scratch& grad_codes(const bf16* dout, int N);
   bool fp8_ = false;
-  DeviceArena fp8_scales_;
-  const bf16* dy_amax_of_ = nullptr;  // the dY whose amax fp8_amax(grad) holds, until consumed
-  int dy_amax_rows_ = 0;
+  DeviceArena fp8_own_;                     // the scales, w8_ and wt8_
+  uint8_t *w8_ = nullptr, *wt8_ = nullptr;  // W [out, in] and Wᵀ [in, out], e4m3
+  bool w8_current_ = false;                 // they hold the bound weight's codes (prepare() since the last bind)
 };
 
 }  // namespace esplag

@@ -25,15 +25,20 @@ gpu::SparseGemm24Problem fp8_problem(int64_t out, int64_t in, int64_t tokens) {
 
 }  // namespace
 
-// One for all fp8 2:4 layers, sized for the largest: two token-side operands (X or dY, either
-// orientation), a weight's e4m3 cast (compressed from here, or multiplied by the dense
-// products), cusparseLtSpMMACompress's scratch, and the fp8 GEMM with its workspace.
+// One for all fp8 2:4 layers, sized for the largest: X's codes (or Xᵀ's), dY's and dYᵀ's,
+// a weight's e4m3 cast (compressed from here, or multiplied by the dense products),
+// cusparseLtSpMMACompress's scratch, and the fp8 GEMM with its workspace.
 struct Fp8SparseProducts::Scratch : SharedScratch::Part {
   DeviceArena arena;
   DeviceArena compress;  // grows to the largest layer's need
   std::unique_ptr<gpu::Fp8Gemm> gemm;
-  uint8_t *a = nullptr, *b = nullptr, *w = nullptr;
+  uint8_t *x = nullptr, *dy = nullptr, *dyt = nullptr, *w = nullptr;
   bf16* bias = nullptr;  // a bias that is not 16-byte aligned, copied (the fp8 GEMM reads it so)
+  // Whose codes dy and dyt hold between the two backward products of one dY (grad_codes):
+  // the layer, the tensor and its rows; null once taken over or at a new backward.
+  const Fp8SparseProducts* dy_layer = nullptr;
+  const bf16* dy_of = nullptr;
+  int dy_rows = 0;
   size_t bytes() const override { return arena.capacity() + compress.capacity(); }
 };
 
@@ -84,19 +89,20 @@ float* Fp8SparseProducts::inv(Slot s) const {
 
 Fp8SparseProducts::Scratch& Fp8SparseProducts::scratch() {
   return ctx_.scratch.get<Scratch>(kScratchName, [&] {
-    size_t side = 0, weight = 0, outs = 0;
+    size_t x = 0, dy = 0, weight = 0, outs = 0;
     for (const auto& [out, in] : ctx_.shapes) {
-      side = std::max(side, size_t(ctx_.tokens) * size_t(std::max(out, in)));
+      x = std::max(x, size_t(ctx_.tokens) * size_t(in));
+      dy = std::max(dy, size_t(ctx_.tokens) * size_t(out));
       weight = std::max(weight, size_t(out * in));
       outs = std::max(outs, size_t(out));
     }
     const size_t ws = gpu::Gemm::kDefaultWorkspaceBytes;
     auto p = std::make_unique<Scratch>();
-    p->arena =
-        DeviceArena(2 * side + weight + sizeof(bf16) * outs + ws + 5 * DeviceArena::kDefaultAlignment,
-                    "fp8 2:4 operands");
-    p->a = p->arena.allocate_array<uint8_t>("fp8.a", side);
-    p->b = p->arena.allocate_array<uint8_t>("fp8.b", side);
+    p->arena = DeviceArena(x + 2 * dy + weight + sizeof(bf16) * outs + ws + 6 * DeviceArena::kDefaultAlignment,
+                           "fp8 2:4 operands");
+    p->x = p->arena.allocate_array<uint8_t>("fp8.x", x);
+    p->dy = p->arena.allocate_array<uint8_t>("fp8.dy", dy);
+    p->dyt = p->arena.allocate_array<uint8_t>("fp8.dyt", dy);
     p->w = p->arena.allocate_array<uint8_t>("fp8.w", weight);
     p->bias = p->arena.allocate_array<bf16>("fp8.bias", outs);
     p->gemm = std::make_unique<gpu::Fp8Gemm>(p->arena.allocate("fp8.workspace", ws), ws);
@@ -139,15 +145,15 @@ void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,
   const int64_t nx = int64_t(N) * in_;
   ctx_.marks->mark(s, "fp8 cast");
   gpu::fp8_amax(amax(input), x, nx, s);
-  gpu::fp8_cast(sc.a, inv(input), x, nx, amax(input), Fp8Format::e4m3, nullptr, s);
+  gpu::fp8_cast(sc.x, inv(input), x, nx, amax(input), Fp8Format::e4m3, nullptr, s);
   if (sparse() && N == ctx_.tokens) {
     gpu::fp8_product_scale(alpha_fwd_, inv(input), inv(weight_fwd), alpha_len_fwd_, s);
     if (!tuned_fwd_) {
-      tune(*fwd_, y, comp_fwd_, sc.a);
+      tune(*fwd_, y, comp_fwd_, sc.x);
       tuned_fwd_ = true;
     }
     ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
-    fwd_->matmul_scaled(y, comp_fwd_, sc.a, alpha_fwd_, workspace_.base(), workspace_.capacity(), s);
+    fwd_->matmul_scaled(y, comp_fwd_, sc.x, alpha_fwd_, workspace_.base(), workspace_.capacity(), s);
     return;
   }
   gpu::fp8_cast(sc.w, inv(weight_fwd), wf(), out_ * in_, amax(weight_fwd), Fp8Format::e4m3, nullptr, s);
@@ -157,61 +163,62 @@ void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,
   }
   ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
   sc.gemm->set_fast_accum(true);  // as the dense kind's forward
-  sc.gemm->matmul(y, {sc.a, inv(input), Fp8Format::e4m3}, {sc.w, inv(weight_fwd), Fp8Format::e4m3}, bias, N,
+  sc.gemm->matmul(y, {sc.x, inv(input), Fp8Format::e4m3}, {sc.w, inv(weight_fwd), Fp8Format::e4m3}, bias, N,
                   int(out_), int(in_), false, s);
 }
 
-void Fp8SparseProducts::cast_grad(uint8_t* out, const bf16* dy, int N, bool transposed) {
-  cudaStream_t s = ctx_.stream;
-  const int64_t n = int64_t(N) * out_;
-  if (dy_amax_of_ == dy && dy_amax_rows_ == N) {
-    dy_amax_of_ = nullptr;  // the other product of this dY took its amax
-  } else {
-    gpu::fp8_amax(amax(grad), dy, n, s);
-    dy_amax_of_ = dy;
-    dy_amax_rows_ = N;
+void Fp8SparseProducts::begin_backward() {
+  if (Scratch* sc = ctx_.scratch.find<Scratch>(kScratchName)) sc->dy_layer = nullptr;
+}
+
+Fp8SparseProducts::Scratch& Fp8SparseProducts::grad_codes(const bf16* dy, int N) {
+  Scratch& sc = scratch();
+  if (sc.dy_layer == this && sc.dy_of == dy && sc.dy_rows == N) {
+    sc.dy_layer = nullptr;  // the other product of this dY cast it
+    return sc;
   }
-  if (transposed)
-    gpu::fp8_cast_transpose(out, inv(grad), dy, N, out_, amax(grad), ctx_.precision.grad, nullptr, s);
-  else
-    gpu::fp8_cast(out, inv(grad), dy, n, amax(grad), ctx_.precision.grad, nullptr, s);
+  cudaStream_t s = ctx_.stream;
+  gpu::fp8_amax(amax(grad), dy, int64_t(N) * out_, s);
+  gpu::fp8_cast_both(sc.dy, sc.dyt, inv(grad), dy, N, out_, amax(grad), ctx_.precision.grad, nullptr, s);
+  sc.dy_layer = this;
+  sc.dy_of = dy;
+  sc.dy_rows = N;
+  return sc;
 }
 
 void Fp8SparseProducts::backward_dx(bf16* dx, const bf16* dy, int N, const std::function<const bf16*()>& wbt,
                                     const char* op) {
   cudaStream_t s = ctx_.stream;
-  Scratch& sc = scratch();
   ctx_.marks->mark(s, "fp8 cast");
-  cast_grad(sc.a, dy, N, false);
+  Scratch& sc = grad_codes(dy, N);
   if (sparse() && N == ctx_.tokens) {
     gpu::fp8_product_scale(alpha_bwd_, inv(grad), inv(weight_bwd), alpha_len_bwd_, s);
     if (!tuned_bwd_) {
-      tune(*bwd_, dx, comp_bwd_, sc.a);
+      tune(*bwd_, dx, comp_bwd_, sc.dy);
       tuned_bwd_ = true;
     }
     ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
-    bwd_->matmul_scaled(dx, comp_bwd_, sc.a, alpha_bwd_, workspace_.base(), workspace_.capacity(), s);
+    bwd_->matmul_scaled(dx, comp_bwd_, sc.dy, alpha_bwd_, workspace_.base(), workspace_.capacity(), s);
     return;
   }
   // Fp8Gemm's B is Wbᵀ [in, out], K-major.
   gpu::fp8_cast(sc.w, inv(weight_bwd), wbt(), out_ * in_, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
   ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
   sc.gemm->set_fast_accum(false);
-  sc.gemm->matmul(dx, {sc.a, inv(grad), ctx_.precision.grad}, {sc.w, inv(weight_bwd), Fp8Format::e4m3}, nullptr, N,
+  sc.gemm->matmul(dx, {sc.dy, inv(grad), ctx_.precision.grad}, {sc.w, inv(weight_bwd), Fp8Format::e4m3}, nullptr, N,
                   int(in_), int(out_), false, s);
 }
 
 void Fp8SparseProducts::backward_dw(float* dw, const bf16* dy, const bf16* x, int N, bool accumulate,
                                     const char* op) {
   cudaStream_t s = ctx_.stream;
-  Scratch& sc = scratch();
   ctx_.marks->mark(s, "fp8 cast");
-  cast_grad(sc.a, dy, N, true);
-  gpu::fp8_cast_transpose(sc.b, inv(input), x, N, in_, amax(input), Fp8Format::e4m3, nullptr,
+  Scratch& sc = grad_codes(dy, N);
+  gpu::fp8_cast_transpose(sc.x, inv(input), x, N, in_, amax(input), Fp8Format::e4m3, nullptr,
                           s);  // the forward's amax of X
   ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
   sc.gemm->set_fast_accum(false);
-  sc.gemm->matmul(dw, {sc.a, inv(grad), ctx_.precision.grad}, {sc.b, inv(input), Fp8Format::e4m3}, int(out_),
+  sc.gemm->matmul(dw, {sc.dyt, inv(grad), ctx_.precision.grad}, {sc.x, inv(input), Fp8Format::e4m3}, int(out_),
                   int(in_), N, accumulate, s);
 }
 

@@ -11,7 +11,9 @@
 // X and the weights e4m3, dY in train.fp8_grad, which must be e4m3 (cuSPARSELt's fp8
 // products take e4m3 operands only). Wf and Wb each have their own scale (the CPU quantises
 // W1's and W2ᵀ's kept values separately); X's and dY's amax are taken once per step and
-// shared by the products that read them. The 2:4 products take the scales through an alpha
+// shared by the products that read them. dY is cast in both orientations in one pass (dX
+// takes dY, dW dYᵀ) by the first of backward_dx and backward_dw, into a scratch all such
+// layers share; the second takes the codes over. The 2:4 products take the scales through an alpha
 // vector (1 / (s_a · s_b) per output feature, written on the device; matmul_scaled).
 //
 // prepare() casts each pruned weight (a pass over its bf16 values) into a shared e4m3 scratch
@@ -60,8 +62,8 @@ class Fp8SparseProducts {
   // dw [out, in] fp32 (= or += when accumulate) = dYᵀ · X.
   void backward_dw(float* dw, const bf16* dy, const bf16* x, int N, bool accumulate, const char* op);
   // `op` names each product for the op timings ("sparse " + op for the 2:4 ones, as the bf16
-  // products). Before each backward: dY's amax is taken again.
-  void begin_backward() { dy_amax_of_ = nullptr; }
+  // products). Before each backward: dY's codes are made again.
+  void begin_backward();
 
   size_t device_bytes() const { return own_.capacity() + workspace_.capacity(); }
   static void shared_parts(std::set<std::string>& used);
@@ -72,8 +74,9 @@ class Fp8SparseProducts {
   float* amax(Slot s) const;
   float* inv(Slot s) const;
   Scratch& scratch();
-  // dY's amax (once per dY) and its cast, as it lies or transposed.
-  void cast_grad(uint8_t* out, const bf16* dy, int N, bool transposed);
+  // The scratch with dy's codes in both orientations, cast unless the other product of this
+  // layer and dy just did.
+  Scratch& grad_codes(const bf16* dy, int N);
   // The first product of each plan searches its configuration; the workspace may grow.
   void tune(gpu::SparseGemm24& g, bf16* out, const void* compressed, const void* dense);
 
@@ -88,8 +91,6 @@ class Fp8SparseProducts {
   int64_t alpha_len_fwd_ = 0, alpha_len_bwd_ = 0;
   void *comp_fwd_ = nullptr, *comp_bwd_ = nullptr;
   bool tuned_fwd_ = false, tuned_bwd_ = false;
-  const bf16* dy_amax_of_ = nullptr;
-  int dy_amax_rows_ = 0;
 };
 
 }  // namespace esplag

@@ -11,6 +11,11 @@
 // amax is an integer atomicMax on the bits of |x| (non-negative floats order like their
 // bits), exact and so independent of the order of the blocks; the saturation counter is
 // an integer atomicAdd, one per block.
+//
+// Every pass is bandwidth-bound: 16-byte loads of x (several in flight per thread), 8- or
+// 16-byte stores of codes. A cast usually follows the amax of the same tensor, which reads
+// it from its start to its end; the casts walk it from the end back, so that they begin
+// with what the amax read last, which the L2 cache may still hold.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -30,7 +35,8 @@ using detail::to_f;
 
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 2048;  // grid-stride beyond this: a cast is bandwidth-bound
-constexpr int kTile = 64;              // cast_transpose: a 64 x 64 tile per block
+constexpr int kUnroll = 4;             // packs of 8 values each thread has in flight per iteration
+constexpr int kTile = 64;              // the tiled casts: a 64 x 64 tile per block
 
 template <bool E5M2>
 struct Format {
@@ -73,6 +79,11 @@ __device__ __forceinline__ uint2 encode8(const float (&f)[kPack], float s, int& 
   c.x = encode2<E5M2>(f[0], f[1], s) | encode2<E5M2>(f[2], f[3], s) << 16;
   c.y = encode2<E5M2>(f[4], f[5], s) | encode2<E5M2>(f[6], f[7], s) << 16;
   return c;
+}
+
+// Code k of the eight encode8 gives.
+__device__ __forceinline__ uint8_t code_byte(uint2 codes, int k) {
+  return static_cast<uint8_t>((k < 4 ? codes.x : codes.y) >> (8 * (k % 4)));
 }
 
 template <bool E5M2>
@@ -118,11 +129,18 @@ __global__ void amax_kernel(unsigned* amax_bits, const bf16* x, int64_t n, int64
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   float m = 0.0f;
-  for (int64_t p = first; p < packs; p += stride) {
-    float f[kPack];
-    load8(f, x + p * kPack);
+  for (int64_t p0 = first; p0 < packs; p0 += kUnroll * stride) {
+    float f[kUnroll][kPack];
 #pragma unroll
-    for (int k = 0; k < kPack; ++k) m = fmaxf(m, finite_abs(f[k]));
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t p = p0 + u * stride;
+      if (p < packs) load8(f[u], x + p * kPack);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (p0 + u * stride < packs)
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) m = fmaxf(m, finite_abs(f[u][k]));
   }
   for (int64_t i = packs * kPack + first; i < n; i += stride) m = fmaxf(m, finite_abs(to_f(x[i])));
   m = block_max(m, scratch);
@@ -141,59 +159,95 @@ __global__ void cast_kernel(uint8_t* out, float* inv_scale, const bf16* x, int64
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   int clipped = 0;
-  for (int64_t p = first; p < packs; p += stride) {
-    float f[kPack];
-    load8(f, x + p * kPack);
-    *reinterpret_cast<uint2*>(out + p * kPack) = encode8<E5M2>(f, s, clipped);
+  // Pack `packs - 1 - j` for the j-th: from the end of x back (see the top of the file).
+  for (int64_t j0 = first; j0 < packs; j0 += kUnroll * stride) {
+    float f[kUnroll][kPack];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = j0 + u * stride;
+      if (j < packs) load8(f[u], x + (packs - 1 - j) * kPack);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = j0 + u * stride;
+      if (j < packs) *reinterpret_cast<uint2*>(out + (packs - 1 - j) * kPack) = encode8<E5M2>(f[u], s, clipped);
+    }
   }
   for (int64_t i = packs * kPack + first; i < n; i += stride) out[i] = encode1<E5M2>(to_f(x[i]), s, clipped);
   add_clipped(saturated, clipped, scratch);
 }
 
 // ---------------------------------------------------------------------------------------
-// Cast + transpose: block (bx, by) reads the tile x[64·bx .. +64, 64·by .. +64] with its
-// warps along the columns (coalesced), keeps the codes transposed in shared memory, and
-// writes out[64·by .. +64, 64·bx .. +64] four codes (one 32-bit store) per thread along
-// the rows of x. Row tiles on grid.x (2^31 - 1), column tiles on grid.y (65535).
+// Tiled cast, as it lies and/or transposed: block b takes the tile t = tiles - 1 - b (row
+// tiles outer, column tiles inner: from the end of x back), x[64·tr .. +64, 64·tc .. +64].
+// Each thread reads two packs of 8 values along a row (a warp: 4 rows of 128 contiguous
+// bytes), writes their 8 codes to out [rows, cols] where asked, and puts them transposed in
+// shared memory; then each thread writes 16 codes of one row of out_t [cols, rows] (a warp:
+// 8 rows of 64 contiguous bytes). Parts of the tile past rows or cols read as 0 (never
+// clipped) and are not written. The vectorised accesses need:
+//   vec_x    cols % 8 == 0 and x 16-byte aligned (else the values one by one)
+//   vec_out  cols % 8 == 0 and out 8-byte aligned
+//   vec_t    rows % 16 == 0 and out_t 16-byte aligned
 
 template <bool E5M2>
-__global__ void cast_transpose_kernel(uint8_t* out, float* inv_scale, const bf16* x, int64_t rows, int64_t cols,
-                                      const float* amax, unsigned long long* saturated, bool pack4) {
-  constexpr int kPad = 4;  // keeps the 32-bit reads aligned and spreads the banks
-  __shared__ alignas(4) uint8_t tile[kTile][kTile + kPad];  // [column][row] of the tile
+__global__ void cast_tiles_kernel(uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows,
+                                  int64_t cols, int64_t col_tiles, const float* amax, unsigned long long* saturated,
+                                  bool vec_x, bool vec_out, bool vec_t) {
+  constexpr int kPad = 4;  // rows of the transposed tile stay 4-byte aligned; spreads the banks
+  constexpr int kPacksPerRow = kTile / kPack;
+  __shared__ alignas(16) uint8_t tile[kTile][kTile + kPad];  // [column][row] of the tile
   __shared__ int scratch[32];
   const float s = scale_of<E5M2>(*amax);
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *inv_scale = __frcp_rn(s);
-  const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int clipped = 0;
-  // Read: warp w takes rows w, w + 8, ...; lane l the columns 2l, 2l + 1.
-  for (int rr = warp; rr < kTile; rr += kThreads / 32) {
-    const int64_t r = r0 + rr;
-    if (r >= rows) break;
-    const int cc = 2 * lane;
-    const int64_t c = c0 + cc;
-    const bf16* row = x + r * cols;
-    // Columns past cols encode 0 (never clipped) and are not written out.
-    const float a = c < cols ? to_f(row[c]) : 0.0f;
-    const float b = c + 1 < cols ? to_f(row[c + 1]) : 0.0f;
-    clipped += clips<E5M2>(a, s) + clips<E5M2>(b, s);
-    const uint32_t code = encode2<E5M2>(a, b, s);
-    tile[cc][rr] = static_cast<uint8_t>(code);
-    tile[cc + 1][rr] = static_cast<uint8_t>(code >> 8);
-  }
-  __syncthreads();
-  // Write: 16 threads per output row (64 codes), 16 output rows per pass.
-  const int quad = threadIdx.x & 15;
-  const int64_t r = r0 + 4 * quad;
-  for (int cc = threadIdx.x >> 4; cc < kTile; cc += kThreads / 16) {
-    const int64_t c = c0 + cc;
-    if (c >= cols) break;
-    uint8_t* dst = out + c * rows + r;
-    if (pack4 && r + 4 <= rows) {
-      *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(&tile[cc][4 * quad]);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = __frcp_rn(s);
+  const int64_t t = int64_t(gridDim.x) - 1 - blockIdx.x;
+  const int64_t r0 = t / col_tiles * kTile, c0 = t % col_tiles * kTile;
+  // Both packs are loaded before anything is stored (the stores could alias x as far as the
+  // compiler knows), so that each thread has its two loads in flight at once.
+  constexpr int kPacks = kTile * kPacksPerRow / kThreads;
+  static_assert(kPacks * kThreads == kTile * kPacksPerRow, "the tile's packs are shared evenly");
+  float f[kPacks][kPack];
+#pragma unroll
+  for (int i = 0; i < kPacks; ++i) {
+    const int q = threadIdx.x + i * kThreads;
+    const int64_t r = r0 + q / kPacksPerRow, c = c0 + q % kPacksPerRow * kPack;
+    if (vec_x && r < rows && c < cols) {
+      load8(f[i], x + r * cols + c);
     } else {
-      for (int k = 0; k < 4 && r + k < rows; ++k) dst[k] = tile[cc][4 * quad + k];
+#pragma unroll
+      for (int k = 0; k < kPack; ++k) f[i][k] = r < rows && c + k < cols ? to_f(x[r * cols + c + k]) : 0.0f;
+    }
+  }
+  int clipped = 0;
+#pragma unroll
+  for (int i = 0; i < kPacks; ++i) {
+    const int q = threadIdx.x + i * kThreads;
+    const int rr = q / kPacksPerRow, cc = q % kPacksPerRow * kPack;
+    const int64_t r = r0 + rr, c = c0 + cc;
+    const uint2 code = encode8<E5M2>(f[i], s, clipped);
+    if (out && r < rows) {
+      if (vec_out && c < cols) {
+        *reinterpret_cast<uint2*>(out + r * cols + c) = code;
+      } else {
+        for (int k = 0; k < kPack && c + k < cols; ++k) out[r * cols + c + k] = code_byte(code, k);
+      }
+    }
+    if (out_t)
+#pragma unroll
+      for (int k = 0; k < kPack; ++k) tile[cc + k][rr] = code_byte(code, k);
+  }
+  if (out_t) {
+    __syncthreads();
+    constexpr int kChunk = 16;  // codes per store
+    const int cc = threadIdx.x / (kTile / kChunk), rr = threadIdx.x % (kTile / kChunk) * kChunk;
+    const int64_t c = c0 + cc, r = r0 + rr;
+    if (c < cols && r < rows) {
+      uint8_t* dst = out_t + c * rows + r;
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(&tile[cc][rr]);
+      if (vec_t) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(src[0], src[1], src[2], src[3]);
+      } else {
+        for (int k = 0; k < kChunk && r + k < rows; ++k) dst[k] = tile[cc][rr + k];
+      }
     }
   }
   add_clipped(saturated, clipped, scratch);
@@ -238,7 +292,6 @@ __global__ void cast_rows_kernel(uint8_t* out, float* inv_scale, float* row_amax
 }
 
 bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
-bool aligned4(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; }
 
 unsigned long long* counter(uint64_t* p) {
   static_assert(sizeof(uint64_t) == sizeof(unsigned long long));
@@ -282,23 +335,42 @@ void fp8_cast(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, const fl
   CUDA_CHECK_LAUNCH("fp8_cast");
 }
 
+namespace {
+
+// The tiled cast of x [rows, cols] into out (as it lies; may be null) and out_t
+// (transposed; may be null). One block even for an empty x: it writes inv_scale.
+void cast_tiles(const char* op, uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows,
+                int64_t cols, const float* amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
+  ESPLAG_CHECK(rows >= 0 && cols >= 0, op, ": negative size ", rows, " x ", cols);
+  check_cast(op, out ? out : out_t, inv_scale, x, rows * cols, amax);
+  const int64_t col_tiles = std::max<int64_t>(1, (cols + kTile - 1) / kTile);
+  const int64_t tiles = std::max<int64_t>(1, (rows + kTile - 1) / kTile) * col_tiles;
+  ESPLAG_CHECK(tiles <= INT32_MAX, op, ": ", rows, " x ", cols, " is too large (more than 2^31 - 1 tiles of ", kTile,
+               " x ", kTile, ")");
+  const bool vec_x = cols % kPack == 0 && detail::aligned16(x);
+  const bool vec_out = cols % kPack == 0 && aligned8(out);
+  const bool vec_t = rows % 16 == 0 && detail::aligned16(out_t);
+  const unsigned grid = static_cast<unsigned>(tiles);
+  if (format == Fp8Format::e5m2)
+    cast_tiles_kernel<true><<<grid, kThreads, 0, stream>>>(out, out_t, inv_scale, x, rows, cols, col_tiles, amax,
+                                                           counter(saturated), vec_x, vec_out, vec_t);
+  else
+    cast_tiles_kernel<false><<<grid, kThreads, 0, stream>>>(out, out_t, inv_scale, x, rows, cols, col_tiles, amax,
+                                                            counter(saturated), vec_x, vec_out, vec_t);
+  CUDA_CHECK_LAUNCH(op);
+}
+
+}  // namespace
+
 void fp8_cast_transpose(uint8_t* out, float* inv_scale, const bf16* x, int64_t rows, int64_t cols, const float* amax,
                         Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
-  ESPLAG_CHECK(rows >= 0 && cols >= 0, "fp8_cast_transpose: negative size ", rows, " x ", cols);
-  check_cast("fp8_cast_transpose", out, inv_scale, x, rows * cols, amax);
-  const int64_t row_tiles = std::max<int64_t>(1, (rows + kTile - 1) / kTile);
-  const int64_t col_tiles = std::max<int64_t>(1, (cols + kTile - 1) / kTile);
-  ESPLAG_CHECK(row_tiles <= INT32_MAX && col_tiles <= 65535, "fp8_cast_transpose: ", rows, " x ", cols,
-               " is too large (at most 65535 · 64 columns)");
-  const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(col_tiles));
-  const bool pack4 = rows % 4 == 0 && aligned4(out);
-  if (format == Fp8Format::e5m2)
-    cast_transpose_kernel<true><<<grid, kThreads, 0, stream>>>(out, inv_scale, x, rows, cols, amax,
-                                                               counter(saturated), pack4);
-  else
-    cast_transpose_kernel<false><<<grid, kThreads, 0, stream>>>(out, inv_scale, x, rows, cols, amax,
-                                                                counter(saturated), pack4);
-  CUDA_CHECK_LAUNCH("fp8_cast_transpose");
+  cast_tiles("fp8_cast_transpose", nullptr, out, inv_scale, x, rows, cols, amax, format, saturated, stream);
+}
+
+void fp8_cast_both(uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows, int64_t cols,
+                   const float* amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
+  ESPLAG_CHECK(rows * cols == 0 || (out && out_t), "fp8_cast_both: out and out_t must not be null");
+  cast_tiles("fp8_cast_both", out, out_t, inv_scale, x, rows, cols, amax, format, saturated, stream);
 }
 
 void fp8_cast_rows(uint8_t* out, float* inv_scale, float* row_amax, const bf16* x, int64_t rows, int64_t cols,

@@ -1,0 +1,164 @@
+// fp8 training of dense layers on the GPU (docs/fp8.md, "GPU training") against the CPU's
+// emulation, the reference, and the life of the fp8 codes the layers keep:
+// - a GPT-2-style model (GELU MLP with biases: mproj's dW runs before its dX) and a
+//   LLaMA-style one (SwiGLU: mproj's dX first) in fp8 with e5m2 and e4m3 gradients, against
+//   the CPU model in fp8: the loss and every gradient after one micro-batch, at the full size
+//   and at a smaller one. dY is cast once in both orientations by whichever of dX and dW
+//   comes first and taken over by the other; the wrong codes (another layer's, or the other
+//   orientation's) would miss by far;
+// - the weight's codes, cast once per weight change (prepare): after an AdamW step and after
+//   set_params, the model's loss and gradients are bit for bit those of a new model given
+//   the same weights; codes left from the old weights would give other products.
+// Skips below compute capability 8.9 (no fp8 tensor cores).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/fp8.h"
+#include "model/gpu_transformer.h"
+#include "model/transformer.h"
+
+#include "gpu_test_util.h"
+
+namespace {
+
+using esplag::Fp8Format;
+using esplag::GpuModelOptions;
+using esplag::GpuTransformer;
+using esplag::LinearPrecision;
+using esplag::ModelConfig;
+using esplag::Transformer;
+using esplag::gpu_test::rel_l2;
+
+class GpuFp8Dense : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!esplag::gpu_test::has_device()) GTEST_SKIP() << "no CUDA device";
+    if (!esplag::gpu_test::has_fp8_tensor_cores()) GTEST_SKIP() << "fp8 products need compute capability 8.9 or newer";
+  }
+};
+
+// GPT-2 style: layernorm, GELU MLP, biases (every feature count a multiple of 16).
+ModelConfig gelu_config() {
+  ModelConfig c = esplag::model_preset("tiny");
+  c.vocab_size = 384;
+  return c;
+}
+
+GpuModelOptions fp8_options(Fp8Format grad) {
+  GpuModelOptions o;
+  o.precision = LinearPrecision{true, grad};
+  return o;
+}
+
+// Initial weights, rounded to bf16 (the GPU model's weights), so both models start equal.
+std::vector<float> initial_params(Transformer<float>& cm) {
+  cm.init_weights(5);
+  for (size_t i = 0; i < cm.num_params(); ++i) cm.params()[i] = esplag::gpu_test::round_bf16(cm.params()[i]);
+  return std::vector<float>(cm.params(), cm.params() + cm.num_params());
+}
+
+struct Batch {
+  std::vector<int32_t> x, y;
+  int B, T;
+};
+
+Batch random_batch(const ModelConfig& cfg, int B, int T, uint64_t seed) {
+  Batch b{std::vector<int32_t>(size_t(B) * T), std::vector<int32_t>(size_t(B) * T), B, T};
+  esplag::gpu_test::random_tokens(b.x, cfg.vocab_size, seed);
+  esplag::gpu_test::random_tokens(b.y, cfg.vocab_size, seed + 1);
+  return b;
+}
+
+// One micro-batch of B x T (the GPU model sized for 2 x 64) on both models in fp8: the losses
+// within 2%, every gradient within 6% (the GPU casts bf16 activations, the CPU fp32 ones: a
+// few codes differ by one step).
+void compare_fp8_step(const ModelConfig& cfg, Fp8Format grad, int B, int T) {
+  SCOPED_TRACE(cfg.preset + " gradients " + to_string(grad) + " " + std::to_string(B) + "x" + std::to_string(T));
+  Transformer<float> cm(cfg);
+  const std::vector<float> p = initial_params(cm);
+  GpuTransformer gm(cfg, 2, 64, fp8_options(grad));
+  gm.set_params(p.data(), p.size());
+  cm.set_linear_precision(LinearPrecision{true, grad});
+  const Batch b = random_batch(cfg, B, T, 11);
+  cm.zero_grad();
+  const double lc = cm.forward_backward(b.x.data(), b.y.data(), B, T, 1.0);
+  gm.zero_grad();
+  const double lg = gm.forward_backward(b.x.data(), b.y.data(), B, T, 1.0);
+  std::printf("%s %s: loss cpu %.6f gpu %.6f\n", cfg.preset.c_str(), to_string(grad).c_str(), lc, lg);
+  EXPECT_NEAR(lg, lc, 2e-2 * lc);
+  const std::vector<float> g = gm.grads_to_host();
+  double worst = 0;
+  for (const auto& info : cm.param_infos()) {
+    const double e = rel_l2(g.data() + info.offset, cm.grads() + info.offset, info.numel);
+    EXPECT_LT(e, 6e-2) << "gradient of " << info.name;
+    worst = std::max(worst, e);
+  }
+  std::printf("  worst gradient rel L2 error %.2e\n", worst);
+}
+
+TEST_F(GpuFp8Dense, GeluModelTracksTheCpuEmulation) {
+  for (const Fp8Format grad : {Fp8Format::e5m2, Fp8Format::e4m3}) {
+    compare_fp8_step(gelu_config(), grad, 2, 64);
+    compare_fp8_step(gelu_config(), grad, 1, 48);
+  }
+}
+
+TEST_F(GpuFp8Dense, SwigluModelTracksTheCpuEmulation) {
+  for (const Fp8Format grad : {Fp8Format::e5m2, Fp8Format::e4m3}) {
+    compare_fp8_step(esplag::gpu_test::sparse_llama_config(), grad, 2, 64);
+    compare_fp8_step(esplag::gpu_test::sparse_llama_config(), grad, 1, 48);
+  }
+}
+
+struct StepResult {
+  double loss;
+  std::vector<float> grads;
+};
+
+StepResult micro_batch(GpuTransformer& gm, const Batch& b) {
+  gm.zero_grad();
+  const double loss = gm.forward_backward(b.x.data(), b.y.data(), b.B, b.T, 1.0);
+  return {loss, gm.grads_to_host()};
+}
+
+void expect_same_bits(const StepResult& got, const StepResult& want, const std::string& what) {
+  EXPECT_EQ(got.loss, want.loss) << what << ": loss";
+  ASSERT_EQ(got.grads.size(), want.grads.size()) << what;
+  EXPECT_EQ(std::memcmp(got.grads.data(), want.grads.data(), sizeof(float) * got.grads.size()), 0)
+      << what << ": gradients";
+}
+
+// The weight codes follow every weight change: an AdamW step (a model's next micro-batch
+// equals a new model's given the stepped weights) and set_params (the first weights again
+// give the first micro-batch's bits).
+TEST_F(GpuFp8Dense, WeightCodesFollowEveryWeightChange) {
+  for (const ModelConfig& cfg : {gelu_config(), esplag::gpu_test::sparse_llama_config()}) {
+    SCOPED_TRACE(cfg.preset);
+    Transformer<float> cm(cfg);
+    const std::vector<float> p0 = initial_params(cm);
+    const Batch b = random_batch(cfg, 2, 64, 21);
+    GpuTransformer a(cfg, 2, 64, fp8_options(Fp8Format::e5m2));
+    a.set_params(p0.data(), p0.size());
+    const StepResult first = micro_batch(a, b);
+    a.step_adamw(esplag::GpuAdamW{});
+    const StepResult stepped = micro_batch(a, b);
+    EXPECT_NE(stepped.loss, first.loss) << "the step changed nothing";
+
+    GpuTransformer fresh(cfg, 2, 64, fp8_options(Fp8Format::e5m2));
+    const std::vector<float> p1 = a.params_to_host();
+    fresh.set_params(p1.data(), p1.size());
+    expect_same_bits(micro_batch(fresh, b), stepped, "after an AdamW step");
+
+    a.set_params(p0.data(), p0.size());
+    expect_same_bits(micro_batch(a, b), first, "after set_params");
+  }
+}
+
+}  // namespace
