@@ -269,12 +269,13 @@ GpuMemoryPlan GpuTransformer::memory_plan(const ModelConfig& config, int max_bat
   Impl dummy;
   lay_out_state_buffers(config, infos, options, dummy, state, Take{}, Take{});
   GpuMemoryPlan plan = step_arena_plan(config, max_batch, max_seq_len, options) + state;
-  if (options.precision.fp8) {  // the fp8 products' shared scratch (outside the arena)
+  if (options.precision.fp8) {  // the fp8 products' shared scratch and each layer's weight codes (outside the arena)
     std::vector<std::pair<int64_t, int64_t>> shapes;  // every block has the same shapes
     const std::vector<std::string> names = transformer_linear_names(config);
     for (size_t k = 0; k < 4 && k < names.size(); ++k) {
       const ParamInfo& i = info_named(infos, names[k]);
       shapes.push_back({i.shape.at(0), i.shape.at(1)});
+      plan.params += size_t(config.n_layer) * DeviceDenseLinear::fp8_layer_bytes(i.shape.at(0), i.shape.at(1));
     }
     plan.scratch += DeviceDenseLinear::fp8_scratch_bytes(shapes, int64_t(max_batch) * max_seq_len);
   }

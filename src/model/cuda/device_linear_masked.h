@@ -16,7 +16,7 @@ namespace esplag {
 class DeviceMaskedLinear : public DeviceDenseLinear {
  public:
   explicit DeviceMaskedLinear(const DeviceLinearSetup& s, const std::string& kind = "masked");
-  size_t device_bytes() const override { return bits_.capacity(); }
+  size_t device_bytes() const override { return bits_.capacity() + DeviceDenseLinear::device_bytes(); }
   const char* after_optimizer_step_op() const override { return "masked weights"; }
   void after_optimizer_step() override;
   void attach() override { after_optimizer_step(); }

@@ -26,7 +26,7 @@ class DeviceSemiSparseActivationLinear : public DeviceDenseLinear {
   ~DeviceSemiSparseActivationLinear() override;
   ActivationSparsity pattern() const { return act_->pattern(); }
   bool keeps(const Setting& s) const override;
-  size_t device_bytes() const override { return act_->device_bytes(); }
+  size_t device_bytes() const override { return act_->device_bytes() + DeviceDenseLinear::device_bytes(); }
   void shared_parts(std::set<std::string>& used) const override;
   void forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) override;
   void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad, const char* op) override;
