@@ -122,8 +122,11 @@ void Fp8SparseProducts::prepare(const bf16* wf, const bf16* wbt) {
   Scratch& sc = scratch();
   void* cs = sc.compress.capacity() ? sc.compress.base() : nullptr;
   gpu::fp8_cast(sc.w, inv(weight_fwd), wf, n, amax(weight_fwd), Fp8Format::e4m3, nullptr, s);
+  ctx_.marks->mark(s, "fp8 compress");
   fwd_->compress(comp_fwd_, sc.w, cs, sc.compress.capacity(), s);
+  ctx_.marks->mark(s, "fp8 cast");
   gpu::fp8_cast(sc.w, inv(weight_bwd), wbt, n, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
+  ctx_.marks->mark(s, "fp8 compress");
   bwd_->compress(comp_bwd_, sc.w, cs, sc.compress.capacity(), s);
 }
 

@@ -23,7 +23,8 @@ OpCategory op_trace_category(const std::string& kind) {
   if (kind.find("gemm") != std::string::npos) return OpCategory::dense_gemm;
   if (starts("attention")) return OpCategory::attention;
   if (starts("norm")) return OpCategory::norm;
-  if (starts("cross-entropy") || starts("mean loss")) return OpCategory::loss;
+  if (starts("cross-entropy") || starts("distillation loss") || starts("mean loss")) return OpCategory::loss;
+  if (starts("teacher fwd")) return OpCategory::other;  // a distillation teacher's whole forward
   if (starts("adamw") || starts("grad norm")) return OpCategory::optimizer;
   if (starts("memset")) return OpCategory::memcpy;
   if (starts("sparse prepare")) return OpCategory::other;
