@@ -28,9 +28,9 @@ TEST(TrainPrecision, DefaultsAndFp8Settings) {
   EXPECT_EQ(plain.precision, "bf16");
   EXPECT_EQ(plain.linear_precision(), LinearPrecision{});
   const TrainConfig c = parse_train_config("train:\n  precision: fp8\n", "run.yaml", {});
-  EXPECT_EQ(c.linear_precision(), (LinearPrecision{true, Fp8Format::e5m2}));
-  const TrainConfig g = parse_train_config("train:\n  precision: fp8\n", "run.yaml", {"train.fp8_grad=e4m3"});
-  EXPECT_EQ(g.linear_precision(), (LinearPrecision{true, Fp8Format::e4m3}));
+  EXPECT_EQ(c.linear_precision(), (LinearPrecision{true, Fp8Format::e4m3}));
+  const TrainConfig g = parse_train_config("train:\n  precision: fp8\n", "run.yaml", {"train.fp8_grad=e5m2"});
+  EXPECT_EQ(g.linear_precision(), (LinearPrecision{true, Fp8Format::e5m2}));
   // Saved and read back.
   const TrainConfig back = parse_train_config(to_yaml(g), "config.yaml", {});
   EXPECT_EQ(back.linear_precision(), g.linear_precision());
@@ -53,6 +53,7 @@ TEST(TrainPrecision, GpuTrainingRefusesFp8WithOtherSparseKindsAndAutoStaysOnTheC
   c.precision = "fp8";
   EXPECT_EQ(gpu_training_blocker(c), "") << "dense fp8 trains on the GPU";
   c.recipe_yaml = "- slope: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight']}\n";
+  c.fp8_grad = "e5m2";
   const std::string e5m2 = gpu_training_blocker(c);
   EXPECT_NE(e5m2.find("train.precision is fp8 with slope layers and train.fp8_grad is e5m2"), std::string::npos)
       << e5m2;

@@ -3,7 +3,7 @@
 //
 // In fp8 each GEMM of a layer multiplies fp8 operands with fp32 accumulation: activations
 // and weights in e4m3, the output gradient (dY, or sparse_dw's MVUE estimate of it) in
-// `grad` (e5m2 by default). The CPU emulates it: each operand is quantised with its
+// `grad` (e4m3 by default). The CPU emulates it: each operand is quantised with its
 // per-tensor scale (core/fp8.h), dequantised back and multiplied by the layer's usual
 // products; the GPU scales its fp32 accumulator instead, which differs by rounding only.
 // What a kind multiplies is what is quantised: a sparse kind's pruned or compressed weight
@@ -19,7 +19,7 @@ namespace esplag {
 
 struct LinearPrecision {
   bool fp8 = false;                  // false: the products in the layer's own type
-  Fp8Format grad = Fp8Format::e5m2;  // the output gradient's format in fp8
+  Fp8Format grad = Fp8Format::e4m3;  // the output gradient's format in fp8
 
   friend bool operator==(const LinearPrecision&, const LinearPrecision&) = default;
 };

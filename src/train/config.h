@@ -60,8 +60,8 @@ struct TrainConfig {
   // train.precision: bf16 | fp8, the block Linear layers' products (docs/fp8.md). On the CPU,
   // bf16 computes in fp32 as every other op does; fp8 emulates e4m3 operands (model/linear_precision.h).
   std::string precision = "bf16";
-  // train.fp8_grad: e5m2 | e4m3, the output gradient's format in fp8.
-  std::string fp8_grad = "e5m2";
+  // train.fp8_grad: e4m3 | e5m2, the output gradient's format in fp8 (docs/fp8.md says why e4m3).
+  std::string fp8_grad = "e4m3";
   // A run or checkpoint directory (e.g. one `esplag import` wrote) whose weights start the
   // run instead of the initialisation, at step 0 with fresh optimizer state; the model
   // section is then the checkpoint's (train/checkpoint.h, init_from_model).
