@@ -546,7 +546,7 @@ const Command kBenchGenerate = {
         Option::integer("vocab", "", 1, kIntMax, "vocabulary size (default: the preset's, else 257)"),
         Option::integer("chunk-rows", "0", 0, 65535,
                         "positions per prefill forward pass (0: the generator's, max(batch, max_len within "
-                        "[1024, 4096]))"),
+                        "[1024, 4096], batch x max_len up to 8192))"),
         Option::flag("prune-24", "prune the weights 2:4 and compare dense with 2:4 (cuSPARSELt) prefill"),
         csv_option(),
     },

@@ -85,8 +85,9 @@ enum class GpuSparse : uint8_t {
 
 struct GpuGeneratorOptions {
   // Positions one forward pass takes at most (prefill runs longer calls in passes); 0:
-  // max(max_batch, max_len clamped to [1024, 4096]), so that a prompt of up to 4096
-  // positions runs its attention in one flash pass.
+  // max(max_batch, max_len clamped to [1024, 4096], max_batch · max_len up to 8192), so that
+  // a prompt of up to 4096 positions runs its attention in one flash pass, and a batch's
+  // prompts share passes of up to 8192 rows (larger products run faster).
   int chunk_rows = 0;
   bool cuda_graph = true;  // replay decode steps as CUDA graphs
   // For tests: every buffer is filled with NaN before the weights are written, so that a

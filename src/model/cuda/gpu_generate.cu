@@ -38,6 +38,14 @@ constexpr int kSplitKRows = 1024;
 
 int round_up_rows(int n) { return (n + kSparseMultiple - 1) / kSparseMultiple * kSparseMultiple; }
 
+// GpuGeneratorOptions::chunk_rows's default: whole prompts of up to 4096 positions in a pass
+// (one flash pass each), and a batch's prompts together up to 8192 rows (larger products:
+// measured 12% faster on llama-1b at batch 32, for 380 MiB more of pass buffers).
+int default_chunk_rows(int max_batch, int max_len) {
+  return static_cast<int>(std::max<int64_t>(std::clamp(max_len, 1024, 4096),
+                                            std::min<int64_t>(int64_t(max_batch) * max_len, 8192)));
+}
+
 // Either counts the bytes of an allocation sequence (arena null) or performs it, so the
 // arena's size and its layout cannot disagree.
 struct Take {
@@ -266,7 +274,7 @@ GpuGenerator::GpuGenerator(Transformer<float>& model, int max_batch, int max_len
                options.sparse_min_rows);
   max_batch_ = max_batch;
   max_len_ = max_len == 0 ? c.max_seq_len : max_len;
-  chunk_rows_ = std::max(max_batch, options.chunk_rows > 0 ? options.chunk_rows : std::clamp(max_len_, 1024, 4096));
+  chunk_rows_ = std::max(max_batch, options.chunk_rows > 0 ? options.chunk_rows : default_chunk_rows(max_batch, max_len_));
   ESPLAG_CHECK(chunk_rows_ <= 65535, "GpuGenerator: chunk_rows=", chunk_rows_, " above 65535");
   Impl& im = *impl_;
 
