@@ -176,6 +176,28 @@ TEST(GpuFp8, CastEveryBf16ValueBitExact) {
   }
 }
 
+// fp8_amax then fp8_cast of x's n values from `first` (unaligned when odd) against the CPU's
+// amax, scale, codes and saturation count (`saturated`, which the test's data must give).
+void expect_amax_and_cast(Fp8Format f, const Bits& x, size_t first, size_t n, const std::string& what,
+                          uint64_t saturated) {
+  Dev dev;
+  const bf16* dx = dev.put_bf16(x) + first;
+  float* amax = dev.poisoned_floats(1);
+  float* inv = dev.poisoned_floats(1);
+  uint8_t* out = dev.poisoned_codes(n);
+  uint64_t* sat = dev.zeroed_counter();
+  gpu::fp8_amax(amax, dx, int64_t(n), dev.stream());
+  gpu::fp8_cast(out, inv, dx, int64_t(n), amax, f, sat, dev.stream());
+  const float want_amax = cpu_amax(x, first, n);
+  const float s = esplag::fp8_scale(want_amax, f);
+  const Expected want = cpu_cast(x, first, n, s, f);
+  EXPECT_EQ(float_bits(dev.get_float(amax)), float_bits(want_amax)) << what << ": amax";
+  EXPECT_EQ(float_bits(dev.get_float(inv)), float_bits(1.0f / s)) << what << ": inverse scale";
+  expect_codes(what, want.codes, dev.get(out, n + kGuard));
+  EXPECT_EQ(dev.get_count(sat), want.saturated) << what;
+  EXPECT_EQ(want.saturated, saturated) << what << ": only the infinities saturate";
+}
+
 // amax and scale from the data: random tensors of several sizes and magnitudes, one with
 // NaN and infinities (not in amax; NaN codes; infinities saturate and are counted).
 TEST(GpuFp8, AmaxScaleAndCastFromData) {
@@ -185,26 +207,12 @@ TEST(GpuFp8, AmaxScaleAndCastFromData) {
     for (const size_t n : {size_t(1), size_t(17), size_t(4097), (size_t(1) << 20) + 5})
       for (const double scale : {1e-3, 1.0, 3e4})
         for (const size_t first : {size_t(0), size_t(1)}) {
-          Dev dev;
           const bool specials = n == 4097 && scale == 1.0;
           const Bits x = random_bits(n + first, ++seed, scale, specials);
-          const std::string what = to_string(f) + " n=" + std::to_string(n) + " scale=" + std::to_string(scale) +
-                                   " first=" + std::to_string(first);
-          const bf16* dx = dev.put_bf16(x) + first;
-          float* amax = dev.poisoned_floats(1);
-          float* inv = dev.poisoned_floats(1);
-          uint8_t* out = dev.poisoned_codes(n);
-          uint64_t* sat = dev.zeroed_counter();
-          gpu::fp8_amax(amax, dx, int64_t(n), dev.stream());
-          gpu::fp8_cast(out, inv, dx, int64_t(n), amax, f, sat, dev.stream());
-          const float want_amax = cpu_amax(x, first, n);
-          const float s = esplag::fp8_scale(want_amax, f);
-          const Expected want = cpu_cast(x, first, n, s, f);
-          EXPECT_EQ(float_bits(dev.get_float(amax)), float_bits(want_amax)) << what << ": amax";
-          EXPECT_EQ(float_bits(dev.get_float(inv)), float_bits(1.0f / s)) << what << ": inverse scale";
-          expect_codes(what, want.codes, dev.get(out, n + kGuard));
-          EXPECT_EQ(dev.get_count(sat), want.saturated) << what;
-          EXPECT_EQ(want.saturated, specials ? 2u : 0u) << what << ": only the infinities saturate";
+          expect_amax_and_cast(f, x, first, n,
+                               to_string(f) + " n=" + std::to_string(n) + " scale=" + std::to_string(scale) +
+                                   " first=" + std::to_string(first),
+                               specials ? 2u : 0u);
         }
 }
 
@@ -217,24 +225,8 @@ TEST(GpuFp8, AmaxAndCastOfLargeTensors) {
   uint64_t seed = 150;
   for (const Fp8Format f : kFormats)
     for (const size_t first : {size_t(0), size_t(1)}) {
-      Dev dev;
       const Bits x = random_bits(n + first, ++seed, 1.0, true);
-      const std::string what = to_string(f) + " first=" + std::to_string(first);
-      const bf16* dx = dev.put_bf16(x) + first;
-      float* amax = dev.poisoned_floats(1);
-      float* inv = dev.poisoned_floats(1);
-      uint8_t* out = dev.poisoned_codes(n);
-      uint64_t* sat = dev.zeroed_counter();
-      gpu::fp8_amax(amax, dx, int64_t(n), dev.stream());
-      gpu::fp8_cast(out, inv, dx, int64_t(n), amax, f, sat, dev.stream());
-      const float want_amax = cpu_amax(x, first, n);
-      const float s = esplag::fp8_scale(want_amax, f);
-      const Expected want = cpu_cast(x, first, n, s, f);
-      EXPECT_EQ(float_bits(dev.get_float(amax)), float_bits(want_amax)) << what << ": amax";
-      EXPECT_EQ(float_bits(dev.get_float(inv)), float_bits(1.0f / s)) << what << ": inverse scale";
-      expect_codes(what, want.codes, dev.get(out, n + kGuard));
-      EXPECT_EQ(dev.get_count(sat), want.saturated) << what;
-      EXPECT_EQ(want.saturated, 2u) << what << ": the two infinities saturate";
+      expect_amax_and_cast(f, x, first, n, to_string(f) + " first=" + std::to_string(first), 2u);
     }
 }
 
