@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -245,6 +246,34 @@ TEST(GpuGenerate, ASplitKPassOfMoreThan1024RowsMatchesTheCpuGenerator) {
   GpuGeneratorOptions o;
   o.chunk_rows = 2048;
   EXPECT_EQ(compare_with_cpu(*m, o, prompts), 0);
+}
+
+// Op timing: the same logits bit for bit, prefill and decode steps (eagerly, not from the
+// graph) timed by op, every op of a pass among them and the time summed by kind.
+TEST(GpuGenerate, OpTimingCoversEveryOpAndChangesNoResult) {
+  REQUIRE_DEVICE();
+  auto m = make_model("llama");
+  GpuGenerator plain(*m, 3), timed(*m, 3);
+  const auto prompts = equal_prompts(3, 37);
+  timed.set_op_timing(true);
+  EXPECT_EQ(timed.prefill(prompts), plain.prefill(prompts));
+  const std::vector<int32_t> next = {1, 2, 3};
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(timed.decode_step(next), plain.decode_step(next)) << "step " << i;
+  EXPECT_EQ(timed.graph_launches(), 0) << "timed decode steps run eagerly";
+  std::map<std::string, GpuOpTime> by_op;
+  for (const GpuOpTime& t : timed.op_times()) by_op[t.op] = t;
+  for (const char* op : {"embedding", "norm", "gemm qkv", "rope", "kv cache store", "attention (flash)",
+                         "attention (split-K over the cache)", "gemm proj", "gemm fc", "swiglu", "gemm mproj",
+                         "head (gather + gemm)"}) {
+    ASSERT_TRUE(by_op.count(op)) << op << " was not timed";
+    EXPECT_GT(by_op[op].ms, 0) << op;
+  }
+  // Per layer: two norms (plus the final one per pass), one of each product; 1 prefill pass + 3 steps.
+  const int L = m->config().n_layer;
+  EXPECT_EQ(by_op["gemm qkv"].calls, 4 * L);
+  EXPECT_EQ(by_op["norm"].calls, 4 * (2 * L + 1));
+  EXPECT_EQ(by_op["attention (flash)"].calls, L);
+  EXPECT_GT(by_op["gemm fc"].flops, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Flavours, GpuGenerateFlash, ::testing::Values("gpt2", "llama", "llama-hd32"));

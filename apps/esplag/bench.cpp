@@ -143,6 +143,7 @@ int bench_generate(const Args& a) {
   o.new_tokens = a.int32("new-tokens");
   o.chunk_rows = a.int32("chunk-rows");
   o.prune_24 = a.has("prune-24");
+  o.op_times = a.has("op-times");
   if (a.has("vocab")) o.vocab = a.int32("vocab");
   const auto rows = gpu::bench_generate(o);
   std::cout << gpu::format_generate_bench(rows);
@@ -548,6 +549,7 @@ const Command kBenchGenerate = {
                         "positions per prefill forward pass (0: the generator's, max(batch, max_len within "
                         "[1024, 4096], batch x max_len up to 8192))"),
         Option::flag("prune-24", "prune the weights 2:4 and compare dense with 2:4 (cuSPARSELt) prefill"),
+        Option::flag("op-times", "one more prefill per row with CUDA events around every op: its time by op kind"),
         csv_option(),
     },
     bench_generate,

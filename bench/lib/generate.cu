@@ -87,6 +87,12 @@ std::vector<GenerateBenchRow> bench_generate(const GenerateBenchOptions& o) {
       r.decode_step_ms =
           median_of(event_times_ms([&](int) { gen.decode_step(next); }, o.warmup, o.new_tokens, gen.stream()));
       r.decode_tokens_per_s = double(B) / (r.decode_step_ms * 1e-3);
+      if (o.op_times) {
+        gen.set_op_timing(true);
+        gen.prefill(prompts);
+        for (const GpuOpTime& t : gen.op_times()) r.prefill_ops.push_back({t.op, t.ms});
+        gen.set_op_timing(false);
+      }
       if (sparse == GpuSparse::off) {
         dense_logits = std::move(logits);
       } else {
@@ -125,6 +131,19 @@ std::string format_generate_bench(const std::vector<GenerateBenchRow>& rows) {
                     r.batch, r.prefill_speedup, r.decode_speedup, r.logits_rel_l2);
       out << line;
     }
+  for (const auto& r : rows) {
+    if (r.prefill_ops.empty()) continue;
+    double total = 0;
+    for (const auto& op : r.prefill_ops) total += op.ms;
+    std::snprintf(line, sizeof line, "prefill of batch %d, %s products, by op (%.2f ms with per-op events):\n",
+                  r.batch, r.products.c_str(), total);
+    out << line;
+    for (const auto& op : r.prefill_ops) {
+      std::snprintf(line, sizeof line, "  %-36s %9.2f ms %5.1f%%\n", op.op.c_str(), op.ms,
+                    total > 0 ? 100 * op.ms / total : 0.0);
+      out << line;
+    }
+  }
   out << "flash: the prefill's forward passes that ran flash attention (the others attend over the KV cache).\n"
          "decode_ms: the median step (one token per sequence).";
   if (compared)

@@ -38,6 +38,7 @@ struct GenerateBenchOptions {
   int prefill_iters = 5;
   int chunk_rows = 0;     // GpuGeneratorOptions::chunk_rows (0: the generator's default)
   bool prune_24 = false;  // prune the weights 2:4 and time dense against 2:4 products (above)
+  bool op_times = false;  // one more prefill per row with per-op CUDA-event timing (GpuGenerator::set_op_timing)
   uint64_t seed = 1;
 };
 
@@ -52,6 +53,12 @@ struct GenerateBenchRow {
   // The 2:4 row only (0 otherwise): tokens/s over the dense row's of the same batch, and its
   // last prefill's logits against the dense one's (relative L2 over the whole batch).
   double prefill_speedup = 0, decode_speedup = 0, logits_rel_l2 = 0;
+  // With op_times: that prefill's time by op kind, in the order the kinds first ran.
+  struct Op {
+    std::string op;
+    double ms = 0;
+  };
+  std::vector<Op> prefill_ops;
 };
 
 // Throws Error naming the option (model, prompt_len + warmup + new_tokens past the preset's

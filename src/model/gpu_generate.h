@@ -72,6 +72,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/gpu_transformer.h"
 #include "model/transformer.h"
 
 namespace esplag {
@@ -137,6 +138,13 @@ class GpuGenerator {
   // The stream every call runs on (for event timing around prefill / decode_step, which
   // return only once their logits are on the host).
   cudaStream_t stream() const { return stream_; }
+  // Where a call's time goes, as GpuTransformer::set_op_timing: while on, every op of
+  // prefill and decode_step is bracketed by CUDA events (decode steps run eagerly, not from
+  // their graph) and op_times() sums the times by op kind since timing was switched on (the
+  // block products as "gemm <layer>", 2:4 ones as "sparse gemm <layer>"). Results are the
+  // same bits as with timing off.
+  void set_op_timing(bool on);
+  std::vector<GpuOpTime> op_times() const;
 
   struct Impl;
 

@@ -8,12 +8,14 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <string_view>
 
 #include "core/cuda_check.h"
 #include "core/cuda_graph.h"
 #include "core/device_arena.h"
 #include "core/device_buffer.h"
 #include "core/error.h"
+#include "model/cuda/step_marks.h"
 #include "ops/gpu.h"
 #include "ops/gpu_attention.h"
 #include "ops/gpu_decode.h"
@@ -132,6 +134,7 @@ struct GpuGenerator::Impl {
   int32_t* host_rows = nullptr;  // pinned mirror
   float* host_logits = nullptr;  // pinned, [max_batch, V]
   std::map<int, ReplayedGraph> graphs;  // decode steps by row count
+  StepMarks marks;                      // op timing (set_op_timing)
   // The 2:4 layers' compressed weights and the cuSPARSELt workspace (grown as plans ask).
   std::vector<DeviceBuffer> packed;
   DeviceBuffer sparse_ws;
@@ -328,6 +331,10 @@ GpuGenerator::~GpuGenerator() {
   if (stream_) cudaStreamDestroy(stream_);
 }
 
+void GpuGenerator::set_op_timing(bool on) { impl_->marks.set_timing(on); }
+
+std::vector<GpuOpTime> GpuGenerator::op_times() const { return impl_->marks.totals(); }
+
 size_t GpuGenerator::device_bytes() const { return impl_->arena->capacity() + impl_->packed_bytes; }
 
 std::vector<float> GpuGenerator::prefill(const std::vector<std::vector<int32_t>>& prompts) {
@@ -393,11 +400,15 @@ std::vector<float> GpuGenerator::append(const std::vector<std::vector<int32_t>>&
     const int a = static_cast<int>(heads.size());
     CUDA_CHECK(cudaMemcpyAsync(im.rows, im.host_rows, (3 * size_t(R) + max_batch_) * sizeof(int32_t),
                                cudaMemcpyHostToDevice, stream_));
-    if (decode && opt_.cuda_graph)  // one row per sequence: the graph of n rows holds
+    if (decode && opt_.cuda_graph && !im.marks.timing())  // one row per sequence: the graph of n rows holds
       im.graphs[n].run(stream_, graph_launches_, [&] { forward_rows(n, a, false, 0); }, "GpuGenerator");
     else
       forward_rows(n, a, !decode && n >= opt_.sparse_min_rows && !sparse_layers_.empty(),
                    !decode && opt_.flash_prefill ? flash_sequences(seq.data() + c0, pos.data() + c0, n) : 0);
+    if (im.marks.timing()) {
+      im.marks.end_ops();
+      im.marks.collect(stream_);
+    }
     CUDA_CHECK(cudaMemcpyAsync(im.host_logits, im.logits, size_t(a) * V * sizeof(float), cudaMemcpyDeviceToHost,
                                stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -415,8 +426,10 @@ void GpuGenerator::forward_rows(int n, int a, bool sparse, int flash_batch) {
   const int C = c.d_model, V = c.vocab_size, H = c.d_ff, R = chunk_rows_;
   const int NH = c.n_head, NKV = c.n_kv_head, HD = c.head_dim();
   const int32_t *tok = im.rows, *seq = im.rows + R, *pos = im.rows + 2 * R, *heads = im.rows + 3 * R;
+  auto mark = [&](std::string_view op, double flops = 0) { im.marks.mark(s, op, flops); };
   // ln = norm(x + branch), the sum kept in x (x alone when branch is null).
   auto norm = [&](const Impl::Norm& nm, const bf16* branch) {
+    mark("norm");
     if (c.norm == NormKind::layernorm)
       gpu::layernorm_forward(im.ln, nullptr, nullptr, im.x, im.x, branch, nm.w, nm.b, n, C, s, float(c.norm_eps));
     else
@@ -424,11 +437,15 @@ void GpuGenerator::forward_rows(int n, int a, bool sparse, int flash_batch) {
   };
   // y = x · Wᵀ (+ bias) over the n rows, then GELU into gelu_out when given: the 2:4 product
   // where this pass is sparse and the layer has a compressed weight, else the dense one.
-  auto linear = [&](bf16* y, const bf16* x, const Impl::Lin& L, bf16* gelu_out = nullptr) {
+  auto linear = [&](const char* op, bf16* y, const bf16* x, const Impl::Lin& L, bf16* gelu_out = nullptr) {
+    im.marks.mark_product(s, op, 2.0 * n * L.in * L.out, sparse && L.packed);
     if (sparse && L.packed) {
       im.sparse_forward(y, x, L, n, s);
       ++sparse_products_;
-      if (gelu_out) gpu::gelu_forward(gelu_out, y, int64_t(n) * L.out, s);
+      if (gelu_out) {
+        mark("gelu");
+        gpu::gelu_forward(gelu_out, y, int64_t(n) * L.out, s);
+      }
     } else if (gelu_out) {
       im.gemm->forward(gelu_out, x, L.w, L.b, n, L.in, L.out, s, gpu::Gemm::Act::gelu);
     } else {
@@ -436,15 +453,21 @@ void GpuGenerator::forward_rows(int n, int a, bool sparse, int flash_batch) {
     }
   };
   if (flash_batch > 0) ++flash_prefill_passes_;
+  mark("embedding");
   gpu::embedding_rows(im.x, tok, pos, im.wte, im.wpe, n, C, V, s);
   for (int l = 0; l < c.n_layer; ++l) {
     const Impl::Layer& L = im.layers[l];
     bf16* kc = im.k_cache + l * im.layer_cache;
     bf16* vc = im.v_cache + l * im.layer_cache;
     norm(L.n1, l == 0 ? nullptr : im.branch);
-    linear(im.qkv, im.ln, L.qkv);
-    if (c.pos == PosKind::rope) gpu::rope_rows(im.qkv, pos, n, NH, NKV, HD, c.rope_theta, s);
+    linear("gemm qkv", im.qkv, im.ln, L.qkv);
+    if (c.pos == PosKind::rope) {
+      mark("rope");
+      gpu::rope_rows(im.qkv, pos, n, NH, NKV, HD, c.rope_theta, s);
+    }
+    mark("kv cache store");
     gpu::store_kv_rows(kc, vc, im.qkv, seq, pos, n, NH, NKV, HD, max_len_, s);
+    mark(flash_batch > 0 ? "attention (flash)" : "attention (split-K over the cache)");
     if (flash_batch > 0)  // [B, T, ·] rows: the pass's own keys and values are all there is
       gpu::attention_forward(im.atty, im.lse, im.qkv, flash_batch, n / flash_batch, NH, NKV, HD, im.attn_ws,
                              im.attn_ws_bytes, s);
@@ -454,23 +477,26 @@ void GpuGenerator::forward_rows(int n, int a, bool sparse, int flash_batch) {
         gpu::decode_attention(im.atty + size_t(r0) * NH * HD, im.qkv + size_t(r0) * c.qkv_dim(), kc, vc, seq + r0,
                               pos + r0, rows, NH, NKV, HD, max_len_, im.attn_ws, im.attn_ws_bytes, s);
       }
-    linear(im.branch, im.atty, L.proj);
+    linear("gemm proj", im.branch, im.atty, L.proj);
     norm(L.n2, im.branch);
     switch (c.mlp) {
-      case MlpKind::gelu: linear(im.fc, im.ln, L.fc, im.act); break;
+      case MlpKind::gelu: linear("gemm fc", im.fc, im.ln, L.fc, im.act); break;
       case MlpKind::swiglu:
-        linear(im.fc, im.ln, L.fc);
+        linear("gemm fc", im.fc, im.ln, L.fc);
+        mark("swiglu");
         gpu::swiglu_forward(im.act, im.fc, n, H, s);
         break;
       case MlpKind::relu2:
-        linear(im.fc, im.ln, L.fc);
+        linear("gemm fc", im.fc, im.ln, L.fc);
+        mark("relu2");
         gpu::relu2_forward(im.act, im.fc, int64_t(n) * H, s);
         break;
     }
-    linear(im.branch, im.act, L.mproj);
+    linear("gemm mproj", im.branch, im.act, L.mproj);
   }
   norm(im.nf, im.branch);
   if (a == 0) return;
+  mark("head (gather + gemm)", 2.0 * a * C * V);
   gpu::gather_rows(im.last, im.ln, heads, a, C, s);
   im.gemm->forward(im.logits, im.last, im.head, a, C, V, s);
 }
