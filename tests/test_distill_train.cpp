@@ -179,7 +179,7 @@ TEST_F(DistillTrain, ResumeReloadsTheTeacherOrSaysItIsGone) {
   EXPECT_TRUE(fs::exists(part / "step-000002" / "model.safetensors"));
 }
 
-TEST_F(DistillTrain, RefusesATeacherOfAnotherVocabularyOrNone) {
+TEST_F(DistillTrain, RefusesATeacherOfAnotherVocabularyOrShorterSequencesOrNone) {
   TrainConfig wide = config(data_, "", 1);
   wide.model.vocab_size = 300;
   Trainer(wide, dir_->file("wide"), [](const std::string&) {}).run();
@@ -190,6 +190,17 @@ TEST_F(DistillTrain, RefusesATeacherOfAnotherVocabularyOrNone) {
             std::string::npos)
       << e;
   EXPECT_FALSE(fs::exists(dir_->file("s1")));
+
+  TrainConfig short_teacher = config(data_, "", 1);
+  short_teacher.model.max_seq_len = short_teacher.seq_len = 16;
+  Trainer(short_teacher, dir_->file("short"), [](const std::string&) {}).run();
+  const std::string s = error_of(
+      [&] { Trainer(config(data_, distill(0.5, dir_->file("short"))), dir_->file("s4"), [](const std::string&) {}); });
+  EXPECT_NE(s.find("key 'teacher': the teacher '" + dir_->file("short") +
+                   "' takes sequences of at most 16 tokens (its model.max_seq_len), the run's train.seq_len is 32"),
+            std::string::npos)
+      << s;
+  EXPECT_FALSE(fs::exists(dir_->file("s4")));
 
   const std::string none = error_of(
       [&] { Trainer(config(data_, distill(0.5, dir_->file("nope"))), dir_->file("s2"), [](const std::string&) {}); });

@@ -89,7 +89,12 @@ std::unique_ptr<GpuTransformer> gpu_teacher(Transformer<float>& host, const Trai
   o.stream = student.stream();
   o.head_chunk_rows = student.head_chunk_rows();
   o.attention = gpu_model_options(cfg).attention;
-  auto teacher = std::make_unique<GpuTransformer>(host.config(), cfg.batch_size, cfg.seq_len, o);
+  std::unique_ptr<GpuTransformer> teacher;
+  try {
+    teacher = std::make_unique<GpuTransformer>(host.config(), cfg.batch_size, cfg.seq_len, o);
+  } catch (const Error& e) {
+    fail("GPU training: the distillation teacher (forward only, beside the student): ", e.what());
+  }
   std::vector<float> flat(host.params(), host.params() + host.num_params());
   std::map<std::string, size_t> offset;
   for (const auto& info : host.param_infos()) offset[info.name] = info.offset;

@@ -528,7 +528,7 @@ void Trainer::make_backend(Moments m, Moments v) {
   if (const Recipe::Modifier* d = recipe_.distill()) {
     const int index = static_cast<int>(d - recipe_.modifiers().data());
     teacher = load_teacher(*d, recipe_.source() + ": recipe[" + std::to_string(index) + "] (distill)", cfg_.model,
-                           tokenizer_);
+                           tokenizer_, cfg_.seq_len);
     log_("distilling from " + d->teacher + " (" + std::to_string(teacher->config().n_layer) + " layers, d=" +
          std::to_string(teacher->config().d_model) + ", forward only on the " +
          (device_ == "cuda" ? "GPU, dense bf16)" : "CPU)"));
