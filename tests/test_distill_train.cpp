@@ -13,6 +13,7 @@
 
 #include "data/prepare.h"
 #include "test_util.h"
+#include "train/memory_plan.h"
 #include "train/trainer.h"
 
 using namespace esplag;
@@ -212,6 +213,43 @@ TEST_F(DistillTrain, RefusesATeacherOfAnotherVocabularyOrShorterSequencesOrNone)
   EXPECT_NE(empty.find("recipe[0] (distill): key 'teacher': '" + empty_dir + "' holds neither model.safetensors"),
             std::string::npos)
       << empty;
+}
+
+// The memory plan counts the teacher: on the host its fp32 weights and, on the CPU, its
+// forward's activations; on the GPU its forward-only model. A teacher that cannot be read is
+// a note (the trainer refuses the run when it loads it).
+TEST_F(DistillTrain, ThePlanCountsTheTeacher) {
+  TrainConfig c = config(data_, distill(0.5));
+  c.model.vocab_size = 257;  // the byte tokenizer's, as the trainer resolves it
+  const MemoryPlan cpu = plan_memory(c, "cpu");
+  ASSERT_TRUE(cpu.teacher);
+  EXPECT_EQ(cpu.teacher->num_params(), c.model.num_params()) << "the suite's teacher is the student's shape";
+  TrainConfig forward = c;
+  forward.checkpointing = {};
+  EXPECT_EQ(cpu.host.teacher,
+            uint64_t(c.model.num_params()) * sizeof(float) + host_memory_plan(forward, "cpu").activations);
+  EXPECT_EQ(cpu.host.total(), host_memory_plan(c, "cpu").total() + cpu.host.teacher);
+  EXPECT_NE(describe(c, cpu, {}).find("  teacher "), std::string::npos) << describe(c, cpu, {});
+
+  const MemoryPlan gpu = plan_memory(c, "cuda");
+  EXPECT_EQ(gpu.host.teacher, uint64_t(c.model.num_params()) * sizeof(float)) << "loaded on the host, then moved";
+  const std::string text = describe(c, gpu, {});
+  if (gpu.gpu)
+    EXPECT_GT(gpu.gpu->teacher, 0u);
+  else
+    EXPECT_NE(text.find("note: the distillation teacher (" + std::to_string(c.model.num_params()) +
+                        " parameters, forward only)"),
+              std::string::npos)
+        << text;
+
+  TrainConfig missing = config(data_, distill(0.5, dir_->file("nope")));
+  missing.model.vocab_size = 257;
+  const MemoryPlan none = plan_memory(missing, "cpu");
+  EXPECT_FALSE(none.teacher);
+  EXPECT_EQ(none.host.teacher, 0u);
+  EXPECT_NE(none.teacher_problem.find("the distillation teacher '" + dir_->file("nope") + "' cannot be read"),
+            std::string::npos)
+      << none.teacher_problem;
 }
 
 // GPU training distills too (a forward-only GPU copy of the teacher): nothing blocks the

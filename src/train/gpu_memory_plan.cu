@@ -46,6 +46,17 @@ GpuMemoryBytes gpu_memory_plan(const TrainConfig& config, int world) {
   return {p.params, p.grads, p.optimizer, p.activations, p.scratch, p.workspace};
 }
 
+GpuModelOptions gpu_teacher_options(const TrainConfig& config) {
+  GpuModelOptions o;
+  o.forward_only = true;
+  o.attention = gpu_model_options(config).attention;
+  return o;
+}
+
+uint64_t gpu_teacher_bytes(const ModelConfig& teacher, const TrainConfig& config) {
+  return GpuTransformer::memory_plan(teacher, config.batch_size, config.seq_len, gpu_teacher_options(config)).total();
+}
+
 uint64_t gpu_free_bytes(int device) {
   int devices = 0;
   size_t free_b = 0, total_b = 0;

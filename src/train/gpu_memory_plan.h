@@ -26,6 +26,11 @@ GpuModelOptions gpu_model_options(const TrainConfig& config);
 // ranks: with train.parallel.zero 1 and several ranks, the sharded optimizer state's.
 GpuMemoryBytes gpu_memory_plan(const TrainConfig& config, int world = 1);
 
+// The device memory of a distillation teacher of model `teacher` beside `config`'s student
+// (train/gpu_step.h): a forward-only GpuTransformer sized for the same micro-batch.
+GpuModelOptions gpu_teacher_options(const TrainConfig& config);
+uint64_t gpu_teacher_bytes(const ModelConfig& teacher, const TrainConfig& config);
+
 // Free memory of CUDA device `device` (cudaMemGetInfo), which becomes the current device;
 // 0 when there is no such device.
 uint64_t gpu_free_bytes(int device = 0);

@@ -84,11 +84,9 @@ std::vector<GpuTransformer::LinearKindSetting> host_kind_settings(
 // on the student's stream, its block Linear layers dense with the weights its own kinds
 // apply (Linear::dense_weight: a sparse teacher's masked weight, adapters merged in).
 std::unique_ptr<GpuTransformer> gpu_teacher(Transformer<float>& host, const TrainConfig& cfg, GpuTransformer& student) {
-  GpuModelOptions o;
-  o.forward_only = true;
+  GpuModelOptions o = gpu_teacher_options(cfg);
   o.stream = student.stream();
   o.head_chunk_rows = student.head_chunk_rows();
-  o.attention = gpu_model_options(cfg).attention;
   std::unique_ptr<GpuTransformer> teacher;
   try {
     teacher = std::make_unique<GpuTransformer>(host.config(), cfg.batch_size, cfg.seq_len, o);

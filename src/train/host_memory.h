@@ -26,7 +26,10 @@ struct HostMemoryPlan {
   // The CPU layers' own state of the sparse kinds a recipe gives its layers (the largest a
   // layer takes over the run; LinearKindInfo::host_bytes_per_weight), on either device.
   uint64_t kinds = 0;
-  uint64_t total() const { return weights + gradients + moments + activations + master_low + kinds; }
+  // A distillation teacher (the recipe's distill entry, train/memory_plan.h): its fp32
+  // weights, loaded on the host on either device, and on the CPU its forward's activations.
+  uint64_t teacher = 0;
+  uint64_t total() const { return weights + gradients + moments + activations + master_low + kinds + teacher; }
 };
 HostMemoryPlan host_memory_plan(const TrainConfig& config, const std::string& device);
 

@@ -6,7 +6,9 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "train/checkpoint.h"
 #include "train/progress.h"
+#include "train/recipe.h"
 #include "train/zero_partition.h"
 #ifdef ESPLAG_HAVE_CUDA
 #include "train/gpu_memory_plan.h"
@@ -145,6 +147,22 @@ std::string model_state_text(const GpuModelState& s, const std::string& offload,
   return text;
 }
 
+// The model of the recipe's distill teacher, read from its checkpoint's config; nullopt
+// without a distill entry, or with `problem` saying why the checkpoint cannot be read (the
+// trainer refuses the run then, when it loads the teacher, naming the key).
+std::optional<ModelConfig> teacher_model(const TrainConfig& config, std::string& problem) {
+  if (config.recipe_yaml.empty()) return std::nullopt;
+  const Recipe recipe = config.recipe();
+  const Recipe::Modifier* d = recipe.distill();
+  if (!d) return std::nullopt;
+  try {
+    return read_checkpoint_info(resolve_checkpoint(d->teacher)).config.model;
+  } catch (const Error& e) {
+    problem = "the distillation teacher '" + d->teacher + "' cannot be read (" + e.what() + "): not counted";
+    return std::nullopt;
+  }
+}
+
 }  // namespace
 
 GpuModelState gpu_model_state(const TrainConfig& config, int world) {
@@ -176,6 +194,14 @@ MemoryPlan plan_memory(const TrainConfig& config, const std::string& device, int
   plan.device = device;
   plan.world = world;
   plan.host = host_memory_plan(config, device);
+  plan.teacher = teacher_model(config, plan.teacher_problem);
+  if (plan.teacher) {
+    TrainConfig t = config;
+    t.model = *plan.teacher;
+    t.checkpointing = {};
+    plan.host.teacher = uint64_t(plan.teacher->num_params()) * sizeof(float) +
+                        (device == "cpu" ? host_memory_plan(t, "cpu").activations : 0);
+  }
   if (device != "cuda") {
     if (world > 1 && config.parallel.zero >= 1) {
       // ZeroCpuOptimizer: the moments of the rank's range; stage 2 also its mean gradient.
@@ -188,7 +214,10 @@ MemoryPlan plan_memory(const TrainConfig& config, const std::string& device, int
   plan.gpu_state = gpu_model_state(config, world);
 #ifdef ESPLAG_HAVE_CUDA
   // The attention's workspace size is the device library's answer: no device, no plan.
-  if (cuda_device_count() > 0) plan.gpu = gpu_memory_plan(config, world);
+  if (cuda_device_count() > 0) {
+    plan.gpu = gpu_memory_plan(config, world);
+    if (plan.teacher) plan.gpu->teacher = gpu_teacher_bytes(*plan.teacher, config);
+  }
   else plan.no_gpu_plan = "no CUDA device is visible (the attention's workspace is the device library's answer)";
 #else
   plan.no_gpu_plan = "this esplag was built without the CUDA backend (the cuda preset)";
@@ -311,17 +340,25 @@ std::string describe(const TrainConfig& config, const MemoryPlan& plan, const Me
      << row("weights", plan.host.weights) << row("gradients", plan.host.gradients) << row("moments", plan.host.moments)
      << (plan.host.master_low ? row("master low", plan.host.master_low) : "")
      << (plan.host.kinds ? row("sparse kinds", plan.host.kinds) : "")
+     << (plan.host.teacher ? row("teacher", plan.host.teacher) : "")
      << row("activations", plan.host.activations) << row("total", plan.host.total()) << "  "
-     << verdict(plan.fits_host(budget), budget.host, budget.host_source) << "\n";
+     << verdict(plan.fits_host(budget), budget.host, budget.host_source) << "\n"
+     << (plan.teacher_problem.empty() ? "" : "  note: " + plan.teacher_problem + "\n");
   os << "GPU memory:";
   if (plan.device != "cuda") return os.str() + " none (train.device " + plan.device + ")\n";
   if (!plan.gpu)
     return os.str() + " unknown: " + plan.no_gpu_plan + "; the model state:\n" +
-           model_state_text(*plan.gpu_state, config.offload, true);
+           model_state_text(*plan.gpu_state, config.offload, true) +
+           (plan.teacher ? "  note: the distillation teacher (" + std::to_string(plan.teacher->num_params()) +
+                               " parameters, forward only) adds its bf16 weights and their low halves (" +
+                               format_bytes(uint64_t(plan.teacher->num_params()) * 4) +
+                               ") and one block's activations\n"
+                         : "");
   const GpuMemoryBytes& g = *plan.gpu;
   os << "\n"
      << row("params", g.params) << row("grads", g.grads) << row("optimizer", g.optimizer)
      << row("activations", g.activations) << row("scratch", g.scratch) << row("workspace", g.workspace)
+     << (g.teacher ? row("teacher", g.teacher) : "")
      << row("total", g.total()) << "  " << verdict(plan.fits_gpu(budget), budget.gpu, budget.gpu_source) << "\n"
      << model_state_text(*plan.gpu_state, config.offload, false);
   return os.str();

@@ -24,7 +24,8 @@ struct GpuMemoryBytes {
   uint64_t activations = 0;  // saved for the backward
   uint64_t scratch = 0;      // shared step buffers, LM-head chunk, attention workspace, losses
   uint64_t workspace = 0;    // cuBLASLt workspace and bias scratch
-  uint64_t total() const { return params + grads + optimizer + activations + scratch + workspace; }
+  uint64_t teacher = 0;      // a distillation teacher's forward-only model (GpuModelOptions::forward_only)
+  uint64_t total() const { return params + grads + optimizer + activations + scratch + workspace + teacher; }
 };
 
 // The model state of one GPU of a run over `world` data-parallel ranks (docs/distributed.md,
@@ -71,6 +72,10 @@ struct MemoryPlan {
   // (train/zero_partition.h, the largest range).
   HostMemoryPlan host;
   std::optional<GpuModelState> gpu_state;  // a cuda run, in either build
+  // The model of the recipe's distill teacher (read from its checkpoint), when there is one;
+  // its memory is in host.teacher and gpu->teacher.
+  std::optional<ModelConfig> teacher;
+  std::string teacher_problem;  // why a distill entry's teacher is not counted ("" when it is)
   std::optional<GpuMemoryBytes> gpu;  // a cuda run in the CUDA build with a visible device only
   std::string no_gpu_plan;            // for a cuda run without `gpu`: why
   bool fits_host(const MemoryBudget& budget) const { return budget.host == 0 || host.total() <= budget.host; }
@@ -79,8 +84,9 @@ struct MemoryPlan {
 };
 
 // The plan of `config` (model.vocab_size resolved) on `device` ("cpu" or "cuda"), for one of
-// `world` data-parallel ranks (>= 1) under train.parallel.zero. An Error for a cuda run of a
-// stage the GPU does not take (2).
+// `world` data-parallel ranks (>= 1) under train.parallel.zero, with the recipe's distill
+// teacher where it has one. An Error for a cuda run of a stage the GPU does not take (2), or
+// a teacher whose checkpoint cannot be read (naming the key).
 MemoryPlan plan_memory(const TrainConfig& config, const std::string& device, int world = 1);
 
 // The plan of a config where the run steps: plan_memory with the run's device, or a
