@@ -2,6 +2,7 @@
 
 #include "core/cuda_check.h"
 #include "core/device_arena.h"
+#include "model/cuda/fp8_grad_codes.h"
 #include "model/cuda/step_marks.h"
 #include "ops/gpu_fp8.h"
 #include "ops/gpu_fused.h"
@@ -23,13 +24,9 @@ constexpr int kScaleStride = 64;
 struct DeviceDenseLinear::Fp8Scratch : SharedScratch::Part {
   DeviceArena arena;
   std::unique_ptr<gpu::Fp8Gemm> gemm;
-  uint8_t *x = nullptr, *dy = nullptr, *dyt = nullptr;
+  uint8_t* x = nullptr;
+  Fp8GradCodes dy_codes;
   bf16* bias = nullptr;  // a bias that is not 16-byte aligned, copied (the fp8 GEMM reads it so)
-  // Whose codes dy and dyt hold between the two backward products of one dY (grad_codes):
-  // the layer, the tensor and its rows; null once taken over or at a new backward.
-  const DeviceDenseLinear* dy_layer = nullptr;
-  const bf16* dy_of = nullptr;
-  int dy_rows = 0;
   enum Role { input, weight, grad };
   size_t bytes() const override { return arena.capacity(); }
 };
@@ -99,23 +96,13 @@ void DeviceDenseLinear::cast_weight() {
 
 void DeviceDenseLinear::begin_backward() {
   if (!fp8_) return;
-  if (Fp8Scratch* f = ctx_.scratch.find<Fp8Scratch>(kFp8Scratch)) f->dy_layer = nullptr;
+  if (Fp8Scratch* f = ctx_.scratch.find<Fp8Scratch>(kFp8Scratch)) f->dy_codes.forget();
 }
 
 DeviceDenseLinear::Fp8Scratch& DeviceDenseLinear::grad_codes(const bf16* dout, int N) {
   using R = Fp8Scratch::Role;
   Fp8Scratch& f = fp8_scratch();
-  if (f.dy_layer == this && f.dy_of == dout && f.dy_rows == N) {
-    f.dy_layer = nullptr;  // the other product of this dY cast it
-    return f;
-  }
-  cudaStream_t s = ctx_.stream;
-  gpu::fp8_amax(fp8_amax(R::grad), dout, int64_t(N) * out_, s);
-  gpu::fp8_cast_both(f.dy, f.dyt, fp8_inv(R::grad), dout, N, out_, fp8_amax(R::grad), ctx_.precision.grad, nullptr,
-                     s);
-  f.dy_layer = this;
-  f.dy_of = dout;
-  f.dy_rows = N;
+  f.dy_codes.take(this, dout, N, out_, fp8_amax(R::grad), fp8_inv(R::grad), ctx_.precision.grad, ctx_.stream);
   return f;
 }
 
@@ -131,8 +118,8 @@ DeviceDenseLinear::Fp8Scratch& DeviceDenseLinear::fp8_scratch() {
     auto p = std::make_unique<Fp8Scratch>();
     p->arena = DeviceArena(n.bytes(), "fp8 operands");
     p->x = p->arena.allocate_array<uint8_t>("fp8.x", n.x);
-    p->dy = p->arena.allocate_array<uint8_t>("fp8.dy", n.dy);
-    p->dyt = p->arena.allocate_array<uint8_t>("fp8.dyt", n.dy);
+    p->dy_codes.dy = p->arena.allocate_array<uint8_t>("fp8.dy", n.dy);
+    p->dy_codes.dyt = p->arena.allocate_array<uint8_t>("fp8.dyt", n.dy);
     p->bias = p->arena.allocate_array<bf16>("fp8.bias", n.outs);
     p->gemm = std::make_unique<gpu::Fp8Gemm>(p->arena.allocate("fp8.workspace", n.workspace), n.workspace);
     return p;
@@ -189,8 +176,8 @@ void DeviceDenseLinear::backward_dx(bf16* dinp, const bf16* dout, int N, const b
   Fp8Scratch& f = grad_codes(dout, N);
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   f.gemm->set_fast_accum(false);
-  f.gemm->matmul(dinp, {f.dy, fp8_inv(R::grad), ctx_.precision.grad}, {wt8_, fp8_inv(R::weight), Fp8Format::e4m3},
-                 nullptr, N, K, OC, false, s);
+  f.gemm->matmul(dinp, {f.dy_codes.dy, fp8_inv(R::grad), ctx_.precision.grad},
+                 {wt8_, fp8_inv(R::weight), Fp8Format::e4m3}, nullptr, N, K, OC, false, s);
   gelu_backward_pass(dinp, pre_act, N);
 }
 
@@ -212,7 +199,7 @@ void DeviceDenseLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bo
                           s);  // the forward's amax of X
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   f.gemm->set_fast_accum(false);
-  f.gemm->matmul(p_.weight.grad, {f.dyt, fp8_inv(R::grad), ctx_.precision.grad},
+  f.gemm->matmul(p_.weight.grad, {f.dy_codes.dyt, fp8_inv(R::grad), ctx_.precision.grad},
                  {f.x, fp8_inv(R::input), Fp8Format::e4m3}, OC, K, N, accumulate, s);
   if (bias_grad) {  // the exact sum of dY, as the CPU's (the bias gradient is not an fp8 product)
     ctx_.marks->mark(s, "bias grad");

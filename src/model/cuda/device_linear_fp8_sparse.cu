@@ -4,6 +4,7 @@
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "model/cuda/fp8_grad_codes.h"
 #include "model/cuda/step_marks.h"
 #include "ops/gpu_fp8.h"
 #include "sparse/cuda/cusparselt.h"
@@ -32,13 +33,9 @@ struct Fp8SparseProducts::Scratch : SharedScratch::Part {
   DeviceArena arena;
   DeviceArena compress;  // grows to the largest layer's need
   std::unique_ptr<gpu::Fp8Gemm> gemm;
-  uint8_t *x = nullptr, *dy = nullptr, *dyt = nullptr, *w = nullptr;
+  uint8_t *x = nullptr, *w = nullptr;
+  Fp8GradCodes dy_codes;
   bf16* bias = nullptr;  // a bias that is not 16-byte aligned, copied (the fp8 GEMM reads it so)
-  // Whose codes dy and dyt hold between the two backward products of one dY (grad_codes):
-  // the layer, the tensor and its rows; null once taken over or at a new backward.
-  const Fp8SparseProducts* dy_layer = nullptr;
-  const bf16* dy_of = nullptr;
-  int dy_rows = 0;
   size_t bytes() const override { return arena.capacity() + compress.capacity(); }
 };
 
@@ -101,8 +98,8 @@ Fp8SparseProducts::Scratch& Fp8SparseProducts::scratch() {
     p->arena = DeviceArena(x + 2 * dy + weight + sizeof(bf16) * outs + ws + 6 * DeviceArena::kDefaultAlignment,
                            "fp8 2:4 operands");
     p->x = p->arena.allocate_array<uint8_t>("fp8.x", x);
-    p->dy = p->arena.allocate_array<uint8_t>("fp8.dy", dy);
-    p->dyt = p->arena.allocate_array<uint8_t>("fp8.dyt", dy);
+    p->dy_codes.dy = p->arena.allocate_array<uint8_t>("fp8.dy", dy);
+    p->dy_codes.dyt = p->arena.allocate_array<uint8_t>("fp8.dyt", dy);
     p->w = p->arena.allocate_array<uint8_t>("fp8.w", weight);
     p->bias = p->arena.allocate_array<bf16>("fp8.bias", outs);
     p->gemm = std::make_unique<gpu::Fp8Gemm>(p->arena.allocate("fp8.workspace", ws), ws);
@@ -141,6 +138,19 @@ void Fp8SparseProducts::tune(gpu::SparseGemm24& g, bf16* out, const void* compre
   }
 }
 
+void Fp8SparseProducts::sparse_product(gpu::SparseGemm24& g, bool& tuned, bf16* out, const void* compressed,
+                                       const uint8_t* codes, Slot codes_slot, Slot weight_slot, float* alpha,
+                                       int64_t alpha_len, int N, const char* op) {
+  cudaStream_t s = ctx_.stream;
+  gpu::fp8_product_scale(alpha, inv(codes_slot), inv(weight_slot), alpha_len, s);
+  if (!tuned) {
+    tune(g, out, compressed, codes);
+    tuned = true;
+  }
+  ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
+  g.matmul_scaled(out, compressed, codes, alpha, workspace_.base(), workspace_.capacity(), s);
+}
+
 void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,
                                 const std::function<const bf16*()>& wf, const char* op) {
   cudaStream_t s = ctx_.stream;
@@ -150,13 +160,7 @@ void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,
   gpu::fp8_amax(amax(input), x, nx, s);
   gpu::fp8_cast(sc.x, inv(input), x, nx, amax(input), Fp8Format::e4m3, nullptr, s);
   if (sparse() && N == ctx_.tokens) {
-    gpu::fp8_product_scale(alpha_fwd_, inv(input), inv(weight_fwd), alpha_len_fwd_, s);
-    if (!tuned_fwd_) {
-      tune(*fwd_, y, comp_fwd_, sc.x);
-      tuned_fwd_ = true;
-    }
-    ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
-    fwd_->matmul_scaled(y, comp_fwd_, sc.x, alpha_fwd_, workspace_.base(), workspace_.capacity(), s);
+    sparse_product(*fwd_, tuned_fwd_, y, comp_fwd_, sc.x, input, weight_fwd, alpha_fwd_, alpha_len_fwd_, N, op);
     return;
   }
   gpu::fp8_cast(sc.w, inv(weight_fwd), wf(), out_ * in_, amax(weight_fwd), Fp8Format::e4m3, nullptr, s);
@@ -171,21 +175,12 @@ void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,
 }
 
 void Fp8SparseProducts::begin_backward() {
-  if (Scratch* sc = ctx_.scratch.find<Scratch>(kScratchName)) sc->dy_layer = nullptr;
+  if (Scratch* sc = ctx_.scratch.find<Scratch>(kScratchName)) sc->dy_codes.forget();
 }
 
 Fp8SparseProducts::Scratch& Fp8SparseProducts::grad_codes(const bf16* dy, int N) {
   Scratch& sc = scratch();
-  if (sc.dy_layer == this && sc.dy_of == dy && sc.dy_rows == N) {
-    sc.dy_layer = nullptr;  // the other product of this dY cast it
-    return sc;
-  }
-  cudaStream_t s = ctx_.stream;
-  gpu::fp8_amax(amax(grad), dy, int64_t(N) * out_, s);
-  gpu::fp8_cast_both(sc.dy, sc.dyt, inv(grad), dy, N, out_, amax(grad), ctx_.precision.grad, nullptr, s);
-  sc.dy_layer = this;
-  sc.dy_of = dy;
-  sc.dy_rows = N;
+  sc.dy_codes.take(this, dy, N, out_, amax(grad), inv(grad), ctx_.precision.grad, ctx_.stream);
   return sc;
 }
 
@@ -195,21 +190,16 @@ void Fp8SparseProducts::backward_dx(bf16* dx, const bf16* dy, int N, const std::
   ctx_.marks->mark(s, "fp8 cast");
   Scratch& sc = grad_codes(dy, N);
   if (sparse() && N == ctx_.tokens) {
-    gpu::fp8_product_scale(alpha_bwd_, inv(grad), inv(weight_bwd), alpha_len_bwd_, s);
-    if (!tuned_bwd_) {
-      tune(*bwd_, dx, comp_bwd_, sc.dy);
-      tuned_bwd_ = true;
-    }
-    ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
-    bwd_->matmul_scaled(dx, comp_bwd_, sc.dy, alpha_bwd_, workspace_.base(), workspace_.capacity(), s);
+    sparse_product(*bwd_, tuned_bwd_, dx, comp_bwd_, sc.dy_codes.dy, grad, weight_bwd, alpha_bwd_, alpha_len_bwd_, N,
+                   op);
     return;
   }
   // Fp8Gemm's B is Wbᵀ [in, out], K-major.
   gpu::fp8_cast(sc.w, inv(weight_bwd), wbt(), out_ * in_, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
   ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
   sc.gemm->set_fast_accum(false);
-  sc.gemm->matmul(dx, {sc.dy, inv(grad), ctx_.precision.grad}, {sc.w, inv(weight_bwd), Fp8Format::e4m3}, nullptr, N,
-                  int(in_), int(out_), false, s);
+  sc.gemm->matmul(dx, {sc.dy_codes.dy, inv(grad), ctx_.precision.grad}, {sc.w, inv(weight_bwd), Fp8Format::e4m3},
+                  nullptr, N, int(in_), int(out_), false, s);
 }
 
 void Fp8SparseProducts::backward_dw(float* dw, const bf16* dy, const bf16* x, int N, bool accumulate,
@@ -221,8 +211,8 @@ void Fp8SparseProducts::backward_dw(float* dw, const bf16* dy, const bf16* x, in
                           s);  // the forward's amax of X
   ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
   sc.gemm->set_fast_accum(false);
-  sc.gemm->matmul(dw, {sc.dyt, inv(grad), ctx_.precision.grad}, {sc.x, inv(input), Fp8Format::e4m3}, int(out_),
-                  int(in_), N, accumulate, s);
+  sc.gemm->matmul(dw, {sc.dy_codes.dyt, inv(grad), ctx_.precision.grad}, {sc.x, inv(input), Fp8Format::e4m3},
+                  int(out_), int(in_), N, accumulate, s);
 }
 
 }  // namespace esplag

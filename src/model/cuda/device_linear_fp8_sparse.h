@@ -79,6 +79,10 @@ class Fp8SparseProducts {
   Scratch& grad_codes(const bf16* dy, int N);
   // The first product of each plan searches its configuration; the workspace may grow.
   void tune(gpu::SparseGemm24& g, bf16* out, const void* compressed, const void* dense);
+  // out = the 2:4 product of plan g (forward or dX) of the compressed weight and the codes,
+  // scaled by the inverse scales of their slots through the plan's alpha vector.
+  void sparse_product(gpu::SparseGemm24& g, bool& tuned, bf16* out, const void* compressed, const uint8_t* codes,
+                      Slot codes_slot, Slot weight_slot, float* alpha, int64_t alpha_len, int N, const char* op);
 
   DeviceLinearContext& ctx_;
   const std::string name_;

@@ -277,7 +277,8 @@ GpuGenerator::GpuGenerator(Transformer<float>& model, int max_batch, int max_len
                options.sparse_min_rows);
   max_batch_ = max_batch;
   max_len_ = max_len == 0 ? c.max_seq_len : max_len;
-  chunk_rows_ = std::max(max_batch, options.chunk_rows > 0 ? options.chunk_rows : default_chunk_rows(max_batch, max_len_));
+  chunk_rows_ =
+      std::max(max_batch, options.chunk_rows > 0 ? options.chunk_rows : default_chunk_rows(max_batch, max_len_));
   ESPLAG_CHECK(chunk_rows_ <= 65535, "GpuGenerator: chunk_rows=", chunk_rows_, " above 65535");
   Impl& im = *impl_;
 
