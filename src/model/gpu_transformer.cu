@@ -428,9 +428,7 @@ void GpuTransformer::check_teacher(const Distillation& d) const {
   ESPLAG_CHECK(t->head_chunk_ >= head_chunk_ && t->max_b_ >= max_b_ && t->max_t_ >= max_t_,
                "GpuTransformer: the distillation teacher was sized for ", t->max_b_, " x ", t->max_t_, " and ",
                t->head_chunk_, " head rows, the student needs ", max_b_, " x ", max_t_, " and ", head_chunk_);
-  ESPLAG_CHECK(d.alpha >= 0 && d.alpha <= 1 && d.temperature > 0 && std::isfinite(d.temperature),
-               "GpuTransformer: distillation needs alpha in [0, 1] and a positive temperature, got alpha ", d.alpha,
-               ", temperature ", d.temperature);
+  // alpha and temperature: gpu::distill_cross_entropy checks them (in the eager first run of a graph's key).
 }
 
 void GpuTransformer::forward_backward_device(const int32_t* tokens, const int32_t* targets, int B, int T,
@@ -449,9 +447,10 @@ void GpuTransformer::forward_backward_device(const int32_t* tokens, const int32_
     im.marks.collect(stream_);
     return;
   }
+  const Distillation teaching = distill ? *distill : Distillation{nullptr, 0, 0};
   auto it = std::find_if(im.step_graphs.begin(), im.step_graphs.end(), [&](const Impl::StepGraph& g) {
     return g.tokens == tokens && g.targets == targets && g.B == B && g.T == T && g.loss_scale == loss_scale &&
-           g.overwrite == overwrite && g.distill == (distill ? *distill : Distillation{nullptr, 0, 0});
+           g.overwrite == overwrite && g.distill == teaching;
   });
   if (it == im.step_graphs.end()) {
     constexpr size_t kMaxGraphs = 8;
@@ -460,8 +459,8 @@ void GpuTransformer::forward_backward_device(const int32_t* tokens, const int32_
                                   [](const auto& a, const auto& b) { return a.last_use < b.last_use; });
       im.step_graphs.erase(lru);
     }
-    im.step_graphs.push_back({tokens, targets, B, T, loss_scale, overwrite,
-                              distill ? *distill : Distillation{nullptr, 0, 0}, std::make_unique<Impl::Graph>(), 0});
+    im.step_graphs.push_back(
+        {tokens, targets, B, T, loss_scale, overwrite, teaching, std::make_unique<Impl::Graph>(), 0});
     it = im.step_graphs.end() - 1;
   }
   it->last_use = ++im.graph_uses;

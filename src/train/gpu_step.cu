@@ -94,9 +94,8 @@ std::unique_ptr<GpuTransformer> gpu_teacher(Transformer<float>& host, const Trai
     fail("GPU training: the distillation teacher (forward only, beside the student): ", e.what());
   }
   std::vector<float> flat(host.params(), host.params() + host.num_params());
-  std::map<std::string, size_t> offset;
-  for (const auto& info : host.param_infos()) offset[info.name] = info.offset;
-  for (const auto& name : host.linear_names()) host.linear(name).dense_weight(flat.data() + offset.at(name));
+  for (const auto& name : host.linear_names())  // into the copy, at the flat weight's place
+    host.linear(name).dense_weight(flat.data() + (host.linear_params(name).weight - host.params()));
   teacher->set_params(flat.data(), flat.size());
   return teacher;
 }
@@ -189,23 +188,23 @@ class GpuStep final : public StepBackend {
     follow_host_kinds();  // the trainer applied the recipe's plan for this step to the host model
     model_.zero_grad();
     const bool distill = teacher_ && recipe_->distills_at(step);
-    parts_ = distill ? 3 : 1;
+    const int parts = distill ? 3 : 1;  // of device_loss(): the loss, and a distillation's CE and KL
     for (int micro = 0; micro < accum; ++micro) {
       data.next_batch(x_.data(), y_.data());
       model_.upload_batch(x_.data(), y_.data(), B, T);
       model_.forward_backward_device(model_.device_tokens(), model_.device_targets(), B, T, 1.0 / accum,
                                      distill ? &distill_ : nullptr);
-      add_micro_loss_kernel<<<1, 1, 0, s>>>(health_, model_.device_loss(), parts_, micro == 0);
+      add_micro_loss_kernel<<<1, 1, 0, s>>>(health_, model_.device_loss(), parts, micro == 0);
       CUDA_CHECK_LAUNCH("GPU training (loss accumulation)");
     }
     int micro_batches = accum;
     if (comm_) {  // every rank's sums, so that every rank takes the same step
       // (sharded, step_adamw reduce-scatters the gradients itself)
       if (cfg_.parallel.zero == 0) comm_->all_reduce_mean(model_.device_gradients(), model_.stored_params(), s);
-      comm_->all_reduce_sum(health_->sum, parts_, s);
+      comm_->all_reduce_sum(health_->sum, parts, s);
       micro_batches *= comm_->size();
     }
-    finish_step_kernel<<<1, 1, 0, s>>>(health_, parts_, micro_batches, static_cast<long long>(step + 1));
+    finish_step_kernel<<<1, 1, 0, s>>>(health_, parts, micro_batches, static_cast<long long>(step + 1));
     CUDA_CHECK_LAUNCH("GPU training (step loss)");
     const auto& o = cfg_.optimizer;
     GpuAdamW hyper;
@@ -383,7 +382,6 @@ class GpuStep final : public StepBackend {
   std::unique_ptr<GpuTransformer> teacher_;  // distillation (recipe distill), on model_'s stream
   GpuTransformer::Distillation distill_;
   const Recipe* recipe_ = nullptr;           // with a teacher: when it teaches
-  int parts_ = 1;                            // of the loss the running step sums (3 when distilling)
   size_t dispatch_seen_ = 0;        // dispatch decisions already reported
   bool written_back_ = false;       // state_to_host ran since the kinds were last followed
   int64_t host_step_ = -1;          // the host model holds the weights after this many steps
