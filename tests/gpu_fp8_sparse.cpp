@@ -17,7 +17,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -181,20 +180,9 @@ void compare_fp8_step(const std::string& kind, int maxB, int maxT, int B, int T)
   std::printf("%s: loss cpu %.6f gpu %.6f\n", kind.c_str(), lc, lg);
   EXPECT_NEAR(lg, lc, 2e-2 * lc);
   const std::vector<float> g = gm.grads_to_host();
-  std::map<std::string, const float*> cpu_grad;
-  for (const auto& p : cm.trainable_params()) cpu_grad[p.name] = p.grad;
   double worst = 0;
   for (const auto& info : cm.param_infos()) {
-    double e = 0;
-    if (cpu_grad.count(info.name + ".values")) {  // slope: the dense dW at the kept slots
-      auto& l = dynamic_cast<esplag::SlopeLinear<float>&>(cm.linear(info.name));
-      std::vector<float> kept(l.values().size());
-      esplag::linear_detail::gather(kept.data(), esplag::linear_detail::slot_index(l.forward_weight()),
-                                    g.data() + info.offset, nullptr);
-      e = rel_l2(kept.data(), cpu_grad.at(info.name + ".values"), kept.size());
-    } else {
-      e = rel_l2(g.data() + info.offset, cm.grads() + info.offset, info.numel);
-    }
+    const double e = esplag::gpu_test::flat_grad_error(cm, g, info);
     EXPECT_LT(e, 6e-2) << "gradient of " << info.name;
     worst = std::max(worst, e);
   }

@@ -521,17 +521,7 @@ void compare_slope_step(const std::string& label, const ModelConfig& cfg, int ma
   for (const auto& p : cm.trainable_params()) cpu_grad[p.name] = p.grad;
   double worst = 0;
   for (const auto& info : cm.param_infos()) {
-    double e = 0;
-    if (cpu_grad.count(info.name + ".values")) {
-      // The dense dW at the kept slots is the gradient of the kept values.
-      auto& l = cpu_slope(cm, info.name);
-      std::vector<float> kept(l.values().size());
-      esplag::linear_detail::gather(kept.data(), esplag::linear_detail::slot_index(l.forward_weight()),
-                                    g.data() + info.offset, nullptr);
-      e = rel_l2(kept.data(), cpu_grad.at(info.name + ".values"), kept.size());
-    } else {
-      e = rel_l2(g.data() + info.offset, cm.grads() + info.offset, info.numel);
-    }
+    const double e = esplag::gpu_test::flat_grad_error(cm, g, info);
     EXPECT_LT(e, 3e-2) << "gradient of " << info.name;
     worst = std::max(worst, e);
   }

@@ -19,6 +19,9 @@
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "model/config.h"
+#include "model/linear_kinds.h"
+#include "model/linear_slope.h"
+#include "model/transformer.h"
 #include "ops/adamw.h"
 #include "ops/gpu.h"
 
@@ -294,6 +297,21 @@ inline double rel_l2(const float* a, const float* ref, size_t n) {
     den += double(ref[i]) * double(ref[i]);
   }
   return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// The relative L2 error of a GPU model's gradient of flat tensor `info` (g: grads_to_host, in
+// the flat layout) against its CPU twin's: a slope layer's (whose twin trains
+// "<weight>.values") as the dense dW at the kept slots against the kept values' gradient.
+inline double flat_grad_error(Transformer<float>& cm, const std::vector<float>& g, const ParamInfo& info) {
+  for (const auto& p : cm.trainable_params())
+    if (p.name == info.name + ".values") {
+      auto& l = dynamic_cast<SlopeLinear<float>&>(cm.linear(info.name));
+      std::vector<float> kept(l.values().size());
+      linear_detail::gather(kept.data(), linear_detail::slot_index(l.forward_weight()), g.data() + info.offset,
+                            nullptr);
+      return rel_l2(kept.data(), p.grad, kept.size());
+    }
+  return rel_l2(g.data() + info.offset, cm.grads() + info.offset, info.numel);
 }
 
 // Token ids uniform in [0, V), seeded.

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "data/prepare.h"
@@ -181,35 +182,37 @@ TEST_F(DistillTrain, ResumeReloadsTheTeacherOrSaysItIsGone) {
 }
 
 TEST_F(DistillTrain, RefusesATeacherOfAnotherVocabularyOrShorterSequencesOrNone) {
-  TrainConfig wide = config(data_, "", 1);
-  wide.model.vocab_size = 300;
-  Trainer(wide, dir_->file("wide"), [](const std::string&) {}).run();
-  const std::string e = error_of(
-      [&] { Trainer(config(data_, distill(0.5, dir_->file("wide"))), dir_->file("s1"), [](const std::string&) {}); });
+  // The error of a student run `run` taught by `teacher`; a teacher of this shape trained first when given.
+  const auto refusal = [&](const std::string& teacher, const std::string& run) {
+    return error_of(
+        [&] { Trainer(config(data_, distill(0.5, teacher)), dir_->file(run), [](const std::string&) {}); });
+  };
+  const auto trained = [&](const std::string& name, const std::function<void(TrainConfig&)>& shape) {
+    TrainConfig t = config(data_, "", 1);
+    shape(t);
+    Trainer(t, dir_->file(name), [](const std::string&) {}).run();
+    return dir_->file(name);
+  };
+  const std::string e = refusal(trained("wide", [](TrainConfig& t) { t.model.vocab_size = 300; }), "s1");
   EXPECT_NE(e.find("run.yaml: recipe[0] (distill): key 'teacher': the teacher '" + dir_->file("wide") +
                    "' has a vocabulary of 300 tokens, the student (model.vocab_size) "),
             std::string::npos)
       << e;
   EXPECT_FALSE(fs::exists(dir_->file("s1")));
 
-  TrainConfig short_teacher = config(data_, "", 1);
-  short_teacher.model.max_seq_len = short_teacher.seq_len = 16;
-  Trainer(short_teacher, dir_->file("short"), [](const std::string&) {}).run();
-  const std::string s = error_of(
-      [&] { Trainer(config(data_, distill(0.5, dir_->file("short"))), dir_->file("s4"), [](const std::string&) {}); });
+  const std::string s =
+      refusal(trained("short", [](TrainConfig& t) { t.model.max_seq_len = t.seq_len = 16; }), "s4");
   EXPECT_NE(s.find("key 'teacher': the teacher '" + dir_->file("short") +
                    "' takes sequences of at most 16 tokens (its model.max_seq_len), the run's train.seq_len is 32"),
             std::string::npos)
       << s;
   EXPECT_FALSE(fs::exists(dir_->file("s4")));
 
-  const std::string none = error_of(
-      [&] { Trainer(config(data_, distill(0.5, dir_->file("nope"))), dir_->file("s2"), [](const std::string&) {}); });
+  const std::string none = refusal(dir_->file("nope"), "s2");
   EXPECT_NE(none.find("key 'teacher': '" + dir_->file("nope") + "' is not a directory"), std::string::npos) << none;
   const std::string empty_dir = dir_->file("empty");
   fs::create_directories(empty_dir);
-  const std::string empty = error_of(
-      [&] { Trainer(config(data_, distill(0.5, empty_dir)), dir_->file("s3"), [](const std::string&) {}); });
+  const std::string empty = refusal(empty_dir, "s3");
   EXPECT_NE(empty.find("recipe[0] (distill): key 'teacher': '" + empty_dir + "' holds neither model.safetensors"),
             std::string::npos)
       << empty;

@@ -81,10 +81,9 @@ int plan(const Args& a) {
   const int world = world_size(a);
   const std::string device = planned_device(cfg);
   const MemoryBudget budget = budget_of(a, device);
-  if (cfg.memory == "auto")
-    std::cout << apply_train_memory(cfg, budget, [&](const TrainConfig& c) { return plan_memory(c, device, world); })
-              << std::endl;
-  const MemoryPlan plan = plan_memory(cfg, device, world);
+  const PlanFunction plan_of = planner(cfg, device, world);
+  if (cfg.memory == "auto") std::cout << apply_train_memory(cfg, budget, plan_of) << std::endl;
+  const MemoryPlan plan = plan_of(cfg);
   std::cout << describe(cfg, plan, budget);
   if (plan.fits(budget)) return 0;
   const auto settings = settings_that_fit(cfg, device, budget, world);

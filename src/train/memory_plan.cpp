@@ -188,13 +188,18 @@ GpuModelState gpu_model_state(const TrainConfig& config, int world) {
   return s;
 }
 
-MemoryPlan plan_memory(const TrainConfig& config, const std::string& device, int world) {
+namespace {
+
+// plan_memory with the teacher's model (or why there is none) already read.
+MemoryPlan plan_with_teacher(const TrainConfig& config, const std::string& device, int world,
+                             const std::optional<ModelConfig>& teacher, const std::string& teacher_problem) {
   ESPLAG_CHECK(world >= 1, "the world size must be at least 1, got ", world);
   MemoryPlan plan;
   plan.device = device;
   plan.world = world;
   plan.host = host_memory_plan(config, device);
-  plan.teacher = teacher_model(config, plan.teacher_problem);
+  plan.teacher = teacher;
+  plan.teacher_problem = teacher_problem;
   if (plan.teacher) {
     TrainConfig t = config;
     t.model = *plan.teacher;
@@ -223,6 +228,18 @@ MemoryPlan plan_memory(const TrainConfig& config, const std::string& device, int
   plan.no_gpu_plan = "this esplag was built without the CUDA backend (the cuda preset)";
 #endif
   return plan;
+}
+
+}  // namespace
+
+PlanFunction planner(const TrainConfig& config, const std::string& device, int world) {
+  std::string problem;
+  std::optional<ModelConfig> teacher = teacher_model(config, problem);
+  return [=](const TrainConfig& c) { return plan_with_teacher(c, device, world, teacher, problem); };
+}
+
+MemoryPlan plan_memory(const TrainConfig& config, const std::string& device, int world) {
+  return planner(config, device, world)(config);
 }
 
 MemoryBudget memory_at_hand(const std::string& device, int cuda_device) {
@@ -263,7 +280,7 @@ std::optional<TrainConfig> cheapest_fit(const TrainConfig& config, const MemoryB
 
 std::optional<std::vector<std::string>> settings_that_fit(const TrainConfig& config, const std::string& device,
                                                           const MemoryBudget& budget, int world) {
-  const auto plan = [&](const TrainConfig& c) { return plan_memory(c, device, world); };
+  const PlanFunction plan = planner(config, device, world);
   const std::optional<TrainConfig> fit = cheapest_fit(config, budget, plan, true);
   if (!fit) return std::nullopt;
   return overrides(config, *fit);
@@ -321,7 +338,7 @@ std::string apply_train_memory(TrainConfig& config, const MemoryBudget& budget, 
 
 std::string apply_train_memory(TrainConfig& config, const std::string& device, int cuda_device, int world) {
   return apply_train_memory(config, memory_at_hand(device, cuda_device),
-                            [&](const TrainConfig& c) { return plan_memory(c, device, world); });
+                            planner(config, device, world));
 }
 
 std::string describe(const TrainConfig& config, const MemoryPlan& plan, const MemoryBudget& budget) {

@@ -93,6 +93,10 @@ MemoryPlan plan_memory(const TrainConfig& config, const std::string& device, int
 // stand-in (tests).
 using PlanFunction = std::function<MemoryPlan(const TrainConfig&)>;
 
+// plan_memory on `device` over `world` ranks for the configs cheapest_fit tries from
+// `config` (the same recipe): its distill teacher's checkpoint is read once, here.
+PlanFunction planner(const TrainConfig& config, const std::string& device, int world = 1);
+
 // The memory a run on `device` has at hand: for "cuda" in the CUDA build the free memory of
 // CUDA device `cuda_device` ("free on CUDA device 0"), and the host memory available now.
 MemoryBudget memory_at_hand(const std::string& device, int cuda_device);
