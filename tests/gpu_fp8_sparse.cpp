@@ -168,18 +168,7 @@ void compare_fp8_step(const std::string& kind, int maxB, int maxT, int B, int T)
   make_kind(cm, gm, kind);
   cm.set_linear_precision(kFp8);
 
-  std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
-  esplag::gpu_test::random_tokens(x, cfg.vocab_size, 11);
-  esplag::gpu_test::random_tokens(y, cfg.vocab_size, 12);
-  cm.zero_grad();
-  const double lc = cm.forward_backward(x.data(), y.data(), B, T, 1.0);
-  gm.set_op_timing(true);
-  gm.zero_grad();
-  const double lg = gm.forward_backward(x.data(), y.data(), B, T, 1.0);
-  gm.set_op_timing(false);
-  std::printf("%s: loss cpu %.6f gpu %.6f\n", kind.c_str(), lc, lg);
-  EXPECT_NEAR(lg, lc, 2e-2 * lc);
-  const std::vector<float> g = gm.grads_to_host();
+  const std::vector<float> g = esplag::gpu_test::micro_batch_on_both(cm, gm, B, T, kind);
   double worst = 0;
   for (const auto& info : cm.param_infos()) {
     const double e = esplag::gpu_test::flat_grad_error(cm, g, info);

@@ -49,6 +49,7 @@ using esplag::ModelConfig;
 using esplag::Rng;
 using esplag::Transformer;
 using esplag::gpu_test::cpu_adamw_step;
+using esplag::gpu_test::micro_batch_on_both;
 using esplag::gpu_test::random_tokens;
 using esplag::gpu_test::rel_l2;
 using esplag::gpu_test::structured_batch;
@@ -91,24 +92,6 @@ GpuModelOptions always_sparse() {
   return o;
 }
 
-// One micro-batch of random tokens on both models (the GPU one with per-op timing): the
-// losses agree within 2%; returns the GPU's gradients.
-std::vector<float> micro_batch_on_both(Transformer<float>& cm, GpuTransformer& gm, int B, int T,
-                                       const std::string& label) {
-  const int vocab = cm.config().vocab_size;
-  std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
-  random_tokens(x, vocab, 11);
-  random_tokens(y, vocab, 12);
-  cm.zero_grad();
-  const double lc = cm.forward_backward(x.data(), y.data(), B, T, 1.0);
-  gm.set_op_timing(true);
-  gm.zero_grad();
-  const double lg = gm.forward_backward(x.data(), y.data(), B, T, 1.0);
-  gm.set_op_timing(false);
-  std::printf("%s: loss cpu %.6f gpu %.6f\n", label.c_str(), lc, lg);
-  EXPECT_NEAR(lg, lc, 2e-2 * lc);
-  return gm.grads_to_host();
-}
 
 // One micro-batch on both models; B x T may be smaller than the GPU model's size (then
 // every product is the dense one of Ws). With `dispatch`, each layer shape runs the

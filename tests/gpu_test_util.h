@@ -19,6 +19,7 @@
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "model/config.h"
+#include "model/gpu_transformer.h"
 #include "model/linear_kinds.h"
 #include "model/linear_slope.h"
 #include "model/transformer.h"
@@ -318,6 +319,26 @@ inline double flat_grad_error(Transformer<float>& cm, const std::vector<float>& 
 inline void random_tokens(std::vector<int32_t>& v, int V, uint64_t seed) {
   Rng rng(seed);
   for (auto& t : v) t = static_cast<int32_t>(rng.below(V));
+}
+
+// One micro-batch of random tokens on a CPU model and its GPU twin (the GPU one with per-op
+// timing, op_times() then covering it): the losses agree within 2%; returns the GPU's
+// gradients (grads_to_host).
+inline std::vector<float> micro_batch_on_both(Transformer<float>& cm, GpuTransformer& gm, int B, int T,
+                                              const std::string& label) {
+  const int vocab = cm.config().vocab_size;
+  std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
+  random_tokens(x, vocab, 11);
+  random_tokens(y, vocab, 12);
+  cm.zero_grad();
+  const double lc = cm.forward_backward(x.data(), y.data(), B, T, 1.0);
+  gm.set_op_timing(true);
+  gm.zero_grad();
+  const double lg = gm.forward_backward(x.data(), y.data(), B, T, 1.0);
+  gm.set_op_timing(false);
+  std::printf("%s: loss cpu %.6f gpu %.6f\n", label.c_str(), lc, lg);
+  EXPECT_NEAR(lg, lc, 2e-2 * lc);
+  return gm.grads_to_host();
 }
 
 // Sequences that follow x[t+1] = (a · x[t] + c) mod V from a random start: learnable, so
