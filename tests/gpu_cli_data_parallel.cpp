@@ -2,7 +2,8 @@
 // with grad_accum 1 follow one GPU with grad_accum 2 (the same tokens and mean gradient;
 // bf16 products and another order of the fp32 sums), slope included, with ZeRO stage 0 and
 // 1, and the run resumes on one GPU; stage 1's gathered checkpoint holds the moments stage 0
-// holds. Skipped on machines with fewer than two GPUs.
+// holds; the gradients averaged in buckets during the backward give the bits of one
+// collective after it. Skipped on machines with fewer than two GPUs.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -91,7 +92,8 @@ std::pair<double, std::string> max_relative_difference(const fs::path& a, const 
   return worst;
 }
 
-void expect_two_ranks_follow_one_gpu(const std::string& name, const std::string& recipe, int zero = 0) {
+// The two-block tiny model's config with `recipe`, written as `name`.yaml.
+fs::path tiny_config(const std::string& name, const std::string& recipe) {
   const fs::path config = root() / (name + ".yaml");
   esplag::testing::write_text(
       config, "model: {preset: tiny, n_layer: 2, d_model: 64, n_head: 4, n_kv_head: 4, d_ff: 256, max_seq_len: 64}\n"
@@ -99,6 +101,11 @@ void expect_two_ranks_follow_one_gpu(const std::string& name, const std::string&
               "train: {device: cuda, batch_size: 8, seq_len: 64, steps: 12, log_every: 1, eval_every: 0,"
               " eval_batches: 2, checkpoint_every: 6}\n"
               "optimizer: {lr: 1.0e-3}\n" + recipe);
+  return config;
+}
+
+void expect_two_ranks_follow_one_gpu(const std::string& name, const std::string& recipe, int zero = 0) {
+  const fs::path config = tiny_config(name, recipe);
   const fs::path one = root() / (name + "-one"), two = root() / (name + "-two");
   const Result a = run("train --config " + config.string() + " --out " + one.string() + " --set train.grad_accum=2");
   ASSERT_EQ(a.code, 0) << a.err;
@@ -155,4 +162,35 @@ TEST(GpuDataParallel, ZeroStageOneSlopeFollowsOneGpu) {
                                   "recipe:\n  - slope: {params: ['re:blocks\\.\\d+\\.mlp\\.\\w+\\.weight'], "
                                   "start: 0, lora_rank: 8, lora_start: 6}\n",
                                   1);
+}
+
+// parallel.bucket_mb: buckets of one block each (the tiny blocks hold about 50K parameters),
+// averaged while the backward runs, give the bits of one all-reduce after the backward (two
+// ranks: each element's mean is (a + b) / 2 whatever the collective), at ZeRO stage 0 and 1
+// (where they replace the reduce-scatter), dense and slope with its adapters.
+TEST(GpuDataParallel, GradientBucketsGiveTheBitsOfOneCollective) {
+  if (gpus() < 2) GTEST_SKIP() << "needs two GPUs";
+  const std::string slope = "recipe:\n  - slope: {params: ['re:blocks\\.\\d+\\.mlp\\.\\w+\\.weight'], start: 0, "
+                            "lora_rank: 8, lora_start: 6}\n";
+  for (const auto& [name, recipe] : {std::pair<std::string, std::string>{"dense", ""}, {"slope", slope}})
+    for (const int zero : {0, 1}) {
+      const std::string tag = "buckets-" + name + "-zero" + std::to_string(zero);
+      const fs::path config = tiny_config(tag, recipe);
+      const auto train = [&](const std::string& bucket_mb) {
+        const fs::path out = root() / (tag + "-" + bucket_mb);
+        const Result r = run("train --gpus 2 --config " + config.string() + " --out " + out.string() +
+                             " --set parallel.zero=" + std::to_string(zero) + " --set parallel.bucket_mb=" + bucket_mb);
+        EXPECT_EQ(r.code, 0) << r.err;
+        return out;
+      };
+      const fs::path after = train("0"), during = train("0.01");
+      const auto la = losses(after), lb = losses(during);
+      ASSERT_EQ(la.size(), 12u) << tag;
+      EXPECT_EQ(la, lb) << tag;
+      for (const char* file : {"optimizer.safetensors", "model.safetensors"}) {
+        const auto [difference, tensor] =
+            max_relative_difference(during / "step-000012" / file, after / "step-000012" / file);
+        EXPECT_EQ(difference, 0.0) << tag << ": " << file << ", " << tensor;
+      }
+    }
 }

@@ -1,5 +1,6 @@
 // The collectives a GPU model needs when data-parallel ranks shard its optimizer state
-// (ZeRO stage 1: GpuModelOptions::shard_optimizer). The model only queues them; what
+// (ZeRO stage 1: GpuModelOptions::shard_optimizer) or average its gradients during the
+// backward (GpuModelOptions::reduce_gradients). The model only queues them; what
 // carries them (NCCL: dist/cuda/nccl_comm.h) is the caller's. Every rank calls them in the
 // same order with the same sizes; each is queued on `stream` and waits for nothing.
 //
@@ -28,6 +29,8 @@ class DeviceCollectives {
   virtual void all_gather(void* data, size_t chunk_bytes, cudaStream_t stream) = 0;
   // data [n] fp32, in place: the sum over the ranks.
   virtual void all_reduce_sum(float* data, size_t n, cudaStream_t stream) = 0;
+  // data [n] fp32, in place: the mean over the ranks (GpuModelOptions::reduce_gradients).
+  virtual void all_reduce_mean(float* data, size_t n, cudaStream_t stream) = 0;
 };
 
 }  // namespace esplag

@@ -329,6 +329,17 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
   CUDA_CHECK(cudaMallocHost(&im.host_loss, sizeof(double)));
   CUDA_CHECK(cudaMallocHost(&im.host_norm, sizeof(float)));
   CUDA_CHECK(cudaEventCreateWithFlags(&im.staged, cudaEventDisableTiming));
+  if (opt_.reduce_gradients) {
+    ESPLAG_CHECK(!opt_.forward_only, "GpuTransformer: a forward_only model has no gradients to reduce");
+    ESPLAG_CHECK(!opt_.shard_optimizer || opt_.shard_optimizer == opt_.reduce_gradients,
+                 "GpuTransformer: shard_optimizer and reduce_gradients must be the same ranks");
+    // Its collectives should start as soon as a bucket is ready, ahead of queued compute.
+    int lowest = 0, highest = 0;
+    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
+    CUDA_CHECK(cudaStreamCreateWithPriority(&im.comm_stream, cudaStreamNonBlocking, highest));
+    CUDA_CHECK(cudaEventCreateWithFlags(&im.grads_ready, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&im.comm_done, cudaEventDisableTiming));
+  }
 
   if (im.head_pad) CUDA_CHECK(cudaMemsetAsync(im.head_pad, 0, sizeof(bf16) * size_t(im.Vp) * cfg_.d_model, stream_));
   CUDA_CHECK(cudaMemsetAsync(norm_sq_, 0, sizeof(float), stream_));
@@ -405,14 +416,15 @@ double GpuTransformer::forward_loss(const int32_t* tokens, const int32_t* target
 }
 
 void GpuTransformer::forward_backward_body(const int32_t* tokens, const int32_t* targets, int B, int T,
-                                           double loss_scale, bool overwrite, const Distillation* distill) {
+                                           double loss_scale, bool overwrite, const Distillation* distill,
+                                           bool reduce) {
   if (distill) {
     impl_->marks.mark(stream_, "teacher fwd");  // the teacher's own marks stay off
     distill->teacher->forward_body(tokens, B, T);
   }
   forward_body(tokens, B, T);
   head(targets, B, T, true, loss_scale, overwrite, distill);
-  backward_body(tokens, B, T, overwrite);
+  backward_body(tokens, B, T, overwrite, reduce);
 }
 
 void GpuTransformer::check_trains(const char* who) const {
@@ -432,8 +444,10 @@ void GpuTransformer::check_teacher(const Distillation& d) const {
 }
 
 void GpuTransformer::forward_backward_device(const int32_t* tokens, const int32_t* targets, int B, int T,
-                                             double loss_scale, const Distillation* distill) {
+                                             double loss_scale, const Distillation* distill, bool reduce) {
   check_trains("forward_backward_device");
+  ESPLAG_CHECK(!reduce || opt_.reduce_gradients,
+               "GpuTransformer::forward_backward_device: reduce needs GpuModelOptions::reduce_gradients");
   check_batch(B, T);
   ESPLAG_CHECK(tokens && targets, "GpuTransformer::forward_backward_device: null tokens or targets");
   if (distill) check_teacher(*distill);
@@ -441,8 +455,9 @@ void GpuTransformer::forward_backward_device(const int32_t* tokens, const int32_
   // After zero_grad the weight GEMMs write their gradients instead of adding to them.
   const bool overwrite = im.zero_pending;
   im.zero_pending = false;
+  if (reduce) im.grads_reduced = true;
   if (!opt_.cuda_graph || im.marks.timing() || im.marks.tracing()) {
-    forward_backward_body(tokens, targets, B, T, loss_scale, overwrite, distill);
+    forward_backward_body(tokens, targets, B, T, loss_scale, overwrite, distill, reduce);
     im.marks.end_ops();
     im.marks.collect(stream_);
     return;
@@ -450,7 +465,7 @@ void GpuTransformer::forward_backward_device(const int32_t* tokens, const int32_
   const Distillation teaching = distill ? *distill : Distillation{nullptr, 0, 0};
   auto it = std::find_if(im.step_graphs.begin(), im.step_graphs.end(), [&](const Impl::StepGraph& g) {
     return g.tokens == tokens && g.targets == targets && g.B == B && g.T == T && g.loss_scale == loss_scale &&
-           g.overwrite == overwrite && g.distill == teaching;
+           g.overwrite == overwrite && g.distill == teaching && g.reduce == reduce;
   });
   if (it == im.step_graphs.end()) {
     constexpr size_t kMaxGraphs = 8;
@@ -460,12 +475,12 @@ void GpuTransformer::forward_backward_device(const int32_t* tokens, const int32_
       im.step_graphs.erase(lru);
     }
     im.step_graphs.push_back(
-        {tokens, targets, B, T, loss_scale, overwrite, teaching, std::make_unique<Impl::Graph>(), 0});
+        {tokens, targets, B, T, loss_scale, overwrite, teaching, reduce, std::make_unique<Impl::Graph>(), 0});
     it = im.step_graphs.end() - 1;
   }
   it->last_use = ++im.graph_uses;
   run_as_graph(*it->graph, stream_, im.graph_launches,
-               [&] { forward_backward_body(tokens, targets, B, T, loss_scale, overwrite, distill); });
+               [&] { forward_backward_body(tokens, targets, B, T, loss_scale, overwrite, distill, reduce); });
 }
 
 void GpuTransformer::forward_loss_device(const int32_t* tokens, const int32_t* targets, int B, int T) {
@@ -603,7 +618,7 @@ const void* GpuTransformer::teacher_logits(int row0, int rows) {
   return logits;
 }
 
-void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool overwrite) {
+void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool overwrite, bool reduce) {
   Impl& im = *impl_;
   cudaStream_t s = stream_;
   const int N = B * T, C = cfg_.d_model, V = cfg_.vocab_size, NH = cfg_.n_head, KV = cfg_.n_kv_head,
@@ -731,10 +746,30 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     bias_sum(blk.qkv->db, dqkv, Q);
     linear_dx(blk.qkv, "gemm qkv dX", dln, dqkv);
     norm_bwd(blk.n1, L.res_in, L.ln1_mean, L.ln1_rstd, l > 0 ? im.blocks[l - 1].mproj->db : nullptr);
+    if (reduce) reduce_buckets_after(l);
   }
   im.marks.layer = -1;
   mark("embedding bwd");
   gpu::embedding_backward(im.dwte, im.dwpe, dres, tokens, B, T, C, V, im.emb_ws, im.emb_ws_bytes, s);
+  if (reduce) reduce_buckets_after(-1);
+}
+
+void GpuTransformer::reduce_buckets_after(int l) {
+  Impl& im = *impl_;
+  bool forked = false;
+  for (const GradientBucket& b : im.buckets) {
+    if (b.after_block != l) continue;
+    if (!forked) {  // the bucket's gradients are queued on stream_ before this point
+      CUDA_CHECK(cudaEventRecord(im.grads_ready, stream_));
+      CUDA_CHECK(cudaStreamWaitEvent(im.comm_stream, im.grads_ready));
+      forked = true;
+    }
+    opt_.reduce_gradients->all_reduce_mean(im.grad + b.begin, b.end - b.begin, im.comm_stream);
+  }
+  if (l >= 0) return;
+  // Joins stream_ (and so a captured graph) with every collective queued.
+  CUDA_CHECK(cudaEventRecord(im.comm_done, im.comm_stream));
+  CUDA_CHECK(cudaStreamWaitEvent(stream_, im.comm_done));
 }
 
 
@@ -746,8 +781,10 @@ void GpuTransformer::adamw_body() {
     // ZeRO stage 1: this rank's chunk of the mean gradient, the norm over every chunk, the
     // chunk's update, and every rank's updated weights.
     const size_t at = im.shard_begin, n = im.shard_size;
-    im.marks.mark(stream_, "reduce-scatter (gradients)");
-    ranks->reduce_scatter_mean(im.grad, n, stream_);
+    if (!im.grads_reduced) {  // else the backward averaged them all already
+      im.marks.mark(stream_, "reduce-scatter (gradients)");
+      ranks->reduce_scatter_mean(im.grad, n, stream_);
+    }
     im.marks.mark(stream_, "grad norm");
     gpu::sum_squares(norm_sq_, im.grad + at, int64_t(n), im.gnorm_scratch, stream_);
     ranks->all_reduce_sum(norm_sq_, 1, stream_);
@@ -823,6 +860,7 @@ void GpuTransformer::step_adamw(const GpuAdamW& hyper) {
   for (auto& [name, slot] : im.linears)
     if (im.refreshing[k++]) slot.top().masks_refreshed(step_ + 1);
   im.refreshing.clear();
+  im.grads_reduced = false;
   ++step_;
 }
 

@@ -141,6 +141,17 @@ struct GpuModelOptions {
   // memory (gather_optimizer_state), a collective; the next step_adamw drops that copy.
   // Null: no sharding. The communicator must outlive the model.
   DeviceCollectives* shard_optimizer = nullptr;
+  // Data parallel (docs/distributed.md): the ranks whose mean gradient every step takes. A
+  // forward_backward_device call that reduces (a step's last micro-batch) averages each
+  // bucket of gradients over them (model/gradient_buckets.h: consecutive blocks of at least
+  // bucket_bytes) on a stream of its own as soon as the backward has finished the bucket, so
+  // that the collectives run during the rest of the backward; the call's work ends when the
+  // last one has. bucket_bytes 0: one collective over every gradient after the backward.
+  // With shard_optimizer (the same ranks), step_adamw then takes its chunk of the averaged
+  // gradients instead of reduce-scattering them. Null: the caller averages them, if anyone.
+  // The communicator must outlive the model.
+  DeviceCollectives* reduce_gradients = nullptr;
+  size_t bucket_bytes = size_t(25) << 20;
   // The block Linear layers' products (train.precision, docs/fp8.md): with precision.fp8 a
   // dense layer (and masked, vnm: the dense products of their masked weights) multiplies
   // e4m3 activations and weights and precision.grad output gradients, each cast with its
@@ -297,9 +308,11 @@ class GpuTransformer {
   // The same with tokens and targets already on the device ([B·T] int32 each, e.g. in
   // device_tokens() / device_targets()); nothing waits for the device. The mean loss is
   // left in device_loss(); read_loss() waits for it. Bad ids give a NaN loss. With
-  // `distill`, the loss is distillation's and device_loss() holds its parts after it.
+  // `distill`, the loss is distillation's and device_loss() holds its parts after it. With
+  // `reduce` (GpuModelOptions::reduce_gradients set), the accumulated gradients are averaged
+  // over the ranks as the backward produces them: the step's last micro-batch.
   void forward_backward_device(const int32_t* tokens, const int32_t* targets, int B, int T, double loss_scale,
-                               const Distillation* distill = nullptr);
+                               const Distillation* distill = nullptr, bool reduce = false);
   void forward_loss_device(const int32_t* tokens, const int32_t* targets, int B, int T);
   // Three doubles: the mean loss, then, after a distilling forward_backward_device, the
   // mean cross-entropy and the mean KL divergence (their values before it otherwise).
@@ -543,9 +556,13 @@ class GpuTransformer {
   const void* teacher_logits(int row0, int rows);
   // Error when `distill` cannot teach this model (see Distillation).
   void check_teacher(const Distillation& distill) const;
-  void backward_body(const int32_t* tokens, int B, int T, bool overwrite);
+  // With `reduce`, the gradients averaged over the ranks of reduce_gradients as it goes.
+  void backward_body(const int32_t* tokens, int B, int T, bool overwrite, bool reduce);
   void forward_backward_body(const int32_t* tokens, const int32_t* targets, int B, int T, double loss_scale,
-                             bool overwrite, const Distillation* distill);
+                             bool overwrite, const Distillation* distill, bool reduce);
+  // Queues the mean over the ranks of the gradient buckets due after block l's backward (-1:
+  // after the whole backward, which then also waits for every collective).
+  void reduce_buckets_after(int l);
   // Error naming `who` in a forward_only model.
   void check_trains(const char* who) const;
   // Finishes a zero_grad whose zeros the backward was to write.

@@ -33,6 +33,10 @@ struct ParallelConfig {
   // optimizer state and 2 the gradients too (the CPU reference only so far); 3, sharded
   // parameters, is not built (refused).
   int zero = 0;
+  // GPU runs: the gradients are averaged over the ranks in buckets of at least this many MiB
+  // of consecutive blocks, each as soon as the backward has finished it, overlapping the
+  // rest of the backward (docs/distributed.md); 0: one collective after the backward.
+  double bucket_mb = 25;
 };
 
 struct TrainConfig {

@@ -19,6 +19,7 @@ class PlannedRanks final : public DeviceCollectives {
   void reduce_scatter_mean(float*, size_t, cudaStream_t) override { refuse(); }
   void all_gather(void*, size_t, cudaStream_t) override { refuse(); }
   void all_reduce_sum(float*, size_t, cudaStream_t) override { refuse(); }
+  void all_reduce_mean(float*, size_t, cudaStream_t) override { refuse(); }
 
  private:
   [[noreturn]] static void refuse() { fail("the memory plan's ranks do not communicate"); }

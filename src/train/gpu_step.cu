@@ -114,6 +114,10 @@ class GpuStep final : public StepBackend {
         model_(cfg.model, cfg.batch_size, cfg.seq_len, [&] {
           GpuModelOptions o = gpu_model_options(cfg);
           if (comm_ && cfg.parallel.zero >= 1) o.shard_optimizer = comm_.get();
+          if (comm_ && cfg.parallel.bucket_mb > 0) {
+            o.reduce_gradients = comm_.get();
+            o.bucket_bytes = size_t(cfg.parallel.bucket_mb * double(1 << 20));
+          }
           return o;
         }()) {
     check_layout();
@@ -189,18 +193,22 @@ class GpuStep final : public StepBackend {
     model_.zero_grad();
     const bool distill = teacher_ && recipe_->distills_at(step);
     const int parts = distill ? 3 : 1;  // of device_loss(): the loss, and a distillation's CE and KL
+    // With buckets (parallel.bucket_mb), the last micro-batch's backward averages the
+    // gradients over the ranks as it produces them.
+    const bool overlap = comm_ && cfg_.parallel.bucket_mb > 0;
     for (int micro = 0; micro < accum; ++micro) {
       data.next_batch(x_.data(), y_.data());
       model_.upload_batch(x_.data(), y_.data(), B, T);
       model_.forward_backward_device(model_.device_tokens(), model_.device_targets(), B, T, 1.0 / accum,
-                                     distill ? &distill_ : nullptr);
+                                     distill ? &distill_ : nullptr, overlap && micro == accum - 1);
       add_micro_loss_kernel<<<1, 1, 0, s>>>(health_, model_.device_loss(), parts, micro == 0);
       CUDA_CHECK_LAUNCH("GPU training (loss accumulation)");
     }
     int micro_batches = accum;
     if (comm_) {  // every rank's sums, so that every rank takes the same step
-      // (sharded, step_adamw reduce-scatters the gradients itself)
-      if (cfg_.parallel.zero == 0) comm_->all_reduce_mean(model_.device_gradients(), model_.stored_params(), s);
+      // (sharded without buckets, step_adamw reduce-scatters the gradients itself)
+      if (!overlap && cfg_.parallel.zero == 0)
+        comm_->all_reduce_mean(model_.device_gradients(), model_.stored_params(), s);
       comm_->all_reduce_sum(health_->sum, parts, s);
       micro_batches *= comm_->size();
     }

@@ -41,12 +41,12 @@ class NcclComm final : public DeviceCollectives {
   int size() const override { return size_; }
 
   // In place, queued on `stream` (nothing waits). Every rank calls them in the same order.
-  void all_reduce_mean(float* data, size_t n, cudaStream_t stream);
   void all_reduce_sum(double* data, size_t n, cudaStream_t stream);
   // DeviceCollectives (core/device_collectives.h): ZeRO stage 1's collectives.
   void reduce_scatter_mean(float* data, size_t chunk, cudaStream_t stream) override;
   void all_gather(void* data, size_t chunk_bytes, cudaStream_t stream) override;
   void all_reduce_sum(float* data, size_t n, cudaStream_t stream) override;
+  void all_reduce_mean(float* data, size_t n, cudaStream_t stream) override;
 
   // Waits for `stream`, watching NCCL's asynchronous errors meanwhile. An error, or work
   // still queued after the host channel's timeout, aborts the communicator and throws

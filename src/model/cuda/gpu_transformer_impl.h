@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "model/cuda/step_marks.h"
 #include "model/device_linear.h"
+#include "model/gradient_buckets.h"
 #include "model/gpu_transformer.h"
 #include "ops/gpu.h"
 #include "ops/gpu_attention.h"
@@ -133,6 +134,7 @@ struct GpuTransformer::Impl {
     double loss_scale = 0;
     bool overwrite = false;
     Distillation distill;  // teacher null: none
+    bool reduce = false;
     std::unique_ptr<Graph> graph;
     uint64_t last_use = 0;
   };
@@ -206,6 +208,15 @@ struct GpuTransformer::Impl {
   float* host_norm = nullptr;
   cudaEvent_t staged = nullptr;
 
+  // Data parallel (GpuModelOptions::reduce_gradients): the buckets of the current layout,
+  // the stream their collectives run on, and the events that order it with stream_.
+  // grads_reduced: this step's gradients are averaged already (step_adamw's ZeRO stage 1
+  // takes its chunk of them as they are).
+  std::vector<GradientBucket> buckets;
+  cudaStream_t comm_stream = nullptr;
+  cudaEvent_t grads_ready = nullptr, comm_done = nullptr;
+  bool grads_reduced = false;
+
   std::vector<StepGraph> step_graphs;
   // AdamW + the layers' preparation, one graph per set of layers refreshing their
   // masks in it (`refreshing`; usually none, or all of them).
@@ -218,6 +229,9 @@ struct GpuTransformer::Impl {
     if (host_loss) cudaFreeHost(host_loss);
     if (host_norm) cudaFreeHost(host_norm);
     if (staged) cudaEventDestroy(staged);
+    if (grads_ready) cudaEventDestroy(grads_ready);
+    if (comm_done) cudaEventDestroy(comm_done);
+    if (comm_stream) cudaStreamDestroy(comm_stream);
   }
 };
 

@@ -158,6 +158,8 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
       im.stored.push_back(std::move(a));
     }
   nstored_ = offset;
+  if (opt_.reduce_gradients)
+    im.buckets = plan_gradient_buckets(im.stored, cfg_.n_layer, nstored_, opt_.bucket_bytes / sizeof(float));
   // The old state goes first (unless kept), so that the device never holds both.
   im.adamw.reset();
   im.state = DeviceArena();
@@ -482,6 +484,7 @@ void GpuTransformer::zero_grad() {
   check_trains("zero_grad");
   Impl& im = *impl_;
   if (im.zero_pending) return;
+  im.grads_reduced = false;
   if (im.num_zero_chunks > 0) {
     zero_chunks_kernel<<<static_cast<unsigned>(im.num_zero_chunks), kThreads, 0, stream_>>>(im.zero_chunks, im.grad);
     CUDA_CHECK_LAUNCH("GpuTransformer::zero_grad");
