@@ -117,6 +117,7 @@ TEST(TrainConfig, NumericKeysAreRangeChecked) {
       {"model.norm_eps=0", "config key 'model.norm_eps' must be a number in (0, 0.01], got 0"},
       {"model.norm_eps=0.02", "config key 'model.norm_eps' must be a number in (0, 0.01], got 0.02"},
       {"train.device=gpu", "config key 'train.device' must be auto, cpu or cuda, got 'gpu'"},
+      {"parallel.bucket_mb=-1", "config key 'parallel.bucket_mb' must be a number in [0, 1048576], got -1"},
   };
   for (const auto& [set, message] : cases) {
     const std::string err = error_of([&] { parse_train_config("", "run.yaml", {set}); });
@@ -130,6 +131,12 @@ TEST(TrainConfig, NumericKeysAreRangeChecked) {
   c.eval_batches = -3;
   EXPECT_EQ(error_of([&] { c.validate(); }),
             "config key 'train.eval_batches' must be an integer in [1, 2147483647], got -3");
+}
+
+TEST(TrainConfig, GradientBucketsDefaultTo25MiBAndZeroTurnsThemOff) {
+  EXPECT_EQ(parse_train_config("", "t").parallel.bucket_mb, 25.0);
+  EXPECT_EQ(parse_train_config("parallel: {bucket_mb: 0}", "t").parallel.bucket_mb, 0.0);
+  EXPECT_EQ(parse_train_config("", "t", {"parallel.bucket_mb=0.5"}).parallel.bucket_mb, 0.5);
 }
 
 TEST(TrainConfig, EveryNumericKeyHasARange) {

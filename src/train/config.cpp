@@ -200,7 +200,7 @@ const std::vector<Field>& fields() {
       real("optimizer.weight_decay", ref(&T::optimizer, &O::weight_decay), {0, kInf, false, true}),
       real("optimizer.grad_clip", ref(&T::optimizer, &O::grad_clip), {-kInf, kInf, true, true}),  // <= 0: off
       integer("parallel.zero", ref(&T::parallel, &ParallelConfig::zero), 0, 3),
-      real("parallel.bucket_mb", ref(&T::parallel, &ParallelConfig::bucket_mb), {0, 1 << 20, true, true}),
+      real("parallel.bucket_mb", ref(&T::parallel, &ParallelConfig::bucket_mb), {0, 1 << 20, false, false}),
       integer<int64_t>("schedule.warmup_steps", ref(&T::schedule, &S::warmup_steps), 0, kInt64Max),
       choice("schedule.decay", ref(&T::schedule, &S::decay), decay_kind_from, to_string),
       real("schedule.min_lr_ratio", ref(&T::schedule, &S::min_lr_ratio), {0, 1, false, false}),
