@@ -609,9 +609,13 @@ TEST(LinearKinds, SlopeMergedForwardEqualsTrainingForward) {
   }
 }
 
-// A slope layer built on the host keeps what a GPU run needs from it (masks, both
-// compressed copies, their slot indices: about 11.5 bytes per weight) but not the dense
-// work buffers of its construction (8 bytes per weight) nor a written gradient (2 bytes).
+// A slope layer built on the host keeps what defines it (W1's values and metadata, W2ᵀ's
+// metadata: 2.25 bytes per weight), not the CPU products' state (6 bytes per weight more),
+// the dense work buffers of its construction (8 bytes per weight) nor a written gradient (2
+// bytes): SlopeLinear::host_bytes counts 2.25 exactly (tests/test_slope_twin.cpp). Resident
+// memory also sees what the allocator keeps of freed construction buffers and zeroes of the
+// gradient's calloc where it reuses the heap (about 2 bytes per weight more here), so the
+// bound only tells 2.25 from the 8.25 or more with the CPU products' state.
 TEST(LinearKinds, SlopeLayerHoldsNoDenseWorkBuffersAfterConstruction) {
   using esplag::testing::resident_mib;
   if (resident_mib() < 0) GTEST_SKIP() << "no /proc/self/statm";
@@ -624,8 +628,8 @@ TEST(LinearKinds, SlopeLayerHoldsNoDenseWorkBuffersAfterConstruction) {
   const double before = resident_mib();
   auto l = std::make_unique<SlopeLinear<float>>(f.p, 10);
   const double held = resident_mib() - before;
-  EXPECT_LT(held, 15 * weight_mib) << "bytes per weight: " << held / weight_mib;
-  EXPECT_GT(held, 8 * weight_mib) << "the measurement misses the layer itself";
+  EXPECT_LT(held, 6 * weight_mib) << "bytes per weight: " << held / weight_mib;
+  EXPECT_GT(held, 2 * weight_mib) << "the measurement misses the layer itself";
 }
 
 TEST(LinearKinds, SparseAdamWEqualsDenseAdamWRestrictedToMask) {

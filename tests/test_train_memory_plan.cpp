@@ -54,7 +54,9 @@ TEST(MemoryPlan, TheHostBreakdownSumsToHostBytesForTraining) {
 
 // A recipe's sparse kinds keep state on the host (their CPU layers, which checkpoints are
 // written from in a GPU run too): the plan counts each claimed block Linear weight at its
-// kind's bytes, the most of the kinds it takes over the run, on either device.
+// kind's bytes, the most of the kinds it takes over the run; in a GPU run the bytes of the
+// twin, which runs no CPU product (slope: W1 and W2ᵀ's metadata, 2.25 bytes per weight,
+// against 8.25 with both compressed copies and their slot indices on the CPU).
 TEST(MemoryPlan, TheHostPlanCountsTheSparseKindsState) {
   TrainConfig c = tiny_config("cuda");
   EXPECT_EQ(host_memory_plan(c, "cuda").kinds, 0u);
@@ -68,9 +70,13 @@ TEST(MemoryPlan, TheHostPlanCountsTheSparseKindsState) {
   c.recipe_yaml = "- slope: {params: ['re:blocks\\..*\\.mlp\\.\\w+\\.weight']}\n";
   for (const std::string device : {"cpu", "cuda"}) {
     const HostMemoryPlan p = host_memory_plan(c, device);
-    EXPECT_EQ(p.kinds, uint64_t(11.25 * double(mlp))) << device;
+    EXPECT_EQ(p.kinds, uint64_t((device == "cpu" ? 8.25 : 2.25) * double(mlp))) << device;
     EXPECT_EQ(p.total(), host_bytes_for_training(c, device));
   }
+  // semi_sparse's pruned copy is made by a CPU forward: none in a GPU run.
+  c.recipe_yaml = "- semi_sparse: {params: ['re:blocks\\..*\\.mlp\\.\\w+\\.weight']}\n";
+  EXPECT_EQ(host_memory_plan(c, "cpu").kinds, 4 * mlp);
+  EXPECT_EQ(host_memory_plan(c, "cuda").kinds, 0u);
   // Masked, then vnm on the same layers: the larger of the two.
   c.recipe_yaml =
       "- gradual_magnitude: {params: ['re:blocks\\..*\\.(attn|mlp)\\.\\w+\\.weight'], mask_type: '2:4', start: 0.0, "

@@ -56,6 +56,7 @@ std::deque<LinearKindInfo> builtin_kinds() {
   masked.host_rechooses_mask = true;
   masked.gpu = true;
   masked.host_bytes_per_weight = 1;  // the u8 mask
+  masked.host_twin_bytes_per_weight = 1;
   masked.set_make_cpu([]<typename T>(LinearBuild<T>& b) -> std::unique_ptr<Linear<T>> {
     const LinearOptions& o = b.options;
     return std::make_unique<MaskedLinear<T>>(b.params, o.pattern, o.sparsity > 0 ? o.sparsity : o.pattern.sparsity);
@@ -69,7 +70,7 @@ std::deque<LinearKindInfo> builtin_kinds() {
   semi.recipe_keys = {"until", "sparse_dw"};
   semi.gpu = true;
   semi.gpu_needs_16 = true;
-  semi.host_bytes_per_weight = 4;  // the pruned weight Ws
+  semi.host_bytes_per_weight = 4;  // the pruned weight Ws, made by the first forward
   semi.set_make_cpu([]<typename T>(LinearBuild<T>& b) -> std::unique_ptr<Linear<T>> {
     return std::make_unique<SemiSparseLinear<T>>(b.params, std::move(b.dw));
   });
@@ -95,9 +96,10 @@ std::deque<LinearKindInfo> builtin_kinds() {
   slope.recipe_keys = {"mask_change_freq", "lora_rank", "lora_start", "sparse_dw"};
   slope.gpu = true;
   slope.gpu_needs_16 = true;
-  // Three u8 masks, W1 and W2ᵀ compressed (half the values, fp32, and their metadata) and
-  // the int32 slot index of each.
-  slope.host_bytes_per_weight = 3 + 2 * 2.125 + 2 * 2;
+  // W1 and W2ᵀ compressed (half the values, fp32, and their metadata) and the int32 slot
+  // index of each; the twin keeps W1 and W2ᵀ's metadata (the CPU products build the rest).
+  slope.host_bytes_per_weight = 2 * 2.125 + 2 * 2;
+  slope.host_twin_bytes_per_weight = 2.125 + 0.125;
   slope.set_make_cpu([]<typename T>(LinearBuild<T>& b) { return make_slope(b); });
 
   LinearKindInfo& vnm = kinds[5];
@@ -107,6 +109,7 @@ std::deque<LinearKindInfo> builtin_kinds() {
   vnm.gpu = true;
   // The kept values (fp32) and their int32 slot index: 8 bytes per kept weight, at most half.
   vnm.host_bytes_per_weight = 4;
+  vnm.host_twin_bytes_per_weight = 4;  // built at construction
   vnm.set_make_cpu([]<typename T>(LinearBuild<T>& b) { return make_vnm(b); });
   return kinds;
 }

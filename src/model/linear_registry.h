@@ -74,9 +74,12 @@ struct LinearKindInfo {
   // has none for a kind without it (checked by device_linear_kinds()).
   bool gpu = false;
   // About the host memory its CPU layer keeps per weight of the layer besides the flat
-  // weight (masks, compressed copies, their indices), in a GPU run too (the host model is
-  // what checkpoints are written from): the host memory plan counts it.
+  // weight (masks, compressed copies, their indices; not the work buffers of a product) in
+  // a CPU run, and in a GPU run, where it is the host model's twin that checkpoints are
+  // written from and runs no CPU product: the host memory plan counts the one of the run's
+  // device.
   double host_bytes_per_weight = 0;
+  double host_twin_bytes_per_weight = 0;
   MakeCpuLinear<float> make_float;
   MakeCpuLinear<double> make_double;
 

@@ -41,6 +41,68 @@ void compressed_linear(T* out, const T* x, const Compressed24T<T>& w, const line
     linear_detail::slot_linear(out, x, s, w.values.data(), bias, N);
 }
 
+// out [rows, cols] = c with zeros outside its slots, read from the metadata (the slot
+// index is the CPU products' state, which a GPU run's twin does not hold).
+template <typename T>
+void decompress(T* out, const Compressed24T<T>& c) {
+  const int64_t per_row = c.cols / 2;
+  std::fill(out, out + c.rows * c.cols, T(0));
+  for (int64_t r = 0; r < c.rows; ++r)
+    for (int64_t g = 0; g < c.cols / 4; ++g)
+      for (int j = 0; j < 2; ++j) out[r * c.cols + c.column(r, g, j)] = c.values[r * per_row + 2 * g + j];
+}
+
+// f(o, c) for every position [out, in] the forward mask keeps: W1's slots (row-wise 2:4
+// keeps exactly 2 of every 4, so W1 has no padding).
+template <typename T, typename F>
+void for_each_forward(const Compressed24T<T>& w1, F f) {
+  for (int64_t o = 0; o < w1.rows; ++o)
+    for (int64_t g = 0; g < w1.cols / 4; ++g)
+      for (int j = 0; j < 2; ++j) f(o, w1.column(o, g, j));
+}
+
+// f(o, c) for every position [out, in] the backward mask keeps: W2ᵀ's slots within the
+// forward mask. A group of W2ᵀ is padded only when it holds fewer than 2 forward-kept
+// values, all of which it then keeps, so its padding lies outside the forward mask.
+template <typename T, typename F>
+void for_each_backward(const Compressed24T<T>& w1, const Compressed24T<T>& w2t, F f) {
+  for (int64_t c = 0; c < w2t.rows; ++c)
+    for (int64_t g = 0; g < w2t.cols / 4; ++g)
+      for (int j = 0; j < 2; ++j) {
+        const int64_t o = w2t.column(c, g, j);
+        if (w1.column(o, c / 4, 0) == c || w1.column(o, c / 4, 1) == c) f(o, c);
+      }
+}
+
+// The positions `each` calls for as a mask [rows, cols] and as 4×4 tile bits (sparse/masks.h).
+template <typename Each>
+std::vector<uint8_t> mask_of(int64_t rows, int64_t cols, Each each) {
+  std::vector<uint8_t> m(size_t(rows * cols), 0);
+  each([&](int64_t r, int64_t c) { m[r * cols + c] = 1; });
+  return m;
+}
+template <typename Each>
+std::vector<uint16_t> tiles_of(int64_t rows, int64_t cols, Each each) {
+  std::vector<uint16_t> t(size_t(rows / 4 * (cols / 4)), 0);
+  each([&](int64_t r, int64_t c) { t[(r / 4) * (cols / 4) + c / 4] |= uint16_t(1u << (4 * (r % 4) + c % 4)); });
+  return t;
+}
+
+// W2ᵀ's values [in, out/2] (slots `s`): W1 (dense [out, in], zero outside the forward mask)
+// at W2ᵀ's slots, so 0 at its padding, which lies outside the forward mask. Consecutive
+// rows c of W2ᵀ read neighbouring columns of W1, so a cache line read for one row serves
+// the next.
+template <typename T>
+void fill_backward_values(T* values, const linear_detail::SlotIndex& s, const T* w1_dense) {
+  for (int64_t c = 0; c < s.rows; ++c)
+    for (int64_t j = 0; j < s.per_row; ++j) values[c * s.per_row + j] = w1_dense[s.col[c * s.per_row + j] * s.rows + c];
+}
+
+template <typename V>
+size_t capacity_bytes(const std::vector<V>& v) {
+  return v.capacity() * sizeof(V);
+}
+
 }  // namespace
 
 template <typename T>
@@ -52,17 +114,15 @@ SlopeLinear<T>::SlopeLinear(const LinearParams<T>& p, int mask_change_freq, Mvue
                "]: kind slope needs in and out features that are multiples of 4 (row-wise 2:4 of W, "
                "column-wise 2:4 of its backward copy)");
   const int64_t O = p.out_features, C = p.in_features;
+  dvalues_ = ZeroedArray<T>(size_t(O * C / 2));
   {
     ScopedOp op({p.module, "prune"}, OpCategory::other, p.layer, 0, double(sizeof(T) * 2 * O * C), {p.weight},
                 {p.weight});
-    fwd_mask_ = cpu::nm_mask(p.weight, O, C, 2, 4);
-    w1_ = linear_detail::compress_24_masked(p.weight, fwd_mask_.data(), O, C, p.name);
-    s1_ = linear_detail::slot_index(w1_);
+    const std::vector<uint8_t> fwd_mask = cpu::nm_mask(p.weight, O, C, 2, 4);
+    w1_ = linear_detail::compress_24_masked(p.weight, fwd_mask.data(), O, C, p.name);
   }
-  dvalues_ = ZeroedArray<T>(w1_.values.size());
-  linear_detail::scatter(p.weight, s1_, w1_.values.data());
+  decompress(p.weight, w1_);
   refresh_backward_mask();
-  release_work_buffers();
 }
 
 template <typename T>
@@ -75,13 +135,8 @@ SlopeLinear<T>::SlopeLinear(const LinearParams<T>& p, const SlopeLinear& prev, i
                "]: cannot continue the slope layer '", q.name, "' [out ", q.out_features, ", in ", q.in_features,
                "]");
   refresh_step_ = prev.refresh_step_;
-  fwd_mask_ = prev.fwd_mask_;
-  bwd_mask_ = prev.bwd_mask_;
-  bwd_mask_t_ = prev.bwd_mask_t_;
   w1_ = prev.w1_;
-  w2t_ = prev.w2t_;
-  s1_ = prev.s1_;
-  s2t_ = prev.s2t_;
+  w2t_ = {prev.w2t_.rows, prev.w2t_.cols, {}, prev.w2t_.meta};  // the defining part; the products build the rest
   dvalues_ = ZeroedArray<T>(w1_.values.size());
   rank_ = prev.rank_;
   l_ = prev.l_;
@@ -89,7 +144,6 @@ SlopeLinear<T>::SlopeLinear(const LinearParams<T>& p, const SlopeLinear& prev, i
   dl_.assign(l_.size(), T(0));
   dr_.assign(r_.size(), T(0));
   sync();
-  release_work_buffers();
 }
 
 template <typename T>
@@ -97,52 +151,45 @@ void SlopeLinear<T>::refresh_backward_mask() {
   const auto& p = this->p_;
   const int64_t O = p.out_features, C = p.in_features;
   scratch_.resize(size_t(O * C));
+  tmp_.resize(size_t(O * C));
   ScopedOp op({p.module, "double_prune"}, OpCategory::other, p.layer, 0, double(sizeof(T) * 2 * O * C),
               {w1_.values.data()}, {w2t_.values.data()});
-  linear_detail::scatter(scratch_.data(), s1_, w1_.values.data());
-  bwd_mask_ = cpu::double_prune_backward_mask(scratch_.data(), fwd_mask_.data(), O, C);
-  rebuild_backward_weight();
+  decompress(scratch_.data(), w1_);
+  const std::vector<uint8_t> bwd = cpu::double_prune_backward_mask(scratch_.data(), forward_mask().data(), O, C);
+  std::vector<uint8_t> bwd_t(size_t(O * C));
+  transpose(bwd_t.data(), bwd.data(), O, C);
+  transpose(tmp_.data(), scratch_.data(), O, C);
+  Compressed24T<T> c =
+      linear_detail::compress_24_masked(tmp_.data(), bwd_t.data(), C, O, p.name + " (backward copy)");
+  w2t_.rows = c.rows;
+  w2t_.cols = c.cols;
+  w2t_.meta = std::move(c.meta);
+  if (!has_cpu_products()) {  // a layer that runs no CPU product (yet) keeps no work buffers either
+    release_work_buffers();
+    return;
+  }
+  // Refilled in place, so that the backward copy keeps one buffer (its identity for the
+  // profiler) across refreshes.
+  std::copy(c.values.begin(), c.values.end(), w2t_.values.begin());
+  s2t_ = linear_detail::slot_index(w2t_);
 }
 
 template <typename T>
-void SlopeLinear<T>::rebuild_backward_weight() {
-  const auto& p = this->p_;
-  const int64_t O = p.out_features, C = p.in_features;
-  scratch_.resize(size_t(O * C));
-  tmp_.resize(size_t(O * C));
-  linear_detail::scatter(scratch_.data(), s1_, w1_.values.data());
-  transpose(tmp_.data(), scratch_.data(), O, C);
-  bwd_mask_t_.resize(size_t(O * C));
-  transpose(bwd_mask_t_.data(), bwd_mask_.data(), O, C);
-  Compressed24T<T> c =
-      linear_detail::compress_24_masked(tmp_.data(), bwd_mask_t_.data(), C, O, p.name + " (backward copy)");
-  // Refilled in place, so that the backward copy keeps one buffer (its identity for the
-  // profiler) across refreshes.
-  if (w2t_.values.size() == c.values.size()) {
-    std::copy(c.values.begin(), c.values.end(), w2t_.values.begin());
-    w2t_.meta = std::move(c.meta);
-    w2t_.rows = c.rows;
-    w2t_.cols = c.cols;
-  } else {
-    w2t_ = std::move(c);
-  }
+void SlopeLinear<T>::ensure_cpu_products() {
+  if (has_cpu_products()) return;
+  s1_ = linear_detail::slot_index(w1_);
   s2t_ = linear_detail::slot_index(w2t_);
+  std::vector<T> w1(size_t(w1_.rows * w1_.cols));
+  decompress(w1.data(), w1_);
+  w2t_.values.resize(size_t(w2t_.rows * w2t_.cols / 2));
+  fill_backward_values(w2t_.values.data(), s2t_, w1.data());
 }
 
 template <typename T>
 void SlopeLinear<T>::sync() {
   const auto& p = this->p_;
-  const int64_t O = p.out_features, C = p.in_features;
-  linear_detail::scatter(p.weight, s1_, w1_.values.data());
-  // W2ᵀ[c, o] = W1[o, c] at the backward copy's slots (0 where a slot is padding), read
-  // straight from the flat weight without a transposed copy (consecutive rows c of W2ᵀ
-  // read neighbouring columns of W1, so a cache line read for one row serves the next).
-  const linear_detail::SlotIndex& s = s2t_;
-  for (int64_t c = 0; c < C; ++c)
-    for (int64_t j = 0; j < s.per_row; ++j) {
-      const int64_t o = s.col[c * s.per_row + j];
-      w2t_.values[c * s.per_row + j] = bwd_mask_t_[c * O + o] ? p.weight[o * C + c] : T(0);
-    }
+  decompress(p.weight, w1_);
+  if (has_cpu_products()) fill_backward_values(w2t_.values.data(), s2t_, p.weight);
 }
 
 template <typename T>
@@ -243,6 +290,7 @@ const Compressed24T<T>& SlopeLinear<T>::product_weight(const Compressed24T<T>& c
 template <typename T>
 void SlopeLinear<T>::forward(T* out, const T* inp, int N) {
   const auto& p = this->p_;
+  ensure_cpu_products();
   {
     const double M = N, K = p.in_features, O = p.out_features;
     ScopedOp op({p.module, "fwd"}, OpCategory::sparse_gemm, p.layer, M * K * O,
@@ -260,8 +308,9 @@ void SlopeLinear<T>::merged_forward(T* out, const T* inp, int N) const {
   std::vector<T> t(size_t(N) * r);
   if (r > 0) cpu::linear_forward(t.data(), inp, r_.data(), static_cast<const T*>(nullptr), N, C, r);
   const T* vals = w1_.values.data();
-  const int32_t* cols = s1_.col.data();
-  const int64_t per_row = s1_.per_row;
+  const linear_detail::SlotIndex s1 = linear_detail::slot_index(w1_);  // for this call: inference holds no products
+  const int32_t* cols = s1.col.data();
+  const int64_t per_row = s1.per_row;
   parallel_for(
       int64_t(N) * O,
       [&](int64_t e0, int64_t e1) {
@@ -282,6 +331,7 @@ void SlopeLinear<T>::merged_forward(T* out, const T* inp, int N) const {
 template <typename T>
 void SlopeLinear<T>::backward(T* dinp, const T* dout, const T* inp, int N) {
   const auto& p = this->p_;
+  ensure_cpu_products();
   const int64_t O = p.out_features, C = p.in_features;
   const double M = N, K = double(C), Od = double(O);
   const T* dy = this->operand(ProductOperand::grad, dout, int64_t(N) * O);
@@ -332,7 +382,7 @@ void SlopeLinear<T>::backward(T* dinp, const T* dout, const T* inp, int N) {
 
 template <typename T>
 void SlopeLinear<T>::sparse_weight(T* out) const {
-  linear_detail::scatter(out, s1_, w1_.values.data());
+  decompress(out, w1_);
 }
 
 template <typename T>
@@ -381,21 +431,50 @@ void SlopeLinear<T>::load_state(const std::map<std::string, Tensor>& tensors) {
   Compressed24T<T> w2t = compressed_24_from_meta<T>(bmeta.data<uint16_t>(), C, O, p.name + " (backward copy)");
   w1.values = std::move(w1_.values);  // the trained values stay; they belong to the saved masks
   w1_ = std::move(w1);
-  s1_ = slot_index(w1_);
-  fwd_mask_ = slot_mask(s1_);
-  // The backward copy's padded slots lie outside the forward mask (a group is padded only
-  // when it holds fewer than 2 forward-kept values, all of which it then keeps), so the
-  // backward mask is its slots within the forward mask.
-  w2t_ = std::move(w2t);
-  s2t_ = slot_index(w2t_);
-  bwd_mask_.resize(size_t(O * C));
-  transpose(bwd_mask_.data(), slot_mask(s2t_).data(), C, O);
-  for (size_t i = 0; i < bwd_mask_.size(); ++i) bwd_mask_[i] = bwd_mask_[i] && fwd_mask_[i];
-  bwd_mask_t_.resize(size_t(O * C));
-  transpose(bwd_mask_t_.data(), bwd_mask_.data(), O, C);
+  w2t_ = {w2t.rows, w2t.cols, {}, std::move(w2t.meta)};
+  s1_ = {};  // the CPU products' state belonged to the old masks: the next product builds it
+  s2t_ = {};
   refresh_step_ = int64_t(rs);
   sync();
   release_work_buffers();
+}
+
+template <typename T>
+std::vector<uint8_t> SlopeLinear<T>::forward_mask() const {
+  return mask_of(w1_.rows, w1_.cols, [&](auto f) { for_each_forward(w1_, f); });
+}
+
+template <typename T>
+std::vector<uint8_t> SlopeLinear<T>::backward_mask() const {
+  return mask_of(w1_.rows, w1_.cols, [&](auto f) { for_each_backward(w1_, w2t_, f); });
+}
+
+template <typename T>
+std::vector<uint16_t> SlopeLinear<T>::forward_tiles() const {
+  return tiles_of(w1_.rows, w1_.cols, [&](auto f) { for_each_forward(w1_, f); });
+}
+
+template <typename T>
+std::vector<uint16_t> SlopeLinear<T>::backward_tiles() const {
+  return tiles_of(w1_.rows, w1_.cols, [&](auto f) { for_each_backward(w1_, w2t_, f); });
+}
+
+template <typename T>
+Compressed24T<T> SlopeLinear<T>::backward_weight() const {
+  Compressed24T<T> c{w2t_.rows, w2t_.cols, std::vector<T>(size_t(w2t_.rows * w2t_.cols / 2)), w2t_.meta};
+  std::vector<T> w1(size_t(w1_.rows * w1_.cols));
+  decompress(w1.data(), w1_);
+  fill_backward_values(c.values.data(), linear_detail::slot_index(c), w1.data());
+  return c;
+}
+
+template <typename T>
+size_t SlopeLinear<T>::host_bytes() const {
+  size_t n = 0;
+  for (const auto* v : {&w1_.values, &w2t_.values, &wq_.values, &l_, &r_, &dl_, &dr_, &scratch_, &tmp_, &t_, &dt_})
+    n += capacity_bytes(*v);
+  for (const auto* m : {&w1_.meta, &w2t_.meta, &wq_.meta}) n += capacity_bytes(*m);
+  return n + capacity_bytes(s1_.col) + capacity_bytes(s2t_.col);
 }
 
 template <typename T>

@@ -20,6 +20,13 @@
 // enabling it does not change the output; both are owned parameters ("<module>.lora_l",
 // "<module>.lora_r"). merged_forward computes the same output for inference in one pass
 // over [W1 | L] and [X | X·Rᵀ].
+//
+// What defines the layer is held always: W1 (kept values and metadata), W2ᵀ's metadata (the
+// backward mask), the refresh step, the adapter and sparse_dw's draw count, about 2.25 bytes
+// per weight in fp32. The CPU products' own state (W2ᵀ's values and the slot index of W1
+// and of W2ᵀ, 6 bytes per weight more) is built on the first CPU forward or backward: the
+// host twin of a GPU run, which only hands its state to the GPU and takes it back, never
+// holds it (llama-7b's 6.5 billion block-Linear weights would need 36 GiB for it).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -38,7 +45,7 @@ template <typename T>
 class SlopeLinear final : public Linear<T> {
  public:
   // Prunes the current weight row-wise 2:4 (in and out features must be multiples of 4),
-  // compresses it, computes the backward copy and writes W1 into the flat weight. `dw` on:
+  // compresses it, computes the backward mask and writes W1 into the flat weight. `dw` on:
   // sparse_dw (the kept values' gradient from S = MVUE(dYᵀ) instead of dYᵀ).
   SlopeLinear(const LinearParams<T>& p, int mask_change_freq, MvueWeightGrad<T> dw = {});
   // Continues `previous` (the same layer): masks, values, refresh step and adapter.
@@ -54,7 +61,7 @@ class SlopeLinear final : public Linear<T> {
   void on_step_begin(int64_t step) override;
   bool trains_dense_weight() const override { return false; }
   std::vector<OwnedParam<T>> owned_params() override;
-  // Writes W1 into the flat weight and refreshes the backward copy's values.
+  // Writes W1 into the flat weight (and W2ᵀ's values where the CPU products' state exists).
   void after_optimizer_step() override;
   // "<name>.kind", "<name>.meta" (u16 [out, ceil(in/16)]: W1's 2:4 metadata, i.e. the
   // forward mask), "<name>.backward_meta" (u16 [in, ceil(out/16)]: W2ᵀ's),
@@ -62,7 +69,8 @@ class SlopeLinear final : public Linear<T> {
   // "<name>.sparse_dw_draws" (f64 [1]).
   std::map<std::string, Tensor> state() const override;
   // Restores masks, refresh step and draw count exactly; the values (owned parameters) are
-  // kept as they are, and the flat weight and backward copy are rebuilt from them.
+  // kept as they are, the flat weight is rebuilt from them and the CPU products' state is
+  // dropped (the next CPU product builds it again).
   void load_state(const std::map<std::string, Tensor>& tensors) override;
   // W1 + L·R.
   void dense_weight(T* out) const override;
@@ -85,20 +93,36 @@ class SlopeLinear final : public Linear<T> {
   int mask_change_freq() const { return freq_; }
   bool sparse_dw() const { return dw_.on(); }
   const MvueWeightGrad<T>& weight_grad() const { return dw_; }
-  const std::vector<uint8_t>& forward_mask() const { return fwd_mask_; }
-  const std::vector<uint8_t>& backward_mask() const { return bwd_mask_; }  // [out, in]
-  const Compressed24T<T>& forward_weight() const { return w1_; }          // W1, [out, in]
-  const Compressed24T<T>& backward_weight() const { return w2t_; }        // W2ᵀ, [in, out]
+  // The masks [out, in] (1 = kept), built from the metadata on each call.
+  std::vector<uint8_t> forward_mask() const;
+  std::vector<uint8_t> backward_mask() const;
+  // The same masks as 4×4 tile bits (sparse/masks.h's tile_bits, the GPU's form), straight
+  // from the metadata.
+  std::vector<uint16_t> forward_tiles() const;
+  std::vector<uint16_t> backward_tiles() const;
+  const Compressed24T<T>& forward_weight() const { return w1_; }  // W1, [out, in]
+  // W2ᵀ [in, out] with its values from the current W1, built on each call.
+  Compressed24T<T> backward_weight() const;
   std::vector<T>& values() { return w1_.values; }
   std::vector<T>& lora_l() { return l_; }
   std::vector<T>& lora_r() { return r_; }
+  // Whether the CPU products' state exists (after a CPU forward or backward).
+  bool has_cpu_products() const { return !s1_.col.empty(); }
+  // The host bytes the layer's own buffers hold (capacities): the defining state, the CPU
+  // products' state and work buffers, the adapter. Not counted: the kept values' gradient,
+  // calloc'd and so backed by memory only once a CPU backward writes it, and sparse_dw's
+  // buffers of one micro-batch.
+  size_t host_bytes() const;
 
  private:
-  void sync();  // flat weight = W1; W2ᵀ values from W1
-  void rebuild_backward_weight();  // W2ᵀ compressed from W1 and the backward mask
-  // Frees the dense-size work buffers (scratch_, tmp_) after a construction or a state
-  // load: a layer that never trains on the host (GPU training) should not hold 8 bytes
-  // per weight of them; the training paths grow them again on first use.
+  // The CPU products' state (s1_, s2t_, W2ᵀ's values) from the defining state, unless it exists.
+  void ensure_cpu_products();
+  // Flat weight = W1; W2ᵀ's values from it where the products' state exists.
+  void sync();
+  // Frees the dense-size work buffers (scratch_, tmp_) after a mask refresh without the CPU
+  // products' state (at construction) or a state load: a layer that never trains on the
+  // host (GPU training) should not hold 8 bytes per weight of them; the training paths grow
+  // them again on first use.
   void release_work_buffers();
   void adapter_forward_add(T* out, const T* inp, int N);
   // c (W1 or W2ᵀ) as the products multiply it: c itself, or in fp8 wq_ with its quantised values.
@@ -107,10 +131,11 @@ class SlopeLinear final : public Linear<T> {
 
   int freq_;
   int64_t refresh_step_ = -1;
-  std::vector<uint8_t> fwd_mask_, bwd_mask_, bwd_mask_t_;  // bwd_mask_t_: [in, out]
+  // The defining state: W1 whole, W2ᵀ's metadata (its values only with the CPU products).
   Compressed24T<T> w1_, w2t_;
-  Compressed24T<T> wq_;  // W1 or W2ᵀ with fp8's quantised values (linear_detail::with_values)
+  // The CPU products' state: the slot indices (empty until ensure_cpu_products).
   linear_detail::SlotIndex s1_, s2t_;
+  Compressed24T<T> wq_;  // W1 or W2ᵀ with fp8's quantised values (linear_detail::with_values)
   ZeroedArray<T> dvalues_;
   int rank_ = 0;
   std::vector<T> l_, r_, dl_, dr_;

@@ -38,9 +38,10 @@ uint64_t cgroup_value(const char* path) {
   return (in >> v) ? v : 0;
 }
 
-// The bytes the recipe's sparse kinds keep on the host: per block Linear weight, the most
-// any modifier that claims it keeps (a layer may go masked, then vnm).
-uint64_t kinds_host_bytes(const TrainConfig& config) {
+// The bytes the recipe's sparse kinds keep on the host in a run on `device`: per block
+// Linear weight, the most any modifier that claims it keeps (a layer may go masked, then
+// vnm); on the GPU their twins' bytes.
+uint64_t kinds_host_bytes(const TrainConfig& config, const std::string& device) {
   if (config.recipe_yaml.empty()) return 0;
   const Recipe recipe = config.recipe();
   std::map<std::string, size_t> numel;
@@ -49,8 +50,10 @@ uint64_t kinds_host_bytes(const TrainConfig& config) {
   for (const std::string& name : transformer_linear_names(config.model)) {
     double per_weight = 0;
     for (const auto& m : recipe.modifiers())
-      if (!m.kind().empty() && m.claims(name))
-        per_weight = std::max(per_weight, find_linear_kind(m.kind(), "recipe").host_bytes_per_weight);
+      if (!m.kind().empty() && m.claims(name)) {
+        const LinearKindInfo& k = find_linear_kind(m.kind(), "recipe");
+        per_weight = std::max(per_weight, device == "cuda" ? k.host_twin_bytes_per_weight : k.host_bytes_per_weight);
+      }
     bytes += per_weight * double(numel.at(name));
   }
   return uint64_t(bytes);
@@ -63,7 +66,7 @@ HostMemoryPlan host_memory_plan(const TrainConfig& config, const std::string& de
   HostMemoryPlan plan;
   plan.weights = params * kFloat;
   plan.moments = 2 * params * kFloat;
-  plan.kinds = kinds_host_bytes(config);
+  plan.kinds = kinds_host_bytes(config, device);
   if (device == "cuda") {
     if (config.offload == "optimizer+master") plan.master_low = params * sizeof(uint16_t);
     return plan;

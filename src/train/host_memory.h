@@ -24,7 +24,8 @@ struct HostMemoryPlan {
   // offloaded moments are `moments`, which checkpoints are then written from in place).
   uint64_t master_low = 0;
   // The CPU layers' own state of the sparse kinds a recipe gives its layers (the largest a
-  // layer takes over the run; LinearKindInfo::host_bytes_per_weight), on either device.
+  // layer takes over the run): LinearKindInfo::host_bytes_per_weight on the CPU, and on the
+  // GPU host_twin_bytes_per_weight (the host model's layers run no CPU product there).
   uint64_t kinds = 0;
   // A distillation teacher (the recipe's distill entry, train/memory_plan.h): its fp32
   // weights, loaded on the host on either device, and on the CPU its forward's activations.

@@ -292,9 +292,8 @@ void DeviceSlopeLinear::setting_from_twin(const Linear<float>& twin, int64_t ste
   if (!masks) return;
   // A twin built for the step about to run (refresh step -1) counts as refreshed at it, as
   // on_step_begin does.
-  const int64_t rows = t.forward_weight().rows, cols = t.forward_weight().cols;
-  held.slope.forward_tiles = cpu::tile_bits(t.forward_mask(), rows, cols);
-  held.slope.backward_tiles = cpu::tile_bits(t.backward_mask(), rows, cols);
+  held.slope.forward_tiles = t.forward_tiles();  // from the metadata: the twin holds no byte mask
+  held.slope.backward_tiles = t.backward_tiles();
   held.slope.refresh_step = t.refresh_step() < 0 ? step : t.refresh_step();
   held.slope.mask_change_freq = t.mask_change_freq();
   s.slope_masks = &held.slope;
