@@ -10,7 +10,7 @@
 # MFU = (6 N + 6 L T d) tokens/s / 989e12: N parameters, L layers, T sequence length, d model
 # width (the attention's causal half of 12 L T d), against the H100's dense bf16 peak.
 #
-#   bench/offload-gpu.sh [build dir] [llama-7b steps] [all|1b|7b]     (default build/cuda, 4, all)
+#   bench/offload-gpu.sh [build dir] [llama-7b steps] [all|1b|7b|7b-slope]     (default build/cuda, 4, all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 esplag=${1:-build/cuda}/esplag
@@ -57,13 +57,15 @@ print('$name,%d,%.0f,%.2f,%.1f,%d,%.1f' % (m['step'], tps, $tokens / tps, 100 * 
 echo "# commit ${ESPLAG_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 echo "run,step,tokens_per_s,step_s,mfu_percent,gpu_peak_mib,host_peak_gib"
 l1b=(953223168 16 2048 2048 8192)
-if [ "$which" != 7b ]; then
+if [ "$which" = all ] || [ "$which" = 1b ]; then
   for offload in none optimizer optimizer+master; do
     run "llama-1b-$offload" configs/gpu/llama-1b.yaml 8 "${l1b[@]}" --set train.offload="$offload"
   done
 fi
-if [ "$which" != 1b ]; then
+if [ "$which" = all ] || [ "$which" = 7b ]; then
   run "llama-7b-optimizer+master" configs/gpu/llama-7b-offload.yaml "$big_steps" 6738415616 32 4096 4096 65536
+fi
+if [ "$which" != 1b ]; then
   # MFU of the slope run counts the dense model's FLOPs (the work a dense step does).
   run "llama-7b-slope-optimizer+master" configs/gpu/llama-7b-slope-offload.yaml "$big_steps" 6738415616 32 4096 4096 65536
 fi
