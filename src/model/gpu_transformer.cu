@@ -346,7 +346,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
   CUDA_CHECK(cudaMemsetAsync(loss_, 0, 3 * sizeof(double), stream_));
   im.blocks.resize(cfg_.n_layer);
   make_linears();
-  lay_out_state();
+  if (!opt_.defer_state) lay_out_state();
 }
 
 GpuTransformer::~GpuTransformer() {

@@ -181,6 +181,11 @@ struct GpuModelOptions {
   // is room for both layouts. Off: always through the host (what a device without that
   // room does).
   bool kind_change_on_device = true;
+  // The parameter state laid out by the first set_linear_kinds (or set_params) instead of
+  // the constructor, for the kinds set then: a caller that sets its layers' kinds first never
+  // holds the all-dense state (a slope llama-7b with the offload could not hold both on the
+  // host). Nothing else may run before.
+  bool defer_state = false;
   // Added to the computed arena size (e.g. for callers that allocate from arena()).
   size_t extra_arena_bytes = 0;
   // A model that runs forward only (a distillation teacher, Distillation below): no

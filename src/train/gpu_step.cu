@@ -113,6 +113,7 @@ class GpuStep final : public StepBackend {
         }()),
         model_(cfg.model, cfg.batch_size, cfg.seq_len, [&] {
           GpuModelOptions o = gpu_model_options(cfg);
+          o.defer_state = true;  // laid out by follow_host_kinds below, for the host's kinds
           if (comm_ && cfg.parallel.zero >= 1) o.shard_optimizer = comm_.get();
           if (comm_ && cfg.parallel.bucket_mb > 0) {
             o.reduce_gradients = comm_.get();

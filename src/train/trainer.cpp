@@ -374,6 +374,13 @@ Trainer::Trainer(TrainConfig config, std::string run_dir, LogFn log)
   state_.rng = Rng(cfg_.seed).state();
   setup_recipe();
   setup_data();
+  // The recipe's update at step 0 before the backend exists, so that a GPU run lays its
+  // state out for the kinds it starts with: a slope run never holds the dense state next to
+  // its layers' twins (for llama-7b with the offload they would not fit the host together).
+  if (!recipe_.empty() && recipe_.is_update_step(0)) {
+    apply_recipe_step(*model_, recipe_, 0, cfg_.seed, log_);
+    first_update_applied_ = true;
+  }
   make_backend({}, {});
 
   // Everything the run needs is checked: only now is anything created or written (by the
@@ -599,7 +606,7 @@ double Trainer::advance() {
   using clock = std::chrono::steady_clock;
   const auto seconds_since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
   const int64_t step = state_.step;
-  const bool update = !recipe_.empty() && recipe_.is_update_step(step);
+  const bool update = !recipe_.empty() && recipe_.is_update_step(step) && !(step == 0 && first_update_applied_);
   const bool device = backend_->device() != "cpu";
   double write_back_s = 0, layers_s = 0;
   if (update) {

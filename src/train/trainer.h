@@ -224,6 +224,7 @@ class Trainer {
   std::string device_note_;  // why `auto` chose the CPU, when a GPU was visible
   TrainerState state_;
   Recipe recipe_;  // empty for dense training
+  bool first_update_applied_ = false;  // the recipe's step-0 update ran before the backend was made
   std::string last_checkpoint_;
   std::unique_ptr<RunLock> lock_;
   std::string nothing_to_do_;  // why a resumed run has no step to run ("" when it has)

@@ -83,7 +83,12 @@ bool GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
   }
   for (const auto& st : settings)  // options that change without a rebuild (slope's schedule)
     if (Impl::Slot* slot = im.find_linear(st.weight_name); slot->base->kind() == st.kind) slot->base->update(st);
-  if (changes.empty()) return false;
+  const bool laid_out = !im.stored.empty();  // else deferred (GpuModelOptions::defer_state): laid out now
+  if (changes.empty()) {
+    if (!laid_out) lay_out_state();
+    return false;
+  }
+  relayout = relayout || !laid_out;
   synchronize();  // nothing queued may still use a layer that goes away
 
   // A new layout: the state moves into it on the device, the old one kept until then with

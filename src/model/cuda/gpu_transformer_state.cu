@@ -341,6 +341,7 @@ std::function<void(size_t, float*, size_t)> split_into_master(GpuTransformer::Im
 }  // namespace
 
 void GpuTransformer::set_params(const float* host, size_t n) {
+  if (impl_->stored.empty()) lay_out_state();  // deferred (GpuModelOptions::defer_state), no kinds set
   ESPLAG_CHECK(n == nparams_, "GpuTransformer::set_params: got ", n, " values, the model has ", nparams_,
                " parameters");
   Impl& im = *impl_;
