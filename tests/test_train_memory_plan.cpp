@@ -7,6 +7,7 @@
 #include "model/transformer.h"
 #include "test_util.h"
 #include "train/memory_plan.h"
+#include "train/stored_layout.h"
 #ifdef ESPLAG_HAVE_CUDA
 #include "train/gpu_step.h"
 #endif
@@ -84,6 +85,37 @@ TEST(MemoryPlan, TheHostPlanCountsTheSparseKindsState) {
       "- kernel_replacement: {params: ['re:blocks\\..*\\.(attn|mlp)\\.\\w+\\.weight'], start: 0.75}\n";
   EXPECT_EQ(host_memory_plan(c, "cuda").kinds, 4 * all);
   EXPECT_TRUE(contains(describe(c, plan_memory(c, "cpu"), {}), "sparse kinds"));
+}
+
+// A GPU run stores a slope weight as its kept values (half its elements) in its weights,
+// gradients and moments: the plan counts the largest layout the run holds, so a slope layer
+// from step 0 on counts half, one that starts later counts whole, and
+// the host's moments and master halves of a GPU run follow (docs/memory.md).
+TEST(MemoryPlan, AGpuRunCountsTheLargestStoredLayout) {
+  TrainConfig c = tiny_config("cuda");
+  c.steps = 100;
+  const uint64_t params = uint64_t(c.model.num_params());
+  uint64_t mlp = 0;
+  for (const ParamInfo& i : transformer_param_layout(c.model))
+    if (i.name.rfind("blocks.", 0) == 0 && i.shape.size() == 2 && i.name.find(".mlp.") != std::string::npos)
+      mlp += i.numel;
+  EXPECT_EQ(largest_stored_layout(c).elements, params);
+  const std::string slope = "- slope: {params: ['re:blocks\\..*\\.mlp\\.\\w+\\.weight']";
+  c.recipe_yaml = slope + "}\n";
+  const StoredLayout from_start = largest_stored_layout(c);
+  EXPECT_EQ(from_start.elements, params - mlp / 2);
+  EXPECT_EQ(from_start.kept_values.size(), size_t(2 * c.model.n_layer));
+  EXPECT_TRUE(from_start.kept_values.count("blocks.0.mlp.fc.weight"));
+  c.offload = "optimizer+master";
+  EXPECT_EQ(host_memory_plan(c, "cuda").moments, 8 * (params - mlp / 2));
+  EXPECT_EQ(host_memory_plan(c, "cuda").master_low, 2 * (params - mlp / 2));
+  EXPECT_EQ(gpu_model_state(c, 1).elements, params - mlp / 2);
+  EXPECT_EQ(host_memory_plan(c, "cpu").moments, 8 * params);  // the CPU's optimizer: unchanged
+  c.recipe_yaml = slope + ", start: 50}\n";  // dense for the first half
+  EXPECT_EQ(largest_stored_layout(c).elements, params);
+  EXPECT_TRUE(largest_stored_layout(c).kept_values.empty());
+  c.recipe_yaml = "- semi_sparse: {params: ['re:blocks\\..*\\.mlp\\.\\w+\\.weight']}\n";
+  EXPECT_EQ(largest_stored_layout(c).elements, params);
 }
 
 TEST(MemoryPlan, AConfigThatFitsNeedsNoChange) {

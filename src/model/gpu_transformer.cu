@@ -261,13 +261,24 @@ GpuMemoryPlan GpuTransformer::memory_plan(const ModelConfig& config, int max_bat
                                           const GpuModelOptions& given) {
   const GpuModelOptions options = effective(given);
   const auto infos = param_layout(config);
+  // The state as lay_out_state stores it: kept values [out, in/2] for options.kept_values.
+  std::vector<ParamInfo> stored = infos;
+  size_t offset = 0;
+  for (ParamInfo& i : stored) {
+    if (options.kept_values.count(i.name)) {
+      i.shape = {i.shape.at(0), i.shape.at(1) / 2};
+      i.numel = size_t(shape_numel(i.shape));
+    }
+    i.offset = offset;
+    offset += i.numel;
+  }
   ESPLAG_CHECK(max_batch > 0 && max_seq_len > 0, "GpuTransformer::memory_plan: bad micro-batch ", max_batch, " x ",
                max_seq_len);
   ESPLAG_CHECK(config.head_dim() <= gpu::kAttentionMaxHeadDim, "GpuTransformer: head dimension ", config.head_dim(),
                " exceeds the GPU attention's maximum ", gpu::kAttentionMaxHeadDim);
   GpuMemoryPlan state;
   Impl dummy;
-  lay_out_state_buffers(config, infos, options, dummy, state, Take{}, Take{});
+  lay_out_state_buffers(config, stored, options, dummy, state, Take{}, Take{});
   GpuMemoryPlan plan = step_arena_plan(config, max_batch, max_seq_len, options) + state;
   if (options.precision.fp8) {  // the fp8 products' shared scratch and each layer's weight codes (outside the arena)
     std::vector<std::pair<int64_t, int64_t>> shapes;  // every block has the same shapes
@@ -300,7 +311,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
   max_b_ = max_batch;
   max_t_ = max_seq_len;
   const int N = max_b_ * max_t_;
-  plan_ = memory_plan(cfg_, max_b_, max_t_, opt_);  // all dense: the largest state
+  plan_ = memory_plan(cfg_, max_b_, max_t_, opt_);  // the largest state (GpuModelOptions::kept_values)
 
   const size_t need = plan_.total() + opt_.extra_arena_bytes;
   size_t free_b = 0, total_b = 0;

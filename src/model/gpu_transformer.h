@@ -74,6 +74,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -181,6 +182,10 @@ struct GpuModelOptions {
   // is room for both layouts. Off: always through the host (what a device without that
   // room does).
   bool kind_change_on_device = true;
+  // Block Linear weights stored as their kept values ([out, in/2], slope) in the largest
+  // layout the model will hold: memory_plan, and the constructor's check of the device's
+  // free memory, count them so (else every weight dense, the largest layout of any run).
+  std::set<std::string> kept_values;
   // The parameter state laid out by the first set_linear_kinds (or set_params) instead of
   // the constructor, for the kinds set then: a caller that sets its layers' kinds first never
   // holds the all-dense state (a slope llama-7b with the offload could not hold both on the

@@ -100,6 +100,7 @@ std::deque<LinearKindInfo> builtin_kinds() {
   // index of each; the twin keeps W1 and W2ᵀ's metadata (the CPU products build the rest).
   slope.host_bytes_per_weight = 2 * 2.125 + 2 * 2;
   slope.host_twin_bytes_per_weight = 2.125 + 0.125;
+  slope.stored_fraction = 0.5;  // the kept values [out, in/2]
   slope.set_make_cpu([]<typename T>(LinearBuild<T>& b) { return make_slope(b); });
 
   LinearKindInfo& vnm = kinds[5];

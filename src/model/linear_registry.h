@@ -80,6 +80,9 @@ struct LinearKindInfo {
   // device.
   double host_bytes_per_weight = 0;
   double host_twin_bytes_per_weight = 0;
+  // The share of its weight's elements the trained parameter holds (slope: the kept values,
+  // half): a GPU model stores, and keeps gradients and moments of, that many per weight.
+  double stored_fraction = 1;
   MakeCpuLinear<float> make_float;
   MakeCpuLinear<double> make_double;
 

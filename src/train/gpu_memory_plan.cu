@@ -4,6 +4,7 @@
 
 #include "core/device_collectives.h"
 #include "core/error.h"
+#include "train/stored_layout.h"
 
 namespace esplag {
 
@@ -35,6 +36,7 @@ GpuModelOptions gpu_model_options(const TrainConfig& config) {
   o.offload_moments = config.offload != "none";
   o.offload_master = config.offload == "optimizer+master";
   o.precision = config.linear_precision();
+  o.kept_values = largest_stored_layout(config).kept_values;
   return o;
 }
 

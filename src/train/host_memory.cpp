@@ -10,6 +10,7 @@
 #include "model/transformer.h"
 #include "train/progress.h"
 #include "train/recipe.h"
+#include "train/stored_layout.h"
 
 namespace esplag {
 
@@ -68,7 +69,11 @@ HostMemoryPlan host_memory_plan(const TrainConfig& config, const std::string& de
   plan.moments = 2 * params * kFloat;
   plan.kinds = kinds_host_bytes(config, device);
   if (device == "cuda") {
-    if (config.offload == "optimizer+master") plan.master_low = params * sizeof(uint16_t);
+    // The moments (offloaded, or the host copies a checkpoint writes) and the master's low
+    // halves are of the stored elements: a slope weight's kept values only.
+    const uint64_t stored = largest_stored_layout(config).elements;
+    plan.moments = 2 * stored * kFloat;
+    if (config.offload == "optimizer+master") plan.master_low = stored * sizeof(uint16_t);
     return plan;
   }
   plan.gradients = params * kFloat;

@@ -9,6 +9,7 @@
 #include "train/checkpoint.h"
 #include "train/progress.h"
 #include "train/recipe.h"
+#include "train/stored_layout.h"
 #include "train/zero_partition.h"
 #ifdef ESPLAG_HAVE_CUDA
 #include "train/gpu_memory_plan.h"
@@ -173,9 +174,9 @@ GpuModelState gpu_model_state(const TrainConfig& config, int world) {
   s.world = world;
   s.zero = config.parallel.zero;
   s.sharded = world > 1 && config.parallel.zero == 1;
-  s.elements = uint64_t(config.model.num_params());
+  s.elements = largest_stored_layout(config).elements;
   // The largest range of the partition is ceil(E / world); the GPU pads it to 64 elements.
-  const uint64_t largest = largest_range(config.model.num_params(), world);
+  const uint64_t largest = largest_range(int64_t(s.elements), world);
   s.chunk = s.sharded ? (largest + 63) / 64 * 64 : s.elements;
   s.padded = s.sharded ? s.chunk * uint64_t(world) : s.elements;
   const uint64_t master_low = s.padded * sizeof(uint16_t), moments = s.chunk * 2 * sizeof(float);

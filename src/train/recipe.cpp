@@ -642,6 +642,17 @@ LayerPlan Recipe::plan_of(int i, int64_t step) const {
   return p;
 }
 
+std::vector<int64_t> Recipe::kind_boundaries() const {
+  ESPLAG_CHECK(validated_, source_, ": recipe: kind_boundaries called before validate");
+  std::set<int64_t> steps{0};
+  for (const auto& [name, cl] : claims_)
+    for (const Claim& c : cl) {
+      steps.insert(c.begin);
+      if (c.end != INT64_MAX) steps.insert(c.end);
+    }
+  return {steps.begin(), steps.end()};
+}
+
 std::map<std::string, LayerPlan> Recipe::plan_at(int64_t step) const {
   ESPLAG_CHECK(validated_, source_, ": recipe: plan_at called before validate");
   ESPLAG_CHECK(step >= 0, source_, ": recipe: plan_at needs a step >= 0, got ", step);

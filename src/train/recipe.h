@@ -107,6 +107,9 @@ class Recipe {
   // from dense), in name order: what the trainer rebuilds before running `step`.
   std::vector<std::string> changed_at(int64_t step) const;
   bool is_update_step(int64_t step) const { return !changed_at(step).empty(); }
+  // Step 0 and the steps at which a modifier's hold on a weight begins or ends, ascending:
+  // a weight's kind changes only there (gradual_magnitude's ramp changes masks in between).
+  std::vector<int64_t> kind_boundaries() const;
   // The distill modifier, or null when the recipe has none (at most one is allowed).
   const Modifier* distill() const;
   // Whether the loss of `step` is the distillation loss: a distill modifier in [start, until).
