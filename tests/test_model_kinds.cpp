@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "gradcheck.h"
+#include "linear_test_util.h"
 #include "model/linear_kinds.h"
 #include "model/linear_lora.h"
 #include "model/linear_masked.h"
@@ -32,45 +33,11 @@ using namespace esplag;
 using esplag::testing::dot;
 using esplag::testing::expect_close;
 using esplag::testing::numeric_grad;
+using esplag::testing::randv;
+template <typename T>
+using Buffers = esplag::testing::LayerBuffers<T>;
 
 namespace {
-
-// A layer's flat-buffer slices, owned here.
-template <typename T>
-struct Buffers {
-  std::vector<T> w, b, dw, db;
-  LinearParams<T> p;
-  Buffers(int out, int in, uint64_t seed, bool bias = true, const std::string& module = "blocks.0.mlp.fc") {
-    Rng rng(seed);
-    w.resize(size_t(out) * in);
-    for (auto& x : w) x = static_cast<T>(rng.normal());
-    b.resize(out);
-    for (auto& x : b) x = static_cast<T>(rng.normal() * 0.5);
-    dw.assign(w.size(), T(0));
-    db.assign(b.size(), T(0));
-    p.name = module + ".weight";
-    p.module = module;
-    p.layer = 0;
-    p.in_features = in;
-    p.out_features = out;
-    p.weight = w.data();
-    p.dweight = dw.data();
-    if (bias) {
-      p.bias = b.data();
-      p.dbias = db.data();
-    }
-  }
-  Buffers(const Buffers&) = delete;
-  Buffers& operator=(const Buffers&) = delete;
-};
-
-template <typename T>
-std::vector<T> randv(size_t n, uint64_t seed, double scale = 1.0) {
-  Rng rng(seed);
-  std::vector<T> v(n);
-  for (auto& x : v) x = static_cast<T>(rng.normal() * scale);
-  return v;
-}
 
 // Independent naive products in double.
 std::vector<double> ref_forward(const std::vector<double>& x, const std::vector<double>& w, const double* b, int N,

@@ -15,6 +15,7 @@
 
 #include "core/op_trace.h"
 #include "core/rng.h"
+#include "linear_test_util.h"
 #include "model/linear_kinds.h"
 #include "model/linear_semi_sparse.h"
 #include "model/linear_slope.h"
@@ -26,45 +27,13 @@
 using namespace esplag;
 using esplag::testing::contains;
 using esplag::testing::error_of;
+using esplag::testing::randv;
+template <typename T>
+using Buffers = esplag::testing::LayerBuffers<T>;
 
 namespace {
 
 constexpr uint64_t kRunSeed = 1337;
-
-// A layer's flat-buffer slices, owned here.
-template <typename T>
-struct Buffers {
-  std::vector<T> w, b, dw, db;
-  LinearParams<T> p;
-  Buffers(int out, int in, uint64_t seed) {
-    Rng rng(seed);
-    w.resize(size_t(out) * in);
-    for (auto& x : w) x = static_cast<T>(rng.normal());
-    b.resize(out);
-    for (auto& x : b) x = static_cast<T>(rng.normal() * 0.5);
-    dw.assign(w.size(), T(0));
-    db.assign(b.size(), T(0));
-    p.name = "blocks.0.mlp.fc.weight";
-    p.module = "blocks.0.mlp.fc";
-    p.layer = 0;
-    p.in_features = in;
-    p.out_features = out;
-    p.weight = w.data();
-    p.dweight = dw.data();
-    p.bias = b.data();
-    p.dbias = db.data();
-  }
-  Buffers(const Buffers&) = delete;
-  Buffers& operator=(const Buffers&) = delete;
-};
-
-template <typename T>
-std::vector<T> randv(size_t n, uint64_t seed) {
-  Rng rng(seed);
-  std::vector<T> v(n);
-  for (auto& x : v) x = static_cast<T>(rng.normal());
-  return v;
-}
 
 template <typename T>
 std::unique_ptr<Linear<T>> make(Buffers<T>& f, const std::string& kind, bool sparse_dw,

@@ -12,46 +12,16 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "linear_test_util.h"
 #include "model/linear_slope.h"
 #include "sparse/masks.h"
 
 namespace esplag {
 namespace {
 
-// A layer's flat buffers: weight, bias and their gradients.
+using esplag::testing::randv;
 template <typename T>
-struct Buffers {
-  std::vector<T> w, b, dw, db;
-  LinearParams<T> p;
-  Buffers(int out, int in, uint64_t seed) {
-    Rng rng(seed);
-    w.resize(size_t(out) * in);
-    for (auto& x : w) x = static_cast<T>(rng.normal());
-    b.resize(size_t(out));
-    for (auto& x : b) x = static_cast<T>(rng.normal() * 0.5);
-    dw.assign(w.size(), T(0));
-    db.assign(b.size(), T(0));
-    p.name = "blocks.0.mlp.fc.weight";
-    p.module = "blocks.0.mlp.fc";
-    p.layer = 0;
-    p.in_features = in;
-    p.out_features = out;
-    p.weight = w.data();
-    p.dweight = dw.data();
-    p.bias = b.data();
-    p.dbias = db.data();
-  }
-  Buffers(const Buffers&) = delete;
-  Buffers& operator=(const Buffers&) = delete;
-};
-
-template <typename T>
-std::vector<T> random_values(size_t n, uint64_t seed) {
-  Rng rng(seed);
-  std::vector<T> v(n);
-  for (auto& x : v) x = static_cast<T>(rng.normal());
-  return v;
-}
+using Buffers = esplag::testing::LayerBuffers<T>;
 
 // What the layer must hold without the CPU products' state: W1's fp32/fp64 values and
 // metadata, W2ᵀ's metadata, and the adapter.
@@ -68,8 +38,8 @@ size_t defining_bytes(int64_t out, int64_t in, int rank) {
 template <typename T>
 std::vector<std::vector<T>> cpu_step(SlopeLinear<T>& l, Buffers<T>& f, int64_t step, int N) {
   const int64_t O = f.p.out_features, C = f.p.in_features;
-  const auto x = random_values<T>(size_t(N * C), 100 + uint64_t(step));
-  const auto dy = random_values<T>(size_t(N * O), 200 + uint64_t(step));
+  const auto x = randv<T>(size_t(N * C), 100 + uint64_t(step));
+  const auto dy = randv<T>(size_t(N * O), 200 + uint64_t(step));
   l.on_step_begin(step);
   std::fill(f.dw.begin(), f.dw.end(), T(0));
   std::fill(f.db.begin(), f.db.end(), T(0));
@@ -122,7 +92,7 @@ TEST(SlopeTwin, TwinPathsHoldOnlyTheDefiningState) {
   }
 
   std::vector<float> y(size_t(2 * out));
-  l.forward(y.data(), random_values<float>(size_t(2 * in), 3).data(), 2);
+  l.forward(y.data(), randv<float>(size_t(2 * in), 3).data(), 2);
   EXPECT_TRUE(l.has_cpu_products());
   EXPECT_GT(l.host_bytes(), defining_bytes<float>(out, in, 4) + 3 * size_t(out) * in);  // two slot indices, W2ᵀ
 }
