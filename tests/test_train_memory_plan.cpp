@@ -116,6 +116,9 @@ TEST(MemoryPlan, AGpuRunCountsTheLargestStoredLayout) {
   EXPECT_TRUE(largest_stored_layout(c).kept_values.empty());
   c.recipe_yaml = "- semi_sparse: {params: ['re:blocks\\..*\\.mlp\\.\\w+\\.weight']}\n";
   EXPECT_EQ(largest_stored_layout(c).elements, params);
+  // A recipe naming a weight this model lacks (the planner sizes other presets with it): dense.
+  c.recipe_yaml = "- slope: {params: ['blocks.99.mlp.fc.weight']}\n";
+  EXPECT_EQ(largest_stored_layout(c).elements, params);
 }
 
 TEST(MemoryPlan, AConfigThatFitsNeedsNoChange) {

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <map>
 
+#include "core/error.h"
 #include "model/linear_registry.h"
 #include "model/transformer.h"
 #include "train/layer_kinds.h"
@@ -15,7 +16,13 @@ StoredLayout largest_stored_layout(const TrainConfig& config) {
   StoredLayout largest{all, {}};
   if (config.recipe_yaml.empty()) return largest;
   Recipe recipe = config.recipe();
-  recipe.validate(linear_shapes(config.model), config.steps);
+  try {
+    recipe.validate(linear_shapes(config.model), config.steps);
+  } catch (const Error&) {
+    // Not this model's recipe (the planner also sizes other presets with it): the dense
+    // layout bounds it. A run of it is refused by the trainer's own validation.
+    return largest;
+  }
   std::map<std::string, uint64_t> numel;
   for (const ParamInfo& info : transformer_param_layout(config.model)) numel[info.name] = info.numel;
   bool first = true;

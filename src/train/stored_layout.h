@@ -18,7 +18,8 @@ struct StoredLayout {
 };
 
 // The largest layout over `config`'s run (train.steps, its recipe), ties going to the
-// earliest; without a recipe every weight is dense (config.model.num_params() elements).
+// earliest; without a recipe, or with one that does not fit the model, every weight is
+// dense (config.model.num_params() elements).
 // Adapters (a few elements per weight) are not counted.
 StoredLayout largest_stored_layout(const TrainConfig& config);
 
