@@ -173,6 +173,11 @@ class GpuStep final : public StepBackend {
       std::snprintf(buf, sizeof buf, "%.2f GiB", double(bytes) / double(size_t(1) << 30));
       return std::string(buf);
     };
+    const auto mib = [](double m) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%g MiB", m);
+      return std::string(buf);
+    };
     const GpuMemoryPlan& plan = model_.plan();
     return "cuda (" + gpu_name_ + ", " + gib(plan.total()) + " of device memory for the model" +
            (teacher_ ? ", " + gib(teacher_->plan().total()) + " for the distillation teacher" : "") +
@@ -182,7 +187,10 @@ class GpuStep final : public StepBackend {
            (comm_ && cfg_.parallel.zero >= 1
                 ? ", ZeRO stage 1 (each rank keeps the AdamW moments of 1/" + std::to_string(comm_->size()) +
                       " of the stored elements)"
-                : "");
+                : "") +
+           (comm_ && cfg_.parallel.bucket_mb > 0 ? ", gradients averaged during the backward in buckets of at least " +
+                                                        mib(cfg_.parallel.bucket_mb)
+                                                  : "");
   }
 
   void step(int64_t step, double lr, DataLoader& data) override {
