@@ -110,6 +110,8 @@ TEST(MemoryPlan, AGpuRunCountsTheLargestStoredLayout) {
   EXPECT_EQ(host_memory_plan(c, "cuda").moments, 8 * (params - mlp / 2));
   EXPECT_EQ(host_memory_plan(c, "cuda").master_low, 2 * (params - mlp / 2));
   EXPECT_EQ(gpu_model_state(c, 1).elements, params - mlp / 2);
+  EXPECT_TRUE(contains(describe(c, plan_memory(c, "cuda"), {}),
+                       std::to_string(2 * c.model.n_layer) + " weights are stored as their kept values"));
   EXPECT_EQ(host_memory_plan(c, "cpu").moments, 8 * params);  // the CPU's optimizer: unchanged
   c.recipe_yaml = slope + ", start: 50}\n";  // dense for the first half
   EXPECT_EQ(largest_stored_layout(c).elements, params);

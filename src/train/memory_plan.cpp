@@ -139,6 +139,9 @@ std::string model_state_text(const GpuModelState& s, const std::string& offload,
   if (rows)
     text += row("params", s.params) + row("grads", s.grads) + row("optimizer", s.optimizer) +
             row("model state", s.total());
+  if (s.kept_values)
+    text += "  note: the state is of " + std::to_string(s.elements) + " stored elements: " +
+            std::to_string(s.kept_values) + " weights are stored as their kept values (slope) in the largest layout the run holds\n";
   if (s.offloaded)
     text += "  note: " + format_bytes(s.offloaded) + " of the optimizer state is in pinned host memory (train.offload " +
             offload + "), not counted above\n";
@@ -174,7 +177,9 @@ GpuModelState gpu_model_state(const TrainConfig& config, int world) {
   s.world = world;
   s.zero = config.parallel.zero;
   s.sharded = world > 1 && config.parallel.zero == 1;
-  s.elements = largest_stored_layout(config).elements;
+  const StoredLayout layout = largest_stored_layout(config);
+  s.elements = layout.elements;
+  s.kept_values = layout.kept_values.size();
   // The largest range of the partition is ceil(E / world); the GPU pads it to 64 elements.
   const uint64_t largest = largest_range(int64_t(s.elements), world);
   s.chunk = s.sharded ? (largest + 63) / 64 * 64 : s.elements;

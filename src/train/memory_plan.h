@@ -39,7 +39,8 @@ struct GpuModelState {
   int world = 1;
   int zero = 0;            // train.parallel.zero
   bool sharded = false;    // zero 1 over several ranks
-  uint64_t elements = 0;   // E
+  uint64_t elements = 0;   // E: the largest stored layout's (train/stored_layout.h)
+  uint64_t kept_values = 0;  // weights stored as their kind's form in it (slope's kept values)
   uint64_t chunk = 0;      // elements whose moments one GPU keeps: E unsharded
   uint64_t padded = 0;     // elements of the weights and gradients: world chunks sharded, else E
   uint64_t params = 0;     // on the device: bf16 weights + the master weights' low halves
