@@ -115,7 +115,7 @@ class GpuStep final : public StepBackend {
           GpuModelOptions o = gpu_model_options(cfg);
           o.defer_state = true;  // laid out by follow_host_kinds below, for the host's kinds
           if (comm_ && cfg.parallel.zero >= 1) o.shard_optimizer = comm_.get();
-          if (comm_ && cfg.parallel.bucket_mb > 0) {
+          if (buckets()) {
             o.reduce_gradients = comm_.get();
             o.bucket_bytes = size_t(cfg.parallel.bucket_mb * double(1 << 20));
           }
@@ -188,9 +188,9 @@ class GpuStep final : public StepBackend {
                 ? ", ZeRO stage 1 (each rank keeps the AdamW moments of 1/" + std::to_string(comm_->size()) +
                       " of the stored elements)"
                 : "") +
-           (comm_ && cfg_.parallel.bucket_mb > 0 ? ", gradients averaged during the backward in buckets of at least " +
-                                                        mib(cfg_.parallel.bucket_mb)
-                                                  : "");
+           (buckets() ? ", gradients averaged during the backward in buckets of at least " +
+                            mib(cfg_.parallel.bucket_mb)
+                      : "");
   }
 
   void step(int64_t step, double lr, DataLoader& data) override {
@@ -204,7 +204,7 @@ class GpuStep final : public StepBackend {
     const int parts = distill ? 3 : 1;  // of device_loss(): the loss, and a distillation's CE and KL
     // With buckets (parallel.bucket_mb), the last micro-batch's backward averages the
     // gradients over the ranks as it produces them.
-    const bool overlap = comm_ && cfg_.parallel.bucket_mb > 0;
+    const bool overlap = buckets();
     for (int micro = 0; micro < accum; ++micro) {
       data.next_batch(x_.data(), y_.data());
       model_.upload_batch(x_.data(), y_.data(), B, T);
@@ -266,6 +266,8 @@ class GpuStep final : public StepBackend {
   }
 
  private:
+  // Data parallel with parallel.bucket_mb: the backward averages the gradients in buckets.
+  bool buckets() const { return comm_ && cfg_.parallel.bucket_mb > 0; }
   // The weights into the host model, and with `moments` the moments into views_m_ /
   // views_v_: of the offloaded state itself where a tensor is stored as it is, else of host
   // copies in m_ / v_. Nothing holds a second copy of all the weights or moments, which
