@@ -165,6 +165,31 @@ TEST(ProfileCli, SeveralStepsReportTheMedianStep) {
   EXPECT_FALSE(fs::exists(out / "validate.json"));
 }
 
+// Two CPU ranks: rank 0 alone reports, and the collectives are ops of category comm (the
+// gradients' all-reduce; under ZeRO their reduce-scatter and the weights' all-gather).
+TEST(ProfileCli, TwoRanksReportTheirCollectives) {
+  const std::string cfg = fixture().dense_config.string();
+  for (const std::string zero : {"0", "1"}) {
+    const fs::path out = root() / ("ranks-zero" + zero);
+    const Result r = run("profile --gpus 2 --config " + cfg + " --set train.device=cpu --set parallel.zero=" + zero +
+                         " --what-if comm=2 --out " + out.string());
+    ASSERT_EQ(r.code, 0) << r.err;
+    size_t reports = 0;
+    for (size_t at = r.out.find("step time:"); at != std::string::npos; at = r.out.find("step time:", at + 1))
+      ++reports;
+    EXPECT_EQ(reports, 1u) << r.out;
+    EXPECT_NE(r.out.find("collectives: "), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("comm=2: "), std::string::npos) << r.out;
+    const std::string csv = read_text(out / "profile/ops.csv");
+    const std::vector<std::string> ops =
+        zero == "0" ? std::vector<std::string>{"gradients.all_reduce,comm,"}
+                    : std::vector<std::string>{"gradients.reduce_scatter,comm,", "weights.all_gather,comm,"};
+    for (const std::string& op : ops) EXPECT_NE(csv.find(op), std::string::npos) << op << "\n" << csv;
+  }
+  expect_error(run("profile --gpus 2 --validate --config " + cfg + " --out " + (root() / "never-ranks").string()),
+               "profile --validate runs on one rank");
+}
+
 TEST(ProfileCli, MalformedWhatIfSpecsFailBeforeTheRun) {
   const std::string cfg = fixture().sparse_config.string();
   const fs::path out = root() / "never";

@@ -130,6 +130,8 @@ TEST(ProfileReport, TraceJsonHasTheEvents) {
   EXPECT_DOUBLE_EQ(gelu_pred["ts"].get<double>(), 45);
   EXPECT_DOUBLE_EQ(r.what_if.predicted_ns, 90'000);
   EXPECT_DOUBLE_EQ(doc["otherData"]["measured_wall_us"].get<double>(), 100);
+  EXPECT_DOUBLE_EQ(doc["otherData"]["comm_us"].get<double>(), 50);
+  EXPECT_DOUBLE_EQ(doc["otherData"]["comm_exposed_us"].get<double>(), 10);
 }
 
 TEST(ProfileReport, OpsCsvHasAHeaderAndOneRowPerOp) {
@@ -212,6 +214,11 @@ TEST(ProfileReport, SummaryText) {
   EXPECT_NE(s.find("critical path: 100.000 us over 2 ops"), std::string::npos) << s;
   EXPECT_NE(s.find("comm"), std::string::npos) << s;
   EXPECT_NE(s.find("40.0%"), std::string::npos) << s;  // comm: 50 of 125 us of op time
+  // Without the allreduce the loss starts 5 us after gelu (40 us): 90 us, 10 us shorter.
+  EXPECT_NE(s.find("collectives: 50.000 us, of which 10.000 us exposed (the step without them is that much "
+                   "shorter); 80.0% hidden behind other work"),
+            std::string::npos)
+      << s;
   // comm 2x alone: 90 us; loss free alone: allreduce 50 + 5 delay + 10 tail = 65 us.
   EXPECT_NE(s.find("comm=2: 1 ops, 50.000 us -> 90.000 us (1.11x)"), std::string::npos) << s;
   EXPECT_NE(s.find("loss=inf: 1 ops, 35.000 us -> 65.000 us (1.54x)"), std::string::npos) << s;

@@ -9,7 +9,9 @@
 
 #include "commands.h"
 #include "core/error.h"
+#include "dist/world.h"
 #include "io/atomic_file.h"
+#include "local_ranks.h"
 #include "model/linear.h"
 #include "model/linear_registry.h"
 #include "profile/profiler.h"
@@ -90,9 +92,12 @@ int profile_validate(const TrainConfig& cfg, const std::vector<WhatIfSpec>& spec
 }
 
 int profile(const Args& a) {
+  const bool validate = a.has("validate");
+  ESPLAG_CHECK(!validate || (a.int32("gpus") == 1 && !world_from_env().distributed()),
+               "profile --validate runs on one rank (it steps two models in turns); drop --gpus or the launcher");
+  if (a.int32("gpus") > 1) return run_as_local_ranks(kProfile, a.int32("gpus"));
   const std::string config_path = a.get("config");
   TrainConfig cfg = load_train_config(config_path, a.all("set"));
-  const bool validate = a.has("validate");
   const int warmup = a.int32("warmup");
   const int steps = a.int32("steps", validate ? 5 : 1);
   const int calibration = a.int32("calibration-steps");
@@ -118,6 +123,7 @@ int profile(const Args& a) {
     step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     walls.push_back(window_wall_ns(windows.back()));
   }
+  if (!trainer.leader()) return 0;  // every rank steps and traces alike; rank 0 reports
   // The step with the median wall time stands for the run.
   std::vector<int> order(steps);
   for (int i = 0; i < steps; ++i) order[i] = i;
@@ -144,7 +150,9 @@ const Command kProfile = {
     "Writes report.html, trace.json and ops.csv to OUT/profile. A what-if spec is PATTERN=FACTOR: PATTERN is\n"
     "re:REGEX, category:NAME or a category name, FACTOR a speed-up such as 1.5, 2x or inf (docs/profiler.md).\n"
     "--validate steps the config and its dense version in turns and compares the predicted sparse step with\n"
-    "the measured one.",
+    "the measured one. --gpus N profiles a data-parallel run of N local ranks (as train --gpus N; or start\n"
+    "the ranks with torchrun, mpirun or srun): every rank is traced, rank 0's step is reported, and the\n"
+    "collectives are ops of category comm on their streams.",
     {
         Option::text("config", "FILE.yaml", "", "the run's config").mandatory(),
         Option::list("set", "KEY=VALUE", "override one config key"),
@@ -157,6 +165,7 @@ const Command kProfile = {
         Option::flag("validate", "compare the prediction with a measured run of the config"),
         Option::integer("calibration-steps", "3", 1, kIntMax,
                         "with --validate and no what-if specs: steps that measure each changed layer's speed-up"),
+        Option::integer("gpus", "1", 1, 1024, "local processes, one per GPU, as train --gpus N"),
     },
     profile,
 };

@@ -35,6 +35,8 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <optional>
+#include <string>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
@@ -767,22 +769,43 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
 
 void GpuTransformer::reduce_buckets_after(int l) {
   Impl& im = *impl_;
+  // For the profiler, each bucket is a buffer (named by its first element): a zero-length
+  // op on stream_ writes it where it is ready, its collective on the comm stream reads and
+  // writes it, and a zero-length op on stream_ after the join reads them all, so that the
+  // graph has the edges across the two streams (docs/profiler.md).
+  const bool tracing = im.marks.tracing();
+  if (tracing) im.marks.end_ops();
   bool forked = false;
-  for (const GradientBucket& b : im.buckets) {
+  for (size_t i = 0; i < im.buckets.size(); ++i) {
+    const GradientBucket& b = im.buckets[i];
     if (b.after_block != l) continue;
+    float* data = im.grad + b.begin;
+    const double bytes = sizeof(float) * double(b.end - b.begin);
+    const std::string name = tracing ? "grad_buckets." + std::to_string(i) : std::string();
+    if (tracing) {
+      ScopedOp ready({name, "ready"}, OpCategory::comm, l, 0, 0, {}, {data}, OpStream(stream_));
+    }
     if (!forked) {  // the bucket's gradients are queued on stream_ before this point
       CUDA_CHECK(cudaEventRecord(im.grads_ready, stream_));
       CUDA_CHECK(cudaStreamWaitEvent(im.comm_stream, im.grads_ready));
       forked = true;
     }
-    opt_.reduce_gradients->all_reduce_mean(im.grad + b.begin, b.end - b.begin, im.comm_stream);
+    std::optional<ScopedOp> op;
+    if (tracing)
+      op.emplace(OpName(name, "all_reduce"), OpCategory::comm, l, 0, bytes, BufferList{data},
+                 BufferList{data}, OpStream(im.comm_stream));
+    opt_.reduce_gradients->all_reduce_mean(data, b.end - b.begin, im.comm_stream);
   }
   if (l >= 0) return;
   // Joins stream_ (and so a captured graph) with every collective queued.
   CUDA_CHECK(cudaEventRecord(im.comm_done, im.comm_stream));
   CUDA_CHECK(cudaStreamWaitEvent(stream_, im.comm_done));
+  if (tracing) {
+    std::vector<const void*> all;
+    for (const GradientBucket& b : im.buckets) all.push_back(im.grad + b.begin);
+    ScopedOp joined({"grad_buckets", "joined"}, OpCategory::comm, -1, 0, 0, BufferList(all), {}, OpStream(stream_));
+  }
 }
-
 
 void GpuTransformer::adamw_body() {
   Impl& im = *impl_;

@@ -47,6 +47,11 @@ ProfileResult analyse(OpGraph graph, const std::vector<WhatIfSpec>& specs) {
                    [](const CategoryTime& a, const CategoryTime& b) {
                      return a.total_ns > b.total_ns;
                    });
+  const CategoryTime& comm = cats[static_cast<size_t>(OpCategory::comm)];
+  if (comm.ops > 0) {
+    r.comm_ns = comm.total_ns;
+    r.comm_exposed_ns = r.schedule.makespan_ns - what_if(r.graph, {parse_what_if_spec("comm=inf")}).predicted_ns;
+  }
   for (const auto& [id, l] : layers) r.by_layer.push_back(l);
   r.streams = static_cast<int>(streams.size());
   return r;

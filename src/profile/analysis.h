@@ -33,6 +33,10 @@ struct ProfileResult {
   double measured_wall_ns = 0;            // max end - min start over the records
   double op_time_ns = 0;                  // sum of leaf op durations
   int streams = 0;                        // distinct streams among the ops
+  // The collectives (category comm): their summed time, and how much of it the step pays,
+  // the modelled step minus the step with them free (the rest overlaps other work).
+  double comm_ns = 0;
+  double comm_exposed_ns = 0;
 };
 
 // Builds the graph of `records` (see graph.h), schedules it and runs the what-if specs.

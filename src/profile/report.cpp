@@ -183,6 +183,10 @@ std::string trace_json(const ProfileResult& r) {
                 {"critical_path_us", r.schedule.makespan_ns / 1e3},
                 {"critical_path_ops", r.schedule.critical_path.size()},
                 {"op_time_us", r.op_time_ns / 1e3}};
+  if (r.comm_ns > 0) {
+    other["comm_us"] = r.comm_ns / 1e3;
+    other["comm_exposed_us"] = r.comm_exposed_ns / 1e3;
+  }
   if (!w.specs.empty()) {
     Json specs = Json::array();
     for (const auto& s : w.specs) specs.push_back(s.text);
@@ -238,6 +242,10 @@ std::string summary_text(const ProfileResult& r, int top_categories) {
       os << line;
     }
   }
+  if (r.comm_ns > 0)
+    os << "collectives: " << format_ns(r.comm_ns) << ", of which " << format_ns(r.comm_exposed_ns)
+       << " exposed (the step without them is that much shorter); "
+       << fmt_pct(r.comm_ns - r.comm_exposed_ns, r.comm_ns) << " hidden behind other work\n";
   const WhatIfResult& w = r.what_if;
   if (!w.specs.empty()) {
     os << "what-if (modelled baseline " << format_ns(w.baseline_ns) << "):\n";

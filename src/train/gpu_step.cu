@@ -15,6 +15,7 @@
 #include "core/cuda_check.h"
 #include "core/cuda_timing.h"
 #include "core/error.h"
+#include "core/op_trace.h"
 #include "core/parallel.h"
 #include "dist/cuda/nccl_comm.h"
 #include "model/device_linear.h"
@@ -216,8 +217,13 @@ class GpuStep final : public StepBackend {
     int micro_batches = accum;
     if (comm_) {  // every rank's sums, so that every rank takes the same step
       // (sharded without buckets, step_adamw reduce-scatters the gradients itself)
-      if (!overlap && cfg_.parallel.zero == 0)
-        comm_->all_reduce_mean(model_.device_gradients(), model_.stored_params(), s);
+      if (!overlap && cfg_.parallel.zero == 0) {
+        float* grads = model_.device_gradients();
+        const size_t n = model_.stored_params();
+        ScopedOp op("gradients.all_reduce", OpCategory::comm, -1, 0, sizeof(float) * double(n), {grads}, {grads},
+                    OpStream(s));
+        comm_->all_reduce_mean(grads, n, s);
+      }
       comm_->all_reduce_sum(health_->sum, parts, s);
       micro_batches *= comm_->size();
     }

@@ -157,7 +157,10 @@ class CpuStep final : public StepBackend {
     flat.clear();
     const auto params = model_.trainable_params();
     for (const auto& p : params) flat.insert(flat.end(), p.grad, p.grad + shape_numel(p.shape));
-    ranks_->all_reduce_sum(flat.data(), flat.size());
+    {
+      ScopedOp op("gradients.all_reduce", OpCategory::comm, -1, 0, sizeof(float) * double(flat.size()));
+      ranks_->all_reduce_sum(flat.data(), flat.size());
+    }
     const float* at = flat.data();
     for (const auto& p : params)
       for (int64_t i = 0, n = shape_numel(p.shape); i < n; ++i) p.grad[i] = static_cast<float>(*at++ * inv);

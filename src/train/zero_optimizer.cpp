@@ -64,6 +64,7 @@ double ZeroCpuOptimizer::reduce_gradients(const Params& params) {
     std::vector<float> flat;
     flat.reserve(partition_.total());
     for (const auto& p : params) flat.insert(flat.end(), p.grad, p.grad + shape_numel(p.shape));
+    ScopedOp op("gradients.reduce_scatter", OpCategory::comm, -1, 0, sizeof(float) * double(flat.size()));
     ranks_.reduce_scatter_sum(flat.data(), partition_.counts(), range.data());
   }
   // The mean, rounded as the all-reduce of stage 0 rounds it, so the ranges hold its bits.
@@ -98,7 +99,10 @@ void ZeroCpuOptimizer::step(const Params& params, int64_t step, double lr, doubl
     std::copy(value, value + n, range.begin() + piece.offset);
   }
   std::vector<float> all(partition_.total());
-  ranks_.all_gather(range.data(), partition_.counts(), all.data());
+  {
+    ScopedOp op("weights.all_gather", OpCategory::comm, -1, 0, sizeof(float) * double(all.size()));
+    ranks_.all_gather(range.data(), partition_.counts(), all.data());
+  }
   const float* at = all.data();
   for (const auto& p : params) {
     const int64_t n = shape_numel(p.shape);

@@ -27,6 +27,7 @@ OpCategory op_trace_category(const std::string& kind) {
   if (starts("teacher fwd")) return OpCategory::other;  // a distillation teacher's whole forward
   if (starts("adamw") || starts("grad norm")) return OpCategory::optimizer;
   if (starts("memset")) return OpCategory::memcpy;
+  if (starts("all-reduce") || starts("reduce-scatter") || starts("all-gather")) return OpCategory::comm;
   if (starts("sparse prepare")) return OpCategory::other;
   return OpCategory::elementwise;
 }
