@@ -279,9 +279,10 @@ class GpuTransformer {
   // With GpuModelOptions::shard_optimizer: every rank's chunk of the moments into a copy of
   // the whole moments in pinned host memory, which optimizer_state_to_host,
   // tensor_moments_to_host and offloaded_moments read (they refuse sharded moments
-  // otherwise), kept until the next step_adamw. A collective: every rank calls it. Without
-  // sharding, nothing to do.
-  void gather_optimizer_state();
+  // otherwise), kept until the next step_adamw. A collective: every rank calls it with the
+  // same `root`: -1, every rank keeps the copy; r >= 0, rank r alone does (a checkpoint that
+  // rank r writes: the others spare the host memory). Without sharding, nothing to do.
+  void gather_optimizer_state(int root = -1);
   int64_t optimizer_steps() const { return step_; }
   // GPT-2 initialisation with the CPU's rules (N(0, init_std), residual projections
   // scaled by 1/sqrt(2·n_layer), biases 0, norm weights 1), drawn on the device from a

@@ -261,6 +261,7 @@ class GpuStep final : public StepBackend {
     write_back(true);
     return {views_m_, views_v_};
   }
+  void state_to_leader() override { model_.gather_optimizer_state(kLeader); }
   // A recipe update's write-back: the weights (with what each layer's twin takes: kept
   // values, masks, adapters, draw counts) without the moments, a third of the bytes. The
   // copy is skipped when the host holds the weights of this step already (a run's
@@ -272,6 +273,9 @@ class GpuStep final : public StepBackend {
   }
 
  private:
+  static constexpr int kLeader = 0;                        // the rank that writes checkpoints (Trainer::leader)
+  static constexpr size_t kDenseMomentBytes = 8ull << 30;  // write_back's host copies of dense moments at a time
+
   // Data parallel with parallel.bucket_mb: the backward averages the gradients in buckets.
   bool buckets() const { return comm_ && cfg_.parallel.bucket_mb > 0; }
   // The weights into the host model, and with `moments` the moments into views_m_ /
@@ -281,7 +285,8 @@ class GpuStep final : public StepBackend {
   void write_back(bool moments) {
     written_back_ = true;
     host_step_ = model_.optimizer_steps();
-    if (moments) model_.gather_optimizer_state();  // sharded: a collective, which every rank calls here
+    // Sharded: a collective; the other ranks join it in state_to_leader.
+    if (moments) model_.gather_optimizer_state(kLeader);
     model_.params_to_host(host_.params());
     m_.clear();
     v_.clear();
@@ -295,22 +300,28 @@ class GpuStep final : public StepBackend {
     // slice of the host's flat weight and its own maps. A twin that trains its kept values
     // reads its moments in the dense form (a host copy of the layer's only).
     const std::vector<std::string> names(linears_.begin(), linears_.end());
+    // In groups of layers whose dense moments take about kDenseMomentBytes: all at once,
+    // llama-7b's slope layers would take 52 GB.
     std::vector<NamedValues> named_m(names.size()), named_v(names.size());
     std::vector<std::vector<float>> dense_m(names.size()), dense_v(names.size());
-    for (size_t i = 0; i < names.size(); ++i) {
-      const ParamInfo& info = infos[index.at(names[i])];
-      if (!moments || host_.linear(names[i]).trains_dense_weight()) continue;
-      dense_m[i].resize(info.numel);
-      dense_v[i].resize(info.numel);
-      model_.tensor_moments_to_host(index.at(names[i]), dense_m[i].data(), dense_v[i].data());
+    for (size_t first = 0, end = 0; first < names.size(); first = end) {
+      for (size_t bytes = 0; end < names.size() && (end == first || bytes < kDenseMomentBytes); ++end) {
+        const ParamInfo& info = infos[index.at(names[end])];
+        if (!moments || host_.linear(names[end]).trains_dense_weight()) continue;
+        dense_m[end].resize(info.numel);
+        dense_v[end].resize(info.numel);
+        model_.tensor_moments_to_host(index.at(names[end]), dense_m[end].data(), dense_v[end].data());
+        bytes += 2 * sizeof(float) * info.numel;
+      }
+      parallel_tasks(int64_t(end - first), [&](int64_t i) {
+        const size_t k = first + size_t(i);
+        const bool dense = dense_m[k].empty();
+        const TwinCopy c{host_.params() + infos[index.at(names[k])].offset, dense ? nullptr : dense_m[k].data(),
+                         dense ? nullptr : dense_v[k].data(), &named_m[k], &named_v[k]};
+        model_.linear(names[k]).to_twin(host_.linear(names[k]), c);
+      });
+      for (size_t k = first; k < end; ++k) dense_m[k] = {}, dense_v[k] = {};
     }
-    parallel_tasks(int64_t(names.size()), [&](int64_t i) {
-      const size_t k = size_t(i);
-      const bool dense = dense_m[k].empty();
-      const TwinCopy c{host_.params() + infos[index.at(names[k])].offset, dense ? nullptr : dense_m[k].data(),
-                       dense ? nullptr : dense_v[k].data(), &named_m[k], &named_v[k]};
-      model_.linear(names[k]).to_twin(host_.linear(names[k]), c);
-    });
     if (!moments) return;
     for (size_t k = 0; k < names.size(); ++k) {
       m_.merge(named_m[k]);

@@ -147,7 +147,8 @@ std::string model_state_text(const GpuModelState& s, const std::string& offload,
             offload + "), not counted above\n";
   if (s.checkpoint_moments)
     text += "  note: a checkpoint gathers the whole moments into " + format_bytes(s.checkpoint_moments) +
-            " of pinned host memory on every rank, kept from the save until the next step, not counted above\n";
+            " of pinned host memory on rank 0 (on every rank where a recipe step lays the state out again), kept "
+            "until the next step, not counted above\n";
   return text;
 }
 

@@ -586,7 +586,7 @@ EvalResult Trainer::evaluate() {
 void Trainer::save() {
   // Rank 0 alone writes; a sharded optimizer state (parallel.zero > 0) is gathered from every rank first.
   if (!leader()) {
-    if (cfg_.parallel.zero > 0) backend_->state_to_host();
+    if (cfg_.parallel.zero > 0) backend_->state_to_leader();
     return;
   }
   state_.data = train_data_->state();

@@ -176,11 +176,14 @@ struct GpuTransformer::Impl {
   // moments m_shard, v_shard hold (GpuModelOptions::shard_optimizer; without it the whole
   // layout, m_shard = m). Sharded, w, w_lo and grad are padded to ranks · shard_size
   // elements (zeros), and m, v point into `gathered` (the whole moments, pinned host) while
-  // it exists, else are null; `gathered_written`: the whole copy changed since it was made.
+  // it exists, else are null; `gathered_written`: the whole copy changed since it was made;
+  // `gathered_root`: -1 when every rank holds the whole copy (or none does), else the one
+  // rank that holds it (gather_optimizer_state(root)), the same value on every rank.
   size_t shard_begin = 0, shard_size = 0, padded = 0;
   float *m_shard = nullptr, *v_shard = nullptr;
   DeviceArena gathered;
   bool gathered_written = false;
+  int gathered_root = -1;
 
   std::vector<Block> blocks;
   Norm nf;

@@ -514,11 +514,14 @@ void GpuTransformer::check_whole_moments(const char* who) const {
                "gather_optimizer_state first");
 }
 
-void GpuTransformer::gather_optimizer_state() {
+void GpuTransformer::gather_optimizer_state(int root) {
   Impl& im = *impl_;
   DeviceCollectives* ranks = opt_.shard_optimizer;
-  if (!ranks || im.m) return;
-  allocate_whole_moments();
+  // Whether every rank holds the copy already: the same answer on every rank.
+  if (!ranks || (im.m && im.gathered_root < 0)) return;
+  ESPLAG_CHECK(root < ranks->size(), "GpuTransformer::gather_optimizer_state: no rank ", root, " of ", ranks->size());
+  const bool keep = root < 0 || root == ranks->rank();
+  if (keep && !im.m) allocate_whole_moments();  // else the copy of an earlier gather to this rank, gathered again
   // Through the shared scratch region, a piece of every rank's chunk at a time.
   float* stage = reinterpret_cast<float*>(im.shared);
   const size_t n = size_t(ranks->size());
@@ -530,17 +533,18 @@ void GpuTransformer::gather_optimizer_state() {
       CUDA_CHECK(cudaMemcpyAsync(stage + size_t(ranks->rank()) * len, shard + o, sizeof(float) * len,
                                  cudaMemcpyDefault, stream_));
       ranks->all_gather(stage, sizeof(float) * len, stream_);
-      for (size_t r = 0; r < n; ++r)
+      for (size_t r = 0; keep && r < n; ++r)
         CUDA_CHECK(cudaMemcpyAsync(whole + r * im.shard_size + o, stage + r * len, sizeof(float) * len,
                                    cudaMemcpyDefault, stream_));
     }
+  im.gathered_root = root;
   synchronize();
 }
 
 void GpuTransformer::whole_moments_for_write() {
   Impl& im = *impl_;
   if (!opt_.shard_optimizer) return;
-  if (!im.m) {
+  if (!im.m || im.gathered_root >= 0) {  // not on every rank
     if (state_written_)
       gather_optimizer_state();
     else  // all zero everywhere: nothing to gather
@@ -555,6 +559,7 @@ void GpuTransformer::fresh_whole_moments() {
   CUDA_CHECK(cudaMemsetAsync(im.m, 0, sizeof(float) * im.padded, stream_));
   CUDA_CHECK(cudaMemsetAsync(im.v, 0, sizeof(float) * im.padded, stream_));
   im.gathered_written = true;
+  im.gathered_root = -1;
 }
 
 void GpuTransformer::allocate_whole_moments() {
@@ -569,6 +574,7 @@ void GpuTransformer::allocate_whole_moments() {
 
 void GpuTransformer::settle_moments() {
   Impl& im = *impl_;
+  im.gathered_root = -1;  // the ranks that held no copy hold none still
   if (!opt_.shard_optimizer || !im.m) return;
   if (im.gathered_written) {
     CUDA_CHECK(cudaMemcpyAsync(im.m_shard, im.m + im.shard_begin, sizeof(float) * im.shard_size, cudaMemcpyDefault,
