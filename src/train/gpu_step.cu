@@ -261,7 +261,13 @@ class GpuStep final : public StepBackend {
     write_back(true);
     return {views_m_, views_v_};
   }
-  void state_to_leader() override { model_.gather_optimizer_state(kLeader); }
+  // The leader's collectives, and the weights and twins into the host model as the leader's
+  // write-back puts them (a later kind change reads the twins: their refresh steps, masks),
+  // without the moments' host copies, which only the checkpoint's writer needs.
+  void state_to_leader() override {
+    model_.gather_optimizer_state(kLeader);
+    write_back(false);
+  }
   // A recipe update's write-back: the weights (with what each layer's twin takes: kept
   // values, masks, adapters, draw counts) without the moments, a third of the bytes. The
   // copy is skipped when the host holds the weights of this step already (a run's

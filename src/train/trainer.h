@@ -122,7 +122,8 @@ class StepBackend {
   virtual HostMoments state_to_host() = 0;
   // On every rank but the leader when the leader calls state_to_host for a checkpoint under
   // ZeRO: this rank's part of its collectives. The default runs state_to_host; the GPU's
-  // keeps no host copy of its own (llama-7b's would take tens of GiB on every rank).
+  // writes the weights back as the leader does but keeps no host copy of the moments
+  // (llama-7b's would take tens of GiB on every rank).
   virtual void state_to_leader() { state_to_host(); }
   // The current weights into the host model, without the moments: what a recipe update
   // needs (masks and kinds are chosen from the weights). The CPU backend trains the host
