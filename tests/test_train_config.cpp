@@ -139,6 +139,14 @@ TEST(TrainConfig, GradientBucketsDefaultTo25MiBAndZeroTurnsThemOff) {
   EXPECT_EQ(parse_train_config("", "t", {"parallel.bucket_mb=0.5"}).parallel.bucket_mb, 0.5);
 }
 
+TEST(TrainConfig, SparseDispatchMeasuresByDefaultOrPinsThe24Products) {
+  EXPECT_EQ(parse_train_config("", "t").sparse_dispatch, "measure");
+  EXPECT_EQ(parse_train_config("train: {sparse_dispatch: sparse}", "t").sparse_dispatch, "sparse");
+  const std::string e = error_of([] { parse_train_config("", "t", {"train.sparse_dispatch=dense"}); });
+  EXPECT_NE(e.find("train.sparse_dispatch"), std::string::npos) << e;
+  EXPECT_NE(e.find("measure"), std::string::npos) << e;
+}
+
 TEST(TrainConfig, EveryNumericKeyHasARange) {
   // A number beyond every type is refused by every numeric key with the key's range.
   int numeric = 0;

@@ -192,6 +192,7 @@ const std::vector<Field>& fields() {
       text("train.offload", ref(&T::offload), {"none", "optimizer", "optimizer+master"}),
       text("train.precision", ref(&T::precision), {"bf16", "fp8"}),
       text("train.fp8_grad", ref(&T::fp8_grad), {"e5m2", "e4m3"}),
+      text("train.sparse_dispatch", ref(&T::sparse_dispatch), {"measure", "sparse"}),
       text("train.init_from", ref(&T::init_from)),
       real("optimizer.lr", ref(&T::optimizer, &O::lr), {0, kInf, true, true}),
       real("optimizer.beta1", ref(&T::optimizer, &O::beta1), {0, 1, false, true}),

@@ -66,6 +66,11 @@ struct TrainConfig {
   std::string precision = "bf16";
   // train.fp8_grad: e4m3 | e5m2, the output gradient's format in fp8 (docs/fp8.md says why e4m3).
   std::string fp8_grad = "e4m3";
+  // train.sparse_dispatch: measure | sparse, the GPU's choice of products for 2:4 layers
+  // (semi_sparse, semi_sparse_activation, slope): the faster of the 2:4 and the dense
+  // products of the same operands, timed per layer shape when the layers appear; or the
+  // 2:4 products everywhere, which makes runs repeat to the bit (docs/sparse-gpu.md).
+  std::string sparse_dispatch = "measure";
   // A run or checkpoint directory (e.g. one `esplag import` wrote) whose weights start the
   // run instead of the initialisation, at step 0 with fresh optimizer state; the model
   // section is then the checkpoint's (train/checkpoint.h, init_from_model).

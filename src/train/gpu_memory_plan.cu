@@ -37,6 +37,7 @@ GpuModelOptions gpu_model_options(const TrainConfig& config) {
   o.offload_master = config.offload == "optimizer+master";
   o.precision = config.linear_precision();
   o.kept_values = largest_stored_layout(config).kept_values;
+  o.sparse_dispatch = config.sparse_dispatch == "measure";
   return o;
 }
 

@@ -323,7 +323,8 @@ class GpuStep final : public StepBackend {
         const size_t k = first + size_t(i);
         const bool dense = dense_m[k].empty();
         const TwinCopy c{host_.params() + infos[index.at(names[k])].offset, dense ? nullptr : dense_m[k].data(),
-                         dense ? nullptr : dense_v[k].data(), &named_m[k], &named_v[k]};
+                         dense ? nullptr : dense_v[k].data(), moments ? &named_m[k] : nullptr,
+                         moments ? &named_v[k] : nullptr};
         model_.linear(names[k]).to_twin(host_.linear(names[k]), c);
       });
       for (size_t k = first; k < end; ++k) dense_m[k] = {}, dense_v[k] = {};
