@@ -405,6 +405,11 @@ TEST(TrainSafety, AModelTooLargeForTheHostIsRefusedBeforeAnythingIsCreated) {
   EXPECT_NO_THROW(check_host_memory(cfg, "cpu", 0));  // unknown: no check
   const std::string small = error_of([&] { check_host_memory(cfg, "cpu", available); });
   EXPECT_TRUE(contains(small, "train.batch_size 5 would fit")) << small;
+  // Two ranks on this host: each has half, and the message says so.
+  const uint64_t need = host_bytes_for_training(cfg, "cpu");
+  EXPECT_NO_THROW(check_host_memory(cfg, "cpu", 2 * need, 2));
+  const std::string shared = error_of([&] { check_host_memory(cfg, "cpu", 2 * need - 2, 2); });
+  EXPECT_TRUE(contains(shared, "2 ranks on this host")) << shared;
   // The GPU keeps weights and moments on the host, not gradients nor activations.
   EXPECT_EQ(host_bytes_for_training(cfg, "cuda"), uint64_t(cfg.model.num_params()) * 12);
 }

@@ -54,8 +54,12 @@ std::string planned_device(const TrainConfig& cfg) {
 
 // The data-parallel ranks to plan one of: --gpus, else the launcher's (WORLD_SIZE, ...), else 1.
 int world_size(const Args& a) { return a.has("gpus") ? a.int32("gpus") : world_from_env().size; }
+// Those on this host, which share its memory: all of --gpus (train --gpus N starts them here),
+// else the launcher's (LOCAL_WORLD_SIZE, ...).
+int local_ranks(const Args& a) { return a.has("gpus") ? a.int32("gpus") : world_from_env().local_size; }
 
-// The memory at hand as the trainer sees it, where --gpu-memory or --host-memory do not say.
+// The memory at hand as the trainer sees it, where --gpu-memory or --host-memory do not say;
+// the host's is one rank's share.
 MemoryBudget budget_of(const Args& a, const std::string& device) {
   MemoryBudget budget = memory_at_hand(device, 0);
   if (a.has("gpu-memory")) {
@@ -68,6 +72,7 @@ MemoryBudget budget_of(const Args& a, const std::string& device) {
     budget.host = gib_to_bytes(a.number("host-memory", 0));
     budget.host_source = "--host-memory";
   }
+  share_host_budget(budget, local_ranks(a));
   return budget;
 }
 
@@ -119,7 +124,9 @@ const Command kPlan = {
     "The numbers are one rank's of a data-parallel run over --gpus N ranks (default: the launcher's WORLD_SIZE,\n"
     "else 1) with train.parallel.zero (docs/distributed.md): with stage 1 each GPU keeps the AdamW moments of its\n"
     "chunk of the stored elements only, and a checkpoint's whole moments in pinned host memory are noted. The\n"
-    "device is the trainer's choice: a train.device cuda run the GPU does not train (parallel.zero 2) is its error.",
+    "ranks on one host share its memory: the host budget is one rank's share (all --gpus N ranks are local;\n"
+    "else the launcher's LOCAL_WORLD_SIZE, ...), as the trainer checks it. The device is the trainer's\n"
+    "choice: a train.device cuda run the GPU does not train (parallel.zero 2) is its error.",
     {
         Option::text("config", "FILE.yaml", "", "the run's config").mandatory(),
         Option::list("set", "KEY=VALUE", "override one config key, e.g. train.checkpointing=full"),
@@ -130,7 +137,8 @@ const Command kPlan = {
         gib(Option::number("gpu-memory", "", 0.001, kRealMax,
                            "GPU memory to plan against (default: the free memory of CUDA device 0)")),
         gib(Option::number("host-memory", "", 0.001, kRealMax,
-                           "host memory to plan against (default: the memory available now)")),
+                           "the host's memory to plan against, shared by its ranks (default: the memory available "
+                           "now)")),
     },
     plan,
 };

@@ -97,7 +97,10 @@ uint64_t available_host_bytes() {
   return available;
 }
 
-void check_host_memory(const TrainConfig& config, const std::string& device, uint64_t available) {
+void check_host_memory(const TrainConfig& config, const std::string& device, uint64_t available,
+                       int local_ranks) {
+  const uint64_t total = available;
+  if (local_ranks > 1) available /= uint64_t(local_ranks);
   const uint64_t need = host_bytes_for_training(config, device);
   if (available == 0 || need <= available) return;
   std::string fits;
@@ -130,7 +133,11 @@ void check_host_memory(const TrainConfig& config, const std::string& device, uin
   }
   fail("model ", config.model.preset, " (", config.model.num_params(), " parameters) needs about ", format_bytes(need),
        " of host memory to train on ", device, " with train.batch_size ", config.batch_size, " and train.seq_len ",
-       config.seq_len, ", but ", format_bytes(available), " is available; ", fits);
+       config.seq_len, ", but ", format_bytes(available), " is available",
+       local_ranks > 1 ? " (a 1/" + std::to_string(local_ranks) + " share of " + format_bytes(total) + ": " +
+                             std::to_string(local_ranks) + " ranks on this host)"
+                       : std::string(),
+       "; ", fits);
 }
 
 }  // namespace esplag

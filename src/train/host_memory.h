@@ -41,9 +41,11 @@ uint64_t host_bytes_for_training(const TrainConfig& config, const std::string& d
 // neither can be read (no check then).
 uint64_t available_host_bytes();
 
-// Throws an Error when `config` needs more than `available` bytes (0: unknown, no check),
-// giving both numbers and what would fit: the largest train.batch_size when the weights
-// fit but the activations do not, else the largest model preset.
-void check_host_memory(const TrainConfig& config, const std::string& device, uint64_t available);
+// Throws an Error when `config` needs more than `available` bytes (0: unknown, no check)
+// shared by `local_ranks` ranks of the run on this host (each may take its share), giving
+// both numbers and what would fit: the largest train.batch_size when the weights fit but the
+// activations do not, else the largest model preset.
+void check_host_memory(const TrainConfig& config, const std::string& device, uint64_t available,
+                       int local_ranks = 1);
 
 }  // namespace esplag

@@ -249,7 +249,7 @@ MemoryPlan plan_memory(const TrainConfig& config, const std::string& device, int
   return planner(config, device, world)(config);
 }
 
-MemoryBudget memory_at_hand(const std::string& device, int cuda_device) {
+MemoryBudget memory_at_hand(const std::string& device, int cuda_device, int local_ranks) {
   MemoryBudget budget;
 #ifdef ESPLAG_HAVE_CUDA
   if (device == "cuda") {
@@ -261,7 +261,15 @@ MemoryBudget memory_at_hand(const std::string& device, int cuda_device) {
 #endif
   budget.host = available_host_bytes();
   budget.host_source = budget.host ? "available now" : "not readable";
+  share_host_budget(budget, local_ranks);
   return budget;
+}
+
+void share_host_budget(MemoryBudget& budget, int local_ranks) {
+  if (local_ranks <= 1 || budget.host == 0) return;
+  budget.host /= uint64_t(local_ranks);
+  budget.host_source += ", a 1/" + std::to_string(local_ranks) + " share: " + std::to_string(local_ranks) +
+                        " ranks on this host";
 }
 
 std::vector<ActivationCheckpointing> checkpointing_choices(const ModelConfig& model) {
@@ -343,9 +351,9 @@ std::string apply_train_memory(TrainConfig& config, const MemoryBudget& budget, 
   return line;
 }
 
-std::string apply_train_memory(TrainConfig& config, const std::string& device, int cuda_device, int world) {
-  return apply_train_memory(config, memory_at_hand(device, cuda_device),
-                            planner(config, device, world));
+std::string apply_train_memory(TrainConfig& config, const std::string& device, int cuda_device, int world,
+                               int local_ranks) {
+  return apply_train_memory(config, memory_at_hand(device, cuda_device, local_ranks), planner(config, device, world));
 }
 
 std::string describe(const TrainConfig& config, const MemoryPlan& plan, const MemoryBudget& budget) {

@@ -99,8 +99,14 @@ using PlanFunction = std::function<MemoryPlan(const TrainConfig&)>;
 PlanFunction planner(const TrainConfig& config, const std::string& device, int world = 1);
 
 // The memory a run on `device` has at hand: for "cuda" in the CUDA build the free memory of
-// CUDA device `cuda_device` ("free on CUDA device 0"), and the host memory available now.
-MemoryBudget memory_at_hand(const std::string& device, int cuda_device);
+// CUDA device `cuda_device` ("free on CUDA device 0"), and the host memory available now,
+// shared by the `local_ranks` ranks of the run on this host (share_host_budget).
+MemoryBudget memory_at_hand(const std::string& device, int cuda_device, int local_ranks = 1);
+
+// One rank's share of the host memory when `local_ranks` ranks of a run share the host: the
+// budget divided by them, and its source says so ("available now, a 1/2 share: 2 ranks on
+// this host"). Nothing changes for one rank or an unknown budget.
+void share_host_budget(MemoryBudget& budget, int local_ranks);
 
 // The train.checkpointing settings, cheapest in compute first: none, selective (every
 // block), then full every K blocks for K from model.n_layer down to 1, one K per number of
@@ -131,8 +137,10 @@ std::optional<std::vector<std::string>> settings_that_fit(const TrainConfig& con
 std::string apply_train_memory(TrainConfig& config, const MemoryBudget& budget, const PlanFunction& plan);
 
 // The same for a run on `device` (CUDA device `cuda_device`) with memory_at_hand, planned for
-// one of `world` ranks: what the trainer calls once the config is final.
-std::string apply_train_memory(TrainConfig& config, const std::string& device, int cuda_device, int world = 1);
+// one of `world` ranks, `local_ranks` of them on this host: what the trainer calls once the
+// config is final.
+std::string apply_train_memory(TrainConfig& config, const std::string& device, int cuda_device, int world = 1,
+                               int local_ranks = 1);
 
 // The plan as text: the run, the ranks and ZeRO stage the numbers are one rank's of, one line
 // per category on the host and on the GPU with the totals (without a GPU plan, the GPU model

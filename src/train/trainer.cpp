@@ -364,9 +364,10 @@ Trainer::Trainer(TrainConfig config, std::string run_dir, LogFn log)
   cfg_.validate();
   resolve_device();
   check_no_checkpoints();  // before the minutes a large model's initialisation can take
-  if (const std::string memory = apply_train_memory(cfg_, device_, world_.local_rank, world_.size); !memory.empty())
+  if (const std::string memory = apply_train_memory(cfg_, device_, world_.local_rank, world_.size, world_.local_size);
+      !memory.empty())
     log_(memory);
-  check_host_memory(cfg_, device_, available_host_bytes());
+  check_host_memory(cfg_, device_, available_host_bytes(), world_.local_size);
 
   // Initialised on the host whatever the device, so a CPU and a GPU run of one config
   // start from the same weights.
@@ -467,10 +468,11 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, cons
   }
   if (!options.device.empty()) t->cfg_.device = options.device;
   t->resolve_device();  // without the model's kinds yet: enough to know what host memory it takes
-  if (const std::string memory = apply_train_memory(t->cfg_, t->device_, t->world_.local_rank, t->world_.size);
+  if (const std::string memory = apply_train_memory(t->cfg_, t->device_, t->world_.local_rank, t->world_.size,
+                                                   t->world_.local_size);
       !memory.empty())
     t->log_(memory);
-  check_host_memory(t->cfg_, t->device_, available_host_bytes());
+  check_host_memory(t->cfg_, t->device_, available_host_bytes(), t->world_.local_size);
   t->model_ = std::make_unique<Transformer<float>>(t->cfg_.model);
   t->model_->set_linear_precision(t->cfg_.linear_precision());
   t->setup_recipe();
