@@ -152,6 +152,7 @@ TEST(ProfileReport, HtmlIsSelfContained) {
   const std::string html = report_html(r);
   EXPECT_NE(html.find("<svg"), std::string::npos);
   EXPECT_NE(html.find("</html>"), std::string::npos);
+  EXPECT_NE(html.find("<td class=\"n\">50.000 us / 10.000 us (80.0% hidden)</td>"), std::string::npos);
   // One inline script (sorting, the rendered marker), nothing loaded from elsewhere.
   const size_t script = html.find("<script>");
   ASSERT_NE(script, std::string::npos);

@@ -594,6 +594,9 @@ std::string report_html(const ProfileResult& r, const ValidationResult* validati
   row("untraced time on the critical path", format_ns(s.makespan_ns - s.critical_op_ns));
   row("op time summed over all ops", format_ns(r.op_time_ns));
   row("streams", std::to_string(r.streams));
+  if (r.comm_ns > 0)
+    row("collectives (comm): time / exposed", format_ns(r.comm_ns) + " / " + format_ns(r.comm_exposed_ns) + " (" +
+                                                  fmt_pct(r.comm_ns - r.comm_exposed_ns, r.comm_ns) + " hidden)");
   if (!r.records.empty()) row("recorded ops (incl. enclosing)", std::to_string(r.records.size()));
   if (!w.specs.empty())
     row("what-if predicted step time",
