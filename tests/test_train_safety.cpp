@@ -405,11 +405,17 @@ TEST(TrainSafety, AModelTooLargeForTheHostIsRefusedBeforeAnythingIsCreated) {
   EXPECT_NO_THROW(check_host_memory(cfg, "cpu", 0));  // unknown: no check
   const std::string small = error_of([&] { check_host_memory(cfg, "cpu", available); });
   EXPECT_TRUE(contains(small, "train.batch_size 5 would fit")) << small;
-  // Two ranks on this host: each has half, and the message says so.
+  // Two ranks on this host: it must hold both, and the message says so.
   const uint64_t need = host_bytes_for_training(cfg, "cpu");
   EXPECT_NO_THROW(check_host_memory(cfg, "cpu", 2 * need, 2));
-  const std::string shared = error_of([&] { check_host_memory(cfg, "cpu", 2 * need - 2, 2); });
-  EXPECT_TRUE(contains(shared, "2 ranks on this host")) << shared;
+  const std::string shared = error_of([&] { check_host_memory(cfg, "cpu", 2 * need - 1, 2); });
+  EXPECT_TRUE(contains(shared, "its 2 ranks on this host")) << shared;
+  // On the GPU (no offload) only rank 0 makes the host copy of the moments a checkpoint writes.
+  const HostMemoryPlan gpu = host_memory_plan(cfg, "cuda");
+  EXPECT_EQ(host_bytes_of_local_ranks(gpu, cfg, "cuda", 3), gpu.total() + 2 * (gpu.total() - gpu.moments));
+  TrainConfig offloaded = cfg;
+  offloaded.offload = "optimizer";
+  EXPECT_EQ(host_bytes_of_local_ranks(gpu, offloaded, "cuda", 3), 3 * gpu.total());
   // The GPU keeps weights and moments on the host, not gradients nor activations.
   EXPECT_EQ(host_bytes_for_training(cfg, "cuda"), uint64_t(cfg.model.num_params()) * 12);
 }

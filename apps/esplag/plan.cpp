@@ -58,8 +58,7 @@ int world_size(const Args& a) { return a.has("gpus") ? a.int32("gpus") : world_f
 // else the launcher's (LOCAL_WORLD_SIZE, ...).
 int local_ranks(const Args& a) { return a.has("gpus") ? a.int32("gpus") : world_from_env().local_size; }
 
-// The memory at hand as the trainer sees it, where --gpu-memory or --host-memory do not say;
-// the host's is one rank's share.
+// The memory at hand as the trainer sees it, where --gpu-memory or --host-memory do not say.
 MemoryBudget budget_of(const Args& a, const std::string& device) {
   MemoryBudget budget = memory_at_hand(device, 0);
   if (a.has("gpu-memory")) {
@@ -72,7 +71,6 @@ MemoryBudget budget_of(const Args& a, const std::string& device) {
     budget.host = gib_to_bytes(a.number("host-memory", 0));
     budget.host_source = "--host-memory";
   }
-  share_host_budget(budget, local_ranks(a));
   return budget;
 }
 
@@ -86,12 +84,12 @@ int plan(const Args& a) {
   const int world = world_size(a);
   const std::string device = planned_device(cfg);
   const MemoryBudget budget = budget_of(a, device);
-  const PlanFunction plan_of = planner(cfg, device, world);
+  const PlanFunction plan_of = planner(cfg, device, world, local_ranks(a));
   if (cfg.memory == "auto") std::cout << apply_train_memory(cfg, budget, plan_of) << std::endl;
   const MemoryPlan plan = plan_of(cfg);
   std::cout << describe(cfg, plan, budget);
   if (plan.fits(budget)) return 0;
-  const auto settings = settings_that_fit(cfg, device, budget, world);
+  const auto settings = settings_that_fit(cfg, device, budget, world, local_ranks(a));
   if (!settings) {
     std::cerr << "esplag: error: the run does not fit, nor with train.checkpointing full and train.batch_size 1; it "
                  "needs a smaller model, a shorter train.seq_len or more memory"
@@ -124,9 +122,9 @@ const Command kPlan = {
     "The numbers are one rank's of a data-parallel run over --gpus N ranks (default: the launcher's WORLD_SIZE,\n"
     "else 1) with train.parallel.zero (docs/distributed.md): with stage 1 each GPU keeps the AdamW moments of its\n"
     "chunk of the stored elements only, and a checkpoint's whole moments in pinned host memory are noted. The\n"
-    "ranks on one host share its memory: the host budget is one rank's share (all --gpus N ranks are local;\n"
-    "else the launcher's LOCAL_WORLD_SIZE, ...), as the trainer checks it. The device is the trainer's\n"
-    "choice: a train.device cuda run the GPU does not train (parallel.zero 2) is its error.",
+    "ranks on one host share its memory: the host must hold them all (all --gpus N ranks are local; else the\n"
+    "launcher's LOCAL_WORLD_SIZE, ...), as the trainer checks it. The device is the trainer's choice: a\n"
+    "train.device cuda run the GPU does not train (parallel.zero 2) is its error.",
     {
         Option::text("config", "FILE.yaml", "", "the run's config").mandatory(),
         Option::list("set", "KEY=VALUE", "override one config key, e.g. train.checkpointing=full"),
@@ -137,7 +135,7 @@ const Command kPlan = {
         gib(Option::number("gpu-memory", "", 0.001, kRealMax,
                            "GPU memory to plan against (default: the free memory of CUDA device 0)")),
         gib(Option::number("host-memory", "", 0.001, kRealMax,
-                           "the host's memory to plan against, shared by its ranks (default: the memory available "
+                           "the host's memory to plan against, for all its ranks (default: the memory available "
                            "now)")),
     },
     plan,

@@ -772,7 +772,8 @@ void GpuTransformer::reduce_buckets_after(int l) {
   // For the profiler, each bucket is a buffer (named by its first element): a zero-length
   // op on stream_ writes it where it is ready, its collective on the comm stream reads and
   // writes it, and a zero-length op on stream_ after the join reads them all, so that the
-  // graph has the edges across the two streams (docs/profiler.md).
+  // graph has the edges across the two streams (docs/profiler.md). The zero-length ops are
+  // of category other, so that a what-if on comm counts the collectives only.
   const bool tracing = im.marks.tracing();
   if (tracing) im.marks.end_ops();
   bool forked = false;
@@ -783,7 +784,7 @@ void GpuTransformer::reduce_buckets_after(int l) {
     const double bytes = sizeof(float) * double(b.end - b.begin);
     const std::string name = tracing ? "grad_buckets." + std::to_string(i) : std::string();
     if (tracing) {
-      ScopedOp ready({name, "ready"}, OpCategory::comm, l, 0, 0, {}, {data}, OpStream(stream_));
+      ScopedOp ready({name, "ready"}, OpCategory::other, l, 0, 0, {}, {data}, OpStream(stream_));
     }
     if (!forked) {  // the bucket's gradients are queued on stream_ before this point
       CUDA_CHECK(cudaEventRecord(im.grads_ready, stream_));
@@ -803,7 +804,7 @@ void GpuTransformer::reduce_buckets_after(int l) {
   if (tracing) {
     std::vector<const void*> all;
     for (const GradientBucket& b : im.buckets) all.push_back(im.grad + b.begin);
-    ScopedOp joined({"grad_buckets", "joined"}, OpCategory::comm, -1, 0, 0, BufferList(all), {}, OpStream(stream_));
+    ScopedOp joined({"grad_buckets", "joined"}, OpCategory::other, -1, 0, 0, BufferList(all), {}, OpStream(stream_));
   }
 }
 

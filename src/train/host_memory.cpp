@@ -86,6 +86,12 @@ uint64_t host_bytes_for_training(const TrainConfig& config, const std::string& d
   return host_memory_plan(config, device).total();
 }
 
+uint64_t host_bytes_of_local_ranks(const HostMemoryPlan& plan, const TrainConfig& config, const std::string& device,
+                                   int local_ranks) {
+  const uint64_t leader_only = device == "cuda" && config.offload == "none" ? plan.moments : 0;
+  return plan.total() + uint64_t(std::max(local_ranks, 1) - 1) * (plan.total() - leader_only);
+}
+
 uint64_t available_host_bytes() {
   uint64_t available = meminfo_bytes("MemAvailable:");
   const uint64_t limit = cgroup_value("/sys/fs/cgroup/memory.max");
@@ -99,21 +105,22 @@ uint64_t available_host_bytes() {
 
 void check_host_memory(const TrainConfig& config, const std::string& device, uint64_t available,
                        int local_ranks) {
-  const uint64_t total = available;
-  if (local_ranks > 1) available /= uint64_t(local_ranks);
-  const uint64_t need = host_bytes_for_training(config, device);
+  const auto need_of = [&](const TrainConfig& c) {
+    return host_bytes_of_local_ranks(host_memory_plan(c, device), c, device, local_ranks);
+  };
+  const uint64_t need = need_of(config);
   if (available == 0 || need <= available) return;
   std::string fits;
   TrainConfig smaller = config;
   smaller.batch_size = 1;
-  if (host_bytes_for_training(smaller, device) <= available) {
+  if (need_of(smaller) <= available) {
     // The weights fit: the activations grow with the batch, so the largest batch that fits.
-    while (host_bytes_for_training(smaller, device) <= available) ++smaller.batch_size;
+    while (need_of(smaller) <= available) ++smaller.batch_size;
     fits = "train.batch_size " + std::to_string(smaller.batch_size - 1) + " would fit (with train.grad_accum for the " +
            "same tokens per step)";
     TrainConfig checkpointed = config;
     checkpointed.checkpointing = {CheckpointMode::full, 1};
-    if (device == "cpu" && host_bytes_for_training(checkpointed, device) <= available)
+    if (device == "cpu" && need_of(checkpointed) <= available)
       fits += ", and so would train.checkpointing full with this batch size (the same gradients, each block's forward "
               "run twice)";
   } else {
@@ -124,7 +131,7 @@ void check_host_memory(const TrainConfig& config, const std::string& device, uin
       preset.model = model_preset(name);
       preset.model.vocab_size = config.model.vocab_size;
       preset.seq_len = std::min(config.seq_len, preset.model.max_seq_len);
-      if (host_bytes_for_training(preset, device) <= available && preset.model.num_params() > best_params) {
+      if (need_of(preset) <= available && preset.model.num_params() > best_params) {
         best = name;
         best_params = preset.model.num_params();
       }
@@ -132,12 +139,10 @@ void check_host_memory(const TrainConfig& config, const std::string& device, uin
     fits = best.empty() ? "no model preset fits either" : "model.preset " + best + " would fit";
   }
   fail("model ", config.model.preset, " (", config.model.num_params(), " parameters) needs about ", format_bytes(need),
-       " of host memory to train on ", device, " with train.batch_size ", config.batch_size, " and train.seq_len ",
-       config.seq_len, ", but ", format_bytes(available), " is available",
-       local_ranks > 1 ? " (a 1/" + std::to_string(local_ranks) + " share of " + format_bytes(total) + ": " +
-                             std::to_string(local_ranks) + " ranks on this host)"
-                       : std::string(),
-       "; ", fits);
+       " of host memory to train on ", device,
+       local_ranks > 1 ? " (its " + std::to_string(local_ranks) + " ranks on this host)" : std::string(),
+       " with train.batch_size ", config.batch_size, " and train.seq_len ", config.seq_len, ", but ",
+       format_bytes(available), " is available; ", fits);
 }
 
 }  // namespace esplag

@@ -37,14 +37,20 @@ HostMemoryPlan host_memory_plan(const TrainConfig& config, const std::string& de
 // host_memory_plan(config, device).total().
 uint64_t host_bytes_for_training(const TrainConfig& config, const std::string& device);
 
+// The host memory of `local_ranks` ranks of a run on one host whose rank 0 needs `plan`: the
+// others hold the same less what rank 0 alone holds, a GPU run's host copy of the moments
+// that only the checkpoint's writer makes (offloaded moments are every rank's).
+uint64_t host_bytes_of_local_ranks(const HostMemoryPlan& plan, const TrainConfig& config, const std::string& device,
+                                   int local_ranks);
+
 // MemAvailable of /proc/meminfo, lowered to what the cgroup's memory.max leaves; 0 when
 // neither can be read (no check then).
 uint64_t available_host_bytes();
 
-// Throws an Error when `config` needs more than `available` bytes (0: unknown, no check)
-// shared by `local_ranks` ranks of the run on this host (each may take its share), giving
-// both numbers and what would fit: the largest train.batch_size when the weights fit but the
-// activations do not, else the largest model preset.
+// Throws an Error when `config`'s `local_ranks` ranks on this host (host_bytes_of_local_ranks)
+// need more than `available` bytes (0: unknown, no check), giving both numbers and what would
+// fit: the largest train.batch_size when the weights fit but the activations do not, else
+// the largest model preset.
 void check_host_memory(const TrainConfig& config, const std::string& device, uint64_t available,
                        int local_ranks = 1);
 

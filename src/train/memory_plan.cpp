@@ -79,7 +79,7 @@ struct Limit {
 };
 Limit limit_of(const MemoryPlan& p, const MemoryBudget& b) {
   if (p.gpu && (p.fits_host(b) || !p.fits_gpu(b))) return {true, p.gpu->total(), b.gpu, b.gpu_source};
-  return {false, p.host.total(), b.host, b.host_source};
+  return {false, p.host_of_local_ranks(), b.host, b.host_source};
 }
 
 // "91.2 GiB of GPU memory, 79.1 GiB free on CUDA device 0" ("..., 20.0 GiB given by --gpu-memory").
@@ -197,10 +197,9 @@ GpuModelState gpu_model_state(const TrainConfig& config, int world) {
 
 namespace {
 
-// plan_memory with the teacher's model (or why there is none) already read.
-MemoryPlan plan_with_teacher(const TrainConfig& config, const std::string& device, int world,
-                             const std::optional<ModelConfig>& teacher, const std::string& teacher_problem) {
-  ESPLAG_CHECK(world >= 1, "the world size must be at least 1, got ", world);
+// Rank 0's plan with the teacher's model (or why there is none) already read.
+MemoryPlan plan_with_teacher_of_rank0(const TrainConfig& config, const std::string& device, int world,
+                                      const std::optional<ModelConfig>& teacher, const std::string& teacher_problem) {
   MemoryPlan plan;
   plan.device = device;
   plan.world = world;
@@ -237,19 +236,31 @@ MemoryPlan plan_with_teacher(const TrainConfig& config, const std::string& devic
   return plan;
 }
 
+
+// plan_memory with the teacher's model (or why there is none) already read.
+MemoryPlan plan_with_teacher(const TrainConfig& config, const std::string& device, int world, int local_ranks,
+                             const std::optional<ModelConfig>& teacher, const std::string& teacher_problem) {
+  ESPLAG_CHECK(world >= 1, "the world size must be at least 1, got ", world);
+  MemoryPlan plan = plan_with_teacher_of_rank0(config, device, world, teacher, teacher_problem);
+  plan.local_ranks = std::clamp(local_ranks, 1, world);
+  plan.other_local_ranks_host =
+      host_bytes_of_local_ranks(plan.host, config, device, plan.local_ranks) - plan.host.total();
+  return plan;
+}
+
 }  // namespace
 
-PlanFunction planner(const TrainConfig& config, const std::string& device, int world) {
+PlanFunction planner(const TrainConfig& config, const std::string& device, int world, int local_ranks) {
   std::string problem;
   std::optional<ModelConfig> teacher = teacher_model(config, problem);
-  return [=](const TrainConfig& c) { return plan_with_teacher(c, device, world, teacher, problem); };
+  return [=](const TrainConfig& c) { return plan_with_teacher(c, device, world, local_ranks, teacher, problem); };
 }
 
-MemoryPlan plan_memory(const TrainConfig& config, const std::string& device, int world) {
-  return planner(config, device, world)(config);
+MemoryPlan plan_memory(const TrainConfig& config, const std::string& device, int world, int local_ranks) {
+  return planner(config, device, world, local_ranks)(config);
 }
 
-MemoryBudget memory_at_hand(const std::string& device, int cuda_device, int local_ranks) {
+MemoryBudget memory_at_hand(const std::string& device, int cuda_device) {
   MemoryBudget budget;
 #ifdef ESPLAG_HAVE_CUDA
   if (device == "cuda") {
@@ -261,15 +272,7 @@ MemoryBudget memory_at_hand(const std::string& device, int cuda_device, int loca
 #endif
   budget.host = available_host_bytes();
   budget.host_source = budget.host ? "available now" : "not readable";
-  share_host_budget(budget, local_ranks);
   return budget;
-}
-
-void share_host_budget(MemoryBudget& budget, int local_ranks) {
-  if (local_ranks <= 1 || budget.host == 0) return;
-  budget.host /= uint64_t(local_ranks);
-  budget.host_source += ", a 1/" + std::to_string(local_ranks) + " share: " + std::to_string(local_ranks) +
-                        " ranks on this host";
 }
 
 std::vector<ActivationCheckpointing> checkpointing_choices(const ModelConfig& model) {
@@ -294,8 +297,8 @@ std::optional<TrainConfig> cheapest_fit(const TrainConfig& config, const MemoryB
 }
 
 std::optional<std::vector<std::string>> settings_that_fit(const TrainConfig& config, const std::string& device,
-                                                          const MemoryBudget& budget, int world) {
-  const PlanFunction plan = planner(config, device, world);
+                                                          const MemoryBudget& budget, int world, int local_ranks) {
+  const PlanFunction plan = planner(config, device, world, local_ranks);
   const std::optional<TrainConfig> fit = cheapest_fit(config, budget, plan, true);
   if (!fit) return std::nullopt;
   return overrides(config, *fit);
@@ -342,7 +345,7 @@ std::string apply_train_memory(TrainConfig& config, const MemoryBudget& budget, 
   } else {
     const MemoryPlan after = plan(*chosen);
     line += "none needs " + need_text(before) + "; " + checkpointing_text(chosen->checkpointing) + " needs " +
-            format_bytes(before.gpu ? after.gpu->total() : after.host.total()) + ")";
+            format_bytes(before.gpu ? after.gpu->total() : after.host_of_local_ranks()) + ")";
   }
   if (chosen->offload != config.offload)
     line += "; train.offload=" + chosen->offload + " (the checkpointing alone does not fit)";
@@ -353,7 +356,7 @@ std::string apply_train_memory(TrainConfig& config, const MemoryBudget& budget, 
 
 std::string apply_train_memory(TrainConfig& config, const std::string& device, int cuda_device, int world,
                                int local_ranks) {
-  return apply_train_memory(config, memory_at_hand(device, cuda_device, local_ranks), planner(config, device, world));
+  return apply_train_memory(config, memory_at_hand(device, cuda_device), planner(config, device, world, local_ranks));
 }
 
 std::string describe(const TrainConfig& config, const MemoryPlan& plan, const MemoryBudget& budget) {
@@ -373,8 +376,14 @@ std::string describe(const TrainConfig& config, const MemoryPlan& plan, const Me
      << (plan.host.master_low ? row("master low", plan.host.master_low) : "")
      << (plan.host.kinds ? row("sparse kinds", plan.host.kinds) : "")
      << (plan.host.teacher ? row("teacher", plan.host.teacher) : "")
-     << row("activations", plan.host.activations) << row("total", plan.host.total()) << "  "
-     << verdict(plan.fits_host(budget), budget.host, budget.host_source) << "\n"
+     << row("activations", plan.host.activations) << row("total", plan.host.total())
+     << (plan.local_ranks == 1 ? ""
+                               : "  " + std::to_string(plan.local_ranks) + " ranks on this host: " +
+                                     format_bytes(plan.host_of_local_ranks()) +
+                                     (plan.device == "cuda" && !offload
+                                          ? " (rank 0 alone makes the host copy of the moments)\n"
+                                          : "\n"))
+     << "  " << verdict(plan.fits_host(budget), budget.host, budget.host_source) << "\n"
      << (plan.teacher_problem.empty() ? "" : "  note: " + plan.teacher_problem + "\n");
   os << "GPU memory:";
   if (plan.device != "cuda") return os.str() + " none (train.device " + plan.device + ")\n";

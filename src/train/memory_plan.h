@@ -79,7 +79,12 @@ struct MemoryPlan {
   std::string teacher_problem;  // why a distill entry's teacher is not counted ("" when it is)
   std::optional<GpuMemoryBytes> gpu;  // a cuda run in the CUDA build with a visible device only
   std::string no_gpu_plan;            // for a cuda run without `gpu`: why
-  bool fits_host(const MemoryBudget& budget) const { return budget.host == 0 || host.total() <= budget.host; }
+  // The ranks of the run on this host, which share its memory: `host` is rank 0's, and the
+  // others' take `other_local_ranks_host` more (host_bytes_of_local_ranks): all must fit.
+  int local_ranks = 1;
+  uint64_t other_local_ranks_host = 0;
+  uint64_t host_of_local_ranks() const { return host.total() + other_local_ranks_host; }
+  bool fits_host(const MemoryBudget& budget) const { return budget.host == 0 || host_of_local_ranks() <= budget.host; }
   bool fits_gpu(const MemoryBudget& budget) const { return !gpu || budget.gpu == 0 || gpu->total() <= budget.gpu; }
   bool fits(const MemoryBudget& budget) const { return fits_host(budget) && fits_gpu(budget); }
 };
@@ -88,25 +93,20 @@ struct MemoryPlan {
 // `world` data-parallel ranks (>= 1) under train.parallel.zero, with the recipe's distill
 // teacher where it has one. An Error for a cuda run of a stage the GPU does not take (2), or
 // a teacher whose checkpoint cannot be read (naming the key).
-MemoryPlan plan_memory(const TrainConfig& config, const std::string& device, int world = 1);
+MemoryPlan plan_memory(const TrainConfig& config, const std::string& device, int world = 1, int local_ranks = 1);
 
 // The plan of a config where the run steps: plan_memory with the run's device, or a
 // stand-in (tests).
 using PlanFunction = std::function<MemoryPlan(const TrainConfig&)>;
 
-// plan_memory on `device` over `world` ranks for the configs cheapest_fit tries from
-// `config` (the same recipe): its distill teacher's checkpoint is read once, here.
-PlanFunction planner(const TrainConfig& config, const std::string& device, int world = 1);
+// plan_memory on `device` over `world` ranks (`local_ranks` of them on this host) for the
+// configs cheapest_fit tries from `config` (the same recipe): its distill teacher's
+// checkpoint is read once, here.
+PlanFunction planner(const TrainConfig& config, const std::string& device, int world = 1, int local_ranks = 1);
 
 // The memory a run on `device` has at hand: for "cuda" in the CUDA build the free memory of
-// CUDA device `cuda_device` ("free on CUDA device 0"), and the host memory available now,
-// shared by the `local_ranks` ranks of the run on this host (share_host_budget).
-MemoryBudget memory_at_hand(const std::string& device, int cuda_device, int local_ranks = 1);
-
-// One rank's share of the host memory when `local_ranks` ranks of a run share the host: the
-// budget divided by them, and its source says so ("available now, a 1/2 share: 2 ranks on
-// this host"). Nothing changes for one rank or an unknown budget.
-void share_host_budget(MemoryBudget& budget, int local_ranks);
+// CUDA device `cuda_device` ("free on CUDA device 0"), and the host memory available now.
+MemoryBudget memory_at_hand(const std::string& device, int cuda_device);
 
 // The train.checkpointing settings, cheapest in compute first: none, selective (every
 // block), then full every K blocks for K from model.n_layer down to 1, one K per number of
@@ -120,11 +120,12 @@ std::vector<ActivationCheckpointing> checkpointing_choices(const ModelConfig& mo
 std::optional<TrainConfig> cheapest_fit(const TrainConfig& config, const MemoryBudget& budget,
                                         const PlanFunction& plan, bool smaller_batches);
 
-// cheapest_fit(config, budget, plan_memory on `device` over `world` ranks, smaller_batches) as the config
-// overrides to give ("train.checkpointing=full", ...): empty when the config fits as it is;
-// nullopt when nothing tried fits.
+// cheapest_fit(config, budget, plan_memory on `device` over `world` ranks, `local_ranks` on this
+// host, smaller_batches) as the config overrides to give ("train.checkpointing=full", ...):
+// empty when the config fits as it is; nullopt when nothing tried fits.
 std::optional<std::vector<std::string>> settings_that_fit(const TrainConfig& config, const std::string& device,
-                                                          const MemoryBudget& budget, int world = 1);
+                                                          const MemoryBudget& budget, int world = 1,
+                                                          int local_ranks = 1);
 
 // Applies train.memory to `config` (model resolved; `plan` plans where it steps), before
 // anything is allocated. fixed keeps the settings as written and throws an Error with the

@@ -165,6 +165,7 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
   im.state = DeviceArena();
   im.state_host = DeviceArena();
   im.gathered = DeviceArena();
+  im.gathered_root = -1;
   GpuMemoryPlan state;
   lay_out_state_buffers(cfg_, im.stored, opt_, im, state, Take{}, Take{});
   im.state = DeviceArena(state.total(), "parameter state");
@@ -520,6 +521,9 @@ void GpuTransformer::gather_optimizer_state(int root) {
   // Whether every rank holds the copy already: the same answer on every rank.
   if (!ranks || (im.m && im.gathered_root < 0)) return;
   ESPLAG_CHECK(root < ranks->size(), "GpuTransformer::gather_optimizer_state: no rank ", root, " of ", ranks->size());
+  // A copy gathered to another rank before would be stale here (the root is the same rank every time).
+  ESPLAG_CHECK(im.gathered_root < 0 || root < 0 || root == im.gathered_root,
+               "GpuTransformer::gather_optimizer_state: gathered to rank ", im.gathered_root, ", then to rank ", root);
   const bool keep = root < 0 || root == ranks->rank();
   if (keep && !im.m) allocate_whole_moments();  // else the copy of an earlier gather to this rank, gathered again
   // Through the shared scratch region, a piece of every rank's chunk at a time.
