@@ -35,7 +35,6 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
-#include <optional>
 #include <string>
 
 #include "core/cuda_check.h"
@@ -783,18 +782,13 @@ void GpuTransformer::reduce_buckets_after(int l) {
     float* data = im.grad + b.begin;
     const double bytes = sizeof(float) * double(b.end - b.begin);
     const std::string name = tracing ? "grad_buckets." + std::to_string(i) : std::string();
-    if (tracing) {
-      ScopedOp ready({name, "ready"}, OpCategory::other, l, 0, 0, {}, {data}, OpStream(stream_));
-    }
+    { ScopedOp ready({name, "ready"}, OpCategory::other, l, 0, 0, {}, {data}, OpStream(stream_)); }
     if (!forked) {  // the bucket's gradients are queued on stream_ before this point
       CUDA_CHECK(cudaEventRecord(im.grads_ready, stream_));
       CUDA_CHECK(cudaStreamWaitEvent(im.comm_stream, im.grads_ready));
       forked = true;
     }
-    std::optional<ScopedOp> op;
-    if (tracing)
-      op.emplace(OpName(name, "all_reduce"), OpCategory::comm, l, 0, bytes, BufferList{data},
-                 BufferList{data}, OpStream(im.comm_stream));
+    ScopedOp op({name, "all_reduce"}, OpCategory::comm, l, 0, bytes, {data}, {data}, OpStream(im.comm_stream));
     opt_.reduce_gradients->all_reduce_mean(data, b.end - b.begin, im.comm_stream);
   }
   if (l >= 0) return;

@@ -197,12 +197,14 @@ GpuModelState gpu_model_state(const TrainConfig& config, int world) {
 
 namespace {
 
-// Rank 0's plan with the teacher's model (or why there is none) already read.
-MemoryPlan plan_with_teacher_of_rank0(const TrainConfig& config, const std::string& device, int world,
-                                      const std::optional<ModelConfig>& teacher, const std::string& teacher_problem) {
+// plan_memory with the teacher's model (or why there is none) already read.
+MemoryPlan plan_with_teacher(const TrainConfig& config, const std::string& device, int world, int local_ranks,
+                             const std::optional<ModelConfig>& teacher, const std::string& teacher_problem) {
+  ESPLAG_CHECK(world >= 1, "the world size must be at least 1, got ", world);
   MemoryPlan plan;
   plan.device = device;
   plan.world = world;
+  plan.local_ranks = std::clamp(local_ranks, 1, world);
   plan.host = host_memory_plan(config, device);
   plan.teacher = teacher;
   plan.teacher_problem = teacher_problem;
@@ -213,15 +215,15 @@ MemoryPlan plan_with_teacher_of_rank0(const TrainConfig& config, const std::stri
     plan.host.teacher = uint64_t(plan.teacher->num_params()) * sizeof(float) +
                         (device == "cpu" ? host_memory_plan(t, "cpu").activations : 0);
   }
-  if (device != "cuda") {
-    if (world > 1 && config.parallel.zero >= 1) {
-      // ZeroCpuOptimizer: the moments of the rank's range; stage 2 also its mean gradient.
-      const uint64_t range = largest_range(config.model.num_params(), world);
-      plan.host.moments = range * 2 * sizeof(float);
-      if (config.parallel.zero == 2) plan.host.gradients += range * sizeof(float);
-    }
-    return plan;
+  if (device != "cuda" && world > 1 && config.parallel.zero >= 1) {
+    // ZeroCpuOptimizer: the moments of the rank's range; stage 2 also its mean gradient.
+    const uint64_t range = largest_range(config.model.num_params(), world);
+    plan.host.moments = range * 2 * sizeof(float);
+    if (config.parallel.zero == 2) plan.host.gradients += range * sizeof(float);
   }
+  plan.other_local_ranks_host =
+      host_bytes_of_local_ranks(plan.host, config, device, plan.local_ranks) - plan.host.total();
+  if (device != "cuda") return plan;
   plan.gpu_state = gpu_model_state(config, world);
 #ifdef ESPLAG_HAVE_CUDA
   // The attention's workspace size is the device library's answer: no device, no plan.
@@ -233,18 +235,6 @@ MemoryPlan plan_with_teacher_of_rank0(const TrainConfig& config, const std::stri
 #else
   plan.no_gpu_plan = "this esplag was built without the CUDA backend (the cuda preset)";
 #endif
-  return plan;
-}
-
-
-// plan_memory with the teacher's model (or why there is none) already read.
-MemoryPlan plan_with_teacher(const TrainConfig& config, const std::string& device, int world, int local_ranks,
-                             const std::optional<ModelConfig>& teacher, const std::string& teacher_problem) {
-  ESPLAG_CHECK(world >= 1, "the world size must be at least 1, got ", world);
-  MemoryPlan plan = plan_with_teacher_of_rank0(config, device, world, teacher, teacher_problem);
-  plan.local_ranks = std::clamp(local_ranks, 1, world);
-  plan.other_local_ranks_host =
-      host_bytes_of_local_ranks(plan.host, config, device, plan.local_ranks) - plan.host.total();
   return plan;
 }
 
