@@ -170,8 +170,10 @@ TEST(GpuDataParallel, ZeroStageOneSlopeFollowsOneGpu) {
 
 // parallel.bucket_mb: buckets of one block each (the tiny blocks hold about 50K parameters),
 // averaged while the backward runs, give the bits of one all-reduce after the backward (two
-// ranks: each element's mean is (a + b) / 2 whatever the collective), at ZeRO stage 0 and 1
-// (where they replace the reduce-scatter), dense and slope with its adapters.
+// ranks: each element's mean is (a + b) / 2 whatever the collective), dense and slope with
+// its adapters. At ZeRO stage 1 each bucket is reduce-scattered and every rank owns a slice
+// of each: the same means, but the clipping norm sums the squares by other slices, so the
+// runs agree to that rounding (the bound of the stage 0 against stage 1 comparison above).
 TEST(GpuDataParallel, GradientBucketsGiveTheBitsOfOneCollective) {
   if (gpus() < 2) GTEST_SKIP() << "needs two GPUs";
   const std::string slope = "recipe:\n  - slope: {params: ['re:blocks\\.\\d+\\.mlp\\.\\w+\\.weight'], start: 0, "
@@ -190,11 +192,16 @@ TEST(GpuDataParallel, GradientBucketsGiveTheBitsOfOneCollective) {
       const fs::path after = train("0"), during = train("0.01");
       const auto la = losses(after), lb = losses(during);
       ASSERT_EQ(la.size(), 12u) << tag;
-      EXPECT_EQ(la, lb) << tag;
+      ASSERT_EQ(lb.size(), la.size()) << tag;
+      if (zero == 0) EXPECT_EQ(la, lb) << tag;
+      for (size_t i = 0; i < la.size(); ++i) EXPECT_NEAR(lb[i], la[i], 5e-3 * la[i]) << tag << ", step " << i + 1;
       for (const char* file : {"optimizer.safetensors", "model.safetensors"}) {
         const auto [difference, tensor] =
             max_relative_difference(during / "step-000012" / file, after / "step-000012" / file);
-        EXPECT_EQ(difference, 0.0) << tag << ": " << file << ", " << tensor;
+        if (zero == 0)
+          EXPECT_EQ(difference, 0.0) << tag << ": " << file << ", " << tensor;
+        else
+          EXPECT_LT(difference, 2e-2) << tag << ": " << file << ", " << tensor;
       }
     }
 }

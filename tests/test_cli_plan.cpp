@@ -130,7 +130,7 @@ TEST(CliPlan, PlansOneGpuOfTheWorldWithItsZeroStage) {
   EXPECT_EQ(r.code, 0) << r.err;
   TrainConfig c = load_train_config(kTinyFile, {"train.device=cuda", "model.vocab_size=257", "parallel.zero=1"});
   const GpuModelState s = gpu_model_state(c, 4);
-  for (const std::string line : {"per GPU of 4, ZeRO stage 1: each GPU keeps the AdamW moments of a chunk of " +
+  for (const std::string line : {"per GPU of 4, ZeRO stage 1: each GPU keeps the AdamW moments of " +
                                      std::to_string(s.chunk) + " of the " + std::to_string(s.elements),
                                  "a checkpoint gathers the whole moments into " + format_bytes(s.checkpoint_moments)})
     EXPECT_TRUE(contains(r.out, line)) << line << " in\n" << r.out;

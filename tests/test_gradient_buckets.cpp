@@ -114,5 +114,62 @@ TEST(GradientBuckets, NoBucketSizeOrScatteredBlocksGiveOneBucketAfterTheBackward
   one(plan_gradient_buckets(layout, c.n_layer, total, 1));
 }
 
+// ZeRO on the GPU: every bucket padded to `ranks` slices of a multiple of 64 elements, the
+// tensors keeping their order and their bucket, the buckets still covering the layout.
+TEST(GradientBuckets, ShardedBucketsArePaddedToEqualSlicesOfEveryRank) {
+  const ModelConfig c = llama(6);
+  const std::vector<ParamInfo> packed = transformer_param_layout(c);
+  const size_t total = total_of(packed);
+  for (const int ranks : {1, 2, 3, 8})
+    for (const size_t elements : {size_t(0), size_t(1), total / 3}) {
+      std::vector<ParamInfo> layout = packed;
+      const std::vector<GradientBucket> before = plan_gradient_buckets(layout, c.n_layer, total, elements);
+      std::vector<GradientBucket> buckets = before;
+      const ShardedBuckets sharded = shard_gradient_buckets(layout, buckets, ranks);
+      ASSERT_EQ(sharded.slice.size(), buckets.size());
+      expect_cover(buckets, sharded.padded);
+      size_t per_rank = 0;
+      for (size_t i = 0; i < buckets.size(); ++i) {
+        const size_t len = before[i].end - before[i].begin, slice = sharded.slice[i];
+        EXPECT_EQ(buckets[i].after_block, before[i].after_block);
+        EXPECT_EQ(slice % 64, 0u);
+        EXPECT_GE(slice * size_t(ranks), len);
+        EXPECT_LT(slice * size_t(ranks), len + 64 * size_t(ranks));  // the least such slice
+        EXPECT_EQ(buckets[i].end - buckets[i].begin, slice * size_t(ranks));
+        per_rank += slice;
+        // Each tensor moved with its bucket, by the padding of the buckets before it.
+        for (size_t k = 0; k < packed.size(); ++k)
+          if (packed[k].offset >= before[i].begin && packed[k].offset < before[i].end)
+            EXPECT_EQ(layout[k].offset - buckets[i].begin, packed[k].offset - before[i].begin) << layout[k].name;
+      }
+      EXPECT_EQ(sharded.per_rank(), per_rank);
+      for (size_t k = 1; k < layout.size(); ++k)
+        EXPECT_GE(layout[k].offset, layout[k - 1].offset + layout[k - 1].numel) << layout[k].name;
+    }
+  // One bucket: chunks of ceil(E / ranks) rounded up to 64, as the whole layout's.
+  std::vector<ParamInfo> layout = packed;
+  std::vector<GradientBucket> one = plan_gradient_buckets(layout, c.n_layer, total, 0);
+  const ShardedBuckets sharded = shard_gradient_buckets(layout, one, 3);
+  EXPECT_EQ(sharded.slice.at(0), ((total + 2) / 3 + 63) / 64 * 64);
+  EXPECT_EQ(sharded.padded, 3 * sharded.slice[0]);
+  for (size_t k = 0; k < layout.size(); ++k) EXPECT_EQ(layout[k].offset, packed[k].offset);
+}
+
+TEST(GradientBuckets, TheStoredLayoutKeepsHalfOfEachKeptValuesWeight) {
+  const ModelConfig c = llama(2);
+  const std::vector<ParamInfo> dense = transformer_param_layout(c);
+  const std::string fc = transformer_linear_names(c).at(2);
+  const std::vector<ParamInfo> stored = stored_param_layout(c, {fc});
+  ASSERT_EQ(stored.size(), dense.size());
+  size_t offset = 0;
+  for (size_t k = 0; k < stored.size(); ++k) {
+    EXPECT_EQ(stored[k].offset, offset) << stored[k].name;
+    const bool kept = stored[k].name == fc;
+    EXPECT_EQ(stored[k].numel, kept ? dense[k].numel / 2 : dense[k].numel) << stored[k].name;
+    if (kept) EXPECT_EQ(stored[k].shape, (Shape{dense[k].shape.at(0), dense[k].shape.at(1) / 2}));
+    offset += stored[k].numel;
+  }
+}
+
 }  // namespace
 }  // namespace esplag

@@ -4,6 +4,7 @@
 
 #include <tuple>
 
+#include "model/gradient_buckets.h"
 #include "model/transformer.h"
 #include "test_util.h"
 #include "train/memory_plan.h"
@@ -198,11 +199,13 @@ TEST(MemoryPlan, TheReportNamesEachCategory) {
 
 // --- data parallel and ZeRO ------------------------------------------------------------------
 
-// The GPU's ZeRO stage 1 (GpuModelOptions::shard_optimizer): chunks of ceil(E/N) rounded up to
-// 64 elements, the moments of one chunk per GPU, the weights and gradients padded to N chunks.
+// The GPU's ZeRO stage 1 (GpuModelOptions::shard_optimizer) without gradient buckets: chunks
+// of ceil(E/N) rounded up to 64 elements, the moments of one chunk per GPU, the weights and
+// gradients padded to N chunks.
 TEST(MemoryPlanZero, StageOneKeepsTheMomentsOfOneChunkPerGpu) {
   TrainConfig c = tiny_config("cuda");
   c.parallel.zero = 1;
+  c.parallel.bucket_mb = 0;
   const uint64_t e = uint64_t(c.model.num_params());
   ASSERT_EQ(e, 372672u);  // the numbers below are tiny's
   const GpuModelState s = gpu_model_state(c, 4);
@@ -231,17 +234,34 @@ TEST(MemoryPlanZero, StageOneKeepsTheMomentsOfOneChunkPerGpu) {
   }
 }
 
+// With gradient buckets, a GPU keeps its slice of every bucket: padded per bucket.
+TEST(MemoryPlanZero, StageOneInBucketsKeepsASliceOfEveryBucket) {
+  TrainConfig c = tiny_config("cuda");
+  c.parallel.zero = 1;
+  c.parallel.bucket_mb = 0.01;  // a block or two per bucket
+  const GpuModelState s = gpu_model_state(c, 4);
+  std::vector<ParamInfo> layout = transformer_param_layout(c.model);
+  const size_t e = layout.back().offset + layout.back().numel;
+  std::vector<GradientBucket> buckets = plan_gradient_buckets(layout, c.model.n_layer, e, size_t(0.01 * (1 << 20)) / 4);
+  ASSERT_GT(buckets.size(), 2u);
+  const ShardedBuckets sharded = shard_gradient_buckets(layout, buckets, 4);
+  EXPECT_EQ(s.chunk, sharded.per_rank());
+  EXPECT_EQ(s.padded, sharded.padded);
+  EXPECT_GT(s.padded, s.elements);
+  EXPECT_EQ(s.optimizer, s.chunk * 8);
+}
+
 TEST(MemoryPlanZero, TheOffloadMovesTheChunkToPinnedHostMemory) {
   TrainConfig c = tiny_config("cuda");
   c.parallel.zero = 1;
   c.offload = "optimizer";
   GpuModelState s = gpu_model_state(c, 4);
   EXPECT_EQ(s.optimizer, 0u);
-  EXPECT_EQ(s.offloaded, 93184u * 8);
+  EXPECT_EQ(s.offloaded, s.chunk * 8);
   c.offload = "optimizer+master";
   s = gpu_model_state(c, 4);
   EXPECT_EQ(s.params, s.padded * 2);
-  EXPECT_EQ(s.offloaded, 93184u * 8 + s.padded * 2);
+  EXPECT_EQ(s.offloaded, s.chunk * 8 + s.padded * 2);
 }
 
 TEST(MemoryPlanZero, StagesTheGpuDoesNotTakeAndNoRanksAreErrors) {
@@ -273,9 +293,10 @@ TEST(MemoryPlanZero, OnTheCpuEachRankKeepsTheMomentsOfItsRange) {
 TEST(MemoryPlanZero, TheReportSaysWhoseNumbersTheyAre) {
   TrainConfig c = tiny_config("cuda");
   c.parallel.zero = 1;
+  c.parallel.bucket_mb = 0;  // one bucket
   const std::string text = describe(c, plan_memory(c, "cuda", 4), {});
-  for (const char* line : {"per GPU of 4, ZeRO stage 1: each GPU keeps the AdamW moments of a chunk of 93184 of "
-                           "the 372672 stored elements", "the weights and gradients padded to 372736",
+  for (const char* line : {"per GPU of 4, ZeRO stage 1: each GPU keeps the AdamW moments of 93184 of the 372672 "
+                           "stored elements (1/4 of every gradient bucket", "the weights and gradients padded to 372736",
                            "a checkpoint gathers the whole moments into 2.8 MiB of pinned host memory on rank 0"})
     EXPECT_TRUE(contains(text, line)) << line << " in\n" << text;
   EXPECT_TRUE(contains(describe(c, plan_memory(c, "cuda", 1), {}),

@@ -55,6 +55,13 @@ __global__ void add_kernel(float* dst, const float* src, int64_t n, bool accumul
   if (i < n) dst[i] = accumulate ? dst[i] + src[i] : src[i];
 }
 
+// *out = the sum of parts[0, n), in that order (the sharded gradient norm's slices).
+__global__ void sum_parts_kernel(float* out, const float* parts, int n) {
+  float sum = 0.f;
+  for (int k = 0; k < n; ++k) sum += parts[k];
+  *out = sum;
+}
+
 // Mean of the per-row losses into *out (fp64), one block, fixed summation order.
 constexpr int kLossThreads = 1024;
 // Block k: out[k] = the mean of the n values at losses + k·stride (the losses, and a
@@ -263,23 +270,17 @@ GpuMemoryPlan GpuTransformer::memory_plan(const ModelConfig& config, int max_bat
   const GpuModelOptions options = effective(given);
   const auto infos = param_layout(config);
   // The state as lay_out_state stores it: kept values [out, in/2] for options.kept_values.
-  std::vector<ParamInfo> stored = infos;
-  size_t offset = 0;
-  for (ParamInfo& i : stored) {
-    if (options.kept_values.count(i.name)) {
-      i.shape = {i.shape.at(0), i.shape.at(1) / 2};
-      i.numel = size_t(shape_numel(i.shape));
-    }
-    i.offset = offset;
-    offset += i.numel;
-  }
+  std::vector<ParamInfo> stored = stored_param_layout(config, options.kept_values);
+  std::vector<size_t> slices;
+  size_t end = 0;
+  const std::vector<GradientBucket> buckets = lay_out_buckets(config, options, stored, slices, end);
   ESPLAG_CHECK(max_batch > 0 && max_seq_len > 0, "GpuTransformer::memory_plan: bad micro-batch ", max_batch, " x ",
                max_seq_len);
   ESPLAG_CHECK(config.head_dim() <= gpu::kAttentionMaxHeadDim, "GpuTransformer: head dimension ", config.head_dim(),
                " exceeds the GPU attention's maximum ", gpu::kAttentionMaxHeadDim);
   GpuMemoryPlan state;
   Impl dummy;
-  lay_out_state_buffers(config, stored, options, dummy, state, Take{}, Take{});
+  lay_out_state_buffers(config, stored, end, buckets, slices, options, dummy, state, Take{}, Take{});
   GpuMemoryPlan plan = step_arena_plan(config, max_batch, max_seq_len, options) + state;
   if (options.precision.fp8) {  // the fp8 products' shared scratch and each layer's weight codes (outside the arena)
     std::vector<std::pair<int64_t, int64_t>> shapes;  // every block has the same shapes
@@ -788,8 +789,13 @@ void GpuTransformer::reduce_buckets_after(int l) {
       CUDA_CHECK(cudaStreamWaitEvent(im.comm_stream, im.grads_ready));
       forked = true;
     }
-    ScopedOp op({name, "all_reduce"}, OpCategory::comm, l, 0, bytes, {data}, {data}, OpStream(im.comm_stream));
-    opt_.reduce_gradients->all_reduce_mean(data, b.end - b.begin, im.comm_stream);
+    if (opt_.shard_optimizer) {  // ZeRO: this rank's slice of the bucket (impl.h, Impl::slices)
+      ScopedOp op({name, "reduce_scatter"}, OpCategory::comm, l, 0, bytes, {data}, {data}, OpStream(im.comm_stream));
+      opt_.shard_optimizer->reduce_scatter_mean(data, im.slices[i].size, im.comm_stream);
+    } else {
+      ScopedOp op({name, "all_reduce"}, OpCategory::comm, l, 0, bytes, {data}, {data}, OpStream(im.comm_stream));
+      opt_.reduce_gradients->all_reduce_mean(data, b.end - b.begin, im.comm_stream);
+    }
   }
   if (l >= 0) return;
   // Joins stream_ (and so a captured graph) with every collective queued.
@@ -807,29 +813,41 @@ void GpuTransformer::adamw_body() {
   // Over the storage layout: a Linear weight in its layer's form (slope: the kept values
   // only, the CPU's sparse AdamW).
   if (DeviceCollectives* ranks = opt_.shard_optimizer) {
-    // ZeRO stage 1: this rank's chunk of the mean gradient, the norm over every chunk, the
-    // chunk's update, and every rank's updated weights.
-    const size_t at = im.shard_begin, n = im.shard_size;
+    // ZeRO stage 1: this rank's slices of the mean gradient, the norm over every slice, the
+    // slices' update, and every rank's updated weights, bucket by bucket.
     if (!im.grads_reduced) {  // else the backward averaged them all already
       im.marks.mark(stream_, "reduce-scatter (gradients)");
-      ranks->reduce_scatter_mean(im.grad, n, stream_);
+      ranks->group_begin();
+      for (const Impl::Slice& sl : im.slices) ranks->reduce_scatter_mean(im.grad + sl.bucket, sl.size, stream_);
+      ranks->group_end();
     }
     im.marks.mark(stream_, "grad norm");
-    gpu::sum_squares(norm_sq_, im.grad + at, int64_t(n), im.gnorm_scratch, stream_);
+    for (size_t k = 0; k < im.slices.size(); ++k)
+      gpu::sum_squares(im.norm_parts + k, im.grad + im.slices[k].at, int64_t(im.slices[k].size), im.gnorm_scratch,
+                       stream_);
+    sum_parts_kernel<<<1, 1, 0, stream_>>>(norm_sq_, im.norm_parts, int(im.slices.size()));
+    CUDA_CHECK_LAUNCH("GpuTransformer (gradient norm)");
     ranks->all_reduce_sum(norm_sq_, 1, stream_);
     im.marks.mark(stream_, "adamw");
-    gpu::adamw_update_split(*im.adamw, im.w + at, im.w_lo + at, im.m_shard, im.v_shard, im.grad + at,
-                            im.adam_params, norm_sq_, nullptr, stream_);
+    for (size_t k = 0; k < im.slices.size(); ++k) {
+      const Impl::Slice& sl = im.slices[k];
+      gpu::adamw_update_split(*im.adamw[k], im.w + sl.at, im.w_lo + sl.at, im.m_shard + sl.shard_at,
+                              im.v_shard + sl.shard_at, im.grad + sl.at, im.adam_params, norm_sq_, nullptr, stream_);
+    }
     im.marks.mark(stream_, "all-gather (weights)");
-    ranks->all_gather(im.w, sizeof(bf16) * n, stream_);
-    ranks->all_gather(im.w_lo, sizeof(int16_t) * n, stream_);
+    ranks->group_begin();
+    for (const Impl::Slice& sl : im.slices) {
+      ranks->all_gather(im.w + sl.bucket, sizeof(bf16) * sl.size, stream_);
+      ranks->all_gather(im.w_lo + sl.bucket, sizeof(int16_t) * sl.size, stream_);
+    }
+    ranks->group_end();
     refresh_head_copy();
   } else {
     im.marks.mark(stream_, "grad norm");
     gpu::sum_squares(norm_sq_, im.grad, int64_t(nstored_), im.gnorm_scratch, stream_);
     im.marks.mark(stream_, "adamw");
-    gpu::adamw_update_split(*im.adamw, im.w, im.w_lo, im.m, im.v, im.grad, im.adam_params, norm_sq_, im.head_pad,
-                            stream_);
+    gpu::adamw_update_split(*im.adamw.front(), im.w, im.w_lo, im.m, im.v, im.grad, im.adam_params, norm_sq_,
+                            im.head_pad, stream_);
   }
   // The layers' own work after the update (a masked layer zeroes its pruned weights), then
   // their preparation for the next step.

@@ -131,13 +131,15 @@ struct GpuModelOptions {
   bool offload_moments = false;
   bool offload_master = false;
   // ZeRO stage 1 (docs/distributed.md): the data-parallel ranks of `shard_optimizer` share
-  // the AdamW moments. The storage layout is cut into one contiguous chunk per rank
-  // (ceil(elements / ranks), rounded up to 64); a rank keeps the moments of its chunk only
-  // (on the device, or offloaded), 8/ranks bytes per parameter instead of 8. step_adamw
-  // then reduce-scatters the gradients (the mean over the ranks), takes the global
-  // gradient norm from every chunk's sum of squares, updates its chunk and all-gathers the
-  // updated master weights (bf16 high and low halves), so every rank holds them whole, as
-  // without sharding. Whatever needs the moments in the whole layout (their host copies,
+  // the AdamW moments. Every gradient bucket (one of the whole storage layout without
+  // reduce_gradients) is padded to one equal slice per rank, a multiple of 64 elements
+  // (model/gradient_buckets.h, shard_gradient_buckets); a rank keeps the moments of its
+  // slices only (on the device, or offloaded), 8/ranks bytes per parameter instead of 8.
+  // The backward (with reduce_gradients) or step_adamw reduce-scatters each bucket's
+  // gradients (the mean over the ranks); step_adamw takes the global gradient norm from
+  // every slice's sum of squares, updates its slices and all-gathers the updated master
+  // weights (bf16 high and low halves), so every rank holds them whole, as without
+  // sharding. Whatever needs the moments in the whole layout (their host copies,
   // a kind change that lays the state out again) gathers them first into pinned host
   // memory (gather_optimizer_state), a collective; the next step_adamw drops that copy.
   // Null: no sharding. The communicator must outlive the model.
@@ -148,8 +150,9 @@ struct GpuModelOptions {
   // bucket_bytes) on a stream of its own as soon as the backward has finished the bucket, so
   // that the collectives run during the rest of the backward; the call's work ends when the
   // last one has. bucket_bytes 0: one collective over every gradient after the backward.
-  // With shard_optimizer (the same ranks), step_adamw then takes its chunk of the averaged
-  // gradients instead of reduce-scattering them. Null: the caller averages them, if anyone.
+  // With shard_optimizer (the same ranks) each bucket is reduce-scattered instead, and
+  // step_adamw takes the rank's slices of the averaged gradients as they are. Null: the
+  // caller averages them, if anyone.
   // The communicator must outlive the model.
   DeviceCollectives* reduce_gradients = nullptr;
   size_t bucket_bytes = size_t(25) << 20;
@@ -276,7 +279,7 @@ class GpuTransformer {
   // the device is idle (synchronize()). {null, null} otherwise.
   // With sharded moments: into the whole copy gather_optimizer_state made, while it lasts.
   std::pair<const float*, const float*> offloaded_moments(size_t k) const;
-  // With GpuModelOptions::shard_optimizer: every rank's chunk of the moments into a copy of
+  // With GpuModelOptions::shard_optimizer: every rank's slices of the moments into a copy of
   // the whole moments in pinned host memory, which optimizer_state_to_host,
   // tensor_moments_to_host and offloaded_moments read (they refuse sharded moments
   // otherwise), kept until the next step_adamw. A collective: every rank calls it with the

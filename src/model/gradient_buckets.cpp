@@ -1,6 +1,7 @@
 #include "model/gradient_buckets.h"
 
 #include <algorithm>
+#include <numeric>
 #include <string>
 
 #include "core/error.h"
@@ -54,6 +55,52 @@ std::vector<GradientBucket> plan_gradient_buckets(const std::vector<ParamInfo>& 
   if (blocks.back().end < total) out.push_back({-1, blocks.back().end, total});
   if (blocks.front().begin > 0) out.push_back({-1, 0, blocks.front().begin});
   return out;
+}
+
+size_t ShardedBuckets::per_rank() const { return std::accumulate(slice.begin(), slice.end(), size_t(0)); }
+
+ShardedBuckets shard_gradient_buckets(std::vector<ParamInfo>& stored, std::vector<GradientBucket>& buckets, int ranks) {
+  ESPLAG_CHECK(ranks >= 1, "gradient buckets: cannot shard over ", ranks, " ranks");
+  const size_t n = size_t(ranks);
+  std::vector<size_t> order(buckets.size());
+  std::iota(order.begin(), order.end(), size_t(0));
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return buckets[a].begin < buckets[b].begin; });
+  ShardedBuckets out;
+  out.slice.resize(buckets.size());
+  // Old bucket ends in layout order, with how far everything from there on moves.
+  std::vector<std::pair<size_t, size_t>> shift_from;
+  size_t shift = 0;
+  for (const size_t i : order) {
+    GradientBucket& b = buckets[i];
+    ESPLAG_CHECK(b.begin + shift == out.padded, "gradient buckets: the buckets do not cover the layout in one piece");
+    const size_t len = b.end - b.begin;
+    const size_t slice = ((len + n - 1) / n + 63) / 64 * 64;
+    out.slice[i] = slice;
+    shift_from.push_back({b.end, shift + n * slice - len});
+    b.begin += shift;
+    shift += n * slice - len;
+    b.end = b.begin + n * slice;
+    out.padded = b.end;
+  }
+  for (ParamInfo& p : stored) {
+    const auto after = std::upper_bound(shift_from.begin(), shift_from.end(), std::pair{p.offset, SIZE_MAX});
+    if (after != shift_from.begin()) p.offset += std::prev(after)->second;
+  }
+  return out;
+}
+
+std::vector<ParamInfo> stored_param_layout(const ModelConfig& config, const std::set<std::string>& kept_values) {
+  std::vector<ParamInfo> stored = transformer_param_layout(config);
+  size_t offset = 0;
+  for (ParamInfo& i : stored) {
+    if (kept_values.count(i.name)) {
+      i.shape = {i.shape.at(0), i.shape.at(1) / 2};
+      i.numel = size_t(shape_numel(i.shape));
+    }
+    i.offset = offset;
+    offset += i.numel;
+  }
+  return stored;
 }
 
 }  // namespace esplag

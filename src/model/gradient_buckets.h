@@ -11,6 +11,8 @@
 #pragma once
 
 #include <cstddef>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "model/transformer.h"
@@ -28,5 +30,22 @@ struct GradientBucket {
 // the previous block's, one bucket after the whole backward.
 std::vector<GradientBucket> plan_gradient_buckets(const std::vector<ParamInfo>& stored, int n_layer, size_t total,
                                                   size_t bucket_elements);
+
+// ZeRO on the GPU (GpuModelOptions::shard_optimizer): rank r owns slice r of every bucket,
+// so that a bucket's gradients are reduce-scattered as soon as the backward has made them
+// and the updated weights are all-gathered bucket by bucket. Each bucket is padded with
+// zeros to `ranks` equal slices of a multiple of 64 elements: the tensors after it move
+// (their offsets in `stored`), and so do the buckets' ranges.
+struct ShardedBuckets {
+  std::vector<size_t> slice;  // per bucket, in the buckets' order: the elements each rank owns
+  size_t padded = 0;          // elements of the padded layout
+  size_t per_rank() const;    // the elements one rank owns: the sum of the slices
+};
+ShardedBuckets shard_gradient_buckets(std::vector<ParamInfo>& stored, std::vector<GradientBucket>& buckets, int ranks);
+
+// The storage layout a GPU model starts with for `config` (transformer_param_layout's
+// tensors in its order, packed), the weights named in `kept_values` stored as their kept
+// values [out, in/2] (slope).
+std::vector<ParamInfo> stored_param_layout(const ModelConfig& config, const std::set<std::string>& kept_values);
 
 }  // namespace esplag

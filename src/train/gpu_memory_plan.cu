@@ -10,8 +10,8 @@ namespace esplag {
 
 namespace {
 
-// The ranks of a sharded run, as GpuTransformer::memory_plan asks them: how many, and this
-// one's index (rank 0: every rank's chunk is the same size). Nothing is communicated.
+// The ranks of a data-parallel run, as GpuTransformer::memory_plan asks them: how many, and
+// this one's index (rank 0: every rank's slices are the same size). Nothing is communicated.
 class PlannedRanks final : public DeviceCollectives {
  public:
   explicit PlannedRanks(int world) : world_(world) {}
@@ -44,8 +44,12 @@ GpuModelOptions gpu_model_options(const TrainConfig& config) {
 GpuMemoryBytes gpu_memory_plan(const TrainConfig& config, int world) {
   GpuModelOptions options = gpu_model_options(config);
   PlannedRanks ranks(world);
-  // As the GPU step shards: stage 1 over several ranks.
+  // As the GPU step shards (stage 1 over several ranks), in its gradient buckets.
   if (world > 1 && config.parallel.zero >= 1) options.shard_optimizer = &ranks;
+  if (world > 1 && config.parallel.bucket_mb > 0) {
+    options.reduce_gradients = &ranks;
+    options.bucket_bytes = size_t(config.parallel.bucket_mb * double(1 << 20));
+  }
   const GpuMemoryPlan p = GpuTransformer::memory_plan(config.model, config.batch_size, config.seq_len, options);
   return {p.params, p.grads, p.optimizer, p.activations, p.scratch, p.workspace};
 }

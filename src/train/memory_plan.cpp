@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "model/gradient_buckets.h"
 #include "train/checkpoint.h"
 #include "train/progress.h"
 #include "train/recipe.h"
@@ -119,9 +120,10 @@ std::string ranks_text(const TrainConfig& config, const MemoryPlan& plan) {
   const std::string line = "per " + rank + " of " + world + ", ZeRO stage " + std::to_string(zero) + ": ";
   if (gpu && plan.gpu_state->sharded) {
     const GpuModelState& s = *plan.gpu_state;
-    return line + "each GPU keeps the AdamW moments of a chunk of " + std::to_string(s.chunk) + " of the " +
-           std::to_string(s.elements) + " stored elements (ceil(E/" + world +
-           ") rounded up to 64), the weights and gradients padded to " + std::to_string(s.padded) + "\n";
+    return line + "each GPU keeps the AdamW moments of " + std::to_string(s.chunk) + " of the " +
+           std::to_string(s.elements) + " stored elements (1/" + world +
+           " of every gradient bucket, rounded up to 64), the weights and gradients padded to " +
+           std::to_string(s.padded) + "\n";
   }
   if (!gpu && plan.world > 1 && zero >= 1)
     return line + "each rank keeps the AdamW moments" + (zero == 2 ? " and the mean gradient" : "") + " of at most " +
@@ -181,10 +183,16 @@ GpuModelState gpu_model_state(const TrainConfig& config, int world) {
   const StoredLayout layout = largest_stored_layout(config);
   s.elements = layout.elements;
   s.kept_values = layout.kept_values.size();
-  // The largest range of the partition is ceil(E / world); the GPU pads it to 64 elements.
-  const uint64_t largest = largest_range(int64_t(s.elements), world);
-  s.chunk = s.sharded ? (largest + 63) / 64 * 64 : s.elements;
-  s.padded = s.sharded ? s.chunk * uint64_t(world) : s.elements;
+  s.chunk = s.padded = s.elements;
+  if (s.sharded) {  // a slice of every gradient bucket, as GpuTransformer lays them out
+    std::vector<ParamInfo> stored = stored_param_layout(config.model, layout.kept_values);
+    const size_t bucket_elements = size_t(config.parallel.bucket_mb * double(1 << 20)) / sizeof(float);
+    std::vector<GradientBucket> buckets =
+        plan_gradient_buckets(stored, config.model.n_layer, size_t(s.elements), bucket_elements);
+    const ShardedBuckets sharded = shard_gradient_buckets(stored, buckets, world);
+    s.chunk = sharded.per_rank();
+    s.padded = sharded.padded;
+  }
   const uint64_t master_low = s.padded * sizeof(uint16_t), moments = s.chunk * 2 * sizeof(float);
   const bool offload_master = config.offload == "optimizer+master", offload_moments = config.offload != "none";
   s.params = s.padded * sizeof(uint16_t) + (offload_master ? 0 : master_low);

@@ -32,17 +32,18 @@ struct GpuMemoryBytes {
 // "ZeRO stage 1 on the GPU"): the weights, gradients and AdamW moments of the E stored
 // elements, laid out as GpuTransformer::memory_plan lays out the state a run starts with
 // (every Linear layer dense; a slope layer's kept values take half). With
-// train.parallel.zero 1 and several ranks each keeps the moments of one chunk of the storage
-// layout, ceil(E / world) rounded up to 64 (GpuModelOptions::shard_optimizer), and the
-// weights and gradients are padded to world chunks; otherwise every GPU keeps the whole state.
+// train.parallel.zero 1 and several ranks each keeps the moments of its slice of every
+// gradient bucket (train.parallel.bucket_mb; one bucket of the whole layout without), each
+// bucket padded to world slices of a multiple of 64 elements (GpuModelOptions::
+// shard_optimizer, model/gradient_buckets.h); otherwise every GPU keeps the whole state.
 struct GpuModelState {
   int world = 1;
   int zero = 0;            // train.parallel.zero
   bool sharded = false;    // zero 1 over several ranks
   uint64_t elements = 0;   // E: the largest stored layout's (train/stored_layout.h)
   uint64_t kept_values = 0;  // weights stored as their kind's form in it (slope's kept values)
-  uint64_t chunk = 0;      // elements whose moments one GPU keeps: E unsharded
-  uint64_t padded = 0;     // elements of the weights and gradients: world chunks sharded, else E
+  uint64_t chunk = 0;      // elements whose moments one GPU keeps (its slices): E unsharded
+  uint64_t padded = 0;     // elements of the weights and gradients: E, plus the buckets' padding sharded
   uint64_t params = 0;     // on the device: bf16 weights + the master weights' low halves
   uint64_t grads = 0;      // fp32
   uint64_t optimizer = 0;  // AdamW m and v of the chunk

@@ -25,7 +25,7 @@ namespace {
 // The entry points used, resolved with dlsym; the types come from nccl.h.
 #define ESPLAG_NCCL_ENTRY_POINTS(X)                                                                      \
   X(GetVersion) X(GetUniqueId) X(CommInitRank) X(CommDestroy) X(CommAbort) X(CommGetAsyncError) X(AllReduce) \
-  X(ReduceScatter) X(AllGather) X(GetErrorString)
+  X(ReduceScatter) X(AllGather) X(GroupStart) X(GroupEnd) X(GetErrorString)
 
 struct NcclApi {
 #define ESPLAG_DECLARE(name) decltype(&nccl##name) name = nullptr;
@@ -134,6 +134,10 @@ void NcclComm::all_gather(void* data, size_t chunk_bytes, cudaStream_t stream) {
                                                    handle_->comm, stream));
 }
 
+void NcclComm::group_begin() { NCCL_CALL("a group of collectives", loaded_nccl().GroupStart()); }
+
+void NcclComm::group_end() { NCCL_CALL("a group of collectives", loaded_nccl().GroupEnd()); }
+
 void NcclComm::synchronize(cudaStream_t stream, const std::string& what) {
   const NcclApi& a = loaded_nccl();
   const double timeout = timeout_s_;
@@ -175,6 +179,8 @@ void NcclComm::all_reduce_mean(float*, size_t, cudaStream_t) {}
 void NcclComm::all_reduce_sum(double*, size_t, cudaStream_t) {}
 void NcclComm::all_reduce_sum(float*, size_t, cudaStream_t) {}
 void NcclComm::reduce_scatter_mean(float*, size_t, cudaStream_t) {}
+void NcclComm::group_begin() {}
+void NcclComm::group_end() {}
 void NcclComm::all_gather(void*, size_t, cudaStream_t) {}
 void NcclComm::synchronize(cudaStream_t, const std::string&) {}
 std::string NcclComm::version() { return "built without nccl.h"; }

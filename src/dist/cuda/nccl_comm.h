@@ -47,6 +47,8 @@ class NcclComm final : public DeviceCollectives {
   void all_gather(void* data, size_t chunk_bytes, cudaStream_t stream) override;
   void all_reduce_sum(float* data, size_t n, cudaStream_t stream) override;
   void all_reduce_mean(float* data, size_t n, cudaStream_t stream) override;
+  void group_begin() override;
+  void group_end() override;
 
   // Waits for `stream`, watching NCCL's asynchronous errors meanwhile. An error, or work
   // still queued after the host channel's timeout, aborts the communicator and throws

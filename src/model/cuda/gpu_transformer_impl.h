@@ -140,7 +140,6 @@ struct GpuTransformer::Impl {
   };
 
   std::unique_ptr<gpu::Gemm> gemm;
-  std::unique_ptr<gpu::SplitAdamWPlan> adamw;
   // What the Linear layers share (declared before them: they hold its scratch), and the
   // layers by weight name (the order of their preparation and of the storage layout's extra
   // tensors).
@@ -172,15 +171,25 @@ struct GpuTransformer::Impl {
   bf16* w = nullptr;         // bf16 weights (the high halves of the master weights)
   int16_t* w_lo = nullptr;   // low halves
   float *grad = nullptr, *m = nullptr, *v = nullptr;
-  // This rank's chunk [shard_begin, shard_begin + shard_size) of the storage layout, whose
-  // moments m_shard, v_shard hold (GpuModelOptions::shard_optimizer; without it the whole
-  // layout, m_shard = m). Sharded, w, w_lo and grad are padded to ranks · shard_size
-  // elements (zeros), and m, v point into `gathered` (the whole moments, pinned host) while
-  // it exists, else are null; `gathered_written`: the whole copy changed since it was made;
-  // `gathered_root`: -1 when every rank holds the whole copy (or none does), else the one
-  // rank that holds it (gather_optimizer_state(root)), the same value on every rank.
-  size_t shard_begin = 0, shard_size = 0, padded = 0;
+  // The part of the storage layout this rank updates, whose moments m_shard, v_shard hold
+  // (shard_size elements): under GpuModelOptions::shard_optimizer its slice of every bucket
+  // (model/gradient_buckets.h, shard_gradient_buckets: the layout is padded with zeros to
+  // `padded` elements, each bucket to ranks equal slices), else one slice of the whole
+  // layout (m_shard = m). Sharded, m and v point into `gathered` (the whole moments, pinned
+  // host) while it exists, else are null; `gathered_written`: the whole copy changed since
+  // it was made; `gathered_root`: -1 when every rank holds the whole copy (or none does),
+  // else the one rank that holds it (gather_optimizer_state(root)), the same on every rank.
+  struct Slice {
+    size_t bucket = 0;    // the bucket's first element (sharded: ranks · size elements from there)
+    size_t at = 0;        // this rank's slice [at, at + size) of the layout
+    size_t size = 0;
+    size_t shard_at = 0;  // its offset in m_shard and v_shard
+  };
+  std::vector<Slice> slices;
+  size_t shard_size = 0, padded = 0;
   float *m_shard = nullptr, *v_shard = nullptr;
+  std::vector<std::unique_ptr<gpu::SplitAdamWPlan>> adamw;  // per slice
+  float* norm_parts = nullptr;  // per slice, its gradients' sum of squares (device; sharded)
   DeviceArena gathered;
   bool gathered_written = false;
   int gathered_root = -1;
@@ -259,12 +268,23 @@ struct GpuTransformer::RetiredState {
 
 namespace gpu_model {
 
-// The parameter state of a storage layout (GpuTransformer::lay_out_state), in one order,
-// for counting (take.arena null) and for real (then also AdamW's chunk table and
-// zero_grad's table, the buffers in `im`).
+// The gradient buckets of a storage layout `stored` (offsets packed) under options `o`:
+// with reduce_gradients, those of bucket_bytes; with shard_optimizer (else none), those or
+// one of the whole layout, padded into the ranks' slices (shard_gradient_buckets, which
+// moves the tensors' offsets and returns each bucket's slice). Also sets `end`, the
+// elements of the layout.
+std::vector<GradientBucket> lay_out_buckets(const ModelConfig& c, const GpuModelOptions& o,
+                                            std::vector<ParamInfo>& stored, std::vector<size_t>& slices, size_t& end);
+
+// The parameter state of a storage layout (GpuTransformer::lay_out_state) of `end`
+// elements with its buckets and slices (lay_out_buckets), in one order, for counting
+// (take.arena null) and for real (then also AdamW's chunk tables, zero_grad's table and
+// this rank's slices, in `im`).
 // With an optimizer offload the offloaded buffers come from `host` (pinned host memory).
-void lay_out_state_buffers(const ModelConfig& c, const std::vector<ParamInfo>& stored, const GpuModelOptions& o,
-                           GpuTransformer::Impl& im, GpuMemoryPlan& plan, Take take, Take host);
+void lay_out_state_buffers(const ModelConfig& c, const std::vector<ParamInfo>& stored, size_t end,
+                           const std::vector<GradientBucket>& buckets, const std::vector<size_t>& slices,
+                           const GpuModelOptions& o, GpuTransformer::Impl& im, GpuMemoryPlan& plan, Take take,
+                           Take host);
 
 }  // namespace gpu_model
 

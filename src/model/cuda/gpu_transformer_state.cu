@@ -86,16 +86,43 @@ __global__ void normal_kernel(float* p, int64_t n, int64_t base, uint64_t key, f
 
 }  // namespace
 
-void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<ParamInfo>& stored,
+std::vector<GradientBucket> gpu_model::lay_out_buckets(const ModelConfig& c, const GpuModelOptions& o,
+                                                       std::vector<ParamInfo>& stored, std::vector<size_t>& slices,
+                                                       size_t& end) {
+  end = stored.empty() ? 0 : stored.back().offset + stored.back().numel;
+  slices.clear();
+  if (!o.reduce_gradients && !o.shard_optimizer) return {};
+  const size_t elements = o.reduce_gradients ? o.bucket_bytes / sizeof(float) : 0;
+  std::vector<GradientBucket> buckets = plan_gradient_buckets(stored, c.n_layer, end, elements);
+  if (o.shard_optimizer) {
+    const ShardedBuckets sharded = shard_gradient_buckets(stored, buckets, o.shard_optimizer->size());
+    slices = sharded.slice;
+    end = sharded.padded;
+  }
+  return buckets;
+}
+
+void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<ParamInfo>& stored, size_t end,
+                                      const std::vector<GradientBucket>& buckets, const std::vector<size_t>& slices,
                                       const GpuModelOptions& o, GpuTransformer::Impl& im, GpuMemoryPlan& plan,
                                       Take take, Take host) {
-  const size_t n = stored.empty() ? 0 : stored.back().offset + stored.back().numel;
   const DeviceCollectives* shards = o.shard_optimizer;
-  const size_t ranks = shards ? size_t(shards->size()) : 1;
-  im.shard_size = shards ? ((n + ranks - 1) / ranks + 63) / 64 * 64 : n;
-  im.shard_begin = shards ? size_t(shards->rank()) * im.shard_size : 0;
-  im.padded = im.shard_size * ranks;
-  const auto segments = segments_of(stored, im.shard_begin, im.shard_size);
+  im.slices.clear();
+  if (shards) {
+    size_t shard_at = 0;
+    for (size_t i = 0; i < buckets.size(); ++i) {
+      const size_t mine = buckets[i].begin + size_t(shards->rank()) * slices[i];
+      im.slices.push_back({buckets[i].begin, mine, slices[i], shard_at});
+      shard_at += slices[i];
+    }
+  } else {
+    im.slices.push_back({0, 0, end, 0});
+  }
+  im.shard_size = 0;
+  for (const GpuTransformer::Impl::Slice& sl : im.slices) im.shard_size += sl.size;
+  im.padded = end;
+  std::vector<std::vector<gpu::ParamSegment>> segments;
+  for (const GpuTransformer::Impl::Slice& sl : im.slices) segments.push_back(segments_of(stored, sl.at, sl.size));
   const auto zeros = zero_table(c, stored);
   host.bucket = &plan.host;
   take.bucket = &plan.params;
@@ -111,11 +138,14 @@ void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<Pa
   im.v_shard = moments.arr<float>("adamw.v", im.shard_size);
   im.m = shards ? nullptr : im.m_shard;
   im.v = shards ? nullptr : im.v_shard;
-  plan.optimizer += gpu::SplitAdamWPlan::table_bytes_bound(segments);
+  im.norm_parts = shards ? take.arr<float>("grad.norm_parts", im.slices.size()) : nullptr;
+  for (const auto& segs : segments) plan.optimizer += gpu::SplitAdamWPlan::table_bytes_bound(segs);
   if (!take.arena) return;
   // Sharded, the padded head copy is refreshed from the gathered weights instead.
-  im.adamw = std::make_unique<gpu::SplitAdamWPlan>(segments, *take.arena,
-                                                   im.head_pad && !shards ? head_segment(c, stored) : -1);
+  im.adamw.clear();
+  for (const auto& segs : segments)
+    im.adamw.push_back(std::make_unique<gpu::SplitAdamWPlan>(segs, *take.arena,
+                                                             im.head_pad && !shards ? head_segment(c, stored) : -1));
   im.num_zero_chunks = static_cast<int64_t>(zeros.size());
   if (!zeros.empty())
     CUDA_CHECK(cudaMemcpy(im.zero_chunks, zeros.data(), zeros.size() * sizeof(ZeroChunk), cudaMemcpyHostToDevice));
@@ -157,21 +187,21 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
       offset += a.numel;
       im.stored.push_back(std::move(a));
     }
-  nstored_ = offset;
-  if (opt_.reduce_gradients)
-    im.buckets = plan_gradient_buckets(im.stored, cfg_.n_layer, nstored_, opt_.bucket_bytes / sizeof(float));
+  std::vector<size_t> slices;
+  im.buckets = lay_out_buckets(cfg_, opt_, im.stored, slices, nstored_);
   // The old state goes first (unless kept), so that the device never holds both.
-  im.adamw.reset();
+  im.adamw.clear();
   im.state = DeviceArena();
   im.state_host = DeviceArena();
   im.gathered = DeviceArena();
   im.gathered_root = -1;
   GpuMemoryPlan state;
-  lay_out_state_buffers(cfg_, im.stored, opt_, im, state, Take{}, Take{});
+  lay_out_state_buffers(cfg_, im.stored, nstored_, im.buckets, slices, opt_, im, state, Take{}, Take{});
   im.state = DeviceArena(state.total(), "parameter state");
   im.state_host = DeviceArena(state.host, "offloaded optimizer state", DeviceArena::Memory::pinned_host);
   GpuMemoryPlan counted;
-  lay_out_state_buffers(cfg_, im.stored, opt_, im, counted, Take{&im.state, nullptr}, Take{&im.state_host, nullptr});
+  lay_out_state_buffers(cfg_, im.stored, nstored_, im.buckets, slices, opt_, im, counted, Take{&im.state, nullptr},
+                        Take{&im.state_host, nullptr});
   plan_ = im.step_plan + state;
 
   // Parameter views, fixed until the next layout.
@@ -526,21 +556,22 @@ void GpuTransformer::gather_optimizer_state(int root) {
                "GpuTransformer::gather_optimizer_state: gathered to rank ", im.gathered_root, ", then to rank ", root);
   const bool keep = root < 0 || root == ranks->rank();
   if (keep && !im.m) allocate_whole_moments();  // else the copy of an earlier gather to this rank, gathered again
-  // Through the shared scratch region, a piece of every rank's chunk at a time.
+  // Through the shared scratch region, a piece of every rank's slice of a bucket at a time.
   float* stage = reinterpret_cast<float*>(im.shared);
   const size_t n = size_t(ranks->size());
-  const size_t piece = std::min(im.shard_size, im.sizes.total / sizeof(float) / n);
-  ESPLAG_CHECK(piece > 0 || im.shard_size == 0, "GpuTransformer: no room to gather the optimizer state");
+  const size_t room = im.sizes.total / sizeof(float) / n;
+  ESPLAG_CHECK(room > 0, "GpuTransformer: no room to gather the optimizer state");
   for (auto [shard, whole] : {std::pair{im.m_shard, im.m}, std::pair{im.v_shard, im.v}})
-    for (size_t o = 0; o < im.shard_size; o += piece) {
-      const size_t len = std::min(piece, im.shard_size - o);
-      CUDA_CHECK(cudaMemcpyAsync(stage + size_t(ranks->rank()) * len, shard + o, sizeof(float) * len,
-                                 cudaMemcpyDefault, stream_));
-      ranks->all_gather(stage, sizeof(float) * len, stream_);
-      for (size_t r = 0; keep && r < n; ++r)
-        CUDA_CHECK(cudaMemcpyAsync(whole + r * im.shard_size + o, stage + r * len, sizeof(float) * len,
+    for (const Impl::Slice& sl : im.slices)
+      for (size_t o = 0; o < sl.size; o += room) {
+        const size_t len = std::min(room, sl.size - o);
+        CUDA_CHECK(cudaMemcpyAsync(stage + size_t(ranks->rank()) * len, shard + sl.shard_at + o, sizeof(float) * len,
                                    cudaMemcpyDefault, stream_));
-    }
+        ranks->all_gather(stage, sizeof(float) * len, stream_);
+        for (size_t r = 0; keep && r < n; ++r)
+          CUDA_CHECK(cudaMemcpyAsync(whole + sl.bucket + r * sl.size + o, stage + r * len, sizeof(float) * len,
+                                     cudaMemcpyDefault, stream_));
+      }
   im.gathered_root = root;
   synchronize();
 }
@@ -580,12 +611,13 @@ void GpuTransformer::settle_moments() {
   Impl& im = *impl_;
   im.gathered_root = -1;  // the ranks that held no copy hold none still
   if (!opt_.shard_optimizer || !im.m) return;
-  if (im.gathered_written) {
-    CUDA_CHECK(cudaMemcpyAsync(im.m_shard, im.m + im.shard_begin, sizeof(float) * im.shard_size, cudaMemcpyDefault,
-                               stream_));
-    CUDA_CHECK(cudaMemcpyAsync(im.v_shard, im.v + im.shard_begin, sizeof(float) * im.shard_size, cudaMemcpyDefault,
-                               stream_));
-  }
+  if (im.gathered_written)
+    for (const Impl::Slice& sl : im.slices) {
+      CUDA_CHECK(cudaMemcpyAsync(im.m_shard + sl.shard_at, im.m + sl.at, sizeof(float) * sl.size, cudaMemcpyDefault,
+                                 stream_));
+      CUDA_CHECK(cudaMemcpyAsync(im.v_shard + sl.shard_at, im.v + sl.at, sizeof(float) * sl.size, cudaMemcpyDefault,
+                                 stream_));
+    }
   synchronize();  // before the pinned memory goes
   im.gathered = DeviceArena();
   im.m = im.v = nullptr;
@@ -600,10 +632,12 @@ void GpuTransformer::zero_moments(size_t at, size_t n) {
     CUDA_CHECK(cudaMemsetAsync(im.v + at, 0, sizeof(float) * n, stream_));
   }
   if (im.m_shard == im.m) return;  // not sharded
-  const size_t lo = std::max(at, im.shard_begin), hi = std::min(at + n, im.shard_begin + im.shard_size);
-  if (lo >= hi) return;
-  CUDA_CHECK(cudaMemsetAsync(im.m_shard + (lo - im.shard_begin), 0, sizeof(float) * (hi - lo), stream_));
-  CUDA_CHECK(cudaMemsetAsync(im.v_shard + (lo - im.shard_begin), 0, sizeof(float) * (hi - lo), stream_));
+  for (const Impl::Slice& sl : im.slices) {
+    const size_t lo = std::max(at, sl.at), hi = std::min(at + n, sl.at + sl.size);
+    if (lo >= hi) continue;
+    CUDA_CHECK(cudaMemsetAsync(im.m_shard + sl.shard_at + (lo - sl.at), 0, sizeof(float) * (hi - lo), stream_));
+    CUDA_CHECK(cudaMemsetAsync(im.v_shard + sl.shard_at + (lo - sl.at), 0, sizeof(float) * (hi - lo), stream_));
+  }
 }
 
 }  // namespace esplag
