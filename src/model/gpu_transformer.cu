@@ -814,7 +814,7 @@ void GpuTransformer::adamw_body() {
   // only, the CPU's sparse AdamW).
   if (DeviceCollectives* ranks = opt_.shard_optimizer) {
     // ZeRO stage 1: this rank's slices of the mean gradient, the norm over every slice, the
-    // slices' update, and every rank's updated weights, bucket by bucket.
+    // slices' update, and every rank's updated bf16 weights (the low halves when needed).
     if (!im.grads_reduced) {  // else the backward averaged them all already
       im.marks.mark(stream_, "reduce-scatter (gradients)");
       ranks->group_begin();
@@ -836,11 +836,9 @@ void GpuTransformer::adamw_body() {
     }
     im.marks.mark(stream_, "all-gather (weights)");
     ranks->group_begin();
-    for (const Impl::Slice& sl : im.slices) {
-      ranks->all_gather(im.w + sl.bucket, sizeof(bf16) * sl.size, stream_);
-      ranks->all_gather(im.w_lo + sl.bucket, sizeof(int16_t) * sl.size, stream_);
-    }
+    for (const Impl::Slice& sl : im.slices) ranks->all_gather(im.w + sl.bucket, sizeof(bf16) * sl.size, stream_);
     ranks->group_end();
+    im.lo_stale = true;
     refresh_head_copy();
   } else {
     im.marks.mark(stream_, "grad norm");

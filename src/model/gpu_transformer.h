@@ -137,11 +137,12 @@ struct GpuModelOptions {
   // slices only (on the device, or offloaded), 8/ranks bytes per parameter instead of 8.
   // The backward (with reduce_gradients) or step_adamw reduce-scatters each bucket's
   // gradients (the mean over the ranks); step_adamw takes the global gradient norm from
-  // every slice's sum of squares, updates its slices and all-gathers the updated master
-  // weights (bf16 high and low halves), so every rank holds them whole, as without
-  // sharding. Whatever needs the moments in the whole layout (their host copies,
-  // a kind change that lays the state out again) gathers them first into pinned host
-  // memory (gather_optimizer_state), a collective; the next step_adamw drops that copy.
+  // every slice's sum of squares, updates its slices and all-gathers the updated bf16
+  // weights, so every rank holds them whole, as without sharding; the master weights' low
+  // halves are all-gathered only when something reads them whole (gather_master_low).
+  // Whatever needs the moments in the whole layout (their host copies, a kind change that
+  // lays the state out again) gathers them first into pinned host memory
+  // (gather_optimizer_state), a collective; the next step_adamw drops that copy.
   // Null: no sharding. The communicator must outlive the model.
   DeviceCollectives* shard_optimizer = nullptr;
   // Data parallel (docs/distributed.md): the ranks whose mean gradient every step takes. A
@@ -618,9 +619,15 @@ class GpuTransformer {
   void stored_from_host(StateField f, size_t at, size_t n, const float* host);
   // The padded bf16 head weight follows set_params and init_weights (AdamW writes it too).
   void refresh_head_copy();
+  // Sharded (GpuModelOptions::shard_optimizer): the master weights' low halves outside this
+  // rank's slices, stale since step_adamw (which all-gathers the bf16 weights only, half
+  // the bytes), from every rank: a collective, before anything reads or writes the whole
+  // master weights (host copies, a kind change). Every rank is stale after the same step,
+  // so every rank calls the collective or none does.
+  void gather_master_low() const;
   // Sharded moments (GpuModelOptions::shard_optimizer): the whole moments are about to be
-  // written (gathered first, and marked to be cut into this rank's chunk again), or are
-  // done with (cut into the chunk where they were written, then dropped).
+  // written (gathered first, and marked to be cut into this rank's slices again), or are
+  // done with (cut into the slices where they were written, then dropped).
   void whole_moments_for_write();
   void settle_moments();
   // A whole copy (uninitialised, or of zeros: a state laid out anew), without gathering.

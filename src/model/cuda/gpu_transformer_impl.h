@@ -186,6 +186,8 @@ struct GpuTransformer::Impl {
     size_t shard_at = 0;  // its offset in m_shard and v_shard
   };
   std::vector<Slice> slices;
+  // Sharded: w_lo outside this rank's slices is stale (GpuTransformer::gather_master_low).
+  bool lo_stale = false;
   size_t shard_size = 0, padded = 0;
   float *m_shard = nullptr, *v_shard = nullptr;
   std::vector<std::unique_ptr<gpu::SplitAdamWPlan>> adamw;  // per slice

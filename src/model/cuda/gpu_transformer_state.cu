@@ -153,7 +153,8 @@ void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<Pa
 
 void GpuTransformer::lay_out_state(RetiredState* keep) {
   Impl& im = *impl_;
-  synchronize();  // nothing queued may still use the old state
+  gather_master_low();  // the old state moves whole
+  synchronize();        // nothing queued may still use the old state
   if (keep) {
     keep->stored = std::move(im.stored);
     keep->arena = std::move(im.state);
@@ -225,6 +226,7 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
   for (auto& [weight, slot] : im.linears) slot.db = gp(module_of(weight) + ".bias");
   bind_layers();  // each keeps its kind
 
+  im.lo_stale = false;
   // A defined start: zero parameters, gradients and moments (and the padding, for good).
   CUDA_CHECK(cudaMemsetAsync(im.w, 0, sizeof(bf16) * im.padded, stream_));
   // Offloaded buffers too: the device writes the mapped host memory.
@@ -391,6 +393,7 @@ std::vector<float> GpuTransformer::params_to_host() const {
 
 void GpuTransformer::params_to_host(float* out) const {
   const Impl& im = *impl_;
+  gather_master_low();
   transfer(
       {to_host(out, &infos_, stream_),
        [&](size_t at, float* buf, size_t n) { gpu::master_join(buf, im.w + at, im.w_lo + at, int64_t(n), stream_); }},
@@ -477,6 +480,7 @@ void GpuTransformer::refresh_head_copy() {
 void GpuTransformer::stored_to_host(StateField f, size_t at, size_t n, float* host) const {
   const Impl& im = *impl_;
   if (f == StateField::weight) {  // joined in the shared region, chunk by chunk
+    gather_master_low();
     float* stage = reinterpret_cast<float*>(im.shared);
     const size_t chunk = im.sizes.total / sizeof(float);
     for (size_t o = 0; o < n; o += chunk) {
@@ -497,6 +501,7 @@ void GpuTransformer::stored_to_host(StateField f, size_t at, size_t n, float* ho
 void GpuTransformer::stored_from_host(StateField f, size_t at, size_t n, const float* host) {
   Impl& im = *impl_;
   if (f == StateField::weight) {  // split from the shared region, chunk by chunk
+    gather_master_low();  // the rest of the layout stays whole
     float* stage = reinterpret_cast<float*>(im.shared);
     const size_t chunk = im.sizes.total / sizeof(float);
     for (size_t o = 0; o < n; o += chunk) {
@@ -537,7 +542,17 @@ void GpuTransformer::settle_zero_grad() const {
   im.zero_pending = false;
 }
 
-// --- sharded moments (GpuModelOptions::shard_optimizer) -----------------------------------
+// --- sharded state (GpuModelOptions::shard_optimizer) -------------------------------------
+
+void GpuTransformer::gather_master_low() const {
+  Impl& im = *impl_;
+  if (!im.lo_stale) return;
+  DeviceCollectives* ranks = opt_.shard_optimizer;
+  ranks->group_begin();
+  for (const Impl::Slice& sl : im.slices) ranks->all_gather(im.w_lo + sl.bucket, sizeof(int16_t) * sl.size, stream_);
+  ranks->group_end();
+  im.lo_stale = false;
+}
 
 void GpuTransformer::check_whole_moments(const char* who) const {
   check_trains(who);
