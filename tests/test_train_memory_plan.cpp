@@ -296,7 +296,8 @@ TEST(MemoryPlanZero, TheReportSaysWhoseNumbersTheyAre) {
   c.parallel.bucket_mb = 0;  // one bucket
   const std::string text = describe(c, plan_memory(c, "cuda", 4), {});
   for (const char* line : {"per GPU of 4, ZeRO stage 1: each GPU keeps the AdamW moments of 93184 of the 372672 "
-                           "stored elements (1/4 of every gradient bucket", "the weights and gradients padded to 372736",
+                           "stored elements (1/4 of every gradient bucket",
+                           "the weights and gradients padded to 372736",
                            "a checkpoint gathers the whole moments into 2.8 MiB of pinned host memory on rank 0"})
     EXPECT_TRUE(contains(text, line)) << line << " in\n" << text;
   EXPECT_TRUE(contains(describe(c, plan_memory(c, "cuda", 1), {}),
