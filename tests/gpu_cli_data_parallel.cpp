@@ -174,7 +174,7 @@ TEST(GpuDataParallel, ZeroStageOneSlopeFollowsOneGpu) {
 // its adapters. At ZeRO stage 1 each bucket is reduce-scattered and every rank owns a slice
 // of each: the same means, but the clipping norm sums the squares by other slices, so the
 // runs agree to that rounding (the bound of the stage 0 against stage 1 comparison above).
-TEST(GpuDataParallel, GradientBucketsGiveTheBitsOfOneCollective) {
+TEST(GpuDataParallel, GradientBucketsMatchOneCollective) {
   if (gpus() < 2) GTEST_SKIP() << "needs two GPUs";
   const std::string slope = "recipe:\n  - slope: {params: ['re:blocks\\.\\d+\\.mlp\\.\\w+\\.weight'], start: 0, "
                             "lora_rank: 8, lora_start: 6}\n";

@@ -92,6 +92,12 @@ TEST(GradientBuckets, ExtraTensorsAfterTheLayoutGoAfterTheBackward) {
                                  [&](const GradientBucket& b) { return b.end == total; });
   ASSERT_NE(last, buckets.end());
   EXPECT_EQ(last->after_block, -1);
+  EXPECT_LE(last->begin, adapter.offset);
+  // The blocks still make a bucket each (block 0's adapter is not block 0's range).
+  ASSERT_GE(buckets.size(), 3u);
+  EXPECT_EQ(buckets[0].after_block, 1);
+  EXPECT_EQ(std::pair(buckets[0].begin, buckets[0].end), block_range(transformer_param_layout(c), 1));
+  EXPECT_EQ(buckets[1].after_block, 0);
 }
 
 TEST(GradientBuckets, NoBucketSizeOrScatteredBlocksGiveOneBucketAfterTheBackward) {

@@ -266,6 +266,10 @@ class GpuTransformer {
   // A slope layer's weight, gradient and moments read back as dense tensors with zeros
   // where its forward mask prunes; written, they keep the kept positions only.
   // Master weights (and their bf16 copy) from a flat host vector of num_params() floats.
+  // Under GpuModelOptions::shard_optimizer, after a step, params_to_host (and whatever reads
+  // or writes the whole master weights: lora_state, set_lora_state, a kind change) is a
+  // collective (gather_master_low): every rank calls it, at the same step. set_params is
+  // not: every rank writes the same values (the gather after it takes the owners').
   void set_params(const float* host, size_t n);
   std::vector<float> params_to_host() const;
   void params_to_host(float* out) const;  // into num_params() floats
@@ -638,8 +642,8 @@ class GpuTransformer {
   // Every block Linear layer's views of the current state (lay_out_state; sharded, again
   // whenever the whole moments appear or go).
   void bind_layers();
-  // Zeroes the moments of [at, at + n) of the storage layout, in the chunk and in the whole
-  // copy where there is one.
+  // Zeroes the moments of [at, at + n) of the storage layout, in this rank's slices and in
+  // the whole copy where there is one.
   void zero_moments(size_t at, size_t n);
 
   ModelConfig cfg_;

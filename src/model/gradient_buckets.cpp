@@ -15,11 +15,19 @@ struct Range {
 };
 
 // Block l's tensors as [begin, end) with the elements they hold (numel == end - begin when
-// they are contiguous); numel 0 when the block has none.
+// they are contiguous); numel 0 when the block has none. The tensors of a block that come
+// after a tensor of no block which follows the blocks (a layer's own tensors, such as an
+// adapter's, appended after the flat layout) are not the block's here: they go with the rest.
 std::vector<Range> block_ranges(const std::vector<ParamInfo>& stored, int n_layer) {
   std::vector<Range> r(size_t(n_layer), Range{SIZE_MAX, 0, 0});
+  bool seen_block = false, past_blocks = false;
   for (const ParamInfo& p : stored) {
-    if (p.name.rfind("blocks.", 0) != 0) continue;
+    if (p.name.rfind("blocks.", 0) != 0) {
+      past_blocks = past_blocks || seen_block;
+      continue;
+    }
+    seen_block = true;
+    if (past_blocks) continue;
     const size_t dot = p.name.find('.', 7);
     const int l = std::stoi(p.name.substr(7, dot - 7));
     ESPLAG_CHECK(l >= 0 && l < n_layer, "gradient buckets: tensor '", p.name, "' names a block beyond the ", n_layer);

@@ -293,6 +293,8 @@ class GpuStep final : public StepBackend {
     host_step_ = model_.optimizer_steps();
     // Sharded: a collective; the other ranks join it in state_to_leader.
     if (moments) model_.gather_optimizer_state(kLeader);
+    // First: sharded, it also gathers the master weights' low halves, which the layers'
+    // to_twin below read (an adapter's).
     model_.params_to_host(host_.params());
     m_.clear();
     v_.clear();

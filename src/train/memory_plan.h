@@ -46,7 +46,7 @@ struct GpuModelState {
   uint64_t padded = 0;     // elements of the weights and gradients: E, plus the buckets' padding sharded
   uint64_t params = 0;     // on the device: bf16 weights + the master weights' low halves
   uint64_t grads = 0;      // fp32
-  uint64_t optimizer = 0;  // AdamW m and v of the chunk
+  uint64_t optimizer = 0;  // AdamW m and v of the chunk (its slices)
   uint64_t offloaded = 0;  // train.offload's part of the above, in pinned host memory instead
   // Sharded: the whole moments (8 bytes per stored element, padded) that a checkpoint gathers
   // into pinned host memory on every rank, from the save until the next step. 0 unsharded.

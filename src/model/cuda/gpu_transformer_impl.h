@@ -225,7 +225,7 @@ struct GpuTransformer::Impl {
   // Data parallel (GpuModelOptions::reduce_gradients): the buckets of the current layout,
   // the stream their collectives run on, and the events that order it with stream_.
   // grads_reduced: this step's gradients are averaged already (step_adamw's ZeRO stage 1
-  // takes its chunk of them as they are).
+  // takes its slices of them, reduce-scattered, as they are).
   std::vector<GradientBucket> buckets;
   cudaStream_t comm_stream = nullptr;
   cudaEvent_t grads_ready = nullptr, comm_done = nullptr;

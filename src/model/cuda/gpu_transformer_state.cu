@@ -20,7 +20,7 @@ __global__ void zero_chunks_kernel(const ZeroChunk* table, float* grad) {
 }
 
 // The segments AdamW updates: the tensors' parts within [begin, begin + size) of the storage
-// layout (this rank's chunk), at offsets from begin.
+// layout (one of this rank's slices), at offsets from begin.
 std::vector<gpu::ParamSegment> segments_of(const std::vector<ParamInfo>& infos, size_t begin, size_t size) {
   std::vector<gpu::ParamSegment> segs;
   for (const auto& i : infos) {
