@@ -22,6 +22,7 @@
 #include "test_util.h"
 #include "train/config.h"
 #include "train/host_memory.h"
+#include "train/memory_plan.h"
 #include "train/trainer.h"
 
 using namespace esplag;

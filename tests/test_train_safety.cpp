@@ -21,6 +21,7 @@
 #include "io/safetensors.h"
 #include "test_util.h"
 #include "train/host_memory.h"
+#include "train/memory_plan.h"
 #include "train/progress.h"
 #include "train/stop_signal.h"
 #include "train/trainer.h"
@@ -407,9 +408,17 @@ TEST(TrainSafety, AModelTooLargeForTheHostIsRefusedBeforeAnythingIsCreated) {
   EXPECT_TRUE(contains(small, "train.batch_size 5 would fit")) << small;
   // Two ranks on this host: it must hold both, and the message says so.
   const uint64_t need = host_bytes_for_training(cfg, "cpu");
-  EXPECT_NO_THROW(check_host_memory(cfg, "cpu", 2 * need, 2));
-  const std::string shared = error_of([&] { check_host_memory(cfg, "cpu", 2 * need - 1, 2); });
+  EXPECT_NO_THROW(check_host_memory(cfg, "cpu", 2 * need, 2, 2));
+  const std::string shared = error_of([&] { check_host_memory(cfg, "cpu", 2 * need - 1, 2, 2); });
   EXPECT_TRUE(contains(shared, "its 2 ranks on this host")) << shared;
+  // Under ZeRO each rank keeps the moments of its range only: the plan's numbers, which fit
+  // where two whole states would not.
+  TrainConfig zero = cfg;
+  zero.parallel.zero = 1;
+  const uint64_t sharded = plan_memory(zero, "cpu", 2, 2).host_of_local_ranks();
+  ASSERT_LT(sharded, 2 * need);
+  EXPECT_NO_THROW(check_host_memory(zero, "cpu", sharded, 2, 2));
+  EXPECT_TRUE(contains(error_of([&] { check_host_memory(zero, "cpu", sharded - 1, 2, 2); }), "its 2 ranks"));
   // On the GPU (no offload) only rank 0 makes the host copy of the moments a checkpoint writes.
   const HostMemoryPlan gpu = host_memory_plan(cfg, "cuda");
   EXPECT_EQ(host_bytes_of_local_ranks(gpu, cfg, "cuda", 3), gpu.total() + 2 * (gpu.total() - gpu.moments));

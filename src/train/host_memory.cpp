@@ -8,7 +8,6 @@
 #include "core/error.h"
 #include "model/linear_registry.h"
 #include "model/transformer.h"
-#include "train/progress.h"
 #include "train/recipe.h"
 #include "train/stored_layout.h"
 
@@ -103,46 +102,5 @@ uint64_t available_host_bytes() {
   return available;
 }
 
-void check_host_memory(const TrainConfig& config, const std::string& device, uint64_t available,
-                       int local_ranks) {
-  const auto need_of = [&](const TrainConfig& c) {
-    return host_bytes_of_local_ranks(host_memory_plan(c, device), c, device, local_ranks);
-  };
-  const uint64_t need = need_of(config);
-  if (available == 0 || need <= available) return;
-  std::string fits;
-  TrainConfig smaller = config;
-  smaller.batch_size = 1;
-  if (need_of(smaller) <= available) {
-    // The weights fit: the activations grow with the batch, so the largest batch that fits.
-    while (need_of(smaller) <= available) ++smaller.batch_size;
-    fits = "train.batch_size " + std::to_string(smaller.batch_size - 1) + " would fit (with train.grad_accum for the " +
-           "same tokens per step)";
-    TrainConfig checkpointed = config;
-    checkpointed.checkpointing = {CheckpointMode::full, 1};
-    if (device == "cpu" && need_of(checkpointed) <= available)
-      fits += ", and so would train.checkpointing full with this batch size (the same gradients, each block's forward "
-              "run twice)";
-  } else {
-    std::string best;
-    int64_t best_params = 0;
-    for (const auto& name : model_preset_names()) {
-      TrainConfig preset = config;
-      preset.model = model_preset(name);
-      preset.model.vocab_size = config.model.vocab_size;
-      preset.seq_len = std::min(config.seq_len, preset.model.max_seq_len);
-      if (need_of(preset) <= available && preset.model.num_params() > best_params) {
-        best = name;
-        best_params = preset.model.num_params();
-      }
-    }
-    fits = best.empty() ? "no model preset fits either" : "model.preset " + best + " would fit";
-  }
-  fail("model ", config.model.preset, " (", config.model.num_params(), " parameters) needs about ", format_bytes(need),
-       " of host memory to train on ", device,
-       local_ranks > 1 ? " (its " + std::to_string(local_ranks) + " ranks on this host)" : std::string(),
-       " with train.batch_size ", config.batch_size, " and train.seq_len ", config.seq_len, ", but ",
-       format_bytes(available), " is available; ", fits);
-}
 
 }  // namespace esplag

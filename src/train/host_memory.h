@@ -47,11 +47,4 @@ uint64_t host_bytes_of_local_ranks(const HostMemoryPlan& plan, const TrainConfig
 // neither can be read (no check then).
 uint64_t available_host_bytes();
 
-// Throws an Error when `config`'s `local_ranks` ranks on this host (host_bytes_of_local_ranks)
-// need more than `available` bytes (0: unknown, no check), giving both numbers and what would
-// fit: the largest train.batch_size when the weights fit but the activations do not, else
-// the largest model preset.
-void check_host_memory(const TrainConfig& config, const std::string& device, uint64_t available,
-                       int local_ranks = 1);
-
 }  // namespace esplag

@@ -96,6 +96,14 @@ struct MemoryPlan {
 // a teacher whose checkpoint cannot be read (naming the key).
 MemoryPlan plan_memory(const TrainConfig& config, const std::string& device, int world = 1, int local_ranks = 1);
 
+// Throws an Error when the host memory of the run's `local_ranks` ranks on this host
+// (plan_memory's host_of_local_ranks: a distill teacher and ZeRO's smaller moments counted)
+// exceeds `available` bytes (0: unknown, no check), giving both numbers and what would fit:
+// the largest train.batch_size when the weights fit but the activations do not, else the
+// largest model preset.
+void check_host_memory(const TrainConfig& config, const std::string& device, uint64_t available, int world = 1,
+                       int local_ranks = 1);
+
 // The plan of a config where the run steps: plan_memory with the run's device, or a
 // stand-in (tests).
 using PlanFunction = std::function<MemoryPlan(const TrainConfig&)>;
