@@ -259,6 +259,10 @@ TEST(MemoryPlanZero, TheOffloadMovesTheChunkToPinnedHostMemory) {
   GpuModelState s = gpu_model_state(c, 4);
   EXPECT_EQ(s.optimizer, 0u);
   EXPECT_EQ(s.offloaded, 93184u * 8);
+  // The host holds each rank's chunk of the moments, and every rank holds its own.
+  const MemoryPlan p = plan_memory(c, "cuda", 4, 4);
+  EXPECT_EQ(p.host.moments, 93184u * 8);
+  EXPECT_EQ(p.host_of_local_ranks(), 4 * p.host.total());
   c.offload = "optimizer+master";
   s = gpu_model_state(c, 4);
   EXPECT_EQ(s.params, s.padded * 2);

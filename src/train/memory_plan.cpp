@@ -229,10 +229,14 @@ MemoryPlan plan_with_teacher(const TrainConfig& config, const std::string& devic
     plan.host.moments = range * 2 * sizeof(float);
     if (config.parallel.zero == 2) plan.host.gradients += range * sizeof(float);
   }
+  if (device == "cuda") plan.gpu_state = gpu_model_state(config, world);
+  // Offloaded and sharded, each rank's pinned moments are its slices' (the whole copy a
+  // checkpoint gathers is noted apart, as without the offload).
+  if (plan.gpu_state && plan.gpu_state->sharded && config.offload != "none")
+    plan.host.moments = plan.gpu_state->chunk * 2 * sizeof(float);
   plan.other_local_ranks_host =
       host_bytes_of_local_ranks(plan.host, config, device, plan.local_ranks) - plan.host.total();
   if (device != "cuda") return plan;
-  plan.gpu_state = gpu_model_state(config, world);
 #ifdef ESPLAG_HAVE_CUDA
   // The attention's workspace size is the device library's answer: no device, no plan.
   if (cuda_device_count() > 0) {
