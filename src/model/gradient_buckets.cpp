@@ -84,10 +84,11 @@ ShardedBuckets shard_gradient_buckets(std::vector<ParamInfo>& stored, std::vecto
     const size_t len = b.end - b.begin;
     const size_t slice = ((len + n - 1) / n + 63) / 64 * 64;
     out.slice[i] = slice;
-    shift_from.push_back({b.end, shift + n * slice - len});
+    const size_t old_end = b.end;
     b.begin += shift;
-    shift += n * slice - len;
     b.end = b.begin + n * slice;
+    shift += n * slice - len;
+    shift_from.push_back({old_end, shift});
     out.padded = b.end;
   }
   for (ParamInfo& p : stored) {

@@ -264,10 +264,16 @@ MemoryPlan plan_memory(const TrainConfig& config, const std::string& device, int
 
 void check_host_memory(const TrainConfig& config, const std::string& device, uint64_t available, int world,
                        int local_ranks) {
+  if (available > 0) check_host_memory(config, available, planner(config, device, world, local_ranks));
+}
+
+void check_host_memory(const TrainConfig& config, uint64_t available, const PlanFunction& plan) {
   if (available == 0) return;
-  const PlanFunction plan = planner(config, device, world, local_ranks);
+  const MemoryPlan planned = plan(config);
+  const std::string& device = planned.device;
+  const int local_ranks = planned.local_ranks;
   const auto need_of = [&](const TrainConfig& c) { return plan(c).host_of_local_ranks(); };
-  const uint64_t need = need_of(config);
+  const uint64_t need = planned.host_of_local_ranks();
   if (need <= available) return;
   std::string fits;
   TrainConfig smaller = config;
@@ -400,7 +406,11 @@ std::string apply_train_memory(TrainConfig& config, const MemoryBudget& budget, 
 
 std::string apply_train_memory(TrainConfig& config, const std::string& device, int cuda_device, int world,
                                int local_ranks) {
-  return apply_train_memory(config, memory_at_hand(device, cuda_device), planner(config, device, world, local_ranks));
+  const PlanFunction plan = planner(config, device, world, local_ranks);
+  const MemoryBudget budget = memory_at_hand(device, cuda_device);
+  const std::string line = apply_train_memory(config, budget, plan);
+  check_host_memory(config, budget.host, plan);
+  return line;
 }
 
 std::string describe(const TrainConfig& config, const MemoryPlan& plan, const MemoryBudget& budget) {

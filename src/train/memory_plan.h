@@ -108,6 +108,9 @@ void check_host_memory(const TrainConfig& config, const std::string& device, uin
 // stand-in (tests).
 using PlanFunction = std::function<MemoryPlan(const TrainConfig&)>;
 
+// check_host_memory with the plans of `plan` (planner's: the run's device and ranks).
+void check_host_memory(const TrainConfig& config, uint64_t available, const PlanFunction& plan);
+
 // plan_memory on `device` over `world` ranks (`local_ranks` of them on this host) for the
 // configs cheapest_fit tries from `config` (the same recipe): its distill teacher's
 // checkpoint is read once, here.
@@ -147,8 +150,9 @@ std::optional<std::vector<std::string>> settings_that_fit(const TrainConfig& con
 std::string apply_train_memory(TrainConfig& config, const MemoryBudget& budget, const PlanFunction& plan);
 
 // The same for a run on `device` (CUDA device `cuda_device`) with memory_at_hand, planned for
-// one of `world` ranks, `local_ranks` of them on this host: what the trainer calls once the
-// config is final.
+// one of `world` ranks, `local_ranks` of them on this host, then check_host_memory of the
+// settings applied with the same plans (a distill teacher's checkpoint read once): what the
+// trainer calls once the config is final.
 std::string apply_train_memory(TrainConfig& config, const std::string& device, int cuda_device, int world = 1,
                                int local_ranks = 1);
 

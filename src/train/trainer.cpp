@@ -20,7 +20,6 @@
 #include "model/linear_registry.h"
 #include "ops/adamw.h"
 #include "train/distill_teacher.h"
-#include "train/host_memory.h"
 #include "train/layer_kinds.h"
 #include "train/memory_plan.h"
 #include "train/progress.h"
@@ -367,7 +366,6 @@ Trainer::Trainer(TrainConfig config, std::string run_dir, LogFn log)
   if (const std::string memory = apply_train_memory(cfg_, device_, world_.local_rank, world_.size, world_.local_size);
       !memory.empty())
     log_(memory);
-  check_host_memory(cfg_, device_, available_host_bytes(), world_.size, world_.local_size);
 
   // Initialised on the host whatever the device, so a CPU and a GPU run of one config
   // start from the same weights.
@@ -472,7 +470,6 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, cons
                                                    t->world_.local_size);
       !memory.empty())
     t->log_(memory);
-  check_host_memory(t->cfg_, t->device_, available_host_bytes(), t->world_.size, t->world_.local_size);
   t->model_ = std::make_unique<Transformer<float>>(t->cfg_.model);
   t->model_->set_linear_precision(t->cfg_.linear_precision());
   t->setup_recipe();
