@@ -161,6 +161,54 @@ TEST(GradientBuckets, ShardedBucketsArePaddedToEqualSlicesOfEveryRank) {
   for (size_t k = 0; k < layout.size(); ++k) EXPECT_EQ(layout[k].offset, packed[k].offset);
 }
 
+// ZeRO stage 2 on the GPU: the blocks' buckets take turns in two slots (consecutive ones
+// in different slots), the rest keep buffers of their own after the slots, no two buckets
+// that live at once overlap, and every element maps into its bucket's place. Without the
+// ring, the storage is the layout.
+TEST(GradientBuckets, TheBlocksBucketsTakeTurnsInARingOfSlots) {
+  const ModelConfig c = llama(6);
+  std::vector<ParamInfo> layout = transformer_param_layout(c);
+  const size_t total = total_of(layout);
+  const auto [b5, e5] = block_range(layout, 5);
+  std::vector<GradientBucket> buckets = plan_gradient_buckets(layout, c.n_layer, total, e5 - b5);
+  shard_gradient_buckets(layout, buckets, 2);
+  ASSERT_EQ(buckets.size(), 8u);  // one per block, then the rest after and before the blocks
+  const GradientStorage ring = plan_gradient_storage(buckets, true);
+  EXPECT_EQ(ring.slots, 2);
+  size_t largest = 0, rest = 0;
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    const size_t len = buckets[i].end - buckets[i].begin;
+    if (buckets[i].after_block >= 0) {
+      largest = std::max(largest, len);
+      EXPECT_EQ(ring.slot[i], int(i % 2)) << i;
+      EXPECT_EQ(ring.at[i], size_t(ring.slot[i]) * ring.slot_elements) << i;
+    } else {
+      EXPECT_EQ(ring.slot[i], -1);
+      EXPECT_EQ(ring.at[i], 2 * ring.slot_elements + rest) << i;
+      rest += len;
+    }
+  }
+  EXPECT_EQ(ring.slot_elements, largest);
+  EXPECT_EQ(ring.elements, 2 * largest + rest);
+  EXPECT_LT(ring.elements, buckets.back().end);
+  for (const ParamInfo& p : layout) {
+    const auto b = std::find_if(buckets.begin(), buckets.end(),
+                                [&](const GradientBucket& g) { return p.offset >= g.begin && p.offset < g.end; });
+    ASSERT_NE(b, buckets.end()) << p.name;
+    const size_t i = size_t(b - buckets.begin());
+    EXPECT_EQ(ring.of(buckets, p.offset), ring.at[i] + (p.offset - b->begin)) << p.name;
+    EXPECT_LE(ring.of(buckets, p.offset) + p.numel, ring.at[i] + (b->end - b->begin)) << p.name;
+  }
+  const GradientStorage flat = plan_gradient_storage(buckets, false);
+  EXPECT_EQ(flat.slots, 0);
+  for (size_t i = 0; i < buckets.size(); ++i) EXPECT_EQ(flat.at[i], buckets[i].begin);
+  EXPECT_EQ(flat.of(buckets, layout[3].offset), layout[3].offset);
+  // One block bucket: one slot.
+  std::vector<ParamInfo> packed = transformer_param_layout(c);
+  std::vector<GradientBucket> few = plan_gradient_buckets(packed, c.n_layer, total, total);
+  EXPECT_EQ(plan_gradient_storage(few, true).slots, 1);
+}
+
 TEST(GradientBuckets, TheStoredLayoutKeepsHalfOfEachKeptValuesWeight) {
   const ModelConfig c = llama(2);
   const std::vector<ParamInfo> dense = transformer_param_layout(c);

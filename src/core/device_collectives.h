@@ -1,5 +1,5 @@
 // The collectives a GPU model needs when data-parallel ranks shard its optimizer state
-// (ZeRO stage 1: GpuModelOptions::shard_optimizer) or average its gradients during the
+// (ZeRO stages 1 and 2: GpuModelOptions::shard_optimizer) or average its gradients during the
 // backward (GpuModelOptions::reduce_gradients). The model only queues them; what
 // carries them (NCCL: dist/cuda/nccl_comm.h) is the caller's. Every rank calls them in the
 // same order with the same sizes; each is queued on `stream` and waits for nothing.
@@ -22,9 +22,10 @@ class DeviceCollectives {
   virtual ~DeviceCollectives() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  // data [size() · chunk] fp32, in place: chunk r of rank r becomes the mean over the ranks
-  // of everyone's chunk r (the rest of data is left as it was, or scratch).
-  virtual void reduce_scatter_mean(float* data, size_t chunk, cudaStream_t stream) = 0;
+  // in [size() · chunk] fp32: out [chunk] of rank r becomes the mean over the ranks of
+  // everyone's chunk r of in. In place when out is in + rank() · chunk (the rest of in is
+  // then left as it was, or scratch).
+  virtual void reduce_scatter_mean(const float* in, float* out, size_t chunk, cudaStream_t stream) = 0;
   // data [size() · chunk_bytes], in place: every rank's chunk r becomes rank r's chunk r.
   virtual void all_gather(void* data, size_t chunk_bytes, cudaStream_t stream) = 0;
   // data [n] fp32, in place: the sum over the ranks.

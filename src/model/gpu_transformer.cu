@@ -323,6 +323,8 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
          max_t_, " needs ", DeviceArena::format_bytes(need), " of device memory (", plan_.describe(), ") but only ",
          DeviceArena::format_bytes(free_b), " of ", DeviceArena::format_bytes(total_b),
          " is free; lower the batch size or the sequence length");
+  ESPLAG_CHECK(!opt_.shard_gradients || opt_.shard_optimizer,
+               "GpuTransformer: shard_gradients (ZeRO stage 2) needs shard_optimizer");
   Impl& im = *impl_;
   im.step_plan = step_arena_plan(cfg_, max_b_, max_t_, opt_);
   arena_ = std::make_unique<DeviceArena>(im.step_plan.total() + opt_.extra_arena_bytes, "model");
@@ -346,6 +348,8 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
     ESPLAG_CHECK(!opt_.forward_only, "GpuTransformer: a forward_only model has no gradients to reduce");
     ESPLAG_CHECK(!opt_.shard_optimizer || opt_.shard_optimizer == opt_.reduce_gradients,
                  "GpuTransformer: shard_optimizer and reduce_gradients must be the same ranks");
+    im.slot_free.resize(opt_.shard_gradients ? GradientStorage::kRingSlots : 0);
+    for (cudaEvent_t& e : im.slot_free) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     // Its collectives should start as soon as a bucket is ready, ahead of queued compute.
     int lowest = 0, highest = 0;
     CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
@@ -680,13 +684,20 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   };
   unsigned char* const shared = im.shared;
   const SharedSizes& z = im.sizes;
-  const bool acc = !overwrite;  // the Linear weight gradients: add, or write after zero_grad
+  // ZeRO stage 2: the blocks' gradients go into the ring's slots, fresh in every micro-batch.
+  const bool ring = im.grad_shard != nullptr;
+  // The Linear weight gradients: add, or write after zero_grad (or into a slot).
+  const bool acc = !overwrite && !ring;
+  // Collectives during the backward: every bucket's in the step's last micro-batch, the
+  // ring's in every one.
+  const bool collect = reduce || ring;
   // dW (+)= doutᵀ · inp, and the bias gradient unless the fused norm backward gives it.
   auto linear_dw = [&](Impl::Slot* lin, const char* name, const bf16* dout, const bf16* inp) {
     lin->top().backward_dw(dout, inp, N, acc, !fz, name);
   };
 
   for (auto& [name, slot] : im.linears) slot.top().begin_backward();
+  ready_slot_below(cfg_.n_layer);
   mark("memset dres");
   CUDA_CHECK(cudaMemsetAsync(dres, 0, sizeof(bf16) * size_t(N) * C, s));
   norm_bwd(im.nf, im.res_f, im.lnf_mean, im.lnf_rstd, im.blocks.back().mproj->db);  // dln holds dlnf from the head
@@ -758,16 +769,17 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     linear_dw(blk.qkv, "gemm qkv dW", dqkv, ln1);
     bias_sum(blk.qkv->db, dqkv, Q);
     linear_dx(blk.qkv, "gemm qkv dX", dln, dqkv);
+    ready_slot_below(l);
     norm_bwd(blk.n1, L.res_in, L.ln1_mean, L.ln1_rstd, l > 0 ? im.blocks[l - 1].mproj->db : nullptr);
-    if (reduce) reduce_buckets_after(l);
+    if (collect) reduce_buckets_after(l, reduce, overwrite);
   }
   im.marks.layer = -1;
   mark("embedding bwd");
   gpu::embedding_backward(im.dwte, im.dwpe, dres, tokens, B, T, C, V, im.emb_ws, im.emb_ws_bytes, s);
-  if (reduce) reduce_buckets_after(-1);
+  if (collect) reduce_buckets_after(-1, reduce, overwrite);
 }
 
-void GpuTransformer::reduce_buckets_after(int l) {
+void GpuTransformer::reduce_buckets_after(int l, bool reduce, bool overwrite) {
   Impl& im = *impl_;
   // For the profiler, each bucket is a buffer (named by its first element): a zero-length
   // op on stream_ writes it where it is ready, its collective on the comm stream reads and
@@ -779,8 +791,9 @@ void GpuTransformer::reduce_buckets_after(int l) {
   bool forked = false;
   for (size_t i = 0; i < im.buckets.size(); ++i) {
     const GradientBucket& b = im.buckets[i];
-    if (b.after_block != l) continue;
-    float* data = im.grad + b.begin;
+    const int slot = im.grad_storage.slot[i];
+    if (b.after_block != l || (!reduce && slot < 0)) continue;
+    float* data = im.grad + im.grad_storage.at[i];
     const double bytes = sizeof(float) * double(b.end - b.begin);
     const std::string name = tracing ? "grad_buckets." + std::to_string(i) : std::string();
     { ScopedOp ready({name, "ready"}, OpCategory::other, l, 0, 0, {}, {data}, OpStream(stream_)); }
@@ -789,9 +802,21 @@ void GpuTransformer::reduce_buckets_after(int l) {
       CUDA_CHECK(cudaStreamWaitEvent(im.comm_stream, im.grads_ready));
       forked = true;
     }
-    if (opt_.shard_optimizer) {  // ZeRO: this rank's slice of the bucket (impl.h, Impl::slices)
+    if (DeviceCollectives* ranks = opt_.shard_optimizer) {  // ZeRO: this rank's slice (impl.h, Impl::slices)
+      const Impl::Slice& sl = im.slices[i];
+      float* mine = data + size_t(ranks->rank()) * sl.size;  // in place
       ScopedOp op({name, "reduce_scatter"}, OpCategory::comm, l, 0, bytes, {data}, {data}, OpStream(im.comm_stream));
-      opt_.shard_optimizer->reduce_scatter_mean(data, im.slices[i].size, im.comm_stream);
+      if (!im.grad_shard) {
+        ranks->reduce_scatter_mean(data, mine, sl.size, im.comm_stream);
+      } else if (slot < 0 || overwrite) {
+        ranks->reduce_scatter_mean(data, im.grad_shard + sl.shard_at, sl.size, im.comm_stream);
+      } else {  // a later micro-batch's mean adds into the slices'
+        ranks->reduce_scatter_mean(data, mine, sl.size, im.comm_stream);
+        add_kernel<<<blocks(int64_t(sl.size)), kThreads, 0, im.comm_stream>>>(im.grad_shard + sl.shard_at, mine,
+                                                                              int64_t(sl.size), true);
+        CUDA_CHECK_LAUNCH("GpuTransformer (sharded gradient accumulation)");
+      }
+      if (slot >= 0) CUDA_CHECK(cudaEventRecord(im.slot_free[size_t(slot)], im.comm_stream));
     } else {
       ScopedOp op({name, "all_reduce"}, OpCategory::comm, l, 0, bytes, {data}, {data}, OpStream(im.comm_stream));
       opt_.reduce_gradients->all_reduce_mean(data, b.end - b.begin, im.comm_stream);
@@ -803,7 +828,7 @@ void GpuTransformer::reduce_buckets_after(int l) {
   CUDA_CHECK(cudaStreamWaitEvent(stream_, im.comm_done));
   if (tracing) {
     std::vector<const void*> all;
-    for (const GradientBucket& b : im.buckets) all.push_back(im.grad + b.begin);
+    for (size_t i = 0; i < im.buckets.size(); ++i) all.push_back(im.grad + im.grad_storage.at[i]);
     ScopedOp joined({"grad_buckets", "joined"}, OpCategory::other, -1, 0, 0, BufferList(all), {}, OpStream(stream_));
   }
 }
@@ -815,16 +840,17 @@ void GpuTransformer::adamw_body() {
   if (DeviceCollectives* ranks = opt_.shard_optimizer) {
     // ZeRO stage 1: this rank's slices of the mean gradient, the norm over every slice, the
     // slices' update, and every rank's updated bf16 weights (the low halves when needed).
-    if (!im.grads_reduced) {  // else the backward averaged them all already
+    if (!im.grads_reduced) {  // else the backward averaged them all already (the ring's, always)
       im.marks.mark(stream_, "reduce-scatter (gradients)");
       ranks->group_begin();
-      for (const Impl::Slice& sl : im.slices) ranks->reduce_scatter_mean(im.grad + sl.bucket, sl.size, stream_);
+      for (size_t k = 0; k < im.slices.size(); ++k)
+        if (im.grad_storage.slot[k] < 0)
+          ranks->reduce_scatter_mean(im.grad + im.grad_storage.at[k], im.slice_grad(k), im.slices[k].size, stream_);
       ranks->group_end();
     }
     im.marks.mark(stream_, "grad norm");
     for (size_t k = 0; k < im.slices.size(); ++k)
-      gpu::sum_squares(im.norm_parts + k, im.grad + im.slices[k].at, int64_t(im.slices[k].size), im.gnorm_scratch,
-                       stream_);
+      gpu::sum_squares(im.norm_parts + k, im.slice_grad(k), int64_t(im.slices[k].size), im.gnorm_scratch, stream_);
     sum_parts_kernel<<<1, 1, 0, stream_>>>(norm_sq_, im.norm_parts, int(im.slices.size()));
     CUDA_CHECK_LAUNCH("GpuTransformer (gradient norm)");
     ranks->all_reduce_sum(norm_sq_, 1, stream_);
@@ -832,7 +858,7 @@ void GpuTransformer::adamw_body() {
     for (size_t k = 0; k < im.slices.size(); ++k) {
       const Impl::Slice& sl = im.slices[k];
       gpu::adamw_update_split(*im.adamw[k], im.w + sl.at, im.w_lo + sl.at, im.m_shard + sl.shard_at,
-                              im.v_shard + sl.shard_at, im.grad + sl.at, im.adam_params, norm_sq_, nullptr, stream_);
+                              im.v_shard + sl.shard_at, im.slice_grad(k), im.adam_params, norm_sq_, nullptr, stream_);
     }
     im.marks.mark(stream_, "all-gather (weights)");
     ranks->group_begin();

@@ -145,6 +145,16 @@ struct GpuModelOptions {
   // (gather_optimizer_state), a collective; the next step_adamw drops that copy.
   // Null: no sharding. The communicator must outlive the model.
   DeviceCollectives* shard_optimizer = nullptr;
+  // ZeRO stage 2 (needs shard_optimizer): the gradients sharded too. A rank keeps the mean
+  // gradient of its slices only (4/ranks bytes per parameter); the buckets launched after a
+  // block's backward (reduce_gradients' buckets) are written into a ring of two slots
+  // (model/gradient_buckets.h, GradientStorage) and reduce-scattered from there in every
+  // micro-batch's backward, adding into the rank's slices; the rest keeps a buffer of its
+  // own, accumulated over the micro-batches and reduce-scattered with the last one (or by
+  // step_adamw). So the whole gradients exist nowhere, and what reads them (grads_to_host,
+  // device_gradients) is refused. Without reduce_gradients' buckets every gradient is the
+  // rest's: stage 1's memory.
+  bool shard_gradients = false;
   // Data parallel (docs/distributed.md): the ranks whose mean gradient every step takes. A
   // forward_backward_device call that reduces (a step's last micro-batch) averages each
   // bucket of gradients over them (model/gradient_buckets.h: consecutive blocks of at least
@@ -580,8 +590,17 @@ class GpuTransformer {
   void forward_backward_body(const int32_t* tokens, const int32_t* targets, int B, int T, double loss_scale,
                              bool overwrite, const Distillation* distill, bool reduce);
   // Queues the mean over the ranks of the gradient buckets due after block l's backward (-1:
-  // after the whole backward, which then also waits for every collective).
-  void reduce_buckets_after(int l);
+  // after the whole backward, which then also waits for every collective): with `reduce`
+  // (the step's last micro-batch) all of them, else those in ZeRO stage 2's ring only, whose
+  // means add into the rank's slices unless the micro-batch is the step's first
+  // (`overwrite`).
+  void reduce_buckets_after(int l, bool reduce, bool overwrite);
+  // ZeRO stage 2, before the norm backward below block l (l = n_layer: the final norm's):
+  // when that writes the first gradient of the next ring bucket (the bias gradient of block
+  // l - 1's last Linear layer, block l being its bucket's lowest), that bucket's slot made
+  // ready for this micro-batch: free of the reduce-scatter that read it last, the tensors
+  // the backward adds into zeroed.
+  void ready_slot_below(int l);
   // Error naming `who` in a forward_only model.
   void check_trains(const char* who) const;
   // Finishes a zero_grad whose zeros the backward was to write.
@@ -639,6 +658,8 @@ class GpuTransformer {
   void fresh_whole_moments();
   // Error unless the moments are whole (not sharded, or gathered).
   void check_whole_moments(const char* who) const;
+  // Error naming `who` when the gradients are sharded (ZeRO stage 2) or the model trains not.
+  void check_whole_gradients(const char* who) const;
   // Every block Linear layer's views of the current state (lay_out_state; sharded, again
   // whenever the whole moments appear or go).
   void bind_layers();

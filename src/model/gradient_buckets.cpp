@@ -98,6 +98,43 @@ ShardedBuckets shard_gradient_buckets(std::vector<ParamInfo>& stored, std::vecto
   return out;
 }
 
+GradientStorage plan_gradient_storage(const std::vector<GradientBucket>& buckets, bool ring) {
+  GradientStorage g;
+  g.at.resize(buckets.size());
+  g.slot.assign(buckets.size(), -1);
+  if (!ring) {
+    for (size_t i = 0; i < buckets.size(); ++i) {
+      g.at[i] = buckets[i].begin;
+      g.elements = std::max(g.elements, buckets[i].end);
+    }
+    return g;
+  }
+  int ringed = 0;
+  for (size_t i = 0; i < buckets.size(); ++i)
+    if (buckets[i].after_block >= 0) {
+      g.slot[i] = ringed++ % GradientStorage::kRingSlots;
+      g.slot_elements = std::max(g.slot_elements, buckets[i].end - buckets[i].begin);
+    }
+  g.slots = std::min(ringed, GradientStorage::kRingSlots);
+  g.elements = size_t(g.slots) * g.slot_elements;
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    if (g.slot[i] >= 0) {
+      g.at[i] = size_t(g.slot[i]) * g.slot_elements;
+    } else {
+      g.at[i] = g.elements;
+      g.elements += buckets[i].end - buckets[i].begin;
+    }
+  }
+  return g;
+}
+
+size_t GradientStorage::of(const std::vector<GradientBucket>& buckets, size_t offset) const {
+  if (buckets.empty()) return offset;
+  for (size_t i = 0; i < buckets.size(); ++i)
+    if (offset >= buckets[i].begin && offset < buckets[i].end) return at[i] + (offset - buckets[i].begin);
+  fail("gradient storage: element ", offset, " lies in no bucket");
+}
+
 std::vector<ParamInfo> stored_param_layout(const ModelConfig& config, const std::set<std::string>& kept_values) {
   std::vector<ParamInfo> stored = transformer_param_layout(config);
   size_t offset = 0;

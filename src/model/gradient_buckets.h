@@ -43,6 +43,25 @@ struct ShardedBuckets {
 };
 ShardedBuckets shard_gradient_buckets(std::vector<ParamInfo>& stored, std::vector<GradientBucket>& buckets, int ranks);
 
+// Where a GPU model keeps its gradients while the backward writes them. Without
+// `ring`, in the storage layout itself (each bucket at its own offset). With it (ZeRO
+// stage 2: GpuModelOptions::shard_gradients) the buckets launched after a block's backward
+// take turns in a ring of `slots` buffers of `slot_elements` each (the j-th such bucket in
+// launch order writes slot j mod slots, once the reduce-scatter of the bucket that used it
+// last has read it), and the rest (embeddings, final norm, LM head, extra tensors), which
+// accumulates over a step's micro-batches, keeps a buffer of its own after the slots.
+struct GradientStorage {
+  static constexpr int kRingSlots = 2;
+  std::vector<size_t> at;  // per bucket, in the buckets' order: the storage offset of its first element
+  std::vector<int> slot;   // per bucket: its slot in the ring, -1 for a buffer of its own
+  int slots = 0;
+  size_t slot_elements = 0;
+  size_t elements = 0;  // of the whole storage
+  // The storage offset of layout element `offset` (which a bucket holds; itself without buckets).
+  size_t of(const std::vector<GradientBucket>& buckets, size_t offset) const;
+};
+GradientStorage plan_gradient_storage(const std::vector<GradientBucket>& buckets, bool ring);
+
 // The storage layout a GPU model starts with for `config` (transformer_param_layout's
 // tensors in its order, packed), the weights named in `kept_values` stored as their kept
 // values [out, in/2] (slope).

@@ -17,7 +17,7 @@ class PlannedRanks final : public DeviceCollectives {
   explicit PlannedRanks(int world) : world_(world) {}
   int rank() const override { return 0; }
   int size() const override { return world_; }
-  void reduce_scatter_mean(float*, size_t, cudaStream_t) override { refuse(); }
+  void reduce_scatter_mean(const float*, float*, size_t, cudaStream_t) override { refuse(); }
   void all_gather(void*, size_t, cudaStream_t) override { refuse(); }
   void all_reduce_sum(float*, size_t, cudaStream_t) override { refuse(); }
   void all_reduce_mean(float*, size_t, cudaStream_t) override { refuse(); }
@@ -44,8 +44,9 @@ GpuModelOptions gpu_model_options(const TrainConfig& config) {
 GpuMemoryBytes gpu_memory_plan(const TrainConfig& config, int world) {
   GpuModelOptions options = gpu_model_options(config);
   PlannedRanks ranks(world);
-  // As the GPU step shards (stage 1 over several ranks), in its gradient buckets.
+  // As the GPU step shards (stages 1 and 2 over several ranks), in its gradient buckets.
   if (world > 1 && config.parallel.zero >= 1) options.shard_optimizer = &ranks;
+  options.shard_gradients = options.shard_optimizer && config.parallel.zero >= 2;
   if (world > 1 && config.parallel.bucket_mb > 0) {
     options.reduce_gradients = &ranks;
     options.bucket_bytes = size_t(config.parallel.bucket_mb * double(1 << 20));

@@ -116,6 +116,7 @@ class GpuStep final : public StepBackend {
           GpuModelOptions o = gpu_model_options(cfg);
           o.defer_state = true;  // laid out by follow_host_kinds below, for the host's kinds
           if (comm_ && cfg.parallel.zero >= 1) o.shard_optimizer = comm_.get();
+          o.shard_gradients = o.shard_optimizer && cfg.parallel.zero >= 2;
           if (buckets()) {
             o.reduce_gradients = comm_.get();
             o.bucket_bytes = size_t(cfg.parallel.bucket_mb * double(1 << 20));
@@ -186,8 +187,9 @@ class GpuStep final : public StepBackend {
                       : "") +
            ")" +
            (comm_ && cfg_.parallel.zero >= 1
-                ? ", ZeRO stage 1 (each rank keeps the AdamW moments of 1/" + std::to_string(comm_->size()) +
-                      " of the stored elements)"
+                ? ", ZeRO stage " + std::to_string(cfg_.parallel.zero) + " (each rank keeps the AdamW moments" +
+                      (cfg_.parallel.zero >= 2 ? " and the mean gradient" : "") + " of 1/" +
+                      std::to_string(comm_->size()) + " of the stored elements)"
                 : "") +
            (buckets() ? ", gradients averaged during the backward in buckets of at least " +
                             mib(cfg_.parallel.bucket_mb)

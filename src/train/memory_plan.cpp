@@ -120,10 +120,15 @@ std::string ranks_text(const TrainConfig& config, const MemoryPlan& plan) {
   const std::string line = "per " + rank + " of " + world + ", ZeRO stage " + std::to_string(zero) + ": ";
   if (gpu && plan.gpu_state->sharded) {
     const GpuModelState& s = *plan.gpu_state;
-    return line + "each GPU keeps the AdamW moments of " + std::to_string(s.chunk) + " of the " +
-           std::to_string(s.elements) + " stored elements (1/" + world +
-           " of every gradient bucket, rounded up to 64), the weights and gradients padded to " +
-           std::to_string(s.padded) + "\n";
+    const std::string kept = "each GPU keeps the AdamW moments" + std::string(s.slots ? " and the mean gradient" : "") +
+                             " of " + std::to_string(s.chunk) + " of the " + std::to_string(s.elements) +
+                             " stored elements (1/" + world + " of every gradient bucket, rounded up to 64), ";
+    if (s.slots)
+      return line + kept + "the weights padded to " + std::to_string(s.padded) + "; the backward writes the blocks' " +
+             "gradients into " + std::to_string(s.slots) + " slots of " + std::to_string(s.slot_elements) +
+             " elements and the rest's into buffers of their own\n";
+    return line + kept + "the weights and gradients padded to " + std::to_string(s.padded) +
+           (zero >= 2 ? " (without gradient buckets, stage 2 keeps the whole gradients, as stage 1)" : "") + "\n";
   }
   if (!gpu && plan.world > 1 && zero >= 1)
     return line + "each rank keeps the AdamW moments" + (zero == 2 ? " and the mean gradient" : "") + " of at most " +
@@ -174,12 +179,10 @@ std::optional<ModelConfig> teacher_model(const TrainConfig& config, std::string&
 
 GpuModelState gpu_model_state(const TrainConfig& config, int world) {
   ESPLAG_CHECK(world >= 1, "the world size must be at least 1, got ", world);
-  ESPLAG_CHECK(config.parallel.zero <= 1, "parallel.zero is ", config.parallel.zero,
-               ", and the GPU shards the optimizer state only (stage 1; docs/distributed.md)");
   GpuModelState s;
   s.world = world;
   s.zero = config.parallel.zero;
-  s.sharded = world > 1 && config.parallel.zero == 1;
+  s.sharded = world > 1 && config.parallel.zero >= 1;
   const StoredLayout layout = largest_stored_layout(config);
   s.elements = layout.elements;
   s.kept_values = layout.kept_values.size();
@@ -192,11 +195,16 @@ GpuModelState gpu_model_state(const TrainConfig& config, int world) {
     const ShardedBuckets sharded = shard_gradient_buckets(stored, buckets, world);
     s.chunk = sharded.per_rank();
     s.padded = sharded.padded;
+    const GradientStorage ring = plan_gradient_storage(buckets, config.parallel.zero >= 2);
+    s.slots = ring.slots;
+    s.slot_elements = ring.slot_elements;
+    if (ring.slots > 0) s.gradient_elements = ring.elements + s.chunk;
   }
+  if (s.slots == 0) s.gradient_elements = s.padded;
   const uint64_t master_low = s.padded * sizeof(uint16_t), moments = s.chunk * 2 * sizeof(float);
   const bool offload_master = config.offload == "optimizer+master", offload_moments = config.offload != "none";
   s.params = s.padded * sizeof(uint16_t) + (offload_master ? 0 : master_low);
-  s.grads = s.padded * sizeof(float);
+  s.grads = s.gradient_elements * sizeof(float);
   s.optimizer = offload_moments ? 0 : moments;
   s.offloaded = (offload_master ? master_low : 0) + (offload_moments ? moments : 0);
   s.checkpoint_moments = s.sharded ? s.padded * 2 * sizeof(float) : 0;

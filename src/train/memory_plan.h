@@ -36,14 +36,20 @@ struct GpuMemoryBytes {
 // gradient bucket (train.parallel.bucket_mb; one bucket of the whole layout without), each
 // bucket padded to world slices of a multiple of 64 elements (GpuModelOptions::
 // shard_optimizer, model/gradient_buckets.h); otherwise every GPU keeps the whole state.
+// With zero 2 the gradients are the ring's slots, the rest's buffers and the mean gradient
+// of the GPU's slices (GpuModelOptions::shard_gradients, GradientStorage).
 struct GpuModelState {
   int world = 1;
   int zero = 0;            // train.parallel.zero
-  bool sharded = false;    // zero 1 over several ranks
+  bool sharded = false;    // zero 1 or 2 over several ranks
   uint64_t elements = 0;   // E: the largest stored layout's (train/stored_layout.h)
   uint64_t kept_values = 0;  // weights stored as their kind's form in it (slope's kept values)
   uint64_t chunk = 0;      // elements whose moments one GPU keeps (its slices): E unsharded
   uint64_t padded = 0;     // elements of the weights and gradients: E, plus the buckets' padding sharded
+  // Zero 2 with block buckets: the ring's slots of slot_elements each, and the gradient
+  // elements in all (slots, the rest's buffers, the chunk's mean gradient); 0 slots else.
+  int slots = 0;
+  uint64_t slot_elements = 0, gradient_elements = 0;
   uint64_t params = 0;     // on the device: bf16 weights + the master weights' low halves
   uint64_t grads = 0;      // fp32
   uint64_t optimizer = 0;  // AdamW m and v of the chunk (its slices)
@@ -54,8 +60,7 @@ struct GpuModelState {
   uint64_t total() const { return params + grads + optimizer; }
 };
 
-// The GPU model state of `config` (model.vocab_size resolved) over `world` ranks (>= 1;
-// train.parallel.zero at most 1, the GPU's stages).
+// The GPU model state of `config` (model.vocab_size resolved) over `world` ranks (>= 1).
 GpuModelState gpu_model_state(const TrainConfig& config, int world);
 
 // The memory to plan against, in bytes (0: unknown, anything fits), and where each number
@@ -92,8 +97,8 @@ struct MemoryPlan {
 
 // The plan of `config` (model.vocab_size resolved) on `device` ("cpu" or "cuda"), for one of
 // `world` data-parallel ranks (>= 1) under train.parallel.zero, with the recipe's distill
-// teacher where it has one. An Error for a cuda run of a stage the GPU does not take (2), or
-// a teacher whose checkpoint cannot be read (naming the key).
+// teacher where it has one. An Error for a teacher whose checkpoint cannot be read (naming
+// the key).
 MemoryPlan plan_memory(const TrainConfig& config, const std::string& device, int world = 1, int local_ranks = 1);
 
 // Throws an Error when the host memory of the run's `local_ranks` ranks on this host

@@ -325,9 +325,6 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
           "train.fp8_grad: e4m3)");
     if (sparse_dw) add("train.precision is fp8 with sparse_dw, which only the CPU's emulation trains so far");
   }
-  if (config.parallel.zero > 1)
-    add("parallel.zero is " + std::to_string(config.parallel.zero) +
-        ", and the GPU shards the optimizer state only (stage 1; docs/distributed.md)");
   return why;
 }
 

@@ -121,11 +121,9 @@ void NcclComm::all_reduce_sum(float* data, size_t n, cudaStream_t stream) {
   NCCL_CALL("all-reduce", loaded_nccl().AllReduce(data, data, n, ncclFloat32, ncclSum, handle_->comm, stream));
 }
 
-// In place as NCCL defines it: the received chunk sits at the rank's own place in the buffer.
-void NcclComm::reduce_scatter_mean(float* data, size_t chunk, cudaStream_t stream) {
+void NcclComm::reduce_scatter_mean(const float* in, float* out, size_t chunk, cudaStream_t stream) {
   NCCL_CALL("reduce-scatter of the gradients",
-            loaded_nccl().ReduceScatter(data, data + size_t(rank_) * chunk, chunk, ncclFloat32, ncclAvg,
-                                        handle_->comm, stream));
+            loaded_nccl().ReduceScatter(in, out, chunk, ncclFloat32, ncclAvg, handle_->comm, stream));
 }
 
 void NcclComm::all_gather(void* data, size_t chunk_bytes, cudaStream_t stream) {
@@ -178,7 +176,7 @@ void NcclComm::abort_and_fail(const std::string& what, const std::string& why) {
 void NcclComm::all_reduce_mean(float*, size_t, cudaStream_t) {}
 void NcclComm::all_reduce_sum(double*, size_t, cudaStream_t) {}
 void NcclComm::all_reduce_sum(float*, size_t, cudaStream_t) {}
-void NcclComm::reduce_scatter_mean(float*, size_t, cudaStream_t) {}
+void NcclComm::reduce_scatter_mean(const float*, float*, size_t, cudaStream_t) {}
 void NcclComm::group_begin() {}
 void NcclComm::group_end() {}
 void NcclComm::all_gather(void*, size_t, cudaStream_t) {}

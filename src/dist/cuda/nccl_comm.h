@@ -42,8 +42,8 @@ class NcclComm final : public DeviceCollectives {
 
   // In place, queued on `stream` (nothing waits). Every rank calls them in the same order.
   void all_reduce_sum(double* data, size_t n, cudaStream_t stream);
-  // DeviceCollectives (core/device_collectives.h): ZeRO stage 1's collectives.
-  void reduce_scatter_mean(float* data, size_t chunk, cudaStream_t stream) override;
+  // DeviceCollectives (core/device_collectives.h): ZeRO's collectives.
+  void reduce_scatter_mean(const float* in, float* out, size_t chunk, cudaStream_t stream) override;
   void all_gather(void* data, size_t chunk_bytes, cudaStream_t stream) override;
   void all_reduce_sum(float* data, size_t n, cudaStream_t stream) override;
   void all_reduce_mean(float* data, size_t n, cudaStream_t stream) override;

@@ -70,8 +70,9 @@ inline std::string module_of(const std::string& weight_name) {
   return weight_name.substr(0, weight_name.size() - std::string(".weight").size());
 }
 
-struct ZeroChunk {
-  int64_t offset, n;
+struct ZeroChunk {  // gradient elements a table of zeroing writes
+  float* at;
+  int64_t n;
 };
 constexpr int64_t kZeroChunk = 16384;
 
@@ -158,7 +159,9 @@ struct GpuTransformer::Impl {
   }
   gpu::AdamWStepParams* adam_params = nullptr;  // device
 
-  gpu_model::ZeroChunk* zero_chunks = nullptr;  // zero_grad's table (device)
+  // zero_grad's table (device): its first num_zero_chunks entries; under ZeRO stage 2, then
+  // each ring bucket's (slot_zeros), zeroed before a micro-batch writes its slot.
+  gpu_model::ZeroChunk* zero_chunks = nullptr;
   int64_t num_zero_chunks = 0;
   bool zero_pending = false;  // zero_grad ran; the backward is to overwrite the rest
 
@@ -170,7 +173,19 @@ struct GpuTransformer::Impl {
   GpuMemoryPlan step_plan;   // the step arena's share of the memory plan
   bf16* w = nullptr;         // bf16 weights (the high halves of the master weights)
   int16_t* w_lo = nullptr;   // low halves
-  float *grad = nullptr, *m = nullptr, *v = nullptr;
+  // The gradients: the storage layout's (grad_elements = padded), or under ZeRO stage 2
+  // (GpuModelOptions::shard_gradients, when there are block buckets) the storage of
+  // grad_storage: the ring's slots, then the rest's buffers; grad_shard then holds the mean
+  // gradient of this rank's slices (shard_size), slot_free[s] is recorded on the comm stream
+  // once the reduce-scatter of the bucket that used slot s last has read it, and slot_zeros
+  // gives, per bucket, its [first, first + count) entries of zero_chunks (none for the rest).
+  float* grad = nullptr;
+  size_t grad_elements = 0;
+  GradientStorage grad_storage;
+  float* grad_shard = nullptr;
+  std::vector<cudaEvent_t> slot_free;
+  std::vector<std::pair<int64_t, int64_t>> slot_zeros;
+  float *m = nullptr, *v = nullptr;
   // The part of the storage layout this rank updates, whose moments m_shard, v_shard hold
   // (shard_size elements): under GpuModelOptions::shard_optimizer its slice of every bucket
   // (model/gradient_buckets.h, shard_gradient_buckets: the layout is padded with zeros to
@@ -190,6 +205,8 @@ struct GpuTransformer::Impl {
   bool lo_stale = false;
   size_t shard_size = 0, padded = 0;
   float *m_shard = nullptr, *v_shard = nullptr;
+  // Slice k's mean gradient, which AdamW reads.
+  float* slice_grad(size_t k) const { return grad_shard ? grad_shard + slices[k].shard_at : grad + slices[k].at; }
   std::vector<std::unique_ptr<gpu::SplitAdamWPlan>> adamw;  // per slice
   float* norm_parts = nullptr;  // per slice, its gradients' sum of squares (device; sharded)
   DeviceArena gathered;
@@ -245,6 +262,7 @@ struct GpuTransformer::Impl {
     if (staged) cudaEventDestroy(staged);
     if (grads_ready) cudaEventDestroy(grads_ready);
     if (comm_done) cudaEventDestroy(comm_done);
+    for (cudaEvent_t e : slot_free) cudaEventDestroy(e);
     if (comm_stream) cudaStreamDestroy(comm_stream);
   }
 };

@@ -14,9 +14,9 @@ using namespace gpu_model;
 namespace {
 
 // Zeroes the gradient ranges of a table (what zero_grad writes), one block per entry.
-__global__ void zero_chunks_kernel(const ZeroChunk* table, float* grad) {
+__global__ void zero_chunks_kernel(const ZeroChunk* table) {
   const ZeroChunk c = table[blockIdx.x];
-  for (int64_t i = threadIdx.x; i < c.n; i += kThreads) grad[c.offset + i] = 0.f;
+  for (int64_t i = threadIdx.x; i < c.n; i += kThreads) c.at[i] = 0.f;
 }
 
 // The segments AdamW updates: the tensors' parts within [begin, begin + size) of the storage
@@ -30,28 +30,54 @@ std::vector<gpu::ParamSegment> segments_of(const std::vector<ParamInfo>& infos, 
   return segs;
 }
 
-// The gradient ranges zero_grad writes: every tensor but the Linear weights of the blocks
-// and the LM head's weight, which the next backward's GEMMs (or the padded head's
-// gradient copy) overwrite. Cut into chunks of at most kZeroChunk, adjacent tensors merged.
-std::vector<ZeroChunk> zero_table(const ModelConfig& c, const std::vector<ParamInfo>& infos) {
+// The gradient ranges that must be zeroed before a backward adds into them: every tensor
+// but the Linear weights of the blocks and the LM head's weight, which the next backward's
+// GEMMs (or the padded head's gradient copy) overwrite. As offsets of the gradient storage
+// `g`, cut into chunks of at most kZeroChunk, adjacent tensors merged: zero_grad's first,
+// then (slots, per bucket: [first, first + count) of the table) those of each bucket that
+// lives in the ring, whose slot is zeroed in every micro-batch instead.
+struct ZeroTable {
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // offset, count
+  int64_t zero_grad = 0;                            // the first entries, zero_grad's
+  std::vector<std::pair<int64_t, int64_t>> slots;
+};
+ZeroTable zero_table(const ModelConfig& c, const std::vector<ParamInfo>& infos,
+                     const std::vector<GradientBucket>& buckets, const GradientStorage& g) {
   const std::string head = c.tie_embeddings ? "embed.tokens.weight" : "lm_head.weight";
   auto overwritten = [&](const std::string& n) {
     if (n == head) return true;
     if (n.rfind("blocks.", 0) != 0 || !ends_with(n, ".weight")) return false;
     return n.find(".attn.") != std::string::npos || n.find(".mlp.") != std::string::npos;
   };
-  std::vector<std::pair<int64_t, int64_t>> ranges;
+  auto bucket_of = [&](size_t offset) {
+    for (size_t b = 0; b < buckets.size(); ++b)
+      if (offset >= buckets[b].begin && offset < buckets[b].end) return int(b);
+    return -1;
+  };
+  // Per group (-1: zero_grad's; b: ring bucket b's), the merged ranges.
+  std::map<int, std::vector<std::pair<int64_t, int64_t>>> groups;
   for (const auto& i : infos) {
     if (overwritten(i.name) || i.numel == 0) continue;
-    const int64_t o = int64_t(i.offset), n = int64_t(i.numel);
+    const int b = bucket_of(i.offset);
+    auto& ranges = groups[b >= 0 && g.slot[size_t(b)] >= 0 ? b : -1];
+    const int64_t o = int64_t(g.of(buckets, i.offset)), n = int64_t(i.numel);
     if (!ranges.empty() && ranges.back().first + ranges.back().second == o)
       ranges.back().second += n;
     else
       ranges.push_back({o, n});
   }
-  std::vector<ZeroChunk> table;
-  for (const auto& [o, n] : ranges)
-    for (int64_t k = 0; k < n; k += kZeroChunk) table.push_back({o + k, std::min(kZeroChunk, n - k)});
+  ZeroTable table;
+  table.slots.assign(buckets.size(), {0, 0});
+  for (const auto& [group, ranges] : groups) {  // -1 first
+    const int64_t first = int64_t(table.chunks.size());
+    for (const auto& [o, n] : ranges)
+      for (int64_t k = 0; k < n; k += kZeroChunk) table.chunks.push_back({o + k, std::min(kZeroChunk, n - k)});
+    const int64_t count = int64_t(table.chunks.size()) - first;
+    if (group < 0)
+      table.zero_grad = count;
+    else
+      table.slots[size_t(group)] = {first, count};
+  }
   return table;
 }
 
@@ -123,15 +149,21 @@ void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<Pa
   im.padded = end;
   std::vector<std::vector<gpu::ParamSegment>> segments;
   for (const GpuTransformer::Impl::Slice& sl : im.slices) segments.push_back(segments_of(stored, sl.at, sl.size));
-  const auto zeros = zero_table(c, stored);
+  // ZeRO stage 2 writes the blocks' gradients into a ring of slots, if there are block buckets.
+  im.grad_storage = plan_gradient_storage(buckets, shards && o.shard_gradients);
+  const bool ring = im.grad_storage.slots > 0;
+  if (!ring) im.grad_storage = plan_gradient_storage(buckets, false);
+  im.grad_elements = ring ? im.grad_storage.elements : im.padded;
+  const ZeroTable zeros = zero_table(c, stored, buckets, im.grad_storage);
   host.bucket = &plan.host;
   take.bucket = &plan.params;
   im.w = take.arr<bf16>("params.bf16", im.padded);
   im.w_lo = (o.offload_master ? host : take).arr<int16_t>("params.master_low", im.padded);
   if (o.forward_only) return;  // no gradients, no optimizer
   take.bucket = &plan.grads;
-  im.grad = take.arr<float>("params.grad", im.padded);
-  im.zero_chunks = take.arr<ZeroChunk>("grad.zero_table", zeros.size());
+  im.grad = take.arr<float>("params.grad", im.grad_elements);
+  im.grad_shard = ring ? take.arr<float>("grad.shard", im.shard_size) : nullptr;
+  im.zero_chunks = take.arr<ZeroChunk>("grad.zero_table", zeros.chunks.size());
   take.bucket = &plan.optimizer;
   Take& moments = o.offload_moments ? host : take;
   im.m_shard = moments.arr<float>("adamw.m", im.shard_size);
@@ -146,9 +178,12 @@ void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<Pa
   for (const auto& segs : segments)
     im.adamw.push_back(std::make_unique<gpu::SplitAdamWPlan>(segs, *take.arena,
                                                              im.head_pad && !shards ? head_segment(c, stored) : -1));
-  im.num_zero_chunks = static_cast<int64_t>(zeros.size());
-  if (!zeros.empty())
-    CUDA_CHECK(cudaMemcpy(im.zero_chunks, zeros.data(), zeros.size() * sizeof(ZeroChunk), cudaMemcpyHostToDevice));
+  im.num_zero_chunks = zeros.zero_grad;
+  im.slot_zeros = zeros.slots;
+  std::vector<ZeroChunk> table;
+  for (const auto& [o, n] : zeros.chunks) table.push_back({im.grad + o, n});
+  if (!table.empty())
+    CUDA_CHECK(cudaMemcpy(im.zero_chunks, table.data(), table.size() * sizeof(ZeroChunk), cudaMemcpyHostToDevice));
 }
 
 void GpuTransformer::lay_out_state(RetiredState* keep) {
@@ -232,7 +267,8 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
   // Offloaded buffers too: the device writes the mapped host memory.
   CUDA_CHECK(cudaMemsetAsync(im.w_lo, 0, sizeof(int16_t) * im.padded, stream_));
   if (!opt_.forward_only) {
-    CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * im.padded, stream_));
+    CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * im.grad_elements, stream_));
+    if (im.grad_shard) CUDA_CHECK(cudaMemsetAsync(im.grad_shard, 0, sizeof(float) * im.shard_size, stream_));
     CUDA_CHECK(cudaMemsetAsync(im.m_shard, 0, sizeof(float) * im.shard_size, stream_));
     CUDA_CHECK(cudaMemsetAsync(im.v_shard, 0, sizeof(float) * im.shard_size, stream_));
   }
@@ -250,8 +286,8 @@ DeviceTensorView GpuTransformer::view(const std::string& name) const {
   const auto it = std::find_if(im.stored.begin(), im.stored.end(), [&](const ParamInfo& i) { return i.name == name; });
   if (it == im.stored.end()) return {};
   const size_t o = it->offset;
-  return {im.w + o, im.w_lo + o, im.grad ? im.grad + o : nullptr, im.m ? im.m + o : nullptr,
-          im.v ? im.v + o : nullptr};
+  return {im.w + o, im.w_lo + o, im.grad ? im.grad + im.grad_storage.of(im.buckets, o) : nullptr,
+          im.m ? im.m + o : nullptr, im.v ? im.v + o : nullptr};
 }
 
 void GpuTransformer::bind_layers() {
@@ -401,7 +437,7 @@ void GpuTransformer::params_to_host(float* out) const {
 }
 
 std::vector<float> GpuTransformer::grads_to_host() const {
-  check_trains("grads_to_host");
+  check_whole_gradients("grads_to_host");
   settle_zero_grad();
   std::vector<float> h(nparams_);
   transfer({to_host(h.data(), &infos_, stream_), copy_stored(impl_->grad, false, stream_)}, false);
@@ -491,8 +527,12 @@ void GpuTransformer::stored_to_host(StateField f, size_t at, size_t n, float* ho
     }
     return;
   }
-  if (f == StateField::grad) settle_zero_grad();
-  if (f != StateField::grad) check_whole_moments("stored_to_host");
+  if (f == StateField::grad) {
+    check_whole_gradients("stored_to_host");
+    settle_zero_grad();
+  } else {
+    check_whole_moments("stored_to_host");
+  }
   const float* base = f == StateField::grad ? im.grad : f == StateField::m ? im.m : im.v;
   CUDA_CHECK(cudaMemcpyAsync(host, base + at, sizeof(float) * n, cudaMemcpyDefault, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -510,6 +550,7 @@ void GpuTransformer::stored_from_host(StateField f, size_t at, size_t n, const f
       gpu::master_split(im.w + at + o, im.w_lo + at + o, stage, int64_t(k), stream_);
     }
   } else {
+    if (f == StateField::grad) check_whole_gradients("stored_from_host");
     if (f != StateField::grad) whole_moments_for_write();
     float* base = f == StateField::grad ? im.grad : f == StateField::m ? im.m : im.v;
     CUDA_CHECK(cudaMemcpyAsync(base + at, host, sizeof(float) * n, cudaMemcpyDefault, stream_));
@@ -523,14 +564,36 @@ void GpuTransformer::zero_grad() {
   if (im.zero_pending) return;
   im.grads_reduced = false;
   if (im.num_zero_chunks > 0) {
-    zero_chunks_kernel<<<static_cast<unsigned>(im.num_zero_chunks), kThreads, 0, stream_>>>(im.zero_chunks, im.grad);
+    zero_chunks_kernel<<<static_cast<unsigned>(im.num_zero_chunks), kThreads, 0, stream_>>>(im.zero_chunks);
     CUDA_CHECK_LAUNCH("GpuTransformer::zero_grad");
   }
   im.zero_pending = true;
 }
 
+void GpuTransformer::ready_slot_below(int l) {
+  Impl& im = *impl_;
+  if (!im.grad_shard) return;
+  size_t bucket = 0;  // the ring's first, below the final norm
+  if (l < cfg_.n_layer) {
+    const auto due = std::find_if(im.buckets.begin(), im.buckets.end(),
+                                  [&](const GradientBucket& b) { return b.after_block == l; });
+    if (due == im.buckets.end()) return;
+    bucket = size_t(due - im.buckets.begin()) + 1;
+  }
+  if (bucket >= im.buckets.size() || im.grad_storage.slot[bucket] < 0) return;
+  im.marks.mark(stream_, "gradient slot");
+  // The bucket that used the slot last in this micro-batch (the micro-batch before ended
+  // with its collectives).
+  if (bucket >= size_t(im.grad_storage.slots))
+    CUDA_CHECK(cudaStreamWaitEvent(stream_, im.slot_free[size_t(im.grad_storage.slot[bucket])]));
+  const auto [first, count] = im.slot_zeros[bucket];
+  if (count == 0) return;
+  zero_chunks_kernel<<<static_cast<unsigned>(count), kThreads, 0, stream_>>>(im.zero_chunks + first);
+  CUDA_CHECK_LAUNCH("GpuTransformer (gradient slot)");
+}
+
 float* GpuTransformer::device_gradients() {
-  check_trains("device_gradients");
+  check_whole_gradients("device_gradients");
   settle_zero_grad();
   return impl_->grad;
 }
@@ -538,8 +601,14 @@ float* GpuTransformer::device_gradients() {
 void GpuTransformer::settle_zero_grad() const {
   Impl& im = *impl_;
   if (!im.zero_pending) return;
-  CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * nstored_, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * im.grad_elements, stream_));
   im.zero_pending = false;
+}
+
+void GpuTransformer::check_whole_gradients(const char* who) const {
+  check_trains(who);
+  ESPLAG_CHECK(!impl_->grad_shard, "GpuTransformer::", who, ": the gradients are sharded over the ranks (ZeRO stage "
+               "2): no rank holds them whole");
 }
 
 // --- sharded state (GpuModelOptions::shard_optimizer) -------------------------------------
