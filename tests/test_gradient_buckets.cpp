@@ -1,7 +1,8 @@
 // The buckets a data-parallel GPU step averages its gradients in while the backward runs
 // (model/gradient_buckets.h): they cover the storage layout exactly once, each holds whole
-// consecutive blocks launched after its lowest block's backward, the rest goes after the
-// backward, and a layout whose blocks are not contiguous gets one bucket.
+// consecutive blocks launched after its lowest block's backward, the final norm and LM head
+// go ahead of the blocks, the rest after the backward, and a layout whose blocks are not
+// contiguous gets one bucket.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -65,7 +66,12 @@ TEST(GradientBuckets, EachBucketHoldsWholeBlocksLaunchedAfterItsLowestBlock) {
   EXPECT_EQ(buckets[1].after_block, 0);
   EXPECT_EQ(buckets[1].begin, block_range(layout, 0).first);
   EXPECT_EQ(buckets[1].end, block_range(layout, 3).first);
-  for (size_t i = 2; i < buckets.size(); ++i) EXPECT_EQ(buckets[i].after_block, -1) << i;
+  // Then the final norm and the LM head, launched ahead of the blocks, and the embeddings.
+  ASSERT_EQ(buckets.size(), 4u);
+  EXPECT_EQ(buckets[2].after_block, GradientBucket::kAfterHead);
+  EXPECT_EQ(std::pair(buckets[2].begin, buckets[2].end), std::pair(e5, total));
+  EXPECT_EQ(buckets[3].after_block, GradientBucket::kAfterBackward);
+  EXPECT_EQ(std::pair(buckets[3].begin, buckets[3].end), std::pair(size_t(0), block_range(layout, 0).first));
   // One element per bucket: one bucket per block.
   const std::vector<GradientBucket> each = plan_gradient_buckets(layout, c.n_layer, total, 1);
   expect_cover(each, total);
@@ -91,8 +97,14 @@ TEST(GradientBuckets, ExtraTensorsAfterTheLayoutGoAfterTheBackward) {
   const auto last = std::find_if(buckets.begin(), buckets.end(),
                                  [&](const GradientBucket& b) { return b.end == total; });
   ASSERT_NE(last, buckets.end());
-  EXPECT_EQ(last->after_block, -1);
-  EXPECT_LE(last->begin, adapter.offset);
+  EXPECT_EQ(last->after_block, GradientBucket::kAfterBackward);
+  EXPECT_EQ(last->begin, adapter.offset);
+  // The final norm and the LM head before it still go ahead of the blocks.
+  const auto head = std::find_if(buckets.begin(), buckets.end(), [&](const GradientBucket& b) {
+    return b.after_block == GradientBucket::kAfterHead;
+  });
+  ASSERT_NE(head, buckets.end());
+  EXPECT_EQ(std::pair(head->begin, head->end), std::pair(block_range(layout, 1).second, adapter.offset));
   // The blocks still make a bucket each (block 0's adapter is not block 0's range).
   ASSERT_GE(buckets.size(), 3u);
   EXPECT_EQ(buckets[0].after_block, 1);

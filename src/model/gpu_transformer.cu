@@ -701,6 +701,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   mark("memset dres");
   CUDA_CHECK(cudaMemsetAsync(dres, 0, sizeof(bf16) * size_t(N) * C, s));
   norm_bwd(im.nf, im.res_f, im.lnf_mean, im.lnf_rstd, im.blocks.back().mproj->db);  // dln holds dlnf from the head
+  if (collect) reduce_buckets_after(GradientBucket::kAfterHead, reduce, overwrite);
   for (int l = cfg_.n_layer - 1; l >= 0; --l) {
     im.marks.layer = l;
     auto& L = im.layers[l];
@@ -776,7 +777,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   im.marks.layer = -1;
   mark("embedding bwd");
   gpu::embedding_backward(im.dwte, im.dwpe, dres, tokens, B, T, C, V, im.emb_ws, im.emb_ws_bytes, s);
-  if (collect) reduce_buckets_after(-1, reduce, overwrite);
+  if (collect) reduce_buckets_after(GradientBucket::kAfterBackward, reduce, overwrite);
 }
 
 void GpuTransformer::reduce_buckets_after(int l, bool reduce, bool overwrite) {
@@ -788,6 +789,7 @@ void GpuTransformer::reduce_buckets_after(int l, bool reduce, bool overwrite) {
   // of category other, so that a what-if on comm counts the collectives only.
   const bool tracing = im.marks.tracing();
   if (tracing) im.marks.end_ops();
+  const int layer = std::max(l, -1);  // the ops' block (-1: none)
   bool forked = false;
   for (size_t i = 0; i < im.buckets.size(); ++i) {
     const GradientBucket& b = im.buckets[i];
@@ -796,7 +798,7 @@ void GpuTransformer::reduce_buckets_after(int l, bool reduce, bool overwrite) {
     float* data = im.grad + im.grad_storage.at[i];
     const double bytes = sizeof(float) * double(b.end - b.begin);
     const std::string name = tracing ? "grad_buckets." + std::to_string(i) : std::string();
-    { ScopedOp ready({name, "ready"}, OpCategory::other, l, 0, 0, {}, {data}, OpStream(stream_)); }
+    { ScopedOp ready({name, "ready"}, OpCategory::other, layer, 0, 0, {}, {data}, OpStream(stream_)); }
     if (!forked) {  // the bucket's gradients are queued on stream_ before this point
       CUDA_CHECK(cudaEventRecord(im.grads_ready, stream_));
       CUDA_CHECK(cudaStreamWaitEvent(im.comm_stream, im.grads_ready));
@@ -805,7 +807,8 @@ void GpuTransformer::reduce_buckets_after(int l, bool reduce, bool overwrite) {
     if (DeviceCollectives* ranks = opt_.shard_optimizer) {  // ZeRO: this rank's slice (impl.h, Impl::slices)
       const Impl::Slice& sl = im.slices[i];
       float* mine = data + size_t(ranks->rank()) * sl.size;  // in place
-      ScopedOp op({name, "reduce_scatter"}, OpCategory::comm, l, 0, bytes, {data}, {data}, OpStream(im.comm_stream));
+      ScopedOp op({name, "reduce_scatter"}, OpCategory::comm, layer, 0, bytes, {data}, {data},
+                  OpStream(im.comm_stream));
       if (!im.grad_shard) {
         ranks->reduce_scatter_mean(data, mine, sl.size, im.comm_stream);
       } else if (slot < 0 || overwrite) {
@@ -818,11 +821,11 @@ void GpuTransformer::reduce_buckets_after(int l, bool reduce, bool overwrite) {
       }
       if (slot >= 0) CUDA_CHECK(cudaEventRecord(im.slot_free[size_t(slot)], im.comm_stream));
     } else {
-      ScopedOp op({name, "all_reduce"}, OpCategory::comm, l, 0, bytes, {data}, {data}, OpStream(im.comm_stream));
+      ScopedOp op({name, "all_reduce"}, OpCategory::comm, layer, 0, bytes, {data}, {data}, OpStream(im.comm_stream));
       opt_.reduce_gradients->all_reduce_mean(data, b.end - b.begin, im.comm_stream);
     }
   }
-  if (l >= 0) return;
+  if (l != GradientBucket::kAfterBackward) return;
   // Joins stream_ (and so a captured graph) with every collective queued.
   CUDA_CHECK(cudaEventRecord(im.comm_done, im.comm_stream));
   CUDA_CHECK(cudaStreamWaitEvent(stream_, im.comm_done));

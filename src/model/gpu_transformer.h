@@ -589,8 +589,9 @@ class GpuTransformer {
   void backward_body(const int32_t* tokens, int B, int T, bool overwrite, bool reduce);
   void forward_backward_body(const int32_t* tokens, const int32_t* targets, int B, int T, double loss_scale,
                              bool overwrite, const Distillation* distill, bool reduce);
-  // Queues the mean over the ranks of the gradient buckets due after block l's backward (-1:
-  // after the whole backward, which then also waits for every collective): with `reduce`
+  // Queues the mean over the ranks of the gradient buckets due after block l's backward
+  // (GradientBucket::kAfterHead: the head's and the final norm's; kAfterBackward: after the
+  // whole backward, which then also waits for every collective): with `reduce`
   // (the step's last micro-batch) all of them, else those in ZeRO stage 2's ring only, whose
   // means add into the rank's slices unless the micro-batch is the step's first
   // (`overwrite`).

@@ -43,7 +43,7 @@ std::vector<Range> block_ranges(const std::vector<ParamInfo>& stored, int n_laye
 
 std::vector<GradientBucket> plan_gradient_buckets(const std::vector<ParamInfo>& stored, int n_layer, size_t total,
                                                   size_t bucket_elements) {
-  const std::vector<GradientBucket> one{{-1, 0, total}};
+  const std::vector<GradientBucket> one{{GradientBucket::kAfterBackward, 0, total}};
   if (bucket_elements == 0 || n_layer == 0) return one;
   const std::vector<Range> blocks = block_ranges(stored, n_layer);
   for (int l = 0; l < n_layer; ++l) {
@@ -59,9 +59,18 @@ std::vector<GradientBucket> plan_gradient_buckets(const std::vector<ParamInfo>& 
       end = begin;
     }
   }
-  // The rest, after the backward: what lies before the first block and after the last.
-  if (blocks.back().end < total) out.push_back({-1, blocks.back().end, total});
-  if (blocks.front().begin > 0) out.push_back({-1, 0, blocks.front().begin});
+  // After the last block: the flat tensors (final norm, LM head), final ahead of the blocks'
+  // backward, up to the layers' own tensors appended after the layout (block-named).
+  size_t head_end = blocks.back().end;
+  for (const ParamInfo& p : stored) {
+    if (p.offset < head_end) continue;
+    if (p.name.rfind("blocks.", 0) == 0) break;
+    head_end = p.offset + p.numel;
+  }
+  if (head_end > blocks.back().end) out.push_back({GradientBucket::kAfterHead, blocks.back().end, head_end});
+  // The rest, after the backward: those own tensors, and what lies before the first block.
+  if (head_end < total) out.push_back({GradientBucket::kAfterBackward, head_end, total});
+  if (blocks.front().begin > 0) out.push_back({GradientBucket::kAfterBackward, 0, blocks.front().begin});
   return out;
 }
 

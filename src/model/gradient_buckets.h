@@ -6,8 +6,10 @@
 // writes only into its own block and into the previous block's bias gradient). A bucket is a
 // contiguous range of the storage layout: consecutive blocks, from the last down, until it
 // holds at least `bucket_elements`, launched after the backward of its first (lowest) block.
-// The rest (embeddings, final norm, LM head, the layers' extra tensors such as adapters) is
-// final only at the end of the backward and goes last.
+// The final norm and the LM head (the flat tensors after the blocks) are final once the
+// backward of the head and the final norm is done, before any block's: their bucket is
+// launched then. The rest (embeddings, the layers' extra tensors such as adapters) is final
+// only at the end of the backward and goes last.
 #pragma once
 
 #include <cstddef>
@@ -20,14 +22,17 @@
 namespace esplag {
 
 struct GradientBucket {
-  int after_block = -1;  // launched after this block's backward; -1: after the whole backward
-  size_t begin = 0, end = 0;  // elements of the storage layout
+  static constexpr int kAfterHead = -2;      // launched after the head's and the final norm's backward
+  static constexpr int kAfterBackward = -1;  // launched after the whole backward
+  int after_block = kAfterBackward;          // >= 0: launched after this block's backward
+  size_t begin = 0, end = 0;                 // elements of the storage layout
 };
 
-// The buckets of a storage layout `stored` (offsets and numels in elements) of `total`
-// elements with `n_layer` blocks, in launch order. They cover [0, total) exactly once. With
-// `bucket_elements` 0, or when a block's tensors are not one contiguous range following
-// the previous block's, one bucket after the whole backward.
+// The buckets of a storage layout `stored` (offsets and numels in elements, in layout order)
+// of `total` elements with `n_layer` blocks: the blocks' in launch order, then the rest's
+// (the head's first). They cover [0, total) exactly once. With `bucket_elements` 0, or when
+// a block's tensors are not one contiguous range following the previous block's, one bucket
+// after the whole backward.
 std::vector<GradientBucket> plan_gradient_buckets(const std::vector<ParamInfo>& stored, int n_layer, size_t total,
                                                   size_t bucket_elements);
 
