@@ -174,23 +174,31 @@ TEST(GpuDataParallel, ZeroStageTwoFollowsOneGpu) {
   expect_two_ranks_follow_one_gpu("dense-zero2", "", 2);
 }
 
-// ZeRO stage 2's ring: four blocks of a bucket each take turns in two gradient slots, each
-// reduce-scattered into the rank's slices as soon as the backward has made it. With one
-// micro-batch per step the mean gradients, the norm and the update are stage 1's in the
-// same buckets, to the bit, dense and slope with its adapters (which appear at step 6 and
-// lay the state out again). With two micro-batches each one's mean adds into the slices
-// (stage 1 averages the sum once): the same within the rounding of the other order.
+// ZeRO stage 2's ring: the blocks' buckets take turns in two gradient slots, each
+// reduce-scattered into the rank's slices as soon as the backward has made it: four blocks
+// of a bucket each, and five in buckets of two, two and one (a tiny block's 49,984 elements
+// are padded to 50,048 on two ranks, two blocks are not), where the last bucket's padding
+// lies in its slot where the first, larger bucket wrote gradients. With one micro-batch per
+// step the mean gradients, the norm and the update are stage 1's in the same buckets, to
+// the bit, dense and slope with its adapters (which appear at step 6 and lay the state out
+// again). With two micro-batches each one's mean adds into the slices (stage 1 averages the
+// sum once): the same within the rounding of the other order.
 TEST(GpuDataParallel, ZeroStageTwoRingGivesTheBitsOfStageOne) {
   if (gpus() < 2) GTEST_SKIP() << "needs two GPUs";
-  for (const auto& [name, recipe] : {std::pair<std::string, std::string>{"dense", ""}, {"slope", kSlope}})
+  struct Case {
+    std::string name, recipe, layout;
+  };
+  const std::string each = " --set model.n_layer=4 --set parallel.bucket_mb=0.01";
+  for (const Case& c : {Case{"dense", "", each}, Case{"slope", kSlope, each},
+                        Case{"dense-uneven", "", " --set model.n_layer=5 --set parallel.bucket_mb=0.29"}})
     for (const int accum : {1, 2}) {
-      const std::string tag = "ring-" + name + "-accum" + std::to_string(accum);
-      const fs::path config = tiny_config(tag, recipe);
+      const std::string tag = "ring-" + c.name + "-accum" + std::to_string(accum);
+      const fs::path config = tiny_config(tag, c.recipe);
       const auto train = [&](int zero) {
         const fs::path out = root() / (tag + "-zero" + std::to_string(zero));
-        const Result r = run("train --gpus 2 --config " + config.string() + " --out " + out.string() +
-                             " --set model.n_layer=4 --set parallel.bucket_mb=0.01 --set train.grad_accum=" +
-                             std::to_string(accum) + " --set parallel.zero=" + std::to_string(zero));
+        const Result r = run("train --gpus 2 --config " + config.string() + " --out " + out.string() + c.layout +
+                             " --set train.grad_accum=" + std::to_string(accum) + " --set parallel.zero=" +
+                             std::to_string(zero));
         EXPECT_EQ(r.code, 0) << r.err;
         return out;
       };

@@ -193,10 +193,10 @@ TEST(GradientBuckets, TheBlocksBucketsTakeTurnsInARingOfSlots) {
     if (buckets[i].after_block >= 0) {
       largest = std::max(largest, len);
       EXPECT_EQ(ring.slot[i], int(i % 2)) << i;
-      EXPECT_EQ(ring.at[i], size_t(ring.slot[i]) * ring.slot_elements) << i;
+      EXPECT_EQ(ring.offset[i], size_t(ring.slot[i]) * ring.slot_elements) << i;
     } else {
       EXPECT_EQ(ring.slot[i], -1);
-      EXPECT_EQ(ring.at[i], 2 * ring.slot_elements + rest) << i;
+      EXPECT_EQ(ring.offset[i], 2 * ring.slot_elements + rest) << i;
       rest += len;
     }
   }
@@ -208,17 +208,71 @@ TEST(GradientBuckets, TheBlocksBucketsTakeTurnsInARingOfSlots) {
                                 [&](const GradientBucket& g) { return p.offset >= g.begin && p.offset < g.end; });
     ASSERT_NE(b, buckets.end()) << p.name;
     const size_t i = size_t(b - buckets.begin());
-    EXPECT_EQ(ring.of(buckets, p.offset), ring.at[i] + (p.offset - b->begin)) << p.name;
-    EXPECT_LE(ring.of(buckets, p.offset) + p.numel, ring.at[i] + (b->end - b->begin)) << p.name;
+    EXPECT_EQ(ring.of(buckets, p.offset), ring.offset[i] + (p.offset - b->begin)) << p.name;
+    EXPECT_LE(ring.of(buckets, p.offset) + p.numel, ring.offset[i] + (b->end - b->begin)) << p.name;
   }
   const GradientStorage flat = plan_gradient_storage(buckets, false);
   EXPECT_EQ(flat.slots, 0);
-  for (size_t i = 0; i < buckets.size(); ++i) EXPECT_EQ(flat.at[i], buckets[i].begin);
+  for (size_t i = 0; i < buckets.size(); ++i) EXPECT_EQ(flat.offset[i], buckets[i].begin);
   EXPECT_EQ(flat.of(buckets, layout[3].offset), layout[3].offset);
+  // No block buckets: the layout itself, as without the ring.
+  const std::vector<GradientBucket> none = plan_gradient_buckets(layout, c.n_layer, total, 0);
+  EXPECT_EQ(plan_gradient_storage(none, true).slots, 0);
+  EXPECT_EQ(plan_gradient_storage(none, true).offset, std::vector<size_t>{0});
   // One block bucket: one slot.
   std::vector<ParamInfo> packed = transformer_param_layout(c);
   std::vector<GradientBucket> few = plan_gradient_buckets(packed, c.n_layer, total, total);
   EXPECT_EQ(plan_gradient_storage(few, true).slots, 1);
+}
+
+// What must be zero before a backward adds into it: the tensors but the blocks' attention and
+// MLP weights and the LM head's, zero_grad's outside the ring; a ring bucket's own, with its
+// padding, which its slot's previous bucket (a larger one here: five blocks in buckets of
+// two, the last of one) wrote with its gradients.
+TEST(GradientBuckets, ARingSlotZeroesItsBucketsAddedTensorsAndPadding) {
+  const ModelConfig c = llama(5);
+  std::vector<ParamInfo> layout = transformer_param_layout(c);
+  const size_t total = total_of(layout);
+  const auto [b4, e4] = block_range(layout, 4);
+  std::vector<GradientBucket> buckets = plan_gradient_buckets(layout, c.n_layer, total, 2 * (e4 - b4));
+  shard_gradient_buckets(layout, buckets, 3);
+  const GradientStorage ring = plan_gradient_storage(buckets, true);
+  ASSERT_EQ(ring.slot.at(2), 0);  // blocks 0 (one), after 4..3 (two) in the same slot
+  ASSERT_LT(buckets[2].end - buckets[2].begin, buckets[0].end - buckets[0].begin);
+  const std::string head = c.tie_embeddings ? "embed.tokens.weight" : "lm_head.weight";
+  const GradientZeroRanges z = gradient_zero_ranges(layout, buckets, ring, head);
+  ASSERT_EQ(z.ring.size(), buckets.size());
+  auto covered = [](const std::vector<std::pair<size_t, size_t>>& ranges, size_t o) {
+    return std::any_of(ranges.begin(), ranges.end(), [&](const auto& r) { return o >= r.first && o < r.first + r.second; });
+  };
+  for (const ParamInfo& p : layout) {
+    const int b = bucket_of(buckets, p.offset);
+    ASSERT_GE(b, 0) << p.name;
+    const bool overwritten = p.name == head || (p.name.rfind("blocks.", 0) == 0 && p.name.find("norm") == std::string::npos &&
+                                                p.name.find(".weight") != std::string::npos);
+    const bool in_ring = ring.slot[size_t(b)] >= 0;
+    const size_t at = ring.of(buckets, p.offset);
+    EXPECT_EQ(covered(z.zero_grad, at), !overwritten && !in_ring) << p.name;
+    EXPECT_EQ(covered(z.ring[size_t(b)], at), !overwritten && in_ring) << p.name;
+    EXPECT_TRUE(covered(z.ring[size_t(b)], at + p.numel - 1) == covered(z.ring[size_t(b)], at)) << p.name;
+  }
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    if (ring.slot[b] < 0) {
+      EXPECT_TRUE(z.ring[b].empty()) << b;
+      continue;
+    }
+    size_t tensors_end = 0;
+    for (const ParamInfo& p : layout)
+      if (bucket_of(buckets, p.offset) == int(b)) tensors_end = std::max(tensors_end, p.offset + p.numel);
+    for (size_t o = tensors_end; o < buckets[b].end; ++o)
+      EXPECT_TRUE(covered(z.ring[b], ring.offset[b] + (o - buckets[b].begin))) << "bucket " << b << " padding " << o;
+  }
+  EXPECT_GT(buckets[2].end, [&] {
+    size_t e = 0;
+    for (const ParamInfo& p : layout)
+      if (bucket_of(buckets, p.offset) == 2) e = std::max(e, p.offset + p.numel);
+    return e;
+  }());  // the case at hand: the bucket is padded
 }
 
 TEST(GradientBuckets, TheStoredLayoutKeepsHalfOfEachKeptValuesWeight) {

@@ -121,10 +121,10 @@ const Command kPlan = {
     "checkpointing that fits), and plans that choice; an error when none does.\n"
     "The numbers are one rank's of a data-parallel run over --gpus N ranks (default: the launcher's WORLD_SIZE,\n"
     "else 1) with train.parallel.zero (docs/distributed.md): with stage 1 each GPU keeps the AdamW moments of its\n"
-    "chunk of the stored elements only, and a checkpoint's whole moments in pinned host memory are noted. The\n"
-    "ranks on one host share its memory: the host must hold them all (all --gpus N ranks are local; else the\n"
-    "launcher's LOCAL_WORLD_SIZE, ...), as the trainer checks it. The device is the trainer's choice: a\n"
-    "train.device cuda run the GPU does not train (parallel.zero 2) is its error.",
+    "chunk of the stored elements only (stage 2: and their mean gradient), and a checkpoint's whole moments in\n"
+    "pinned host memory are noted. The ranks on one host share its memory: the host must hold them all (all\n"
+    "--gpus N ranks are local; else the launcher's LOCAL_WORLD_SIZE, ...), as the trainer checks it. The device\n"
+    "is the trainer's choice: a train.device cuda run the GPU does not train (a sparse kind it lacks) is its error.",
     {
         Option::text("config", "FILE.yaml", "", "the run's config").mandatory(),
         Option::list("set", "KEY=VALUE", "override one config key, e.g. train.checkpointing=full"),

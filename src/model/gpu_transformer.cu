@@ -308,6 +308,8 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
                " exceeds the GPU attention's maximum ", gpu::kAttentionMaxHeadDim);
   ESPLAG_CHECK(!opt_.offload_master || opt_.offload_moments,
                "GpuTransformer: offloading the master weights needs the moments offloaded too");
+  ESPLAG_CHECK(!opt_.shard_gradients || opt_.shard_optimizer,
+               "GpuTransformer: shard_gradients (ZeRO stage 2) needs shard_optimizer");
   infos_ = param_layout(cfg_);
   nparams_ = infos_.back().offset + infos_.back().numel;
   max_b_ = max_batch;
@@ -323,8 +325,6 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
          max_t_, " needs ", DeviceArena::format_bytes(need), " of device memory (", plan_.describe(), ") but only ",
          DeviceArena::format_bytes(free_b), " of ", DeviceArena::format_bytes(total_b),
          " is free; lower the batch size or the sequence length");
-  ESPLAG_CHECK(!opt_.shard_gradients || opt_.shard_optimizer,
-               "GpuTransformer: shard_gradients (ZeRO stage 2) needs shard_optimizer");
   Impl& im = *impl_;
   im.step_plan = step_arena_plan(cfg_, max_b_, max_t_, opt_);
   arena_ = std::make_unique<DeviceArena>(im.step_plan.total() + opt_.extra_arena_bytes, "model");
@@ -697,7 +697,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   };
 
   for (auto& [name, slot] : im.linears) slot.top().begin_backward();
-  ready_slot_below(cfg_.n_layer);
+  ready_ring_slot_below(cfg_.n_layer);
   mark("memset dres");
   CUDA_CHECK(cudaMemsetAsync(dres, 0, sizeof(bf16) * size_t(N) * C, s));
   norm_bwd(im.nf, im.res_f, im.lnf_mean, im.lnf_rstd, im.blocks.back().mproj->db);  // dln holds dlnf from the head
@@ -770,7 +770,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     linear_dw(blk.qkv, "gemm qkv dW", dqkv, ln1);
     bias_sum(blk.qkv->db, dqkv, Q);
     linear_dx(blk.qkv, "gemm qkv dX", dln, dqkv);
-    ready_slot_below(l);
+    ready_ring_slot_below(l);
     norm_bwd(blk.n1, L.res_in, L.ln1_mean, L.ln1_rstd, l > 0 ? im.blocks[l - 1].mproj->db : nullptr);
     if (collect) reduce_buckets_after(l, reduce, overwrite);
   }
@@ -795,7 +795,7 @@ void GpuTransformer::reduce_buckets_after(int l, bool reduce, bool overwrite) {
     const GradientBucket& b = im.buckets[i];
     const int slot = im.grad_storage.slot[i];
     if (b.after_block != l || (!reduce && slot < 0)) continue;
-    float* data = im.grad + im.grad_storage.at[i];
+    float* data = im.grad + im.grad_storage.offset[i];
     const double bytes = sizeof(float) * double(b.end - b.begin);
     const std::string name = tracing ? "grad_buckets." + std::to_string(i) : std::string();
     { ScopedOp ready({name, "ready"}, OpCategory::other, layer, 0, 0, {}, {data}, OpStream(stream_)); }
@@ -831,7 +831,7 @@ void GpuTransformer::reduce_buckets_after(int l, bool reduce, bool overwrite) {
   CUDA_CHECK(cudaStreamWaitEvent(stream_, im.comm_done));
   if (tracing) {
     std::vector<const void*> all;
-    for (size_t i = 0; i < im.buckets.size(); ++i) all.push_back(im.grad + im.grad_storage.at[i]);
+    for (size_t i = 0; i < im.buckets.size(); ++i) all.push_back(im.grad + im.grad_storage.offset[i]);
     ScopedOp joined({"grad_buckets", "joined"}, OpCategory::other, -1, 0, 0, BufferList(all), {}, OpStream(stream_));
   }
 }
@@ -848,7 +848,7 @@ void GpuTransformer::adamw_body() {
       ranks->group_begin();
       for (size_t k = 0; k < im.slices.size(); ++k)
         if (im.grad_storage.slot[k] < 0)
-          ranks->reduce_scatter_mean(im.grad + im.grad_storage.at[k], im.slice_grad(k), im.slices[k].size, stream_);
+          ranks->reduce_scatter_mean(im.grad + im.grad_storage.offset[k], im.slice_grad(k), im.slices[k].size, stream_);
       ranks->group_end();
     }
     im.marks.mark(stream_, "grad norm");

@@ -151,9 +151,10 @@ struct GpuModelOptions {
   // (model/gradient_buckets.h, GradientStorage) and reduce-scattered from there in every
   // micro-batch's backward, adding into the rank's slices; the rest keeps a buffer of its
   // own, accumulated over the micro-batches and reduce-scattered with the last one (or by
-  // step_adamw). So the whole gradients exist nowhere, and what reads them (grads_to_host,
-  // device_gradients) is refused. Without reduce_gradients' buckets every gradient is the
-  // rest's: stage 1's memory.
+  // step_adamw). So every forward_backward_device call is a collective, and every rank
+  // must make the same calls. The whole gradients exist nowhere: what reads them
+  // (grads_to_host, device_gradients) is refused, lora_state leaves them out. Without
+  // reduce_gradients' buckets every gradient is the rest's: stage 1's memory.
   bool shard_gradients = false;
   // Data parallel (docs/distributed.md): the ranks whose mean gradient every step takes. A
   // forward_backward_device call that reduces (a step's last micro-batch) averages each
@@ -339,7 +340,8 @@ class GpuTransformer {
   // left in device_loss(); read_loss() waits for it. Bad ids give a NaN loss. With
   // `distill`, the loss is distillation's and device_loss() holds its parts after it. With
   // `reduce` (GpuModelOptions::reduce_gradients set), the accumulated gradients are averaged
-  // over the ranks as the backward produces them: the step's last micro-batch.
+  // over the ranks as the backward produces them: the step's last micro-batch. Under
+  // GpuModelOptions::shard_gradients every call reduce-scatters the blocks' gradients.
   void forward_backward_device(const int32_t* tokens, const int32_t* targets, int B, int T, double loss_scale,
                                const Distillation* distill = nullptr, bool reduce = false);
   void forward_loss_device(const int32_t* tokens, const int32_t* targets, int B, int T);
@@ -519,8 +521,8 @@ class GpuTransformer {
   };
   SlopeState slope_state(const std::string& weight_name) const;
   // A slope layer's low-rank adapter in fp32 (host copies; row-major L [out, rank] and R
-  // [rank, in]): values, AdamW moments and gradients. lora_state throws Error for a layer
-  // without one. set_lora_state writes values and moments (empty moments: zero; the
+  // [rank, in]): values, AdamW moments and gradients (none when they are sharded:
+  // GpuModelOptions::shard_gradients). lora_state throws Error for a layer without one. set_lora_state writes values and moments (empty moments: zero; the
   // gradients given are ignored) and checks the rank and sizes.
   struct LoraState {
     int rank = 0;
@@ -600,8 +602,8 @@ class GpuTransformer {
   // when that writes the first gradient of the next ring bucket (the bias gradient of block
   // l - 1's last Linear layer, block l being its bucket's lowest), that bucket's slot made
   // ready for this micro-batch: free of the reduce-scatter that read it last, the tensors
-  // the backward adds into zeroed.
-  void ready_slot_below(int l);
+  // the backward adds into and the bucket's padding zeroed.
+  void ready_ring_slot_below(int l);
   // Error naming `who` in a forward_only model.
   void check_trains(const char* who) const;
   // Finishes a zero_grad whose zeros the backward was to write.

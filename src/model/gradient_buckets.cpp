@@ -107,19 +107,17 @@ ShardedBuckets shard_gradient_buckets(std::vector<ParamInfo>& stored, std::vecto
   return out;
 }
 
+int bucket_of(const std::vector<GradientBucket>& buckets, size_t offset) {
+  for (size_t i = 0; i < buckets.size(); ++i)
+    if (offset >= buckets[i].begin && offset < buckets[i].end) return int(i);
+  return -1;
+}
+
 GradientStorage plan_gradient_storage(const std::vector<GradientBucket>& buckets, bool ring) {
   GradientStorage g;
-  g.at.resize(buckets.size());
   g.slot.assign(buckets.size(), -1);
-  if (!ring) {
-    for (size_t i = 0; i < buckets.size(); ++i) {
-      g.at[i] = buckets[i].begin;
-      g.elements = std::max(g.elements, buckets[i].end);
-    }
-    return g;
-  }
   int ringed = 0;
-  for (size_t i = 0; i < buckets.size(); ++i)
+  for (size_t i = 0; ring && i < buckets.size(); ++i)
     if (buckets[i].after_block >= 0) {
       g.slot[i] = ringed++ % GradientStorage::kRingSlots;
       g.slot_elements = std::max(g.slot_elements, buckets[i].end - buckets[i].begin);
@@ -127,21 +125,52 @@ GradientStorage plan_gradient_storage(const std::vector<GradientBucket>& buckets
   g.slots = std::min(ringed, GradientStorage::kRingSlots);
   g.elements = size_t(g.slots) * g.slot_elements;
   for (size_t i = 0; i < buckets.size(); ++i) {
-    if (g.slot[i] >= 0) {
-      g.at[i] = size_t(g.slot[i]) * g.slot_elements;
+    if (g.slots == 0) {  // the layout itself
+      g.offset.push_back(buckets[i].begin);
+      g.elements = std::max(g.elements, buckets[i].end);
+    } else if (g.slot[i] >= 0) {
+      g.offset.push_back(size_t(g.slot[i]) * g.slot_elements);
     } else {
-      g.at[i] = g.elements;
+      g.offset.push_back(g.elements);
       g.elements += buckets[i].end - buckets[i].begin;
     }
   }
   return g;
 }
 
-size_t GradientStorage::of(const std::vector<GradientBucket>& buckets, size_t offset) const {
-  if (buckets.empty()) return offset;
-  for (size_t i = 0; i < buckets.size(); ++i)
-    if (offset >= buckets[i].begin && offset < buckets[i].end) return at[i] + (offset - buckets[i].begin);
-  fail("gradient storage: element ", offset, " lies in no bucket");
+size_t GradientStorage::of(const std::vector<GradientBucket>& buckets, size_t at) const {
+  if (buckets.empty()) return at;
+  const int b = bucket_of(buckets, at);
+  ESPLAG_CHECK(b >= 0, "gradient storage: element ", at, " lies in no bucket");
+  return offset[size_t(b)] + (at - buckets[size_t(b)].begin);
+}
+
+GradientZeroRanges gradient_zero_ranges(const std::vector<ParamInfo>& stored, const std::vector<GradientBucket>& buckets,
+                                        const GradientStorage& g, const std::string& head) {
+  auto overwritten = [&](const std::string& n) {
+    if (n == head) return true;
+    if (n.rfind("blocks.", 0) != 0 || n.size() < 7 || n.compare(n.size() - 7, 7, ".weight") != 0) return false;
+    return n.find(".attn.") != std::string::npos || n.find(".mlp.") != std::string::npos;
+  };
+  GradientZeroRanges z;
+  z.ring.resize(buckets.size());
+  auto add = [](std::vector<std::pair<size_t, size_t>>& ranges, size_t o, size_t n) {
+    if (!ranges.empty() && ranges.back().first + ranges.back().second == o)
+      ranges.back().second += n;
+    else
+      ranges.push_back({o, n});
+  };
+  std::vector<size_t> tensors_end(buckets.size(), 0);  // per bucket, the end of its last tensor
+  for (const ParamInfo& p : stored) {
+    const int b = bucket_of(buckets, p.offset);
+    if (b >= 0) tensors_end[size_t(b)] = std::max(tensors_end[size_t(b)], p.offset + p.numel);
+    if (overwritten(p.name) || p.numel == 0) continue;
+    add(b >= 0 && g.slot[size_t(b)] >= 0 ? z.ring[size_t(b)] : z.zero_grad, g.of(buckets, p.offset), p.numel);
+  }
+  for (size_t b = 0; b < buckets.size(); ++b)
+    if (g.slot[b] >= 0 && tensors_end[b] < buckets[b].end)
+      add(z.ring[b], g.offset[b] + (tensors_end[b] - buckets[b].begin), buckets[b].end - tensors_end[b]);
+  return z;
 }
 
 std::vector<ParamInfo> stored_param_layout(const ModelConfig& config, const std::set<std::string>& kept_values) {

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/transformer.h"
@@ -48,24 +49,43 @@ struct ShardedBuckets {
 };
 ShardedBuckets shard_gradient_buckets(std::vector<ParamInfo>& stored, std::vector<GradientBucket>& buckets, int ranks);
 
-// Where a GPU model keeps its gradients while the backward writes them. Without
-// `ring`, in the storage layout itself (each bucket at its own offset). With it (ZeRO
-// stage 2: GpuModelOptions::shard_gradients) the buckets launched after a block's backward
-// take turns in a ring of `slots` buffers of `slot_elements` each (the j-th such bucket in
-// launch order writes slot j mod slots, once the reduce-scatter of the bucket that used it
-// last has read it), and the rest (embeddings, final norm, LM head, extra tensors), which
-// accumulates over a step's micro-batches, keeps a buffer of its own after the slots.
+// The index of the bucket that holds layout element `offset`, -1 for none.
+int bucket_of(const std::vector<GradientBucket>& buckets, size_t offset);
+
+// Where a GPU model keeps its gradients while the backward writes them. Without `ring`, or
+// without block buckets, in the storage layout itself (each bucket at its own offset). With
+// it (ZeRO stage 2: GpuModelOptions::shard_gradients) the buckets launched after a block's
+// backward take turns in a ring of `slots` buffers of `slot_elements` each (the j-th such
+// bucket in launch order writes ring slot j mod slots, once the reduce-scatter of the bucket
+// that used it last has read it), and the rest (final norm and LM head, embeddings, extra
+// tensors), which accumulates over a step's micro-batches, keeps a buffer of its own after
+// the slots.
 struct GradientStorage {
   static constexpr int kRingSlots = 2;
-  std::vector<size_t> at;  // per bucket, in the buckets' order: the storage offset of its first element
-  std::vector<int> slot;   // per bucket: its slot in the ring, -1 for a buffer of its own
-  int slots = 0;
+  std::vector<size_t> offset;  // per bucket, in the buckets' order: where its first element is stored
+  std::vector<int> slot;       // per bucket: its ring slot, -1 for a buffer of its own
+  int slots = 0;               // 0: no ring
   size_t slot_elements = 0;
   size_t elements = 0;  // of the whole storage
   // The storage offset of layout element `offset` (which a bucket holds; itself without buckets).
   size_t of(const std::vector<GradientBucket>& buckets, size_t offset) const;
 };
 GradientStorage plan_gradient_storage(const std::vector<GradientBucket>& buckets, bool ring);
+
+// The gradient ranges a GPU backward adds into instead of overwriting, which must be zero
+// before it runs: every tensor of `stored` but the blocks' attention and MLP weights and the
+// LM head's weight (`head`: lm_head.weight, or the tied embedding's), as (offset, count) of
+// the gradient storage `g`, adjacent ranges merged. `zero_grad`: what zero_grad zeroes (all
+// of them without a ring). `ring`, per bucket: what its ring slot needs zeroed in every
+// micro-batch, the bucket's padding included (the slot holds the gradients of the bucket
+// that used it before, which a reduce-scatter of the padding would carry into the norm);
+// empty for a bucket with a buffer of its own.
+struct GradientZeroRanges {
+  std::vector<std::pair<size_t, size_t>> zero_grad;
+  std::vector<std::vector<std::pair<size_t, size_t>>> ring;
+};
+GradientZeroRanges gradient_zero_ranges(const std::vector<ParamInfo>& stored, const std::vector<GradientBucket>& buckets,
+                                        const GradientStorage& g, const std::string& head);
 
 // The storage layout a GPU model starts with for `config` (transformer_param_layout's
 // tensors in its order, packed), the weights named in `kept_values` stored as their kept

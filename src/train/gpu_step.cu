@@ -188,8 +188,10 @@ class GpuStep final : public StepBackend {
            ")" +
            (comm_ && cfg_.parallel.zero >= 1
                 ? ", ZeRO stage " + std::to_string(cfg_.parallel.zero) + " (each rank keeps the AdamW moments" +
-                      (cfg_.parallel.zero >= 2 ? " and the mean gradient" : "") + " of 1/" +
-                      std::to_string(comm_->size()) + " of the stored elements)"
+                      (cfg_.parallel.zero >= 2 && buckets() ? " and the mean gradient" : "") + " of 1/" +
+                      std::to_string(comm_->size()) + " of the stored elements" +
+                      (cfg_.parallel.zero >= 2 && !buckets() ? "; without gradient buckets the whole gradients" : "") +
+                      ")"
                 : "") +
            (buckets() ? ", gradients averaged during the backward in buckets of at least " +
                             mib(cfg_.parallel.bucket_mb)

@@ -160,7 +160,7 @@ struct GpuTransformer::Impl {
   gpu::AdamWStepParams* adam_params = nullptr;  // device
 
   // zero_grad's table (device): its first num_zero_chunks entries; under ZeRO stage 2, then
-  // each ring bucket's (slot_zeros), zeroed before a micro-batch writes its slot.
+  // each ring bucket's (bucket_zeros), zeroed before a micro-batch writes its slot.
   gpu_model::ZeroChunk* zero_chunks = nullptr;
   int64_t num_zero_chunks = 0;
   bool zero_pending = false;  // zero_grad ran; the backward is to overwrite the rest
@@ -177,14 +177,14 @@ struct GpuTransformer::Impl {
   // (GpuModelOptions::shard_gradients, when there are block buckets) the storage of
   // grad_storage: the ring's slots, then the rest's buffers; grad_shard then holds the mean
   // gradient of this rank's slices (shard_size), slot_free[s] is recorded on the comm stream
-  // once the reduce-scatter of the bucket that used slot s last has read it, and slot_zeros
+  // once the reduce-scatter of the bucket that used slot s last has read it, and bucket_zeros
   // gives, per bucket, its [first, first + count) entries of zero_chunks (none for the rest).
   float* grad = nullptr;
   size_t grad_elements = 0;
   GradientStorage grad_storage;
   float* grad_shard = nullptr;
   std::vector<cudaEvent_t> slot_free;
-  std::vector<std::pair<int64_t, int64_t>> slot_zeros;
+  std::vector<std::pair<int64_t, int64_t>> bucket_zeros;
   float *m = nullptr, *v = nullptr;
   // The part of the storage layout this rank updates, whose moments m_shard, v_shard hold
   // (shard_size elements): under GpuModelOptions::shard_optimizer its slice of every bucket

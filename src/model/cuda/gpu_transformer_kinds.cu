@@ -230,6 +230,7 @@ GpuTransformer::LoraState GpuTransformer::lora_state(const std::string& weight_n
        {std::tuple{l, &st.l, &st.m_l, &st.v_l, &st.grad_l}, std::tuple{r, &st.r, &st.m_r, &st.v_r, &st.grad_r}})
     for (const auto& [field, out] : {std::pair{StateField::weight, value}, std::pair{StateField::m, m},
                                      std::pair{StateField::v, v}, std::pair{StateField::grad, grad}}) {
+      if (field == StateField::grad && impl_->grad_shard) continue;  // sharded: no rank holds them
       out->resize(info->numel);
       stored_to_host(field, info->offset, info->numel, out->data());
     }

@@ -30,54 +30,27 @@ std::vector<gpu::ParamSegment> segments_of(const std::vector<ParamInfo>& infos, 
   return segs;
 }
 
-// The gradient ranges that must be zeroed before a backward adds into them: every tensor
-// but the Linear weights of the blocks and the LM head's weight, which the next backward's
-// GEMMs (or the padded head's gradient copy) overwrite. As offsets of the gradient storage
-// `g`, cut into chunks of at most kZeroChunk, adjacent tensors merged: zero_grad's first,
-// then (slots, per bucket: [first, first + count) of the table) those of each bucket that
-// lives in the ring, whose slot is zeroed in every micro-batch instead.
+// zero_grad's table of chunks of at most kZeroChunk (gradient_zero_ranges' zero_grad), then
+// each ring bucket's (ring: per bucket, [first, first + count) of the table).
 struct ZeroTable {
-  std::vector<std::pair<int64_t, int64_t>> chunks;  // offset, count
-  int64_t zero_grad = 0;                            // the first entries, zero_grad's
-  std::vector<std::pair<int64_t, int64_t>> slots;
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // storage offset, count
+  int64_t zero_grad = 0;
+  std::vector<std::pair<int64_t, int64_t>> ring;
 };
 ZeroTable zero_table(const ModelConfig& c, const std::vector<ParamInfo>& infos,
                      const std::vector<GradientBucket>& buckets, const GradientStorage& g) {
-  const std::string head = c.tie_embeddings ? "embed.tokens.weight" : "lm_head.weight";
-  auto overwritten = [&](const std::string& n) {
-    if (n == head) return true;
-    if (n.rfind("blocks.", 0) != 0 || !ends_with(n, ".weight")) return false;
-    return n.find(".attn.") != std::string::npos || n.find(".mlp.") != std::string::npos;
-  };
-  auto bucket_of = [&](size_t offset) {
-    for (size_t b = 0; b < buckets.size(); ++b)
-      if (offset >= buckets[b].begin && offset < buckets[b].end) return int(b);
-    return -1;
-  };
-  // Per group (-1: zero_grad's; b: ring bucket b's), the merged ranges.
-  std::map<int, std::vector<std::pair<int64_t, int64_t>>> groups;
-  for (const auto& i : infos) {
-    if (overwritten(i.name) || i.numel == 0) continue;
-    const int b = bucket_of(i.offset);
-    auto& ranges = groups[b >= 0 && g.slot[size_t(b)] >= 0 ? b : -1];
-    const int64_t o = int64_t(g.of(buckets, i.offset)), n = int64_t(i.numel);
-    if (!ranges.empty() && ranges.back().first + ranges.back().second == o)
-      ranges.back().second += n;
-    else
-      ranges.push_back({o, n});
-  }
+  const GradientZeroRanges z =
+      gradient_zero_ranges(infos, buckets, g, c.tie_embeddings ? "embed.tokens.weight" : "lm_head.weight");
   ZeroTable table;
-  table.slots.assign(buckets.size(), {0, 0});
-  for (const auto& [group, ranges] : groups) {  // -1 first
+  auto chunk = [&](const std::vector<std::pair<size_t, size_t>>& ranges) {
     const int64_t first = int64_t(table.chunks.size());
     for (const auto& [o, n] : ranges)
-      for (int64_t k = 0; k < n; k += kZeroChunk) table.chunks.push_back({o + k, std::min(kZeroChunk, n - k)});
-    const int64_t count = int64_t(table.chunks.size()) - first;
-    if (group < 0)
-      table.zero_grad = count;
-    else
-      table.slots[size_t(group)] = {first, count};
-  }
+      for (int64_t k = 0; k < int64_t(n); k += kZeroChunk)
+        table.chunks.push_back({int64_t(o) + k, std::min(kZeroChunk, int64_t(n) - k)});
+    return std::pair{first, int64_t(table.chunks.size()) - first};
+  };
+  table.zero_grad = chunk(z.zero_grad).second;
+  for (const auto& ranges : z.ring) table.ring.push_back(chunk(ranges));
   return table;
 }
 
@@ -152,7 +125,6 @@ void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<Pa
   // ZeRO stage 2 writes the blocks' gradients into a ring of slots, if there are block buckets.
   im.grad_storage = plan_gradient_storage(buckets, shards && o.shard_gradients);
   const bool ring = im.grad_storage.slots > 0;
-  if (!ring) im.grad_storage = plan_gradient_storage(buckets, false);
   im.grad_elements = ring ? im.grad_storage.elements : im.padded;
   const ZeroTable zeros = zero_table(c, stored, buckets, im.grad_storage);
   host.bucket = &plan.host;
@@ -179,7 +151,7 @@ void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<Pa
     im.adamw.push_back(std::make_unique<gpu::SplitAdamWPlan>(segs, *take.arena,
                                                              im.head_pad && !shards ? head_segment(c, stored) : -1));
   im.num_zero_chunks = zeros.zero_grad;
-  im.slot_zeros = zeros.slots;
+  im.bucket_zeros = zeros.ring;
   std::vector<ZeroChunk> table;
   for (const auto& [o, n] : zeros.chunks) table.push_back({im.grad + o, n});
   if (!table.empty())
@@ -570,7 +542,7 @@ void GpuTransformer::zero_grad() {
   im.zero_pending = true;
 }
 
-void GpuTransformer::ready_slot_below(int l) {
+void GpuTransformer::ready_ring_slot_below(int l) {
   Impl& im = *impl_;
   if (!im.grad_shard) return;
   size_t bucket = 0;  // the ring's first, below the final norm
@@ -581,15 +553,15 @@ void GpuTransformer::ready_slot_below(int l) {
     bucket = size_t(due - im.buckets.begin()) + 1;
   }
   if (bucket >= im.buckets.size() || im.grad_storage.slot[bucket] < 0) return;
-  im.marks.mark(stream_, "gradient slot");
+  im.marks.mark(stream_, "gradient ring slot");
   // The bucket that used the slot last in this micro-batch (the micro-batch before ended
   // with its collectives).
   if (bucket >= size_t(im.grad_storage.slots))
     CUDA_CHECK(cudaStreamWaitEvent(stream_, im.slot_free[size_t(im.grad_storage.slot[bucket])]));
-  const auto [first, count] = im.slot_zeros[bucket];
+  const auto [first, count] = im.bucket_zeros[bucket];
   if (count == 0) return;
   zero_chunks_kernel<<<static_cast<unsigned>(count), kThreads, 0, stream_>>>(im.zero_chunks + first);
-  CUDA_CHECK_LAUNCH("GpuTransformer (gradient slot)");
+  CUDA_CHECK_LAUNCH("GpuTransformer (gradient ring slot)");
 }
 
 float* GpuTransformer::device_gradients() {
@@ -602,6 +574,7 @@ void GpuTransformer::settle_zero_grad() const {
   Impl& im = *impl_;
   if (!im.zero_pending) return;
   CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * im.grad_elements, stream_));
+  if (im.grad_shard) CUDA_CHECK(cudaMemsetAsync(im.grad_shard, 0, sizeof(float) * im.shard_size, stream_));
   im.zero_pending = false;
 }
 
