@@ -243,13 +243,15 @@ TEST(GradientBuckets, ARingSlotZeroesItsBucketsAddedTensorsAndPadding) {
   const GradientZeroRanges z = gradient_zero_ranges(layout, buckets, ring, head);
   ASSERT_EQ(z.ring.size(), buckets.size());
   auto covered = [](const std::vector<std::pair<size_t, size_t>>& ranges, size_t o) {
-    return std::any_of(ranges.begin(), ranges.end(), [&](const auto& r) { return o >= r.first && o < r.first + r.second; });
+    return std::any_of(ranges.begin(), ranges.end(),
+                       [&](const auto& r) { return o >= r.first && o < r.first + r.second; });
   };
   for (const ParamInfo& p : layout) {
     const int b = bucket_of(buckets, p.offset);
     ASSERT_GE(b, 0) << p.name;
-    const bool overwritten = p.name == head || (p.name.rfind("blocks.", 0) == 0 && p.name.find("norm") == std::string::npos &&
-                                                p.name.find(".weight") != std::string::npos);
+    const bool block_weight = p.name.rfind("blocks.", 0) == 0 && p.name.find("norm") == std::string::npos &&
+                              p.name.find(".weight") != std::string::npos;
+    const bool overwritten = p.name == head || block_weight;
     const bool in_ring = ring.slot[size_t(b)] >= 0;
     const size_t at = ring.of(buckets, p.offset);
     EXPECT_EQ(covered(z.zero_grad, at), !overwritten && !in_ring) << p.name;

@@ -234,17 +234,27 @@ TEST(MemoryPlanZero, StageOneKeepsTheMomentsOfOneChunkPerGpu) {
   }
 }
 
+namespace {
+
+// The gradient buckets of `c`'s dense layout (train.parallel.bucket_mb), sharded over `ranks`.
+ShardedBuckets sharded_buckets(const TrainConfig& c, int ranks, std::vector<GradientBucket>& buckets) {
+  std::vector<ParamInfo> layout = transformer_param_layout(c.model);
+  const size_t e = layout.back().offset + layout.back().numel;
+  buckets = plan_gradient_buckets(layout, c.model.n_layer, e, size_t(c.parallel.bucket_mb * (1 << 20)) / 4);
+  return shard_gradient_buckets(layout, buckets, ranks);
+}
+
+}  // namespace
+
 // With gradient buckets, a GPU keeps its slice of every bucket: padded per bucket.
 TEST(MemoryPlanZero, StageOneInBucketsKeepsASliceOfEveryBucket) {
   TrainConfig c = tiny_config("cuda");
   c.parallel.zero = 1;
   c.parallel.bucket_mb = 0.01;  // a block or two per bucket
   const GpuModelState s = gpu_model_state(c, 4);
-  std::vector<ParamInfo> layout = transformer_param_layout(c.model);
-  const size_t e = layout.back().offset + layout.back().numel;
-  std::vector<GradientBucket> buckets = plan_gradient_buckets(layout, c.model.n_layer, e, size_t(0.01 * (1 << 20)) / 4);
+  std::vector<GradientBucket> buckets;
+  const ShardedBuckets sharded = sharded_buckets(c, 4, buckets);
   ASSERT_GT(buckets.size(), 2u);
-  const ShardedBuckets sharded = shard_gradient_buckets(layout, buckets, 4);
   EXPECT_EQ(s.chunk, sharded.per_rank());
   EXPECT_EQ(s.padded, sharded.padded);
   EXPECT_GT(s.padded, s.elements);
@@ -279,10 +289,8 @@ TEST(MemoryPlanZero, StageTwoKeepsTwoSlotsTheRestAndTheMeanGradientOfItsSlices) 
   c.parallel.zero = 2;
   c.parallel.bucket_mb = 0.01;  // a block or two per bucket
   const GpuModelState s = gpu_model_state(c, 4);
-  std::vector<ParamInfo> layout = transformer_param_layout(c.model);
-  const size_t e = layout.back().offset + layout.back().numel;
-  std::vector<GradientBucket> buckets = plan_gradient_buckets(layout, c.model.n_layer, e, size_t(0.01 * (1 << 20)) / 4);
-  const ShardedBuckets sharded = shard_gradient_buckets(layout, buckets, 4);
+  std::vector<GradientBucket> buckets;
+  const ShardedBuckets sharded = sharded_buckets(c, 4, buckets);
   size_t largest = 0, rest = 0, blocks = 0;
   for (const GradientBucket& b : buckets) {
     if (b.after_block >= 0) largest = std::max(largest, b.end - b.begin), ++blocks;

@@ -522,8 +522,9 @@ class GpuTransformer {
   SlopeState slope_state(const std::string& weight_name) const;
   // A slope layer's low-rank adapter in fp32 (host copies; row-major L [out, rank] and R
   // [rank, in]): values, AdamW moments and gradients (none when they are sharded:
-  // GpuModelOptions::shard_gradients). lora_state throws Error for a layer without one. set_lora_state writes values and moments (empty moments: zero; the
-  // gradients given are ignored) and checks the rank and sizes.
+  // GpuModelOptions::shard_gradients). lora_state throws Error for a layer without one.
+  // set_lora_state writes values and moments (empty moments: zero; the gradients given are
+  // ignored) and checks the rank and sizes.
   struct LoraState {
     int rank = 0;
     std::vector<float> l, r, m_l, v_l, m_r, v_r, grad_l, grad_r;

@@ -145,8 +145,9 @@ size_t GradientStorage::of(const std::vector<GradientBucket>& buckets, size_t at
   return offset[size_t(b)] + (at - buckets[size_t(b)].begin);
 }
 
-GradientZeroRanges gradient_zero_ranges(const std::vector<ParamInfo>& stored, const std::vector<GradientBucket>& buckets,
-                                        const GradientStorage& g, const std::string& head) {
+GradientZeroRanges gradient_zero_ranges(const std::vector<ParamInfo>& stored,
+                                        const std::vector<GradientBucket>& buckets, const GradientStorage& g,
+                                        const std::string& head) {
   auto overwritten = [&](const std::string& n) {
     if (n == head) return true;
     if (n.rfind("blocks.", 0) != 0 || n.size() < 7 || n.compare(n.size() - 7, 7, ".weight") != 0) return false;

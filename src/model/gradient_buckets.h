@@ -84,8 +84,9 @@ struct GradientZeroRanges {
   std::vector<std::pair<size_t, size_t>> zero_grad;
   std::vector<std::vector<std::pair<size_t, size_t>>> ring;
 };
-GradientZeroRanges gradient_zero_ranges(const std::vector<ParamInfo>& stored, const std::vector<GradientBucket>& buckets,
-                                        const GradientStorage& g, const std::string& head);
+GradientZeroRanges gradient_zero_ranges(const std::vector<ParamInfo>& stored,
+                                        const std::vector<GradientBucket>& buckets, const GradientStorage& g,
+                                        const std::string& head);
 
 // The storage layout a GPU model starts with for `config` (transformer_param_layout's
 // tensors in its order, packed), the weights named in `kept_values` stored as their kept
