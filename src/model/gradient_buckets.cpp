@@ -166,7 +166,8 @@ GradientZeroRanges gradient_zero_ranges(const std::vector<ParamInfo>& stored,
     const int b = bucket_of(buckets, p.offset);
     if (b >= 0) tensors_end[size_t(b)] = std::max(tensors_end[size_t(b)], p.offset + p.numel);
     if (overwritten(p.name) || p.numel == 0) continue;
-    add(b >= 0 && g.slot[size_t(b)] >= 0 ? z.ring[size_t(b)] : z.zero_grad, g.of(buckets, p.offset), p.numel);
+    const size_t at = b >= 0 ? g.offset[size_t(b)] + (p.offset - buckets[size_t(b)].begin) : p.offset;
+    add(b >= 0 && g.slot[size_t(b)] >= 0 ? z.ring[size_t(b)] : z.zero_grad, at, p.numel);
   }
   for (size_t b = 0; b < buckets.size(); ++b)
     if (g.slot[b] >= 0 && tensors_end[b] < buckets[b].end)

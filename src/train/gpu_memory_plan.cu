@@ -41,16 +41,20 @@ GpuModelOptions gpu_model_options(const TrainConfig& config) {
   return o;
 }
 
+void set_data_parallel_options(GpuModelOptions& o, const TrainConfig& config, DeviceCollectives* ranks) {
+  if (!ranks) return;
+  if (config.parallel.zero >= 1) o.shard_optimizer = ranks;
+  o.shard_gradients = o.shard_optimizer && config.parallel.zero >= 2;
+  if (config.parallel.bucket_mb > 0) {
+    o.reduce_gradients = ranks;
+    o.bucket_bytes = size_t(config.parallel.bucket_mb * double(1 << 20));
+  }
+}
+
 GpuMemoryBytes gpu_memory_plan(const TrainConfig& config, int world) {
   GpuModelOptions options = gpu_model_options(config);
   PlannedRanks ranks(world);
-  // As the GPU step shards (stages 1 and 2 over several ranks), in its gradient buckets.
-  if (world > 1 && config.parallel.zero >= 1) options.shard_optimizer = &ranks;
-  options.shard_gradients = options.shard_optimizer && config.parallel.zero >= 2;
-  if (world > 1 && config.parallel.bucket_mb > 0) {
-    options.reduce_gradients = &ranks;
-    options.bucket_bytes = size_t(config.parallel.bucket_mb * double(1 << 20));
-  }
+  set_data_parallel_options(options, config, world > 1 ? &ranks : nullptr);  // as the GPU step does
   const GpuMemoryPlan p = GpuTransformer::memory_plan(config.model, config.batch_size, config.seq_len, options);
   return {p.params, p.grads, p.optimizer, p.activations, p.scratch, p.workspace};
 }

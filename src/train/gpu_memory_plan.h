@@ -21,6 +21,11 @@ namespace esplag {
 // room for the step's own records.
 GpuModelOptions gpu_model_options(const TrainConfig& config);
 
+// `o` for a data-parallel run over `ranks` (null: one process, unchanged): train.parallel.zero
+// 1 shards the optimizer state, 2 the gradients too, and train.parallel.bucket_mb averages
+// the gradients in buckets during the backward.
+void set_data_parallel_options(GpuModelOptions& o, const TrainConfig& config, DeviceCollectives* ranks);
+
 // The device memory GpuTransformer reserves for `config`'s micro-batch with its
 // train.checkpointing (what the GPU training step builds), on each of `world` data-parallel
 // ranks: with train.parallel.zero 1 and several ranks, the sharded optimizer state's.

@@ -115,12 +115,7 @@ class GpuStep final : public StepBackend {
         model_(cfg.model, cfg.batch_size, cfg.seq_len, [&] {
           GpuModelOptions o = gpu_model_options(cfg);
           o.defer_state = true;  // laid out by follow_host_kinds below, for the host's kinds
-          if (comm_ && cfg.parallel.zero >= 1) o.shard_optimizer = comm_.get();
-          o.shard_gradients = o.shard_optimizer && cfg.parallel.zero >= 2;
-          if (buckets()) {
-            o.reduce_gradients = comm_.get();
-            o.bucket_bytes = size_t(cfg.parallel.bucket_mb * double(1 << 20));
-          }
+          set_data_parallel_options(o, cfg, comm_.get());
           return o;
         }()) {
     check_layout();
