@@ -1,9 +1,10 @@
 // Data-parallel training on two GPUs end to end (`esplag train --gpus 2`, NCCL): two ranks
 // with grad_accum 1 follow one GPU with grad_accum 2 (the same tokens and mean gradient;
 // bf16 products and another order of the fp32 sums), slope included, with ZeRO stages 0, 1
-// and 2, and the run resumes on one GPU; the sharded stages' gathered checkpoints hold the
+// 2 and 3, and the run resumes on one GPU; the sharded stages' gathered checkpoints hold the
 // moments stage 0 holds; the gradients averaged in buckets during the backward give the
-// bits of one collective after it; stage 2's ring of gradient slots gives stage 1's bits.
+// bits of one collective after it; stage 2's ring of gradient slots gives stage 1's bits,
+// stage 3's sharded parameters stage 2's.
 // Skipped on machines with fewer than two GPUs.
 #include <gtest/gtest.h>
 
@@ -223,6 +224,44 @@ TEST(GpuDataParallel, ZeroStageTwoRingGivesTheBitsOfStageOne) {
       const fs::path one = train(1), two = train(2);
       expect_runs_agree(two, one, accum == 1, tag);
     }
+}
+
+// ZeRO stage 3: the master weights sharded, the blocks' bf16 weights all-gathered into the
+// ring's slots ahead of each bucket, in the forward and again in the backward. It moves the
+// same numbers as stage 2 (the slices' update, stage 1's bf16 all-gather, the checkpoint
+// assembled by a sum in which one rank gives each value and the other zero), so the runs
+// are stage 2's to the bit: one block bucket (the slot's only bucket), four (each gathered
+// twice but the top two), five in uneven buckets of two, two and one, slope from step 0
+// (its per-step preparation from the gathered kept values), with two micro-batches, and
+// with full activation checkpointing (the backward's recompute reads the gathered slot).
+TEST(GpuDataParallel, ZeroStageThreeGivesTheBitsOfStageTwo) {
+  if (gpus() < 2) GTEST_SKIP() << "needs two GPUs";
+  struct Case {
+    std::string name, recipe, layout;
+  };
+  const std::string each = " --set model.n_layer=4 --set parallel.bucket_mb=0.01";
+  const std::string slope = "recipe:\n  - slope: {params: ['re:blocks\\.\\d+\\.mlp\\.\\w+\\.weight'], start: 0}\n";
+  for (const Case& c : {Case{"dense-one-bucket", "", ""}, Case{"dense", "", each}, Case{"slope", slope, each},
+                        Case{"dense-uneven", "", " --set model.n_layer=5 --set parallel.bucket_mb=0.29"},
+                        Case{"dense-accum2", "", each + " --set train.grad_accum=2"},
+                        Case{"dense-recompute", "", each + " --set train.checkpointing=full"}}) {
+    const std::string tag = "zero3-" + c.name;
+    const fs::path config = tiny_config(tag, c.recipe);
+    const auto train = [&](int zero) {
+      const fs::path out = root() / (tag + "-zero" + std::to_string(zero));
+      const Result r = run("train --gpus 2 --config " + config.string() + " --out " + out.string() + c.layout +
+                           " --set parallel.zero=" + std::to_string(zero));
+      EXPECT_EQ(r.code, 0) << r.err;
+      return out;
+    };
+    const fs::path two = train(2), three = train(3);
+    expect_runs_agree(three, two, true, tag);
+  }
+}
+
+TEST(GpuDataParallel, ZeroStageThreeFollowsOneGpu) {
+  if (gpus() < 2) GTEST_SKIP() << "needs two GPUs";
+  expect_two_ranks_follow_one_gpu("dense-zero3", "", 3);
 }
 
 // parallel.bucket_mb: buckets of one block each (the tiny blocks hold about 50K parameters),

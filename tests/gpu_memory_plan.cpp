@@ -77,13 +77,13 @@ void expect_plan_within_5_percent(const std::string& checkpointing) {
 }  // namespace
 
 // `esplag plan`'s model state per GPU (gpu_model_state, what a CPU build reports) is what
-// GpuTransformer::memory_plan lays out for ZeRO stages 0, 1 and 2 over 1 to 8 ranks: the same
+// GpuTransformer::memory_plan lays out for ZeRO stages 0 to 3 over 1 to 8 ranks: the same
 // bytes but for the arenas' alignment and the tables of the zeroing and the AdamW update.
 TEST(GpuMemoryPlan, TheModelStatePerGpuIsTheLayoutsForEachZeroStageAndWorld) {
   TrainConfig cfg = parse_train_config(
       "model: {preset: llama-1b, vocab_size: 32000}\n"
       "train: {batch_size: 4, seq_len: 2048, device: cuda}\n", "test");
-  for (int zero : {0, 1, 2})
+  for (int zero : {0, 1, 2, 3})
     for (int world : {1, 2, 3, 8}) {
       cfg.parallel.zero = zero;
       const GpuMemoryBytes plan = gpu_memory_plan(cfg, world);

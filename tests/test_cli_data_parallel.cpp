@@ -74,10 +74,10 @@ TEST(CliDataParallel, TwoRanksTrainAsOneProcessWithTwiceTheAccumulation) {
   EXPECT_TRUE(fs::exists(two / "step-000008" / "model.safetensors"));
 }
 
-TEST(CliDataParallel, ShardedParametersAreRefusedWithTheReason) {
+TEST(CliDataParallel, ShardedParametersOnTheCpuAreRefusedWithTheReason) {
   const auto& f = fixture();
   const Result r = run("train --config " + f.config.string() + " --out " + (root() / "zero").string() +
                        " --set parallel.zero=3");
-  esplag::testing::expect_one_line_error(r, "ZeRO stage 3 (sharded parameters) is not built yet");
+  esplag::testing::expect_one_line_error(r, "parallel.zero = 3 (sharded parameters) is built for train.device cuda");
   EXPECT_FALSE(fs::exists(root() / "zero" / "config.yaml"));
 }

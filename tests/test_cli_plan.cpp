@@ -154,12 +154,17 @@ TEST(CliPlan, ABadWorldOrStageIsOneError) {
   expect_one_line_error(run_command("RANK=0 WORLD_SIZE=0 " + std::string(ESPLAG_BINARY) + " " + cuda, scratch() / "o.txt",
                                     scratch() / "e.txt"),
                         "WORLD_SIZE");
-  expect_one_line_error(run_esplag(cuda + "--set parallel.zero=3", scratch()), "parallel.zero = 3: ZeRO stage 3");
-  // Stage 2 runs on the GPU too.
+  expect_one_line_error(run_esplag(cuda + "--set parallel.zero=4", scratch()), "parallel.zero");
+  // Stages 2 and 3 run on the GPU too.
   const auto two = run_esplag(cuda + "--gpus 2 --set parallel.zero=2", scratch());
   EXPECT_EQ(two.code, 0) << two.err;
   EXPECT_TRUE(contains(two.out, "per GPU of 2, ZeRO stage 2: each GPU keeps the AdamW moments and the mean gradient"))
       << two.out;
+  const auto three = run_esplag(cuda + "--gpus 2 --set parallel.zero=3", scratch());
+  EXPECT_EQ(three.code, 0) << three.err;
+  EXPECT_TRUE(contains(three.out, "per GPU of 2, ZeRO stage 3: each GPU keeps the master weights, the AdamW moments "
+                                  "and the mean gradient of"))
+      << three.out;
 }
 
 #ifdef ESPLAG_HAVE_CUDA

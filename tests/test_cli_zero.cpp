@@ -222,21 +222,48 @@ TEST(CliZero, AStopSignalSavesTheWholeOptimizerState) {
   EXPECT_GT(nonzero, moments / 2) << "the moments of rank 1's range were not gathered";
 }
 
-TEST(CliZero, StageThreeIsRefused) {
+TEST(CliZero, StageThreeIsRefusedOnTheCpu) {
   const auto& f = fixture();
   const Result r = run("train --gpus 2 --config " + f.config.string() + " --out " + (root() / "zero3").string() +
                        " --set parallel.zero=3");
   // Every rank checks the config and says why; the launch then names the failed rank.
   EXPECT_NE(r.code, 0);
-  EXPECT_NE(r.err.find("tiny.yaml: parallel.zero = 3: ZeRO stage 3 (sharded parameters) is not built yet"),
+  EXPECT_NE(r.err.find("tiny.yaml: parallel.zero = 3 (sharded parameters) is built for train.device cuda"),
             std::string::npos)
       << r.err;
   EXPECT_FALSE(fs::exists(root() / "zero3" / "config.yaml"));
 }
 
-TEST(CliZero, TheGpuTakesEveryStageBuilt) {
+TEST(CliZero, StageThreeRefusesARecipeThatChangesALayerAfterTheStart) {
+  const std::string run = "model: {preset: tiny, vocab_size: 257}\ntrain: {device: cuda, steps: 100}\n"
+                          "parallel: {zero: 3}\nrecipe:\n  - ";
+  const std::string mlp = "params: ['re:blocks\\.\\d+\\.mlp\\.\\w+\\.weight']";
+  auto error_of = [&](const std::string& modifier) -> std::string {
+    try {
+      esplag::parse_train_config(run + modifier + "\n", "run.yaml", {}).validate();
+    } catch (const esplag::Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_EQ(error_of("slope: {" + mlp + ", start: 0}"), "");
+  EXPECT_EQ(error_of("semi_sparse: {" + mlp + ", start: 0}"), "");
+  const std::pair<std::string, std::string> refused[] = {
+      {"slope: {" + mlp + ", start: 10}", "its layers change kind at step 10"},
+      {"slope: {" + mlp + ", start: 0, lora_rank: 8, lora_start: 0.9}", "it adds adapters"},
+      {"semi_sparse: {" + mlp + ", start: 0, until: 0.5}", "its layers turn dense at `until`"},
+      {"gradual_magnitude: {" + mlp + ", mask_type: \"2:4\", start: 0, end: 50, update_every: 10}",
+       "rewrite their weights"}};
+  for (const auto& [modifier, why] : refused) {
+    const std::string e = error_of(modifier);
+    EXPECT_NE(e.find("parallel.zero = 3: the recipe's"), std::string::npos) << modifier << ": " << e;
+    EXPECT_NE(e.find(why), std::string::npos) << modifier << ": " << e;
+  }
+}
+
+TEST(CliZero, TheGpuTakesEveryStage) {
   esplag::TrainConfig config;
-  for (const int zero : {0, 1, 2}) {
+  for (const int zero : {0, 1, 2, 3}) {
     config.parallel.zero = zero;
     EXPECT_EQ(esplag::gpu_training_blocker(config), "") << zero;
   }

@@ -323,6 +323,42 @@ TEST(MemoryPlanZero, StageTwoKeepsTwoSlotsTheRestAndTheMeanGradientOfItsSlices) 
                                  std::to_string(largest) + " elements")) << ring;
 }
 
+TEST(MemoryPlanZero, StageThreeKeepsTheMasterOfItsSlicesAndTheBlocksWeightsInTheSlots) {
+  TrainConfig c = tiny_config("cuda");
+  c.model.n_layer = 6;
+  c.parallel.zero = 3;
+  c.parallel.bucket_mb = 0.01;
+  const GpuModelState s = gpu_model_state(c, 4);
+  c.parallel.zero = 2;
+  const GpuModelState two = gpu_model_state(c, 4);
+  ASSERT_EQ(s.slots, 2);
+  EXPECT_TRUE(s.sharded_params);
+  EXPECT_FALSE(two.sharded_params);
+  // The bf16 weights where stage 2 keeps the gradients (but the chunk's mean), and both master halves of the chunk.
+  EXPECT_EQ(s.weight_elements, two.gradient_elements - two.chunk);
+  EXPECT_EQ(s.params, (s.weight_elements + s.chunk) * 2 + s.chunk * 2);
+  EXPECT_EQ(s.grads, two.grads);
+  EXPECT_EQ(s.optimizer, two.optimizer);
+  EXPECT_LT(s.params, two.params);
+  c.offload = "optimizer+master";
+  c.parallel.zero = 3;
+  const GpuModelState off = gpu_model_state(c, 4);
+  EXPECT_EQ(off.params, (off.weight_elements + off.chunk) * 2);
+  EXPECT_EQ(off.offloaded, off.chunk * 2 + off.chunk * 8);
+  // Without gradient buckets, stage 2's memory.
+  c.offload = "none";
+  c.parallel.bucket_mb = 0;
+  const GpuModelState whole = gpu_model_state(c, 4);
+  EXPECT_FALSE(whole.sharded_params);
+  EXPECT_EQ(whole.params, whole.padded * 4);
+  c.parallel.bucket_mb = 0.01;
+  const std::string text = describe(c, plan_memory(c, "cuda", 4), {});
+  EXPECT_TRUE(contains(text, "per GPU of 4, ZeRO stage 3: each GPU keeps the master weights, the AdamW moments and "
+                             "the mean gradient of " + std::to_string(s.chunk))) << text;
+  EXPECT_TRUE(contains(text, "the blocks' bf16 weights are gathered, and their gradients written, into 2 slots of "))
+      << text;
+}
+
 TEST(MemoryPlanZero, NoRanksIsAnError) {
   TrainConfig c = tiny_config("cuda");
   EXPECT_TRUE(contains(error_of([&] { plan_memory(c, "cuda", 0); }), "the world size must be at least 1, got 0"));

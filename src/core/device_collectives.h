@@ -26,8 +26,9 @@ class DeviceCollectives {
   // everyone's chunk r of in. In place when out is in + rank() · chunk (the rest of in is
   // then left as it was, or scratch).
   virtual void reduce_scatter_mean(const float* in, float* out, size_t chunk, cudaStream_t stream) = 0;
-  // data [size() · chunk_bytes], in place: every rank's chunk r becomes rank r's chunk r.
-  virtual void all_gather(void* data, size_t chunk_bytes, cudaStream_t stream) = 0;
+  // out [size() · chunk_bytes]: chunk r becomes rank r's in [chunk_bytes]. In place when in
+  // is out + rank() · chunk_bytes.
+  virtual void all_gather(const void* in, void* out, size_t chunk_bytes, cudaStream_t stream) = 0;
   // data [n] fp32, in place: the sum over the ranks.
   virtual void all_reduce_sum(float* data, size_t n, cudaStream_t stream) = 0;
   // data [n] fp32, in place: the mean over the ranks (GpuModelOptions::reduce_gradients).

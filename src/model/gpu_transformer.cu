@@ -310,6 +310,8 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
                "GpuTransformer: offloading the master weights needs the moments offloaded too");
   ESPLAG_CHECK(!opt_.shard_gradients || opt_.shard_optimizer,
                "GpuTransformer: shard_gradients (ZeRO stage 2) needs shard_optimizer");
+  ESPLAG_CHECK(!opt_.shard_parameters || opt_.shard_gradients,
+               "GpuTransformer: shard_parameters (ZeRO stage 3) needs shard_gradients");
   infos_ = param_layout(cfg_);
   nparams_ = infos_.back().offset + infos_.back().numel;
   max_b_ = max_batch;
@@ -350,6 +352,11 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
                  "GpuTransformer: shard_optimizer and reduce_gradients must be the same ranks");
     im.slot_free.resize(opt_.shard_gradients ? GradientStorage::kRingSlots : 0);
     for (cudaEvent_t& e : im.slot_free) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    if (opt_.shard_parameters) {
+      im.weights_gathered.resize(GradientStorage::kRingSlots);
+      for (cudaEvent_t& e : im.weights_gathered) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      CUDA_CHECK(cudaEventCreateWithFlags(&im.slot_released, cudaEventDisableTiming));
+    }
     // Its collectives should start as soon as a bucket is ready, ahead of queued compute.
     int lowest = 0, highest = 0;
     CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
@@ -513,7 +520,10 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
   im.marks.mark(stream_, "embedding fwd");
   gpu::embedding_forward(im.layers.front().res_in, tokens, im.wte, im.wpe, B, T, cfg_.d_model, cfg_.vocab_size,
                          stream_);
-  for (int l = 0; l < cfg_.n_layer; ++l) block_forward(l, B, T, false);
+  for (int l = 0; l < cfg_.n_layer; ++l) {
+    gather_ring_weights(l, false);
+    block_forward(l, B, T, false);
+  }
   im.marks.layer = -1;
   norm_forward(im, cfg_, stream_, im.nf, im.s0, im.lnf_mean, im.lnf_rstd, im.res_f, im.layers.back().res_mid, im.s1,
                B * T);
@@ -706,6 +716,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     im.marks.layer = l;
     auto& L = im.layers[l];
     const auto& blk = im.blocks[l];
+    gather_ring_weights(l, true);
     // Full checkpointing: the block's forward again, into the buffers the recomputed blocks
     // share (the last such block's backward is done with them). It uses s1 and the shared
     // region, both dead between two blocks' backwards; dres (s0) is untouched.
@@ -836,6 +847,43 @@ void GpuTransformer::reduce_buckets_after(int l, bool reduce, bool overwrite) {
   }
 }
 
+void GpuTransformer::gather_ring_weights(int l, bool backward) {
+  Impl& im = *impl_;
+  if (!im.w_own) return;
+  const int p = backward ? im.ring_highest[size_t(l)] : im.ring_lowest[size_t(l)];
+  if (p < 0) return;
+  const int K = int(im.ring_order.size()), S = im.grad_storage.slots;
+  // The positions in ring_order to gather now, into slots whose buckets stream_ is done with.
+  std::vector<int> due;
+  if (!backward && p == 0) {
+    for (int q = 0; q < std::min(S, K); ++q) due.push_back(q);
+  } else if (!backward) {
+    if (p + S - 1 < K) due.push_back(p + S - 1);  // into the slot of bucket p - 1
+  } else if (p + 1 < K && p + 1 - S >= 0 && p + 1 - S < K - S) {
+    due.push_back(p + 1 - S);  // into the slot of bucket p + 1; the forward left the top S there
+  }
+  const bool tracing = im.marks.tracing();
+  if (tracing) im.marks.end_ops();
+  if (!due.empty()) {
+    CUDA_CHECK(cudaEventRecord(im.slot_released, stream_));
+    CUDA_CHECK(cudaStreamWaitEvent(im.comm_stream, im.slot_released));
+  }
+  for (int q : due) {
+    const size_t i = im.ring_order[size_t(q)];
+    const size_t bytes = sizeof(bf16) * im.slices[i].size;
+    bf16* slot = im.bucket_weights(i);
+    const std::string name = tracing ? "weight_buckets." + std::to_string(i) : std::string();
+    {
+      ScopedOp op({name, "all_gather"}, OpCategory::comm, l, 0, double(bytes) * opt_.shard_optimizer->size(),
+                  {im.master_hi(i)}, {slot}, OpStream(im.comm_stream));
+      opt_.shard_optimizer->all_gather(im.master_hi(i), slot, bytes, im.comm_stream);
+    }
+    CUDA_CHECK(cudaEventRecord(im.weights_gathered[size_t(im.grad_storage.slot[i])], im.comm_stream));
+  }
+  im.marks.mark(stream_, "weight ring slot");
+  CUDA_CHECK(cudaStreamWaitEvent(stream_, im.weights_gathered[size_t(im.grad_storage.slot[im.ring_order[size_t(p)]])]));
+}
+
 void GpuTransformer::adamw_body() {
   Impl& im = *impl_;
   // Over the storage layout: a Linear weight in its layer's form (slope: the kept values
@@ -860,14 +908,19 @@ void GpuTransformer::adamw_body() {
     im.marks.mark(stream_, "adamw");
     for (size_t k = 0; k < im.slices.size(); ++k) {
       const Impl::Slice& sl = im.slices[k];
-      gpu::adamw_update_split(*im.adamw[k], im.w + sl.at, im.w_lo + sl.at, im.m_shard + sl.shard_at,
+      gpu::adamw_update_split(*im.adamw[k], im.master_hi(k), im.master_lo(k), im.m_shard + sl.shard_at,
                               im.v_shard + sl.shard_at, im.slice_grad(k), im.adam_params, norm_sq_, nullptr, stream_);
     }
     im.marks.mark(stream_, "all-gather (weights)");
-    ranks->group_begin();
-    for (const Impl::Slice& sl : im.slices) ranks->all_gather(im.w + sl.bucket, sizeof(bf16) * sl.size, stream_);
-    ranks->group_end();
-    im.lo_stale = true;
+    if (im.w_own) {  // ZeRO stage 3: the blocks' weights are gathered where they are used
+      gather_rest_weights();
+    } else {
+      ranks->group_begin();
+      for (size_t k = 0; k < im.slices.size(); ++k)
+        ranks->all_gather(im.master_hi(k), im.bucket_weights(k), sizeof(bf16) * im.slices[k].size, stream_);
+      ranks->group_end();
+      im.lo_stale = true;
+    }
     refresh_head_copy();
   } else {
     im.marks.mark(stream_, "grad norm");
@@ -888,12 +941,39 @@ void GpuTransformer::adamw_body() {
 
 void GpuTransformer::prepare_layers() {
   Impl& im = *impl_;
+  struct Due {
+    int bucket;  // ZeRO stage 3: the ring bucket of the layer's weight (-1: none)
+    const std::string* name;
+    DeviceLinear* layer;
+    bool refresh;
+  };
+  std::vector<Due> due;
   size_t k = 0;  // index into im.refreshing, in im.linears' order
   for (auto& [name, slot] : im.linears) {
     const bool refresh = k < im.refreshing.size() && im.refreshing[k];
     ++k;
-    DeviceLinear& layer = slot.top();
-    if (!layer.prepares()) continue;
+    if (!slot.top().prepares()) continue;
+    int bucket = -1;
+    if (im.w_own) {
+      bucket = bucket_of(im.buckets, info_named(im.stored, name).offset);
+      if (bucket >= 0 && im.grad_storage.slot[size_t(bucket)] < 0) bucket = -1;
+    }
+    due.push_back({bucket, &name, &slot.top(), refresh});
+  }
+  // Under ZeRO stage 3 bucket by bucket, each gathered into its slot first (in stream order).
+  std::stable_sort(due.begin(), due.end(), [](const Due& a, const Due& b) { return a.bucket < b.bucket; });
+  int gathered = -1;
+  for (const Due& d : due) {
+    if (d.bucket >= 0 && d.bucket != gathered) {
+      gathered = d.bucket;
+      im.marks.mark(stream_, "all-gather (weights)");
+      const size_t b = size_t(d.bucket);
+      opt_.shard_optimizer->all_gather(im.master_hi(b), im.bucket_weights(b), sizeof(bf16) * im.slices[b].size,
+                                       stream_);
+    }
+    const std::string& name = *d.name;
+    DeviceLinear& layer = *d.layer;
+    const bool refresh = d.refresh;
     im.marks.layer = layer_of(name);
     im.marks.mark(stream_, "sparse prepare (2:4 prune + compress)", 0,
                   im.marks.tracing() ? module_of(name) + ".sparsify" : "");

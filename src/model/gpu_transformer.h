@@ -156,6 +156,21 @@ struct GpuModelOptions {
   // (grads_to_host, device_gradients) is refused, lora_state leaves them out. Without
   // reduce_gradients' buckets every gradient is the rest's: stage 1's memory.
   bool shard_gradients = false;
+  // ZeRO stage 3 (needs shard_gradients): the parameters sharded too. A rank keeps the master
+  // weights (both halves) of its slices only (4/ranks bytes per parameter); the bf16 weights
+  // of the blocks' buckets exist only while they are used: each is all-gathered into the
+  // ring slot its gradients use (the same two slots' worth of bf16), in the forward one
+  // bucket ahead of the block that needs it, and again in the backward (but for the two
+  // buckets the forward left in the slots), on the collectives' stream. The rest (the
+  // embeddings, the final norm and the LM head) stays whole on every rank, all-gathered
+  // after each update as in stage 1. So the forward (forward_loss too) is a collective.
+  // Layers that prepare per step (slope, semi_sparse) prepare bucket by bucket after the
+  // update, each bucket gathered first. What reads or writes the whole master weights
+  // (params_to_host, set_params, stored_to_host / stored_from_host of weights) assembles
+  // them over the ranks, a collective. Refused under stage 3: layers that rewrite their
+  // weights after the update (masked, vnm) or own extra tensors (adapters), and a kind
+  // change once the state is written. Without block buckets it keeps stage 2's memory.
+  bool shard_parameters = false;
   // Data parallel (docs/distributed.md): the ranks whose mean gradient every step takes. A
   // forward_backward_device call that reduces (a step's last micro-batch) averages each
   // bucket of gradients over them (model/gradient_buckets.h: consecutive blocks of at least
@@ -605,6 +620,11 @@ class GpuTransformer {
   // ready for this micro-batch: free of the reduce-scatter that read it last, the tensors
   // the backward adds into and the bucket's padding zeroed.
   void ready_ring_slot_below(int l);
+  // ZeRO stage 3, at the start of block l (the forward: its bucket's lowest block; the
+  // backward: its highest): stream_ waits for the bucket's bf16 weights in its ring slot,
+  // and the next bucket's gather is queued into the slot the blocks before have finished
+  // with (the forward gathers every bucket; the backward all but the two it left there).
+  void gather_ring_weights(int l, bool backward);
   // Error naming `who` in a forward_only model.
   void check_trains(const char* who) const;
   // Finishes a zero_grad whose zeros the backward was to write.
@@ -652,6 +672,13 @@ class GpuTransformer {
   // master weights (host copies, a kind change). Every rank is stale after the same step,
   // so every rank calls the collective or none does.
   void gather_master_low() const;
+  // n master weights of the storage layout from `at`, joined into (or split from) device
+  // fp32 `buf`. Under ZeRO stage 3 joining is a collective (each rank fills in its slices,
+  // a sum over the ranks the rest), splitting writes this rank's slices only, and
+  // gather_rest_weights then makes the whole bf16 weights of the rest again (a collective).
+  void join_master(size_t at, float* buf, size_t n) const;
+  void split_master(size_t at, const float* buf, size_t n);
+  void gather_rest_weights();
   // Sharded moments (GpuModelOptions::shard_optimizer): the whole moments are about to be
   // written (gathered first, and marked to be cut into this rank's slices again), or are
   // done with (cut into the slices where they were written, then dropped).

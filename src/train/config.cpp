@@ -304,10 +304,30 @@ void TrainConfig::validate_settings() const {
     if (f.check) f.check(*this);
   ESPLAG_CHECK(schedule.warmup_steps <= steps, "schedule.warmup_steps (", schedule.warmup_steps,
                ") is larger than train.steps (", steps, "): the run would end before the learning rate is reached");
-  ESPLAG_CHECK(parallel.zero <= 2, "parallel.zero = ", parallel.zero, ": ZeRO stage 3 (sharded parameters) is not ",
-               "built yet; 0 (the whole state on every rank), 1 (sharded optimizer state) and 2 (sharded optimizer ",
-               "state and gradients) are");
+  ESPLAG_CHECK(parallel.zero <= 2 || device != "cpu", "parallel.zero = 3 (sharded parameters) is built for ",
+               "train.device cuda; the CPU reference trains stages 0 to 2, whose numbers stage 3 gives");
 }
+
+namespace {
+
+// ZeRO stage 3 keeps each layer's kind from the start (GpuModelOptions::shard_parameters):
+// error for a recipe modifier that would change one mid-run or rewrite its weights.
+void check_zero3_recipe(const Recipe& recipe, int64_t steps) {
+  for (const Recipe::Modifier& m : recipe.modifiers()) {
+    if (m.type == "distill") continue;
+    const std::string why = m.kind() == "masked" || m.kind() == "vnm" ? "its layers rewrite their weights after "
+                                                                        "every update"
+                            : m.lora_rank > 0                         ? "it adds adapters (lora_rank)"
+                            : m.has_until                             ? "its layers turn dense at `until`"
+                            : m.start.resolve(steps) > 0 ? "its layers change kind at step " +
+                                                               std::to_string(m.start.resolve(steps))
+                                                         : "";
+    ESPLAG_CHECK(why.empty(), "parallel.zero = 3: the recipe's ", m.type, " modifier cannot train under ZeRO stage 3 (",
+                 why, "); use parallel.zero 2, or a recipe whose kinds hold from step 0");
+  }
+}
+
+}  // namespace
 
 void TrainConfig::validate() const {
   validate_settings();
@@ -318,6 +338,7 @@ void TrainConfig::validate() const {
   else
     model.validate();
   if (!recipe_yaml.empty()) recipe().validate(linear_shapes(model), steps);
+  if (parallel.zero == 3 && !recipe_yaml.empty()) check_zero3_recipe(recipe(), steps);
 }
 
 Recipe TrainConfig::recipe() const { return Recipe::parse(recipe_yaml, source); }

@@ -30,8 +30,8 @@ struct OptimizerConfig {
 // How the ranks of a data-parallel run (docs/distributed.md) share the training state.
 struct ParallelConfig {
   // ZeRO stage: 0 keeps the whole state on every rank (plain data parallel); 1 shards the
-  // optimizer state and 2 the gradients too (the CPU reference only so far); 3, sharded
-  // parameters, is not built (refused).
+  // optimizer state, 2 the gradients too, 3 the parameters too (train.device cuda only, and
+  // with every layer's kind fixed from step 0: docs/distributed.md).
   int zero = 0;
   // GPU runs: the gradients are averaged over the ranks in buckets of at least this many MiB
   // of consecutive blocks, each as soon as the backward has finished it, overlapping the

@@ -18,7 +18,7 @@ class PlannedRanks final : public DeviceCollectives {
   int rank() const override { return 0; }
   int size() const override { return world_; }
   void reduce_scatter_mean(const float*, float*, size_t, cudaStream_t) override { refuse(); }
-  void all_gather(void*, size_t, cudaStream_t) override { refuse(); }
+  void all_gather(const void*, void*, size_t, cudaStream_t) override { refuse(); }
   void all_reduce_sum(float*, size_t, cudaStream_t) override { refuse(); }
   void all_reduce_mean(float*, size_t, cudaStream_t) override { refuse(); }
 
@@ -45,6 +45,7 @@ void set_data_parallel_options(GpuModelOptions& o, const TrainConfig& config, De
   if (!ranks) return;
   if (config.parallel.zero >= 1) o.shard_optimizer = ranks;
   o.shard_gradients = o.shard_optimizer && config.parallel.zero >= 2;
+  o.shard_parameters = o.shard_optimizer && config.parallel.zero >= 3;
   if (config.parallel.bucket_mb > 0) {
     o.reduce_gradients = ranks;
     o.bucket_bytes = size_t(config.parallel.bucket_mb * double(1 << 20));

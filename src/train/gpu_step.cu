@@ -182,7 +182,8 @@ class GpuStep final : public StepBackend {
                       : "") +
            ")" +
            (comm_ && cfg_.parallel.zero >= 1
-                ? ", ZeRO stage " + std::to_string(cfg_.parallel.zero) + " (each rank keeps the AdamW moments" +
+                ? ", ZeRO stage " + std::to_string(cfg_.parallel.zero) + " (each rank keeps the " +
+                      (cfg_.parallel.zero >= 3 && buckets() ? "master weights, the " : "") + "AdamW moments" +
                       (cfg_.parallel.zero >= 2 && buckets() ? " and the mean gradient" : "") + " of 1/" +
                       std::to_string(comm_->size()) + " of the stored elements" +
                       (cfg_.parallel.zero >= 2 && !buckets() ? "; without gradient buckets the whole gradients" : "") +

@@ -123,15 +123,24 @@ std::string ranks_text(const TrainConfig& config, const MemoryPlan& plan) {
     const std::string kept = "each GPU keeps the AdamW moments" + std::string(s.slots ? " and the mean gradient" : "") +
                              " of " + std::to_string(s.chunk) + " of the " + std::to_string(s.elements) +
                              " stored elements (1/" + world + " of every gradient bucket, rounded up to 64), ";
+    if (s.sharded_params)
+      return line + "each GPU keeps the master weights, the AdamW moments and the mean gradient of " +
+             std::to_string(s.chunk) + " of the " + std::to_string(s.elements) + " stored elements (1/" + world +
+             " of every gradient bucket, rounded up to 64); the blocks' bf16 weights are gathered, and their " +
+             "gradients written, into " + std::to_string(s.slots) + " slots of " + std::to_string(s.slot_elements) +
+             " elements, the rest's kept whole\n";
     if (s.slots)
       return line + kept + "the weights padded to " + std::to_string(s.padded) + "; the backward writes the blocks' " +
              "gradients into " + std::to_string(s.slots) + " slots of " + std::to_string(s.slot_elements) +
              " elements and the rest's into buffers of their own\n";
     return line + kept + "the weights and gradients padded to " + std::to_string(s.padded) +
-           (zero >= 2 ? " (without gradient buckets, stage 2 keeps the whole gradients, as stage 1)" : "") + "\n";
+           (zero >= 2 ? " (without gradient buckets, stage " + std::to_string(zero) +
+                            " keeps the whole gradients, as stage 1)"
+                      : "") +
+           "\n";
   }
   if (!gpu && plan.world > 1 && zero >= 1)
-    return line + "each rank keeps the AdamW moments" + (zero == 2 ? " and the mean gradient" : "") + " of at most " +
+    return line + "each rank keeps the AdamW moments" + (zero >= 2 ? " and the mean gradient" : "") + " of at most " +
            std::to_string(largest_range(config.model.num_params(), plan.world)) + " of the " +
            std::to_string(config.model.num_params()) + " trained elements\n";
   if (plan.world == 1)
@@ -199,11 +208,17 @@ GpuModelState gpu_model_state(const TrainConfig& config, int world) {
     s.slots = ring.slots;
     s.slot_elements = ring.slot_elements;
     if (ring.slots > 0) s.gradient_elements = ring.elements + s.chunk;
+    s.sharded_params = ring.slots > 0 && config.parallel.zero >= 3;
+    if (s.sharded_params) s.weight_elements = ring.elements;
   }
   if (s.slots == 0) s.gradient_elements = s.padded;
-  const uint64_t master_low = s.padded * sizeof(uint16_t), moments = s.chunk * 2 * sizeof(float);
+  if (!s.sharded_params) s.weight_elements = s.padded;
+  // Stage 3 keeps both master halves of the chunk; below it the bf16 weights are the high halves.
+  const uint64_t master = s.sharded_params ? s.chunk : s.padded;
+  const uint64_t master_low = master * sizeof(uint16_t), moments = s.chunk * 2 * sizeof(float);
   const bool offload_master = config.offload == "optimizer+master", offload_moments = config.offload != "none";
-  s.params = s.padded * sizeof(uint16_t) + (offload_master ? 0 : master_low);
+  s.params = (s.weight_elements + (s.sharded_params ? s.chunk : 0)) * sizeof(uint16_t) +
+             (offload_master ? 0 : master_low);
   s.grads = s.gradient_elements * sizeof(float);
   s.optimizer = offload_moments ? 0 : moments;
   s.offloaded = (offload_master ? master_low : 0) + (offload_moments ? moments : 0);

@@ -50,6 +50,10 @@ struct GpuModelState {
   // elements in all (slots, the rest's buffers, the chunk's mean gradient); 0 slots else.
   int slots = 0;
   uint64_t slot_elements = 0, gradient_elements = 0;
+  // Zero 3 with block buckets: the bf16 weights are the slots and the rest's (weight_elements),
+  // the master weights the chunk's only. Else weight_elements = padded.
+  bool sharded_params = false;
+  uint64_t weight_elements = 0;
   uint64_t params = 0;     // on the device: bf16 weights + the master weights' low halves
   uint64_t grads = 0;      // fp32
   uint64_t optimizer = 0;  // AdamW m and v of the chunk (its slices)

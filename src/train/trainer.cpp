@@ -527,6 +527,9 @@ void Trainer::resolve_device() {
   ESPLAG_CHECK(cfg_.offload == "none" || device_ == "cuda", "train.offload is ", cfg_.offload,
                ", which moves GPU training's optimizer state to the host; this run trains on the CPU, whose state "
                "is in host memory already: set train.offload none");
+  ESPLAG_CHECK(cfg_.parallel.zero <= 2 || device_ == "cuda", "parallel.zero = 3 (sharded parameters) is built for ",
+               "train.device cuda; this run trains on the CPU, whose reference trains stages 0 to 2 (the numbers ",
+               "stage 3 gives)");
 }
 
 void Trainer::make_backend(Moments m, Moments v) {

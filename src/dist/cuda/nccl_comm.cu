@@ -126,10 +126,8 @@ void NcclComm::reduce_scatter_mean(const float* in, float* out, size_t chunk, cu
             loaded_nccl().ReduceScatter(in, out, chunk, ncclFloat32, ncclAvg, handle_->comm, stream));
 }
 
-void NcclComm::all_gather(void* data, size_t chunk_bytes, cudaStream_t stream) {
-  unsigned char* bytes = static_cast<unsigned char*>(data);
-  NCCL_CALL("all-gather", loaded_nccl().AllGather(bytes + size_t(rank_) * chunk_bytes, bytes, chunk_bytes, ncclUint8,
-                                                   handle_->comm, stream));
+void NcclComm::all_gather(const void* in, void* out, size_t chunk_bytes, cudaStream_t stream) {
+  NCCL_CALL("all-gather", loaded_nccl().AllGather(in, out, chunk_bytes, ncclUint8, handle_->comm, stream));
 }
 
 void NcclComm::group_begin() { NCCL_CALL("a group of collectives", loaded_nccl().GroupStart()); }
@@ -179,7 +177,7 @@ void NcclComm::all_reduce_sum(float*, size_t, cudaStream_t) {}
 void NcclComm::reduce_scatter_mean(const float*, float*, size_t, cudaStream_t) {}
 void NcclComm::group_begin() {}
 void NcclComm::group_end() {}
-void NcclComm::all_gather(void*, size_t, cudaStream_t) {}
+void NcclComm::all_gather(const void*, void*, size_t, cudaStream_t) {}
 void NcclComm::synchronize(cudaStream_t, const std::string&) {}
 std::string NcclComm::version() { return "built without nccl.h"; }
 

@@ -207,6 +207,24 @@ struct GpuTransformer::Impl {
   float *m_shard = nullptr, *v_shard = nullptr;
   // Slice k's mean gradient, which AdamW reads.
   float* slice_grad(size_t k) const { return grad_shard ? grad_shard + slices[k].shard_at : grad + slices[k].at; }
+  // ZeRO stage 3 (GpuModelOptions::shard_parameters, with the ring): `w` holds the bf16
+  // weights in grad_storage's layout, the blocks' buckets in the ring's slots while they
+  // are gathered there, the rest whole; the master halves of this rank's slices are w_own
+  // (high) and w_lo (low), shard_size elements each. ring_order lists the ring's buckets,
+  // lowest block first; ring_lowest[l] / ring_highest[l] is the position there of the
+  // bucket whose lowest / highest block is l (-1: none). weights_gathered[s] is recorded on
+  // the comm stream after a gather into slot s, slot_released on stream_ where the blocks
+  // before are done with their slot.
+  bf16* w_own = nullptr;
+  std::vector<size_t> ring_order;
+  std::vector<int> ring_lowest, ring_highest;
+  std::vector<cudaEvent_t> weights_gathered;
+  cudaEvent_t slot_released = nullptr;
+  // Slice k's master weights (the halves AdamW updates).
+  bf16* master_hi(size_t k) const { return w_own ? w_own + slices[k].shard_at : w + slices[k].at; }
+  int16_t* master_lo(size_t k) const { return w_own ? w_lo + slices[k].shard_at : w_lo + slices[k].at; }
+  // Where bucket k's bf16 weights are (stage 3: its ring slot, when gathered there).
+  bf16* bucket_weights(size_t k) const { return w_own ? w + grad_storage.offset[k] : w + slices[k].bucket; }
   std::vector<std::unique_ptr<gpu::SplitAdamWPlan>> adamw;  // per slice
   float* norm_parts = nullptr;  // per slice, its gradients' sum of squares (device; sharded)
   DeviceArena gathered;
@@ -263,6 +281,8 @@ struct GpuTransformer::Impl {
     if (grads_ready) cudaEventDestroy(grads_ready);
     if (comm_done) cudaEventDestroy(comm_done);
     for (cudaEvent_t e : slot_free) cudaEventDestroy(e);
+    for (cudaEvent_t e : weights_gathered) cudaEventDestroy(e);
+    if (slot_released) cudaEventDestroy(slot_released);
     if (comm_stream) cudaStreamDestroy(comm_stream);
   }
 };

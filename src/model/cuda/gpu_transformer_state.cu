@@ -129,8 +129,23 @@ void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<Pa
   const ZeroTable zeros = zero_table(c, stored, buckets, im.grad_storage);
   host.bucket = &plan.host;
   take.bucket = &plan.params;
-  im.w = take.arr<bf16>("params.bf16", im.padded);
-  im.w_lo = (o.offload_master ? host : take).arr<int16_t>("params.master_low", im.padded);
+  // ZeRO stage 3 keeps the bf16 weights where stage 2 keeps the gradients, and the master of its slices.
+  const bool sharded_params = ring && o.shard_parameters;
+  im.w = take.arr<bf16>("params.bf16", sharded_params ? im.grad_storage.elements : im.padded);
+  im.w_own = sharded_params ? take.arr<bf16>("params.master_high", im.shard_size) : nullptr;
+  im.w_lo = (o.offload_master ? host : take).arr<int16_t>("params.master_low", sharded_params ? im.shard_size : im.padded);
+  im.ring_order.clear();
+  im.ring_lowest.assign(size_t(c.n_layer), -1);
+  im.ring_highest.assign(size_t(c.n_layer), -1);
+  if (sharded_params) {
+    for (size_t i = buckets.size(); i-- > 0;)  // launch order is the highest blocks' first
+      if (im.grad_storage.slot[i] >= 0) im.ring_order.push_back(i);
+    for (size_t p = 0; p < im.ring_order.size(); ++p) {
+      const bool top = p + 1 == im.ring_order.size();
+      im.ring_lowest[size_t(buckets[im.ring_order[p]].after_block)] = int(p);
+      im.ring_highest[size_t(top ? c.n_layer - 1 : buckets[im.ring_order[p + 1]].after_block - 1)] = int(p);
+    }
+  }
   if (o.forward_only) return;  // no gradients, no optimizer
   take.bucket = &plan.grads;
   im.grad = take.arr<float>("params.grad", im.grad_elements);
@@ -160,6 +175,9 @@ void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<Pa
 
 void GpuTransformer::lay_out_state(RetiredState* keep) {
   Impl& im = *impl_;
+  ESPLAG_CHECK(!(opt_.shard_parameters && state_written_),
+               "GpuTransformer: under ZeRO stage 3 (sharded parameters) a layer's kind cannot change once the "
+               "weights are set (a recipe's kind changes and adapters need parallel.zero <= 2)");
   gather_master_low();  // the old state moves whole
   synchronize();        // nothing queued may still use the old state
   if (keep) {
@@ -232,12 +250,19 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
   }
   for (auto& [weight, slot] : im.linears) slot.db = gp(module_of(weight) + ".bias");
   bind_layers();  // each keeps its kind
+  if (im.w_own)
+    for (const auto& [weight, slot] : im.linears)
+      ESPLAG_CHECK(!slot.top().after_optimizer_step_op() && slot.top().extra_tensors().empty(), "GpuTransformer: ",
+                   weight, " is of kind ", slot.top().kind(), ", which ZeRO stage 3 (sharded parameters) cannot ",
+                   "train: it rewrites its weights after the update or owns extra tensors (use parallel.zero <= 2)");
 
   im.lo_stale = false;
   // A defined start: zero parameters, gradients and moments (and the padding, for good).
-  CUDA_CHECK(cudaMemsetAsync(im.w, 0, sizeof(bf16) * im.padded, stream_));
+  const size_t weights = im.w_own ? im.grad_storage.elements : im.padded, master = im.w_own ? im.shard_size : im.padded;
+  CUDA_CHECK(cudaMemsetAsync(im.w, 0, sizeof(bf16) * weights, stream_));
+  if (im.w_own) CUDA_CHECK(cudaMemsetAsync(im.w_own, 0, sizeof(bf16) * master, stream_));
   // Offloaded buffers too: the device writes the mapped host memory.
-  CUDA_CHECK(cudaMemsetAsync(im.w_lo, 0, sizeof(int16_t) * im.padded, stream_));
+  CUDA_CHECK(cudaMemsetAsync(im.w_lo, 0, sizeof(int16_t) * master, stream_));
   if (!opt_.forward_only) {
     CUDA_CHECK(cudaMemsetAsync(im.grad, 0, sizeof(float) * im.grad_elements, stream_));
     if (im.grad_shard) CUDA_CHECK(cudaMemsetAsync(im.grad_shard, 0, sizeof(float) * im.shard_size, stream_));
@@ -258,6 +283,9 @@ DeviceTensorView GpuTransformer::view(const std::string& name) const {
   const auto it = std::find_if(im.stored.begin(), im.stored.end(), [&](const ParamInfo& i) { return i.name == name; });
   if (it == im.stored.end()) return {};
   const size_t o = it->offset;
+  if (im.w_own)  // ZeRO stage 3: the bf16 weights where they are gathered, no whole master
+    return {im.w + im.grad_storage.of(im.buckets, o), nullptr, im.grad + im.grad_storage.of(im.buckets, o), nullptr,
+            nullptr};
   return {im.w + o, im.w_lo + o, im.grad ? im.grad + im.grad_storage.of(im.buckets, o) : nullptr,
           im.m ? im.m + o : nullptr, im.v ? im.v + o : nullptr};
 }
@@ -374,19 +402,15 @@ std::function<void(size_t, size_t, size_t, float*)> from_host(const float* h, co
   };
 }
 
-// A Transfer::stored that writes fp32 values into the split master weights (hi, lo).
-std::function<void(size_t, float*, size_t)> split_into_master(GpuTransformer::Impl& im, cudaStream_t s) {
-  return [&im, s](size_t at, float* buf, size_t n) { gpu::master_split(im.w + at, im.w_lo + at, buf, int64_t(n), s); };
-}
-
 }  // namespace
 
 void GpuTransformer::set_params(const float* host, size_t n) {
   if (impl_->stored.empty()) lay_out_state();  // deferred (GpuModelOptions::defer_state), no kinds set
   ESPLAG_CHECK(n == nparams_, "GpuTransformer::set_params: got ", n, " values, the model has ", nparams_,
                " parameters");
-  Impl& im = *impl_;
-  transfer({from_host(host, infos_, stream_), split_into_master(im, stream_)}, true);
+  transfer({from_host(host, infos_, stream_), [this](size_t at, float* buf, size_t k) { split_master(at, buf, k); }},
+           true);
+  gather_rest_weights();
   refresh_head_copy();
   prepare_layers();
   state_written_ = true;
@@ -400,12 +424,8 @@ std::vector<float> GpuTransformer::params_to_host() const {
 }
 
 void GpuTransformer::params_to_host(float* out) const {
-  const Impl& im = *impl_;
-  gather_master_low();
-  transfer(
-      {to_host(out, &infos_, stream_),
-       [&](size_t at, float* buf, size_t n) { gpu::master_join(buf, im.w + at, im.w_lo + at, int64_t(n), stream_); }},
-      false);
+  transfer({to_host(out, &infos_, stream_), [this](size_t at, float* buf, size_t n) { join_master(at, buf, n); }},
+           false);
 }
 
 std::vector<float> GpuTransformer::grads_to_host() const {
@@ -453,7 +473,6 @@ std::pair<const float*, const float*> GpuTransformer::offloaded_moments(size_t k
 }
 
 void GpuTransformer::init_weights(uint64_t seed) {
-  Impl& im = *impl_;
   const double residual_scale = 1.0 / std::sqrt(2.0 * cfg_.n_layer);
   // Elements [o, o + cnt) of tensor k, drawn as if the tensor were drawn whole.
   auto draw = [&](size_t k, size_t o, size_t cnt, float* stage) {
@@ -471,7 +490,8 @@ void GpuTransformer::init_weights(uint64_t seed) {
       normal_kernel<<<blocks(n), kThreads, 0, stream_>>>(stage, n, int64_t(o), key, static_cast<float>(stddev));
     CUDA_CHECK_LAUNCH("GpuTransformer::init_weights");
   };
-  transfer({draw, split_into_master(im, stream_)}, true);
+  transfer({draw, [this](size_t at, float* buf, size_t k) { split_master(at, buf, k); }}, true);
+  gather_rest_weights();
   refresh_head_copy();
   prepare_layers();
   state_written_ = true;
@@ -488,12 +508,11 @@ void GpuTransformer::refresh_head_copy() {
 void GpuTransformer::stored_to_host(StateField f, size_t at, size_t n, float* host) const {
   const Impl& im = *impl_;
   if (f == StateField::weight) {  // joined in the shared region, chunk by chunk
-    gather_master_low();
     float* stage = reinterpret_cast<float*>(im.shared);
     const size_t chunk = im.sizes.total / sizeof(float);
     for (size_t o = 0; o < n; o += chunk) {
       const size_t k = std::min(chunk, n - o);
-      gpu::master_join(stage, im.w + at + o, im.w_lo + at + o, int64_t(k), stream_);
+      join_master(at + o, stage, k);
       CUDA_CHECK(cudaMemcpyAsync(host + o, stage, sizeof(float) * k, cudaMemcpyDeviceToHost, stream_));
       CUDA_CHECK(cudaStreamSynchronize(stream_));
     }
@@ -513,14 +532,14 @@ void GpuTransformer::stored_to_host(StateField f, size_t at, size_t n, float* ho
 void GpuTransformer::stored_from_host(StateField f, size_t at, size_t n, const float* host) {
   Impl& im = *impl_;
   if (f == StateField::weight) {  // split from the shared region, chunk by chunk
-    gather_master_low();  // the rest of the layout stays whole
     float* stage = reinterpret_cast<float*>(im.shared);
     const size_t chunk = im.sizes.total / sizeof(float);
     for (size_t o = 0; o < n; o += chunk) {
       const size_t k = std::min(chunk, n - o);
       CUDA_CHECK(cudaMemcpyAsync(stage, host + o, sizeof(float) * k, cudaMemcpyHostToDevice, stream_));
-      gpu::master_split(im.w + at + o, im.w_lo + at + o, stage, int64_t(k), stream_);
+      split_master(at + o, stage, k);
     }
+    gather_rest_weights();
   } else {
     if (f == StateField::grad) check_whole_gradients("stored_from_host");
     if (f != StateField::grad) whole_moments_for_write();
@@ -591,9 +610,61 @@ void GpuTransformer::gather_master_low() const {
   if (!im.lo_stale) return;
   DeviceCollectives* ranks = opt_.shard_optimizer;
   ranks->group_begin();
-  for (const Impl::Slice& sl : im.slices) ranks->all_gather(im.w_lo + sl.bucket, sizeof(int16_t) * sl.size, stream_);
+  for (size_t k = 0; k < im.slices.size(); ++k)
+    ranks->all_gather(im.master_lo(k), im.w_lo + im.slices[k].bucket, sizeof(int16_t) * im.slices[k].size, stream_);
   ranks->group_end();
   im.lo_stale = false;
+}
+
+namespace {
+
+// Calls f(from, shard_at, count) for each part [at + from, at + from + count) of
+// [at, at + n) in this rank's slices, shard_at being its offset in the rank's shard.
+template <typename F>
+void for_own_parts(const std::vector<GpuTransformer::Impl::Slice>& slices, size_t at, size_t n, F f) {
+  for (const GpuTransformer::Impl::Slice& sl : slices) {
+    const size_t lo = std::max(at, sl.at), hi = std::min(at + n, sl.at + sl.size);
+    if (lo < hi) f(lo - at, sl.shard_at + (lo - sl.at), hi - lo);
+  }
+}
+
+}  // namespace
+
+void GpuTransformer::join_master(size_t at, float* buf, size_t n) const {
+  const Impl& im = *impl_;
+  if (!im.w_own) {
+    gather_master_low();
+    gpu::master_join(buf, im.w + at, im.w_lo + at, int64_t(n), stream_);
+    return;
+  }
+  CUDA_CHECK(cudaMemsetAsync(buf, 0, sizeof(float) * n, stream_));
+  for_own_parts(im.slices, at, n, [&](size_t from, size_t shard, size_t k) {
+    gpu::master_join(buf + from, im.w_own + shard, im.w_lo + shard, int64_t(k), stream_);
+  });
+  opt_.shard_optimizer->all_reduce_sum(buf, n, stream_);  // x + 0: exact
+}
+
+void GpuTransformer::split_master(size_t at, const float* buf, size_t n) {
+  Impl& im = *impl_;
+  if (!im.w_own) {
+    gather_master_low();  // the rest of the layout stays whole
+    gpu::master_split(im.w + at, im.w_lo + at, buf, int64_t(n), stream_);
+    return;
+  }
+  for_own_parts(im.slices, at, n, [&](size_t from, size_t shard, size_t k) {
+    gpu::master_split(im.w_own + shard, im.w_lo + shard, buf + from, int64_t(k), stream_);
+  });
+}
+
+void GpuTransformer::gather_rest_weights() {
+  Impl& im = *impl_;
+  if (!im.w_own) return;
+  DeviceCollectives* ranks = opt_.shard_optimizer;
+  ranks->group_begin();
+  for (size_t k = 0; k < im.slices.size(); ++k)
+    if (im.grad_storage.slot[k] < 0)
+      ranks->all_gather(im.master_hi(k), im.bucket_weights(k), sizeof(bf16) * im.slices[k].size, stream_);
+  ranks->group_end();
 }
 
 void GpuTransformer::check_whole_moments(const char* who) const {
@@ -624,7 +695,7 @@ void GpuTransformer::gather_optimizer_state(int root) {
         const size_t len = std::min(room, sl.size - o);
         CUDA_CHECK(cudaMemcpyAsync(stage + size_t(ranks->rank()) * len, shard + sl.shard_at + o, sizeof(float) * len,
                                    cudaMemcpyDefault, stream_));
-        ranks->all_gather(stage, sizeof(float) * len, stream_);
+        ranks->all_gather(stage + size_t(ranks->rank()) * len, stage, sizeof(float) * len, stream_);
         for (size_t r = 0; keep && r < n; ++r)
           CUDA_CHECK(cudaMemcpyAsync(whole + sl.bucket + r * sl.size + o, stage + r * len, sizeof(float) * len,
                                      cudaMemcpyDefault, stream_));
