@@ -732,7 +732,7 @@ TrainResult Trainer::run() {
         fp8_saturated_logged_ = saturated;
       }
     }
-    if (eval_now && leader()) {
+    if (eval_now && evaluates()) {
       const EvalResult ev = evaluate();
       char buf[160];
       std::snprintf(buf, sizeof buf, "eval step %lld | val loss %.4f | ppl %.2f (%d batches)",

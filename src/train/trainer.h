@@ -187,6 +187,9 @@ class Trainer {
   // Whether this process speaks for the run: logs, evaluates and writes the run directory
   // (a data-parallel run's rank 0; a single process).
   bool leader() const { return world_.rank == 0; }
+  // Whether this process runs the evaluation: the leader, and under ZeRO stage 3 on several
+  // GPUs every rank (the forward gathers each bucket's weights from all of them).
+  bool evaluates() const { return leader() || (device_ == "cuda" && cfg_.parallel.zero >= 3 && world_.size > 1); }
   // The host model. With a GPU backend it holds the weights of the last checkpoint (and
   // after run(), those of the last step, which is always saved).
   Transformer<float>& model() { return *model_; }
