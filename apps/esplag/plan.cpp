@@ -121,7 +121,8 @@ const Command kPlan = {
     "checkpointing that fits), and plans that choice; an error when none does.\n"
     "The numbers are one rank's of a data-parallel run over --gpus N ranks (default: the launcher's WORLD_SIZE,\n"
     "else 1) with train.parallel.zero (docs/distributed.md): with stage 1 each GPU keeps the AdamW moments of its\n"
-    "chunk of the stored elements only (stage 2: and their mean gradient), and a checkpoint's whole moments in\n"
+    "chunk of the stored elements only (stage 2: and their mean gradient; stage 3: and its master weights, the\n"
+    "blocks' bf16 weights in two slots), and a checkpoint's whole moments in\n"
     "pinned host memory are noted. The ranks on one host share its memory: the host must hold them all (all\n"
     "--gpus N ranks are local; else the launcher's LOCAL_WORLD_SIZE, ...), as the trainer checks it. The device\n"
     "is the trainer's choice: a train.device cuda run the GPU does not train (a sparse kind it lacks) is its error.",

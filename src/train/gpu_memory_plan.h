@@ -22,7 +22,7 @@ namespace esplag {
 GpuModelOptions gpu_model_options(const TrainConfig& config);
 
 // `o` for a data-parallel run over `ranks` (null: one process, unchanged): train.parallel.zero
-// 1 shards the optimizer state, 2 the gradients too, and train.parallel.bucket_mb averages
+// 1 shards the optimizer state, 2 the gradients too, 3 the parameters too, and train.parallel.bucket_mb averages
 // the gradients in buckets during the backward.
 void set_data_parallel_options(GpuModelOptions& o, const TrainConfig& config, DeviceCollectives* ranks);
 

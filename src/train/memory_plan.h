@@ -37,11 +37,13 @@ struct GpuMemoryBytes {
 // bucket padded to world slices of a multiple of 64 elements (GpuModelOptions::
 // shard_optimizer, model/gradient_buckets.h); otherwise every GPU keeps the whole state.
 // With zero 2 the gradients are the ring's slots, the rest's buffers and the mean gradient
-// of the GPU's slices (GpuModelOptions::shard_gradients, GradientStorage).
+// of the GPU's slices (GpuModelOptions::shard_gradients, GradientStorage); with zero 3 the
+// bf16 weights take the same slots and rest, the master weights the slices only
+// (GpuModelOptions::shard_parameters).
 struct GpuModelState {
   int world = 1;
   int zero = 0;            // train.parallel.zero
-  bool sharded = false;    // zero 1 or 2 over several ranks
+  bool sharded = false;    // zero 1 to 3 over several ranks
   uint64_t elements = 0;   // E: the largest stored layout's (train/stored_layout.h)
   uint64_t kept_values = 0;  // weights stored as their kind's form in it (slope's kept values)
   uint64_t chunk = 0;      // elements whose moments one GPU keeps (its slices): E unsharded

@@ -133,7 +133,8 @@ void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<Pa
   const bool sharded_params = ring && o.shard_parameters;
   im.w = take.arr<bf16>("params.bf16", sharded_params ? im.grad_storage.elements : im.padded);
   im.w_own = sharded_params ? take.arr<bf16>("params.master_high", im.shard_size) : nullptr;
-  im.w_lo = (o.offload_master ? host : take).arr<int16_t>("params.master_low", sharded_params ? im.shard_size : im.padded);
+  im.w_lo = (o.offload_master ? host : take)
+                .arr<int16_t>("params.master_low", sharded_params ? im.shard_size : im.padded);
   im.ring_order.clear();
   im.ring_lowest.assign(size_t(c.n_layer), -1);
   im.ring_highest.assign(size_t(c.n_layer), -1);
