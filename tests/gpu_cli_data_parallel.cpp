@@ -229,7 +229,7 @@ TEST(GpuDataParallel, ZeroStageTwoRingGivesTheBitsOfStageOne) {
 // ZeRO stage 3: the master weights sharded, the blocks' bf16 weights all-gathered into the
 // ring's slots ahead of each bucket, in the forward and again in the backward. It moves the
 // same numbers as stage 2 (the slices' update, stage 1's bf16 all-gather, the checkpoint
-// assembled by a sum in which one rank gives each value and the other zero), so the runs
+// assembled by a sum of bits in which one rank gives each value and the other zero), so the runs
 // are stage 2's to the bit: one block bucket (the slot's only bucket), four (each gathered
 // twice but the top two), five in uneven buckets of two, two and one, slope from step 0
 // (its per-step preparation from the gathered kept values), with two micro-batches, and

@@ -1,8 +1,8 @@
 // ZeRO stages 1 and 2 end to end on the CPU reference (`esplag train --gpus N` with
 // train.device=cpu and parallel.zero): they train as stage 0 does, save the whole optimizer
 // state as stage 0 does, resume across world sizes and stages, and follow a slope recipe
-// whose kind changes create and drop trained tensors. Also the refusal of stage 3, and that
-// the GPU takes stages 0 to 2.
+// whose kind changes create and drop trained tensors. Also the refusal of stage 3 on the
+// CPU, of recipes stage 3 cannot follow, and that the GPU takes stages 0 to 3.
 #include <gtest/gtest.h>
 
 #include <algorithm>

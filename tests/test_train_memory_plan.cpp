@@ -345,6 +345,9 @@ TEST(MemoryPlanZero, StageThreeKeepsTheMasterOfItsSlicesAndTheBlocksWeightsInThe
   const GpuModelState off = gpu_model_state(c, 4);
   EXPECT_EQ(off.params, (off.weight_elements + off.chunk) * 2);
   EXPECT_EQ(off.offloaded, off.chunk * 2 + off.chunk * 8);
+  const MemoryPlan pinned = plan_memory(c, "cuda", 4);  // the host pins the chunk's halves and moments only
+  EXPECT_EQ(pinned.host.master_low, off.chunk * 2);
+  EXPECT_EQ(pinned.host.moments, off.chunk * 8);
   // Without gradient buckets, stage 2's memory.
   c.offload = "none";
   c.parallel.bucket_mb = 0;

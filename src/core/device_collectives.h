@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 
 namespace esplag {
 
@@ -31,6 +32,10 @@ class DeviceCollectives {
   virtual void all_gather(const void* in, void* out, size_t chunk_bytes, cudaStream_t stream) = 0;
   // data [n] fp32, in place: the sum over the ranks.
   virtual void all_reduce_sum(float* data, size_t n, cudaStream_t stream) = 0;
+  // data [n] int32, in place: the sum over the ranks (wrapping). Where one rank gives a
+  // value's bits and the others zero, every rank gets those bits: -0.0 and NaN payloads
+  // included, which a float sum would not keep.
+  virtual void all_reduce_sum_int(int32_t* data, size_t n, cudaStream_t stream) = 0;
   // data [n] fp32, in place: the mean over the ranks (GpuModelOptions::reduce_gradients).
   virtual void all_reduce_mean(float* data, size_t n, cudaStream_t stream) = 0;
   // The collectives queued between group_begin and group_end may run as one launch (NCCL's

@@ -164,12 +164,13 @@ struct GpuModelOptions {
   // buckets the forward left in the slots), on the collectives' stream. The rest (the
   // embeddings, the final norm and the LM head) stays whole on every rank, all-gathered
   // after each update as in stage 1. So the forward (forward_loss too) is a collective.
-  // Layers that prepare per step (slope, semi_sparse) prepare bucket by bucket after the
-  // update, each bucket gathered first. What reads or writes the whole master weights
-  // (params_to_host, set_params, stored_to_host / stored_from_host of weights) assembles
-  // them over the ranks, a collective. Refused under stage 3: layers that rewrite their
-  // weights after the update (masked, vnm) or own extra tensors (adapters), and a kind
-  // change once the state is written. Without block buckets it keeps stage 2's memory.
+  // Layers that prepare per step (slope, semi_sparse, fp8's casts) prepare bucket by bucket
+  // after the update, each bucket gathered first (on the step's stream). What reads or
+  // writes the whole master weights (params_to_host, set_params, stored_to_host /
+  // stored_from_host of weights) assembles them over the ranks, a collective. Refused under
+  // stage 3 (set_linear_kinds): layers that rewrite their weights after the update (masked,
+  // vnm) or own extra tensors (adapters), and any kind change once the weights are set.
+  // Without block buckets it keeps stage 2's memory.
   bool shard_parameters = false;
   // Data parallel (docs/distributed.md): the ranks whose mean gradient every step takes. A
   // forward_backward_device call that reduces (a step's last micro-batch) averages each
@@ -672,6 +673,11 @@ class GpuTransformer {
   // master weights (host copies, a kind change). Every rank is stale after the same step,
   // so every rank calls the collective or none does.
   void gather_master_low() const;
+  // Under GpuModelOptions::shard_parameters: error once the weights are set (a kind change
+  // would read and write the whole master weights through the layers' views), and for a
+  // layer that rewrites its weights after the update or owns extra tensors.
+  void check_kind_change_allowed() const;
+  void check_shardable(const std::string& weight_name, const DeviceLinear& layer) const;
   // n master weights of the storage layout from `at`, joined into (or split from) device
   // fp32 `buf`. Under ZeRO stage 3 joining is a collective (each rank fills in its slices,
   // a sum over the ranks the rest), splitting writes this rank's slices only, and

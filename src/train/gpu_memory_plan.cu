@@ -20,6 +20,7 @@ class PlannedRanks final : public DeviceCollectives {
   void reduce_scatter_mean(const float*, float*, size_t, cudaStream_t) override { refuse(); }
   void all_gather(const void*, void*, size_t, cudaStream_t) override { refuse(); }
   void all_reduce_sum(float*, size_t, cudaStream_t) override { refuse(); }
+  void all_reduce_sum_int(int32_t*, size_t, cudaStream_t) override { refuse(); }
   void all_reduce_mean(float*, size_t, cudaStream_t) override { refuse(); }
 
  private:

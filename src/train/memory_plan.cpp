@@ -257,6 +257,9 @@ MemoryPlan plan_with_teacher(const TrainConfig& config, const std::string& devic
   // checkpoint gathers is noted apart, as without the offload).
   if (plan.gpu_state && plan.gpu_state->sharded && config.offload != "none")
     plan.host.moments = plan.gpu_state->chunk * 2 * sizeof(float);
+  // So are the master weights' low halves under stage 3.
+  if (plan.gpu_state && plan.gpu_state->sharded_params && config.offload == "optimizer+master")
+    plan.host.master_low = plan.gpu_state->chunk * sizeof(uint16_t);
   plan.other_local_ranks_host =
       host_bytes_of_local_ranks(plan.host, config, device, plan.local_ranks) - plan.host.total();
   if (device != "cuda") return plan;

@@ -45,6 +45,7 @@ class NcclComm final : public DeviceCollectives {
   // DeviceCollectives (core/device_collectives.h): ZeRO's collectives.
   void reduce_scatter_mean(const float* in, float* out, size_t chunk, cudaStream_t stream) override;
   void all_gather(const void* in, void* out, size_t chunk_bytes, cudaStream_t stream) override;
+  void all_reduce_sum_int(int32_t* data, size_t n, cudaStream_t stream) override;
   void all_reduce_sum(float* data, size_t n, cudaStream_t stream) override;
   void all_reduce_mean(float* data, size_t n, cudaStream_t stream) override;
   void group_begin() override;

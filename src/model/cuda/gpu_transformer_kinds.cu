@@ -42,6 +42,19 @@ void GpuTransformer::make_linears() {
   }
 }
 
+void GpuTransformer::check_kind_change_allowed() const {
+  ESPLAG_CHECK(!(opt_.shard_parameters && state_written_),
+               "GpuTransformer: under ZeRO stage 3 (sharded parameters) a layer's kind cannot change once the "
+               "weights are set (a recipe's kind changes and adapters need parallel.zero <= 2)");
+}
+
+void GpuTransformer::check_shardable(const std::string& weight_name, const DeviceLinear& layer) const {
+  ESPLAG_CHECK(!opt_.shard_parameters || (!layer.after_optimizer_step_op() && layer.extra_tensors().empty()),
+               "GpuTransformer: ", weight_name, " is of kind ", layer.kind(), ", which ZeRO stage 3 (sharded ",
+               "parameters) cannot train: it rewrites its weights after the update or owns extra tensors (use ",
+               "parallel.zero <= 2)");
+}
+
 bool GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& settings) {
   check_trains("set_linear_kinds");  // its layers are dense: a teacher takes their dense weights
   Impl& im = *impl_;
@@ -89,6 +102,7 @@ bool GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     return false;
   }
   relayout = relayout || !laid_out;
+  check_kind_change_allowed();
   synchronize();  // nothing queued may still use a layer that goes away
 
   // A new layout: the state moves into it on the device, the old one kept until then with
@@ -129,6 +143,8 @@ bool GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
     }
   for (Change& c : changes)
     if (c.setting->lora_rank > 0) c.slot->adapter = make_device_adapter(setup(c, nullptr), *c.slot->base);
+  for (const Change& c : changes)
+    if (!c.rebuild) check_shardable(c.setting->weight_name, c.slot->top());
   lap(1);
 
   if (relayout) {
@@ -156,6 +172,7 @@ bool GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& sett
                    [](const Change* a, const Change* b) { return a->kind->build_order < b->kind->build_order; });
   for (const Change* c : made) {
     if (c->kind->build_order > 0) c->slot->base = c->kind->make(setup(*c, nullptr));
+    check_shardable(c->setting->weight_name, c->slot->top());
     c->slot->base->attach();
   }
   // Scratch nobody needs any more.

@@ -176,9 +176,7 @@ void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<Pa
 
 void GpuTransformer::lay_out_state(RetiredState* keep) {
   Impl& im = *impl_;
-  ESPLAG_CHECK(!(opt_.shard_parameters && state_written_),
-               "GpuTransformer: under ZeRO stage 3 (sharded parameters) a layer's kind cannot change once the "
-               "weights are set (a recipe's kind changes and adapters need parallel.zero <= 2)");
+  check_kind_change_allowed();
   gather_master_low();  // the old state moves whole
   synchronize();        // nothing queued may still use the old state
   if (keep) {
@@ -251,11 +249,6 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
   }
   for (auto& [weight, slot] : im.linears) slot.db = gp(module_of(weight) + ".bias");
   bind_layers();  // each keeps its kind
-  if (im.w_own)
-    for (const auto& [weight, slot] : im.linears)
-      ESPLAG_CHECK(!slot.top().after_optimizer_step_op() && slot.top().extra_tensors().empty(), "GpuTransformer: ",
-                   weight, " is of kind ", slot.top().kind(), ", which ZeRO stage 3 (sharded parameters) cannot ",
-                   "train: it rewrites its weights after the update or owns extra tensors (use parallel.zero <= 2)");
 
   im.lo_stale = false;
   // A defined start: zero parameters, gradients and moments (and the padding, for good).
@@ -642,7 +635,8 @@ void GpuTransformer::join_master(size_t at, float* buf, size_t n) const {
   for_own_parts(im.slices, at, n, [&](size_t from, size_t shard, size_t k) {
     gpu::master_join(buf + from, im.w_own + shard, im.w_lo + shard, int64_t(k), stream_);
   });
-  opt_.shard_optimizer->all_reduce_sum(buf, n, stream_);  // x + 0: exact
+  // Summed as bits: one rank gives each value, the others zero.
+  opt_.shard_optimizer->all_reduce_sum_int(reinterpret_cast<int32_t*>(buf), n, stream_);
 }
 
 void GpuTransformer::split_master(size_t at, const float* buf, size_t n) {
