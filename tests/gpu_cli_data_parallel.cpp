@@ -1,7 +1,7 @@
 // Data-parallel training on two GPUs end to end (`esplag train --gpus 2`, NCCL): two ranks
 // with grad_accum 1 follow one GPU with grad_accum 2 (the same tokens and mean gradient;
-// bf16 products and another order of the fp32 sums), slope included, with ZeRO stages 0, 1
-// 2 and 3, and the run resumes on one GPU; the sharded stages' gathered checkpoints hold the
+// bf16 products and another order of the fp32 sums), slope and semi_sparse included, with
+// ZeRO stages 0, 1, 2 and 3, and the run resumes on one GPU; the sharded stages' gathered checkpoints hold the
 // moments stage 0 holds; the gradients averaged in buckets during the backward give the
 // bits of one collective after it; stage 2's ring of gradient slots gives stage 1's bits,
 // stage 3's sharded parameters stage 2's.
@@ -262,6 +262,14 @@ TEST(GpuDataParallel, ZeroStageThreeGivesTheBitsOfStageTwo) {
 TEST(GpuDataParallel, ZeroStageThreeFollowsOneGpu) {
   if (gpus() < 2) GTEST_SKIP() << "needs two GPUs";
   expect_two_ranks_follow_one_gpu("dense-zero3", "", 3);
+}
+
+// semi_sparse (the MLP's layers pruned to 2:4 from the current weights in every step) at
+// every stage: each rank prunes the same gathered weights.
+TEST(GpuDataParallel, SemiSparseAtEveryStageFollowsOneGpu) {
+  if (gpus() < 2) GTEST_SKIP() << "needs two GPUs";
+  const std::string semi = "recipe:\n  - semi_sparse: {params: ['re:blocks\\.\\d+\\.mlp\\.\\w+\\.weight'], start: 0}\n";
+  for (const int zero : {0, 1, 2, 3}) expect_two_ranks_follow_one_gpu("semi-zero" + std::to_string(zero), semi, zero);
 }
 
 // parallel.bucket_mb: buckets of one block each (the tiny blocks hold about 50K parameters),
