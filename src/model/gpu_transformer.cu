@@ -876,7 +876,7 @@ void GpuTransformer::gather_ring_weights(int l, bool backward) {
     {
       ScopedOp op({name, "all_gather"}, OpCategory::comm, l, 0, double(bytes) * opt_.shard_optimizer->size(),
                   {im.master_hi(i)}, {slot}, OpStream(im.comm_stream));
-      opt_.shard_optimizer->all_gather(im.master_hi(i), slot, bytes, im.comm_stream);
+      gather_bucket_weights(i, im.comm_stream);
     }
     CUDA_CHECK(cudaEventRecord(im.weights_gathered[size_t(im.grad_storage.slot[i])], im.comm_stream));
   }
@@ -916,8 +916,7 @@ void GpuTransformer::adamw_body() {
       gather_rest_weights();
     } else {
       ranks->group_begin();
-      for (size_t k = 0; k < im.slices.size(); ++k)
-        ranks->all_gather(im.master_hi(k), im.bucket_weights(k), sizeof(bf16) * im.slices[k].size, stream_);
+      for (size_t k = 0; k < im.slices.size(); ++k) gather_bucket_weights(k, stream_);
       ranks->group_end();
       im.lo_stale = true;
     }
@@ -967,9 +966,7 @@ void GpuTransformer::prepare_layers() {
     if (d.bucket >= 0 && d.bucket != gathered) {
       gathered = d.bucket;
       im.marks.mark(stream_, "all-gather (weights)");
-      const size_t b = size_t(d.bucket);
-      opt_.shard_optimizer->all_gather(im.master_hi(b), im.bucket_weights(b), sizeof(bf16) * im.slices[b].size,
-                                       stream_);
+      gather_bucket_weights(size_t(d.bucket), stream_);
     }
     const std::string& name = *d.name;
     DeviceLinear& layer = *d.layer;

@@ -685,6 +685,8 @@ class GpuTransformer {
   void join_master(size_t at, float* buf, size_t n) const;
   void split_master(size_t at, const float* buf, size_t n);
   void gather_rest_weights();
+  // All-gathers bucket k's bf16 weights from every rank's slice of the master (ZeRO) on `s`.
+  void gather_bucket_weights(size_t k, cudaStream_t s);
   // Sharded moments (GpuModelOptions::shard_optimizer): the whole moments are about to be
   // written (gathered first, and marked to be cut into this rank's slices again), or are
   // done with (cut into the slices where they were written, then dropped).

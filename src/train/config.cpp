@@ -315,13 +315,16 @@ namespace {
 void check_zero3_recipe(const Recipe& recipe, int64_t steps) {
   for (const Recipe::Modifier& m : recipe.modifiers()) {
     if (m.type == "distill") continue;
-    const std::string why = m.kind() == "masked" || m.kind() == "vnm" ? "its layers rewrite their weights after "
-                                                                        "every update"
-                            : m.lora_rank > 0                         ? "it adds adapters (lora_rank)"
-                            : m.has_until                             ? "its layers turn dense at `until`"
-                            : m.start.resolve(steps) > 0 ? "its layers change kind at step " +
-                                                               std::to_string(m.start.resolve(steps))
-                                                         : "";
+    const int64_t start = m.start.resolve(steps);
+    std::string why;
+    if (m.kind() == "masked" || m.kind() == "vnm")
+      why = "its layers rewrite their weights after every update";
+    else if (m.lora_rank > 0)
+      why = "it adds adapters (lora_rank)";
+    else if (m.has_until)
+      why = "its layers turn dense at `until`";
+    else if (start > 0)
+      why = "its layers change kind at step " + std::to_string(start);
     ESPLAG_CHECK(why.empty(), "parallel.zero = 3: the recipe's ", m.type, " modifier cannot train under ZeRO stage 3 (",
                  why, "); use parallel.zero 2, or a recipe whose kinds hold from step 0");
   }

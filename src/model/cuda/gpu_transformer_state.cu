@@ -176,7 +176,6 @@ void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<Pa
 
 void GpuTransformer::lay_out_state(RetiredState* keep) {
   Impl& im = *impl_;
-  check_kind_change_allowed();
   gather_master_low();  // the old state moves whole
   synchronize();        // nothing queued may still use the old state
   if (keep) {
@@ -276,12 +275,11 @@ DeviceTensorView GpuTransformer::view(const std::string& name) const {
   const Impl& im = *impl_;
   const auto it = std::find_if(im.stored.begin(), im.stored.end(), [&](const ParamInfo& i) { return i.name == name; });
   if (it == im.stored.end()) return {};
-  const size_t o = it->offset;
+  const size_t o = it->offset, stored = im.grad_storage.of(im.buckets, o);
   if (im.w_own)  // ZeRO stage 3: the bf16 weights where they are gathered, no whole master
-    return {im.w + im.grad_storage.of(im.buckets, o), nullptr, im.grad + im.grad_storage.of(im.buckets, o), nullptr,
-            nullptr};
-  return {im.w + o, im.w_lo + o, im.grad ? im.grad + im.grad_storage.of(im.buckets, o) : nullptr,
-          im.m ? im.m + o : nullptr, im.v ? im.v + o : nullptr};
+    return {im.w + stored, nullptr, im.grad + stored, nullptr, nullptr};
+  return {im.w + o, im.w_lo + o, im.grad ? im.grad + stored : nullptr, im.m ? im.m + o : nullptr,
+          im.v ? im.v + o : nullptr};
 }
 
 void GpuTransformer::bind_layers() {
@@ -657,9 +655,13 @@ void GpuTransformer::gather_rest_weights() {
   DeviceCollectives* ranks = opt_.shard_optimizer;
   ranks->group_begin();
   for (size_t k = 0; k < im.slices.size(); ++k)
-    if (im.grad_storage.slot[k] < 0)
-      ranks->all_gather(im.master_hi(k), im.bucket_weights(k), sizeof(bf16) * im.slices[k].size, stream_);
+    if (im.grad_storage.slot[k] < 0) gather_bucket_weights(k, stream_);
   ranks->group_end();
+}
+
+void GpuTransformer::gather_bucket_weights(size_t k, cudaStream_t s) {
+  const Impl& im = *impl_;
+  opt_.shard_optimizer->all_gather(im.master_hi(k), im.bucket_weights(k), sizeof(bf16) * im.slices[k].size, s);
 }
 
 void GpuTransformer::check_whole_moments(const char* who) const {
