@@ -848,10 +848,14 @@ void GpuTransformer::reduce_buckets_after(int l, bool reduce, bool overwrite) {
 }
 
 void GpuTransformer::gather_ring_weights(int l, bool backward) {
-  Impl& im = *impl_;
+  const Impl& im = *impl_;
   if (!im.w_own) return;
   const int p = backward ? im.ring_highest[size_t(l)] : im.ring_lowest[size_t(l)];
-  if (p < 0) return;
+  if (p >= 0) gather_ring_at(p, backward, l);
+}
+
+void GpuTransformer::gather_ring_at(int p, bool backward, int l) {
+  Impl& im = *impl_;
   const int K = int(im.ring_order.size()), S = im.grad_storage.slots;
   // The positions in ring_order to gather now, into slots whose buckets stream_ is done with.
   std::vector<int> due;
@@ -941,7 +945,7 @@ void GpuTransformer::adamw_body() {
 void GpuTransformer::prepare_layers() {
   Impl& im = *impl_;
   struct Due {
-    int bucket;  // ZeRO stage 3: the ring bucket of the layer's weight (-1: none)
+    int position;  // ZeRO stage 3: the position in the ring's order of the layer's bucket (-1: none)
     const std::string* name;
     DeviceLinear* layer;
     bool refresh;
@@ -952,29 +956,25 @@ void GpuTransformer::prepare_layers() {
     const bool refresh = k < im.refreshing.size() && im.refreshing[k];
     ++k;
     if (!slot.top().prepares()) continue;
-    int bucket = -1;
+    int position = -1;
     if (im.w_own) {
-      bucket = bucket_of(im.buckets, info_named(im.stored, name).offset);
-      if (bucket >= 0 && im.grad_storage.slot[size_t(bucket)] < 0) bucket = -1;
+      const int bucket = bucket_of(im.buckets, info_named(im.stored, name).offset);
+      const auto at = std::find(im.ring_order.begin(), im.ring_order.end(), size_t(bucket));
+      if (bucket >= 0 && at != im.ring_order.end()) position = int(at - im.ring_order.begin());
     }
-    due.push_back({bucket, &name, &slot.top(), refresh});
+    due.push_back({position, &name, &slot.top(), refresh});
   }
-  // Under ZeRO stage 3 bucket by bucket, each gathered into its slot first (in stream order).
-  std::stable_sort(due.begin(), due.end(), [](const Due& a, const Due& b) { return a.bucket < b.bucket; });
-  int gathered = -1;
+  // Under ZeRO stage 3 in the forward's order of the ring, each bucket's weights gathered
+  // while the bucket before prepares, as in the forward (layers outside the ring first).
+  std::stable_sort(due.begin(), due.end(), [](const Due& a, const Due& b) { return a.position < b.position; });
+  int gathered = 0;  // ring positions gathered so far
   for (const Due& d : due) {
-    if (d.bucket >= 0 && d.bucket != gathered) {
-      gathered = d.bucket;
-      im.marks.mark(stream_, "all-gather (weights)");
-      gather_bucket_weights(size_t(d.bucket), stream_);
-    }
-    const std::string& name = *d.name;
-    DeviceLinear& layer = *d.layer;
-    const bool refresh = d.refresh;
-    im.marks.layer = layer_of(name);
+    for (; gathered <= d.position; ++gathered)
+      gather_ring_at(gathered, false, int(im.buckets[im.ring_order[size_t(gathered)]].after_block));
+    im.marks.layer = layer_of(*d.name);
     im.marks.mark(stream_, "sparse prepare (2:4 prune + compress)", 0,
-                  im.marks.tracing() ? module_of(name) + ".sparsify" : "");
-    layer.prepare(refresh);
+                  im.marks.tracing() ? module_of(*d.name) + ".sparsify" : "");
+    d.layer->prepare(d.refresh);
   }
   im.marks.layer = -1;
 }

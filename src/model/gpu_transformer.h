@@ -626,6 +626,8 @@ class GpuTransformer {
   // and the next bucket's gather is queued into the slot the blocks before have finished
   // with (the forward gathers every bucket; the backward all but the two it left there).
   void gather_ring_weights(int l, bool backward);
+  // The same at position p of the ring's order (Impl::ring_order); l names the block in a trace.
+  void gather_ring_at(int p, bool backward, int l);
   // Error naming `who` in a forward_only model.
   void check_trains(const char* who) const;
   // Finishes a zero_grad whose zeros the backward was to write.
