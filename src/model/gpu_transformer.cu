@@ -520,8 +520,12 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
   im.marks.mark(stream_, "embedding fwd");
   gpu::embedding_forward(im.layers.front().res_in, tokens, im.wte, im.wpe, B, T, cfg_.d_model, cfg_.vocab_size,
                          stream_);
+  const bool prepare = im.prepare_in_forward;
+  im.prepare_in_forward = false;
+  if (prepare) prepare_at(-1);
   for (int l = 0; l < cfg_.n_layer; ++l) {
     gather_ring_weights(l, false);
+    if (prepare && im.ring_lowest[size_t(l)] >= 0) prepare_at(im.ring_lowest[size_t(l)]);
     block_forward(l, B, T, false);
   }
   im.marks.layer = -1;
@@ -939,18 +943,34 @@ void GpuTransformer::adamw_body() {
     if (!after) after = slot.top().after_optimizer_step_op();
   if (after) im.marks.mark(stream_, after);
   for (auto& [name, slot] : im.linears) slot.top().after_optimizer_step();
-  prepare_layers();
+  const bool refreshes = std::find(im.refreshing.begin(), im.refreshing.end(), true) != im.refreshing.end();
+  if (im.w_own && !refreshes && any_prepares())
+    im.prepare_in_forward = true;  // saves gathering every bucket once more
+  else
+    prepare_layers();
+}
+
+bool GpuTransformer::any_prepares() const {
+  for (const auto& [name, slot] : impl_->linears)
+    if (slot.top().prepares()) return true;
+  return false;
 }
 
 void GpuTransformer::prepare_layers() {
   Impl& im = *impl_;
-  struct Due {
-    int position;  // ZeRO stage 3: the position in the ring's order of the layer's bucket (-1: none)
-    const std::string* name;
-    DeviceLinear* layer;
-    bool refresh;
-  };
-  std::vector<Due> due;
+  im.prepare_in_forward = false;
+  if (!any_prepares()) return;
+  prepare_at(-1);
+  // Under ZeRO stage 3 in the forward's order, each bucket gathered one ahead while the bucket
+  // before prepares, as in the forward.
+  for (int p = 0; p < int(im.ring_order.size()); ++p) {
+    gather_ring_at(p, false, int(im.buckets[im.ring_order[size_t(p)]].after_block));
+    prepare_at(p);
+  }
+}
+
+void GpuTransformer::prepare_at(int p) {
+  Impl& im = *impl_;
   size_t k = 0;  // index into im.refreshing, in im.linears' order
   for (auto& [name, slot] : im.linears) {
     const bool refresh = k < im.refreshing.size() && im.refreshing[k];
@@ -958,23 +978,15 @@ void GpuTransformer::prepare_layers() {
     if (!slot.top().prepares()) continue;
     int position = -1;
     if (im.w_own) {
-      const int bucket = bucket_of(im.buckets, info_named(im.stored, name).offset);
-      const auto at = std::find(im.ring_order.begin(), im.ring_order.end(), size_t(bucket));
-      if (bucket >= 0 && at != im.ring_order.end()) position = int(at - im.ring_order.begin());
+      const auto at = std::find(im.ring_order.begin(), im.ring_order.end(),
+                                size_t(bucket_of(im.buckets, info_named(im.stored, name).offset)));
+      if (at != im.ring_order.end()) position = int(at - im.ring_order.begin());
     }
-    due.push_back({position, &name, &slot.top(), refresh});
-  }
-  // Under ZeRO stage 3 in the forward's order of the ring, each bucket's weights gathered
-  // while the bucket before prepares, as in the forward (layers outside the ring first).
-  std::stable_sort(due.begin(), due.end(), [](const Due& a, const Due& b) { return a.position < b.position; });
-  int gathered = 0;  // ring positions gathered so far
-  for (const Due& d : due) {
-    for (; gathered <= d.position; ++gathered)
-      gather_ring_at(gathered, false, int(im.buckets[im.ring_order[size_t(gathered)]].after_block));
-    im.marks.layer = layer_of(*d.name);
+    if (position != p) continue;
+    im.marks.layer = layer_of(name);
     im.marks.mark(stream_, "sparse prepare (2:4 prune + compress)", 0,
-                  im.marks.tracing() ? module_of(*d.name) + ".sparsify" : "");
-    d.layer->prepare(d.refresh);
+                  im.marks.tracing() ? module_of(name) + ".sparsify" : "");
+    slot.top().prepare(refresh);
   }
   im.marks.layer = -1;
 }

@@ -636,6 +636,11 @@ class GpuTransformer {
   // The Linear layers' per-step work from the current weights (prepare), refreshing the
   // masks of the layers `impl_->refreshing` says (none when it is empty).
   void prepare_layers();
+  // prepare_layers for the layers whose weights are at position p of the ring's order
+  // (ZeRO stage 3; -1: the layers outside the ring, all of them without stage 3).
+  void prepare_at(int p);
+  // True when a Linear layer prepares per step.
+  bool any_prepares() const;
   // The block Linear layers, all of the first kind (dense), and what they share.
   void make_linears();
   // The parameter state laid out again for the current Linear layers (zeroed). The old

@@ -149,6 +149,9 @@ struct GpuTransformer::Impl {
   std::map<std::string, Slot> linears;
   // Which layers (in `linears`' order) the preparation running now refreshes the masks of.
   std::vector<bool> refreshing;
+  // ZeRO stage 3: the step's preparation is left to the next forward, which prepares each
+  // bucket's layers from the gather it makes anyway (set after an update refreshing no mask).
+  bool prepare_in_forward = false;
   Slot* find_linear(const std::string& weight_name) {
     auto it = linears.find(weight_name);
     return it == linears.end() ? nullptr : &it->second;
