@@ -304,12 +304,13 @@ void expect_tiled_cast(const Bits& x_all, Fp8Format f, const TiledCase& t) {
   EXPECT_EQ(dev.get_count(sat), e.saturated) << "each clipped value counted once";
 }
 
-// Shapes around the 64 x 64 tile and the vectorised paths (rows a multiple of 16 for the
+// Shapes around the 128 x 64 tile and the vectorised paths (rows a multiple of 16 for the
 // transposed stores, cols a multiple of 8 for the loads and the row-major stores), tiny
 // ones, one of NaN and infinities (NaN codes; the infinities saturate and are counted).
 const std::vector<std::pair<int64_t, int64_t>> kTiledShapes = {
-    {1, 1},   {1, 17},   {17, 1},   {17, 33},   {64, 64},   {65, 127}, {128, 96}, {300, 4097},
-    {4097, 3}, {48, 80}, {16, 8},   {96, 200},  {130, 72},  {32, 1000}, {1, 64},  {64, 1}};
+    {1, 1},    {1, 17},   {17, 1},    {17, 33},   {64, 64}, {65, 127}, {128, 96}, {300, 4097}, {4097, 3},
+    {48, 80},  {16, 8},   {96, 200},  {130, 72},  {32, 1000}, {1, 64}, {64, 1},   {128, 64},   {127, 63},
+    {129, 65}, {256, 136}, {144, 24}, {112, 520}};
 
 void expect_tiled_casts(bool both, uint64_t seed) {
   for (const Fp8Format f : kFormats)

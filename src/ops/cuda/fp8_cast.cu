@@ -36,7 +36,6 @@ using detail::to_f;
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 2048;  // grid-stride beyond this: a cast is bandwidth-bound
 constexpr int kUnroll = 4;             // packs of 8 values each thread has in flight per iteration
-constexpr int kTile = 64;              // the tiled casts: a 64 x 64 tile per block
 
 template <bool E5M2>
 struct Format {
@@ -179,37 +178,59 @@ __global__ void cast_kernel(uint8_t* out, float* inv_scale, const bf16* x, int64
 
 // ---------------------------------------------------------------------------------------
 // Tiled cast, as it lies and/or transposed: block b takes the tile t = tiles - 1 - b (row
-// tiles outer, column tiles inner: from the end of x back), x[64·tr .. +64, 64·tc .. +64].
-// Each thread reads two packs of 8 values along a row (a warp: 4 rows of 128 contiguous
-// bytes), writes their 8 codes to out [rows, cols] where asked, and puts them transposed in
-// shared memory; then each thread writes 16 codes of one row of out_t [cols, rows] (a warp:
-// 8 rows of 64 contiguous bytes). Parts of the tile past rows or cols read as 0 (never
-// clipped) and are not written. The vectorised accesses need:
+// tiles outer, column tiles inner: from the end of x back), x[128·tr .. +128, 64·tc .. +64].
+// Thread (g, h) loads the four rows 4g .. 4g + 3 of the tile's columns 8h .. 8h + 7 (four
+// 16-byte loads in flight), writes each row's 8 codes to out [rows, cols] where asked, and
+// byte-permutes the 4 x 8 codes into 8 words, column k's four rows in each, which it stores
+// to the transposed tile in shared memory. Then each row of out_t [cols, rows] takes 128
+// contiguous codes in 16-byte stores. Lanes are laid out so that a warp's shared-memory
+// stores and loads meet no bank twice (the tile's rows are 33 words apart). Parts of the
+// tile past rows or cols read as 0 (never clipped) and are not written. The vectorised
+// accesses need:
 //   vec_x    cols % 8 == 0 and x 16-byte aligned (else the values one by one)
 //   vec_out  cols % 8 == 0 and out 8-byte aligned
 //   vec_t    rows % 16 == 0 and out_t 16-byte aligned
 
+constexpr int kTileRows = 128, kTileCols = 64;
+constexpr int kTileWords = kTileRows / 4 + 1;  // one transposed row (a column of x) and a pad word
+
+// Word k of the eight whose byte i is code k of rows[i]: column k's codes of the four rows.
+__device__ __forceinline__ void transpose4x8(const uint2 (&rows)[4], uint32_t (&words)[8]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const uint32_t a = half ? rows[0].y : rows[0].x, b = half ? rows[1].y : rows[1].x;
+    const uint32_t c = half ? rows[2].y : rows[2].x, d = half ? rows[3].y : rows[3].x;
+    const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);  // a0 b0 a1 b1, a2 b2 a3 b3
+    const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
+    words[4 * half + 0] = __byte_perm(ab_lo, cd_lo, 0x5410);
+    words[4 * half + 1] = __byte_perm(ab_lo, cd_lo, 0x7632);
+    words[4 * half + 2] = __byte_perm(ab_hi, cd_hi, 0x5410);
+    words[4 * half + 3] = __byte_perm(ab_hi, cd_hi, 0x7632);
+  }
+}
+
 template <bool E5M2>
-__global__ void cast_tiles_kernel(uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows,
-                                  int64_t cols, int64_t col_tiles, const float* amax, unsigned long long* saturated,
-                                  bool vec_x, bool vec_out, bool vec_t) {
-  constexpr int kPad = 4;  // rows of the transposed tile stay 4-byte aligned; spreads the banks
-  constexpr int kPacksPerRow = kTile / kPack;
-  __shared__ alignas(16) uint8_t tile[kTile][kTile + kPad];  // [column][row] of the tile
+__global__ void __launch_bounds__(kThreads) cast_tiles_kernel(uint8_t* out, uint8_t* out_t, float* inv_scale,
+                                                              const bf16* x, int64_t rows, int64_t cols,
+                                                              int64_t col_tiles, const float* amax,
+                                                              unsigned long long* saturated, bool vec_x,
+                                                              bool vec_out, bool vec_t) {
+  static_assert(kThreads == (kTileRows / 4) * (kTileCols / kPack), "one thread per 4 rows x 8 columns");
+  __shared__ uint32_t tile[kTileCols][kTileWords];  // [column][row / 4] of the tile's codes
   __shared__ int scratch[32];
   const float s = scale_of<E5M2>(*amax);
   if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = __frcp_rn(s);
   const int64_t t = int64_t(gridDim.x) - 1 - blockIdx.x;
-  const int64_t r0 = t / col_tiles * kTile, c0 = t % col_tiles * kTile;
-  // Both packs are loaded before anything is stored (the stores could alias x as far as the
-  // compiler knows), so that each thread has its two loads in flight at once.
-  constexpr int kPacks = kTile * kPacksPerRow / kThreads;
-  static_assert(kPacks * kThreads == kTile * kPacksPerRow, "the tile's packs are shared evenly");
-  float f[kPacks][kPack];
+  const int64_t r0 = t / col_tiles * kTileRows, c0 = t % col_tiles * kTileCols;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = (lane & 7) | (warp & 3) << 3, h = lane >> 3 | (warp >> 2) << 2;
+  const int64_t c = c0 + h * kPack;
+  // All four rows are loaded before anything is stored (the stores could alias x as far as
+  // the compiler knows).
+  float f[4][kPack];
 #pragma unroll
-  for (int i = 0; i < kPacks; ++i) {
-    const int q = threadIdx.x + i * kThreads;
-    const int64_t r = r0 + q / kPacksPerRow, c = c0 + q % kPacksPerRow * kPack;
+  for (int i = 0; i < 4; ++i) {
+    const int64_t r = r0 + 4 * g + i;
     if (vec_x && r < rows && c < cols) {
       load8(f[i], x + r * cols + c);
     } else {
@@ -218,35 +239,38 @@ __global__ void cast_tiles_kernel(uint8_t* out, uint8_t* out_t, float* inv_scale
     }
   }
   int clipped = 0;
+  uint2 code[4];
 #pragma unroll
-  for (int i = 0; i < kPacks; ++i) {
-    const int q = threadIdx.x + i * kThreads;
-    const int rr = q / kPacksPerRow, cc = q % kPacksPerRow * kPack;
-    const int64_t r = r0 + rr, c = c0 + cc;
-    const uint2 code = encode8<E5M2>(f[i], s, clipped);
+  for (int i = 0; i < 4; ++i) {
+    const int64_t r = r0 + 4 * g + i;
+    code[i] = encode8<E5M2>(f[i], s, clipped);
     if (out && r < rows) {
       if (vec_out && c < cols) {
-        *reinterpret_cast<uint2*>(out + r * cols + c) = code;
+        *reinterpret_cast<uint2*>(out + r * cols + c) = code[i];
       } else {
-        for (int k = 0; k < kPack && c + k < cols; ++k) out[r * cols + c + k] = code_byte(code, k);
+        for (int k = 0; k < kPack && c + k < cols; ++k) out[r * cols + c + k] = code_byte(code[i], k);
       }
     }
-    if (out_t)
-#pragma unroll
-      for (int k = 0; k < kPack; ++k) tile[cc + k][rr] = code_byte(code, k);
   }
   if (out_t) {
+    uint32_t words[kPack];
+    transpose4x8(code, words);
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) tile[h * kPack + k][g] = words[k];
     __syncthreads();
-    constexpr int kChunk = 16;  // codes per store
-    const int cc = threadIdx.x / (kTile / kChunk), rr = threadIdx.x % (kTile / kChunk) * kChunk;
-    const int64_t c = c0 + cc, r = r0 + rr;
-    if (c < cols && r < rows) {
-      uint8_t* dst = out_t + c * rows + r;
-      const uint32_t* src = reinterpret_cast<const uint32_t*>(&tile[cc][rr]);
+    // Each warp stores four rows of out_t, eight 16-byte chunks of each, per pass.
+    constexpr int kChunks = kTileRows / 16;
+#pragma unroll
+    for (int pass = 0; pass < kTileCols * kChunks / kThreads; ++pass) {
+      const int cc = threadIdx.x / kChunks + pass * (kThreads / kChunks), j = threadIdx.x % kChunks;
+      const int64_t ct = c0 + cc, r = r0 + 16 * j;
+      if (ct >= cols || r >= rows) continue;
+      const uint32_t* src = &tile[cc][4 * j];
+      uint8_t* dst = out_t + ct * rows + r;
       if (vec_t) {
         *reinterpret_cast<uint4*>(dst) = make_uint4(src[0], src[1], src[2], src[3]);
       } else {
-        for (int k = 0; k < kChunk && r + k < rows; ++k) dst[k] = tile[cc][rr + k];
+        for (int k = 0; k < 16 && r + k < rows; ++k) dst[k] = static_cast<uint8_t>(src[k / 4] >> (8 * (k % 4)));
       }
     }
   }
@@ -343,10 +367,10 @@ void cast_tiles(const char* op, uint8_t* out, uint8_t* out_t, float* inv_scale, 
                 int64_t cols, const float* amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
   ESPLAG_CHECK(rows >= 0 && cols >= 0, op, ": negative size ", rows, " x ", cols);
   check_cast(op, out ? out : out_t, inv_scale, x, rows * cols, amax);
-  const int64_t col_tiles = std::max<int64_t>(1, (cols + kTile - 1) / kTile);
-  const int64_t tiles = std::max<int64_t>(1, (rows + kTile - 1) / kTile) * col_tiles;
-  ESPLAG_CHECK(tiles <= INT32_MAX, op, ": ", rows, " x ", cols, " is too large (more than 2^31 - 1 tiles of ", kTile,
-               " x ", kTile, ")");
+  const int64_t col_tiles = std::max<int64_t>(1, (cols + kTileCols - 1) / kTileCols);
+  const int64_t tiles = std::max<int64_t>(1, (rows + kTileRows - 1) / kTileRows) * col_tiles;
+  ESPLAG_CHECK(tiles <= INT32_MAX, op, ": ", rows, " x ", cols, " is too large (more than 2^31 - 1 tiles of ",
+               kTileRows, " x ", kTileCols, ")");
   const bool vec_x = cols % kPack == 0 && detail::aligned16(x);
   const bool vec_out = cols % kPack == 0 && aligned8(out);
   const bool vec_t = rows % 16 == 0 && detail::aligned16(out_t);
