@@ -6,13 +6,14 @@
 # its fp8 input-gradient products take e4m3 only). Prints the steady tokens/s of each run, the speed-up over the
 # same model's bf16 dense run, and the device memory the first log line reports.
 #
-#   bench/fp8-gpu.sh [build dir]     (default build/cuda)
+#   bench/fp8-gpu.sh [build dir]     (default build/cuda; MODELS, default "llama-1b gpt2-124m", chooses the
+#                                    models; LOGS, a folder, keeps the runs' logs there)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 esplag=${1:-build/cuda}/esplag
 [ -x "$esplag" ] || { echo "fp8-gpu: $esplag is missing: build the cuda preset first" >&2; exit 2; }
 run_dir=$(mktemp -d)
-trap 'rm -rf "$run_dir"' EXIT
+trap '[ -n "${LOGS:-}" ] && cp "$run_dir"/*.log "$LOGS"/; rm -rf "$run_dir"' EXIT
 steps=16
 sed -e 's/preset: llama-1b/preset: gpt2-124m/' -e 's/vocab_size: 32000/vocab_size: 50257/' \
   -e 's/batch_size: 4/batch_size: 16/' -e 's/seq_len: 2048/seq_len: 1024/' configs/gpu/llama-1b.yaml >"$run_dir/gpt2-124m.yaml"
@@ -34,7 +35,7 @@ row() {  # model, kind, precision, "tokens/s,GiB", the bf16 dense tokens/s
   awk -v m="$1" -v k="$2" -v p="$3" -v r="$4" -v base="$5" \
     'BEGIN { split(r, f, ","); printf "%s,%s,%s,%s,%.2f\n", m, k, p, r, (base > 0 ? f[1] / base : 0) }'
 }
-for model in llama-1b gpt2-124m; do
+for model in ${MODELS:-llama-1b gpt2-124m}; do
   config=configs/gpu/llama-1b.yaml
   [ "$model" = gpt2-124m ] && config="$run_dir/gpt2-124m.yaml"
   bf16=$(rate "$model-bf16" "$config")

@@ -154,15 +154,16 @@ void make_kind(Transformer<float>& cm, GpuTransformer& gm, const std::string& ki
 // One micro-batch of B x T (the GPU model sized for maxB x maxT) on both models in fp8:
 // the losses within 2%, every gradient within 6% (the GPU casts bf16 activations, the CPU
 // fp32 ones: a few codes differ by one step), and the 2:4 products on the path for a
-// full-size micro-batch.
-void compare_fp8_step(const std::string& kind, int maxB, int maxT, int B, int T) {
-  SCOPED_TRACE(kind + " " + std::to_string(B) + "x" + std::to_string(T));
+// full-size micro-batch: for every layer without `dispatch`, with it for the layers whose
+// shape the timed dispatch gave the 2:4 way.
+void compare_fp8_step(const std::string& kind, int maxB, int maxT, int B, int T, bool dispatch = false) {
+  SCOPED_TRACE(kind + " " + std::to_string(B) + "x" + std::to_string(T) + (dispatch ? " dispatched" : ""));
   const ModelConfig cfg = sparse_llama_config();
   Transformer<float> cm(cfg);
   cm.init_weights(5);
   for (size_t i = 0; i < cm.num_params(); ++i) cm.params()[i] = esplag::gpu_test::round_bf16(cm.params()[i]);
   GpuModelOptions o;
-  o.sparse_dispatch = false;
+  o.sparse_dispatch = dispatch;
   o.precision = kFp8;
   GpuTransformer gm(cfg, maxB, maxT, o);
   make_kind(cm, gm, kind);
@@ -178,7 +179,20 @@ void compare_fp8_step(const std::string& kind, int maxB, int maxT, int B, int T)
   std::printf("  worst gradient rel L2 error %.2e\n", worst);
   int sparse_ops = 0;
   for (const auto& op : gm.op_times()) sparse_ops += op.op.rfind("sparse gemm", 0) == 0;
-  EXPECT_EQ(sparse_ops, B * T == maxB * maxT ? 8 : 0) << "forward and dX of the 4 Linear roles on the 2:4 path";
+  int sparse_layers = 0;
+  for (const std::string& name : cm.linear_names()) {
+    const auto& w = dynamic_cast<esplag::SlopeLinear<float>&>(cm.linear(name)).forward_weight();
+    bool sparse = true;
+    for (const auto& d : gm.sparse_dispatch()) {
+      EXPECT_EQ(d.kind, "slope fp8");
+      EXPECT_GT(d.sparse_ms, 0.0);
+      EXPECT_GT(d.dense_ms, 0.0);
+      if (d.out == w.rows && d.in == w.cols) sparse = d.sparse;
+    }
+    sparse_layers += sparse;
+  }
+  EXPECT_EQ(gm.sparse_dispatch().empty(), !dispatch) << "a decision per shape, when dispatched";
+  EXPECT_EQ(sparse_ops, B * T == maxB * maxT ? 2 * sparse_layers : 0) << "forward and dX of the 2:4 Linear layers";
 }
 
 // The first block Linear of a GPU model in `precision` made `kind`: an Error holding `want`
@@ -206,6 +220,10 @@ TEST_F(GpuFp8Sparse, SlopeTracksTheCpuEmulation) {
   compare_fp8_step("slope", 2, 96, 2, 96);
   compare_fp8_step("slope", 2, 96, 1, 64);  // the dense fp8 products of W1 and W2ᵀ
 }
+
+// With the timed per-layer dispatch: each shape takes the faster way (it may be either on
+// this tiny model), and the gradients follow the emulation either way.
+TEST_F(GpuFp8Sparse, DispatchedSlopeTracksTheCpuEmulation) { compare_fp8_step("slope", 2, 96, 2, 96, true); }
 
 // semi_sparse refuses fp8 on the GPU (its e4m3 input-gradient product gave wrong gradients).
 TEST_F(GpuFp8Sparse, SemiSparseRefusesFp8) {

@@ -557,7 +557,7 @@ class GpuTransformer {
   // dX being the dense product). semi_sparse_activation times its forward only (its
   // backward is the same either way).
   struct SparseDispatch {
-    std::string kind;  // semi_sparse, semi_sparse_activation or slope
+    std::string kind;  // semi_sparse, semi_sparse_activation, slope or "slope fp8" (train.precision fp8)
     int64_t out = 0, in = 0, tokens = 0;
     bool gelu_pass = false;              // the layer's 2:4 path adds a GELU pass
     double sparse_ms = 0, dense_ms = 0;  // prepare + forward + input gradient (+ that pass), median

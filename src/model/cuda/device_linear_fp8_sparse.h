@@ -22,7 +22,9 @@
 // Where the 2:4 products do not apply, the same scaled products run dense on Fp8Gemm from
 // the pruned weights the caller gives again: a micro-batch of another size than the full
 // one, a bias (cuSPARSELt's e4m3 kernels are run without epilogues here), dimensions that
-// are not multiples of 32, or no cuSPARSELt.
+// are not multiples of 32, no cuSPARSELt, or the per-layer dispatch found the dense way
+// faster (set_dense: cuSPARSELt's e4m3 compression, run for both copies every step, can
+// cost more than the 2:4 products save).
 //
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once
@@ -48,7 +50,12 @@ class Fp8SparseProducts {
   ~Fp8SparseProducts();
 
   // Whether full-size micro-batches run the 2:4 products.
-  bool sparse() const { return fwd_ != nullptr; }
+  bool sparse() const { return fwd_ != nullptr && !dense_; }
+  // Whether they could (the shapes fit and cuSPARSELt is there).
+  bool can_be_sparse() const { return fwd_ != nullptr; }
+  // The dense fp8 products at every size (or the 2:4 ones where they can be), from the
+  // next prepare() on: the per-layer dispatch's choice (DeviceSlopeLinear::attach).
+  void set_dense(bool dense) { dense_ = dense; }
   // The scales and (sparse()) the compressed e4m3 copies from the current pruned weights:
   // wf [out, in], wbt = Wbᵀ [in, out] (slope's W2ᵀ). Call after every weight change; the
   // pointers may be reused after.
@@ -95,6 +102,7 @@ class Fp8SparseProducts {
   int64_t alpha_len_fwd_ = 0, alpha_len_bwd_ = 0;
   void *comp_fwd_ = nullptr, *comp_bwd_ = nullptr;
   bool tuned_fwd_ = false, tuned_bwd_ = false;
+  bool dense_ = false;
 };
 
 }  // namespace esplag

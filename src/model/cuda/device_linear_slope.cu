@@ -176,8 +176,49 @@ void DeviceSlopeLinear::prepare(bool refresh) {
 }
 
 void DeviceSlopeLinear::attach() {
-  if (ctx_.sparse_dispatch && !fp8_)  // now that the kept values are stored
+  if (!ctx_.sparse_dispatch) return;  // now that the kept values are stored
+  if (!fp8_)
     dense_products_ = !ctx_.sparse_is_faster("slope", weight_name_, out_, in_, true, [&] { return time_products(); });
+  else if (fp8_->can_be_sparse())
+    fp8_->set_dense(
+        !ctx_.sparse_is_faster("slope fp8", weight_name_, out_, in_, true, [&] { return time_fp8_products(); }));
+}
+
+// Both ways of the per-step fp8 work, as prepare and the step run it (median of 10 after two
+// untimed rounds that tune the 2:4 products), on scratch inputs: the 2:4 way casts and
+// compresses both weights and runs the forward and dX 2:4 products; the dense way takes both
+// weights' amax and casts each weight for its dense product. X's and dY's casts are in both.
+// The 2:4 way runs last, so the layer's compressed copies are its weight's afterwards.
+// Synchronises the stream.
+gpu::SparseLinear::ProductTimes DeviceSlopeLinear::time_fp8_products() {
+  cudaStream_t s = ctx_.stream;
+  const int N = static_cast<int>(ctx_.tokens);
+  const size_t nx = size_t(N) * size_t(in_), ny = size_t(N) * size_t(out_);
+  DeviceArena scratch(2 * sizeof(bf16) * (nx + ny) + 4 * DeviceArena::kDefaultAlignment, "slope fp8 dispatch timing");
+  bf16* x = scratch.allocate_array<bf16>("x", nx);
+  bf16* dx = scratch.allocate_array<bf16>("dx", nx);
+  bf16* y = scratch.allocate_array<bf16>("y", ny);
+  bf16* dy = scratch.allocate_array<bf16>("dy", ny);
+  CUDA_CHECK(cudaMemsetAsync(x, 0x3C, sizeof(bf16) * nx, s));  // non-zero inputs: no shortcuts
+  CUDA_CHECK(cudaMemsetAsync(dy, 0x3B, sizeof(bf16) * ny, s));
+  const auto w1 = [&] { return expand_w1(); };
+  const auto w2t = [&] {
+    expand_w1();
+    return sp_->refill_backward_weight_t(s);
+  };
+  const auto step = [&](int) {
+    prepare(false);
+    fp8_->begin_backward();  // dY's codes made in each round
+    fp8_->forward(y, x, p_.bias.w, N, w1, "dispatch timing");
+    fp8_->backward_dx(dx, dy, N, w2t, "dispatch timing");
+  };
+  const StepMarks::Pause unmarked(*ctx_.marks);
+  gpu::SparseLinear::ProductTimes t;
+  fp8_->set_dense(true);
+  t.dense_ms = median_event_ms(step, 2, 10, s);
+  fp8_->set_dense(false);
+  t.sparse_ms = median_event_ms(step, 2, 10, s);
+  return t;
 }
 
 // Both ways of the per-step products (median of 10 after two untimed rounds that tune them)

@@ -77,6 +77,7 @@ class DeviceSlopeLinear : public DeviceLinear {
   // W1 [out, in] from the stored kept values, in the shared scratch.
   const bf16* expand_w1() const;
   gpu::SparseLinear::ProductTimes time_products();
+  gpu::SparseLinear::ProductTimes time_fp8_products();
 
   Scratch& scratch_;
   std::unique_ptr<gpu::SparseLinear> sp_;

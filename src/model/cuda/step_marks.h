@@ -56,7 +56,19 @@ class StepMarks {
   // Closes the last op of a call (the timer's intervals are collected separately).
   void end_ops() { trace_op_.reset(); }
   bool tracing() const { return current_op_tracer() != nullptr; }
-  bool marking() const { return timing_ || tracing(); }
+  bool marking() const { return !paused_ && (timing_ || tracing()); }
+  // No marks while one lives (a layer timing its products outside the step).
+  class Pause {
+   public:
+    explicit Pause(StepMarks& m) : m_(m), was_(m.paused_) { m.paused_ = true; }
+    ~Pause() { m_.paused_ = was_; }
+    Pause(const Pause&) = delete;
+    Pause& operator=(const Pause&) = delete;
+
+   private:
+    StepMarks& m_;
+    bool was_;
+  };
 
   // Timing: on clears the sums; collect() waits for the last op and adds the intervals up.
   void set_timing(bool on);
@@ -71,6 +83,7 @@ class StepMarks {
   void record(cudaStream_t s);
 
   bool timing_ = false;
+  bool paused_ = false;
   std::vector<cudaEvent_t> events_;
   std::vector<int> kinds_;  // the op kind of the interval starting at events_[i]
   std::vector<double> flops_;
