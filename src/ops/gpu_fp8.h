@@ -47,7 +47,7 @@ void fp8_cast(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, const fl
 // The same cast written transposed: x [rows, cols] row-major gives out [cols, rows]
 // row-major, out[c·rows + r] = code(x[r·cols + c]), with one scale for the tensor (amax of
 // x, e.g. from fp8_amax). The backward's fp8 GEMMs take their operands K-major (see
-// Fp8Gemm), so they need these transposed copies of W, dY and X. One pass over 64 x 64
+// Fp8Gemm), so they need these transposed copies of W, dY and X. One pass over 128 x 64
 // tiles, 16-byte accesses on both sides where the sizes and pointers allow (rows a
 // multiple of 16 and out 16-byte aligned; cols a multiple of 8 and x 16-byte aligned).
 void fp8_cast_transpose(uint8_t* out, float* inv_scale, const bf16* x, int64_t rows, int64_t cols, const float* amax,
