@@ -54,9 +54,10 @@ double time_gelu_pass(int64_t n, bool forward, cudaStream_t s) {
 }  // namespace
 
 bool DeviceLinearContext::sparse_is_faster(const std::string& kind, const std::string& weight_name, int64_t out,
-                                           int64_t in, bool gelu_dx, const std::function<ProductTimes()>& time) {
+                                           int64_t in, GeluPasses gelu, const std::function<ProductTimes()>& time) {
   const bool is_fc = weight_name.find(".mlp.fc.") != std::string::npos;
-  const bool gelu_pass = gelu_mlp && weight_name.find(".mlp.") != std::string::npos && (is_fc || gelu_dx);
+  const bool gelu_pass = gelu_mlp && gelu != GeluPasses::none && weight_name.find(".mlp.") != std::string::npos &&
+                         (is_fc || gelu == GeluPasses::fc_and_dx);
   auto it = std::find_if(dispatch.begin(), dispatch.end(), [&](const GpuTransformer::SparseDispatch& d) {
     return d.kind == kind && d.out == out && d.in == in && d.tokens == tokens && d.gelu_pass == gelu_pass;
   });

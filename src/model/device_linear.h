@@ -120,12 +120,17 @@ struct DeviceLinearContext {
   // The largest of f(out, in) over the block Linear shapes (a shared scratch's size).
   size_t largest(const std::function<size_t(int64_t out, int64_t in)>& f) const;
   // Per-layer dispatch: whether layers of `kind` and this one's shape run their 2:4 products,
-  // timed (`time`) for the first of them. With a GELU MLP, fc's forward and mproj's dX carry
-  // a GELU pass on the 2:4 path (over fc's output), timed and counted against it; `gelu_dx`:
-  // mproj's dX runs that pass (semi_sparse_activation's dX is cuBLASLt's, with it fused).
+  // timed (`time`) for the first of them. With a GELU MLP, the 2:4 path may carry GELU passes
+  // (over fc's output) that the dense one fuses into cuBLASLt's epilogues; they are timed and
+  // counted against it, as `gelu` says.
+  enum class GeluPasses {
+    fc_and_dx,  // fc's forward and mproj's dX
+    fc,         // fc's forward only (semi_sparse_activation's dX is cuBLASLt's, with it fused)
+    none,       // both ways run the same passes (fp8: neither fuses them)
+  };
   using ProductTimes = gpu::SparseLinear::ProductTimes;
   bool sparse_is_faster(const std::string& kind, const std::string& weight_name, int64_t out, int64_t in,
-                        bool gelu_dx, const std::function<ProductTimes()>& time);
+                        GeluPasses gelu, const std::function<ProductTimes()>& time);
 };
 
 // A tensor of the parameter state as one layer sees it: bf16 weights (the master's high

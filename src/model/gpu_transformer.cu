@@ -36,6 +36,7 @@
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <utility>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
@@ -441,12 +442,12 @@ double GpuTransformer::forward_loss(const int32_t* tokens, const int32_t* target
 
 void GpuTransformer::forward_backward_body(const int32_t* tokens, const int32_t* targets, int B, int T,
                                            double loss_scale, bool overwrite, const Distillation* distill,
-                                           bool reduce) {
+                                           bool reduce, bool prepare) {
   if (distill) {
     impl_->marks.mark(stream_, "teacher fwd");  // the teacher's own marks stay off
-    distill->teacher->forward_body(tokens, B, T);
+    distill->teacher->forward_body(tokens, B, T, false);
   }
-  forward_body(tokens, B, T);
+  forward_body(tokens, B, T, prepare);
   head(targets, B, T, true, loss_scale, overwrite, distill);
   backward_body(tokens, B, T, overwrite, reduce);
 }
@@ -480,8 +481,9 @@ void GpuTransformer::forward_backward_device(const int32_t* tokens, const int32_
   const bool overwrite = im.zero_pending;
   im.zero_pending = false;
   if (reduce) im.grads_reduced = true;
+  const bool prepare = std::exchange(im.prepare_in_forward, false);
   if (!opt_.cuda_graph || im.marks.timing() || im.marks.tracing()) {
-    forward_backward_body(tokens, targets, B, T, loss_scale, overwrite, distill, reduce);
+    forward_backward_body(tokens, targets, B, T, loss_scale, overwrite, distill, reduce, prepare);
     im.marks.end_ops();
     im.marks.collect(stream_);
     return;
@@ -489,7 +491,7 @@ void GpuTransformer::forward_backward_device(const int32_t* tokens, const int32_
   const Distillation teaching = distill ? *distill : Distillation{nullptr, 0, 0};
   auto it = std::find_if(im.step_graphs.begin(), im.step_graphs.end(), [&](const Impl::StepGraph& g) {
     return g.tokens == tokens && g.targets == targets && g.B == B && g.T == T && g.loss_scale == loss_scale &&
-           g.overwrite == overwrite && g.distill == teaching && g.reduce == reduce;
+           g.overwrite == overwrite && g.distill == teaching && g.reduce == reduce && g.prepare == prepare;
   });
   if (it == im.step_graphs.end()) {
     constexpr size_t kMaxGraphs = 8;
@@ -499,33 +501,32 @@ void GpuTransformer::forward_backward_device(const int32_t* tokens, const int32_
       im.step_graphs.erase(lru);
     }
     im.step_graphs.push_back(
-        {tokens, targets, B, T, loss_scale, overwrite, teaching, reduce, std::make_unique<Impl::Graph>(), 0});
+        {tokens, targets, B, T, loss_scale, overwrite, teaching, reduce, prepare, std::make_unique<Impl::Graph>(), 0});
     it = im.step_graphs.end() - 1;
   }
   it->last_use = ++im.graph_uses;
   run_as_graph(*it->graph, stream_, im.graph_launches,
-               [&] { forward_backward_body(tokens, targets, B, T, loss_scale, overwrite, distill, reduce); });
+               [&] { forward_backward_body(tokens, targets, B, T, loss_scale, overwrite, distill, reduce, prepare); });
 }
 
 void GpuTransformer::forward_loss_device(const int32_t* tokens, const int32_t* targets, int B, int T) {
   check_batch(B, T);
-  forward_body(tokens, B, T);
+  forward_body(tokens, B, T, std::exchange(impl_->prepare_in_forward, false));
   head(targets, B, T, false, 1.0);
   impl_->marks.end_ops();
   impl_->marks.collect(stream_);
 }
 
-void GpuTransformer::forward_body(const int32_t* tokens, int B, int T) {
+void GpuTransformer::forward_body(const int32_t* tokens, int B, int T, bool prepare) {
   Impl& im = *impl_;
   im.marks.mark(stream_, "embedding fwd");
   gpu::embedding_forward(im.layers.front().res_in, tokens, im.wte, im.wpe, B, T, cfg_.d_model, cfg_.vocab_size,
                          stream_);
-  const bool prepare = im.prepare_in_forward;
-  im.prepare_in_forward = false;
-  if (prepare) prepare_at(-1);
+  const std::vector<int> positions = prepare ? ring_positions() : std::vector<int>();
+  if (prepare) prepare_at(-1, positions);
   for (int l = 0; l < cfg_.n_layer; ++l) {
     gather_ring_weights(l, false);
-    if (prepare && im.ring_lowest[size_t(l)] >= 0) prepare_at(im.ring_lowest[size_t(l)]);
+    if (prepare && im.ring_lowest[size_t(l)] >= 0) prepare_at(im.ring_lowest[size_t(l)], positions);
     block_forward(l, B, T, false);
   }
   im.marks.layer = -1;
@@ -960,29 +961,37 @@ void GpuTransformer::prepare_layers() {
   Impl& im = *impl_;
   im.prepare_in_forward = false;
   if (!any_prepares()) return;
-  prepare_at(-1);
+  const std::vector<int> positions = ring_positions();
+  prepare_at(-1, positions);
   // Under ZeRO stage 3 in the forward's order, each bucket gathered one ahead while the bucket
   // before prepares, as in the forward.
   for (int p = 0; p < int(im.ring_order.size()); ++p) {
     gather_ring_at(p, false, int(im.buckets[im.ring_order[size_t(p)]].after_block));
-    prepare_at(p);
+    prepare_at(p, positions);
   }
 }
 
-void GpuTransformer::prepare_at(int p) {
-  Impl& im = *impl_;
-  size_t k = 0;  // index into im.refreshing, in im.linears' order
-  for (auto& [name, slot] : im.linears) {
-    const bool refresh = k < im.refreshing.size() && im.refreshing[k];
-    ++k;
-    if (!slot.top().prepares()) continue;
+std::vector<int> GpuTransformer::ring_positions() const {
+  const Impl& im = *impl_;
+  std::vector<int> positions;
+  for (const auto& [name, slot] : im.linears) {
     int position = -1;
     if (im.w_own) {
       const auto at = std::find(im.ring_order.begin(), im.ring_order.end(),
                                 size_t(bucket_of(im.buckets, info_named(im.stored, name).offset)));
       if (at != im.ring_order.end()) position = int(at - im.ring_order.begin());
     }
-    if (position != p) continue;
+    positions.push_back(position);
+  }
+  return positions;
+}
+
+void GpuTransformer::prepare_at(int p, const std::vector<int>& positions) {
+  Impl& im = *impl_;
+  size_t k = 0;  // index into im.refreshing and positions, in im.linears' order
+  for (auto& [name, slot] : im.linears) {
+    const bool refresh = k < im.refreshing.size() && im.refreshing[k];
+    if (positions[k++] != p || !slot.top().prepares()) continue;
     im.marks.layer = layer_of(name);
     im.marks.mark(stream_, "sparse prepare (2:4 prune + compress)", 0,
                   im.marks.tracing() ? module_of(name) + ".sparsify" : "");

@@ -164,8 +164,9 @@ struct GpuModelOptions {
   // buckets the forward left in the slots), on the collectives' stream. The rest (the
   // embeddings, the final norm and the LM head) stays whole on every rank, all-gathered
   // after each update as in stage 1. So the forward (forward_loss too) is a collective.
-  // Layers that prepare per step (slope, semi_sparse, fp8's casts) prepare bucket by bucket
-  // after the update, each bucket gathered first (on the step's stream). What reads or
+  // Layers that prepare per step (slope, semi_sparse, fp8's casts) prepare in the next
+  // forward, each bucket's layers from the gather there (after an update that refreshes a
+  // mask, and after set_params / init_weights: at once, bucket by bucket). What reads or
   // writes the whole master weights (params_to_host, set_params, stored_to_host /
   // stored_from_host of weights) assembles them over the ranks, a collective. Refused under
   // stage 3 (set_linear_kinds): layers that rewrite their weights after the update (masked,
@@ -592,7 +593,8 @@ class GpuTransformer {
 
  private:
   void check_batch(int B, int T) const;
-  void forward_body(const int32_t* tokens, int B, int T);
+  // `prepare`: the layers prepare bucket by bucket first (ZeRO stage 3, Impl::prepare_in_forward).
+  void forward_body(const int32_t* tokens, int B, int T, bool prepare);
   // Block l's forward; `again`: full checkpointing's recompute before its backward, from
   // its kept input, without mlp.proj (and without the MLP activation where the backward
   // recomputes that anyway).
@@ -607,7 +609,7 @@ class GpuTransformer {
   // With `reduce`, the gradients averaged over the ranks of reduce_gradients as it goes.
   void backward_body(const int32_t* tokens, int B, int T, bool overwrite, bool reduce);
   void forward_backward_body(const int32_t* tokens, const int32_t* targets, int B, int T, double loss_scale,
-                             bool overwrite, const Distillation* distill, bool reduce);
+                             bool overwrite, const Distillation* distill, bool reduce, bool prepare);
   // Queues the mean over the ranks of the gradient buckets due after block l's backward
   // (GradientBucket::kAfterHead: the head's and the final norm's; kAfterBackward: after the
   // whole backward, which then also waits for every collective): with `reduce`
@@ -637,8 +639,12 @@ class GpuTransformer {
   // masks of the layers `impl_->refreshing` says (none when it is empty).
   void prepare_layers();
   // prepare_layers for the layers whose weights are at position p of the ring's order
-  // (ZeRO stage 3; -1: the layers outside the ring, all of them without stage 3).
-  void prepare_at(int p);
+  // (ZeRO stage 3; -1: the layers outside the ring, all of them without stage 3), given each
+  // layer's position as ring_positions() has it.
+  void prepare_at(int p, const std::vector<int>& positions);
+  // The position in the ring's order of each Linear layer's bucket, in Impl::linears' order
+  // (-1: outside the ring, every layer without stage 3).
+  std::vector<int> ring_positions() const;
   // True when a Linear layer prepares per step.
   bool any_prepares() const;
   // The block Linear layers, all of the first kind (dense), and what they share.

@@ -53,7 +53,8 @@ DeviceSemiSparseLinear::DeviceSemiSparseLinear(const DeviceLinearSetup& s) : Dev
   sp_ = std::make_unique<gpu::SparseLinear>(o, out_, in_, ctx_.tokens, p_.weight.w, ctx_.stream);
   if (st.sparse_dw) sp_->set_dw_seed(st.dw_seed, st.dw_draws);
   if (ctx_.sparse_dispatch)
-    sp_->use_dense_products(!ctx_.sparse_is_faster("semi_sparse", weight_name_, out_, in_, true,
+    sp_->use_dense_products(!ctx_.sparse_is_faster("semi_sparse", weight_name_, out_, in_,
+                                                   DeviceLinearContext::GeluPasses::fc_and_dx,
                                                    [&] { return sp_->time_products(ctx_.stream); }));
   sp_->prepare(ctx_.stream);
   const size_t w_bytes = sizeof(bf16) * size_t(out_) * size_t(in_);

@@ -37,7 +37,8 @@ DeviceSemiSparseActivationLinear::DeviceSemiSparseActivationLinear(const DeviceL
   o.gemm = ctx_.gemm;
   act_ = std::make_unique<gpu::SparseActivationLinear>(o, out_, in_, ctx_.tokens);
   if (ctx_.sparse_dispatch && act_->sparse())
-    act_->use_dense_products(!ctx_.sparse_is_faster("semi_sparse_activation", weight_name_, out_, in_, false,
+    act_->use_dense_products(!ctx_.sparse_is_faster("semi_sparse_activation", weight_name_, out_, in_,
+                                                    DeviceLinearContext::GeluPasses::fc,
                                                     [&] { return act_->time_products(p_.weight.w, ctx_.stream); }));
 }
 

@@ -19,7 +19,27 @@
 namespace esplag {
 
 namespace {
+
 constexpr const char* kScratchName = "slope";
+
+// The operands of a layer's product timings: X and dX [tokens, in], Y and dY [tokens, out],
+// X and dY non-zero (no shortcuts).
+struct TimingOperands {
+  DeviceArena arena;
+  bf16 *x = nullptr, *dx = nullptr, *y = nullptr, *dy = nullptr;
+  TimingOperands(int64_t tokens, int64_t in, int64_t out, cudaStream_t s)
+      : arena(2 * sizeof(bf16) * size_t(tokens * (in + out)) + 4 * DeviceArena::kDefaultAlignment,
+              "slope dispatch timing") {
+    const size_t nx = size_t(tokens * in), ny = size_t(tokens * out);
+    x = arena.allocate_array<bf16>("x", nx);
+    dx = arena.allocate_array<bf16>("dx", nx);
+    y = arena.allocate_array<bf16>("y", ny);
+    dy = arena.allocate_array<bf16>("dy", ny);
+    CUDA_CHECK(cudaMemsetAsync(x, 0x3C, sizeof(bf16) * nx, s));
+    CUDA_CHECK(cudaMemsetAsync(dy, 0x3B, sizeof(bf16) * ny, s));
+  }
+};
+
 }  // namespace
 
 // W1 expanded from the kept values (w1), W2 and W2ᵀ (SparseLinearOptions::slope_scratch)
@@ -177,11 +197,13 @@ void DeviceSlopeLinear::prepare(bool refresh) {
 
 void DeviceSlopeLinear::attach() {
   if (!ctx_.sparse_dispatch) return;  // now that the kept values are stored
+  using Gelu = DeviceLinearContext::GeluPasses;
   if (!fp8_)
-    dense_products_ = !ctx_.sparse_is_faster("slope", weight_name_, out_, in_, true, [&] { return time_products(); });
-  else if (fp8_->can_be_sparse())
+    dense_products_ =
+        !ctx_.sparse_is_faster("slope", weight_name_, out_, in_, Gelu::fc_and_dx, [&] { return time_products(); });
+  else if (fp8_->can_be_sparse())  // both fp8 ways run the GELU passes
     fp8_->set_dense(
-        !ctx_.sparse_is_faster("slope fp8", weight_name_, out_, in_, true, [&] { return time_fp8_products(); }));
+        !ctx_.sparse_is_faster("slope fp8", weight_name_, out_, in_, Gelu::none, [&] { return time_fp8_products(); }));
 }
 
 // Both ways of the per-step fp8 work, as prepare and the step run it (median of 10 after two
@@ -193,14 +215,7 @@ void DeviceSlopeLinear::attach() {
 gpu::SparseLinear::ProductTimes DeviceSlopeLinear::time_fp8_products() {
   cudaStream_t s = ctx_.stream;
   const int N = static_cast<int>(ctx_.tokens);
-  const size_t nx = size_t(N) * size_t(in_), ny = size_t(N) * size_t(out_);
-  DeviceArena scratch(2 * sizeof(bf16) * (nx + ny) + 4 * DeviceArena::kDefaultAlignment, "slope fp8 dispatch timing");
-  bf16* x = scratch.allocate_array<bf16>("x", nx);
-  bf16* dx = scratch.allocate_array<bf16>("dx", nx);
-  bf16* y = scratch.allocate_array<bf16>("y", ny);
-  bf16* dy = scratch.allocate_array<bf16>("dy", ny);
-  CUDA_CHECK(cudaMemsetAsync(x, 0x3C, sizeof(bf16) * nx, s));  // non-zero inputs: no shortcuts
-  CUDA_CHECK(cudaMemsetAsync(dy, 0x3B, sizeof(bf16) * ny, s));
+  const TimingOperands o(N, in_, out_, s);
   const auto w1 = [&] { return expand_w1(); };
   const auto w2t = [&] {
     expand_w1();
@@ -209,8 +224,8 @@ gpu::SparseLinear::ProductTimes DeviceSlopeLinear::time_fp8_products() {
   const auto step = [&](int) {
     prepare(false);
     fp8_->begin_backward();  // dY's codes made in each round
-    fp8_->forward(y, x, p_.bias.w, N, w1, "dispatch timing");
-    fp8_->backward_dx(dx, dy, N, w2t, "dispatch timing");
+    fp8_->forward(o.y, o.x, p_.bias.w, N, w1, "dispatch timing");
+    fp8_->backward_dx(o.dx, o.dy, N, w2t, "dispatch timing");
   };
   const StepMarks::Pause unmarked(*ctx_.marks);
   gpu::SparseLinear::ProductTimes t;
@@ -231,20 +246,13 @@ gpu::SparseLinear::ProductTimes DeviceSlopeLinear::time_products() {
   gpu::SparseLinear& sp = *sp_;
   cudaStream_t s = ctx_.stream;
   const int N = static_cast<int>(sp.tokens()), out = static_cast<int>(out_), in = static_cast<int>(in_);
-  const size_t nx = size_t(N) * size_t(in), ny = size_t(N) * size_t(out);
-  DeviceArena scratch(2 * sizeof(bf16) * (nx + ny) + 4 * DeviceArena::kDefaultAlignment, "slope dispatch timing");
-  bf16* x = scratch.allocate_array<bf16>("x", nx);
-  bf16* dx = scratch.allocate_array<bf16>("dx", nx);
-  bf16* y = scratch.allocate_array<bf16>("y", ny);
-  bf16* dy = scratch.allocate_array<bf16>("dy", ny);
-  CUDA_CHECK(cudaMemsetAsync(x, 0x3C, sizeof(bf16) * nx, s));  // non-zero inputs: no shortcuts
-  CUDA_CHECK(cudaMemsetAsync(dy, 0x3B, sizeof(bf16) * ny, s));
+  const TimingOperands o(N, in, out, s);
   gpu::SparseLinear::ProductTimes t;
   t.dense_ms = median_event_ms(
       [&](int) {
-        ctx_.gemm->forward(y, x, expand_w1(), p_.bias.w, N, in, out, s);
+        ctx_.gemm->forward(o.y, o.x, expand_w1(), p_.bias.w, N, in, out, s);
         expand_w1();
-        ctx_.gemm->forward(dx, dy, sp.refill_backward_weight_t(s), nullptr, N, out, in, s);
+        ctx_.gemm->forward(o.dx, o.dy, sp.refill_backward_weight_t(s), nullptr, N, out, in, s);
       },
       2, 10, s);
   t.sparse_ms = median_event_ms(
@@ -253,8 +261,8 @@ gpu::SparseLinear::ProductTimes DeviceSlopeLinear::time_products() {
           expand_w1();
           sp.prepare(s, false);
         }
-        sp.forward(y, x, s, p_.bias.w);
-        sp.backward(dx, nullptr, dy, nullptr, false, s);
+        sp.forward(o.y, o.x, s, p_.bias.w);
+        sp.backward(o.dx, nullptr, o.dy, nullptr, false, s);
       },
       2, 10, s);
   return t;

@@ -136,6 +136,7 @@ struct GpuTransformer::Impl {
     bool overwrite = false;
     Distillation distill;  // teacher null: none
     bool reduce = false;
+    bool prepare = false;  // the forward prepares the layers (a replay does so every time)
     std::unique_ptr<Graph> graph;
     uint64_t last_use = 0;
   };
@@ -150,7 +151,8 @@ struct GpuTransformer::Impl {
   // Which layers (in `linears`' order) the preparation running now refreshes the masks of.
   std::vector<bool> refreshing;
   // ZeRO stage 3: the step's preparation is left to the next forward, which prepares each
-  // bucket's layers from the gather it makes anyway (set after an update refreshing no mask).
+  // bucket's layers from the gather it makes anyway (set after an update refreshing no mask;
+  // taken by the forward's entry points, a key of the captured step graphs).
   bool prepare_in_forward = false;
   Slot* find_linear(const std::string& weight_name) {
     auto it = linears.find(weight_name);
