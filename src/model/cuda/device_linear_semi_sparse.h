@@ -4,10 +4,10 @@
 // (prepare); the forward and dX products are 2:4 GEMMs of Ws (the bias in cuSPARSELt's
 // epilogue, a GELU and its gradient as separate passes), dW stays the dense dYᵀ·X (or, with
 // sparse_dw, the 2:4 product of the MVUE of dYᵀ for full-size micro-batches), the master
-// weight stays dense. Micro-batches of another
-// size than the full one run the dense products of Ws (the 2:4 plans are per token count;
-// Ws is then pruned again into a shared scratch as large as the largest such layer), and so
-// do all micro-batches where per-layer dispatch found cuBLASLt faster.
+// weight stays dense. Micro-batches of another size than the full one run the dense products
+// of Ws (the 2:4 plans are per token count; Ws is then pruned again into a shared scratch as
+// large as the largest such layer), and so do all micro-batches where per-layer dispatch
+// found cuBLASLt faster.
 //
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once
