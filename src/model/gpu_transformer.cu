@@ -522,11 +522,10 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T, bool prep
   im.marks.mark(stream_, "embedding fwd");
   gpu::embedding_forward(im.layers.front().res_in, tokens, im.wte, im.wpe, B, T, cfg_.d_model, cfg_.vocab_size,
                          stream_);
-  const std::vector<int> positions = prepare ? ring_positions() : std::vector<int>();
-  if (prepare) prepare_at(-1, positions);
+  if (prepare) prepare_at(-1);
   for (int l = 0; l < cfg_.n_layer; ++l) {
     gather_ring_weights(l, false);
-    if (prepare && im.ring_lowest[size_t(l)] >= 0) prepare_at(im.ring_lowest[size_t(l)], positions);
+    if (prepare && im.ring_lowest[size_t(l)] >= 0) prepare_at(im.ring_lowest[size_t(l)]);
     block_forward(l, B, T, false);
   }
   im.marks.layer = -1;
@@ -961,37 +960,21 @@ void GpuTransformer::prepare_layers() {
   Impl& im = *impl_;
   im.prepare_in_forward = false;
   if (!any_prepares()) return;
-  const std::vector<int> positions = ring_positions();
-  prepare_at(-1, positions);
+  prepare_at(-1);
   // Under ZeRO stage 3 in the forward's order, each bucket gathered one ahead while the bucket
   // before prepares, as in the forward.
   for (int p = 0; p < int(im.ring_order.size()); ++p) {
     gather_ring_at(p, false, int(im.buckets[im.ring_order[size_t(p)]].after_block));
-    prepare_at(p, positions);
+    prepare_at(p);
   }
 }
 
-std::vector<int> GpuTransformer::ring_positions() const {
-  const Impl& im = *impl_;
-  std::vector<int> positions;
-  for (const auto& [name, slot] : im.linears) {
-    int position = -1;
-    if (im.w_own) {
-      const auto at = std::find(im.ring_order.begin(), im.ring_order.end(),
-                                size_t(bucket_of(im.buckets, info_named(im.stored, name).offset)));
-      if (at != im.ring_order.end()) position = int(at - im.ring_order.begin());
-    }
-    positions.push_back(position);
-  }
-  return positions;
-}
-
-void GpuTransformer::prepare_at(int p, const std::vector<int>& positions) {
+void GpuTransformer::prepare_at(int p) {
   Impl& im = *impl_;
-  size_t k = 0;  // index into im.refreshing and positions, in im.linears' order
+  size_t k = 0;  // index into im.refreshing and im.ring_position, in im.linears' order
   for (auto& [name, slot] : im.linears) {
     const bool refresh = k < im.refreshing.size() && im.refreshing[k];
-    if (positions[k++] != p || !slot.top().prepares()) continue;
+    if (im.ring_position[k++] != p || !slot.top().prepares()) continue;
     im.marks.layer = layer_of(name);
     im.marks.mark(stream_, "sparse prepare (2:4 prune + compress)", 0,
                   im.marks.tracing() ? module_of(name) + ".sparsify" : "");

@@ -639,12 +639,9 @@ class GpuTransformer {
   // masks of the layers `impl_->refreshing` says (none when it is empty).
   void prepare_layers();
   // prepare_layers for the layers whose weights are at position p of the ring's order
-  // (ZeRO stage 3; -1: the layers outside the ring, all of them without stage 3), given each
-  // layer's position as ring_positions() has it.
-  void prepare_at(int p, const std::vector<int>& positions);
-  // The position in the ring's order of each Linear layer's bucket, in Impl::linears' order
-  // (-1: outside the ring, every layer without stage 3).
-  std::vector<int> ring_positions() const;
+  // (ZeRO stage 3, Impl::ring_position; -1: the layers outside the ring, all of them without
+  // stage 3).
+  void prepare_at(int p);
   // True when a Linear layer prepares per step.
   bool any_prepares() const;
   // The block Linear layers, all of the first kind (dense), and what they share.

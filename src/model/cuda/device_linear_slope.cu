@@ -177,6 +177,11 @@ const bf16* DeviceSlopeLinear::expand_w1() const {
   return scratch_.w1;
 }
 
+const bf16* DeviceSlopeLinear::expand_w2t() const {
+  expand_w1();
+  return sp_->refill_backward_weight_t(ctx_.stream);
+}
+
 void DeviceSlopeLinear::prepare(bool refresh) {
   if (fp8_) {  // W1 and W2ᵀ dense (a refresh first chooses the backward mask), cast and compressed in fp8
     cudaStream_t s = ctx_.stream;
@@ -217,10 +222,7 @@ gpu::SparseLinear::ProductTimes DeviceSlopeLinear::time_fp8_products() {
   const int N = static_cast<int>(ctx_.tokens);
   const TimingOperands o(N, in_, out_, s);
   const auto w1 = [&] { return expand_w1(); };
-  const auto w2t = [&] {
-    expand_w1();
-    return sp_->refill_backward_weight_t(s);
-  };
+  const auto w2t = [&] { return expand_w2t(); };
   const auto step = [&](int) {
     prepare(false);
     fp8_->begin_backward();  // dY's codes made in each round
@@ -251,8 +253,7 @@ gpu::SparseLinear::ProductTimes DeviceSlopeLinear::time_products() {
   t.dense_ms = median_event_ms(
       [&](int) {
         ctx_.gemm->forward(o.y, o.x, expand_w1(), p_.bias.w, N, in, out, s);
-        expand_w1();
-        ctx_.gemm->forward(o.dx, o.dy, sp.refill_backward_weight_t(s), nullptr, N, out, in, s);
+        ctx_.gemm->forward(o.dx, o.dy, expand_w2t(), nullptr, N, out, in, s);
       },
       2, 10, s);
   t.sparse_ms = median_event_ms(
@@ -285,10 +286,7 @@ void DeviceSlopeLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16*
 
 void DeviceSlopeLinear::backward_dx(bf16* dinp, const bf16* dout, int N, const bf16* pre_act, const char* op) {
   if (fp8_) {
-    fp8_->backward_dx(dinp, dout, N, [&] {
-      expand_w1();
-      return sp_->refill_backward_weight_t(ctx_.stream);
-    }, op);
+    fp8_->backward_dx(dinp, dout, N, [&] { return expand_w2t(); }, op);
     return gelu_backward_pass(dinp, pre_act, N);
   }
   if (sparse_for(N)) return backward_dx_24(*sp_, dinp, dout, N, pre_act, op);
@@ -296,8 +294,7 @@ void DeviceSlopeLinear::backward_dx(bf16* dinp, const bf16* dout, int N, const b
   // layers share the scratch it lives in).
   cudaStream_t s = ctx_.stream;
   ctx_.marks->mark(s, "sparse prepare (2:4 prune + compress)");
-  expand_w1();
-  const bf16* w2t = sp_->refill_backward_weight_t(s);
+  const bf16* w2t = expand_w2t();
   ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
   ctx_.gemm->forward(dinp, dout, w2t, nullptr, N, int(out_), int(in_), s);
   gelu_backward_pass(dinp, pre_act, N);

@@ -76,6 +76,8 @@ class DeviceSlopeLinear : public DeviceLinear {
   bool sparse_for(int N) const { return !dense_products_ && sp_->sparse_products() && sp_->tokens() == N; }
   // W1 [out, in] from the stored kept values, in the shared scratch.
   const bf16* expand_w1() const;
+  // W2ᵀ [in, out] from W1 and the backward mask, in the shared scratch (W1 expanded first).
+  const bf16* expand_w2t() const;
   gpu::SparseLinear::ProductTimes time_products();
   gpu::SparseLinear::ProductTimes time_fp8_products();
 

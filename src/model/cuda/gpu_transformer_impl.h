@@ -223,6 +223,9 @@ struct GpuTransformer::Impl {
   bf16* w_own = nullptr;
   std::vector<size_t> ring_order;
   std::vector<int> ring_lowest, ring_highest;
+  // Each Linear layer's position in ring_order (in linears' order; -1: outside the ring,
+  // every layer without stage 3), set with the layout.
+  std::vector<int> ring_position;
   std::vector<cudaEvent_t> weights_gathered;
   cudaEvent_t slot_released = nullptr;
   // Slice k's master weights (the halves AdamW updates).

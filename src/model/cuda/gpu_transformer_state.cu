@@ -1,6 +1,7 @@
 // GpuTransformer's parameter state: its storage layout (the flat layout's tensors, each
 // Linear weight in its layer's stored form, then the layers' extra tensors) and its host
 // copies in the flat layout (see model/gpu_transformer.h).
+#include <algorithm>
 #include <cmath>
 #include <functional>
 
@@ -246,7 +247,13 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
     im.blocks[l].n1 = norm(b + "norm1");
     im.blocks[l].n2 = norm(b + "norm2");
   }
-  for (auto& [weight, slot] : im.linears) slot.db = gp(module_of(weight) + ".bias");
+  im.ring_position.clear();
+  for (auto& [weight, slot] : im.linears) {
+    slot.db = gp(module_of(weight) + ".bias");
+    const auto at = std::find(im.ring_order.begin(), im.ring_order.end(),
+                              size_t(bucket_of(im.buckets, info_named(im.stored, weight).offset)));
+    im.ring_position.push_back(at == im.ring_order.end() ? -1 : int(at - im.ring_order.begin()));
+  }
   bind_layers();  // each keeps its kind
 
   im.lo_stale = false;
