@@ -1,6 +1,7 @@
 // fp8 training of the 2:4 kinds on the GPU (docs/fp8.md, "2:4 kinds") against the CPU's
 // emulation, the reference:
-// - cuSPARSELt's e4m3 2:4 product with the inverse scales in its alpha vector
+// - cuSPARSELt's e4m3 2:4 product scaled by the product of the inverse scales, in its epilogue
+//   where the library takes the scale and by a pass over the output (forced) otherwise
 //   (SparseGemm24::matmul_scaled, gpu::fp8_product_scale) against the fp64 product of
 //   core's fp8_quantize_dequantize of the pruned weight and of the input, in the forward's
 //   shape and in the input gradient's (Wᵀ [in, out] structured);
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <set>
 #include <string>
@@ -70,11 +72,14 @@ std::vector<float> pruned_rows(std::vector<float> w, int64_t rows, int64_t cols)
   return w;
 }
 
-// Y [N, out] = X [N, in] · Wᵀ on the e4m3 2:4 product with alpha = 1 / (s_x · s_w), against
+// Y [N, out] = X [N, in] · Wᵀ on the e4m3 2:4 product scaled by 1 / (s_x · s_w), against
 // the fp64 product of core's quantised and dequantised operands. (out, in) = (features of
 // the output, of the input): the forward's [out, in] or the input gradient's [in, out].
-void expect_scaled_product(int64_t out, int64_t in, int64_t N) {
-  SCOPED_TRACE("out " + std::to_string(out) + " in " + std::to_string(in) + " tokens " + std::to_string(N));
+// `by_pass`: the scale applied by a pass over the output (ESPLAG_CUSPARSELT_FP8_SCALE=pass),
+// otherwise in the library's epilogue where it takes it.
+void expect_scaled_product(int64_t out, int64_t in, int64_t N, bool by_pass = false) {
+  SCOPED_TRACE("out " + std::to_string(out) + " in " + std::to_string(in) + " tokens " + std::to_string(N) +
+               (by_pass ? " (scaled by a pass)" : ""));
   const std::vector<float> wf = pruned_rows(esplag::gpu_test::random_bf16(size_t(out * in), 3, 0.02).f, out, in);
   std::vector<uint16_t> wbits(wf.size());
   for (size_t i = 0; i < wf.size(); ++i) wbits[i] = esplag::float_to_bf16(wf[i]);  // exact: wf is bf16
@@ -82,7 +87,11 @@ void expect_scaled_product(int64_t out, int64_t in, int64_t N) {
 
   gpu::SparseGemm24Problem p = gpu::SparseGemm24Problem::linear_forward(out, in, N);
   p.dtype = gpu::SparseDtype::e4m3;
-  p.alpha_vector = true;
+  p.device_scale = true;
+  if (by_pass)
+    setenv("ESPLAG_CUSPARSELT_FP8_SCALE", "pass", 1);
+  else
+    unsetenv("ESPLAG_CUSPARSELT_FP8_SCALE");
   gpu::SparseGemm24 g(p);
   esplag::gpu_test::DeviceBuffers d(size_t(64) << 20);
   cudaStream_t s = d.stream();
@@ -94,17 +103,21 @@ void expect_scaled_product(int64_t out, int64_t in, int64_t N) {
   void* comp = d.arena().allocate("compressed", g.compressed_allocation_bytes());
   void* cs = d.arena().allocate("compress scratch", std::max<size_t>(g.compress_scratch_bytes(), 1));
   void* ws = d.arena().allocate("workspace", std::max<size_t>(g.workspace_bytes(), 1));
-  const int64_t na = std::max(out, N);
-  float* alpha = d.poisoned<float>(size_t(na), "alpha");
+  float* scale = d.poisoned<float>(4, "product scale");
   gpu::bf16* y = d.poisoned<gpu::bf16>(size_t(N * out), "Y");
   gpu::fp8_amax(scales, dw, out * in, s);
   gpu::fp8_cast(w8, scales + 64, dw, out * in, scales, Fp8Format::e4m3, nullptr, s);
   g.compress(comp, w8, cs, g.compress_scratch_bytes(), s);
   gpu::fp8_amax(scales + 128, dx, N * in, s);
   gpu::fp8_cast(x8, scales + 192, dx, N * in, scales + 128, Fp8Format::e4m3, nullptr, s);
-  gpu::fp8_product_scale(alpha, scales + 192, scales + 64, na, s);
-  g.matmul_scaled(y, comp, x8, alpha, ws, g.workspace_bytes(), s);
+  gpu::fp8_product_scale(scale, scales + 192, scales + 64, 1, s);
+  g.matmul_scaled(y, comp, x8, scale, ws, g.workspace_bytes(), s);
   CUDA_CHECK(cudaStreamSynchronize(s));
+  unsetenv("ESPLAG_CUSPARSELT_FP8_SCALE");
+  if (by_pass) EXPECT_FALSE(g.scale_in_plan());
+  std::printf("e4m3 2:4 [%lld, %lld] x %lld tokens: scaled %s\n", static_cast<long long>(out),
+              static_cast<long long>(in), static_cast<long long>(N),
+              g.scale_in_plan() ? "in cuSPARSELt's epilogue (A scale pointer)" : "by a pass over the output");
   std::vector<uint16_t> ybits(size_t(N * out));
   CUDA_CHECK(cudaMemcpy(ybits.data(), y, ybits.size() * 2, cudaMemcpyDeviceToHost));
 
@@ -127,6 +140,7 @@ void expect_scaled_product(int64_t out, int64_t in, int64_t N) {
 TEST_F(GpuFp8Sparse, ScaledE4m3ProductMatchesTheQuantisedOperands) {
   expect_scaled_product(96, 64, 128);  // the forward: W [out, in]
   expect_scaled_product(64, 96, 128);  // the input gradient: Wᵀ [in, out] as the structured operand
+  expect_scaled_product(96, 64, 128, true);
 }
 
 

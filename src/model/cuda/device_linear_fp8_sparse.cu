@@ -20,7 +20,7 @@ constexpr int64_t kScaleStride = 64;
 gpu::SparseGemm24Problem fp8_problem(int64_t out, int64_t in, int64_t tokens) {
   gpu::SparseGemm24Problem p = gpu::SparseGemm24Problem::linear_forward(out, in, tokens);
   p.dtype = gpu::SparseDtype::e4m3;
-  p.alpha_vector = true;
+  p.device_scale = true;
   return p;
 }
 
@@ -53,17 +53,10 @@ Fp8SparseProducts::Fp8SparseProducts(DeviceLinearContext& ctx, const std::string
     bwd_ = &gpu::SparseGemm24::get(fp8_problem(in, out, ctx.tokens));  // Wbᵀ [in, out] structured
   }
   const size_t a = DeviceArena::kDefaultAlignment;
-  const size_t scales = sizeof(float) * kScaleStride * 2 * slots;
-  // cuSPARSELt documents one alpha per row of D (an output feature); filled for the tokens too,
-  // so that a library reading them along the other dimension stays inside the vector.
-  alpha_len_fwd_ = std::max(out, ctx.tokens);
-  alpha_len_bwd_ = std::max(in, ctx.tokens);
-  const size_t alphas = sizeof(float) * size_t(alpha_len_fwd_ + alpha_len_bwd_);
+  const size_t scales = sizeof(float) * kScaleStride * (2 * slots + 2);  // + the two product scales
   const size_t comp = sparse() ? fwd_->compressed_allocation_bytes() + bwd_->compressed_allocation_bytes() : 0;
-  own_ = DeviceArena(scales + alphas + comp + 6 * a, "fp8 2:4 " + name_);
-  own_.allocate_array<float>("scales", kScaleStride * 2 * slots);
-  alpha_fwd_ = own_.allocate_array<float>("alpha fwd", size_t(alpha_len_fwd_));
-  alpha_bwd_ = own_.allocate_array<float>("alpha bwd", size_t(alpha_len_bwd_));
+  own_ = DeviceArena(scales + comp + 4 * a, "fp8 2:4 " + name_);
+  own_.allocate_array<float>("scales", kScaleStride * (2 * slots + 2));
   if (!sparse()) return;
   comp_fwd_ = own_.allocate("compressed Wf (e4m3)", fwd_->compressed_allocation_bytes());
   comp_bwd_ = own_.allocate("compressed Wb^T (e4m3)", bwd_->compressed_allocation_bytes());
@@ -82,6 +75,9 @@ float* Fp8SparseProducts::amax(Slot s) const {
 }
 float* Fp8SparseProducts::inv(Slot s) const {
   return static_cast<float*>(own_.base()) + kScaleStride * (2 * int64_t(s) + 1);
+}
+float* Fp8SparseProducts::product_scale(bool forward) const {
+  return static_cast<float*>(own_.base()) + kScaleStride * (2 * int64_t(slots) + (forward ? 0 : 1));
 }
 
 Fp8SparseProducts::Scratch& Fp8SparseProducts::scratch() {
@@ -138,17 +134,19 @@ void Fp8SparseProducts::tune(gpu::SparseGemm24& g, bf16* out, const void* compre
   }
 }
 
-void Fp8SparseProducts::sparse_product(gpu::SparseGemm24& g, bool& tuned, bf16* out, const void* compressed,
-                                       const uint8_t* codes, Slot codes_slot, Slot weight_slot, float* alpha,
-                                       int64_t alpha_len, int N, const char* op) {
+void Fp8SparseProducts::sparse_product(gpu::SparseGemm24& g, bool forward, bf16* out, const void* compressed,
+                                       const uint8_t* codes, Slot codes_slot, Slot weight_slot, int N,
+                                       const char* op) {
   cudaStream_t s = ctx_.stream;
-  gpu::fp8_product_scale(alpha, inv(codes_slot), inv(weight_slot), alpha_len, s);
+  float* scale = product_scale(forward);
+  gpu::fp8_product_scale(scale, inv(codes_slot), inv(weight_slot), 1, s);
+  bool& tuned = forward ? tuned_fwd_ : tuned_bwd_;
   if (!tuned) {
     tune(g, out, compressed, codes);
     tuned = true;
   }
   ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
-  g.matmul_scaled(out, compressed, codes, alpha, workspace_.base(), workspace_.capacity(), s);
+  g.matmul_scaled(out, compressed, codes, scale, workspace_.base(), workspace_.capacity(), s);
 }
 
 void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,
@@ -160,7 +158,7 @@ void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,
   gpu::fp8_amax(amax(input), x, nx, s);
   gpu::fp8_cast(sc.x, inv(input), x, nx, amax(input), Fp8Format::e4m3, nullptr, s);
   if (sparse() && N == ctx_.tokens) {
-    sparse_product(*fwd_, tuned_fwd_, y, comp_fwd_, sc.x, input, weight_fwd, alpha_fwd_, alpha_len_fwd_, N, op);
+    sparse_product(*fwd_, true, y, comp_fwd_, sc.x, input, weight_fwd, N, op);
     return;
   }
   gpu::fp8_cast(sc.w, inv(weight_fwd), wf(), out_ * in_, amax(weight_fwd), Fp8Format::e4m3, nullptr, s);
@@ -190,8 +188,7 @@ void Fp8SparseProducts::backward_dx(bf16* dx, const bf16* dy, int N, const std::
   ctx_.marks->mark(s, "fp8 cast");
   Scratch& sc = grad_codes(dy, N);
   if (sparse() && N == ctx_.tokens) {
-    sparse_product(*bwd_, tuned_bwd_, dx, comp_bwd_, sc.dy_codes.dy, grad, weight_bwd, alpha_bwd_, alpha_len_bwd_, N,
-                   op);
+    sparse_product(*bwd_, false, dx, comp_bwd_, sc.dy_codes.dy, grad, weight_bwd, N, op);
     return;
   }
   // Fp8Gemm's B is Wbᵀ [in, out], K-major.

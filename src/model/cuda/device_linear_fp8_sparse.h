@@ -13,8 +13,8 @@
 // W1's and W2ᵀ's kept values separately); X's and dY's amax are taken once per step and
 // shared by the products that read them. dY is cast in both orientations in one pass (dX
 // takes dY, dW dYᵀ) by the first of backward_dx and backward_dw, into a scratch all such
-// layers share; the second takes the codes over. The 2:4 products take the scales through an alpha
-// vector (1 / (s_a · s_b) per output feature, written on the device; matmul_scaled).
+// layers share; the second takes the codes over. The 2:4 products take the scales as one
+// device scalar 1 / (s_a · s_b), written on the device (matmul_scaled).
 //
 // prepare() casts each pruned weight (a pass over its bf16 values) into a shared e4m3 scratch
 // and compresses it with cusparseLtSpMMACompress into the layer's two e4m3 copies (9/16 byte
@@ -87,20 +87,20 @@ class Fp8SparseProducts {
   Scratch& grad_codes(const bf16* dy, int N);
   // The first product of each plan searches its configuration; the workspace may grow.
   void tune(gpu::SparseGemm24& g, bf16* out, const void* compressed, const void* dense);
+  // The product's scale 1 / (s_codes · s_weight) of the forward's or dX's 2:4 product.
+  float* product_scale(bool forward) const;
   // out = the 2:4 product of plan g (forward or dX) of the compressed weight and the codes,
-  // scaled by the inverse scales of their slots through the plan's alpha vector.
-  void sparse_product(gpu::SparseGemm24& g, bool& tuned, bf16* out, const void* compressed, const uint8_t* codes,
-                      Slot codes_slot, Slot weight_slot, float* alpha, int64_t alpha_len, int N, const char* op);
+  // scaled by the inverse scales of their slots (into product_scale(forward)).
+  void sparse_product(gpu::SparseGemm24& g, bool forward, bf16* out, const void* compressed, const uint8_t* codes,
+                      Slot codes_slot, Slot weight_slot, int N, const char* op);
 
   DeviceLinearContext& ctx_;
   const std::string name_;
   const int64_t out_, in_;
   const bool bias_;
   gpu::SparseGemm24 *fwd_ = nullptr, *bwd_ = nullptr;  // the 2:4 plans (process-wide cache)
-  DeviceArena own_;        // scales, alpha vectors, compressed copies
+  DeviceArena own_;        // scales, compressed copies
   DeviceArena workspace_;  // the 2:4 products' workspace
-  float *alpha_fwd_ = nullptr, *alpha_bwd_ = nullptr;  // the 2:4 products' alpha vectors
-  int64_t alpha_len_fwd_ = 0, alpha_len_bwd_ = 0;
   void *comp_fwd_ = nullptr, *comp_bwd_ = nullptr;
   bool tuned_fwd_ = false, tuned_bwd_ = false;
   bool dense_ = false;

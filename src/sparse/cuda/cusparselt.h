@@ -107,7 +107,7 @@ enum class SparseActivation : uint8_t { none, relu, gelu };
 // and inputs were quantised to fp8. fp8 training (semi_sparse and slope with
 // train.precision fp8) runs its forward and its input gradient on it, the latter as the
 // forward-form product dY · (Wᵀ)ᵀ with Wᵀ [in, out] as the structured operand, both scaled
-// by the operands' inverse scales from device memory (SparseGemm24Problem::alpha_vector).
+// by the operands' inverse scales from device memory (SparseGemm24Problem::device_scale).
 enum class SparseDtype : uint8_t { bf16, e4m3 };
 const char* sparse_dtype_name(SparseDtype d);  // "bf16", "e4m3"
 
@@ -118,11 +118,9 @@ struct SparseGemm24Problem {
   bool bias = false;                                   // forward, weight as A only; bf16 [out]
   SparseActivation activation = SparseActivation::none;  // forward only; after the bias
   SparseDtype dtype = SparseDtype::bf16;                 // of the input operands
-  // e4m3 only: the product is multiplied by alpha [features of the output] read from device
-  // memory at every call (matmul_scaled): fp8 training's inverse scales, without waiting for
-  // the host. cuSPARSELt 0.8 refuses its own alpha vector scaling for e4m3 operands on sm_90
-  // (CUSPARSE_STATUS_NOT_SUPPORTED), so a pass over the bf16 output applies it.
-  bool alpha_vector = false;
+  // e4m3 only: the product is multiplied by a scale read from device memory at every call
+  // (matmul_scaled): fp8 training's inverse scales, without waiting for the host.
+  bool device_scale = false;
 
   static SparseGemm24Problem linear_forward(int64_t out, int64_t in, int64_t tokens, bool bias = false,
                                             SparseActivation act = SparseActivation::none,
@@ -240,10 +238,15 @@ class SparseGemm24 {
   // layer's bias costs one plan initialisation, once.
   void matmul(bf16* out, const void* compressed, const void* dense, const bf16* bias, void* workspace,
               size_t workspace_bytes, cudaStream_t stream) const;
-  // The same for a problem with alpha_vector: out = alpha ⊙ (the product), alpha fp32 in
-  // device memory (16-byte aligned), one value per output feature; the product is rounded to
-  // bf16, then scaled and rounded again. matmul() and search() on such a problem do not scale.
-  void matmul_scaled(bf16* out, const void* compressed, const void* dense, const float* alpha, void* workspace,
+  // The same for a problem with device_scale: out = *scale · (the product), scale one fp32
+  // in device memory (16-byte aligned), read when the product runs. Where the loaded
+  // cuSPARSELt takes it as the scale of A (CUSPARSELT_MATMUL_A_SCALE_POINTER, SCALAR_32F),
+  // the product is scaled in its fp32 epilogue and rounded once; otherwise (found at the
+  // first call: cuSPARSELt 0.8.0 refused its alpha vector for e4m3 on sm_90; or forced by
+  // ESPLAG_CUSPARSELT_FP8_SCALE=pass) it is rounded to bf16, then scaled by a pass over the
+  // output and rounded again. A plan is kept per scale pointer, as per bias pointer.
+  // matmul() and search() on such a problem do not scale.
+  void matmul_scaled(bf16* out, const void* compressed, const void* dense, const float* scale, void* workspace,
                      size_t workspace_bytes, cudaStream_t stream) const;
 
   // Runs cusparseLtMatmulSearch on these operands (it overwrites `out`), adopts the
@@ -262,7 +265,8 @@ class SparseGemm24 {
   int max_alg_id() const;             // CUSPARSELT_MATMUL_ALG_CONFIG_MAX_ID of the problem
   double plan_build_ms() const;       // host time of descriptors + first plan (construction)
   double search_ms() const;           // host time of the last search (0 if none)
-  size_t plans() const;               // plans held now (one per bias pointer seen)
+  size_t plans() const;               // plans held now (one per bias or scale pointer seen)
+  bool scale_in_plan() const;         // matmul_scaled scales in the library's epilogue (see there)
 
   struct Impl;
 

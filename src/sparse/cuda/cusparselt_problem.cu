@@ -68,7 +68,7 @@ std::string SparseGemm24Problem::key() const {
   return detail::concat(product_name(product), " out=", out, " in=", in, " tokens=", tokens,
                         " w=", weight_operand == SparseOperand::a ? "A" : "B", " bias=", bias ? 1 : 0,
                         " act=", activation_name(activation), " ", sparse_dtype_name(dtype),
-                        alpha_vector ? " alpha=vector" : "");
+                        device_scale ? " scale=device" : "");
 }
 
 const char* sparse_dtype_name(SparseDtype d) { return d == SparseDtype::e4m3 ? "e4m3" : "bf16"; }
@@ -126,8 +126,8 @@ void check_sparse_gemm24_problem(const SparseGemm24Problem& p) {
   ESPLAG_CHECK(!(p.bias && p.weight_operand == SparseOperand::b), what,
                ": a fused bias needs the weight as operand A (with W as B the epilogue would add one value "
                "per token, not per feature)");
-  ESPLAG_CHECK(!p.alpha_vector || p.dtype == SparseDtype::e4m3, what,
-               ": the alpha vector (per-feature scales of fp8 operands) is for e4m3 products only");
+  ESPLAG_CHECK(!p.device_scale || p.dtype == SparseDtype::e4m3, what,
+               ": a device scale (of fp8 operands) is for e4m3 products only");
   if (p.dtype == SparseDtype::e4m3) {
     // fp8 tensor cores read both operands K-major: the forward layout with W as A (W row-major
     // op N, X row-major op T) is that; the other layouts are not described for fp8 here.
