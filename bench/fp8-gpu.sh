@@ -7,9 +7,7 @@
 # same model's bf16 dense run, and the device memory the first log line reports.
 #
 #   bench/fp8-gpu.sh [build dir]     (default build/cuda; MODELS, default "llama-1b gpt2-124m", chooses the
-#                                    models; LOGS, a folder, keeps the runs' logs there; SCALE_PASS=1 adds
-#                                    a slope fp8 run whose 2:4 products are scaled by a pass over their
-#                                    output, ESPLAG_CUSPARSELT_FP8_SCALE=pass, next to the default)
+#                                    models; LOGS, a folder, keeps the runs' logs there)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 esplag=${1:-build/cuda}/esplag
@@ -49,8 +47,4 @@ for model in ${MODELS:-llama-1b gpt2-124m}; do
   slope_fp8=$(rate "$model-slope-fp8" configs/gpu/llama-1b-slope.yaml --set train.precision=fp8 --set train.fp8_grad=e4m3)
   row "$model" slope bf16 "$slope_bf16" "${bf16%%,*}"
   row "$model" slope fp8 "$slope_fp8" "${bf16%%,*}"
-  [ "${SCALE_PASS:-0}" = 1 ] || continue
-  slope_pass=$(ESPLAG_CUSPARSELT_FP8_SCALE=pass rate "$model-slope-fp8-scale-pass" configs/gpu/llama-1b-slope.yaml \
-    --set train.precision=fp8 --set train.fp8_grad=e4m3)
-  row "$model" slope "fp8 (scale pass)" "$slope_pass" "${bf16%%,*}"
 done

@@ -52,12 +52,10 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <iostream>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <string>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -151,13 +149,6 @@ struct SparseGemm24::Impl {
   // matmul time or copies it when initialised is not specified, so each bias address
   // gets a plan initialised with it (one per layer, once), which is right either way.
   mutable std::map<const void*, std::unique_ptr<Bound>> bound;
-  // matmul_scaled's plans, per scale pointer in the same way: the scale of A
-  // (CUSPARSELT_MATMUL_A_SCALE_POINTER, SCALAR_32F), which the kernel reads from device
-  // memory. Whether the loaded library takes that scale for this problem (1), or not (0:
-  // a pass over the output scales it instead), is found at the first call (-1 until then);
-  // ESPLAG_CUSPARSELT_FP8_SCALE=pass forces 0.
-  mutable std::map<const void*, std::unique_ptr<Bound>> scaled;
-  mutable int scale_in_plan = -1;
   int* d_valid = nullptr;  // PruneCheck's device flag
 
   cusparseLtMatDescriptor_t* weight_descr() { return weight_is_a ? &a : &b; }
@@ -169,7 +160,6 @@ struct SparseGemm24::Impl {
 
   ~Impl() {
     bound.clear();
-    scaled.clear();
     const CusparseltApi& api = cusparselt_library().api;
     if (has_a) api.MatDescriptorDestroy(&a);
     if (has_b) api.MatDescriptorDestroy(&b);
@@ -221,23 +211,12 @@ struct SparseGemm24::Impl {
     return cfg;
   }
 
-  // A new descriptor + selection + plan for `bias` with `cfg` (null: the library default),
-  // and with A scaled by *scale (device memory) when `scale` is not null.
-  std::unique_ptr<Bound> make_bound(const bf16* bias, const SparseGemm24Config* cfg,
-                                    const float* scale = nullptr) const {
+  // A new descriptor + selection + plan for `bias` with `cfg` (null: the library default).
+  std::unique_ptr<Bound> make_bound(const bf16* bias, const SparseGemm24Config* cfg) const {
     const CusparseltApi& api = lib->api;
     auto bd = std::make_unique<Bound>();
     LT_CHECK(api.MatmulDescriptorInit(&lib->handle, &bd->matmul, op_a, op_b, &a, &b, &c, &c, CUSPARSE_COMPUTE_32F),
              ctx);
-    if (scale) {
-      const cusparseLtMatmulMatrixScale_t mode = CUSPARSELT_MATMUL_MATRIX_SCALE_SCALAR_32F;
-      LT_CHECK(api.MatmulDescSetAttribute(&lib->handle, &bd->matmul, CUSPARSELT_MATMUL_A_SCALE_MODE, &mode,
-                                          sizeof(mode)),
-               ctx);
-      LT_CHECK(api.MatmulDescSetAttribute(&lib->handle, &bd->matmul, CUSPARSELT_MATMUL_A_SCALE_POINTER, &scale,
-                                          sizeof(scale)),
-               ctx);
-    }
     const int on = 1;
     if (p.activation != SparseActivation::none) {
       const auto attr = p.activation == SparseActivation::relu ? CUSPARSELT_MATMUL_ACTIVATION_RELU
@@ -272,28 +251,6 @@ struct SparseGemm24::Impl {
     return ref;
   }
 
-  // The plan that scales A by *scale, built on first use; null when the library refuses
-  // the scale for this problem (caller holds mu).
-  Bound* scaled_for(const float* scale) const {
-    if (scale_in_plan < 0) {
-      const char* e = std::getenv("ESPLAG_CUSPARSELT_FP8_SCALE");
-      if (e && std::string(e) == "pass") scale_in_plan = 0;
-    }
-    if (scale_in_plan == 0) return nullptr;
-    auto it = scaled.find(scale);
-    if (it != scaled.end()) return it->second.get();
-    try {
-      auto bd = make_bound(nullptr, have_config ? &config : nullptr, scale);
-      Bound* ref = bd.get();
-      scaled.emplace(scale, std::move(bd));
-      return ref;
-    } catch (const Error&) {
-      if (scale_in_plan == 1) throw;  // it took the scale before: this failure is another one
-      scale_in_plan = 0;
-      return nullptr;
-    }
-  }
-
   void check_operands(const void* compressed_w, const void* dense, const bf16* out, const bf16* bias) const {
     ESPLAG_CHECK(compressed_w && dense && out, ctx, ": null operand (compressed ", compressed_w, ", dense ",
                  static_cast<const void*>(dense), ", out ", static_cast<const void*>(out), ")");
@@ -326,23 +283,20 @@ __global__ void scale_output_kernel(bf16* out, int64_t n, const float* scale) {
   }
 }
 
-// cusparseLtMatmul of plan bd on checked operands, alpha 1 (caller holds m.mu).
-cusparseStatus_t launch(const SparseGemm24::Impl& m, const Bound& bd, bf16* out, const void* compressed,
-                        const void* dense, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+// cusparseLtMatmul of a checked call, alpha 1.
+void run_matmul(const SparseGemm24::Impl& m, bf16* out, const void* compressed, const void* dense, const bf16* bias,
+                void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(m.mu);
+  Bound& bd = m.bound_for(bias);
   ESPLAG_CHECK(workspace_bytes >= bd.workspace, m.ctx, ": the plan needs ", bd.workspace,
                " bytes of workspace, got ", workspace_bytes);
   const float one = 1.f, beta = 0.f;
   const void* A = m.weight_is_a ? compressed : static_cast<const void*>(dense);
   const void* B = m.weight_is_a ? static_cast<const void*>(dense) : compressed;
   cudaStream_t streams[1] = {stream};
-  return m.lib->api.Matmul(&m.lib->handle, &bd.plan, &one, A, B, &beta, out, out,
-                           bd.workspace ? workspace : nullptr, streams, 1);
-}
-
-void run_matmul(const SparseGemm24::Impl& m, bf16* out, const void* compressed, const void* dense, const bf16* bias,
-                void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  std::lock_guard<std::mutex> lock(m.mu);
-  LT_CHECK(launch(m, m.bound_for(bias), out, compressed, dense, workspace, workspace_bytes, stream), m.ctx);
+  LT_CHECK(m.lib->api.Matmul(&m.lib->handle, &bd.plan, &one, A, B, &beta, out, out,
+                             bd.workspace ? workspace : nullptr, streams, 1),
+           m.ctx);
 }
 
 }  // namespace
@@ -521,19 +475,6 @@ void SparseGemm24::matmul_scaled(bf16* out, const void* compressed, const void* 
   ESPLAG_CHECK(scale && reinterpret_cast<uintptr_t>(scale) % 16 == 0, m.ctx, ": the scale ",
                static_cast<const void*>(scale), " is null or not 16-byte aligned");
   m.check_operands(compressed, dense, out, nullptr);
-  {
-    std::lock_guard<std::mutex> lock(m.mu);
-    if (const Bound* bd = m.scaled_for(scale)) {
-      const cusparseStatus_t st = launch(m, *bd, out, compressed, dense, workspace, workspace_bytes, stream);
-      if (st == CUSPARSE_STATUS_SUCCESS) {
-        m.scale_in_plan = 1;
-        return;
-      }
-      if (m.scale_in_plan == 1) LT_CHECK(st, m.ctx);  // it ran scaled before: a real failure
-      m.scale_in_plan = 0;  // refused at its first call: scaled by a pass from now on
-      m.scaled.clear();
-    }
-  }
   run_matmul(m, out, compressed, dense, nullptr, workspace, workspace_bytes, stream);
   const int64_t n = m.output_elements();
   scale_output_kernel<<<unsigned(std::min<int64_t>((n / 8 + 255) / 256, 4096)), 256, 0, stream>>>(out, n, scale);
@@ -565,7 +506,6 @@ void SparseGemm24::search(bf16* out, const void* compressed, const void* dense, 
   m.tuned = true;
   m.from_cache = false;
   m.bound.clear();
-  m.scaled.clear();
   // The plan without bias is rebuilt at once (workspace_bytes() reads it); bias plans on use.
   auto fresh = m.make_bound(nullptr, &m.config);
   m.workspace_hint = fresh->workspace;
@@ -615,11 +555,7 @@ double SparseGemm24::plan_build_ms() const { return impl_->plan_ms; }
 double SparseGemm24::search_ms() const { return impl_->search_ms; }
 size_t SparseGemm24::plans() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->bound.size() + impl_->scaled.size();
-}
-bool SparseGemm24::scale_in_plan() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->scale_in_plan == 1;
+  return impl_->bound.size();
 }
 
 #else  // !ESPLAG_HAVE_CUSPARSELT
@@ -661,7 +597,6 @@ int SparseGemm24::max_alg_id() const { return 0; }
 double SparseGemm24::plan_build_ms() const { return 0; }
 double SparseGemm24::search_ms() const { return 0; }
 size_t SparseGemm24::plans() const { return 0; }
-bool SparseGemm24::scale_in_plan() const { return false; }
 
 #endif  // ESPLAG_HAVE_CUSPARSELT
 

@@ -239,13 +239,11 @@ class SparseGemm24 {
   void matmul(bf16* out, const void* compressed, const void* dense, const bf16* bias, void* workspace,
               size_t workspace_bytes, cudaStream_t stream) const;
   // The same for a problem with device_scale: out = *scale · (the product), scale one fp32
-  // in device memory (16-byte aligned), read when the product runs. Where the loaded
-  // cuSPARSELt takes it as the scale of A (CUSPARSELT_MATMUL_A_SCALE_POINTER, SCALAR_32F),
-  // the product is scaled in its fp32 epilogue and rounded once; otherwise (found at the
-  // first call: cuSPARSELt 0.8.0 refused its alpha vector for e4m3 on sm_90; or forced by
-  // ESPLAG_CUSPARSELT_FP8_SCALE=pass) it is rounded to bf16, then scaled by a pass over the
-  // output and rounded again. A plan is kept per scale pointer, as per bias pointer.
-  // matmul() and search() on such a problem do not scale.
+  // in device memory (16-byte aligned), read when the product runs: the product is rounded
+  // to bf16, then scaled by a pass over the output and rounded again. cuSPARSELt 0.8.0 on an
+  // H100 refuses its alpha vector for e4m3, and takes a scalar scale of A
+  // (CUSPARSELT_MATMUL_A_SCALE_POINTER, SCALAR_32F) without applying it (the output came
+  // back unscaled), so neither is used. matmul() and search() on such a problem do not scale.
   void matmul_scaled(bf16* out, const void* compressed, const void* dense, const float* scale, void* workspace,
                      size_t workspace_bytes, cudaStream_t stream) const;
 
@@ -265,8 +263,7 @@ class SparseGemm24 {
   int max_alg_id() const;             // CUSPARSELT_MATMUL_ALG_CONFIG_MAX_ID of the problem
   double plan_build_ms() const;       // host time of descriptors + first plan (construction)
   double search_ms() const;           // host time of the last search (0 if none)
-  size_t plans() const;               // plans held now (one per bias or scale pointer seen)
-  bool scale_in_plan() const;         // matmul_scaled scales in the library's epilogue (see there)
+  size_t plans() const;               // plans held now (one per bias pointer seen)
 
   struct Impl;
 
