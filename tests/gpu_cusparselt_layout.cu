@@ -18,6 +18,11 @@
 // WeightGradLayoutMatchesLibrary: the weight-gradient product's structured operand S
 // [out, tokens] (op N) compressed by the library and by the CPU reference: the same bytes,
 // and the self-check agreeing.
+// CompressKeptMatchesTheDenseWriter: slope's preparation from its stored form against the
+// writer on the dense W1 and W2.
+// E4m3HostMatchesLibrary / CompressKeptE4m3MatchesTheHostCast: the 8-bit layout's CPU
+// reference against the library, and slope's fp8 copies written from its stored form
+// against core's casts followed by that reference.
 // MvueCompressMatchesHostReference: the fused MVUE kernel (cusparselt24_compress_mvue_t on
 // dY [N, out]) against cpu::mvue_24_bf16 of dYᵀ followed by the CPU writer, bit for bit,
 // with ties, zeros of both signs, groups of 0-2 non-zeros and groups holding NaN, ±inf or
@@ -35,6 +40,7 @@
 
 #include "core/cuda_check.h"
 #include "core/dtype.h"
+#include "core/fp8.h"
 #include "sparse/cuda/cusparselt.h"
 #include "sparse/cuda/cusparselt_layout.h"
 #include "sparse/cuda/sparsify.h"
@@ -294,19 +300,19 @@ TEST(CusparseltLayout, PruneCompressMatchesTheTwoPasses) {
   }
 }
 
-// slope's preparation from its stored form (W1's kept values and the two tile masks)
-// against the writer on the dense W1 and W2 = W1 ⊙ backward mask: the same bytes. Kept
-// values include zeros (1 in 8: groups whose stored positions are padded), the backward
-// mask keeps the first two of the forward mask's positions down each column of a tile (so
-// columns keep 0, 1 or 2), outputs poisoned.
-TEST(CusparseltLayout, CompressKeptMatchesTheDenseWriter) {
-  if (!esplag::gpu_test::has_device()) GTEST_SKIP() << "no CUDA device";
-  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{64, 64}, {128, 320}, {320, 192}}) {
-    SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols));
-    uint64_t seed = 777 + uint64_t(rows * 5 + cols);
+// A slope weight W1 [rows, cols] in its stored form: kept values (1 in 8 of them zero: groups
+// whose stored positions are padded), the forward mask as tile bits, and a backward mask
+// keeping the first two of the forward mask's positions down each column of a tile (so
+// columns keep 0, 1 or 2); with W1 and W2 = W1 ⊙ backward mask dense.
+struct SlopeWeight {
+  std::vector<uint16_t> w1, w2, kept, fwd, bwd;
+  SlopeWeight(int64_t rows, int64_t cols, uint64_t seed) {
     const int64_t groups = cols / 4;
-    std::vector<uint16_t> w1(size_t(rows * cols), 0), w2(w1.size(), 0), kept(w1.size() / 2);
-    std::vector<uint16_t> fwd(size_t(rows / 4 * groups), 0), bwd(fwd.size(), 0);
+    w1.assign(size_t(rows * cols), 0);
+    w2.assign(w1.size(), 0);
+    kept.assign(w1.size() / 2, 0);
+    fwd.assign(size_t(rows / 4 * groups), 0);
+    bwd.assign(fwd.size(), 0);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t g = 0; g < groups; ++g) {
         const unsigned pairs[6] = {0x3, 0x5, 0x6, 0x9, 0xA, 0xC};
@@ -334,14 +340,25 @@ TEST(CusparseltLayout, CompressKeptMatchesTheDenseWriter) {
       for (int64_t c = 0; c < cols; ++c)
         if (bwd[size_t((r / 4) * groups + c / 4)] >> (4 * (r % 4) + c % 4) & 1u)
           w2[size_t(r * cols + c)] = w1[size_t(r * cols + c)];
-    const size_t n = w1.size() * 2, bytes = gpu::cusparselt24_layout_bytes(rows, cols);
-    Dev d1(n), d2(n), dk(n / 2), df(fwd.size() * 2), db(bwd.size() * 2);
+  }
+};
+
+// slope's preparation from its stored form (W1's kept values and the two tile masks)
+// against the writer on the dense W1 and W2 = W1 ⊙ backward mask: the same bytes, outputs
+// poisoned.
+TEST(CusparseltLayout, CompressKeptMatchesTheDenseWriter) {
+  if (!esplag::gpu_test::has_device()) GTEST_SKIP() << "no CUDA device";
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{64, 64}, {128, 320}, {320, 192}}) {
+    SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols));
+    const SlopeWeight sw(rows, cols, 777 + uint64_t(rows * 5 + cols));
+    const size_t n = sw.w1.size() * 2, bytes = gpu::cusparselt24_layout_bytes(rows, cols);
+    Dev d1(n), d2(n), dk(n / 2), df(sw.fwd.size() * 2), db(sw.bwd.size() * 2);
     Dev n_ref(bytes), t_ref(bytes), n_got(bytes), t_got(bytes);
-    CUDA_CHECK(cudaMemcpy(d1.p, w1.data(), n, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(d2.p, w2.data(), n, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(dk.p, kept.data(), n / 2, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(df.p, fwd.data(), fwd.size() * 2, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(db.p, bwd.data(), bwd.size() * 2, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(d1.p, sw.w1.data(), n, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(d2.p, sw.w2.data(), n, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dk.p, sw.kept.data(), n / 2, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(df.p, sw.fwd.data(), sw.fwd.size() * 2, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(db.p, sw.bwd.data(), sw.bwd.size() * 2, cudaMemcpyHostToDevice));
     for (const Dev* d : {&n_ref, &t_ref, &n_got, &t_got}) CUDA_CHECK(cudaMemset(d->p, 0xFF, bytes));
     gpu::cusparselt24_compress(d1.as<gpu::bf16>(), rows, cols, n_ref.p, nullptr, nullptr);
     gpu::cusparselt24_compress(d2.as<gpu::bf16>(), rows, cols, nullptr, t_ref.p, nullptr);
@@ -352,6 +369,76 @@ TEST(CusparseltLayout, CompressKeptMatchesTheDenseWriter) {
         << "W1's layout: " << diff_text(download(n_got, bytes), download(n_ref, bytes), n / 2);
     EXPECT_TRUE(download(t_got, bytes) == download(t_ref, bytes))
         << "W2^T's layout: " << diff_text(download(t_got, bytes), download(t_ref, bytes), n / 2);
+  }
+}
+
+// The e4m3 layout's CPU reference against cuSPARSELt's compression of random codes (groups
+// of two, one and no non-zeros) for forward problems of several shapes: the self-check
+// cusparselt24_e4m3_layout_matches runs exactly that comparison.
+TEST(CusparseltLayout, E4m3HostMatchesLibrary) {
+  if (!esplag::gpu_test::has_device()) GTEST_SKIP() << "no CUDA device";
+  if (!gpu::cusparselt_available()) GTEST_SKIP() << gpu::cusparselt_unavailable_reason();
+  for (auto [out, in] : {std::pair<int64_t, int64_t>{64, 128}, {128, 256}, {192, 320}, {256, 64}, {2048, 5632}}) {
+    SCOPED_TRACE(std::to_string(out) + "x" + std::to_string(in));
+    SparseGemm24Problem p = SparseGemm24Problem::linear_forward(out, in, 64);
+    p.dtype = gpu::SparseDtype::e4m3;
+    p.device_scale = true;
+    SparseGemm24 g(p);
+    EXPECT_EQ(g.compressed_bytes(), gpu::cusparselt24_e4m3_layout_bytes(out, in));
+    EXPECT_TRUE(gpu::cusparselt24_e4m3_layout_matches(g));
+  }
+}
+
+// The e4m3 copies of a slope weight from its stored form (cusparselt24_compress_kept_e4m3)
+// against the CPU: core's amax of W1 and of W2, each cast with its scale (fp8_encode of
+// float(w) · s), W2 transposed, both through the CPU reference of the layout; and the
+// inverse scales. Outputs poisoned; needs no library.
+TEST(CusparseltLayout, CompressKeptE4m3MatchesTheHostCast) {
+  if (!esplag::gpu_test::has_device()) GTEST_SKIP() << "no CUDA device";
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{64, 64}, {128, 320}, {320, 192}}) {
+    SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols));
+    const SlopeWeight sw(rows, cols, 991 + uint64_t(rows * 7 + cols));
+    const size_t n = sw.w1.size(), bytes = gpu::cusparselt24_e4m3_layout_bytes(rows, cols);
+    // The CPU side.
+    auto codes = [&](const std::vector<uint16_t>& w, bool transpose, float* amax, float* inv) {
+      std::vector<float> f(n);
+      for (size_t i = 0; i < n; ++i) f[i] = esplag::bf16_to_float(w[i]);
+      *amax = esplag::fp8_amax(f.data(), int64_t(n));
+      const float s = esplag::fp8_scale(*amax, esplag::Fp8Format::e4m3);
+      *inv = 1.0f / s;
+      std::vector<uint8_t> c(n);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < cols; ++k)
+          c[size_t(transpose ? k * rows + r : r * cols + k)] =
+              esplag::fp8_encode(double(f[size_t(r * cols + k)] * s), esplag::Fp8Format::e4m3);
+      std::vector<uint8_t> layout(bytes);
+      gpu::cusparselt24_compress_e4m3_host(c.data(), transpose ? cols : rows, transpose ? rows : cols,
+                                           layout.data());
+      return layout;
+    };
+    float amax_n = 0, amax_t = 0, inv_n = 0, inv_t = 0;
+    const std::vector<uint8_t> want_n = codes(sw.w1, false, &amax_n, &inv_n);
+    const std::vector<uint8_t> want_t = codes(sw.w2, true, &amax_t, &inv_t);
+    // The GPU side.
+    Dev dk(n), df(sw.fwd.size() * 2), db(sw.bwd.size() * 2), scales(64 * sizeof(float)), n_got(bytes), t_got(bytes);
+    CUDA_CHECK(cudaMemcpy(dk.p, sw.kept.data(), n, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(df.p, sw.fwd.data(), sw.fwd.size() * 2, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(db.p, sw.bwd.data(), sw.bwd.size() * 2, cudaMemcpyHostToDevice));
+    for (const Dev* d : {&scales, &n_got, &t_got}) CUDA_CHECK(cudaMemset(d->p, 0xFF, d == &scales ? 256 : bytes));
+    float* sc = scales.as<float>();
+    gpu::cusparselt24_compress_kept_e4m3(dk.as<gpu::bf16>(), df.as<uint16_t>(), db.as<uint16_t>(), rows, cols, sc,
+                                         sc + 16, sc + 32, sc + 48, n_got.p, t_got.p, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    float got[64];
+    CUDA_CHECK(cudaMemcpy(got, sc, sizeof got, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(got[0], amax_n);
+    EXPECT_EQ(got[16], amax_t);
+    EXPECT_EQ(got[32], inv_n);
+    EXPECT_EQ(got[48], inv_t);
+    EXPECT_TRUE(download(n_got, bytes) == want_n)
+        << "W1's codes: " << diff_text(download(n_got, bytes), want_n, n / 2);
+    EXPECT_TRUE(download(t_got, bytes) == want_t)
+        << "W2^T's codes: " << diff_text(download(t_got, bytes), want_t, n / 2);
   }
 }
 

@@ -8,6 +8,7 @@
 #include "model/cuda/step_marks.h"
 #include "ops/gpu_fp8.h"
 #include "sparse/cuda/cusparselt.h"
+#include "sparse/cuda/cusparselt_layout.h"
 
 namespace esplag {
 
@@ -121,6 +122,19 @@ void Fp8SparseProducts::prepare(const bf16* wf, const bf16* wbt) {
   gpu::fp8_cast(sc.w, inv(weight_bwd), wbt, n, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
   ctx_.marks->mark(s, "fp8 compress");
   bwd_->compress(comp_bwd_, sc.w, cs, sc.compress.capacity(), s);
+}
+
+bool Fp8SparseProducts::prepare_kept(const bf16* values, const uint16_t* forward_tiles,
+                                     const uint16_t* backward_tiles) {
+  if (!sparse()) return false;
+  if (own_layout_ < 0)
+    own_layout_ = gpu::cusparselt24_e4m3_layout_matches(*fwd_) && gpu::cusparselt24_e4m3_layout_matches(*bwd_);
+  if (!own_layout_) return false;
+  ctx_.marks->mark(ctx_.stream, "fp8 compress");
+  gpu::cusparselt24_compress_kept_e4m3(values, forward_tiles, backward_tiles, out_, in_, amax(weight_fwd),
+                                       amax(weight_bwd), inv(weight_fwd), inv(weight_bwd), comp_fwd_, comp_bwd_,
+                                       ctx_.stream);
+  return true;
 }
 
 void Fp8SparseProducts::tune(gpu::SparseGemm24& g, bf16* out, const void* compressed, const void* dense) {

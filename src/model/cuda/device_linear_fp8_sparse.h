@@ -16,9 +16,12 @@
 // layers share; the second takes the codes over. The 2:4 products take the scales as one
 // device scalar 1 / (s_a · s_b), written on the device (matmul_scaled).
 //
-// prepare() casts each pruned weight (a pass over its bf16 values) into a shared e4m3 scratch
-// and compresses it with cusparseLtSpMMACompress into the layer's two e4m3 copies (9/16 byte
-// per weight each).
+// prepare_kept() casts and compresses both copies straight from slope's kept values and
+// masks in our own writer of cuSPARSELt's e4m3 layout (sparse/cuda/cusparselt_layout.h),
+// where the loaded library's layout was found to be that one; otherwise prepare() casts each
+// pruned weight (a pass over its bf16 values) into a shared e4m3 scratch and compresses it
+// with cusparseLtSpMMACompress. Either way the layer holds two e4m3 copies (5/8 byte per
+// weight each).
 // Where the 2:4 products do not apply, the same scaled products run dense on Fp8Gemm from
 // the pruned weights the caller gives again: a micro-batch of another size than the full
 // one, a bias (cuSPARSELt's e4m3 kernels are run without epilogues here), dimensions that
@@ -61,6 +64,12 @@ class Fp8SparseProducts {
   // wf [out, in], wbt = Wbᵀ [in, out] (slope's W2ᵀ). Call after every weight change; the
   // pointers may be reused after.
   void prepare(const bf16* wf, const bf16* wbt);
+  // The same from slope's stored form (W1's kept values [out, in/2] and its forward and
+  // backward mask tile bits, cusparselt24_compress_kept_e4m3): both copies cast and written
+  // in cuSPARSELt's e4m3 layout in two reads of the kept values. Returns false, doing
+  // nothing, where that does not apply (the dense products, or a layout the loaded library
+  // does not share): then prepare() is the way.
+  bool prepare_kept(const bf16* values, const uint16_t* forward_tiles, const uint16_t* backward_tiles);
   // y [N, out] = X · Wfᵀ (+ bias). wf: the pruned weight as prepare() had it, read by the
   // dense products only (N other than the full size, or !sparse()).
   void forward(bf16* y, const bf16* x, const bf16* bias, int N, const std::function<const bf16*()>& wf,
@@ -103,6 +112,7 @@ class Fp8SparseProducts {
   DeviceArena workspace_;  // the 2:4 products' workspace
   void *comp_fwd_ = nullptr, *comp_bwd_ = nullptr;
   bool tuned_fwd_ = false, tuned_bwd_ = false;
+  int own_layout_ = -1;  // prepare_kept's writer serves both copies: -1 not asked yet, 0 no, 1 yes
   bool dense_ = false;
 };
 

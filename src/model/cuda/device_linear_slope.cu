@@ -183,7 +183,8 @@ const bf16* DeviceSlopeLinear::expand_w2t() const {
 }
 
 void DeviceSlopeLinear::prepare(bool refresh) {
-  if (fp8_) {  // W1 and W2ᵀ dense (a refresh first chooses the backward mask), cast and compressed in fp8
+  if (fp8_) {  // from the kept values, or W1 and W2ᵀ dense (a refresh first chooses the backward mask)
+    if (!refresh && fp8_->prepare_kept(p_.weight.w, sp_->forward_tile_mask(), sp_->backward_tile_mask())) return;
     cudaStream_t s = ctx_.stream;
     ctx_.marks->mark(s, "sparse prepare (2:4 prune)");
     expand_w1();

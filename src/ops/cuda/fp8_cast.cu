@@ -1,12 +1,5 @@
-// bf16 -> fp8 casts with core/fp8.h's scaling rule (ops/gpu_fp8.h).
-//
-// The code of a value comes from cvt.rn.satfinite (via cuda_fp8.h, which emulates it below
-// compute capability 8.9): round to nearest even from fp32, subnormals exact, anything
-// past the largest finite code (infinities included) to ±max, which is core's
-// fp8_encode of the same fp32 value. NaN is then given x's sign explicitly (neither the
-// device's product nor the instruction keeps it). The clipped test is core's too: a value
-// saturates when it would round past max, i.e. |v| > 464 for e4m3 (464 itself is a tie
-// that goes to the even 448) and |v| >= 61440 for e5m2 (the tie goes to the even 65536).
+// bf16 -> fp8 casts with core/fp8.h's scaling rule (ops/gpu_fp8.h). Codes and scales as
+// ops/cuda/fp8_codes.cuh makes them; the clipped test is core's too (Fp8Format::clips).
 //
 // amax is an integer atomicMax on the bits of |x| (non-negative floats order like their
 // bits), exact and so independent of the order of the blocks; the saturation counter is
@@ -16,13 +9,11 @@
 // 16-byte stores of codes. A cast usually follows the amax of the same tensor, which reads
 // it from its start to its end; the casts walk it from the end back, so that they begin
 // with what the amax read last, which the L2 cache may still hold.
-#include <cuda_fp8.h>
-
 #include <algorithm>
-#include <cfloat>
 
 #include "core/error.h"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/fp8_codes.cuh"
 #include "ops/gpu_fp8.h"
 
 namespace esplag::gpu {
@@ -37,30 +28,10 @@ constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 2048;  // grid-stride beyond this: a cast is bandwidth-bound
 constexpr int kUnroll = 4;             // packs of 8 values each thread has in flight per iteration
 
+using detail::fp8_encode2;
+using detail::fp8_scale_of;
 template <bool E5M2>
-struct Format {
-  static constexpr float max = E5M2 ? 57344.0f : 448.0f;
-  static constexpr __nv_fp8_interpretation_t kind = E5M2 ? __NV_E5M2 : __NV_E4M3;
-  __device__ static bool clips(float a) { return E5M2 ? a >= 61440.0f : a > 464.0f; }
-};
-
-// core's fp8_scale on the device (IEEE division, as on the host).
-template <bool E5M2>
-__device__ __forceinline__ float scale_of(float amax) {
-  if (!(amax > 0.0f)) return 1.0f;
-  const float s = __fdiv_rn(Format<E5M2>::max, amax);
-  return isfinite(s) ? s : FLT_MAX;
-}
-
-// The codes of x0 · s and x1 · s, x0's in the low byte. A NaN takes the sign of x (the
-// device's product of a NaN is the canonical, positive NaN; the host's keeps x's sign).
-template <bool E5M2>
-__device__ __forceinline__ uint32_t encode2(float x0, float x1, float s) {
-  uint32_t c = __nv_cvt_float2_to_fp8x2(make_float2(x0 * s, x1 * s), __NV_SATFINITE, Format<E5M2>::kind);
-  if (isnan(x0)) c = (c & 0xFF00u) | (signbit(x0) ? 0xFFu : 0x7Fu);
-  if (isnan(x1)) c = (c & 0x00FFu) | (signbit(x1) ? 0xFF00u : 0x7F00u);
-  return c;
-}
+using Format = detail::Fp8Format<E5M2>;
 
 // 1 when x · s saturates (never for NaN).
 template <bool E5M2>
@@ -75,8 +46,8 @@ __device__ __forceinline__ uint2 encode8(const float (&f)[kPack], float s, int& 
 #pragma unroll
   for (int k = 0; k < kPack; ++k) clipped += clips<E5M2>(f[k], s);
   uint2 c;
-  c.x = encode2<E5M2>(f[0], f[1], s) | encode2<E5M2>(f[2], f[3], s) << 16;
-  c.y = encode2<E5M2>(f[4], f[5], s) | encode2<E5M2>(f[6], f[7], s) << 16;
+  c.x = fp8_encode2<E5M2>(f[0], f[1], s) | fp8_encode2<E5M2>(f[2], f[3], s) << 16;
+  c.y = fp8_encode2<E5M2>(f[4], f[5], s) | fp8_encode2<E5M2>(f[6], f[7], s) << 16;
   return c;
 }
 
@@ -88,7 +59,7 @@ __device__ __forceinline__ uint8_t code_byte(uint2 codes, int k) {
 template <bool E5M2>
 __device__ __forceinline__ uint8_t encode1(float x, float s, int& clipped) {
   clipped += clips<E5M2>(x, s);
-  return static_cast<uint8_t>(encode2<E5M2>(x, 0.0f, s));
+  return static_cast<uint8_t>(fp8_encode2<E5M2>(x, 0.0f, s));
 }
 
 // Block-wide max of non-negative values (blockDim.x == kThreads); every thread gets it.
@@ -153,7 +124,7 @@ template <bool E5M2>
 __global__ void cast_kernel(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, int64_t packs,
                             const float* amax, unsigned long long* saturated) {
   __shared__ int scratch[32];
-  const float s = scale_of<E5M2>(*amax);
+  const float s = fp8_scale_of<E5M2>(*amax);
   if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = __frcp_rn(s);
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
@@ -218,7 +189,7 @@ __global__ void __launch_bounds__(kThreads) cast_tiles_kernel(uint8_t* out, uint
   static_assert(kThreads == (kTileRows / 4) * (kTileCols / kPack), "one thread per 4 rows x 8 columns");
   __shared__ uint32_t tile[kTileCols][kTileWords];  // [column][row / 4] of the tile's codes
   __shared__ int scratch[32];
-  const float s = scale_of<E5M2>(*amax);
+  const float s = fp8_scale_of<E5M2>(*amax);
   if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = __frcp_rn(s);
   const int64_t t = int64_t(gridDim.x) - 1 - blockIdx.x;
   const int64_t r0 = t / col_tiles * kTileRows, c0 = t % col_tiles * kTileCols;
@@ -299,7 +270,7 @@ __global__ void cast_rows_kernel(uint8_t* out, float* inv_scale, float* row_amax
   }
   for (int64_t i = packs * kPack + threadIdx.x; i < cols; i += kThreads) m = fmaxf(m, finite_abs(to_f(row[i])));
   m = block_max(m, fscratch);
-  const float s = scale_of<E5M2>(m);
+  const float s = fp8_scale_of<E5M2>(m);
   if (threadIdx.x == 0) {
     inv_scale[r] = __frcp_rn(s);
     if (row_amax) row_amax[r] = m;

@@ -51,17 +51,6 @@ __host__ __device__ inline int64_t meta_offset(int64_t r, int64_t g, int64_t k, 
   return (r / 64) * 8 * k + (g / 8) * 256 + ((r % 64) / 16) * 64 + a * 8 + q * 4 + h * 2 + t;
 }
 
-// The expansion of one group of 4 of a row-wise 2:4 weight from its two kept values (the
-// word x0 | x1 << 16) and its nibble (bit j = position j kept): element j in bits 16j.
-__device__ inline uint64_t expand_group(uint32_t kept, unsigned nibble) {
-  uint64_t v = 0;
-  int k = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-    if ((nibble >> j) & 1u && k < 2) v |= uint64_t((kept >> (16 * k++)) & 0xFFFFu) << (16 * j);
-  return v;
-}
-
 // The MVUE 2:4 of one group g = (bf16 bits, element j in bits 16j..16j+15) and its
 // selection, as pick_group would make it from the group cpu::mvue_24_bf16 writes (scaled
 // kept values rounded to bf16 once, nearest even; unscaled kept values copied bit for bit;
@@ -213,14 +202,8 @@ __global__ void __launch_bounds__(kLayoutThreads)
   uint32_t nonzero_n = 0, nonzero_t = 0;  // their non-zero elements (nonzero_bits), both in W's orientation
   if constexpr (From == Source::kept) {
     const int64_t at = (gr / 4) * (cols / 4) + gc / 4;
-    const uint32_t fwd = fwd_tiles[at], bwd = bwd_tiles[at];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const uint32_t kept = *reinterpret_cast<const uint32_t*>(w + (gr + r) * (cols / 2) + gc / 2);
-      const uint64_t v = expand_group(kept, (fwd >> (4 * r)) & 15u);
-      tile_n.lo[r] = uint32_t(v);
-      tile_n.hi[r] = uint32_t(v >> 32);
-    }
+    const uint32_t bwd = bwd_tiles[at];
+    tile_n = kept_tile(w, cols, gr, gc, fwd_tiles[at]);
     tile_t = prune_tile(tile_n, bwd);
     nonzero_n = nonzero_bits(tile_n);
     nonzero_t = nonzero_n & bwd;

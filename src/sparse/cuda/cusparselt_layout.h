@@ -115,6 +115,48 @@ void cusparselt24_prune_rows_compress(const bf16* x, int64_t rows, int64_t cols,
 void cusparselt24_compress_mvue_t(const bf16* g, int64_t rows, int64_t cols, const uint64_t* seed, void* dst_t,
                                   cudaStream_t stream);
 
+// ---------------------------------------------------------------------------------------
+// 8-bit (e4m3) operands: another layout (sparse/cuda/cusparselt_layout_e4m3.cu), learned from
+// cuSPARSELt 0.8.0's compression of probe matrices on an H100 and, like the 16-bit one,
+// used only where cusparselt24_e4m3_layout_matches() finds it byte for byte. For op(W) =
+// M×K, op N (the forward form, the only one fp8 training runs), M and K multiples of 64:
+//   bytes [0, M·K/2)          the kept codes, row-major [M, K/2]: per group of 4 along K the
+//                             two kept codes in ascending position.
+//   bytes [M·K/2, M·K·5/8)    the metadata, 4 bits per group, idx0 | idx1 << 2:
+//     offset(r, g) = M·K/2 + (r / 64)·8·K + (g / 16)·512 + ((r % 64) / 16)·128 + (r % 8)·16
+//                    + ((g % 8) / 2)·4 + ((g % 16) / 8)·2 + (r % 16) / 8,
+//     the low nibble for an even group g, the high nibble for an odd one.
+// A group of fewer than two non-zero codes (±0 counts as zero) is padded by the HIGHEST
+// positions not taken (the 16-bit layout pads by the lowest).
+
+// M·K·5/8, or 0 when M or K is not a positive multiple of 64.
+size_t cusparselt24_e4m3_layout_bytes(int64_t m, int64_t k);
+
+// The CPU reference: dst (cusparselt24_e4m3_layout_bytes) = the layout of the row-major
+// M×K e4m3 codes w. Throws Error for shapes the layout does not handle.
+void cusparselt24_compress_e4m3_host(const uint8_t* w, int64_t m, int64_t k, uint8_t* dst);
+
+// slope's two fp8 copies from its stored form, in two reads of it: W1 [rows, cols] given by
+// its kept values [rows, cols/2] (bf16) and forward mask tile bits [rows/4, cols/4], W2 =
+// W1 ⊙ backward_tiles, as cusparselt24_compress_kept takes them. The first pass writes
+// *amax_n = amax(W1) and *amax_t = amax(W2) (core's fp8_amax: the largest finite |w|); the
+// second casts each with its scale (gpu::fp8_cast's codes, bit for bit, e4m3) and writes
+// dst_n = the layout of W1's codes and dst_t = that of W2ᵀ's [cols, rows], 2:4 along rows,
+// and *inv_n, *inv_t the inverse scales (as fp8_cast writes them). The same bytes as
+// casting the expanded W1 and W2ᵀ with fp8_cast and compressing them through cuSPARSELt.
+// rows, cols multiples of 64 (else Error). Asynchronous on `stream`.
+void cusparselt24_compress_kept_e4m3(const bf16* values, const uint16_t* forward_tiles,
+                                     const uint16_t* backward_tiles, int64_t rows, int64_t cols, float* amax_n,
+                                     float* amax_t, float* inv_n, float* inv_t, void* dst_n, void* dst_t,
+                                     cudaStream_t stream);
+
+// Whether the e4m3 layout is the loaded cuSPARSELt's for g: an e4m3 forward problem with W
+// as A, the compressed size equal to cusparselt24_e4m3_layout_bytes, and random codes of the
+// structured operand's shape (groups of two, one and no non-zeros) compressed by the library
+// and by cusparselt24_compress_e4m3_host giving identical bytes. Decided once per shape and
+// process, as cusparselt24_layout_matches (ESPLAG_CUSPARSELT_OWN_LAYOUT=0 turns both off).
+bool cusparselt24_e4m3_layout_matches(const SparseGemm24& g);
+
 // Whether this layout is the one the loaded cuSPARSELt produces for g's structured operand:
 // operand A (the forward's op N, backward_data's op T of W; weight_grad's op N of S
 // [out, tokens], the forward form with M = out, K = tokens; activation_forward's op N of

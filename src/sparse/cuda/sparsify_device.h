@@ -287,6 +287,26 @@ ESPLAG_SPARSIFY_HD PackedTile prune_tile(const PackedTile& t, uint32_t keep) {
   return p;
 }
 
+// The 4×4 tile of a row-wise 2:4 weight W1 [rows, cols] at (gr, gc) from its kept values
+// [rows, cols/2] (bf16 bits, kept_values.h's order: per group of 4 its two kept values in
+// ascending position) and the tile's forward mask bits (bit 4r + c = element (r, c) kept).
+ESPLAG_SPARSIFY_HD PackedTile kept_tile(const uint16_t* kept, int64_t cols, int64_t gr, int64_t gc, uint32_t mask) {
+  PackedTile t;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const uint32_t two = *reinterpret_cast<const uint32_t*>(kept + (gr + r) * (cols / 2) + gc / 2);
+    const uint32_t nib = (mask >> (4 * r)) & 15u;
+    uint64_t v = 0;
+    int k = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if ((nib >> j) & 1u && k < 2) v |= uint64_t((two >> (16 * k++)) & 0xFFFFu) << (16 * j);
+    t.lo[r] = uint32_t(v);
+    t.hi[r] = uint32_t(v >> 32);
+  }
+  return t;
+}
+
 // The metadata word of row q of a 4-tile-wide word, written by the lane holding the tile
 // of quarter q (tile column % 4 == q). a[d] is the packed nibbles (row r at bits 4r) of the
 // tile in lane (this lane ^ d), i.e. of quarter q ^ d.

@@ -1,0 +1,46 @@
+// fp8 codes on the device with core/fp8.h's scaling rule, bit for bit: shared by the casts
+// (ops/cuda/fp8_cast.cu) and the writer of cuSPARSELt's compressed e4m3 layout
+// (sparse/cuda/cusparselt_layout_e4m3.cu), which casts while it compresses.
+//
+// The code of a value comes from cvt.rn.satfinite (via cuda_fp8.h, which emulates it below
+// compute capability 8.9): round to nearest even from fp32, subnormals exact, anything past
+// the largest finite code (infinities included) to ±max, which is core's fp8_encode of the
+// same fp32 value. NaN is then given x's sign explicitly (neither the device's product nor
+// the instruction keeps it).
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <cfloat>
+#include <cstdint>
+
+namespace esplag::gpu::detail {
+
+template <bool E5M2>
+struct Fp8Format {
+  static constexpr float max = E5M2 ? 57344.0f : 448.0f;
+  static constexpr __nv_fp8_interpretation_t kind = E5M2 ? __NV_E5M2 : __NV_E4M3;
+  // Whether |x · s| = a saturates: it would round past max (464 is a tie that goes to the
+  // even 448 in e4m3; 61440 one that goes to the even 65536 in e5m2).
+  __device__ static bool clips(float a) { return E5M2 ? a >= 61440.0f : a > 464.0f; }
+};
+
+// core's fp8_scale on the device (IEEE division, as on the host).
+template <bool E5M2>
+__device__ __forceinline__ float fp8_scale_of(float amax) {
+  if (!(amax > 0.0f)) return 1.0f;
+  const float s = __fdiv_rn(Fp8Format<E5M2>::max, amax);
+  return isfinite(s) ? s : FLT_MAX;
+}
+
+// The codes of x0 · s and x1 · s, x0's in the low byte. A NaN takes the sign of x (the
+// device's product of a NaN is the canonical, positive NaN; the host's keeps x's sign).
+template <bool E5M2>
+__device__ __forceinline__ uint32_t fp8_encode2(float x0, float x1, float s) {
+  uint32_t c = __nv_cvt_float2_to_fp8x2(make_float2(x0 * s, x1 * s), __NV_SATFINITE, Fp8Format<E5M2>::kind);
+  if (isnan(x0)) c = (c & 0xFF00u) | (signbit(x0) ? 0xFFu : 0x7Fu);
+  if (isnan(x1)) c = (c & 0x00FFu) | (signbit(x1) ? 0xFF00u : 0x7F00u);
+  return c;
+}
+
+}  // namespace esplag::gpu::detail

@@ -1,0 +1,245 @@
+// cuSPARSELt's compressed layout of 8-bit (e4m3) 2:4 operands written directly
+// (sparse/cuda/cusparselt_layout.h, "8-bit operands"): slope's per-step fp8 preparation casts
+// and compresses both weight copies in two reads of its kept values instead of expanding
+// them, casting them and running cusparseLtSpMMACompress twice.
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/env.h"
+#include "core/error.h"
+#include "ops/cuda/fp8_codes.cuh"
+#include "sparse/cuda/cusparselt.h"
+#include "sparse/cuda/cusparselt_layout.h"
+#include "sparse/cuda/sparsify_device.h"
+
+namespace esplag::gpu {
+
+namespace {
+
+constexpr int kTile = 64;                      // a block's tile of W, as the 16-bit writer's
+constexpr int kThreads = (kTile / 4) * (kTile / 4);  // one 4×4 tile of W per thread
+
+__host__ __device__ inline int64_t meta_offset(int64_t r, int64_t g, int64_t k) {
+  return (r / 64) * 8 * k + (g / 16) * 512 + ((r % 64) / 16) * 128 + (r % 8) * 16 + ((g % 8) / 2) * 4 +
+         ((g % 16) / 8) * 2 + (r % 16) / 8;
+}
+
+// The positions a group stores, from its non-zero ones (bit j = code j non-zero): the first
+// two, padded by the highest positions not taken, as a 4-bit set of exactly two.
+__host__ __device__ inline unsigned stored_positions(unsigned nonzero) {
+  const unsigned low = nonzero & (0u - nonzero), rest = nonzero & ~low;
+  unsigned keep = low | (rest & (0u - rest));
+  for (int pad = 0; pad < 2; ++pad)
+    if ((keep & (keep - 1)) == 0) {
+      const unsigned free = ~keep & 15u;
+      keep |= free & 8u ? 8u : free & 4u ? 4u : free & 2u ? 2u : 1u;
+    }
+  return keep;
+}
+
+__host__ __device__ inline unsigned lowest(unsigned set) { return set & 1u ? 0u : set & 2u ? 1u : set & 4u ? 2u : 3u; }
+__host__ __device__ inline unsigned highest(unsigned set) { return set & 8u ? 3u : set & 4u ? 2u : set & 2u ? 1u : 0u; }
+
+void check_shape(const char* who, int64_t rows, int64_t cols) {
+  ESPLAG_CHECK(rows > 0 && cols > 0 && rows % kTile == 0 && cols % kTile == 0, who, ": [", rows, ", ", cols,
+               "] must be positive multiples of 64");
+}
+
+// Largest finite |w| (bf16 bits) of W1's and W2's values: the bits of |w| as floats order
+// like integers, so the block's maxima go out by atomicMax on them.
+__global__ void __launch_bounds__(kThreads)
+    kept_amax_kernel(const uint16_t* __restrict__ values, const uint16_t* __restrict__ fwd_tiles,
+                     const uint16_t* __restrict__ bwd_tiles, int64_t cols, unsigned* amax_n, unsigned* amax_t) {
+  using namespace sparsify_detail;
+  const int64_t gr = int64_t(blockIdx.y) * kTile + 4 * (threadIdx.x / 16);
+  const int64_t gc = int64_t(blockIdx.x) * kTile + 4 * (threadIdx.x % 16);
+  const int64_t at = (gr / 4) * (cols / 4) + gc / 4;
+  const PackedTile n = kept_tile(values, cols, gr, gc, fwd_tiles[at]);
+  const PackedTile t = prune_tile(n, bwd_tiles[at]);
+  unsigned mn = 0, mt = 0;
+  auto fold = [](unsigned m, uint32_t word) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const unsigned a = (word >> (16 * h)) & 0x7FFFu;
+      if ((a & 0x7F80u) != 0x7F80u) m = max(m, a);  // finite only
+    }
+    return m;
+  };
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    mn = fold(fold(mn, n.lo[r]), n.hi[r]);
+    mt = fold(fold(mt, t.lo[r]), t.hi[r]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    mn = max(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+    mt = max(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+  }
+  if (threadIdx.x % 32 == 0) {
+    if (mn) atomicMax(amax_n, mn << 16);
+    if (mt) atomicMax(amax_t, mt << 16);
+  }
+}
+
+// The four rows of a 4×4 tile (bf16 bits) as rows row0..row0 + 3 of op(W) [M, K], group g:
+// cast with scale s, their two stored codes into the values and their nibbles into the
+// metadata. The lanes holding groups g and g ^ 1 of the same rows are `partner` apart: the
+// even group's lane writes their shared metadata byte.
+__device__ inline void write_rows(uint8_t* dst, int64_t M, int64_t K, int64_t row0, int64_t g,
+                                  const sparsify_detail::PackedTile& tile, float s, int partner) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const uint32_t lo = tile.lo[r], hi = tile.hi[r];
+    const uint32_t codes =
+        detail::fp8_encode2<false>(__uint_as_float(lo << 16), __uint_as_float(lo & 0xFFFF0000u), s) |
+        detail::fp8_encode2<false>(__uint_as_float(hi << 16), __uint_as_float(hi & 0xFFFF0000u), s) << 16;
+    unsigned nonzero = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) nonzero |= ((codes >> (8 * j)) & 0x7Fu) ? 1u << j : 0u;
+    const unsigned keep = stored_positions(nonzero), i0 = lowest(keep), i1 = highest(keep);
+    const int64_t row = row0 + r;
+    *reinterpret_cast<uint16_t*>(dst + row * (K / 2) + 2 * g) =
+        uint16_t(((codes >> (8 * i0)) & 0xFFu) | ((codes >> (8 * i1)) & 0xFFu) << 8);
+    const unsigned nib = i0 | i1 << 2;
+    const unsigned other = __shfl_xor_sync(0xffffffffu, nib, partner);
+    if (g % 2 == 0) dst[M * K / 2 + meta_offset(row, g, K)] = uint8_t(nib | other << 4);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    compress_kept_e4m3_kernel(const uint16_t* __restrict__ values, const uint16_t* __restrict__ fwd_tiles,
+                              const uint16_t* __restrict__ bwd_tiles, int64_t rows, int64_t cols,
+                              const float* amax_n, const float* amax_t, float* inv_n, float* inv_t,
+                              uint8_t* __restrict__ dst_n, uint8_t* __restrict__ dst_t) {
+  using namespace sparsify_detail;
+  const float sn = detail::fp8_scale_of<false>(*amax_n), st = detail::fp8_scale_of<false>(*amax_t);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    *inv_n = __frcp_rn(sn);
+    *inv_t = __frcp_rn(st);
+  }
+  const int tr = threadIdx.x / 16, tc = threadIdx.x % 16;  // lanes: tc fastest, two tr per warp
+  const int64_t gr = int64_t(blockIdx.y) * kTile + 4 * tr, gc = int64_t(blockIdx.x) * kTile + 4 * tc;
+  const int64_t at = (gr / 4) * (cols / 4) + gc / 4;
+  const PackedTile n = kept_tile(values, cols, gr, gc, fwd_tiles[at]);
+  if (dst_n) write_rows(dst_n, rows, cols, gr, gc / 4, n, sn, 1);  // group gc / 4: neighbour lane tc ^ 1
+  if (dst_t)  // W2ᵀ's rows gc..gc + 3, group gr / 4: the lane of tr ^ 1, 16 lanes away
+    write_rows(dst_t, cols, rows, gc, gr / 4, transpose_tile(prune_tile(n, bwd_tiles[at])), st, 16);
+}
+
+// Random e4m3 codes [m, k]: per group two, one or no non-zero codes (mostly two), never NaN.
+std::vector<uint8_t> random_codes(int64_t m, int64_t k, uint64_t seed) {
+  std::vector<uint8_t> w(size_t(m * k), 0);
+  uint64_t s = seed;
+  auto next = [&]() {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    return uint32_t(s >> 33);
+  };
+  static const int kPairs[6][2] = {{0, 1}, {0, 2}, {0, 3}, {1, 2}, {1, 3}, {2, 3}};
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < k / 4; ++g) {
+      const int* pair = kPairs[next() % 6];
+      const uint32_t kind = next() % 8;  // 0: no non-zero, 1: one, else two
+      for (int e = 0; e < 2; ++e) {
+        if (kind == 0 || (kind == 1 && e == 1)) continue;
+        const uint32_t x = next();
+        w[size_t(r * k + 4 * g + pair[e])] = uint8_t((x & 0x80u) | (1u + (x >> 8) % 126u));  // 0x01..0x7E, either sign
+      }
+    }
+  return w;
+}
+
+bool check_problem(const SparseGemm24& g) {
+  const SparseGemm24Problem& p = g.problem();
+  if (p.product != SparseProduct::forward || p.weight_operand != SparseOperand::a) return false;
+  if (!env_flag("ESPLAG_CUSPARSELT_OWN_LAYOUT", true)) return false;
+  const int64_t m = p.structured_rows(), k = p.structured_cols();
+  const size_t bytes = cusparselt24_e4m3_layout_bytes(m, k);
+  if (bytes == 0 || bytes != g.compressed_bytes()) return false;
+  const std::vector<uint8_t> w = random_codes(m, k, 0xe4a3ull + uint64_t(m * 131 + k));
+  std::vector<uint8_t> want(bytes);
+  cusparselt24_compress_e4m3_host(w.data(), m, k, want.data());
+  void *dw = nullptr, *dlib = nullptr, *dscratch = nullptr;
+  bool same = false;
+  const size_t scratch = std::max<size_t>(g.compress_scratch_bytes(), 16);
+  if (cudaMalloc(&dw, w.size()) == cudaSuccess && cudaMalloc(&dlib, bytes) == cudaSuccess &&
+      cudaMalloc(&dscratch, scratch) == cudaSuccess) {
+    CUDA_CHECK(cudaMemcpy(dw, w.data(), w.size(), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemset(dlib, 0x5A, bytes));
+    g.compress(dlib, dw, dscratch, scratch, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<uint8_t> got(bytes);
+    CUDA_CHECK(cudaMemcpy(got.data(), dlib, bytes, cudaMemcpyDeviceToHost));
+    same = got == want;
+  } else {
+    cudaGetLastError();  // out of memory: keep the library's compression
+  }
+  for (void* q : {dw, dlib, dscratch})
+    if (q) cudaFree(q);
+  return same;
+}
+
+}  // namespace
+
+size_t cusparselt24_e4m3_layout_bytes(int64_t m, int64_t k) {
+  if (m <= 0 || k <= 0 || m % kTile != 0 || k % kTile != 0) return 0;
+  return size_t(m) * size_t(k) * 5 / 8;
+}
+
+void cusparselt24_compress_e4m3_host(const uint8_t* w, int64_t m, int64_t k, uint8_t* dst) {
+  check_shape("cusparselt24_compress_e4m3_host", m, k);
+  std::fill(dst, dst + cusparselt24_e4m3_layout_bytes(m, k), uint8_t(0));
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < k / 4; ++g) {
+      const uint8_t* group = w + r * k + 4 * g;
+      unsigned nonzero = 0;
+      for (int j = 0; j < 4; ++j) nonzero |= (group[j] & 0x7Fu) ? 1u << j : 0u;
+      const unsigned keep = stored_positions(nonzero), i0 = lowest(keep), i1 = highest(keep);
+      dst[r * (k / 2) + 2 * g] = group[i0];
+      dst[r * (k / 2) + 2 * g + 1] = group[i1];
+      dst[m * k / 2 + meta_offset(r, g, k)] |= uint8_t((i0 | i1 << 2) << (4 * (g % 2)));
+    }
+}
+
+void cusparselt24_compress_kept_e4m3(const bf16* values, const uint16_t* forward_tiles,
+                                     const uint16_t* backward_tiles, int64_t rows, int64_t cols, float* amax_n,
+                                     float* amax_t, float* inv_n, float* inv_t, void* dst_n, void* dst_t,
+                                     cudaStream_t stream) {
+  const char* who = "cusparselt24_compress_kept_e4m3";
+  check_shape(who, rows, cols);
+  ESPLAG_CHECK(values && forward_tiles && backward_tiles && amax_n && amax_t && inv_n && inv_t, who,
+               ": null pointer");
+  ESPLAG_CHECK(reinterpret_cast<uintptr_t>(values) % 4 == 0, who, ": the kept values must be 4-byte aligned");
+  const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
+  const auto* v = reinterpret_cast<const uint16_t*>(values);
+  CUDA_CHECK(cudaMemsetAsync(amax_n, 0, sizeof(float), stream));
+  CUDA_CHECK(cudaMemsetAsync(amax_t, 0, sizeof(float), stream));
+  kept_amax_kernel<<<grid, kThreads, 0, stream>>>(v, forward_tiles, backward_tiles, cols,
+                                                   reinterpret_cast<unsigned*>(amax_n),
+                                                   reinterpret_cast<unsigned*>(amax_t));
+  CUDA_CHECK_LAUNCH("kept_amax_kernel");
+  compress_kept_e4m3_kernel<<<grid, kThreads, 0, stream>>>(v, forward_tiles, backward_tiles, rows, cols, amax_n,
+                                                            amax_t, inv_n, inv_t, static_cast<uint8_t*>(dst_n),
+                                                            static_cast<uint8_t*>(dst_t));
+  CUDA_CHECK_LAUNCH("compress_kept_e4m3_kernel");
+}
+
+bool cusparselt24_e4m3_layout_matches(const SparseGemm24& g) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, int, int64_t, int64_t>, bool> decided;
+  const SparseGemm24Problem& p = g.problem();
+  if (!cusparselt_available() || p.dtype != SparseDtype::e4m3) return false;
+  const auto key =
+      std::make_tuple(int(p.product), int(p.weight_operand), p.structured_rows(), p.structured_cols());
+  std::lock_guard<std::mutex> lock(mu);
+  const auto it = decided.find(key);
+  if (it != decided.end()) return it->second;
+  const bool ok = check_problem(g);
+  decided[key] = ok;
+  return ok;
+}
+
+}  // namespace esplag::gpu
