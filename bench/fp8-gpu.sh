@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # fp8 training on the GPU (train.precision fp8: the block Linear layers' GEMMs on fp8
 # operands, docs/fp8.md) against bf16, in one session: llama-1b 4 x 2048
-# (configs/gpu/llama-1b.yaml) dense and slope (configs/gpu/llama-1b-slope.yaml), and gpt2-124m
-# 16 x 1024 dense, each trained a few steps in bf16 and in fp8 (slope with train.fp8_grad e4m3:
-# its fp8 input-gradient products take e4m3 only). Prints the steady tokens/s of each run, the speed-up over the
+# (configs/gpu/llama-1b.yaml) dense, slope (configs/gpu/llama-1b-slope.yaml) and semi_sparse
+# (configs/gpu/llama-1b-semi-sparse.yaml), and gpt2-124m 16 x 1024 dense, each trained a few
+# steps in bf16 and in fp8 (the 2:4 kinds with train.fp8_grad e4m3: their fp8 input-gradient
+# products take e4m3 only). Prints the steady tokens/s of each run, the speed-up over the
 # same model's bf16 dense run, and the device memory the first log line reports.
 #
 #   bench/fp8-gpu.sh [build dir]     (default build/cuda; MODELS, default "llama-1b gpt2-124m", chooses the
@@ -47,4 +48,8 @@ for model in ${MODELS:-llama-1b gpt2-124m}; do
   slope_fp8=$(rate "$model-slope-fp8" configs/gpu/llama-1b-slope.yaml --set train.precision=fp8 --set train.fp8_grad=e4m3)
   row "$model" slope bf16 "$slope_bf16" "${bf16%%,*}"
   row "$model" slope fp8 "$slope_fp8" "${bf16%%,*}"
+  semi_bf16=$(rate "$model-semi-bf16" configs/gpu/llama-1b-semi-sparse.yaml)
+  semi_fp8=$(rate "$model-semi-fp8" configs/gpu/llama-1b-semi-sparse.yaml --set train.precision=fp8 --set train.fp8_grad=e4m3)
+  row "$model" semi_sparse bf16 "$semi_bf16" "${bf16%%,*}"
+  row "$model" semi_sparse fp8 "$semi_fp8" "${bf16%%,*}"
 done

@@ -21,8 +21,8 @@
 // CompressKeptMatchesTheDenseWriter: slope's preparation from its stored form against the
 // writer on the dense W1 and W2.
 // E4m3HostMatchesLibrary / CompressKeptE4m3MatchesTheHostCast: the 8-bit layout's CPU
-// reference against the library, and slope's fp8 copies written from its stored form
-// against core's casts followed by that reference.
+// reference against the library, and the fp8 copies written from slope's stored form and
+// from a transposable W (semi_sparse) against core's casts followed by that reference.
 // MvueCompressMatchesHostReference: the fused MVUE kernel (cusparselt24_compress_mvue_t on
 // dY [N, out]) against cpu::mvue_24_bf16 of dYᵀ followed by the CPU writer, bit for bit,
 // with ties, zeros of both signs, groups of 0-2 non-zeros and groups holding NaN, ±inf or
@@ -392,7 +392,8 @@ TEST(CusparseltLayout, E4m3HostMatchesLibrary) {
 // The e4m3 copies of a slope weight from its stored form (cusparselt24_compress_kept_e4m3)
 // against the CPU: core's amax of W1 and of W2, each cast with its scale (fp8_encode of
 // float(w) · s), W2 transposed, both through the CPU reference of the layout; and the
-// inverse scales. Outputs poisoned; needs no library.
+// inverse scales. Then W2 (2:4 both ways) as a dense W through cusparselt24_compress_e4m3:
+// its codes and its transpose's with one scale. Outputs poisoned; needs no library.
 TEST(CusparseltLayout, CompressKeptE4m3MatchesTheHostCast) {
   if (!esplag::gpu_test::has_device()) GTEST_SKIP() << "no CUDA device";
   for (auto [rows, cols] : {std::pair<int64_t, int64_t>{64, 64}, {128, 320}, {320, 192}}) {
@@ -439,6 +440,22 @@ TEST(CusparseltLayout, CompressKeptE4m3MatchesTheHostCast) {
         << "W1's codes: " << diff_text(download(n_got, bytes), want_n, n / 2);
     EXPECT_TRUE(download(t_got, bytes) == want_t)
         << "W2^T's codes: " << diff_text(download(t_got, bytes), want_t, n / 2);
+    // W2 is 2:4 along both dimensions: from it as a dense W (semi_sparse's way), both
+    // orientations with W2's one scale.
+    float amax_w2 = 0, inv_w2 = 0;
+    const std::vector<uint8_t> want_w2 = codes(sw.w2, false, &amax_w2, &inv_w2);
+    Dev dw2(2 * n), w2_n(bytes), w2_t(bytes);
+    CUDA_CHECK(cudaMemcpy(dw2.p, sw.w2.data(), 2 * n, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemset(w2_n.p, 0xFF, bytes));
+    CUDA_CHECK(cudaMemset(w2_t.p, 0xFF, bytes));
+    CUDA_CHECK(cudaMemset(sc + 32, 0xFF, sizeof(float)));
+    CUDA_CHECK(cudaMemcpy(sc, &amax_w2, sizeof(float), cudaMemcpyHostToDevice));
+    gpu::cusparselt24_compress_e4m3(dw2.as<gpu::bf16>(), rows, cols, sc, sc + 32, w2_n.p, w2_t.p, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(got, sc, sizeof got, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(got[32], inv_w2);
+    EXPECT_TRUE(download(w2_n, bytes) == want_w2) << "W2's codes: " << diff_text(download(w2_n, bytes), want_w2, n / 2);
+    EXPECT_TRUE(download(w2_t, bytes) == want_t) << "W2^T's codes: " << diff_text(download(w2_t, bytes), want_t, n / 2);
   }
 }
 

@@ -8,8 +8,8 @@
 //   with the same layers in fp8 (Transformer::set_linear_precision): the loss and every
 //   gradient after one micro-batch, the 2:4 products on the path (the op timings), and a
 //   micro-batch of another size (the dense fp8 products of the pruned weights);
-// - the refusals of train.fp8_grad e5m2 (cuSPARSELt's fp8 products take e4m3 only) and of
-//   semi_sparse in fp8.
+// - semi_sparse layers the same way (Ws and Wsᵀ from the transposable prune);
+// - the refusal of train.fp8_grad e5m2 (cuSPARSELt's fp8 products take e4m3 only).
 // Skips without cuSPARSELt, and below compute capability 8.9 (no fp8 tensor cores).
 #include <gtest/gtest.h>
 
@@ -131,7 +131,7 @@ TEST_F(GpuFp8Sparse, ScaledE4m3ProductMatchesTheQuantisedOperands) {
 
 const LinearPrecision kFp8{true, Fp8Format::e4m3};
 
-// Every block linear of both models of `kind` (slope), the GPU's with the CPU's masks.
+// Every block linear of both models of `kind` (slope, with the CPU's masks; semi_sparse).
 void make_kind(Transformer<float>& cm, GpuTransformer& gm, const std::string& kind) {
   esplag::LayerPlan plan;
   plan.kind = kind;
@@ -141,6 +141,10 @@ void make_kind(Transformer<float>& cm, GpuTransformer& gm, const std::string& ki
   for (const auto& name : cm.linear_names()) esplag::apply_layer_plan(cm, name, plan, 1);
   gm.set_params(cm.params(), cm.num_params());
   for (const auto& name : cm.linear_names()) {
+    if (kind != "slope") {
+      gm.set_linear_kind(name, kind);
+      continue;
+    }
     auto& l = dynamic_cast<esplag::SlopeLinear<float>&>(cm.linear(name));
     const int64_t rows = l.forward_weight().rows, cols = l.forward_weight().cols;
     GpuTransformer::SlopeState st;
@@ -181,13 +185,13 @@ void compare_fp8_step(const std::string& kind, int maxB, int maxT, int B, int T,
   for (const auto& op : gm.op_times()) sparse_ops += op.op.rfind("sparse gemm", 0) == 0;
   std::set<std::string> sparse_roles;  // op_times sums a role's products over the blocks
   for (const std::string& name : cm.linear_names()) {
-    const auto& w = dynamic_cast<esplag::SlopeLinear<float>&>(cm.linear(name)).forward_weight();
+    const auto& w = cm.linear(name).params();
     bool sparse = true;
     for (const auto& d : gm.sparse_dispatch()) {
-      EXPECT_EQ(d.kind, "slope fp8");
+      EXPECT_EQ(d.kind, kind + " fp8");
       EXPECT_GT(d.sparse_ms, 0.0);
       EXPECT_GT(d.dense_ms, 0.0);
-      if (d.out == w.rows && d.in == w.cols) sparse = d.sparse;
+      if (d.out == w.out_features && d.in == w.in_features) sparse = d.sparse;
     }
     if (sparse) sparse_roles.insert(name.substr(name.find('.', name.find('.') + 1) + 1));
   }
@@ -226,9 +230,12 @@ TEST_F(GpuFp8Sparse, SlopeTracksTheCpuEmulation) {
 // this tiny model), and the gradients follow the emulation either way.
 TEST_F(GpuFp8Sparse, DispatchedSlopeTracksTheCpuEmulation) { compare_fp8_step("slope", 2, 96, 2, 96, true); }
 
-// semi_sparse refuses fp8 on the GPU (its e4m3 input-gradient product gave wrong gradients).
-TEST_F(GpuFp8Sparse, SemiSparseRefusesFp8) {
-  expect_refused(kFp8, "semi_sparse", "semi_sparse with train.precision fp8 is trained by the CPU's emulation");
+// semi_sparse: Ws and Wsᵀ from the transposable prune, one scale (the emulation quantises Ws
+// once for both products).
+TEST_F(GpuFp8Sparse, SemiSparseTracksTheCpuEmulation) {
+  compare_fp8_step("semi_sparse", 2, 96, 2, 96);
+  compare_fp8_step("semi_sparse", 2, 96, 1, 64);  // the dense fp8 products of Ws and Wsᵀ
+  compare_fp8_step("semi_sparse", 2, 96, 2, 96, true);
 }
 
 TEST_F(GpuFp8Sparse, E5m2GradientsAreRefused) {

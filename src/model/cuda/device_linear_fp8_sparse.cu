@@ -3,9 +3,11 @@
 #include <algorithm>
 
 #include "core/cuda_check.h"
+#include "core/cuda_timing.h"
 #include "core/error.h"
 #include "model/cuda/fp8_grad_codes.h"
 #include "model/cuda/step_marks.h"
+#include "model/cuda/timing_operands.h"
 #include "ops/gpu_fp8.h"
 #include "sparse/cuda/cusparselt.h"
 #include "sparse/cuda/cusparselt_layout.h"
@@ -124,12 +126,49 @@ void Fp8SparseProducts::prepare(const bf16* wf, const bf16* wbt) {
   bwd_->compress(comp_bwd_, sc.w, cs, sc.compress.capacity(), s);
 }
 
-bool Fp8SparseProducts::prepare_kept(const bf16* values, const uint16_t* forward_tiles,
-                                     const uint16_t* backward_tiles) {
-  if (!sparse()) return false;
+bool Fp8SparseProducts::own_layout() {
   if (own_layout_ < 0)
     own_layout_ = gpu::cusparselt24_e4m3_layout_matches(*fwd_) && gpu::cusparselt24_e4m3_layout_matches(*bwd_);
-  if (!own_layout_) return false;
+  return own_layout_ == 1;
+}
+
+bool Fp8SparseProducts::prepare_transposable(const bf16* ws) {
+  if (!sparse() || !own_layout()) return false;
+  cudaStream_t s = ctx_.stream;
+  ctx_.marks->mark(s, "fp8 compress");
+  gpu::fp8_amax(amax(weight_fwd), ws, out_ * in_, s);
+  gpu::cusparselt24_compress_e4m3(ws, out_, in_, amax(weight_fwd), inv(weight_fwd), comp_fwd_, comp_bwd_, s);
+  // The same scale for Wsᵀ (the dense dX product casts with weight_bwd's amax).
+  CUDA_CHECK(cudaMemcpyAsync(amax(weight_bwd), amax(weight_fwd), sizeof(float), cudaMemcpyDeviceToDevice, s));
+  CUDA_CHECK(cudaMemcpyAsync(inv(weight_bwd), inv(weight_fwd), sizeof(float), cudaMemcpyDeviceToDevice, s));
+  return true;
+}
+
+DeviceLinearContext::ProductTimes Fp8SparseProducts::time_ways(const std::function<void()>& prepare,
+                                                               const std::function<const bf16*()>& wf,
+                                                               const std::function<const bf16*()>& wbt,
+                                                               const bf16* bias) {
+  cudaStream_t s = ctx_.stream;
+  const int N = static_cast<int>(ctx_.tokens);
+  const TimingOperands o(N, in_, out_, s);
+  const auto step = [&](int) {
+    prepare();
+    begin_backward();  // dY's codes made in each round
+    forward(o.y, o.x, bias, N, wf, "dispatch timing");
+    backward_dx(o.dx, o.dy, N, wbt, "dispatch timing");
+  };
+  const StepMarks::Pause unmarked(*ctx_.marks);
+  DeviceLinearContext::ProductTimes t;
+  set_dense(true);
+  t.dense_ms = median_event_ms(step, 2, 10, s);
+  set_dense(false);
+  t.sparse_ms = median_event_ms(step, 2, 10, s);
+  return t;
+}
+
+bool Fp8SparseProducts::prepare_kept(const bf16* values, const uint16_t* forward_tiles,
+                                     const uint16_t* backward_tiles) {
+  if (!sparse() || !own_layout()) return false;
   ctx_.marks->mark(ctx_.stream, "fp8 compress");
   gpu::cusparselt24_compress_kept_e4m3(values, forward_tiles, backward_tiles, out_, in_, amax(weight_fwd),
                                        amax(weight_bwd), inv(weight_fwd), inv(weight_bwd), comp_fwd_, comp_bwd_,

@@ -1,6 +1,6 @@
-// The fp8 products of a 2:4 layer on the GPU (train.precision fp8, docs/fp8.md): slope hands
-// its pruned weights to its Fp8SparseProducts after every weight change. (semi_sparse refuses
-// fp8 on the GPU so far: see its constructor.)
+// The fp8 products of a 2:4 layer on the GPU (train.precision fp8, docs/fp8.md): slope and
+// semi_sparse (model/cuda/device_linear_semi_sparse_fp8.h) hand their pruned weights to their
+// Fp8SparseProducts after every weight change.
 //
 //   forward  Y  = X · Wfᵀ   cuSPARSELt e4m3 2:4, Wf [out, in] structured (slope: W1)
 //   dX       dX = dY · Wb   cuSPARSELt e4m3 2:4 in the forward form dY · (Wbᵀ)ᵀ, Wbᵀ [in, out]
@@ -70,6 +70,20 @@ class Fp8SparseProducts {
   // nothing, where that does not apply (the dense products, or a layout the loaded library
   // does not share): then prepare() is the way.
   bool prepare_kept(const bf16* values, const uint16_t* forward_tiles, const uint16_t* backward_tiles);
+  // The same from a weight ws [out, in] that is 2:4 along both dimensions (semi_sparse's
+  // transposable prune): Wf = ws, Wbᵀ = wsᵀ, one amax and scale for both
+  // (cusparselt24_compress_e4m3).
+  bool prepare_transposable(const bf16* ws);
+  // Both ways of the per-step fp8 work, timed (median of 10 after two untimed rounds that tune
+  // the 2:4 products) on scratch inputs with the layer's `prepare` (which must call one of the
+  // prepares above) and the pruned weights wf, wbt of the dense products: the 2:4 way
+  // prepares both copies and runs the forward and dX 2:4 products; the dense way takes both
+  // weights' amax and casts each weight for its dense product. X's and dY's casts are in
+  // both. The 2:4 way runs last, so the compressed copies are the weight's afterwards.
+  // Synchronises the stream.
+  DeviceLinearContext::ProductTimes time_ways(const std::function<void()>& prepare,
+                                              const std::function<const bf16*()>& wf,
+                                              const std::function<const bf16*()>& wbt, const bf16* bias);
   // y [N, out] = X · Wfᵀ (+ bias). wf: the pruned weight as prepare() had it, read by the
   // dense products only (N other than the full size, or !sparse()).
   void forward(bf16* y, const bf16* x, const bf16* bias, int N, const std::function<const bf16*()>& wf,
@@ -98,6 +112,8 @@ class Fp8SparseProducts {
   void tune(gpu::SparseGemm24& g, bf16* out, const void* compressed, const void* dense);
   // The product's scale 1 / (s_codes · s_weight) of the forward's or dX's 2:4 product.
   float* product_scale(bool forward) const;
+  // Whether our writer of cuSPARSELt's e4m3 layout serves both 2:4 products (asked once).
+  bool own_layout();
   // out = the 2:4 product of plan g (forward or dX) of the compressed weight and the codes,
   // scaled by the inverse scales of their slots (into product_scale(forward)).
   void sparse_product(gpu::SparseGemm24& g, bool forward, bf16* out, const void* compressed, const uint8_t* codes,

@@ -5,6 +5,7 @@
 #include "model/cuda/device_linear_dense.h"
 #include "model/cuda/device_linear_masked.h"
 #include "model/cuda/device_linear_semi_sparse.h"
+#include "model/cuda/device_linear_semi_sparse_fp8.h"
 #include "model/cuda/device_linear_semi_sparse_activation.h"
 #include "model/cuda/device_linear_slope.h"
 #include "model/cuda/device_linear_vnm.h"
@@ -43,7 +44,10 @@ std::vector<DeviceLinearKind> make_kinds() {
   semi.takes_sparse_dw = true;
   semi.needs_cusparselt = true;
   semi.build_order = 2;  // reads the weight where the new layout put it
-  semi.make = maker<DeviceSemiSparseLinear>();
+  semi.make = [](const DeviceLinearSetup& s) -> std::unique_ptr<DeviceLinear> {
+    if (s.context->precision.fp8) return std::make_unique<DeviceSemiSparseFp8Linear>(s);
+    return std::make_unique<DeviceSemiSparseLinear>(s);
+  };
   semi.setting_from_twin = DeviceSemiSparseLinear::setting_from_twin;
 
   DeviceLinearKind& act = kinds[4];

@@ -38,11 +38,7 @@ void* sparse_dw_scratch(DeviceLinearContext& ctx) {
 
 DeviceSemiSparseLinear::DeviceSemiSparseLinear(const DeviceLinearSetup& s) : DeviceLinear("semi_sparse", s) {
   const Setting& st = *s.setting;
-  // Its e4m3 2:4 input-gradient product (Wsᵀ compressed from the transposable prune) gave
-  // wrong gradients on the H100 where slope's (W2ᵀ) did not; until that is understood the
-  // layer refuses fp8 rather than train on them (docs/fp8.md).
-  ESPLAG_CHECK(!ctx_.precision.fp8, weight_name_,
-               ": semi_sparse with train.precision fp8 is trained by the CPU's emulation only so far (docs/fp8.md)");
+  ESPLAG_CHECK(!ctx_.precision.fp8, weight_name_, ": semi_sparse in fp8 is DeviceSemiSparseFp8Linear");
   gpu::SparseLinearOptions o;
   o.kind = gpu::SparseLinearKind::semi_sparse;
   o.bias = s.bias;

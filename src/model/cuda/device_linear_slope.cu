@@ -10,6 +10,7 @@
 #include "core/parallel.h"
 #include "model/cuda/device_linear_semi_sparse.h"
 #include "model/cuda/step_marks.h"
+#include "model/cuda/timing_operands.h"
 #include "model/linear_slope.h"
 #include "sparse/masks.h"
 #include "ops/gpu_fused.h"
@@ -21,24 +22,6 @@ namespace esplag {
 namespace {
 
 constexpr const char* kScratchName = "slope";
-
-// The operands of a layer's product timings: X and dX [tokens, in], Y and dY [tokens, out],
-// X and dY non-zero (no shortcuts).
-struct TimingOperands {
-  DeviceArena arena;
-  bf16 *x = nullptr, *dx = nullptr, *y = nullptr, *dy = nullptr;
-  TimingOperands(int64_t tokens, int64_t in, int64_t out, cudaStream_t s)
-      : arena(2 * sizeof(bf16) * size_t(tokens * (in + out)) + 4 * DeviceArena::kDefaultAlignment,
-              "slope dispatch timing") {
-    const size_t nx = size_t(tokens * in), ny = size_t(tokens * out);
-    x = arena.allocate_array<bf16>("x", nx);
-    dx = arena.allocate_array<bf16>("dx", nx);
-    y = arena.allocate_array<bf16>("y", ny);
-    dy = arena.allocate_array<bf16>("dy", ny);
-    CUDA_CHECK(cudaMemsetAsync(x, 0x3C, sizeof(bf16) * nx, s));
-    CUDA_CHECK(cudaMemsetAsync(dy, 0x3B, sizeof(bf16) * ny, s));
-  }
-};
 
 }  // namespace
 
@@ -212,31 +195,10 @@ void DeviceSlopeLinear::attach() {
         !ctx_.sparse_is_faster("slope fp8", weight_name_, out_, in_, Gelu::none, [&] { return time_fp8_products(); }));
 }
 
-// Both ways of the per-step fp8 work, as prepare and the step run it (median of 10 after two
-// untimed rounds that tune the 2:4 products), on scratch inputs: the 2:4 way casts and
-// compresses both weights and runs the forward and dX 2:4 products; the dense way takes both
-// weights' amax and casts each weight for its dense product. X's and dY's casts are in both.
-// The 2:4 way runs last, so the layer's compressed copies are its weight's afterwards.
-// Synchronises the stream.
+// Both ways of the per-step fp8 work (Fp8SparseProducts::time_ways), prepare() as a step runs it.
 gpu::SparseLinear::ProductTimes DeviceSlopeLinear::time_fp8_products() {
-  cudaStream_t s = ctx_.stream;
-  const int N = static_cast<int>(ctx_.tokens);
-  const TimingOperands o(N, in_, out_, s);
-  const auto w1 = [&] { return expand_w1(); };
-  const auto w2t = [&] { return expand_w2t(); };
-  const auto step = [&](int) {
-    prepare(false);
-    fp8_->begin_backward();  // dY's codes made in each round
-    fp8_->forward(o.y, o.x, p_.bias.w, N, w1, "dispatch timing");
-    fp8_->backward_dx(o.dx, o.dy, N, w2t, "dispatch timing");
-  };
-  const StepMarks::Pause unmarked(*ctx_.marks);
-  gpu::SparseLinear::ProductTimes t;
-  fp8_->set_dense(true);
-  t.dense_ms = median_event_ms(step, 2, 10, s);
-  fp8_->set_dense(false);
-  t.sparse_ms = median_event_ms(step, 2, 10, s);
-  return t;
+  return fp8_->time_ways([&] { prepare(false); }, [&] { return expand_w1(); }, [&] { return expand_w2t(); },
+                         p_.bias.w);
 }
 
 // Both ways of the per-step products (median of 10 after two untimed rounds that tune them)

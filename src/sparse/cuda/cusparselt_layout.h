@@ -150,6 +150,13 @@ void cusparselt24_compress_kept_e4m3(const bf16* values, const uint16_t* forward
                                      float* amax_t, float* inv_n, float* inv_t, void* dst_n, void* dst_t,
                                      cudaStream_t stream);
 
+// The same from a W [rows, cols] (bf16, 8-byte aligned) that is 2:4 along both dimensions
+// (semi_sparse's transposable prune), with one scale from *amax (fp8_amax of W): dst_n =
+// the layout of W's codes, dst_t = that of Wᵀ's [cols, rows] (either may be null), *inv the
+// inverse scale. One read of W. rows, cols multiples of 64 (else Error).
+void cusparselt24_compress_e4m3(const bf16* w, int64_t rows, int64_t cols, const float* amax, float* inv,
+                                void* dst_n, void* dst_t, cudaStream_t stream);
+
 // Whether the e4m3 layout is the loaded cuSPARSELt's for g: an e4m3 forward problem with W
 // as A, the compressed size equal to cusparselt24_e4m3_layout_bytes, and random codes of the
 // structured operand's shape (groups of two, one and no non-zeros) compressed by the library

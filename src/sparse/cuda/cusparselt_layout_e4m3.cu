@@ -1,7 +1,8 @@
 // cuSPARSELt's compressed layout of 8-bit (e4m3) 2:4 operands written directly
-// (sparse/cuda/cusparselt_layout.h, "8-bit operands"): slope's per-step fp8 preparation casts
-// and compresses both weight copies in two reads of its kept values instead of expanding
-// them, casting them and running cusparseLtSpMMACompress twice.
+// (sparse/cuda/cusparselt_layout.h, "8-bit operands"): the per-step fp8 preparation of slope
+// (from its kept values) and of semi_sparse (from its transposable prune) casts and
+// compresses both weight copies itself instead of casting them and running
+// cusparseLtSpMMACompress twice.
 #include <algorithm>
 #include <map>
 #include <mutex>
@@ -110,11 +111,15 @@ __device__ inline void write_rows(uint8_t* dst, int64_t M, int64_t K, int64_t ro
   }
 }
 
+// Kept: w is slope's stored form (kept values and the two tile masks; W2 = W1 ⊙ backward
+// mask for dst_t); otherwise w is a dense W [rows, cols], 2:4 along both dimensions, for
+// both (the masks are not read).
+template <bool Kept>
 __global__ void __launch_bounds__(kThreads)
-    compress_kept_e4m3_kernel(const uint16_t* __restrict__ values, const uint16_t* __restrict__ fwd_tiles,
-                              const uint16_t* __restrict__ bwd_tiles, int64_t rows, int64_t cols,
-                              const float* amax_n, const float* amax_t, float* inv_n, float* inv_t,
-                              uint8_t* __restrict__ dst_n, uint8_t* __restrict__ dst_t) {
+    compress_e4m3_kernel(const uint16_t* __restrict__ w, const uint16_t* __restrict__ fwd_tiles,
+                         const uint16_t* __restrict__ bwd_tiles, int64_t rows, int64_t cols, const float* amax_n,
+                         const float* amax_t, float* inv_n, float* inv_t, uint8_t* __restrict__ dst_n,
+                         uint8_t* __restrict__ dst_t) {
   using namespace sparsify_detail;
   const float sn = detail::fp8_scale_of<false>(*amax_n), st = detail::fp8_scale_of<false>(*amax_t);
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
@@ -124,10 +129,22 @@ __global__ void __launch_bounds__(kThreads)
   const int tr = threadIdx.x / 16, tc = threadIdx.x % 16;  // lanes: tc fastest, two tr per warp
   const int64_t gr = int64_t(blockIdx.y) * kTile + 4 * tr, gc = int64_t(blockIdx.x) * kTile + 4 * tc;
   const int64_t at = (gr / 4) * (cols / 4) + gc / 4;
-  const PackedTile n = kept_tile(values, cols, gr, gc, fwd_tiles[at]);
+  PackedTile n, t;
+  if constexpr (Kept) {
+    n = kept_tile(w, cols, gr, gc, fwd_tiles[at]);
+    t = prune_tile(n, bwd_tiles[at]);
+  } else {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const uint2 v = *reinterpret_cast<const uint2*>(w + (gr + r) * cols + gc);
+      n.lo[r] = v.x;
+      n.hi[r] = v.y;
+    }
+    t = n;
+  }
   if (dst_n) write_rows(dst_n, rows, cols, gr, gc / 4, n, sn, 1);  // group gc / 4: neighbour lane tc ^ 1
-  if (dst_t)  // W2ᵀ's rows gc..gc + 3, group gr / 4: the lane of tr ^ 1, 16 lanes away
-    write_rows(dst_t, cols, rows, gc, gr / 4, transpose_tile(prune_tile(n, bwd_tiles[at])), st, 16);
+  if (dst_t)  // Wᵀ's rows gc..gc + 3, group gr / 4: the lane of tr ^ 1, 16 lanes away
+    write_rows(dst_t, cols, rows, gc, gr / 4, transpose_tile(t), st, 16);
 }
 
 // Random e4m3 codes [m, k]: per group two, one or no non-zero codes (mostly two), never NaN.
@@ -221,10 +238,24 @@ void cusparselt24_compress_kept_e4m3(const bf16* values, const uint16_t* forward
                                                    reinterpret_cast<unsigned*>(amax_n),
                                                    reinterpret_cast<unsigned*>(amax_t));
   CUDA_CHECK_LAUNCH("kept_amax_kernel");
-  compress_kept_e4m3_kernel<<<grid, kThreads, 0, stream>>>(v, forward_tiles, backward_tiles, rows, cols, amax_n,
-                                                            amax_t, inv_n, inv_t, static_cast<uint8_t*>(dst_n),
-                                                            static_cast<uint8_t*>(dst_t));
-  CUDA_CHECK_LAUNCH("compress_kept_e4m3_kernel");
+  compress_e4m3_kernel<true><<<grid, kThreads, 0, stream>>>(v, forward_tiles, backward_tiles, rows, cols, amax_n,
+                                                             amax_t, inv_n, inv_t, static_cast<uint8_t*>(dst_n),
+                                                             static_cast<uint8_t*>(dst_t));
+  CUDA_CHECK_LAUNCH("compress_e4m3_kernel (kept)");
+}
+
+void cusparselt24_compress_e4m3(const bf16* w, int64_t rows, int64_t cols, const float* amax, float* inv,
+                                void* dst_n, void* dst_t, cudaStream_t stream) {
+  const char* who = "cusparselt24_compress_e4m3";
+  check_shape(who, rows, cols);
+  ESPLAG_CHECK(w && amax && inv, who, ": null pointer");
+  ESPLAG_CHECK(reinterpret_cast<uintptr_t>(w) % 8 == 0, who, ": W must be 8-byte aligned");
+  const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
+  compress_e4m3_kernel<false><<<grid, kThreads, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), nullptr, nullptr,
+                                                              rows, cols, amax, amax, inv, inv,
+                                                              static_cast<uint8_t*>(dst_n),
+                                                              static_cast<uint8_t*>(dst_t));
+  CUDA_CHECK_LAUNCH("compress_e4m3_kernel (dense)");
 }
 
 bool cusparselt24_e4m3_layout_matches(const SparseGemm24& g) {
