@@ -301,8 +301,8 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
   if (!parts.empty())
     add("the run needs sparse Linear kinds that the GPU does not train yet (" + join(parts, "; ") + ")");
 
-  // fp8 on the GPU: the dense products, and slope's 2:4 ones, whose input-gradient products
-  // take e4m3 gradients only (model/cuda/device_linear_fp8_sparse.h).
+  // fp8 on the GPU: the dense products, and slope's and semi_sparse's 2:4 ones, whose
+  // input-gradient products take e4m3 gradients only (model/cuda/device_linear_fp8_sparse.h).
   if (config.precision == "fp8") {
     std::set<std::string> kinds;
     bool sparse_dw = false;
@@ -312,15 +312,18 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
     }
     if (model)
       for (const auto& name : model->linear_names()) kinds.insert(model->linear(name).kind());
-    std::vector<std::string> others;
-    for (const auto& k : kinds)
-      if (k != "dense" && k != "slope") others.push_back(k);
+    std::vector<std::string> others, two_four;
+    for (const auto& k : kinds) {
+      if (k == "slope" || k == "semi_sparse") two_four.push_back(k);
+      if (k != "dense" && k != "slope" && k != "semi_sparse") others.push_back(k);
+    }
     if (!others.empty())
       add("train.precision is fp8 with sparse Linear kinds (" + join(others, ", ") +
-          ") whose fp8 products only the CPU's emulation trains so far (the GPU's fp8 products are the dense ones and "
-          "slope's; docs/fp8.md)");
-    if (kinds.count("slope") && config.fp8_grad != "e4m3")
-      add("train.precision is fp8 with slope layers and train.fp8_grad is " + config.fp8_grad +
+          ") whose fp8 products only the CPU's emulation trains so far (the GPU's fp8 products are the dense ones, "
+          "slope's and semi_sparse's; docs/fp8.md)");
+    if (!two_four.empty() && config.fp8_grad != "e4m3")
+      add("train.precision is fp8 with " + join(two_four, " and ") + " layers and train.fp8_grad is " +
+          config.fp8_grad +
           ", but their fp8 input-gradient products on the GPU take e4m3 gradients only (cuSPARSELt; set "
           "train.fp8_grad: e4m3)");
     if (sparse_dw) add("train.precision is fp8 with sparse_dw, which only the CPU's emulation trains so far");
