@@ -9,6 +9,7 @@
 #include "model/cuda/step_marks.h"
 #include "model/cuda/timing_operands.h"
 #include "ops/gpu_fp8.h"
+#include "ops/gpu_fused.h"
 #include "sparse/cuda/cusparselt.h"
 #include "sparse/cuda/cusparselt_layout.h"
 
@@ -223,6 +224,17 @@ void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,
   sc.gemm->set_fast_accum(true);  // as the dense kind's forward
   sc.gemm->matmul(y, {sc.x, inv(input), Fp8Format::e4m3}, {sc.w, inv(weight_fwd), Fp8Format::e4m3}, bias, N,
                   int(out_), int(in_), false, s);
+}
+
+void Fp8SparseProducts::forward(bf16* out, const bf16* x, const bf16* bias, int N, gpu::Gemm::Act act,
+                                bf16* pre_act, const std::function<const bf16*()>& wf, const char* op) {
+  const bool gelu = act == gpu::Gemm::Act::gelu;
+  bf16* y = gelu && pre_act ? pre_act : out;
+  forward(y, x, bias, N, wf, op);
+  if (gelu) {
+    ctx_.marks->mark(ctx_.stream, "gelu fwd");
+    gpu::gelu_forward(out, y, int64_t(N) * out_, ctx_.stream);
+  }
 }
 
 void Fp8SparseProducts::begin_backward() {

@@ -16,9 +16,10 @@
 // layers share; the second takes the codes over. The 2:4 products take the scales as one
 // device scalar 1 / (s_a · s_b), written on the device (matmul_scaled).
 //
-// prepare_kept() casts and compresses both copies straight from slope's kept values and
-// masks in our own writer of cuSPARSELt's e4m3 layout (sparse/cuda/cusparselt_layout.h),
-// where the loaded library's layout was found to be that one; otherwise prepare() casts each
+// prepare_kept() (slope's kept values and masks) and prepare_transposable() (semi_sparse's Ws)
+// cast and compress both copies in our own writer of cuSPARSELt's e4m3 layout
+// (sparse/cuda/cusparselt_layout.h), where the loaded library's layout was found to be that
+// one (shapes in multiples of 64); otherwise prepare() casts each
 // pruned weight (a pass over its bf16 values) into a shared e4m3 scratch and compresses it
 // with cusparseLtSpMMACompress. Either way the layer holds two e4m3 copies (5/8 byte per
 // weight each).
@@ -26,8 +27,8 @@
 // the pruned weights the caller gives again: a micro-batch of another size than the full
 // one, a bias (cuSPARSELt's e4m3 kernels are run without epilogues here), dimensions that
 // are not multiples of 32, no cuSPARSELt, or the per-layer dispatch found the dense way
-// faster (set_dense: cuSPARSELt's e4m3 compression, run for both copies every step, can
-// cost more than the 2:4 products save).
+// faster (set_dense: the pass that scales each 2:4 product's bf16 output, and the per-step
+// preparation of both copies, can cost more than the 2:4 products save).
 //
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once
@@ -57,7 +58,7 @@ class Fp8SparseProducts {
   // Whether they could (the shapes fit and cuSPARSELt is there).
   bool can_be_sparse() const { return fwd_ != nullptr; }
   // The dense fp8 products at every size (or the 2:4 ones where they can be): the per-layer
-  // dispatch's choice (DeviceSlopeLinear::attach). At once: a switch to the 2:4 products
+  // dispatch's choice (DeviceSlopeLinear::attach, DeviceSemiSparseFp8Linear's constructor). At once: a switch to the 2:4 products
   // needs a prepare() before the next product, which makes the compressed copies.
   void set_dense(bool dense) { dense_ = dense; }
   // The scales and (sparse()) the compressed e4m3 copies from the current pruned weights:
@@ -74,6 +75,9 @@ class Fp8SparseProducts {
   // transposable prune): Wf = ws, Wbᵀ = wsᵀ, one amax and scale for both
   // (cusparselt24_compress_e4m3).
   bool prepare_transposable(const bf16* ws);
+  // Whether prepare_transposable (and prepare_kept) would take the weight: the 2:4 products
+  // run and our writer serves both copies.
+  bool takes_transposable() { return sparse() && own_layout(); }
   // Both ways of the per-step fp8 work, timed (median of 10 after two untimed rounds that tune
   // the 2:4 products) on scratch inputs with the layer's `prepare` (which must call one of the
   // prepares above) and the pruned weights wf, wbt of the dense products: the 2:4 way
@@ -88,6 +92,10 @@ class Fp8SparseProducts {
   // dense products only (N other than the full size, or !sparse()).
   void forward(bf16* y, const bf16* x, const bf16* bias, int N, const std::function<const bf16*()>& wf,
                const char* op);
+  // out = act(X · Wfᵀ + bias), a GELU as a pass after the product (through pre_act, which
+  // keeps its input for the backward, when given).
+  void forward(bf16* out, const bf16* x, const bf16* bias, int N, gpu::Gemm::Act act, bf16* pre_act,
+               const std::function<const bf16*()>& wf, const char* op);
   // dx [N, in] = dY · Wb; wbt as for prepare(), read by the dense product only.
   void backward_dx(bf16* dx, const bf16* dy, int N, const std::function<const bf16*()>& wbt, const char* op);
   // dw [out, in] fp32 (= or += when accumulate) = dYᵀ · X.

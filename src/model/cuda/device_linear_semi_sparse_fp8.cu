@@ -60,7 +60,7 @@ const bf16* DeviceSemiSparseFp8Linear::pruned(bool transposed) {
 
 void DeviceSemiSparseFp8Linear::prepare(bool) {
   ctx_.marks->mark(ctx_.stream, "sparse prepare (2:4 prune)");
-  if (fp8_->prepare_transposable(pruned(false))) return;
+  if (fp8_->takes_transposable() && fp8_->prepare_transposable(pruned(false))) return;
   Scratch& sc = scratch();
   gpu::transposable_24(p_.weight.w, out_, in_, gpu::Sparse24Out{sc.ws}, gpu::Sparse24Out{sc.wst}, nullptr,
                        ctx_.stream);
@@ -68,12 +68,7 @@ void DeviceSemiSparseFp8Linear::prepare(bool) {
 }
 
 void DeviceSemiSparseFp8Linear::forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) {
-  bf16* y = act == Act::gelu && pre_act ? pre_act : out;
-  fp8_->forward(y, in, p_.bias.w, N, [&] { return pruned(false); }, op);
-  if (act == Act::gelu) {
-    ctx_.marks->mark(ctx_.stream, "gelu fwd");
-    gpu::gelu_forward(out, y, int64_t(N) * out_, ctx_.stream);
-  }
+  fp8_->forward(out, in, p_.bias.w, N, act, pre_act, [&] { return pruned(false); }, op);
 }
 
 void DeviceSemiSparseFp8Linear::backward_dx(bf16* dinp, const bf16* dout, int N, const bf16* pre_act,

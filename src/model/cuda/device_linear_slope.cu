@@ -233,15 +233,7 @@ gpu::SparseLinear::ProductTimes DeviceSlopeLinear::time_products() {
 }
 
 void DeviceSlopeLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) {
-  if (fp8_) {
-    bf16* y = act == Act::gelu ? pre_act : out;
-    fp8_->forward(y, in, p_.bias.w, N, [&] { return expand_w1(); }, op);
-    if (act == Act::gelu) {
-      ctx_.marks->mark(ctx_.stream, "gelu fwd");
-      gpu::gelu_forward(out, y, int64_t(N) * out_, ctx_.stream);
-    }
-    return;
-  }
+  if (fp8_) return fp8_->forward(out, in, p_.bias.w, N, act, pre_act, [&] { return expand_w1(); }, op);
   if (sparse_for(N)) return forward_24(*sp_, out, in, N, act, pre_act, op);
   ctx_.marks->mark(ctx_.stream, op, 2.0 * N * in_ * out_);
   ctx_.gemm->forward(out, in, expand_w1(), p_.bias.w, N, int(in_), int(out_), ctx_.stream, act, pre_act);

@@ -144,7 +144,8 @@ void cusparselt24_compress_e4m3_host(const uint8_t* w, int64_t m, int64_t k, uin
 // dst_n = the layout of W1's codes and dst_t = that of W2ᵀ's [cols, rows], 2:4 along rows,
 // and *inv_n, *inv_t the inverse scales (as fp8_cast writes them). The same bytes as
 // casting the expanded W1 and W2ᵀ with fp8_cast and compressing them through cuSPARSELt.
-// rows, cols multiples of 64 (else Error). Asynchronous on `stream`.
+// rows, cols multiples of 64 (else Error); values 4-byte aligned, dst_n, dst_t 2-byte
+// aligned. Asynchronous on `stream`.
 void cusparselt24_compress_kept_e4m3(const bf16* values, const uint16_t* forward_tiles,
                                      const uint16_t* backward_tiles, int64_t rows, int64_t cols, float* amax_n,
                                      float* amax_t, float* inv_n, float* inv_t, void* dst_n, void* dst_t,
@@ -161,7 +162,8 @@ void cusparselt24_compress_e4m3(const bf16* w, int64_t rows, int64_t cols, const
 // as A, the compressed size equal to cusparselt24_e4m3_layout_bytes, and random codes of the
 // structured operand's shape (groups of two, one and no non-zeros) compressed by the library
 // and by cusparselt24_compress_e4m3_host giving identical bytes. Decided once per shape and
-// process, as cusparselt24_layout_matches (ESPLAG_CUSPARSELT_OWN_LAYOUT=0 turns both off).
+// process (thread-safe; synchronises the device the first time), as
+// cusparselt24_layout_matches (ESPLAG_CUSPARSELT_OWN_LAYOUT=0 turns both off).
 bool cusparselt24_e4m3_layout_matches(const SparseGemm24& g);
 
 // Whether this layout is the one the loaded cuSPARSELt produces for g's structured operand:
