@@ -58,8 +58,9 @@ class Fp8SparseProducts {
   // Whether they could (the shapes fit and cuSPARSELt is there).
   bool can_be_sparse() const { return fwd_ != nullptr; }
   // The dense fp8 products at every size (or the 2:4 ones where they can be): the per-layer
-  // dispatch's choice (DeviceSlopeLinear::attach, DeviceSemiSparseFp8Linear's constructor). At once: a switch to the 2:4 products
-  // needs a prepare() before the next product, which makes the compressed copies.
+  // dispatch's choice (DeviceSlopeLinear::attach, DeviceSemiSparseFp8Linear's constructor).
+  // At once: a switch to the 2:4 products needs a prepare() before the next product, which
+  // makes the compressed copies.
   void set_dense(bool dense) { dense_ = dense; }
   // The scales and (sparse()) the compressed e4m3 copies from the current pruned weights:
   // wf [out, in], wbt = Wbᵀ [in, out] (slope's W2ᵀ). Call after every weight change; the
