@@ -129,12 +129,12 @@ void Fp8SparseProducts::prepare(const bf16* wf, const bf16* wbt) {
 
 bool Fp8SparseProducts::own_layout() {
   if (own_layout_ < 0)
-    own_layout_ = gpu::cusparselt24_e4m3_layout_matches(*fwd_) && gpu::cusparselt24_e4m3_layout_matches(*bwd_);
+    own_layout_ = gpu::cusparselt24_layout_matches(*fwd_) && gpu::cusparselt24_layout_matches(*bwd_);
   return own_layout_ == 1;
 }
 
-bool Fp8SparseProducts::prepare_transposable(const bf16* ws) {
-  if (!sparse() || !own_layout()) return false;
+void Fp8SparseProducts::prepare_transposable(const bf16* ws) {
+  ESPLAG_CHECK(writes_own_layout(), name_, ": prepare_transposable without our e4m3 writer (writes_own_layout)");
   cudaStream_t s = ctx_.stream;
   ctx_.marks->mark(s, "fp8 compress");
   gpu::fp8_amax(amax(weight_fwd), ws, out_ * in_, s);
@@ -142,7 +142,6 @@ bool Fp8SparseProducts::prepare_transposable(const bf16* ws) {
   // The same scale for Wsᵀ (the dense dX product casts with weight_bwd's amax).
   CUDA_CHECK(cudaMemcpyAsync(amax(weight_bwd), amax(weight_fwd), sizeof(float), cudaMemcpyDeviceToDevice, s));
   CUDA_CHECK(cudaMemcpyAsync(inv(weight_bwd), inv(weight_fwd), sizeof(float), cudaMemcpyDeviceToDevice, s));
-  return true;
 }
 
 DeviceLinearContext::ProductTimes Fp8SparseProducts::time_ways(const std::function<void()>& prepare,
@@ -169,7 +168,7 @@ DeviceLinearContext::ProductTimes Fp8SparseProducts::time_ways(const std::functi
 
 bool Fp8SparseProducts::prepare_kept(const bf16* values, const uint16_t* forward_tiles,
                                      const uint16_t* backward_tiles) {
-  if (!sparse() || !own_layout()) return false;
+  if (!writes_own_layout()) return false;
   ctx_.marks->mark(ctx_.stream, "fp8 compress");
   gpu::cusparselt24_compress_kept_e4m3(values, forward_tiles, backward_tiles, out_, in_, amax(weight_fwd),
                                        amax(weight_bwd), inv(weight_fwd), inv(weight_bwd), comp_fwd_, comp_bwd_,

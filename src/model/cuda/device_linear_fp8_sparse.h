@@ -72,13 +72,13 @@ class Fp8SparseProducts {
   // nothing, where that does not apply (the dense products, or a layout the loaded library
   // does not share): then prepare() is the way.
   bool prepare_kept(const bf16* values, const uint16_t* forward_tiles, const uint16_t* backward_tiles);
+  // Whether prepare_kept and prepare_transposable apply: the 2:4 products run and our writer
+  // serves both copies.
+  bool writes_own_layout() { return sparse() && own_layout(); }
   // The same from a weight ws [out, in] that is 2:4 along both dimensions (semi_sparse's
   // transposable prune): Wf = ws, Wbᵀ = wsᵀ, one amax and scale for both
-  // (cusparselt24_compress_e4m3).
-  bool prepare_transposable(const bf16* ws);
-  // Whether prepare_transposable (and prepare_kept) would take the weight: the 2:4 products
-  // run and our writer serves both copies.
-  bool takes_transposable() { return sparse() && own_layout(); }
+  // (cusparselt24_compress_e4m3). Only where writes_own_layout() (else Error).
+  void prepare_transposable(const bf16* ws);
   // Both ways of the per-step fp8 work, timed (median of 10 after two untimed rounds that tune
   // the 2:4 products) on scratch inputs with the layer's `prepare` (which must call one of the
   // prepares above) and the pruned weights wf, wbt of the dense products: the 2:4 way

@@ -60,7 +60,7 @@ const bf16* DeviceSemiSparseFp8Linear::pruned(bool transposed) {
 
 void DeviceSemiSparseFp8Linear::prepare(bool) {
   ctx_.marks->mark(ctx_.stream, "sparse prepare (2:4 prune)");
-  if (fp8_->takes_transposable() && fp8_->prepare_transposable(pruned(false))) return;
+  if (fp8_->writes_own_layout()) return fp8_->prepare_transposable(pruned(false));
   Scratch& sc = scratch();
   gpu::transposable_24(p_.weight.w, out_, in_, gpu::Sparse24Out{sc.ws}, gpu::Sparse24Out{sc.wst}, nullptr,
                        ctx_.stream);

@@ -429,15 +429,15 @@ bool check_problem(const SparseGemm24& g) {
 
 bool cusparselt24_layout_matches(const SparseGemm24& g) {
   static std::mutex mu;
-  static std::map<std::tuple<int, int64_t, int64_t, int>, bool> decided;
+  static std::map<std::tuple<int, int, int64_t, int64_t, int>, bool> decided;
   const SparseGemm24Problem& p = g.problem();
-  // The writer produces 16-bit values only.
-  if (!cusparselt_available() || p.dtype != SparseDtype::bf16) return false;
-  const auto key = std::make_tuple(int(p.product), p.structured_rows(), p.structured_cols(), int(p.weight_operand));
+  if (!cusparselt_available()) return false;
+  const auto key = std::make_tuple(int(p.dtype), int(p.product), p.structured_rows(), p.structured_cols(),
+                                   int(p.weight_operand));
   std::lock_guard<std::mutex> lock(mu);
   const auto it = decided.find(key);
   if (it != decided.end()) return it->second;
-  const bool ok = check_problem(g);
+  const bool ok = p.dtype == SparseDtype::e4m3 ? cusparselt24_e4m3_layout_agrees(g) : check_problem(g);
   decided[key] = ok;
   return ok;
 }

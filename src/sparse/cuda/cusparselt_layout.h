@@ -118,7 +118,7 @@ void cusparselt24_compress_mvue_t(const bf16* g, int64_t rows, int64_t cols, con
 // ---------------------------------------------------------------------------------------
 // 8-bit (e4m3) operands: another layout (sparse/cuda/cusparselt_layout_e4m3.cu), learned from
 // cuSPARSELt 0.8.0's compression of probe matrices on an H100 and, like the 16-bit one,
-// used only where cusparselt24_e4m3_layout_matches() finds it byte for byte. For op(W) =
+// used only where cusparselt24_layout_matches() finds it byte for byte. For op(W) =
 // M×K, op N (the forward form, the only one fp8 training runs), M and K multiples of 64:
 //   bytes [0, M·K/2)          the kept codes, row-major [M, K/2]: per group of 4 along K the
 //                             two kept codes in ascending position.
@@ -158,22 +158,21 @@ void cusparselt24_compress_kept_e4m3(const bf16* values, const uint16_t* forward
 void cusparselt24_compress_e4m3(const bf16* w, int64_t rows, int64_t cols, const float* amax, float* inv,
                                 void* dst_n, void* dst_t, cudaStream_t stream);
 
-// Whether the e4m3 layout is the loaded cuSPARSELt's for g: an e4m3 forward problem with W
-// as A, the compressed size equal to cusparselt24_e4m3_layout_bytes, and random codes of the
-// structured operand's shape (groups of two, one and no non-zeros) compressed by the library
-// and by cusparselt24_compress_e4m3_host giving identical bytes. Decided once per shape and
-// process (thread-safe; synchronises the device the first time), as
-// cusparselt24_layout_matches (ESPLAG_CUSPARSELT_OWN_LAYOUT=0 turns both off).
-bool cusparselt24_e4m3_layout_matches(const SparseGemm24& g);
-
-// Whether this layout is the one the loaded cuSPARSELt produces for g's structured operand:
-// operand A (the forward's op N, backward_data's op T of W; weight_grad's op N of S
-// [out, tokens], the forward form with M = out, K = tokens; activation_forward's op N of
-// Xs [tokens, in], M = tokens, K = in), the compressed size equal to
-// cusparselt24_layout_bytes, and a random 2:4 (along both dimensions) matrix of the
-// operand's shape compressed both ways giving identical bytes. Decided once per (product,
-// structured operand's shape) and process (thread-safe); synchronises the device the first
-// time. False when cuSPARSELt is not available and for e4m3 problems (16-bit values only).
+// Whether our layout of g's dtype is the one the loaded cuSPARSELt produces for g's
+// structured operand. Decided once per (dtype, product, operand, structured shape) and
+// process (thread-safe); synchronises the device the first time; false when cuSPARSELt is
+// not available, and for every problem with ESPLAG_CUSPARSELT_OWN_LAYOUT=0.
+//   bf16: operand A (the forward's op N, backward_data's op T of W; weight_grad's op N of S
+//     [out, tokens], the forward form with M = out, K = tokens; activation_forward's op N of
+//     Xs [tokens, in], M = tokens, K = in), the compressed size equal to
+//     cusparselt24_layout_bytes, and a random 2:4 (along both dimensions) matrix of the
+//     operand's shape compressed both ways giving identical bytes.
+//   e4m3: a forward problem with W as A, the compressed size equal to
+//     cusparselt24_e4m3_layout_bytes, and random codes of the structured operand's shape
+//     (groups of two, one and no non-zeros, zeros of both signs) compressed by the library
+//     and by cusparselt24_compress_e4m3_host giving identical bytes
+//     (cusparselt24_e4m3_layout_agrees, the uncached check).
 bool cusparselt24_layout_matches(const SparseGemm24& g);
+bool cusparselt24_e4m3_layout_agrees(const SparseGemm24& g);
 
 }  // namespace esplag::gpu

@@ -4,9 +4,6 @@
 // compresses both weight copies itself instead of casting them and running
 // cusparseLtSpMMACompress twice.
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <tuple>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -273,19 +270,8 @@ void cusparselt24_compress_e4m3(const bf16* w, int64_t rows, int64_t cols, const
   CUDA_CHECK_LAUNCH("compress_e4m3_kernel (dense)");
 }
 
-bool cusparselt24_e4m3_layout_matches(const SparseGemm24& g) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, int, int64_t, int64_t>, bool> decided;
-  const SparseGemm24Problem& p = g.problem();
-  if (!cusparselt_available() || p.dtype != SparseDtype::e4m3) return false;
-  const auto key =
-      std::make_tuple(int(p.product), int(p.weight_operand), p.structured_rows(), p.structured_cols());
-  std::lock_guard<std::mutex> lock(mu);
-  const auto it = decided.find(key);
-  if (it != decided.end()) return it->second;
-  const bool ok = check_problem(g);
-  decided[key] = ok;
-  return ok;
+bool cusparselt24_e4m3_layout_agrees(const SparseGemm24& g) {
+  return g.problem().dtype == SparseDtype::e4m3 && check_problem(g);
 }
 
 }  // namespace esplag::gpu
