@@ -208,12 +208,7 @@ __global__ void __launch_bounds__(kLayoutThreads)
     nonzero_n = nonzero_bits(tile_n);
     nonzero_t = nonzero_n & bwd;
   } else {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const uint2 v = *reinterpret_cast<const uint2*>(w + (gr + r) * cols + gc);
-      tile_n.lo[r] = v.x;
-      tile_n.hi[r] = v.y;
-    }
+    tile_n = dense_tile(w, cols, gr, gc);
     nonzero_n = nonzero_bits(tile_n);
     if constexpr (From == Source::dense_pruned || From == Source::dense_rows) {
       const uint32_t keep = From == Source::dense_pruned ? greedy_mask(tile_n) : rows_top2_mask(tile_n);

@@ -142,13 +142,7 @@ __global__ void __launch_bounds__(kThreads)
     n = kept_tile(w, cols, gr, gc, fwd_tiles[at]);
     t = prune_tile(n, bwd_tiles[at]);
   } else {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const uint2 v = *reinterpret_cast<const uint2*>(w + (gr + r) * cols + gc);
-      n.lo[r] = v.x;
-      n.hi[r] = v.y;
-    }
-    t = n;
+    n = t = dense_tile(w, cols, gr, gc);
   }
   if (dst_n) write_rows(dst_n, rows, cols, gr, gc / 4, n, sn, 1);  // group gc / 4: neighbour lane tc ^ 1
   if (dst_t)  // Wᵀ's rows gc..gc + 3, group gr / 4: the lane of tr ^ 1, 16 lanes away

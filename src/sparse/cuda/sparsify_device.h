@@ -287,6 +287,19 @@ ESPLAG_SPARSIFY_HD PackedTile prune_tile(const PackedTile& t, uint32_t keep) {
   return p;
 }
 
+// The 4×4 tile at (gr, gc) of a dense row-major W [rows, cols] (bf16 bits, 8-byte aligned
+// rows of the tile).
+ESPLAG_SPARSIFY_HD PackedTile dense_tile(const uint16_t* w, int64_t cols, int64_t gr, int64_t gc) {
+  PackedTile t;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const uint2 v = *reinterpret_cast<const uint2*>(w + (gr + r) * cols + gc);
+    t.lo[r] = v.x;
+    t.hi[r] = v.y;
+  }
+  return t;
+}
+
 // The 4×4 tile of a row-wise 2:4 weight W1 [rows, cols] at (gr, gc) from its kept values
 // [rows, cols/2] (bf16 bits, kept_values.h's order: per group of 4 its two kept values in
 // ascending position) and the tile's forward mask bits (bit 4r + c = element (r, c) kept).
