@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # fp8 training on the GPU (train.precision fp8: the block Linear layers' GEMMs on fp8
 # operands, docs/fp8.md) against bf16, in one session: llama-1b 4 x 2048
-# (configs/gpu/llama-1b.yaml) dense, slope (configs/gpu/llama-1b-slope.yaml) and semi_sparse
-# (configs/gpu/llama-1b-semi-sparse.yaml), and gpt2-124m 16 x 1024 dense, each trained a few
+# (configs/gpu/llama-1b.yaml) dense, slope (configs/gpu/llama-1b-slope.yaml), semi_sparse
+# (configs/gpu/llama-1b-semi-sparse.yaml) and VENOM (configs/gpu/llama-1b-venom.yaml: masked,
+# then vnm from 70% of the steps), and gpt2-124m 16 x 1024 dense, each trained a few
 # steps in bf16 and in fp8 (the 2:4 kinds with train.fp8_grad e4m3: their fp8 input-gradient
 # products take e4m3 only). Prints the steady tokens/s of each run, the speed-up over the
 # same model's bf16 dense run, and the device memory the first log line reports.
 #
 #   bench/fp8-gpu.sh [build dir]     (default build/cuda; MODELS, default "llama-1b gpt2-124m", chooses the
-#                                    models; LOGS, a folder, keeps the runs' logs there)
+#                                    models; KINDS, default "slope semi_sparse venom", llama-1b's sparse
+#                                    runs besides dense; LOGS, a folder, keeps the runs' logs there)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 esplag=${1:-build/cuda}/esplag
@@ -44,12 +46,16 @@ for model in ${MODELS:-llama-1b gpt2-124m}; do
   row "$model" dense bf16 "$bf16" "${bf16%%,*}"
   row "$model" dense fp8 "$fp8" "${bf16%%,*}"
   [ "$model" = llama-1b ] || continue
-  slope_bf16=$(rate "$model-slope-bf16" configs/gpu/llama-1b-slope.yaml)
-  slope_fp8=$(rate "$model-slope-fp8" configs/gpu/llama-1b-slope.yaml --set train.precision=fp8 --set train.fp8_grad=e4m3)
-  row "$model" slope bf16 "$slope_bf16" "${bf16%%,*}"
-  row "$model" slope fp8 "$slope_fp8" "${bf16%%,*}"
-  semi_bf16=$(rate "$model-semi-bf16" configs/gpu/llama-1b-semi-sparse.yaml)
-  semi_fp8=$(rate "$model-semi-fp8" configs/gpu/llama-1b-semi-sparse.yaml --set train.precision=fp8 --set train.fp8_grad=e4m3)
-  row "$model" semi_sparse bf16 "$semi_bf16" "${bf16%%,*}"
-  row "$model" semi_sparse fp8 "$semi_fp8" "${bf16%%,*}"
+  for kind in ${KINDS:-slope semi_sparse venom}; do
+    case $kind in
+      slope) config=configs/gpu/llama-1b-slope.yaml ;;
+      semi_sparse) config=configs/gpu/llama-1b-semi-sparse.yaml ;;
+      venom) config=configs/gpu/llama-1b-venom.yaml ;;  # the last steps are in its vnm phase
+      *) echo "fp8-gpu: unknown kind $kind in KINDS" >&2; exit 2 ;;
+    esac
+    sparse_bf16=$(rate "$model-$kind-bf16" "$config")
+    sparse_fp8=$(rate "$model-$kind-fp8" "$config" --set train.precision=fp8 --set train.fp8_grad=e4m3)
+    row "$model" "$kind" bf16 "$sparse_bf16" "${bf16%%,*}"
+    row "$model" "$kind" fp8 "$sparse_fp8" "${bf16%%,*}"
+  done
 done

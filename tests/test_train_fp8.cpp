@@ -45,8 +45,9 @@ TEST(TrainPrecision, UnknownValuesAreKeyErrors) {
   EXPECT_NE(grad.find("train.fp8_grad"), std::string::npos) << grad;
 }
 
-// The GPU trains fp8 for dense, slope and semi_sparse layers (the 2:4 kinds with e4m3
-// gradients only); with another sparse kind, or sparse_dw, it refuses, and auto stays on the CPU.
+// The GPU trains fp8 for dense, masked, vnm, slope and semi_sparse layers (the 2:4 kinds with
+// e4m3 gradients only); with another sparse kind, or sparse_dw, it refuses, and auto stays on
+// the CPU.
 TEST(TrainPrecision, GpuTrainingRefusesFp8WithOtherSparseKindsAndAutoStaysOnTheCpu) {
   TrainConfig c;
   EXPECT_EQ(gpu_training_blocker(c), "");
@@ -71,17 +72,23 @@ TEST(TrainPrecision, GpuTrainingRefusesFp8WithOtherSparseKindsAndAutoStaysOnTheC
   const std::string semi = gpu_training_blocker(c);
   EXPECT_EQ(semi.find("sparse Linear kinds"), std::string::npos) << semi;
   EXPECT_NE(semi.find("train.precision is fp8 with sparse_dw"), std::string::npos) << semi;
-  c.recipe_yaml = "- gradual_magnitude: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], mask_type: '2:4', "
-                  "start: 0, end: 4, update_every: 1}\n";
+  c.recipe_yaml = "- gradual_magnitude: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], mask_type: '64:2:8', "
+                  "start: 0, end: 4, update_every: 1}\n"
+                  "- kernel_replacement: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight'], start: 5}\n";
+  c.fp8_grad = "e5m2";
+  EXPECT_EQ(gpu_training_blocker(c), "") << "fp8 masked and vnm layers (the dense products) train on the GPU";
+  c.fp8_grad = "e4m3";
+  c.recipe_yaml = "- semi_sparse_activation: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight']}\n";
   const std::string why = gpu_training_blocker(c);
-  EXPECT_NE(why.find("train.precision is fp8 with sparse Linear kinds (masked)"), std::string::npos) << why;
+  EXPECT_NE(why.find("train.precision is fp8 with sparse Linear kinds (semi_sparse_activation)"), std::string::npos)
+      << why;
   const DeviceProbe gpu{true, 1, ""};
   const DeviceChoice choice = choose_train_device("auto", gpu, why);
   EXPECT_EQ(choice.device, "cpu");
   EXPECT_NE(choice.note.find("train.precision is fp8"), std::string::npos) << choice.note;
   try {
     choose_train_device("cuda", gpu, why);
-    FAIL() << "train.device=cuda with fp8 and a masked layer must be refused";
+    FAIL() << "train.device=cuda with fp8 and a semi_sparse_activation layer must be refused";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("train.precision is fp8"), std::string::npos) << e.what();
   }

@@ -301,8 +301,9 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
   if (!parts.empty())
     add("the run needs sparse Linear kinds that the GPU does not train yet (" + join(parts, "; ") + ")");
 
-  // fp8 on the GPU: the dense products, and slope's and semi_sparse's 2:4 ones, whose
-  // input-gradient products take e4m3 gradients only (model/cuda/device_linear_fp8_sparse.h).
+  // fp8 on the GPU: the dense products (masked and vnm layers multiply their masked weight
+  // with them), and slope's and semi_sparse's 2:4 ones, whose input-gradient products take
+  // e4m3 gradients only (model/cuda/device_linear_fp8_sparse.h).
   if (config.precision == "fp8") {
     std::set<std::string> kinds;
     bool sparse_dw = false;
@@ -315,12 +316,12 @@ std::string gpu_training_blocker(const TrainConfig& config, Transformer<float>* 
     std::vector<std::string> others, two_four;
     for (const auto& k : kinds) {
       if (k == "slope" || k == "semi_sparse") two_four.push_back(k);
-      if (k != "dense" && k != "slope" && k != "semi_sparse") others.push_back(k);
+      if (k != "dense" && k != "masked" && k != "vnm" && k != "slope" && k != "semi_sparse") others.push_back(k);
     }
     if (!others.empty())
       add("train.precision is fp8 with sparse Linear kinds (" + join(others, ", ") +
           ") whose fp8 products only the CPU's emulation trains so far (the GPU's fp8 products are the dense ones, "
-          "slope's and semi_sparse's; docs/fp8.md)");
+          "masked's and vnm's, slope's and semi_sparse's; docs/fp8.md)");
     if (!two_four.empty() && config.fp8_grad != "e4m3")
       add("train.precision is fp8 with " + join(two_four, " and ") + " layers and train.fp8_grad is " +
           config.fp8_grad +
