@@ -20,6 +20,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -1059,6 +1060,79 @@ TEST_F(GpuModelSparse, MaskedMatchesCpuAndKeepsPrunedWeightsAtZero) {
   EXPECT_THROW(fresh.set_linear_kinds({no_mask}), esplag::Error) << "a layer becoming masked needs its mask";
 }
 
+// masked and vnm layers whose masks keep at most 2 of every aligned 4 in a row run their
+// forward on cuSPARSELt's 2:4 product of the masked weight (model/cuda/rows_24_forward.h):
+// LLaMA-style with 2:4 masked attention and VENOM's 64:2:8 on the MLP as vnm (mlp.proj's
+// 352 inputs take cusparseLtSpMMACompress, not our writer), GPT-style masked 2:4 everywhere
+// (a bias in the 2:4 epilogue, the GELU as a pass). The profiler sees the forward in
+// sparse_gemm and dX in dense_gemm; one micro-batch gives the CPU's gradients (the CPU's
+// layers masked with the same masks), 8 steps follow its curve, and the per-layer dispatch
+// records its choice under the layer's kind.
+TEST_F(GpuModelSparse, RowTwoFourMasksRunTheForwardOn24) {
+  struct Case {
+    ModelConfig config;
+    esplag::SparsityPattern mlp;
+    std::string mlp_kind;
+  };
+  for (const Case& k : {Case{sparse_llama_config(), esplag::SparsityPattern::vnm(64, 2, 8), "vnm"},
+                        Case{gpt_config(), esplag::SparsityPattern::nm(2, 4), "masked"}}) {
+    SCOPED_TRACE(k.config.preset);
+    const int B = 2, T = 64;
+    Transformer<float> cm(k.config);
+    cm.init_weights(7);
+    std::vector<GpuTransformer::LinearKindSetting> settings;
+    for (const auto& name : cm.linear_names()) {
+      const bool attn = name.find(".attn.") != std::string::npos;
+      esplag::LayerPlan plan;
+      plan.kind = "masked";
+      plan.pattern = attn ? esplag::SparsityPattern::nm(2, 4) : k.mlp;
+      plan.sparsity = 1.0 - plan.pattern.density();
+      esplag::apply_layer_plan(cm, name, plan, 3);
+      GpuTransformer::LinearKindSetting st(name, {.kind = attn ? "masked" : k.mlp_kind});
+      st.mask = &dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name)).mask();
+      settings.push_back(st);
+    }
+    GpuTransformer gm(k.config, B, T, always_sparse());
+    gm.set_params(cm.params(), cm.num_params());
+    gm.set_linear_kinds(settings);
+
+    std::vector<int32_t> x(B * T), y(B * T);
+    random_tokens(x, k.config.vocab_size, 51);
+    random_tokens(y, k.config.vocab_size, 52);
+    esplag::Profiler profiler(esplag::make_cuda_op_recorder());
+    profiler.start();
+    gm.zero_grad();
+    gm.forward_backward(x.data(), y.data(), B, T, 1.0);
+    gm.synchronize();
+    const std::vector<esplag::OpRecord> ops = profiler.stop();
+    auto category_of = [&](const std::string& name) {
+      for (const auto& r : ops)
+        if (r.name == name) return std::string(esplag::op_category_name(r.category));
+      return std::string("missing");
+    };
+    for (const char* layer : {"blocks.0.mlp.fc", "blocks.1.attn.proj"}) {
+      EXPECT_EQ(category_of(std::string(layer) + ".fwd"), "sparse_gemm") << layer;
+      EXPECT_EQ(category_of(std::string(layer) + ".bwd.dx"), "dense_gemm") << layer;
+    }
+
+    const auto g = micro_batch_on_both(cm, gm, B, T, "2:4 forward");
+    for (const auto& info : cm.param_infos())
+      EXPECT_LT(rel_l2(g.data() + info.offset, cm.grads() + info.offset, info.numel), 3e-2) << info.name;
+    esplag::GpuAdamW hyper;
+    hyper.lr = 3e-3;
+    std::map<std::string, std::vector<float>> m, v;
+    expect_curves_agree(
+        cm, gm, B, T, 8, 90, hyper, [&](int s) { cpu_trainer_adamw(cm, m, v, hyper, s + 1); }, 0.97);
+
+    GpuTransformer dispatched(k.config, B, T);
+    dispatched.set_params(cm.params(), cm.num_params());
+    dispatched.set_linear_kinds(settings);
+    std::set<std::string> timed;
+    for (const auto& d : dispatched.sparse_dispatch()) timed.insert(d.kind);
+    EXPECT_EQ(timed, (std::set<std::string>{"masked", k.mlp_kind})) << dispatched.sparse_dispatch_summary();
+  }
+}
+
 // --- activation checkpointing ----------------------------------------------------------------
 
 // Three steps on two models of the same weights and Linear kinds (`kind`: each block Linear's
@@ -1142,13 +1216,15 @@ TEST_F(GpuModelSparse, CheckpointingGivesTheSameBitsForEveryKind) {
   using Setting = GpuTransformer::LinearKindSetting;
   ModelConfig gpt = gpt_config(), llama = sparse_llama_config();
   gpt.n_layer = llama.n_layer = 3;
-  std::map<std::string, std::vector<uint8_t>> masks;  // masked, vnm: 4 of every 5 kept
-  auto with_mask = [&](const std::string& kind) {
-    return [&masks, kind](const std::string& w, int64_t out, int64_t in) {
+  // masked, vnm: 4 of every 5 kept, or (rows_24) 2 of every 4, which runs the 2:4 forward
+  std::map<std::string, std::vector<uint8_t>> masks;
+  auto with_mask = [&](const std::string& kind, bool rows_24 = false) {
+    return [&masks, kind, rows_24](const std::string& w, int64_t out, int64_t in) {
       auto& m = masks[w];
       m.resize(size_t(out * in));
       for (int64_t o = 0; o < out; ++o)
-        for (int64_t i = 0; i < in; ++i) m[size_t(o * in + i)] = (o + 3 * i) % 5 != 0;
+        for (int64_t i = 0; i < in; ++i)
+          m[size_t(o * in + i)] = rows_24 ? (o + i) % 4 < 2 : (o + 3 * i) % 5 != 0;
       Setting st(w, {.kind = kind});
       st.mask = &m;
       return st;
@@ -1187,6 +1263,7 @@ TEST_F(GpuModelSparse, CheckpointingGivesTheSameBitsForEveryKind) {
            }},
           {"masked", llama, with_mask("masked")},
           {"vnm", gpt, with_mask("vnm")},
+          {"masked, 2:4 forward", gpt, with_mask("masked", true)},
       };
   for (const auto& [kind, c, setting] : kinds)
     for (CheckpointMode mode : {CheckpointMode::full, CheckpointMode::selective})

@@ -554,11 +554,12 @@ class GpuTransformer {
   // With a GELU MLP, the 2:4 path runs the GELU of mlp.fc's output (forward) and its
   // gradient before mlp.proj's dX (backward) as separate passes where cuBLASLt fuses them
   // into the dense products' epilogues: that pass is timed too and counted against the
-  // 2:4 products of those layers (`gelu_pass`; semi_sparse_activation's mlp.fc only, its
-  // dX being the dense product). semi_sparse_activation times its forward only (its
-  // backward is the same either way).
+  // 2:4 products of those layers (`gelu_pass`; semi_sparse_activation's, masked's and vnm's
+  // mlp.fc only, their dX being the dense product). semi_sparse_activation, masked and vnm
+  // time their forward only (their backward is the same either way).
   struct SparseDispatch {
-    std::string kind;  // semi_sparse, semi_sparse_activation, slope or "slope fp8" (train.precision fp8)
+    std::string kind;  // semi_sparse, semi_sparse_activation, slope, "slope fp8" / "semi_sparse fp8"
+                       // (train.precision fp8), or masked and vnm with 2:4 masks (their forward)
     int64_t out = 0, in = 0, tokens = 0;
     bool gelu_pass = false;              // the layer's 2:4 path adds a GELU pass
     double sparse_ms = 0, dense_ms = 0;  // prepare + forward + input gradient (+ that pass), median

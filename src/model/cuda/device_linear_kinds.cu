@@ -29,6 +29,7 @@ std::vector<DeviceLinearKind> make_kinds() {
   DeviceLinearKind& masked = kinds[1];
   masked.name = "masked";
   masked.takes_mask = true;
+  masked.dispatch_times = "prepare + forward";  // 2:4 masks: the forward alone (Rows24Forward)
   masked.make = maker<DeviceMaskedLinear>();
   masked.setting_from_twin = DeviceMaskedLinear::setting_from_twin;
 
@@ -36,6 +37,7 @@ std::vector<DeviceLinearKind> make_kinds() {
   vnm.name = "vnm";
   vnm.takes_mask = true;
   vnm.trains_own_tensor = true;
+  vnm.dispatch_times = masked.dispatch_times;
   vnm.make = maker<DeviceVnmLinear>();
   vnm.setting_from_twin = DeviceVnmLinear::setting_from_twin;
 

@@ -3,9 +3,12 @@
 #include <algorithm>
 
 #include "core/cuda_check.h"
+#include "core/cuda_timing.h"
 #include "core/parallel.h"
 #include "model/cuda/step_marks.h"
+#include "model/cuda/timing_operands.h"
 #include "model/linear_masked.h"
+#include "ops/gpu.h"
 
 namespace esplag {
 
@@ -42,7 +45,7 @@ void apply_mask(T* x, const uint32_t* mask, int64_t out, int64_t in, cudaStream_
 }  // namespace
 
 DeviceMaskedLinear::DeviceMaskedLinear(const DeviceLinearSetup& s, const std::string& kind)
-    : DeviceDenseLinear(s, kind) {
+    : DeviceDenseLinear(s, kind), bias_(s.bias) {
   const int64_t words = (in_ + 31) / 32;
   std::vector<uint32_t> bits(size_t(out_ * words), 0u);
   const std::vector<uint8_t>& mask = *s.setting->mask;
@@ -55,6 +58,70 @@ DeviceMaskedLinear::DeviceMaskedLinear(const DeviceLinearSetup& s, const std::st
   uint32_t* dev = bits_.allocate_array<uint32_t>("bits", bits.size());
   CUDA_CHECK(cudaMemcpy(dev, bits.data(), sizeof(uint32_t) * bits.size(), cudaMemcpyHostToDevice));
   mask_ = dev;
+  rows_24_ = !ctx_.precision.fp8 && Rows24Forward::mask_is_rows_24(mask, out_, in_) &&
+             Rows24Forward::applies(out_, in_, ctx_.tokens);
+}
+
+size_t DeviceMaskedLinear::device_bytes() const {
+  return bits_.capacity() + DeviceDenseLinear::device_bytes() + (fwd24_ ? fwd24_->device_bytes() : 0);
+}
+
+void DeviceMaskedLinear::attach() {
+  after_optimizer_step();
+  if (!rows_24_) return;
+  fwd24_ = std::make_unique<Rows24Forward>(weight_name_, out_, in_, ctx_.tokens, bias_);
+  if (ctx_.sparse_dispatch && !ctx_.sparse_is_faster(kind_, weight_name_, out_, in_,
+                                                      DeviceLinearContext::GeluPasses::fc,
+                                                      [&] { return time_forward(); }))
+    fwd24_.reset();
+  else
+    prepare_24();
+}
+
+DeviceLinearContext::ProductTimes DeviceMaskedLinear::time_forward() {
+  cudaStream_t s = ctx_.stream;
+  const int N = static_cast<int>(ctx_.tokens);
+  const TimingOperands o(N, in_, out_, s);
+  const StepMarks::Pause unmarked(*ctx_.marks);
+  DeviceLinearContext::ProductTimes t;
+  t.sparse_ms = median_event_ms(
+      [&](int) {
+        fwd24_->prepare(p_.weight.w, s);
+        fwd24_->forward(o.y, o.x, p_.bias.w, s);
+      },
+      2, 10, s);
+  t.dense_ms = median_event_ms(
+      [&](int) { ctx_.gemm->forward(o.y, o.x, p_.weight.w, p_.bias.w, N, int(in_), int(out_), s); }, 2, 10, s);
+  return t;
+}
+
+void DeviceMaskedLinear::bind(const DeviceLinearParams& p) {
+  DeviceDenseLinear::bind(p);
+  w24_current_ = false;  // another weight: compressed at the next prepare or forward
+}
+
+void DeviceMaskedLinear::prepare_24() {
+  fwd24_->prepare(p_.weight.w, ctx_.stream);
+  w24_current_ = true;
+}
+
+void DeviceMaskedLinear::prepare(bool refresh) {
+  DeviceDenseLinear::prepare(refresh);
+  if (fwd24_) prepare_24();
+}
+
+void DeviceMaskedLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) {
+  if (!fwd24_ || N != ctx_.tokens) return DeviceDenseLinear::forward(out, in, N, act, pre_act, op);
+  cudaStream_t s = ctx_.stream;
+  if (!w24_current_) prepare_24();
+  const bool gelu = act == Act::gelu;
+  bf16* y = gelu && pre_act ? pre_act : out;
+  ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
+  fwd24_->forward(y, in, p_.bias.w, s);
+  if (gelu) {
+    ctx_.marks->mark(s, "gelu fwd");
+    gpu::gelu_forward(out, y, int64_t(N) * out_, s);
+  }
 }
 
 void DeviceMaskedLinear::after_optimizer_step() {
