@@ -1124,6 +1124,21 @@ TEST_F(GpuModelSparse, RowTwoFourMasksRunTheForwardOn24) {
     expect_curves_agree(
         cm, gm, B, T, 8, 90, hyper, [&](int s) { cpu_trainer_adamw(cm, m, v, hyper, s + 1); }, 0.97);
 
+    // Weights set with non-zero pruned entries are zeroed before the 2:4 copy is made: the
+    // CPU's gradients again (its weights are zero there).
+    std::vector<float> noisy(cm.params(), cm.params() + cm.num_params());
+    for (const auto& name : cm.linear_names()) {
+      const auto& mask = dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name)).mask();
+      const auto& info = *std::find_if(cm.param_infos().begin(), cm.param_infos().end(),
+                                       [&](const auto& i) { return i.name == name; });
+      for (size_t i = 0; i < info.numel; ++i)
+        if (!mask[i]) noisy[info.offset + i] = 0.05f;
+    }
+    gm.set_params(noisy.data(), noisy.size());
+    const auto after = micro_batch_on_both(cm, gm, B, T, "2:4 forward after set_params");
+    for (const auto& info : cm.param_infos())
+      EXPECT_LT(rel_l2(after.data() + info.offset, cm.grads() + info.offset, info.numel), 3e-2) << info.name;
+
     GpuTransformer dispatched(k.config, B, T);
     dispatched.set_params(cm.params(), cm.num_params());
     dispatched.set_linear_kinds(settings);

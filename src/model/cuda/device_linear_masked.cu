@@ -101,7 +101,11 @@ void DeviceMaskedLinear::bind(const DeviceLinearParams& p) {
 }
 
 void DeviceMaskedLinear::prepare_24() {
+  // Weights that came otherwise than through a step (set_params, init_weights) may be
+  // non-zero where pruned, and the 2:4 copy must not see them.
+  if (!pruned_zero_) after_optimizer_step();
   fwd24_->prepare(p_.weight.w, ctx_.stream);
+  pruned_zero_ = false;  // until the next step's after_optimizer_step
   w24_current_ = true;
 }
 
@@ -127,6 +131,7 @@ void DeviceMaskedLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16
 void DeviceMaskedLinear::after_optimizer_step() {
   // Neither weight decay nor moments from before a mask change revive a pruned weight.
   apply_mask(p_.weight.w, mask_, out_, in_, ctx_.stream, p_.weight.w_lo);
+  pruned_zero_ = true;
 }
 
 void DeviceMaskedLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad,

@@ -8,7 +8,10 @@
 // In bf16, a mask that keeps at most 2 of every aligned 4 in each row (2:4, VENOM's 64:2:8)
 // makes the masked weight 2:4 as it lies: full-size micro-batches then run the forward on
 // cuSPARSELt's 2:4 product (Rows24Forward, compressed at every prepare), where the per-layer
-// dispatch finds it faster than cuBLASLt's (the dispatch's kind is the layer's).
+// dispatch finds it faster than cuBLASLt's (the dispatch's kind is the layer's). Such a layer
+// also zeroes its pruned weights before compressing weights it did not zero itself
+// (set_params, init_weights), where the dense products would read them as given until the
+// next step.
 //
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once
@@ -49,6 +52,7 @@ class DeviceMaskedLinear : public DeviceDenseLinear {
   bool rows_24_ = false;  // bf16, and the mask and shape allow the 2:4 forward
   std::unique_ptr<Rows24Forward> fwd24_;  // the 2:4 forward runs (attach decided)
   bool w24_current_ = false;  // fwd24_'s copy is the bound weight's (prepare since the last bind)
+  bool pruned_zero_ = false;  // the pruned weights were zeroed since the last prepare_24
 };
 
 }  // namespace esplag
