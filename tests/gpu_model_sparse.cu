@@ -288,6 +288,22 @@ TEST_F(GpuModelSparse, BackToDenseAndRefusedKinds) {
             std::string::npos)
       << unknown;
   EXPECT_NE(error_of(w, "vnm").find("kind vnm needs its mask"), std::string::npos);
+  // A vnm layer's mask is frozen: the same again is taken, another refused.
+  std::vector<uint8_t> mask(std::find_if(cm.param_infos().begin(), cm.param_infos().end(),
+                                         [&](const auto& i) { return i.name == w; })->numel,
+                            1);
+  for (size_t i = 0; i < mask.size(); i += 3) mask[i] = 0;
+  GpuTransformer::LinearKindSetting vnm(w, {.kind = "vnm"});
+  vnm.mask = &mask;
+  toggled.set_linear_kinds({vnm});
+  toggled.set_linear_kinds({vnm});
+  mask[1] = 0;
+  try {
+    toggled.set_linear_kinds({vnm});
+    ADD_FAILURE() << "a vnm layer took another mask";
+  } catch (const esplag::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("a vnm layer's mask is frozen"), std::string::npos) << e.what();
+  }
   for (const std::string bad : {"blocks.2.mlp.fc.weight", "blocks.1.mlp.fc.bias", "lm_head.weight", "blocks.x.attn"}) {
     const std::string e = error_of(bad, "semi_sparse");
     EXPECT_NE(e.find("is not the weight of a block Linear layer"), std::string::npos) << bad << ": " << e;

@@ -46,14 +46,8 @@ void apply_mask(T* x, const uint32_t* mask, int64_t out, int64_t in, cudaStream_
 
 DeviceMaskedLinear::DeviceMaskedLinear(const DeviceLinearSetup& s, const std::string& kind)
     : DeviceDenseLinear(s, kind), bias_(s.bias) {
-  const int64_t words = (in_ + 31) / 32;
-  std::vector<uint32_t> bits(size_t(out_ * words), 0u);
   const std::vector<uint8_t>& mask = *s.setting->mask;
-  parallel_for(out_, [&](int64_t o0, int64_t o1) {  // rows own their words
-    for (int64_t o = o0; o < o1; ++o)
-      for (int64_t i = 0; i < in_; ++i)
-        if (mask[size_t(o * in_ + i)]) bits[size_t(o * words + i / 32)] |= 1u << (i % 32);
-  });
+  const std::vector<uint32_t> bits = mask_to_bits(mask, out_, in_);
   bits_ = DeviceArena(sizeof(uint32_t) * bits.size() + DeviceArena::kDefaultAlignment, "mask bits");
   uint32_t* dev = bits_.allocate_array<uint32_t>("bits", bits.size());
   CUDA_CHECK(cudaMemcpy(dev, bits.data(), sizeof(uint32_t) * bits.size(), cudaMemcpyHostToDevice));
@@ -62,12 +56,29 @@ DeviceMaskedLinear::DeviceMaskedLinear(const DeviceLinearSetup& s, const std::st
              Rows24Forward::applies(out_, in_, ctx_.tokens);
 }
 
+std::vector<uint32_t> DeviceMaskedLinear::mask_to_bits(const std::vector<uint8_t>& mask, int64_t out, int64_t in) {
+  const int64_t words = (in + 31) / 32;
+  std::vector<uint32_t> bits(size_t(out * words), 0u);
+  parallel_for(out, [&](int64_t o0, int64_t o1) {  // rows own their words
+    for (int64_t o = o0; o < o1; ++o)
+      for (int64_t i = 0; i < in; ++i)
+        if (mask[size_t(o * in + i)]) bits[size_t(o * words + i / 32)] |= 1u << (i % 32);
+  });
+  return bits;
+}
+
+std::vector<uint32_t> DeviceMaskedLinear::mask_bits() const {
+  std::vector<uint32_t> bits(size_t(out_ * ((in_ + 31) / 32)));
+  CUDA_CHECK(cudaMemcpy(bits.data(), mask_, sizeof(uint32_t) * bits.size(), cudaMemcpyDeviceToHost));
+  return bits;
+}
+
 size_t DeviceMaskedLinear::device_bytes() const {
   return bits_.capacity() + DeviceDenseLinear::device_bytes() + (fwd24_ ? fwd24_->device_bytes() : 0);
 }
 
 void DeviceMaskedLinear::attach() {
-  after_optimizer_step();
+  zero_pruned_weights();
   if (!rows_24_) return;
   fwd24_ = std::make_unique<Rows24Forward>(weight_name_, out_, in_, ctx_.tokens, bias_);
   if (ctx_.sparse_dispatch && !ctx_.sparse_is_faster(kind_, weight_name_, out_, in_,
@@ -103,7 +114,7 @@ void DeviceMaskedLinear::bind(const DeviceLinearParams& p) {
 void DeviceMaskedLinear::prepare_24() {
   // Weights that came otherwise than through a step (set_params, init_weights) may be
   // non-zero where pruned, and the 2:4 copy must not see them.
-  if (!pruned_zero_) after_optimizer_step();
+  if (!pruned_zero_) zero_pruned_weights();
   fwd24_->prepare(p_.weight.w, ctx_.stream);
   pruned_zero_ = false;  // until the next step's after_optimizer_step
   w24_current_ = true;
@@ -128,10 +139,18 @@ void DeviceMaskedLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16
   }
 }
 
-void DeviceMaskedLinear::after_optimizer_step() {
+void DeviceMaskedLinear::zero_pruned_weights() {
   // Neither weight decay nor moments from before a mask change revive a pruned weight.
   apply_mask(p_.weight.w, mask_, out_, in_, ctx_.stream, p_.weight.w_lo);
   pruned_zero_ = true;
+}
+
+void DeviceMaskedLinear::after_optimizer_step() {
+  if (steps_keep_pruned_zero()) {
+    pruned_zero_ = true;
+    return;
+  }
+  zero_pruned_weights();
 }
 
 void DeviceMaskedLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad,

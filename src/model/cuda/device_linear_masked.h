@@ -17,6 +17,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "core/device_arena.h"
 #include "model/cuda/device_linear_dense.h"
@@ -28,7 +29,9 @@ class DeviceMaskedLinear : public DeviceDenseLinear {
  public:
   explicit DeviceMaskedLinear(const DeviceLinearSetup& s, const std::string& kind = "masked");
   size_t device_bytes() const override;
-  const char* after_optimizer_step_op() const override { return "masked weights"; }
+  const char* after_optimizer_step_op() const override {
+    return steps_keep_pruned_zero() ? nullptr : "masked weights";
+  }
   void after_optimizer_step() override;
   // The pruned weights zeroed; with a 2:4 mask, the dispatch and the compressed copy.
   void attach() override;
@@ -41,7 +44,18 @@ class DeviceMaskedLinear : public DeviceDenseLinear {
   // DeviceLinearKind::setting_from_twin for this kind.
   static void setting_from_twin(const Linear<float>& twin, int64_t step, bool masks, Setting& s, TwinMasks& held);
 
+ protected:
+  // Whether AdamW leaves the pruned weights at zero by itself, so that after_optimizer_step
+  // has nothing to zero: their gradients are masked, and their moments zero (vnm).
+  virtual bool steps_keep_pruned_zero() const { return false; }
+  // The mask's bits, copied to the host (synchronises), and a mask's ([out, in], 1 = kept):
+  // bit c % 32 of word c / 32 of row r for column c, rows of ceil(in / 32) words.
+  std::vector<uint32_t> mask_bits() const;
+  static std::vector<uint32_t> mask_to_bits(const std::vector<uint8_t>& mask, int64_t out, int64_t in);
+
  private:
+  // Zeroes the pruned weights (both halves of the split master).
+  void zero_pruned_weights();
   // The 2:4 way of the per-layer dispatch (prepare + forward) and the dense forward, timed.
   DeviceLinearContext::ProductTimes time_forward();
   void prepare_24();
@@ -52,7 +66,7 @@ class DeviceMaskedLinear : public DeviceDenseLinear {
   bool rows_24_ = false;  // bf16, and the mask and shape allow the 2:4 forward
   std::unique_ptr<Rows24Forward> fwd24_;  // the 2:4 forward runs (attach decided)
   bool w24_current_ = false;  // fwd24_'s copy is the bound weight's (prepare since the last bind)
-  bool pruned_zero_ = false;  // the pruned weights were zeroed since the last prepare_24
+  bool pruned_zero_ = false;  // the pruned weights are zero (since the last prepare_24)
 };
 
 }  // namespace esplag

@@ -5,6 +5,14 @@
 
 namespace esplag {
 
+bool DeviceVnmLinear::keeps(const Setting& s) const {
+  if (s.kind != kind_ || !s.mask || s.slope_masks || s.sparse_dw != sparse_dw()) return DeviceLinear::keeps(s);
+  ESPLAG_CHECK(mask_to_bits(*s.mask, out_, in_) == mask_bits(), weight_name_,
+               ": a vnm layer's mask is frozen (the CPU's vnm keeps its compressed weight), and this one was given "
+               "another; make the layer masked first");
+  return true;
+}
+
 void DeviceVnmLinear::setting_from_twin(const Linear<float>& twin, int64_t, bool masks, Setting& s,
                                         TwinMasks& held) {
   if (masks) s.mask = &(held.mask = twin_as<VnmLinear>(twin, "vnm").mask());
