@@ -13,6 +13,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "model/cuda/rows_24_forward.h"
 #include "ops/gpu.h"
 #include "sparse/cuda/vnm_gemm.h"
 
@@ -51,10 +52,22 @@ double spot_check(const CompressedVNMBf16& w, const bf16* x, const bf16* y, int6
   return rms > 0 ? max_err / rms : max_err;
 }
 
+// dst [rows, cols] (device) = w as a dense matrix, zero where pruned.
+void upload_dense(bf16* dst, const CompressedVNMBf16& w, cudaStream_t s) {
+  const int64_t blocks = w.cols / w.m;
+  std::vector<uint16_t> dense(size_t(w.rows * w.cols), 0);
+  for (int64_t r = 0; r < w.rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int j = 0; j < 2; ++j) dense[r * w.cols + w.column(r, b, j)] = w.inner.values[r * blocks * 2 + 2 * b + j];
+  CUDA_CHECK(cudaMemcpyAsync(dst, dense.data(), 2 * dense.size(), cudaMemcpyHostToDevice, s));
+  CUDA_CHECK(cudaStreamSynchronize(s));  // before `dense` goes
+}
+
 }  // namespace
 
 std::vector<VnmBenchShape> vnm_bench_default_shapes() {
-  return {{8192, 2048, 16384}, {2048, 8192, 16384}, {11008, 4096, 8192}, {4096, 11008, 8192}, {4096, 4096, 8192}};
+  return {{8192, 2048, 16384}, {2048, 8192, 16384}, {11008, 4096, 8192}, {4096, 11008, 8192},
+          {4096, 4096, 8192},  {5632, 2048, 8192},  {2048, 5632, 8192}};
 }
 
 std::vector<VnmBenchPattern> vnm_bench_default_patterns() { return {{64, 8}, {128, 8}, {64, 16}, {64, 5}}; }
@@ -173,6 +186,13 @@ std::vector<VnmBenchResult> vnm_bench(const std::vector<VnmBenchShape>& shapes,
         r.vnm_xt_ms =
             timed([&] { vnm_linear_forward_xt(y, xt, ldxt, w, nullptr, sh.tokens, stream, kTile, VnmKernel::mma_sp); });
         r.speedup_mma = dense_ms / r.vnm_ms;
+        if (p.m % 4 == 0 && Rows24Forward::applies(sh.out, sh.in, sh.tokens)) {
+          upload_dense(wd, hw, stream);
+          Rows24Forward as24("bench", sh.out, sh.in, sh.tokens, false);
+          r.as24_compress_ms = median_ms([&] { as24.prepare(wd, stream); }, warmup, iters, stream);
+          r.as24_ms = timed([&] { as24.forward(y, x, nullptr, stream); });
+          r.speedup_24 = dense_ms / r.as24_ms;
+        }
         r.dense_tflops = flops / (dense_ms * 1e9);
         const double best_ms = wgmma ? std::min(r.wgmma_ms, r.wgmma_xt_ms) : std::min(r.vnm_ms, r.vnm_xt_ms);
         r.kept_tflops = flops * 2.0 / p.m / (best_ms * 1e9);
@@ -192,23 +212,26 @@ std::vector<VnmBenchResult> vnm_bench(const std::vector<VnmBenchShape>& shapes,
 std::string vnm_bench_table(const std::vector<VnmBenchResult>& results) {
   std::ostringstream os;
   char line[400];
-  std::snprintf(line, sizeof line, "%-8s %6s %6s %6s | %8s %6s | %8s %8s %7s %7s | %8s %8s %7s | %8s | %7s %6s | %8s\n",
+  std::snprintf(line, sizeof line,
+                "%-8s %6s %6s %6s | %8s %6s | %8s %8s %7s %7s | %8s %8s %7s | %8s %8s %7s | %8s | %7s %6s | %8s\n",
                 "pattern", "out", "in", "tokens", "dense ms", "TF/s", "wgmma X", "wgmma Xt", "ratio", "ratioXt",
-                "mma X", "mma Xt", "ratio", "T ms", "kept TF", "%peak", "spot err");
+                "mma X", "mma Xt", "ratio", "2:4 ms", "comp ms", "ratio", "T ms", "kept TF", "%peak", "spot err");
   os << line;
   for (const VnmBenchResult& r : results) {
     const std::string pat = std::to_string(r.pattern.v) + ":2:" + std::to_string(r.pattern.m);
     std::snprintf(line, sizeof line,
-                  "%-8s %6lld %6lld %6lld | %8.4f %6.1f | %8.4f %8.4f %6.2fx %6.2fx | %8.4f %8.4f %6.2fx | %8.4f | %7.1f "
-                  "%5.1f%% | %8.2e\n",
+                  "%-8s %6lld %6lld %6lld | %8.4f %6.1f | %8.4f %8.4f %6.2fx %6.2fx | %8.4f %8.4f %6.2fx | %8.4f %8.4f "
+                  "%6.2fx | %8.4f | %7.1f %5.1f%% | %8.2e\n",
                   pat.c_str(), (long long)r.shape.out, (long long)r.shape.in, (long long)r.shape.tokens, r.dense_ms,
                   r.dense_tflops, r.wgmma_ms, r.wgmma_xt_ms, r.speedup, r.speedup_xt, r.vnm_ms, r.vnm_xt_ms,
-                  r.speedup_mma, r.transpose_ms, r.kept_tflops, 100.0 * r.peak_fraction, r.spot_rel_error);
+                  r.speedup_mma, r.as24_ms, r.as24_compress_ms, r.speedup_24, r.transpose_ms, r.kept_tflops,
+                  100.0 * r.peak_fraction, r.spot_rel_error);
     os << line;
   }
   os << "wgmma: the wgmma.sp kernel (sm_90a; 0 where not available), mma: the mma.sp kernel; X: input [tokens, in],\n"
-        "Xt: input transposed (already there; T ms: the transpose that makes it); ratios: cuBLASLt dense time over\n"
-        "ours; kept TF: 2*out*tokens*in*2/M over the fastest sparse time (wgmma.sp where available); %peak: of the\n"
+        "Xt: input transposed (already there; T ms: the transpose that makes it); 2:4: the weight as a dense W on\n"
+        "cuSPARSELt's 2:4 product (M a multiple of 4; comp ms: its compression, once per weight change); ratios:\n"
+        "cuBLASLt dense time over ours; kept TF: 2*out*tokens*in*2/M over the fastest sparse time (wgmma.sp where available); %peak: of the\n"
         "wgmma.sp peak of kept products (SMs x 4096 FLOP/cycle x peak clock); shapes a pattern does not divide are "
         "skipped\n";
   return os.str();
@@ -217,12 +240,13 @@ std::string vnm_bench_table(const std::vector<VnmBenchResult>& results) {
 std::string vnm_bench_csv(const std::vector<VnmBenchResult>& results) {
   std::ostringstream os;
   os << "v,m,out,in,tokens,dense_ms,wgmma_ms,wgmma_xt_ms,vnm_ms,vnm_xt_ms,transpose_ms,speedup,speedup_xt,"
-        "speedup_mma,dense_tflops,kept_tflops,peak_fraction,spot_rel_error\n";
+        "speedup_mma,dense_tflops,kept_tflops,peak_fraction,spot_rel_error,as24_ms,as24_compress_ms,speedup_24\n";
   for (const VnmBenchResult& r : results)
     os << r.pattern.v << ',' << r.pattern.m << ',' << r.shape.out << ',' << r.shape.in << ',' << r.shape.tokens << ','
        << r.dense_ms << ',' << r.wgmma_ms << ',' << r.wgmma_xt_ms << ',' << r.vnm_ms << ',' << r.vnm_xt_ms << ','
        << r.transpose_ms << ',' << r.speedup << ',' << r.speedup_xt << ',' << r.speedup_mma << ',' << r.dense_tflops
-       << ',' << r.kept_tflops << ',' << r.peak_fraction << ',' << r.spot_rel_error << '\n';
+       << ',' << r.kept_tflops << ',' << r.peak_fraction << ',' << r.spot_rel_error << ',' << r.as24_ms << ','
+       << r.as24_compress_ms << ',' << r.speedup_24 << '\n';
   return os.str();
 }
 

@@ -47,6 +47,11 @@ struct VnmBenchResult {
   double kept_tflops = 0;   // 2·out·tokens·(in·2/M) (kept weights only) / fastest wgmma.sp time (mma.sp without it)
   double peak_fraction = 0; // kept_tflops / the wgmma.sp peak of kept products (0 where unknown)
   double spot_rel_error = 0;  // max |gpu - host| / rms(host) over the checked rows, all paths
+  // The same weight as a dense W that is 2:4 along its rows (M a multiple of 4), on
+  // cuSPARSELt's 2:4 product (model/cuda/rows_24_forward.h, what masked and vnm layers run):
+  // median product time, its compression from W (once per weight change), dense_ms over the
+  // product. 0 where it does not apply.
+  double as24_ms = 0, as24_compress_ms = 0, speedup_24 = 0;
 };
 
 // The wgmma.sp peak in TFLOP/s of kept products on the current device: a 2:4 sparse wgmma
@@ -56,14 +61,15 @@ double vnm_wgmma_sp_peak_tflops();
 
 // The benchmark shapes of llama-1b/7b GEMMs (out, in, tokens): 8192×2048×16384, 2048×8192×16384,
 // 11008×4096×8192, 4096×11008×8192, 4096×4096×8192 (11008 = 64·172 = 256·43, so every
-// pattern divides it without padding).
+// pattern divides it without padding), and llama-1b's MLP at 4 × 2048 tokens, 5632×2048×8192
+// and 2048×5632×8192.
 std::vector<VnmBenchShape> vnm_bench_default_shapes();
 // 64:2:8, 128:2:8, 64:2:16, 64:2:5 (vnm_bench skips a pattern on shapes it does not divide).
 std::vector<VnmBenchPattern> vnm_bench_default_patterns();
 
 // Runs every pattern on every shape it divides (out % V, in % M) on the current device: the
-// wgmma.sp kernel where available and the mma.sp kernel (warp tile automatic), each chosen
-// explicitly (ESPLAG_VNM_KERNEL does not apply). Throws esplag::Error when the device lacks memory.
+// wgmma.sp kernel where available, the mma.sp kernel (warp tile automatic), each chosen
+// explicitly (ESPLAG_VNM_KERNEL does not apply), and the 2:4 route where it applies. Throws esplag::Error when the device lacks memory.
 std::vector<VnmBenchResult> vnm_bench(const std::vector<VnmBenchShape>& shapes,
                                       const std::vector<VnmBenchPattern>& patterns, int warmup = 5, int iters = 20,
                                       uint64_t seed = 1);
