@@ -1,7 +1,7 @@
 // fp8 training of the 2:4 kinds on the GPU (docs/fp8.md, "2:4 kinds") against the CPU's
 // emulation, the reference:
 // - cuSPARSELt's e4m3 2:4 product scaled by the product of the inverse scales
-//   (SparseGemm24::matmul_scaled, gpu::fp8_product_scale) against the fp64 product of
+//   (SparseGemm24::matmul_scaled) against the fp64 product of
 //   core's fp8_quantize_dequantize of the pruned weight and of the input, in the forward's
 //   shape and in the input gradient's (Wᵀ [in, out] structured);
 // - slope layers of the GPU model in fp8 (GpuModelOptions::precision) against the CPU model
@@ -94,15 +94,13 @@ void expect_scaled_product(int64_t out, int64_t in, int64_t N) {
   void* comp = d.arena().allocate("compressed", g.compressed_allocation_bytes());
   void* cs = d.arena().allocate("compress scratch", std::max<size_t>(g.compress_scratch_bytes(), 1));
   void* ws = d.arena().allocate("workspace", std::max<size_t>(g.workspace_bytes(), 1));
-  float* scale = d.poisoned<float>(4, "product scale");
   gpu::bf16* y = d.poisoned<gpu::bf16>(size_t(N * out), "Y");
   gpu::fp8_amax(scales, dw, out * in, s);
   gpu::fp8_cast(w8, scales + 64, dw, out * in, scales, Fp8Format::e4m3, nullptr, s);
   g.compress(comp, w8, cs, g.compress_scratch_bytes(), s);
   gpu::fp8_amax(scales + 128, dx, N * in, s);
   gpu::fp8_cast(x8, scales + 192, dx, N * in, scales + 128, Fp8Format::e4m3, nullptr, s);
-  gpu::fp8_product_scale(scale, scales + 192, scales + 64, 1, s);
-  g.matmul_scaled(y, comp, x8, scale, ws, g.workspace_bytes(), s);
+  g.matmul_scaled(y, comp, x8, scales + 192, scales + 64, ws, g.workspace_bytes(), s);
   CUDA_CHECK(cudaStreamSynchronize(s));
   std::vector<uint16_t> ybits(size_t(N * out));
   CUDA_CHECK(cudaMemcpy(ybits.data(), y, ybits.size() * 2, cudaMemcpyDeviceToHost));

@@ -66,12 +66,6 @@ void fp8_cast_both(uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x
 void fp8_cast_rows(uint8_t* out, float* inv_scale, float* row_amax, const bf16* x, int64_t rows, int64_t cols,
                    Fp8Format format, uint64_t* saturated, cudaStream_t stream);
 
-// alpha[i] = *inv_scale_a · *inv_scale_b for i < n: the scale of cuSPARSELt's fp8 2:4
-// products (SparseGemm24::matmul_scaled, n = 1), which take it from device memory. One tiny
-// kernel.
-void fp8_product_scale(float* alpha, const float* inv_scale_a, const float* inv_scale_b, int64_t n,
-                       cudaStream_t stream);
-
 // One operand of an fp8 GEMM: codes row-major [rows, K] (K contiguous), and the device
 // fp32 that multiplies them back to values (the cast's inv_scale).
 struct Fp8Operand {

@@ -57,10 +57,10 @@ Fp8SparseProducts::Fp8SparseProducts(DeviceLinearContext& ctx, const std::string
     bwd_ = &gpu::SparseGemm24::get(fp8_problem(in, out, ctx.tokens));  // Wbᵀ [in, out] structured
   }
   const size_t a = DeviceArena::kDefaultAlignment;
-  const size_t scales = sizeof(float) * kScaleStride * (2 * slots + 2);  // + the two product scales
+  const size_t scales = sizeof(float) * kScaleStride * 2 * slots;
   const size_t comp = sparse() ? fwd_->compressed_allocation_bytes() + bwd_->compressed_allocation_bytes() : 0;
   own_ = DeviceArena(scales + comp + 4 * a, "fp8 2:4 " + name_);
-  own_.allocate_array<float>("scales", kScaleStride * (2 * slots + 2));
+  own_.allocate_array<float>("scales", kScaleStride * 2 * slots);
   if (!sparse()) return;
   comp_fwd_ = own_.allocate("compressed Wf (e4m3)", fwd_->compressed_allocation_bytes());
   comp_bwd_ = own_.allocate("compressed Wb^T (e4m3)", bwd_->compressed_allocation_bytes());
@@ -79,9 +79,6 @@ float* Fp8SparseProducts::amax(Slot s) const {
 }
 float* Fp8SparseProducts::inv(Slot s) const {
   return static_cast<float*>(own_.base()) + kScaleStride * (2 * int64_t(s) + 1);
-}
-float* Fp8SparseProducts::product_scale(bool forward) const {
-  return static_cast<float*>(own_.base()) + kScaleStride * (2 * int64_t(slots) + (forward ? 0 : 1));
 }
 
 Fp8SparseProducts::Scratch& Fp8SparseProducts::scratch() {
@@ -191,15 +188,14 @@ void Fp8SparseProducts::sparse_product(gpu::SparseGemm24& g, bool forward, bf16*
                                        const uint8_t* codes, Slot codes_slot, Slot weight_slot, int N,
                                        const char* op) {
   cudaStream_t s = ctx_.stream;
-  float* scale = product_scale(forward);
-  gpu::fp8_product_scale(scale, inv(codes_slot), inv(weight_slot), 1, s);
   bool& tuned = forward ? tuned_fwd_ : tuned_bwd_;
   if (!tuned) {
     tune(g, out, compressed, codes);
     tuned = true;
   }
   ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
-  g.matmul_scaled(out, compressed, codes, scale, workspace_.base(), workspace_.capacity(), s);
+  g.matmul_scaled(out, compressed, codes, inv(codes_slot), inv(weight_slot), workspace_.base(), workspace_.capacity(),
+                  s);
 }
 
 void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,

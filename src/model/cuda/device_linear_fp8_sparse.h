@@ -13,8 +13,8 @@
 // W1's and W2ᵀ's kept values separately); X's and dY's amax are taken once per step and
 // shared by the products that read them. dY is cast in both orientations in one pass (dX
 // takes dY, dW dYᵀ) by the first of backward_dx and backward_dw, into a scratch all such
-// layers share; the second takes the codes over. The 2:4 products take the scales as one
-// device scalar 1 / (s_a · s_b), written on the device (matmul_scaled).
+// layers share; the second takes the codes over. The 2:4 products take both inverse scales
+// from device memory (matmul_scaled).
 //
 // prepare_kept() (slope's kept values and masks) and prepare_transposable() (semi_sparse's Ws)
 // cast and compress both copies in our own writer of cuSPARSELt's e4m3 layout
@@ -119,12 +119,10 @@ class Fp8SparseProducts {
   Scratch& grad_codes(const bf16* dy, int N);
   // The first product of each plan searches its configuration; the workspace may grow.
   void tune(gpu::SparseGemm24& g, bf16* out, const void* compressed, const void* dense);
-  // The product's scale 1 / (s_codes · s_weight) of the forward's or dX's 2:4 product.
-  float* product_scale(bool forward) const;
   // Whether our writer of cuSPARSELt's e4m3 layout serves both 2:4 products (asked once).
   bool own_layout();
   // out = the 2:4 product of plan g (forward or dX) of the compressed weight and the codes,
-  // scaled by the inverse scales of their slots (into product_scale(forward)).
+  // scaled by the inverse scales of their slots.
   void sparse_product(gpu::SparseGemm24& g, bool forward, bf16* out, const void* compressed, const uint8_t* codes,
                       Slot codes_slot, Slot weight_slot, int N, const char* op);
 

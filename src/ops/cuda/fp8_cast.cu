@@ -384,24 +384,4 @@ void fp8_cast_rows(uint8_t* out, float* inv_scale, float* row_amax, const bf16* 
   CUDA_CHECK_LAUNCH("fp8_cast_rows");
 }
 
-namespace {
-
-__global__ void product_scale_kernel(float* alpha, const float* inv_a, const float* inv_b, int64_t n) {
-  const float v = *inv_a * *inv_b;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    alpha[i] = v;
-}
-
-}  // namespace
-
-void fp8_product_scale(float* alpha, const float* inv_scale_a, const float* inv_scale_b, int64_t n,
-                       cudaStream_t stream) {
-  ESPLAG_CHECK(n >= 0, "fp8_product_scale: negative size ", n);
-  if (n == 0) return;
-  ESPLAG_CHECK(alpha && inv_scale_a && inv_scale_b, "fp8_product_scale: null pointer");
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxBlocks));
-  product_scale_kernel<<<grid, kThreads, 0, stream>>>(alpha, inv_scale_a, inv_scale_b, n);
-  CUDA_CHECK_LAUNCH("fp8_product_scale");
-}
-
 }  // namespace esplag::gpu

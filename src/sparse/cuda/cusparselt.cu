@@ -266,10 +266,10 @@ struct SparseGemm24::Impl {
 
 namespace {
 
-// out[i] *= *scale for n values, in place (rounded once more), 8 per thread (n % 8 == 0 and
-// out 16-byte aligned: the problem's dimensions are multiples of 32).
-__global__ void scale_output_kernel(bf16* out, int64_t n, const float* scale) {
-  const float a = *scale;
+// out[i] *= *scale_a · *scale_b for n values, in place (rounded once more), 8 per thread
+// (n % 8 == 0 and out 16-byte aligned: the problem's dimensions are multiples of 32).
+__global__ void scale_output_kernel(bf16* out, int64_t n, const float* scale_a, const float* scale_b) {
+  const float a = *scale_a * *scale_b;
   uint4* v = reinterpret_cast<uint4*>(out);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n / 8; i += int64_t(gridDim.x) * blockDim.x) {
     uint4 q = v[i];
@@ -468,16 +468,17 @@ void SparseGemm24::matmul(bf16* out, const void* compressed, const void* dense, 
   run_matmul(*impl_, out, compressed, dense, bias, workspace, workspace_bytes, stream);
 }
 
-void SparseGemm24::matmul_scaled(bf16* out, const void* compressed, const void* dense, const float* scale,
-                                 void* workspace, size_t workspace_bytes, cudaStream_t stream) const {
+void SparseGemm24::matmul_scaled(bf16* out, const void* compressed, const void* dense, const float* scale_a,
+                                 const float* scale_b, void* workspace, size_t workspace_bytes,
+                                 cudaStream_t stream) const {
   const Impl& m = *impl_;
   ESPLAG_CHECK(m.p.device_scale, m.ctx, ": matmul_scaled needs a problem with device_scale");
-  ESPLAG_CHECK(scale && reinterpret_cast<uintptr_t>(scale) % 16 == 0, m.ctx, ": the scale ",
-               static_cast<const void*>(scale), " is null or not 16-byte aligned");
+  ESPLAG_CHECK(scale_a && scale_b, m.ctx, ": matmul_scaled without its two scales");
   m.check_operands(compressed, dense, out, nullptr);
   run_matmul(m, out, compressed, dense, nullptr, workspace, workspace_bytes, stream);
   const int64_t n = m.output_elements();
-  scale_output_kernel<<<unsigned(std::min<int64_t>((n / 8 + 255) / 256, 4096)), 256, 0, stream>>>(out, n, scale);
+  scale_output_kernel<<<unsigned(std::min<int64_t>((n / 8 + 255) / 256, 4096)), 256, 0, stream>>>(out, n, scale_a,
+                                                                                                  scale_b);
   CUDA_CHECK_LAUNCH("SparseGemm24::matmul_scaled (scale)");
 }
 

@@ -238,14 +238,15 @@ class SparseGemm24 {
   // layer's bias costs one plan initialisation, once.
   void matmul(bf16* out, const void* compressed, const void* dense, const bf16* bias, void* workspace,
               size_t workspace_bytes, cudaStream_t stream) const;
-  // The same for a problem with device_scale: out = *scale · (the product), scale one fp32
-  // in device memory (16-byte aligned), read when the product runs: the product is rounded
-  // to bf16, then scaled by a pass over the output and rounded again. cuSPARSELt 0.8.0 on an
+  // The same for a problem with device_scale: out = (*scale_a · *scale_b) · (the product),
+  // the scales two fp32 in device memory (fp8 training's inverse scales of the two operands),
+  // read when the product runs: the product is rounded to bf16, then scaled by a pass over
+  // the output and rounded again. cuSPARSELt 0.8.0 on an
   // H100 refuses its alpha vector for e4m3, and takes a scalar scale of A
   // (CUSPARSELT_MATMUL_A_SCALE_POINTER, SCALAR_32F) without applying it (the output came
   // back unscaled), so neither is used. matmul() and search() on such a problem do not scale.
-  void matmul_scaled(bf16* out, const void* compressed, const void* dense, const float* scale, void* workspace,
-                     size_t workspace_bytes, cudaStream_t stream) const;
+  void matmul_scaled(bf16* out, const void* compressed, const void* dense, const float* scale_a,
+                     const float* scale_b, void* workspace, size_t workspace_bytes, cudaStream_t stream) const;
 
   // Runs cusparseLtMatmulSearch on these operands (it overwrites `out`), adopts the
   // configuration it finds and records it in the tuning cache (written to disk at once).
