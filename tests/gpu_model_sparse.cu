@@ -93,6 +93,26 @@ GpuModelOptions always_sparse() {
   return o;
 }
 
+// The CPU model's parameter `name`.
+const esplag::ParamInfo& param_named(const Transformer<float>& cm, const std::string& name) {
+  return *std::find_if(cm.param_infos().begin(), cm.param_infos().end(),
+                       [&](const auto& i) { return i.name == name; });
+}
+
+// One micro-batch on both models (micro_batch_on_both): every GPU gradient within 3% of the CPU's.
+void expect_cpu_gradients(Transformer<float>& cm, GpuTransformer& gm, int B, int T, const std::string& label) {
+  const auto g = micro_batch_on_both(cm, gm, B, T, label);
+  for (const auto& info : cm.param_infos())
+    EXPECT_LT(rel_l2(g.data() + info.offset, cm.grads() + info.offset, info.numel), 3e-2) << label << ": " << info.name;
+}
+
+// The category of the profiled op `name` ("missing" where there is none).
+std::string category_of(const std::vector<esplag::OpRecord>& ops, const std::string& name) {
+  for (const auto& r : ops)
+    if (r.name == name) return std::string(esplag::op_category_name(r.category));
+  return "missing";
+}
+
 
 // One micro-batch on both models; B x T may be smaller than the GPU model's size (then
 // every product is the dense one of Ws). With `dispatch`, each layer shape runs the
@@ -289,9 +309,7 @@ TEST_F(GpuModelSparse, BackToDenseAndRefusedKinds) {
       << unknown;
   EXPECT_NE(error_of(w, "vnm").find("kind vnm needs its mask"), std::string::npos);
   // A vnm layer's mask is frozen: the same again is taken, another refused.
-  std::vector<uint8_t> mask(std::find_if(cm.param_infos().begin(), cm.param_infos().end(),
-                                         [&](const auto& i) { return i.name == w; })->numel,
-                            1);
+  std::vector<uint8_t> mask(param_named(cm, w).numel, 1);
   for (size_t i = 0; i < mask.size(); i += 3) mask[i] = 0;
   GpuTransformer::LinearKindSetting vnm(w, {.kind = "vnm"});
   vnm.mask = &mask;
@@ -717,8 +735,7 @@ TEST_F(GpuModelSparse, SlopeTrainingCurveMatchesCpu) {
     const auto cpu_bwd = slope_masks(l).backward_tiles;
     for (size_t t = 0; t < cpu_bwd.size(); ++t) same += st.backward_tiles[t] == cpu_bwd[t];
     tiles += cpu_bwd.size();
-    const auto& info = *std::find_if(cm.param_infos().begin(), cm.param_infos().end(),
-                                     [&](const auto& i) { return i.name == name; });
+    const auto& info = param_named(cm, name);
     const std::vector<uint8_t> fwd = l.forward_mask();  // built from the metadata: once
     for (size_t i = 0; i < info.numel; ++i)
       if (!fwd[i]) ASSERT_EQ(p[info.offset + i], 0.f) << name << " pruned position " << i;
@@ -978,22 +995,18 @@ TEST_F(GpuModelSparse, ProfilerSeesEveryOpWithTheCpuNames) {
   const auto pt = traced.params_to_host(), pp = plain.params_to_host();
   EXPECT_EQ(std::memcmp(pt.data(), pp.data(), pt.size() * sizeof(float)), 0);
 
-  auto category_of = [&](const std::string& name) {
-    for (const auto& r : ops)
-      if (r.name == name) return std::string(esplag::op_category_name(r.category));
-    return std::string("missing");
-  };
-  EXPECT_EQ(category_of("blocks.1.mlp.fc.fwd"), "sparse_gemm");
-  EXPECT_EQ(category_of("blocks.1.mlp.fc.bwd.dx"), "sparse_gemm");
-  EXPECT_EQ(category_of("blocks.1.mlp.fc.bwd.dw"), "dense_gemm");
-  EXPECT_EQ(category_of("blocks.1.mlp.fc.sparsify"), "other");
-  EXPECT_EQ(category_of("blocks.0.mlp.fc.fwd"), "dense_gemm");
-  EXPECT_EQ(category_of("blocks.0.attn.qkv.bwd.dx"), "dense_gemm");
-  EXPECT_EQ(category_of("blocks.0.attention.fwd"), "attention");
-  EXPECT_EQ(category_of("blocks.1.norm.bwd"), "norm");
-  EXPECT_EQ(category_of("lm_head.fwd"), "dense_gemm");
-  EXPECT_EQ(category_of("cross-entropy"), "loss");
-  EXPECT_EQ(category_of("adamw"), "optimizer");
+  auto category = [&](const std::string& name) { return category_of(ops, name); };
+  EXPECT_EQ(category("blocks.1.mlp.fc.fwd"), "sparse_gemm");
+  EXPECT_EQ(category("blocks.1.mlp.fc.bwd.dx"), "sparse_gemm");
+  EXPECT_EQ(category("blocks.1.mlp.fc.bwd.dw"), "dense_gemm");
+  EXPECT_EQ(category("blocks.1.mlp.fc.sparsify"), "other");
+  EXPECT_EQ(category("blocks.0.mlp.fc.fwd"), "dense_gemm");
+  EXPECT_EQ(category("blocks.0.attn.qkv.bwd.dx"), "dense_gemm");
+  EXPECT_EQ(category("blocks.0.attention.fwd"), "attention");
+  EXPECT_EQ(category("blocks.1.norm.bwd"), "norm");
+  EXPECT_EQ(category("lm_head.fwd"), "dense_gemm");
+  EXPECT_EQ(category("cross-entropy"), "loss");
+  EXPECT_EQ(category("adamw"), "optimizer");
   int64_t prev_end = 0;
   for (const auto& r : ops) {
     EXPECT_TRUE(r.device) << r.name;
@@ -1039,16 +1052,13 @@ TEST_F(GpuModelSparse, MaskedMatchesCpuAndKeepsPrunedWeightsAtZero) {
     const auto p = gm.params_to_host();
     for (const auto& name : cm.linear_names()) {
       const auto& l = dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name));
-      const auto& info = *std::find_if(cm.param_infos().begin(), cm.param_infos().end(),
-                                       [&](const auto& i) { return i.name == name; });
+      const auto& info = param_named(cm, name);
       for (size_t i = 0; i < info.numel; ++i)
         if (!l.mask()[i]) ASSERT_EQ(p[info.offset + i], 0.f) << when << ": " << name << " pruned position " << i;
     }
   };
   expect_pruned_zero("after the masks were set");
-  const auto g = micro_batch_on_both(cm, gm, B, T, "masked");
-  for (const auto& info : cm.param_infos())
-    EXPECT_LT(rel_l2(g.data() + info.offset, cm.grads() + info.offset, info.numel), 3e-2) << info.name;
+  expect_cpu_gradients(cm, gm, B, T, "masked");
 
   esplag::GpuAdamW hyper;
   hyper.lr = 3e-3;
@@ -1121,19 +1131,12 @@ TEST_F(GpuModelSparse, RowTwoFourMasksRunTheForwardOn24) {
     gm.forward_backward(x.data(), y.data(), B, T, 1.0);
     gm.synchronize();
     const std::vector<esplag::OpRecord> ops = profiler.stop();
-    auto category_of = [&](const std::string& name) {
-      for (const auto& r : ops)
-        if (r.name == name) return std::string(esplag::op_category_name(r.category));
-      return std::string("missing");
-    };
-    for (const char* layer : {"blocks.0.mlp.fc", "blocks.1.attn.proj"}) {
-      EXPECT_EQ(category_of(std::string(layer) + ".fwd"), "sparse_gemm") << layer;
-      EXPECT_EQ(category_of(std::string(layer) + ".bwd.dx"), "dense_gemm") << layer;
+    for (const std::string layer : {"blocks.0.mlp.fc", "blocks.1.attn.proj"}) {
+      EXPECT_EQ(category_of(ops, layer + ".fwd"), "sparse_gemm") << layer;
+      EXPECT_EQ(category_of(ops, layer + ".bwd.dx"), "dense_gemm") << layer;
     }
 
-    const auto g = micro_batch_on_both(cm, gm, B, T, "2:4 forward");
-    for (const auto& info : cm.param_infos())
-      EXPECT_LT(rel_l2(g.data() + info.offset, cm.grads() + info.offset, info.numel), 3e-2) << info.name;
+    expect_cpu_gradients(cm, gm, B, T, "2:4 forward");
     esplag::GpuAdamW hyper;
     hyper.lr = 3e-3;
     std::map<std::string, std::vector<float>> m, v;
@@ -1145,15 +1148,12 @@ TEST_F(GpuModelSparse, RowTwoFourMasksRunTheForwardOn24) {
     std::vector<float> noisy(cm.params(), cm.params() + cm.num_params());
     for (const auto& name : cm.linear_names()) {
       const auto& mask = dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name)).mask();
-      const auto& info = *std::find_if(cm.param_infos().begin(), cm.param_infos().end(),
-                                       [&](const auto& i) { return i.name == name; });
+      const auto& info = param_named(cm, name);
       for (size_t i = 0; i < info.numel; ++i)
         if (!mask[i]) noisy[info.offset + i] = 0.05f;
     }
     gm.set_params(noisy.data(), noisy.size());
-    const auto after = micro_batch_on_both(cm, gm, B, T, "2:4 forward after set_params");
-    for (const auto& info : cm.param_infos())
-      EXPECT_LT(rel_l2(after.data() + info.offset, cm.grads() + info.offset, info.numel), 3e-2) << info.name;
+    expect_cpu_gradients(cm, gm, B, T, "2:4 forward after set_params");
 
     GpuTransformer dispatched(k.config, B, T);
     dispatched.set_params(cm.params(), cm.num_params());

@@ -231,9 +231,9 @@ std::string vnm_bench_table(const std::vector<VnmBenchResult>& results) {
   os << "wgmma: the wgmma.sp kernel (sm_90a; 0 where not available), mma: the mma.sp kernel; X: input [tokens, in],\n"
         "Xt: input transposed (already there; T ms: the transpose that makes it); 2:4: the weight as a dense W on\n"
         "cuSPARSELt's 2:4 product (M a multiple of 4; comp ms: its compression, once per weight change); ratios:\n"
-        "cuBLASLt dense time over ours; kept TF: 2*out*tokens*in*2/M over the fastest sparse time (wgmma.sp where available); %peak: of the\n"
-        "wgmma.sp peak of kept products (SMs x 4096 FLOP/cycle x peak clock); shapes a pattern does not divide are "
-        "skipped\n";
+        "cuBLASLt dense time over ours; kept TF: 2*out*tokens*in*2/M over the fastest V:N:M kernel's time (wgmma.sp\n"
+        "where available); %peak: of the wgmma.sp peak of kept products (SMs x 4096 FLOP/cycle x peak clock); shapes\n"
+        "a pattern does not divide are skipped\n";
   return os.str();
 }
 

@@ -69,7 +69,8 @@ std::vector<VnmBenchPattern> vnm_bench_default_patterns();
 
 // Runs every pattern on every shape it divides (out % V, in % M) on the current device: the
 // wgmma.sp kernel where available, the mma.sp kernel (warp tile automatic), each chosen
-// explicitly (ESPLAG_VNM_KERNEL does not apply), and the 2:4 route where it applies. Throws esplag::Error when the device lacks memory.
+// explicitly (ESPLAG_VNM_KERNEL does not apply), and the 2:4 route where it applies. Throws
+// esplag::Error when the device lacks memory.
 std::vector<VnmBenchResult> vnm_bench(const std::vector<VnmBenchShape>& shapes,
                                       const std::vector<VnmBenchPattern>& patterns, int warmup = 5, int iters = 20,
                                       uint64_t seed = 1);
