@@ -1086,6 +1086,50 @@ TEST_F(GpuModelSparse, MaskedMatchesCpuAndKeepsPrunedWeightsAtZero) {
   EXPECT_THROW(fresh.set_linear_kinds({no_mask}), esplag::Error) << "a layer becoming masked needs its mask";
 }
 
+// vnm layers do not zero their pruned weights after each step (AdamW keeps them at zero):
+// weights set with non-zero pruned entries are zeroed before the next product reads them,
+// and stay zero through steps, here on the dense products (a mask of 4 in 5, not 2:4).
+TEST_F(GpuModelSparse, VnmKeepsPrunedWeightsAtZeroWithoutAPassPerStep) {
+  const ModelConfig c = gpt_config();
+  const int B = 2, T = 32;
+  Transformer<float> cm(c);
+  cm.init_weights(12);
+  GpuTransformer gm(c, B, T);
+  gm.set_params(cm.params(), cm.num_params());
+  std::map<std::string, std::vector<uint8_t>> masks;
+  std::vector<GpuTransformer::LinearKindSetting> settings;
+  for (const auto& name : cm.linear_names()) {
+    const auto& info = param_named(cm, name);
+    const int64_t in = info.shape.at(1);
+    auto& m = masks[name];
+    m.resize(info.numel);
+    for (size_t i = 0; i < m.size(); ++i) m[i] = (int64_t(i) / in + 3 * (int64_t(i) % in)) % 5 != 0;
+    settings.emplace_back(name, esplag::LinearOptions{.kind = "vnm"});
+    settings.back().mask = &m;
+  }
+  gm.set_linear_kinds(settings);
+  auto expect_pruned_zero = [&](const char* when) {
+    const auto p = gm.params_to_host();
+    for (const auto& [name, m] : masks)
+      for (size_t i = 0; i < m.size(); ++i)
+        if (!m[i]) ASSERT_EQ(p[param_named(cm, name).offset + i], 0.f) << when << ": " << name << " at " << i;
+  };
+  gm.set_params(cm.params(), cm.num_params());  // dense weights: non-zero where pruned
+  expect_pruned_zero("after set_params");
+  std::vector<int32_t> x(B * T), y(B * T);
+  for (int s = 0; s < 3; ++s) {
+    random_tokens(x, c.vocab_size, 60 + s);
+    random_tokens(y, c.vocab_size, 70 + s);
+    gm.zero_grad();
+    gm.forward_backward(x.data(), y.data(), B, T, 1.0);
+    gm.step_adamw({});
+  }
+  expect_pruned_zero("after 3 steps");
+  esplag::GpuAdamW no_eps;
+  no_eps.eps = 0;
+  EXPECT_THROW(gm.step_adamw(no_eps), esplag::Error) << "eps 0 would divide 0 by 0 at the pruned weights";
+}
+
 // masked and vnm layers whose masks keep at most 2 of every aligned 4 in a row run their
 // forward on cuSPARSELt's 2:4 product of the masked weight (model/cuda/rows_24_forward.h):
 // LLaMA-style with 2:4 masked attention and VENOM's 64:2:8 on the MLP as vnm (mlp.proj's

@@ -80,11 +80,16 @@ bool DeviceLinear::keeps(const Setting& s) const {
 
 void DeviceLinear::forward_24(gpu::SparseLinear& sp, bf16* out, const bf16* in, int N, Act act, bf16* pre_act,
                               const char* op) {
+  forward_24([&](bf16* y) { sp.forward(y, in, ctx_.stream, p_.bias.w); }, out, N, act, pre_act, op);
+}
+
+void DeviceLinear::forward_24(const std::function<void(bf16* y)>& product, bf16* out, int N, Act act, bf16* pre_act,
+                              const char* op) {
   cudaStream_t s = ctx_.stream;
   const bool gelu = act == Act::gelu;
-  bf16* y = gelu ? pre_act : out;
+  bf16* y = gelu && pre_act ? pre_act : out;
   ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
-  sp.forward(y, in, s, p_.bias.w);
+  product(y);
   if (gelu) {
     ctx_.marks->mark(s, "gelu fwd");
     gpu::gelu_forward(out, y, int64_t(N) * out_, s);

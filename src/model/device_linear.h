@@ -269,6 +269,9 @@ class DeviceLinear {
   // in cuSPARSELt's epilogue, the MLP's GELU and its gradient as passes of their own (the
   // dense products fuse them into cuBLASLt's epilogues).
   void forward_24(gpu::SparseLinear& sp, bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op);
+  // The same for another 2:4 product, which writes the pre-activation y (bias included).
+  void forward_24(const std::function<void(bf16* y)>& product, bf16* out, int N, Act act, bf16* pre_act,
+                  const char* op);
   void backward_dx_24(gpu::SparseLinear& sp, bf16* dinp, const bf16* dout, int N, const bf16* pre_act,
                       const char* op);
   // dinp *= gelu'(pre_act), when pre_act is given.

@@ -985,6 +985,9 @@ void GpuTransformer::prepare_at(int p) {
 
 void GpuTransformer::step_adamw(const GpuAdamW& hyper) {
   check_trains("step_adamw");
+  // With eps 0, a zero gradient on zero moments divides 0 by 0 (a vnm layer's pruned
+  // weights, which the step is trusted to keep at zero; embedding rows no token used).
+  ESPLAG_CHECK(hyper.eps > 0, "GpuTransformer::step_adamw: eps must be > 0, got ", hyper.eps);
   Impl& im = *impl_;
   settle_zero_grad();
   settle_moments();

@@ -562,7 +562,7 @@ class GpuTransformer {
                        // (train.precision fp8), or masked and vnm with 2:4 masks (their forward)
     int64_t out = 0, in = 0, tokens = 0;
     bool gelu_pass = false;              // the layer's 2:4 path adds a GELU pass
-    double sparse_ms = 0, dense_ms = 0;  // prepare + forward + input gradient (+ that pass), median
+    double sparse_ms = 0, dense_ms = 0;  // what the kind times (dispatch_times; + that pass), median
     bool sparse = true;                  // the 2:4 path was faster
   };
   const std::vector<SparseDispatch>& sparse_dispatch() const;

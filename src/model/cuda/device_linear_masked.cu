@@ -4,11 +4,12 @@
 
 #include "core/cuda_check.h"
 #include "core/cuda_timing.h"
+#include "core/error.h"
 #include "core/parallel.h"
 #include "model/cuda/step_marks.h"
 #include "model/cuda/timing_operands.h"
 #include "model/linear_masked.h"
-#include "ops/gpu.h"
+#include "sparse/cuda/cusparselt.h"
 
 namespace esplag {
 
@@ -80,13 +81,18 @@ size_t DeviceMaskedLinear::device_bytes() const {
 void DeviceMaskedLinear::attach() {
   zero_pruned_weights();
   if (!rows_24_) return;
-  fwd24_ = std::make_unique<Rows24Forward>(weight_name_, out_, in_, ctx_.tokens, bias_);
-  if (ctx_.sparse_dispatch && !ctx_.sparse_is_faster(kind_, weight_name_, out_, in_,
-                                                      DeviceLinearContext::GeluPasses::fc,
-                                                      [&] { return time_forward(); }))
+  // The 2:4 forward is a speed-up only: where it cannot be set up, the layer stays dense.
+  try {
+    fwd24_ = std::make_unique<Rows24Forward>(weight_name_, out_, in_, ctx_.tokens, bias_);
+    if (ctx_.sparse_dispatch && !ctx_.sparse_is_faster(kind_, weight_name_, out_, in_,
+                                                        DeviceLinearContext::GeluPasses::fc,
+                                                        [&] { return time_forward(); }))
+      fwd24_.reset();
+  } catch (const Error& e) {
     fwd24_.reset();
-  else
-    prepare_24();
+    gpu::warn_cusparselt_fallback_once(weight_name_ + " (" + kind_ + ", 2:4 forward)", e.what());
+  }
+  if (fwd24_) prepare_24();
 }
 
 DeviceLinearContext::ProductTimes DeviceMaskedLinear::time_forward() {
@@ -112,8 +118,6 @@ void DeviceMaskedLinear::bind(const DeviceLinearParams& p) {
 }
 
 void DeviceMaskedLinear::prepare_24() {
-  // Weights that came otherwise than through a step (set_params, init_weights) may be
-  // non-zero where pruned, and the 2:4 copy must not see them.
   if (!pruned_zero_) zero_pruned_weights();
   fwd24_->prepare(p_.weight.w, ctx_.stream);
   pruned_zero_ = false;  // until the next step's after_optimizer_step
@@ -121,22 +125,21 @@ void DeviceMaskedLinear::prepare_24() {
 }
 
 void DeviceMaskedLinear::prepare(bool refresh) {
+  // Weights that came otherwise than through a step (set_params, init_weights) may be
+  // non-zero where pruned: neither the 2:4 copy nor a layer whose steps keep them at zero
+  // may start from them.
+  if (!pruned_zero_ && steps_keep_pruned_zero()) zero_pruned_weights();
   DeviceDenseLinear::prepare(refresh);
-  if (fwd24_) prepare_24();
+  if (fwd24_)
+    prepare_24();
+  else
+    pruned_zero_ = false;
 }
 
 void DeviceMaskedLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) {
   if (!fwd24_ || N != ctx_.tokens) return DeviceDenseLinear::forward(out, in, N, act, pre_act, op);
-  cudaStream_t s = ctx_.stream;
   if (!w24_current_) prepare_24();
-  const bool gelu = act == Act::gelu;
-  bf16* y = gelu && pre_act ? pre_act : out;
-  ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
-  fwd24_->forward(y, in, p_.bias.w, s);
-  if (gelu) {
-    ctx_.marks->mark(s, "gelu fwd");
-    gpu::gelu_forward(out, y, int64_t(N) * out_, s);
-  }
+  forward_24([&](bf16* y) { fwd24_->forward(y, in, p_.bias.w, ctx_.stream); }, out, N, act, pre_act, op);
 }
 
 void DeviceMaskedLinear::zero_pruned_weights() {

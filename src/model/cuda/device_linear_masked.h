@@ -36,7 +36,7 @@ class DeviceMaskedLinear : public DeviceDenseLinear {
   // The pruned weights zeroed; with a 2:4 mask, the dispatch and the compressed copy.
   void attach() override;
   void bind(const DeviceLinearParams& p) override;
-  bool prepares() const override { return fwd24_ || DeviceDenseLinear::prepares(); }
+  bool prepares() const override { return fwd24_ || steps_keep_pruned_zero() || DeviceDenseLinear::prepares(); }
   void prepare(bool refresh) override;
   void forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) override;
   void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad, const char* op) override;
@@ -66,7 +66,9 @@ class DeviceMaskedLinear : public DeviceDenseLinear {
   bool rows_24_ = false;  // bf16, and the mask and shape allow the 2:4 forward
   std::unique_ptr<Rows24Forward> fwd24_;  // the 2:4 forward runs (attach decided)
   bool w24_current_ = false;  // fwd24_'s copy is the bound weight's (prepare since the last bind)
-  bool pruned_zero_ = false;  // the pruned weights are zero (since the last prepare_24)
+  // The pruned weights are known to be zero: set by zeroing them and by every step, cleared
+  // by each prepare (weights may come otherwise before the next one: set_params).
+  bool pruned_zero_ = false;
 };
 
 }  // namespace esplag

@@ -49,10 +49,13 @@ void GpuTransformer::check_kind_change_allowed() const {
 }
 
 void GpuTransformer::check_shardable(const std::string& weight_name, const DeviceLinear& layer) const {
-  ESPLAG_CHECK(!opt_.shard_parameters || (!layer.after_optimizer_step_op() && layer.extra_tensors().empty()),
+  // A mask's zeros live in the whole weight, which stage 3 holds only as gathered copies.
+  const bool masked = device_linear_kind(layer.kind(), weight_name).takes_mask;
+  ESPLAG_CHECK(!opt_.shard_parameters ||
+                   (!masked && !layer.after_optimizer_step_op() && layer.extra_tensors().empty()),
                "GpuTransformer: ", weight_name, " is of kind ", layer.kind(), ", which ZeRO stage 3 (sharded ",
-               "parameters) cannot train: it rewrites its weights after the update or owns extra tensors (use ",
-               "parallel.zero <= 2)");
+               "parameters) cannot train: it keeps a mask over its weights, rewrites them after the update or owns ",
+               "extra tensors (use parallel.zero <= 2)");
 }
 
 bool GpuTransformer::set_linear_kinds(const std::vector<LinearKindSetting>& settings) {

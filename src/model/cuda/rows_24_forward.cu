@@ -46,18 +46,18 @@ void Rows24Forward::prepare(const bf16* w, cudaStream_t s) {
 }
 
 void Rows24Forward::forward(bf16* y, const bf16* x, const bf16* bias, cudaStream_t s) {
-  void* ws = workspace_.capacity() ? workspace_.base() : nullptr;
   if (!tuned_) {
-    g_->tune(y, compressed_, x, bias, ws, workspace_.capacity(), s);
+    g_->tune(y, compressed_, x, bias, workspace_.base(), workspace_.capacity(), s);
     tuned_ = true;
-    const size_t need = g_->workspace_bytes();
-    if (need + DeviceArena::kDefaultAlignment > workspace_.capacity()) {
-      CUDA_CHECK(cudaStreamSynchronize(s));  // the old workspace may still be in use
-      workspace_ = DeviceArena(need + DeviceArena::kDefaultAlignment, "2:4 forward workspace " + name_);
-      ws = workspace_.allocate("workspace", need);
-    }
   }
-  g_->matmul(y, compressed_, x, bias, ws, workspace_.capacity(), s);
+  // The plan is the process's for this problem: a search or another bias since may want more.
+  const size_t need = g_->workspace_bytes();
+  if (need + DeviceArena::kDefaultAlignment > workspace_.capacity()) {
+    CUDA_CHECK(cudaStreamSynchronize(s));  // the old workspace may still be in use
+    workspace_ = DeviceArena(need + DeviceArena::kDefaultAlignment, "2:4 forward workspace " + name_);
+    workspace_.allocate("workspace", need);
+  }
+  g_->matmul(y, compressed_, x, bias, workspace_.base(), workspace_.capacity(), s);
 }
 
 }  // namespace esplag

@@ -52,7 +52,8 @@ class Rows24Forward {
   void prepare(const bf16* w, cudaStream_t s);
   // y [tokens, out] = x [tokens, in] · Wᵀ (+ bias, given exactly when the plan has one), W
   // as the last prepare() had it. The first call tunes the plan (a search, once per problem
-  // and process, which synchronises) and may enlarge the workspace.
+  // and process, which synchronises); a call may enlarge the workspace (and synchronise)
+  // when the shared plan came to need more.
   void forward(bf16* y, const bf16* x, const bf16* bias, cudaStream_t s);
 
   size_t device_bytes() const { return own_.capacity() + workspace_.capacity(); }

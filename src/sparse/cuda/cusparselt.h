@@ -118,7 +118,7 @@ struct SparseGemm24Problem {
   bool bias = false;                                   // forward, weight as A only; bf16 [out]
   SparseActivation activation = SparseActivation::none;  // forward only; after the bias
   SparseDtype dtype = SparseDtype::bf16;                 // of the input operands
-  // e4m3 only: the product is multiplied by a scale read from device memory at every call
+  // e4m3 only: the product is multiplied by two scales read from device memory at every call
   // (matmul_scaled): fp8 training's inverse scales, without waiting for the host.
   bool device_scale = false;
 
