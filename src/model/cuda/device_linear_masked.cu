@@ -118,22 +118,18 @@ void DeviceMaskedLinear::bind(const DeviceLinearParams& p) {
 }
 
 void DeviceMaskedLinear::prepare_24() {
-  if (!pruned_zero_) zero_pruned_weights();
   fwd24_->prepare(p_.weight.w, ctx_.stream);
-  pruned_zero_ = false;  // until the next step's after_optimizer_step
   w24_current_ = true;
 }
 
 void DeviceMaskedLinear::prepare(bool refresh) {
   // Weights that came otherwise than through a step (set_params, init_weights) may be
   // non-zero where pruned: neither the 2:4 copy nor a layer whose steps keep them at zero
-  // may start from them.
-  if (!pruned_zero_ && steps_keep_pruned_zero()) zero_pruned_weights();
+  // may start from them. Only a step's after_optimizer_step, just before, vouches for them.
+  if (!stepped_ && (fwd24_ || steps_keep_pruned_zero())) zero_pruned_weights();
+  stepped_ = false;
   DeviceDenseLinear::prepare(refresh);
-  if (fwd24_)
-    prepare_24();
-  else
-    pruned_zero_ = false;
+  if (fwd24_) prepare_24();
 }
 
 void DeviceMaskedLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) {
@@ -143,17 +139,13 @@ void DeviceMaskedLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16
 }
 
 void DeviceMaskedLinear::zero_pruned_weights() {
-  // Neither weight decay nor moments from before a mask change revive a pruned weight.
   apply_mask(p_.weight.w, mask_, out_, in_, ctx_.stream, p_.weight.w_lo);
-  pruned_zero_ = true;
 }
 
 void DeviceMaskedLinear::after_optimizer_step() {
-  if (steps_keep_pruned_zero()) {
-    pruned_zero_ = true;
-    return;
-  }
-  zero_pruned_weights();
+  // Neither weight decay nor moments from before a mask change revive a pruned weight.
+  if (!steps_keep_pruned_zero()) zero_pruned_weights();
+  stepped_ = true;
 }
 
 void DeviceMaskedLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad,

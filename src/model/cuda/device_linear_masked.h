@@ -66,9 +66,9 @@ class DeviceMaskedLinear : public DeviceDenseLinear {
   bool rows_24_ = false;  // bf16, and the mask and shape allow the 2:4 forward
   std::unique_ptr<Rows24Forward> fwd24_;  // the 2:4 forward runs (attach decided)
   bool w24_current_ = false;  // fwd24_'s copy is the bound weight's (prepare since the last bind)
-  // The pruned weights are known to be zero: set by zeroing them and by every step, cleared
-  // by each prepare (weights may come otherwise before the next one: set_params).
-  bool pruned_zero_ = false;
+  // after_optimizer_step ran since the last prepare, so the pruned weights are zero (any
+  // other prepare may follow weights that came otherwise: set_params, init_weights).
+  bool stepped_ = false;
 };
 
 }  // namespace esplag
