@@ -1086,6 +1086,42 @@ TEST_F(GpuModelSparse, MaskedMatchesCpuAndKeepsPrunedWeightsAtZero) {
   EXPECT_THROW(fresh.set_linear_kinds({no_mask}), esplag::Error) << "a layer becoming masked needs its mask";
 }
 
+// Widths that are not multiples of 8 (d_model 100, d_ff 300) take the masking pass's scalar
+// kernel, the others its 8-wide one: both keep the pruned gradients and weights at zero.
+TEST_F(GpuModelSparse, MaskedLayersOfAwkwardWidthsMatchCpu) {
+  ModelConfig c = gpt_config();
+  c.d_model = 100;
+  c.d_ff = 300;
+  const int B = 3, T = 50;
+  Transformer<float> cm(c);
+  cm.init_weights(6);
+  GpuTransformer gm(c, B, T);
+  gm.set_params(cm.params(), cm.num_params());
+  for (const auto& name : cm.linear_names()) {
+    esplag::LayerPlan plan;
+    plan.kind = "masked";
+    plan.pattern = esplag::SparsityPattern::unstructured(0.7);
+    plan.sparsity = 0.7;
+    esplag::apply_layer_plan(cm, name, plan, 3);
+    GpuTransformer::LinearKindSetting st(name, {.kind = "masked"});
+    st.mask = &dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name)).mask();
+    gm.set_linear_kinds({st});
+  }
+  expect_cpu_gradients(cm, gm, B, T, "masked, awkward widths");
+  esplag::GpuAdamW hyper;
+  hyper.lr = 3e-3;
+  std::map<std::string, std::vector<float>> m, v;
+  expect_curves_agree(
+      cm, gm, B, T, 6, 81, hyper, [&](int s) { cpu_trainer_adamw(cm, m, v, hyper, s + 1); }, 0.98);
+  const auto p = gm.params_to_host();
+  for (const auto& name : cm.linear_names()) {
+    const auto& mask = dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name)).mask();
+    const auto& info = param_named(cm, name);
+    for (size_t i = 0; i < info.numel; ++i)
+      if (!mask[i]) ASSERT_EQ(p[info.offset + i], 0.f) << name << " pruned position " << i;
+  }
+}
+
 // vnm layers do not zero their pruned weights after each step (AdamW keeps them at zero):
 // weights set with non-zero pruned entries are zeroed before the next product reads them,
 // and stay zero through steps, here on the dense products (a mask of 4 in 5, not 2:4).

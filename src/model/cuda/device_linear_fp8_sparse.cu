@@ -45,7 +45,7 @@ struct Fp8SparseProducts::Scratch : SharedScratch::Part {
 
 Fp8SparseProducts::Fp8SparseProducts(DeviceLinearContext& ctx, const std::string& weight_name, int64_t out,
                                      int64_t in, bool bias)
-    : ctx_(ctx), name_(weight_name), out_(out), in_(in), bias_(bias) {
+    : ctx_(ctx), name_(weight_name), out_(out), in_(in), bias_(bias), workspace_("fp8 2:4 " + weight_name) {
   ESPLAG_CHECK(ctx.precision.grad == Fp8Format::e4m3, name_,
                ": train.precision is fp8 and train.fp8_grad is e5m2, but the 2:4 kinds' fp8 input-gradient "
                "products on the GPU take e4m3 operands only (cuSPARSELt): set train.fp8_grad: e4m3");
@@ -64,9 +64,7 @@ Fp8SparseProducts::Fp8SparseProducts(DeviceLinearContext& ctx, const std::string
   if (!sparse()) return;
   comp_fwd_ = own_.allocate("compressed Wf (e4m3)", fwd_->compressed_allocation_bytes());
   comp_bwd_ = own_.allocate("compressed Wb^T (e4m3)", bwd_->compressed_allocation_bytes());
-  const size_t ws = std::max(fwd_->workspace_bytes(), bwd_->workspace_bytes());
-  workspace_ = DeviceArena(ws + a, "fp8 2:4 workspace " + name_);
-  if (ws) workspace_.allocate("workspace", ws);
+  workspace_.fit({fwd_, bwd_}, ctx_.stream);
   Scratch& s = scratch();
   const size_t need = std::max(fwd_->compress_scratch_bytes(), bwd_->compress_scratch_bytes());
   if (need && s.compress.capacity() < need + a) s.compress = DeviceArena(need + a, "fp8 2:4 compress scratch");
@@ -173,29 +171,19 @@ bool Fp8SparseProducts::prepare_kept(const bf16* values, const uint16_t* forward
   return true;
 }
 
-void Fp8SparseProducts::tune(gpu::SparseGemm24& g, bf16* out, const void* compressed, const void* dense) {
-  g.tune(out, compressed, dense, nullptr, workspace_.capacity() ? workspace_.base() : nullptr,
-         workspace_.capacity(), ctx_.stream);
-  const size_t ws = std::max(fwd_->workspace_bytes(), bwd_->workspace_bytes());
-  if (ws + DeviceArena::kDefaultAlignment > workspace_.capacity()) {
-    CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));  // the old workspace may still be in use
-    workspace_ = DeviceArena(ws + DeviceArena::kDefaultAlignment, "fp8 2:4 workspace " + name_);
-    workspace_.allocate("workspace", ws);
-  }
-}
-
 void Fp8SparseProducts::sparse_product(gpu::SparseGemm24& g, bool forward, bf16* out, const void* compressed,
                                        const uint8_t* codes, Slot codes_slot, Slot weight_slot, int N,
                                        const char* op) {
   cudaStream_t s = ctx_.stream;
   bool& tuned = forward ? tuned_fwd_ : tuned_bwd_;
-  if (!tuned) {
-    tune(g, out, compressed, codes);
+  workspace_.fit({fwd_, bwd_}, s);  // the plans are the process's: another layer's search may have grown them
+  if (!tuned) {  // the first product of each plan searches its configuration
+    g.tune(out, compressed, codes, nullptr, workspace_.get(), workspace_.bytes(), s);
     tuned = true;
+    workspace_.fit({fwd_, bwd_}, s);
   }
   ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
-  g.matmul_scaled(out, compressed, codes, inv(codes_slot), inv(weight_slot), workspace_.base(), workspace_.capacity(),
-                  s);
+  g.matmul_scaled(out, compressed, codes, inv(codes_slot), inv(weight_slot), workspace_.get(), workspace_.bytes(), s);
 }
 
 void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,

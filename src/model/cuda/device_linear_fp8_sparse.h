@@ -40,6 +40,7 @@
 
 #include "core/device_arena.h"
 #include "model/device_linear.h"
+#include "sparse/cuda/workspace_24.h"
 
 namespace esplag {
 
@@ -105,7 +106,7 @@ class Fp8SparseProducts {
   // products). Before each backward: dY's codes are made again.
   void begin_backward();
 
-  size_t device_bytes() const { return own_.capacity() + workspace_.capacity(); }
+  size_t device_bytes() const { return own_.capacity() + workspace_.bytes(); }
   static void shared_parts(std::set<std::string>& used);
 
  private:
@@ -117,8 +118,6 @@ class Fp8SparseProducts {
   // The scratch with dy's codes in both orientations, cast unless the other product of this
   // layer and dy just did.
   Scratch& grad_codes(const bf16* dy, int N);
-  // The first product of each plan searches its configuration; the workspace may grow.
-  void tune(gpu::SparseGemm24& g, bf16* out, const void* compressed, const void* dense);
   // Whether our writer of cuSPARSELt's e4m3 layout serves both 2:4 products (asked once).
   bool own_layout();
   // out = the 2:4 product of plan g (forward or dX) of the compressed weight and the codes,
@@ -132,7 +131,7 @@ class Fp8SparseProducts {
   const bool bias_;
   gpu::SparseGemm24 *fwd_ = nullptr, *bwd_ = nullptr;  // the 2:4 plans (process-wide cache)
   DeviceArena own_;        // scales, compressed copies
-  DeviceArena workspace_;  // the 2:4 products' workspace
+  gpu::Workspace24 workspace_;  // the 2:4 products'
   void *comp_fwd_ = nullptr, *comp_bwd_ = nullptr;
   bool tuned_fwd_ = false, tuned_bwd_ = false;
   int own_layout_ = -1;  // prepare_kept's writer serves both copies: -1 not asked yet, 0 no, 1 yes

@@ -1,6 +1,7 @@
 #include "model/cuda/device_linear_masked.h"
 
 #include <algorithm>
+#include <bit>
 
 #include "core/cuda_check.h"
 #include "core/cuda_timing.h"
@@ -34,12 +35,52 @@ __global__ void apply_mask_kernel(T* x, U* x2, const uint32_t* bits, int64_t row
   }
 }
 
+// Zeroes the values of p[0..8) (16-byte aligned) whose bit is 0 in m: whole 16-byte
+// stores, and no load where all 8 are pruned.
+template <typename T>
+__device__ void mask_8(T* p, unsigned m) {
+  constexpr int kVecs = 8 * sizeof(T) / 16;
+  uint4* v = reinterpret_cast<uint4*>(p);
+  if (m == 0) {
+    for (int i = 0; i < kVecs; ++i) v[i] = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  alignas(16) T vals[8];
+  for (int i = 0; i < kVecs; ++i) reinterpret_cast<uint4*>(vals)[i] = v[i];
+  for (int j = 0; j < 8; ++j)
+    if (!((m >> j) & 1u)) vals[j] = T{};
+  for (int i = 0; i < kVecs; ++i) v[i] = reinterpret_cast<const uint4*>(vals)[i];
+}
+
+// apply_mask_kernel for cols a multiple of 8 and 16-byte aligned rows, a thread per 8
+// columns (one byte of the mask): the scalar kernel's partial writes, when most of a
+// row's entries are pruned, cost the memory system a read of each sector anyway.
+template <typename T, typename U>
+__global__ void apply_mask_8_kernel(T* x, U* x2, const uint32_t* bits, int64_t rows, int64_t cols) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;  // columns 8g..8g+7
+  if (g >= cols / 8) return;
+  const int64_t words = (cols + 31) / 32;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const unsigned m = (bits[r * words + g / 4] >> (g % 4 * 8)) & 0xFFu;
+    if (m == 0xFFu) continue;
+    mask_8(x + r * cols + 8 * g, m);
+    if (x2) mask_8(x2 + r * cols + 8 * g, m);
+  }
+}
+
+bool aligned_16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // Zeroes the pruned entries of x [out, in] (and of x2).
 template <typename T, typename U = T>
 void apply_mask(T* x, const uint32_t* mask, int64_t out, int64_t in, cudaStream_t s, U* x2 = nullptr) {
-  const dim3 grid(static_cast<unsigned>((in + kThreads - 1) / kThreads),
-                  static_cast<unsigned>(std::min<int64_t>(out, 65535)));
-  apply_mask_kernel<T, U><<<grid, kThreads, 0, s>>>(x, x2, mask, out, in);
+  const unsigned rows = static_cast<unsigned>(std::min<int64_t>(out, 65535));
+  if (in % 8 == 0 && aligned_16(x) && aligned_16(x2)) {
+    const dim3 grid(static_cast<unsigned>((in / 8 + kThreads - 1) / kThreads), rows);
+    apply_mask_8_kernel<T, U><<<grid, kThreads, 0, s>>>(x, x2, mask, out, in);
+  } else {
+    const dim3 grid(static_cast<unsigned>((in + kThreads - 1) / kThreads), rows);
+    apply_mask_kernel<T, U><<<grid, kThreads, 0, s>>>(x, x2, mask, out, in);
+  }
   CUDA_CHECK_LAUNCH("GpuTransformer (masked layer)");
 }
 
@@ -53,8 +94,16 @@ DeviceMaskedLinear::DeviceMaskedLinear(const DeviceLinearSetup& s, const std::st
   uint32_t* dev = bits_.allocate_array<uint32_t>("bits", bits.size());
   CUDA_CHECK(cudaMemcpy(dev, bits.data(), sizeof(uint32_t) * bits.size(), cudaMemcpyHostToDevice));
   mask_ = dev;
-  rows_24_ = !ctx_.precision.fp8 && Rows24Forward::mask_is_rows_24(mask, out_, in_) &&
-             Rows24Forward::applies(out_, in_, ctx_.tokens);
+  rows_24_ = !ctx_.precision.fp8 && bits_are_rows_24(bits, in_) && Rows24Forward::applies(out_, in_, ctx_.tokens);
+}
+
+bool DeviceMaskedLinear::bits_are_rows_24(const std::vector<uint32_t>& bits, int64_t in) {
+  // Rows start on a word and a word holds 8 aligned groups of 4 (unused bits are 0).
+  if (in % 4 != 0) return false;
+  for (uint32_t w : bits)
+    for (int g = 0; g < 32; g += 4)
+      if (std::popcount((w >> g) & 0xFu) > 2) return false;
+  return true;
 }
 
 std::vector<uint32_t> DeviceMaskedLinear::mask_to_bits(const std::vector<uint8_t>& mask, int64_t out, int64_t in) {

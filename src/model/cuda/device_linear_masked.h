@@ -52,6 +52,8 @@ class DeviceMaskedLinear : public DeviceDenseLinear {
   // bit c % 32 of word c / 32 of row r for column c, rows of ceil(in / 32) words.
   std::vector<uint32_t> mask_bits() const;
   static std::vector<uint32_t> mask_to_bits(const std::vector<uint8_t>& mask, int64_t out, int64_t in);
+  // Whether such bits keep at most 2 of every aligned 4 inputs in each row (in a multiple of 4).
+  static bool bits_are_rows_24(const std::vector<uint32_t>& bits, int64_t in);
 
  private:
   // Zeroes the pruned weights (both halves of the split master).

@@ -1,7 +1,5 @@
 #include "model/cuda/rows_24_forward.h"
 
-#include <algorithm>
-
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "sparse/cuda/cusparselt.h"
@@ -9,19 +7,12 @@
 
 namespace esplag {
 
-bool Rows24Forward::mask_is_rows_24(const std::vector<uint8_t>& mask, int64_t out, int64_t in) {
-  if (in % 4 != 0 || mask.size() != size_t(out * in)) return false;
-  for (size_t g = 0; g < mask.size(); g += 4)
-    if ((mask[g] != 0) + (mask[g + 1] != 0) + (mask[g + 2] != 0) + (mask[g + 3] != 0) > 2) return false;
-  return true;
-}
-
 bool Rows24Forward::applies(int64_t out, int64_t in, int64_t tokens) {
   return out % 16 == 0 && in % 16 == 0 && tokens % 16 == 0 && gpu::cusparselt_available();
 }
 
 Rows24Forward::Rows24Forward(const std::string& name, int64_t out, int64_t in, int64_t tokens, bool bias)
-    : name_(name), out_(out), in_(in) {
+    : name_(name), out_(out), in_(in), workspace_("2:4 forward " + name) {
   ESPLAG_CHECK(applies(out, in, tokens), name_, " [out ", out, ", in ", in, "] over ", tokens,
                " tokens: the 2:4 forward needs cuSPARSELt and multiples of 16");
   g_ = &gpu::SparseGemm24::get(gpu::SparseGemm24Problem::linear_forward(out, in, tokens, bias));
@@ -31,9 +22,7 @@ Rows24Forward::Rows24Forward(const std::string& name, int64_t out, int64_t in, i
   own_ = DeviceArena(g_->compressed_allocation_bytes() + compress_scratch_bytes_ + 2 * a, "2:4 forward " + name_);
   compressed_ = own_.allocate("compressed W", g_->compressed_allocation_bytes());
   if (compress_scratch_bytes_) compress_scratch_ = own_.allocate("compress scratch", compress_scratch_bytes_);
-  const size_t ws = g_->workspace_bytes();
-  workspace_ = DeviceArena(ws + a, "2:4 forward workspace " + name_);
-  if (ws) workspace_.allocate("workspace", ws);
+  workspace_.fit({g_}, nullptr);
 }
 
 Rows24Forward::~Rows24Forward() = default;
@@ -46,18 +35,13 @@ void Rows24Forward::prepare(const bf16* w, cudaStream_t s) {
 }
 
 void Rows24Forward::forward(bf16* y, const bf16* x, const bf16* bias, cudaStream_t s) {
+  workspace_.fit({g_}, s);  // the plan is the process's: another layer's search may have grown it
   if (!tuned_) {
-    g_->tune(y, compressed_, x, bias, workspace_.base(), workspace_.capacity(), s);
+    g_->tune(y, compressed_, x, bias, workspace_.get(), workspace_.bytes(), s);
     tuned_ = true;
+    workspace_.fit({g_}, s);
   }
-  // The plan is the process's for this problem: a search or another bias since may want more.
-  const size_t need = g_->workspace_bytes();
-  if (need + DeviceArena::kDefaultAlignment > workspace_.capacity()) {
-    CUDA_CHECK(cudaStreamSynchronize(s));  // the old workspace may still be in use
-    workspace_ = DeviceArena(need + DeviceArena::kDefaultAlignment, "2:4 forward workspace " + name_);
-    workspace_.allocate("workspace", need);
-  }
-  g_->matmul(y, compressed_, x, bias, workspace_.base(), workspace_.capacity(), s);
+  g_->matmul(y, compressed_, x, bias, workspace_.get(), workspace_.bytes(), s);
 }
 
 }  // namespace esplag

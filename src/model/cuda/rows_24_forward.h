@@ -20,9 +20,9 @@
 
 #include <cstdint>
 #include <string>
-#include <vector>
 
 #include "core/device_arena.h"
+#include "sparse/cuda/workspace_24.h"
 
 namespace esplag {
 
@@ -34,9 +34,6 @@ class Rows24Forward {
  public:
   using bf16 = __nv_bfloat16;
 
-  // Whether `mask` (u8 [out, in], 1 = kept) keeps at most 2 of every aligned 4 in each row
-  // (in a multiple of 4).
-  static bool mask_is_rows_24(const std::vector<uint8_t>& mask, int64_t out, int64_t in);
   // Whether the product can run: cuSPARSELt loaded, out, in and tokens multiples of 16.
   static bool applies(int64_t out, int64_t in, int64_t tokens);
 
@@ -52,11 +49,10 @@ class Rows24Forward {
   void prepare(const bf16* w, cudaStream_t s);
   // y [tokens, out] = x [tokens, in] · Wᵀ (+ bias, given exactly when the plan has one), W
   // as the last prepare() had it. The first call tunes the plan (a search, once per problem
-  // and process, which synchronises); a call may enlarge the workspace (and synchronise)
-  // when the shared plan came to need more.
+  // and process, which synchronises); a call may enlarge the workspace (Workspace24).
   void forward(bf16* y, const bf16* x, const bf16* bias, cudaStream_t s);
 
-  size_t device_bytes() const { return own_.capacity() + workspace_.capacity(); }
+  size_t device_bytes() const { return own_.capacity() + workspace_.bytes(); }
 
  private:
   const std::string name_;
@@ -65,7 +61,7 @@ class Rows24Forward {
   bool own_layout_ = false;         // our writer serves this problem
   bool tuned_ = false;
   DeviceArena own_;        // the compressed copy, and cusparseLtSpMMACompress's scratch without our writer
-  DeviceArena workspace_;  // the product's
+  gpu::Workspace24 workspace_;
   void* compressed_ = nullptr;
   void* compress_scratch_ = nullptr;
   size_t compress_scratch_bytes_ = 0;

@@ -14,6 +14,7 @@
 #include "sparse/cuda/cusparselt.h"
 #include "sparse/cuda/cusparselt_layout.h"
 #include "sparse/cuda/sparsify.h"
+#include "sparse/cuda/workspace_24.h"
 #include "sparse/mvue_seed.h"
 
 namespace esplag::gpu {
@@ -133,7 +134,8 @@ struct SparseLinear::Impl {
         dst, src, mask.u16(), out, groups);
     CUDA_CHECK_LAUNCH("apply_tile_mask_kernel");
   }
-  DeviceBuffer c_fwd, c_bwd, scratch, workspace;
+  DeviceBuffer c_fwd, c_bwd, scratch;
+  Workspace24 workspace{"SparseLinear"};  // named after the layer once it has a name
 
   // sparse_dw: the weight-gradient product (S = MVUE(dYᵀ) as A, K = tokens), S's
   // compressed buffer (written by cusparselt24_compress_mvue_t at every backward), the
@@ -147,19 +149,16 @@ struct SparseLinear::Impl {
   bf16* dw_bf16 = nullptr;
   uint64_t dw_seed = 0;
 
-  void ensure_workspace() {
-    size_t need = std::max(fwd->workspace_bytes(), bwd->workspace_bytes());
-    if (dwg) need = std::max(need, dwg->workspace_bytes());
-    if (need > workspace.bytes()) workspace.allocate(need, owner, "the cuSPARSELt workspace");
-  }
+  // The plans are the process's: another layer's search may have grown them since.
+  void ensure_workspace(cudaStream_t s) { workspace.fit({fwd, bwd, dwg}, s); }
   // The first use of a product tunes it (a search once per problem and process, or the
   // tuning cache's configuration), which may ask for a larger workspace.
   void tune(SparseGemm24& g, bool& done, bf16* out, const void* compressed, const bf16* dense, const bf16* b,
             cudaStream_t s) {
     if (done) return;
-    ensure_workspace();
+    ensure_workspace(s);
     g.tune(out, compressed, dense, b, workspace.get(), workspace.bytes(), s);
-    ensure_workspace();
+    ensure_workspace(s);
     done = true;
   }
 };
@@ -178,6 +177,7 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
   m.weight_is_w1 = o.kind == SparseLinearKind::slope && o.slope_weight_is_w1;
   m.name = sparse_linear_kind_name(o.kind) + " " + shape_text(out, in, tokens);
   m.owner = "SparseLinear " + m.name;
+  m.workspace = Workspace24(m.owner);
   ESPLAG_CHECK(out > 0 && in > 0 && tokens > 0, "SparseLinear ", m.name, ": sizes must be positive");
   ESPLAG_CHECK(out <= INT_MAX && in <= INT_MAX && tokens <= INT_MAX, "SparseLinear ", m.name,
                ": sizes must fit the dense GEMM's int arguments");
@@ -253,7 +253,7 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
   m.c_bwd.allocate(m.bwd->compressed_allocation_bytes(), m.owner, "the input gradient's compressed weight");
   m.scratch.allocate(std::max(m.fwd->compress_scratch_bytes(), m.bwd->compress_scratch_bytes()),
                      m.owner, "the compression scratch");
-  m.ensure_workspace();
+  m.ensure_workspace(stream);
   if (slope)  // the static forward mask (row-wise 2:4 of the weight as it is now) and W2's
     double_prune_24(weight, out, in, Sparse24Out{}, Sparse24Out{}, m.tile_mask.u16(), m.bwd_tile_mask.u16(), stream);
   m.sparse = true;
@@ -457,7 +457,7 @@ void SparseLinear::forward(bf16* y, const bf16* x, cudaStream_t s, const bf16* b
     return;
   }
   m.tune(*m.fwd, m.fwd_tuned, y, m.c_fwd.get(), x, bias, s);
-  m.ensure_workspace();  // a plan shared with another layer may have been tuned since
+  m.ensure_workspace(s);
   m.fwd->matmul(y, m.c_fwd.get(), x, bias, m.workspace.get(), m.workspace.bytes(), s);
 }
 
@@ -470,7 +470,7 @@ void SparseLinear::backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, 
                               false, s);
     } else {
       m.tune(*m.bwd, m.bwd_tuned, dx, m.c_bwd.get(), dy, nullptr, s);
-      m.ensure_workspace();
+      m.ensure_workspace(s);
       m.bwd->matmul(dx, m.c_bwd.get(), dy, nullptr, m.workspace.get(), m.workspace.bytes(), s);
     }
   }
@@ -484,7 +484,7 @@ void SparseLinear::backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, 
       CUDA_CHECK_LAUNCH("advance_mvue_draw_kernel");
       cusparselt24_compress_mvue_t(dy, m.tokens, m.out, state + 1, m.c_dw, s);
       m.tune(*m.dwg, m.dwg_tuned, m.dw_bf16, m.c_dw, x, nullptr, s);
-      m.ensure_workspace();
+      m.ensure_workspace(s);
       m.dwg->matmul(m.dw_bf16, m.c_dw, x, nullptr, m.workspace.get(), m.workspace.bytes(), s);
       widen_sparse_output(dw, m.dw_bf16, m.out * m.in, accumulate_dw, s);
       return;
