@@ -8,11 +8,14 @@
 //   orientation's) would miss by far;
 // - the weight's codes, cast once per weight change (prepare): after an AdamW step and after
 //   set_params, the model's loss and gradients are bit for bit those of a new model given
-//   the same weights; codes left from the old weights would give other products.
+//   the same weights; codes left from the old weights would give other products;
+// - the count of saturated values the run log warns about: none in a finite model, some
+//   once a weight is infinite (as on the CPU).
 // Skips below compute capability 8.9 (no fp8 tensor cores).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -161,6 +164,38 @@ TEST_F(GpuFp8Dense, WeightCodesFollowEveryWeightChange) {
     a.set_params(p0.data(), p0.size());
     expect_same_bits(micro_batch(a, b), first, "after set_params");
   }
+}
+
+// Finite operands saturate nothing (scales come from the current amax); an infinite weight
+// saturates, on the GPU as in the CPU's emulation; a bf16 model counts nothing.
+TEST_F(GpuFp8Dense, SaturatedValuesAreCounted) {
+  const ModelConfig cfg = esplag::gpu_test::sparse_llama_config();
+  Transformer<float> cm(cfg);
+  std::vector<float> p = initial_params(cm);
+  const Batch b = random_batch(cfg, 2, 64, 31);
+  GpuTransformer gm(cfg, 2, 64, fp8_options(Fp8Format::e4m3));
+  gm.set_params(p.data(), p.size());
+  micro_batch(gm, b);
+  EXPECT_EQ(gm.fp8_saturated(), 0);
+
+  for (const auto& info : cm.param_infos())
+    if (info.name == "blocks.0.mlp.fc.weight") p[info.offset + 7] = INFINITY;
+  gm.set_params(p.data(), p.size());
+  micro_batch(gm, b);
+  const int64_t gpu = gm.fp8_saturated();
+  EXPECT_GT(gpu, 0);
+  std::copy(p.begin(), p.end(), cm.params());
+  cm.set_linear_precision(LinearPrecision{true, Fp8Format::e4m3});
+  cm.zero_grad();
+  cm.forward_backward(b.x.data(), b.y.data(), b.B, b.T, 1.0);
+  EXPECT_GT(cm.fp8_saturated(), 0);
+  std::printf("saturated after one micro-batch with an infinite weight: gpu %lld, cpu %lld\n",
+              static_cast<long long>(gpu), static_cast<long long>(cm.fp8_saturated()));
+
+  GpuTransformer bf16(cfg, 2, 64);
+  bf16.set_params(p.data(), p.size());
+  micro_batch(bf16, b);
+  EXPECT_EQ(bf16.fp8_saturated(), 0);
 }
 
 }  // namespace

@@ -697,9 +697,10 @@ TEST_P(GpuModelRelayout, SlopeAdapterTrainsLikeTheCpuAndSurvivesLayoutChanges) {
   EXPECT_THROW(gm.set_linear_kinds({bad}), esplag::Error);
 }
 
-// Graphs of steps with adapters give the bits of eager steps.
+// Graphs of steps with adapters give the bits of eager steps (dispatch by measurement off,
+// as in SlopeGraphReplayGivesTheSameBitsAsEagerSteps).
 TEST_F(GpuModelSparse, SlopeAdapterGraphReplayGivesTheSameBitsAsEagerSteps) {
-  expect_graphs_give_eager_bits(gpt_config(), GpuModelOptions{}, 2, 64, 6,
+  expect_graphs_give_eager_bits(gpt_config(), always_sparse(), 2, 64, 6,
                                 [](GpuTransformer& gm, const std::string& w) {
                                   GpuTransformer::LinearKindSetting st(w, {.kind = "slope", .mask_change_freq = 2});
                                   st.lora_rank = 4;

@@ -116,6 +116,7 @@ struct DeviceLinearContext {
   SharedScratch scratch;
   void* colsum_scratch = nullptr;  // gpu::column_sum_add's scratch (bias gradients as column sums)
   size_t colsum_scratch_bytes = 0;
+  uint64_t* fp8_saturated = nullptr;  // the fp8 casts add the values they saturated (precision.fp8)
 
   // The largest of f(out, in) over the block Linear shapes (a shared scratch's size).
   size_t largest(const std::function<size_t(int64_t out, int64_t in)>& f) const;

@@ -199,6 +199,7 @@ void lay_out(const ModelConfig& c, int B, int T, const GpuModelOptions& o, GpuTr
   *targets = take.arr<int32_t>("batch.targets", N);
   *loss = take.arr<double>("loss", 3);
   *norm_sq = take.arr<float>("grad_norm_sq", 1);
+  if (o.precision.fp8) im.fp8_saturated = take.arr<uint64_t>("fp8.saturated", 1);
   im.fused_norm = o.fused_norm_backward && gpu::fused_norm_backward_supported(c.d_model);
   // Column sums give bias gradients with the fused norm backward, and a slope or sparse_dw
   // layer's wherever (its dW product writes a scratch, without the bias epilogue).
@@ -369,6 +370,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
   if (im.head_pad) CUDA_CHECK(cudaMemsetAsync(im.head_pad, 0, sizeof(bf16) * size_t(im.Vp) * cfg_.d_model, stream_));
   CUDA_CHECK(cudaMemsetAsync(norm_sq_, 0, sizeof(float), stream_));
   CUDA_CHECK(cudaMemsetAsync(loss_, 0, 3 * sizeof(double), stream_));
+  if (im.fp8_saturated) CUDA_CHECK(cudaMemsetAsync(im.fp8_saturated, 0, sizeof(uint64_t), stream_));
   im.blocks.resize(cfg_.n_layer);
   make_linears();
   if (!opt_.defer_state) lay_out_state();
@@ -388,6 +390,14 @@ void GpuTransformer::set_op_timing(bool on) { impl_->marks.set_timing(on); }
 std::vector<GpuOpTime> GpuTransformer::op_times() const { return impl_->marks.totals(); }
 
 int64_t GpuTransformer::graph_launches() const { return impl_->graph_launches; }
+
+int64_t GpuTransformer::fp8_saturated() const {
+  if (!impl_->fp8_saturated) return 0;
+  uint64_t n = 0;
+  CUDA_CHECK(cudaMemcpyAsync(&n, impl_->fp8_saturated, sizeof n, cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return static_cast<int64_t>(n);
+}
 
 // --- compute --------------------------------------------------------------------------------
 

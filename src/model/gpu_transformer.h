@@ -577,6 +577,11 @@ class GpuTransformer {
   std::vector<GpuOpTime> op_times() const;
   // Graph launches so far (0 without cuda_graph).
   int64_t graph_launches() const;
+  // Operand values the block linears' fp8 casts saturated so far (infinities, with scales
+  // from the current amax; 0 in bf16). Counted per cast, and the GPU casts some operands
+  // once for two products where the CPU's emulation casts them twice (docs/fp8.md), so the
+  // two counts of one run differ. Waits for the stream.
+  int64_t fp8_saturated() const;
 
   cudaStream_t stream() const { return stream_; }
   // The step arena (activations, scratch, workspace; callers may allocate from it, see

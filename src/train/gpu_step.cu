@@ -416,6 +416,7 @@ class GpuStep final : public StepBackend {
     }
   }
   std::vector<std::string> take_notes() override { return std::exchange(notes_, {}); }
+  int64_t fp8_saturated() override { return model_.fp8_saturated(); }
 
   bool is_linear_weight(const std::string& name) const { return linears_.count(name) != 0; }
 

@@ -82,6 +82,7 @@ class CpuStep final : public StepBackend {
     y_.resize(x_.size());
   }
   std::string device() const override { return "cpu"; }
+  int64_t fp8_saturated() override { return model_.fp8_saturated(); }
   std::string describe() const override {
     if (!zero_) return "cpu";
     return "cpu, ZeRO stage " + std::to_string(cfg_.parallel.zero) + " (each rank keeps the AdamW moments of 1/" +
@@ -729,7 +730,7 @@ TrainResult Trainer::run() {
       append_metrics(js.dump());
       t_window = now;
       window_tokens = 0;
-      if (const int64_t saturated = model_->fp8_saturated(); saturated > fp8_saturated_logged_) {
+      if (const int64_t saturated = backend_->fp8_saturated(); saturated > fp8_saturated_logged_) {
         log_("step " + std::to_string(state_.step) + ": warning: fp8 casts saturated " +
              std::to_string(saturated - fp8_saturated_logged_) +
              " values since the last line (clipped to the format's largest, or infinite; docs/fp8.md)");

@@ -132,6 +132,9 @@ class StepBackend {
   // Lines for the run log that the last step produced (e.g. the GPU's per-layer choice of
   // products when a layer became semi_sparse); empty by default.
   virtual std::vector<std::string> take_notes() { return {}; }
+  // Operand values the block linears' fp8 casts saturated so far (train.precision fp8; the
+  // run log warns when it grows). Waits for the steps queued.
+  virtual int64_t fp8_saturated() = 0;
 
  protected:
   // The divergence Error, worded the same on every device.

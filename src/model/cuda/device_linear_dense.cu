@@ -90,7 +90,7 @@ void DeviceDenseLinear::cast_weight() {
   cudaStream_t s = ctx_.stream;
   gpu::fp8_amax(fp8_amax(R::weight), p_.weight.w, out_ * in_, s);
   gpu::fp8_cast_both(w8_, wt8_, fp8_inv(R::weight), p_.weight.w, out_, in_, fp8_amax(R::weight), Fp8Format::e4m3,
-                     nullptr, s);
+                     ctx_.fp8_saturated, s);
   w8_current_ = true;
 }
 
@@ -102,7 +102,8 @@ void DeviceDenseLinear::begin_backward() {
 DeviceDenseLinear::Fp8Scratch& DeviceDenseLinear::grad_codes(const bf16* dout, int N) {
   using R = Fp8Scratch::Role;
   Fp8Scratch& f = fp8_scratch();
-  f.dy_codes.take(this, dout, N, out_, fp8_amax(R::grad), fp8_inv(R::grad), ctx_.precision.grad, ctx_.stream);
+  f.dy_codes.take(this, dout, N, out_, fp8_amax(R::grad), fp8_inv(R::grad), ctx_.precision.grad,
+                  ctx_.fp8_saturated, ctx_.stream);
   return f;
 }
 
@@ -143,7 +144,7 @@ void DeviceDenseLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16*
   ctx_.marks->mark(s, "fp8 cast");
   if (!w8_current_) cast_weight();
   gpu::fp8_amax(fp8_amax(R::input), in, int64_t(N) * K, s);
-  gpu::fp8_cast(f.x, fp8_inv(R::input), in, int64_t(N) * K, fp8_amax(R::input), Fp8Format::e4m3, nullptr, s);
+  gpu::fp8_cast(f.x, fp8_inv(R::input), in, int64_t(N) * K, fp8_amax(R::input), Fp8Format::e4m3, ctx_.fp8_saturated, s);
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   const bool gelu = act == Act::gelu;
   bf16* y = gelu && pre_act ? pre_act : out;
@@ -195,7 +196,7 @@ void DeviceDenseLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bo
   using R = Fp8Scratch::Role;
   ctx_.marks->mark(s, "fp8 cast");
   Fp8Scratch& f = grad_codes(dout, N);
-  gpu::fp8_cast_transpose(f.x, fp8_inv(R::input), inp, N, K, fp8_amax(R::input), Fp8Format::e4m3, nullptr,
+  gpu::fp8_cast_transpose(f.x, fp8_inv(R::input), inp, N, K, fp8_amax(R::input), Fp8Format::e4m3, ctx_.fp8_saturated,
                           s);  // the forward's amax of X
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   f.gemm->set_fast_accum(false);

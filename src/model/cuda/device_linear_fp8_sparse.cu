@@ -113,11 +113,11 @@ void Fp8SparseProducts::prepare(const bf16* wf, const bf16* wbt) {
   if (!sparse()) return;  // the dense products cast the weights themselves
   Scratch& sc = scratch();
   void* cs = sc.compress.capacity() ? sc.compress.base() : nullptr;
-  gpu::fp8_cast(sc.w, inv(weight_fwd), wf, n, amax(weight_fwd), Fp8Format::e4m3, nullptr, s);
+  gpu::fp8_cast(sc.w, inv(weight_fwd), wf, n, amax(weight_fwd), Fp8Format::e4m3, ctx_.fp8_saturated, s);
   ctx_.marks->mark(s, "fp8 compress");
   fwd_->compress(comp_fwd_, sc.w, cs, sc.compress.capacity(), s);
   ctx_.marks->mark(s, "fp8 cast");
-  gpu::fp8_cast(sc.w, inv(weight_bwd), wbt, n, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
+  gpu::fp8_cast(sc.w, inv(weight_bwd), wbt, n, amax(weight_bwd), Fp8Format::e4m3, ctx_.fp8_saturated, s);
   ctx_.marks->mark(s, "fp8 compress");
   bwd_->compress(comp_bwd_, sc.w, cs, sc.compress.capacity(), s);
 }
@@ -193,12 +193,12 @@ void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,
   const int64_t nx = int64_t(N) * in_;
   ctx_.marks->mark(s, "fp8 cast");
   gpu::fp8_amax(amax(input), x, nx, s);
-  gpu::fp8_cast(sc.x, inv(input), x, nx, amax(input), Fp8Format::e4m3, nullptr, s);
+  gpu::fp8_cast(sc.x, inv(input), x, nx, amax(input), Fp8Format::e4m3, ctx_.fp8_saturated, s);
   if (sparse() && N == ctx_.tokens) {
     sparse_product(*fwd_, true, y, comp_fwd_, sc.x, input, weight_fwd, N, op);
     return;
   }
-  gpu::fp8_cast(sc.w, inv(weight_fwd), wf(), out_ * in_, amax(weight_fwd), Fp8Format::e4m3, nullptr, s);
+  gpu::fp8_cast(sc.w, inv(weight_fwd), wf(), out_ * in_, amax(weight_fwd), Fp8Format::e4m3, ctx_.fp8_saturated, s);
   if (bias && reinterpret_cast<uintptr_t>(bias) % 16 != 0) {
     CUDA_CHECK(cudaMemcpyAsync(sc.bias, bias, sizeof(bf16) * out_, cudaMemcpyDeviceToDevice, s));
     bias = sc.bias;
@@ -226,7 +226,7 @@ void Fp8SparseProducts::begin_backward() {
 
 Fp8SparseProducts::Scratch& Fp8SparseProducts::grad_codes(const bf16* dy, int N) {
   Scratch& sc = scratch();
-  sc.dy_codes.take(this, dy, N, out_, amax(grad), inv(grad), ctx_.precision.grad, ctx_.stream);
+  sc.dy_codes.take(this, dy, N, out_, amax(grad), inv(grad), ctx_.precision.grad, ctx_.fp8_saturated, ctx_.stream);
   return sc;
 }
 
@@ -240,7 +240,7 @@ void Fp8SparseProducts::backward_dx(bf16* dx, const bf16* dy, int N, const std::
     return;
   }
   // Fp8Gemm's B is Wbᵀ [in, out], K-major.
-  gpu::fp8_cast(sc.w, inv(weight_bwd), wbt(), out_ * in_, amax(weight_bwd), Fp8Format::e4m3, nullptr, s);
+  gpu::fp8_cast(sc.w, inv(weight_bwd), wbt(), out_ * in_, amax(weight_bwd), Fp8Format::e4m3, ctx_.fp8_saturated, s);
   ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
   sc.gemm->set_fast_accum(false);
   sc.gemm->matmul(dx, {sc.dy_codes.dy, inv(grad), ctx_.precision.grad}, {sc.w, inv(weight_bwd), Fp8Format::e4m3},
@@ -252,7 +252,7 @@ void Fp8SparseProducts::backward_dw(float* dw, const bf16* dy, const bf16* x, in
   cudaStream_t s = ctx_.stream;
   ctx_.marks->mark(s, "fp8 cast");
   Scratch& sc = grad_codes(dy, N);
-  gpu::fp8_cast_transpose(sc.x, inv(input), x, N, in_, amax(input), Fp8Format::e4m3, nullptr,
+  gpu::fp8_cast_transpose(sc.x, inv(input), x, N, in_, amax(input), Fp8Format::e4m3, ctx_.fp8_saturated,
                           s);  // the forward's amax of X
   ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
   sc.gemm->set_fast_accum(false);

@@ -259,6 +259,7 @@ struct GpuTransformer::Impl {
   bool fused_norm = false;  // GpuModelOptions::fused_norm_backward, where d_model allows it
   void *fnorm_scratch = nullptr, *colsum_scratch = nullptr;
   size_t fnorm_scratch_bytes = 0, colsum_scratch_bytes = 0;
+  uint64_t* fp8_saturated = nullptr;  // values the block linears' fp8 casts saturated (precision.fp8)
 
   int32_t* staging = nullptr;  // pinned host, 2 · max N
   double* host_loss = nullptr;
