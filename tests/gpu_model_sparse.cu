@@ -1088,38 +1088,42 @@ TEST_F(GpuModelSparse, MaskedMatchesCpuAndKeepsPrunedWeightsAtZero) {
 }
 
 // Widths that are not multiples of 8 (d_model 100, d_ff 300) take the masking pass's scalar
-// kernel, the others its 8-wide one: both keep the pruned gradients and weights at zero.
+// kernel; multiples of 8 that are not of 32 (d_model 104, d_ff 200) its 8-wide one with each
+// row's last mask word partly used. Both keep the pruned gradients and weights at zero.
 TEST_F(GpuModelSparse, MaskedLayersOfAwkwardWidthsMatchCpu) {
-  ModelConfig c = gpt_config();
-  c.d_model = 100;
-  c.d_ff = 300;
-  const int B = 3, T = 50;
-  Transformer<float> cm(c);
-  cm.init_weights(6);
-  GpuTransformer gm(c, B, T);
-  gm.set_params(cm.params(), cm.num_params());
-  for (const auto& name : cm.linear_names()) {
-    esplag::LayerPlan plan;
-    plan.kind = "masked";
-    plan.pattern = esplag::SparsityPattern::unstructured(0.7);
-    plan.sparsity = 0.7;
-    esplag::apply_layer_plan(cm, name, plan, 3);
-    GpuTransformer::LinearKindSetting st(name, {.kind = "masked"});
-    st.mask = &dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name)).mask();
-    gm.set_linear_kinds({st});
-  }
-  expect_cpu_gradients(cm, gm, B, T, "masked, awkward widths");
-  esplag::GpuAdamW hyper;
-  hyper.lr = 3e-3;
-  std::map<std::string, std::vector<float>> m, v;
-  expect_curves_agree(
-      cm, gm, B, T, 6, 81, hyper, [&](int s) { cpu_trainer_adamw(cm, m, v, hyper, s + 1); }, 0.98);
-  const auto p = gm.params_to_host();
-  for (const auto& name : cm.linear_names()) {
-    const auto& mask = dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name)).mask();
-    const auto& info = param_named(cm, name);
-    for (size_t i = 0; i < info.numel; ++i)
-      if (!mask[i]) ASSERT_EQ(p[info.offset + i], 0.f) << name << " pruned position " << i;
+  for (const auto [d_model, d_ff] : {std::pair{100, 300}, std::pair{104, 200}}) {
+    SCOPED_TRACE("d_model " + std::to_string(d_model) + ", d_ff " + std::to_string(d_ff));
+    ModelConfig c = gpt_config();
+    c.d_model = d_model;
+    c.d_ff = d_ff;
+    const int B = 3, T = 50;
+    Transformer<float> cm(c);
+    cm.init_weights(6);
+    GpuTransformer gm(c, B, T);
+    gm.set_params(cm.params(), cm.num_params());
+    for (const auto& name : cm.linear_names()) {
+      esplag::LayerPlan plan;
+      plan.kind = "masked";
+      plan.pattern = esplag::SparsityPattern::unstructured(0.7);
+      plan.sparsity = 0.7;
+      esplag::apply_layer_plan(cm, name, plan, 3);
+      GpuTransformer::LinearKindSetting st(name, {.kind = "masked"});
+      st.mask = &dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name)).mask();
+      gm.set_linear_kinds({st});
+    }
+    expect_cpu_gradients(cm, gm, B, T, "masked, awkward widths");
+    esplag::GpuAdamW hyper;
+    hyper.lr = 3e-3;
+    std::map<std::string, std::vector<float>> m, v;
+    expect_curves_agree(
+        cm, gm, B, T, 6, 81, hyper, [&](int s) { cpu_trainer_adamw(cm, m, v, hyper, s + 1); }, 0.98);
+    const auto p = gm.params_to_host();
+    for (const auto& name : cm.linear_names()) {
+      const auto& mask = dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name)).mask();
+      const auto& info = param_named(cm, name);
+      for (size_t i = 0; i < info.numel; ++i)
+        if (!mask[i]) ASSERT_EQ(p[info.offset + i], 0.f) << name << " pruned position " << i;
+    }
   }
 }
 

@@ -527,7 +527,16 @@ const Command kBenchSparsify = {
 const Command kBenchAttention = {
     "bench attention", "attention paths, forward and backward (cuda)", "", {csv_option()}, bench_attention};
 const Command kBenchVnm = {
-    "bench vnm", "V:2:M sparse GEMM against dense cuBLASLt (cuda)", "", {csv_option()}, bench_vnm};
+    "bench vnm",
+    "V:2:M sparse GEMM against dense cuBLASLt (cuda)",
+    "Y = X.W^T with W pruned V:2:M, for 64:2:8, 128:2:8, 64:2:16 and 64:2:5 at llama-1b, llama-7b and one\n"
+    "llama-13b shape (a pattern that does not divide a shape skips it: 64:2:5 runs on the llama-13b one only):\n"
+    "our wgmma.sp and mma.sp kernels (on X and on X^T), and\n"
+    "the same weight as a dense W on cuSPARSELt's 2:4 product where M is a multiple of 4, each timed against\n"
+    "cuBLASLt's dense GEMM in the same process; kept-product TFLOP/s and the fraction of the wgmma.sp peak.\n"
+    "The table's legend says what each column is (docs/sparse-gpu.md).",
+    {csv_option()},
+    bench_vnm};
 const Command kBenchSparseAdamw = {
     "bench sparse-adamw", "SLoPe's sparse AdamW against dense AdamW (cuda)", "", {csv_option()}, bench_sparse_adamw};
 

@@ -67,7 +67,7 @@ void upload_dense(bf16* dst, const CompressedVNMBf16& w, cudaStream_t s) {
 
 std::vector<VnmBenchShape> vnm_bench_default_shapes() {
   return {{8192, 2048, 16384}, {2048, 8192, 16384}, {11008, 4096, 8192}, {4096, 11008, 8192},
-          {4096, 4096, 8192},  {5632, 2048, 8192},  {2048, 5632, 8192}};
+          {4096, 4096, 8192},  {5632, 2048, 8192},  {2048, 5632, 8192}, {13824, 5120, 8192}};
 }
 
 std::vector<VnmBenchPattern> vnm_bench_default_patterns() { return {{64, 8}, {128, 8}, {64, 16}, {64, 5}}; }

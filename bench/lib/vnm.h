@@ -61,8 +61,8 @@ double vnm_wgmma_sp_peak_tflops();
 
 // The benchmark shapes of llama-1b/7b GEMMs (out, in, tokens): 8192×2048×16384, 2048×8192×16384,
 // 11008×4096×8192, 4096×11008×8192, 4096×4096×8192 (11008 = 64·172 = 256·43, so every
-// pattern divides it without padding), and llama-1b's MLP at 4 × 2048 tokens, 5632×2048×8192
-// and 2048×5632×8192.
+// pattern divides it without padding), llama-1b's MLP at 4 × 2048 tokens, 5632×2048×8192
+// and 2048×5632×8192, and llama-13b's fc, 13824×5120×8192 (the one 64:2:5 divides: in 5120).
 std::vector<VnmBenchShape> vnm_bench_default_shapes();
 // 64:2:8, 128:2:8, 64:2:16, 64:2:5 (vnm_bench skips a pattern on shapes it does not divide).
 std::vector<VnmBenchPattern> vnm_bench_default_patterns();

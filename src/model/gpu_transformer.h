@@ -505,7 +505,10 @@ class GpuTransformer {
   bool set_linear_kinds(const std::vector<LinearKindSetting>& settings);
   void set_linear_kind(const std::string& weight_name, const std::string& kind, int mask_change_freq = 100,
                        const SlopeState* slope_masks = nullptr) {
-    LinearKindSetting st(weight_name, {.kind = kind, .mask_change_freq = mask_change_freq});
+    LinearOptions o;
+    o.kind = kind;
+    o.mask_change_freq = mask_change_freq;
+    LinearKindSetting st(weight_name, o);
     st.slope_masks = slope_masks;
     set_linear_kinds({st});
   }

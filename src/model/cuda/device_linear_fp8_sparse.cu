@@ -1,6 +1,7 @@
 #include "model/cuda/device_linear_fp8_sparse.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "core/cuda_check.h"
 #include "core/cuda_timing.h"
@@ -153,6 +154,12 @@ DeviceLinearContext::ProductTimes Fp8SparseProducts::time_ways(const std::functi
     backward_dx(o.dx, o.dy, N, wbt, "dispatch timing");
   };
   const StepMarks::Pause unmarked(*ctx_.marks);
+  // The timing's casts count nothing: the run's count is of the steps' casts.
+  struct Uncounted {
+    uint64_t*& counter;
+    uint64_t* const held;
+    ~Uncounted() { counter = held; }
+  } uncounted{ctx_.fp8_saturated, std::exchange(ctx_.fp8_saturated, nullptr)};
   DeviceLinearContext::ProductTimes t;
   set_dense(true);
   t.dense_ms = median_event_ms(step, 2, 10, s);
@@ -175,13 +182,7 @@ void Fp8SparseProducts::sparse_product(gpu::SparseGemm24& g, bool forward, bf16*
                                        const uint8_t* codes, Slot codes_slot, Slot weight_slot, int N,
                                        const char* op) {
   cudaStream_t s = ctx_.stream;
-  bool& tuned = forward ? tuned_fwd_ : tuned_bwd_;
-  workspace_.fit({fwd_, bwd_}, s);  // the plans are the process's: another layer's search may have grown them
-  if (!tuned) {  // the first product of each plan searches its configuration
-    g.tune(out, compressed, codes, nullptr, workspace_.get(), workspace_.bytes(), s);
-    tuned = true;
-    workspace_.fit({fwd_, bwd_}, s);
-  }
+  workspace_.tune_once(g, forward ? tuned_fwd_ : tuned_bwd_, {fwd_, bwd_}, out, compressed, codes, nullptr, s);
   ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
   g.matmul_scaled(out, compressed, codes, inv(codes_slot), inv(weight_slot), workspace_.get(), workspace_.bytes(), s);
 }

@@ -35,21 +35,28 @@ __global__ void apply_mask_kernel(T* x, U* x2, const uint32_t* bits, int64_t row
   }
 }
 
-// Zeroes the values of p[0..8) (16-byte aligned) whose bit is 0 in m: whole 16-byte
-// stores, and no load where all 8 are pruned.
+// Zeroes the values of p[0..8) (16-byte aligned) whose bit is 0 in m, 16 bytes at a time:
+// no access where all of them are kept, a store without a load where all are pruned.
 template <typename T>
 __device__ void mask_8(T* p, unsigned m) {
-  constexpr int kVecs = 8 * sizeof(T) / 16;
-  uint4* v = reinterpret_cast<uint4*>(p);
-  if (m == 0) {
-    for (int i = 0; i < kVecs; ++i) v[i] = make_uint4(0, 0, 0, 0);
-    return;
+  constexpr int kLanes = 16 / sizeof(T);  // values per 16 bytes
+  constexpr unsigned kAll = (1u << kLanes) - 1;
+#pragma unroll
+  for (int i = 0; i < 8 / kLanes; ++i) {
+    const unsigned keep = (m >> (i * kLanes)) & kAll;
+    uint4* v = reinterpret_cast<uint4*>(p + i * kLanes);
+    if (keep == kAll) continue;
+    if (keep == 0) {
+      *v = make_uint4(0, 0, 0, 0);
+      continue;
+    }
+    alignas(16) T vals[kLanes];
+    *reinterpret_cast<uint4*>(vals) = *v;
+#pragma unroll
+    for (int j = 0; j < kLanes; ++j)
+      if (!((keep >> j) & 1u)) vals[j] = T{};
+    *v = *reinterpret_cast<const uint4*>(vals);
   }
-  alignas(16) T vals[8];
-  for (int i = 0; i < kVecs; ++i) reinterpret_cast<uint4*>(vals)[i] = v[i];
-  for (int j = 0; j < 8; ++j)
-    if (!((m >> j) & 1u)) vals[j] = T{};
-  for (int i = 0; i < kVecs; ++i) v[i] = reinterpret_cast<const uint4*>(vals)[i];
 }
 
 // apply_mask_kernel for cols a multiple of 8 and 16-byte aligned rows, a thread per 8

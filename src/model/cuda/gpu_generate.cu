@@ -21,6 +21,7 @@
 #include "ops/gpu_decode.h"
 #include "ops/gpu_fused.h"
 #include "sparse/cuda/cusparselt.h"
+#include "sparse/cuda/workspace_24.h"
 #include "sparse/masks.h"
 #include "sparse/pattern.h"
 
@@ -137,7 +138,7 @@ struct GpuGenerator::Impl {
   StepMarks marks;                      // op timing (set_op_timing)
   // The 2:4 layers' compressed weights and the cuSPARSELt workspace (grown as plans ask).
   std::vector<DeviceBuffer> packed;
-  DeviceBuffer sparse_ws;
+  gpu::Workspace24 sparse_ws{"GpuGenerator"};
   size_t packed_bytes = 0;
 
   ~Impl() {
@@ -248,18 +249,13 @@ struct GpuGenerator::Impl {
     packed_bytes += packed.back().bytes();
   }
 
-  void ensure_sparse_workspace(size_t bytes) {
-    if (bytes > sparse_ws.bytes()) sparse_ws.allocate(bytes, "GpuGenerator", "the cuSPARSELt workspace");
-  }
-
   // y [n, out] = x [n, in] · Wᵀ (+ bias) as the 2:4 product over n rounded up to 16 rows.
   // The first product of a row count tunes its plan (which synchronises).
   void sparse_forward(bf16* y, const bf16* x, const Lin& l, int n, cudaStream_t s) {
     auto& g = gpu::SparseGemm24::get(
         gpu::SparseGemm24Problem::linear_forward(l.out, l.in, round_up_rows(n), l.b != nullptr));
-    ensure_sparse_workspace(g.workspace_bytes());
-    g.tune(y, l.packed, x, l.b, sparse_ws.get(), sparse_ws.bytes(), s);
-    ensure_sparse_workspace(g.workspace_bytes());  // the tuned plan may need more
+    bool tuned = false;  // tune() itself searches once per plan and process
+    sparse_ws.tune_once(g, tuned, {&g}, y, l.packed, x, l.b, s);
     g.matmul(y, l.packed, x, l.b, sparse_ws.get(), sparse_ws.bytes(), s);
   }
 };

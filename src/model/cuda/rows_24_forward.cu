@@ -35,12 +35,7 @@ void Rows24Forward::prepare(const bf16* w, cudaStream_t s) {
 }
 
 void Rows24Forward::forward(bf16* y, const bf16* x, const bf16* bias, cudaStream_t s) {
-  workspace_.fit({g_}, s);  // the plan is the process's: another layer's search may have grown it
-  if (!tuned_) {
-    g_->tune(y, compressed_, x, bias, workspace_.get(), workspace_.bytes(), s);
-    tuned_ = true;
-    workspace_.fit({g_}, s);
-  }
+  workspace_.tune_once(*g_, tuned_, {g_}, y, compressed_, x, bias, s);
   g_->matmul(y, compressed_, x, bias, workspace_.get(), workspace_.bytes(), s);
 }
 

@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "ops/gpu.h"
 #include "sparse/cuda/cusparselt.h"
+#include "sparse/cuda/workspace_24.h"
 
 namespace esplag::gpu {
 
@@ -58,14 +59,10 @@ struct SlopeMergedLinear::Impl {
   SparseGemm24* product = nullptr;  // null: the dense fallback
   bool tuned = false;
   DeviceBuffer weight;  // compressed [W1 | L̃], or dense for the fallback
-  DeviceBuffer r_tilde, workspace;
+  DeviceBuffer r_tilde;
+  Workspace24 workspace{"SlopeMergedLinear"};  // named after the layer once it has a name
   DeviceArena gemm_arena;
   std::unique_ptr<Gemm> gemm;
-
-  void ensure_workspace() {
-    const size_t need = product->workspace_bytes();
-    if (need > workspace.bytes()) workspace.allocate(need, name, "the cuSPARSELt workspace");
-  }
 };
 
 SlopeMergedLinear::SlopeMergedLinear(int64_t out, int64_t in, int rank, int64_t tokens, bool bias, const bf16* w1,
@@ -74,6 +71,7 @@ SlopeMergedLinear::SlopeMergedLinear(int64_t out, int64_t in, int rank, int64_t 
   Impl& m = *impl_;
   m.name = "SLoPe merged inference " + std::to_string(out) + "x" + std::to_string(in) + " rank " +
            std::to_string(rank) + " over " + std::to_string(tokens) + " tokens";
+  m.workspace = Workspace24(m.name);
   ESPLAG_CHECK(out > 0 && in > 0 && tokens > 0 && out % 16 == 0 && in % 16 == 0 && tokens % 16 == 0, m.name,
                ": out, in and tokens must be positive multiples of 16 (cuSPARSELt's rule for bf16 operands)");
   ESPLAG_CHECK(rank >= 0 && rank <= std::min(out, in), m.name,
@@ -140,12 +138,7 @@ void SlopeMergedLinear::forward(bf16* y, bf16* x_wide, const bf16* bias, cudaStr
     m.gemm->forward(y, x_wide, m.weight.bf(), bias, N, K, int(m.out), stream);
     return;
   }
-  if (!m.tuned) {
-    m.ensure_workspace();
-    m.product->tune(y, m.weight.get(), x_wide, bias, m.workspace.get(), m.workspace.bytes(), stream);
-    m.tuned = true;
-  }
-  m.ensure_workspace();  // the plan is shared: another user may have tuned it since
+  m.workspace.tune_once(*m.product, m.tuned, {m.product}, y, m.weight.get(), x_wide, bias, stream);
   m.product->matmul(y, m.weight.get(), x_wide, bias, m.workspace.get(), m.workspace.bytes(), stream);
 }
 

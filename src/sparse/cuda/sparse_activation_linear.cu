@@ -12,6 +12,7 @@
 #include "sparse/cuda/cusparselt.h"
 #include "sparse/cuda/cusparselt_layout.h"
 #include "sparse/cuda/sparsify.h"
+#include "sparse/cuda/workspace_24.h"
 
 namespace esplag::gpu {
 
@@ -79,7 +80,8 @@ struct SparseActivationLinear::Impl {
   SparseGemm24* dwg = nullptr;
   bool dwg_tuned = false;
   bf16* dw_bf16 = nullptr;
-  DeviceBuffer own_scratch, compress_scratch, workspace;
+  DeviceBuffer own_scratch, compress_scratch;
+  Workspace24 workspace{"SparseActivationLinear"};  // named after the layer once it has a name
   bf16* xs = nullptr;          // [tokens, in], in the scratch
   void* compressed = nullptr;  // the 2:4 operand of the product running (Xs or Xsᵀ), in the scratch
 
@@ -95,19 +97,9 @@ struct SparseActivationLinear::Impl {
     return *gemm_;
   }
 
-  void ensure_workspace() {
-    const size_t need = std::max(fwd->workspace_bytes(), dwg ? dwg->workspace_bytes() : 0);
-    if (need > workspace.bytes()) workspace.allocate(need, owner, "the cuSPARSELt workspace");
-  }
-  // The first use of a product tunes it (a search once per problem and process, or the
-  // tuning cache's entry), which may ask for a larger workspace.
+  // The first use of a product tunes it (Workspace24::tune_once).
   void run(SparseGemm24& g, bool& tuned_flag, bf16* out, const void* dense, cudaStream_t s) {
-    if (!tuned_flag) {
-      ensure_workspace();
-      g.tune(out, compressed, dense, nullptr, workspace.get(), workspace.bytes(), s);
-      tuned_flag = true;
-    }
-    ensure_workspace();  // a plan shared with another layer may have been tuned since
+    workspace.tune_once(g, tuned_flag, {fwd, dwg}, out, compressed, dense, nullptr, s);
     g.matmul(out, compressed, dense, nullptr, workspace.get(), workspace.bytes(), s);
   }
 
@@ -152,6 +144,7 @@ SparseActivationLinear::SparseActivationLinear(const SparseActivationLinearOptio
   m.name = activation_sparsity_name(o.pattern) + " [out " + std::to_string(out) + ", in " + std::to_string(in) +
            "] over " + std::to_string(tokens) + " tokens";
   m.owner = "SparseActivationLinear " + m.name;
+  m.workspace = Workspace24(m.owner);
   ESPLAG_CHECK(out > 0 && in > 0 && tokens > 0, m.owner, ": sizes must be positive");
   ESPLAG_CHECK(out <= INT_MAX && in <= INT_MAX && tokens <= INT_MAX, m.owner,
                ": sizes must fit the dense GEMM's int arguments");
@@ -167,7 +160,7 @@ SparseActivationLinear::SparseActivationLinear(const SparseActivationLinearOptio
     }
     if (!m.own)  // cusparseLtSpMMACompress's scratch (our writer needs none)
       m.compress_scratch.allocate(m.fwd->compress_scratch_bytes(), m.owner, "the compression scratch");
-    m.ensure_workspace();
+    m.workspace.fit({m.fwd, m.dwg}, nullptr);  // the first allocation waits for nothing
   }
   uint8_t* scratch = static_cast<uint8_t*>(o.scratch);
   if (!scratch) {

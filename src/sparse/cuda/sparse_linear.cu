@@ -149,17 +149,11 @@ struct SparseLinear::Impl {
   bf16* dw_bf16 = nullptr;
   uint64_t dw_seed = 0;
 
-  // The plans are the process's: another layer's search may have grown them since.
-  void ensure_workspace(cudaStream_t s) { workspace.fit({fwd, bwd, dwg}, s); }
-  // The first use of a product tunes it (a search once per problem and process, or the
-  // tuning cache's configuration), which may ask for a larger workspace.
+  // Before a product of g: the workspace fitted to the plans (another layer's search may
+  // have grown one since), and g tuned at its first use here (Workspace24::tune_once).
   void tune(SparseGemm24& g, bool& done, bf16* out, const void* compressed, const bf16* dense, const bf16* b,
             cudaStream_t s) {
-    if (done) return;
-    ensure_workspace(s);
-    g.tune(out, compressed, dense, b, workspace.get(), workspace.bytes(), s);
-    ensure_workspace(s);
-    done = true;
+    workspace.tune_once(g, done, {fwd, bwd, dwg}, out, compressed, dense, b, s);
   }
 };
 
@@ -253,7 +247,7 @@ SparseLinear::SparseLinear(const SparseLinearOptions& o, int64_t out, int64_t in
   m.c_bwd.allocate(m.bwd->compressed_allocation_bytes(), m.owner, "the input gradient's compressed weight");
   m.scratch.allocate(std::max(m.fwd->compress_scratch_bytes(), m.bwd->compress_scratch_bytes()),
                      m.owner, "the compression scratch");
-  m.ensure_workspace(stream);
+  m.workspace.fit({m.fwd, m.bwd, m.dwg}, stream);
   if (slope)  // the static forward mask (row-wise 2:4 of the weight as it is now) and W2's
     double_prune_24(weight, out, in, Sparse24Out{}, Sparse24Out{}, m.tile_mask.u16(), m.bwd_tile_mask.u16(), stream);
   m.sparse = true;
@@ -457,7 +451,6 @@ void SparseLinear::forward(bf16* y, const bf16* x, cudaStream_t s, const bf16* b
     return;
   }
   m.tune(*m.fwd, m.fwd_tuned, y, m.c_fwd.get(), x, bias, s);
-  m.ensure_workspace(s);
   m.fwd->matmul(y, m.c_fwd.get(), x, bias, m.workspace.get(), m.workspace.bytes(), s);
 }
 
@@ -470,7 +463,6 @@ void SparseLinear::backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, 
                               false, s);
     } else {
       m.tune(*m.bwd, m.bwd_tuned, dx, m.c_bwd.get(), dy, nullptr, s);
-      m.ensure_workspace(s);
       m.bwd->matmul(dx, m.c_bwd.get(), dy, nullptr, m.workspace.get(), m.workspace.bytes(), s);
     }
   }
@@ -484,7 +476,6 @@ void SparseLinear::backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, 
       CUDA_CHECK_LAUNCH("advance_mvue_draw_kernel");
       cusparselt24_compress_mvue_t(dy, m.tokens, m.out, state + 1, m.c_dw, s);
       m.tune(*m.dwg, m.dwg_tuned, m.dw_bf16, m.c_dw, x, nullptr, s);
-      m.ensure_workspace(s);
       m.dwg->matmul(m.dw_bf16, m.c_dw, x, nullptr, m.workspace.get(), m.workspace.bytes(), s);
       widen_sparse_output(dw, m.dw_bf16, m.out * m.in, accumulate_dw, s);
       return;

@@ -16,4 +16,14 @@ void Workspace24::fit(std::initializer_list<const SparseGemm24*> plans, cudaStre
   buf_.allocate(need, owner_, "the cuSPARSELt workspace");
 }
 
+void Workspace24::tune_once(SparseGemm24& g, bool& tuned, std::initializer_list<const SparseGemm24*> plans,
+                            __nv_bfloat16* out, const void* compressed, const void* dense,
+                            const __nv_bfloat16* bias, cudaStream_t s) {
+  fit(plans, s);
+  if (tuned) return;
+  g.tune(out, compressed, dense, bias, get(), bytes(), s);
+  tuned = true;
+  fit(plans, s);
+}
+
 }  // namespace esplag::gpu
