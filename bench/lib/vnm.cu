@@ -25,7 +25,8 @@ double median_ms(const std::function<void()>& launch, int warmup, int iters, cud
   return median_event_ms([&](int) { launch(); }, warmup, iters, s);
 }
 
-// max |gpu - host| / rms(host) over a few token rows of Y = X · Wᵀ.
+// max |gpu - host| / rms(host) over a few token rows of Y = X · Wᵀ; infinite where an output
+// is not finite (an unwritten one keeps its NaN poison).
 double spot_check(const CompressedVNMBf16& w, const bf16* x, const bf16* y, int64_t tokens, cudaStream_t s) {
   CUDA_CHECK(cudaStreamSynchronize(s));
   const int64_t blocks = w.cols / w.m;
@@ -43,7 +44,8 @@ double spot_check(const CompressedVNMBf16& w, const bf16* x, const bf16* y, int6
         for (int j = 0; j < 2; ++j)
           ref += double(bf16_to_float(w.inner.values[r * blocks * 2 + 2 * b + j])) *
                  double(bf16_to_float(xr[w.column(r, b, j)]));
-      max_err = std::max(max_err, std::fabs(double(bf16_to_float(yr[r])) - ref));
+      const double err = std::fabs(double(bf16_to_float(yr[r])) - ref);
+      max_err = std::isfinite(err) ? std::max(max_err, err) : INFINITY;
       ss += ref * ref;
       ++count;
     }
@@ -165,32 +167,36 @@ std::vector<VnmBenchResult> vnm_bench(const std::vector<VnmBenchShape>& shapes,
         r.shape = sh;
         r.dense_ms = dense_ms;
         // One timed path: median time, then the spot check of its output (poisoned before).
-        auto timed = [&](const std::function<void()>& launch) {
+        auto timed = [&](const char* path, const std::function<void()>& launch) {
           CUDA_CHECK(cudaMemsetAsync(y, 0xFF, y_bytes, stream));  // NaN: unwritten outputs would show
           const double ms = median_ms(launch, warmup, iters, stream);
-          r.spot_rel_error = std::max(r.spot_rel_error, spot_check(hw, x, y, sh.tokens, stream));
+          const double err = spot_check(hw, x, y, sh.tokens, stream);
+          if (r.spot_worst_path.empty() || err > r.spot_rel_error) r.spot_rel_error = err, r.spot_worst_path = path;
           return ms;
         };
         constexpr VnmTile kTile = VnmTile::automatic;
         r.transpose_ms =
             median_ms([&] { vnm_transpose_input(xt, x, sh.tokens, sh.in, stream); }, warmup, iters, stream);
         if (wgmma) {
-          r.wgmma_ms =
-              timed([&] { vnm_linear_forward(y, x, w, nullptr, sh.tokens, stream, kTile, VnmKernel::wgmma_sp); });
-          r.wgmma_xt_ms = timed(
-              [&] { vnm_linear_forward_xt(y, xt, ldxt, w, nullptr, sh.tokens, stream, kTile, VnmKernel::wgmma_sp); });
+          r.wgmma_ms = timed(
+              "wgmma X", [&] { vnm_linear_forward(y, x, w, nullptr, sh.tokens, stream, kTile, VnmKernel::wgmma_sp); });
+          r.wgmma_xt_ms = timed("wgmma Xt", [&] {
+            vnm_linear_forward_xt(y, xt, ldxt, w, nullptr, sh.tokens, stream, kTile, VnmKernel::wgmma_sp);
+          });
           r.speedup = dense_ms / r.wgmma_ms;
           r.speedup_xt = dense_ms / r.wgmma_xt_ms;
         }
-        r.vnm_ms = timed([&] { vnm_linear_forward(y, x, w, nullptr, sh.tokens, stream, kTile, VnmKernel::mma_sp); });
-        r.vnm_xt_ms =
-            timed([&] { vnm_linear_forward_xt(y, xt, ldxt, w, nullptr, sh.tokens, stream, kTile, VnmKernel::mma_sp); });
+        r.vnm_ms =
+            timed("mma X", [&] { vnm_linear_forward(y, x, w, nullptr, sh.tokens, stream, kTile, VnmKernel::mma_sp); });
+        r.vnm_xt_ms = timed("mma Xt", [&] {
+          vnm_linear_forward_xt(y, xt, ldxt, w, nullptr, sh.tokens, stream, kTile, VnmKernel::mma_sp);
+        });
         r.speedup_mma = dense_ms / r.vnm_ms;
         if (p.m % 4 == 0 && Rows24Forward::applies(sh.out, sh.in, sh.tokens)) {
           upload_dense(wd, hw, stream);
           Rows24Forward as24("bench", sh.out, sh.in, sh.tokens, false);
           r.as24_compress_ms = median_ms([&] { as24.prepare(wd, stream); }, warmup, iters, stream);
-          r.as24_ms = timed([&] { as24.forward(y, x, nullptr, stream); });
+          r.as24_ms = timed("2:4", [&] { as24.forward(y, x, nullptr, stream); });
           r.speedup_24 = dense_ms / r.as24_ms;
         }
         r.dense_tflops = flops / (dense_ms * 1e9);
@@ -213,19 +219,20 @@ std::string vnm_bench_table(const std::vector<VnmBenchResult>& results) {
   std::ostringstream os;
   char line[400];
   std::snprintf(line, sizeof line,
-                "%-8s %6s %6s %6s | %8s %6s | %8s %8s %7s %7s | %8s %8s %7s | %8s %8s %7s | %8s | %7s %6s | %8s\n",
+                "%-8s %6s %6s %6s | %8s %6s | %8s %8s %7s %7s | %8s %8s %7s | %8s %8s %7s | %8s | %7s %6s | %8s %s\n",
                 "pattern", "out", "in", "tokens", "dense ms", "TF/s", "wgmma X", "wgmma Xt", "ratio", "ratioXt",
-                "mma X", "mma Xt", "ratio", "2:4 ms", "comp ms", "ratio", "T ms", "kept TF", "%peak", "spot err");
+                "mma X", "mma Xt", "ratio", "2:4 ms", "comp ms", "ratio", "T ms", "kept TF", "%peak", "spot err",
+                "(path)");
   os << line;
   for (const VnmBenchResult& r : results) {
     const std::string pat = std::to_string(r.pattern.v) + ":2:" + std::to_string(r.pattern.m);
     std::snprintf(line, sizeof line,
                   "%-8s %6lld %6lld %6lld | %8.4f %6.1f | %8.4f %8.4f %6.2fx %6.2fx | %8.4f %8.4f %6.2fx | %8.4f %8.4f "
-                  "%6.2fx | %8.4f | %7.1f %5.1f%% | %8.2e\n",
+                  "%6.2fx | %8.4f | %7.1f %5.1f%% | %8.2e (%s)\n",
                   pat.c_str(), (long long)r.shape.out, (long long)r.shape.in, (long long)r.shape.tokens, r.dense_ms,
                   r.dense_tflops, r.wgmma_ms, r.wgmma_xt_ms, r.speedup, r.speedup_xt, r.vnm_ms, r.vnm_xt_ms,
                   r.speedup_mma, r.as24_ms, r.as24_compress_ms, r.speedup_24, r.transpose_ms, r.kept_tflops,
-                  100.0 * r.peak_fraction, r.spot_rel_error);
+                  100.0 * r.peak_fraction, r.spot_rel_error, r.spot_worst_path.c_str());
     os << line;
   }
   os << "wgmma: the wgmma.sp kernel (sm_90a; 0 where not available), mma: the mma.sp kernel; X: input [tokens, in],\n"
@@ -240,13 +247,14 @@ std::string vnm_bench_table(const std::vector<VnmBenchResult>& results) {
 std::string vnm_bench_csv(const std::vector<VnmBenchResult>& results) {
   std::ostringstream os;
   os << "v,m,out,in,tokens,dense_ms,wgmma_ms,wgmma_xt_ms,vnm_ms,vnm_xt_ms,transpose_ms,speedup,speedup_xt,"
-        "speedup_mma,dense_tflops,kept_tflops,peak_fraction,spot_rel_error,as24_ms,as24_compress_ms,speedup_24\n";
+        "speedup_mma,dense_tflops,kept_tflops,peak_fraction,spot_rel_error,as24_ms,as24_compress_ms,speedup_24,"
+        "spot_worst_path\n";
   for (const VnmBenchResult& r : results)
     os << r.pattern.v << ',' << r.pattern.m << ',' << r.shape.out << ',' << r.shape.in << ',' << r.shape.tokens << ','
        << r.dense_ms << ',' << r.wgmma_ms << ',' << r.wgmma_xt_ms << ',' << r.vnm_ms << ',' << r.vnm_xt_ms << ','
        << r.transpose_ms << ',' << r.speedup << ',' << r.speedup_xt << ',' << r.speedup_mma << ',' << r.dense_tflops
        << ',' << r.kept_tflops << ',' << r.peak_fraction << ',' << r.spot_rel_error << ',' << r.as24_ms << ','
-       << r.as24_compress_ms << ',' << r.speedup_24 << '\n';
+       << r.as24_compress_ms << ',' << r.speedup_24 << ',' << r.spot_worst_path << '\n';
   return os.str();
 }
 

@@ -46,7 +46,8 @@ struct VnmBenchResult {
   double dense_tflops = 0;  // 2·out·in·tokens / dense time
   double kept_tflops = 0;   // 2·out·tokens·(in·2/M) (kept weights only) / fastest wgmma.sp time (mma.sp without it)
   double peak_fraction = 0; // kept_tflops / the wgmma.sp peak of kept products (0 where unknown)
-  double spot_rel_error = 0;  // max |gpu - host| / rms(host) over the checked rows, all paths
+  double spot_rel_error = 0;  // max |gpu - host| / rms(host) over the checked rows, all paths (inf: not finite)
+  std::string spot_worst_path;  // the path with that error: "wgmma X", "wgmma Xt", "mma X", "mma Xt", "2:4"
   // The same weight as a dense W that is 2:4 along its rows (M a multiple of 4), on
   // cuSPARSELt's 2:4 product (model/cuda/rows_24_forward.h, what masked and vnm layers run):
   // median product time, its compression from W (once per weight change), dense_ms over the
