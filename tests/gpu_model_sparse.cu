@@ -1021,6 +1021,35 @@ TEST_F(GpuModelSparse, ProfilerSeesEveryOpWithTheCpuNames) {
 
 // --- masked --------------------------------------------------------------------------------
 
+// Every block linear of both models masked: attention layers 2:4 when `attn_24`, the others
+// (all, without it) unstructured at `sparsity`, the masks chosen by the CPU model from its
+// weights (as a GMP ramp's update).
+void make_masked(Transformer<float>& cm, GpuTransformer& gm, double sparsity, bool attn_24, uint64_t seed) {
+  for (const auto& name : cm.linear_names()) {
+    esplag::LayerPlan plan;
+    plan.kind = "masked";
+    const bool is_24 = attn_24 && name.find(".attn.") != std::string::npos;
+    plan.pattern = is_24 ? esplag::SparsityPattern::nm(2, 4) : esplag::SparsityPattern::unstructured(sparsity);
+    plan.sparsity = is_24 ? 0.5 : sparsity;
+    esplag::apply_layer_plan(cm, name, plan, seed);
+    GpuTransformer::LinearKindSetting st(name, {.kind = "masked"});
+    st.mask = &dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name)).mask();
+    gm.set_linear_kinds({st});
+    EXPECT_EQ(gm.linear_kind(name), "masked");
+  }
+}
+
+// The GPU model's block weights are exactly 0 wherever the CPU model's masks prune.
+void expect_pruned_weights_zero(Transformer<float>& cm, const GpuTransformer& gm, const std::string& when) {
+  const auto p = gm.params_to_host();
+  for (const auto& name : cm.linear_names()) {
+    const auto& mask = dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name)).mask();
+    const auto& info = param_named(cm, name);
+    for (size_t i = 0; i < info.numel; ++i)
+      if (!mask[i]) ASSERT_EQ(p[info.offset + i], 0.f) << when << ": " << name << " pruned position " << i;
+  }
+}
+
 // Gradual magnitude pruning's layers (model/linear_masked.h) on the GPU: every block linear
 // masked on both models with the CPU's masks (2:4 on the attention, unstructured 60% on the
 // MLP). One micro-batch gives the CPU's gradients (zero where pruned); 12 steps follow the
@@ -1033,31 +1062,8 @@ TEST_F(GpuModelSparse, MaskedMatchesCpuAndKeepsPrunedWeightsAtZero) {
   cm.init_weights(4);
   GpuTransformer gm(c, B, T);
   gm.set_params(cm.params(), cm.num_params());
-  auto masked = [&](uint64_t seed) {
-    for (const auto& name : cm.linear_names()) {
-      esplag::LayerPlan plan;
-      plan.kind = "masked";
-      const bool attn = name.find(".attn.") != std::string::npos;
-      plan.pattern = attn ? esplag::SparsityPattern::nm(2, 4) : esplag::SparsityPattern::unstructured(0.6);
-      plan.sparsity = attn ? 0.5 : 0.6;
-      esplag::apply_layer_plan(cm, name, plan, seed);
-      const auto& l = dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name));
-      GpuTransformer::LinearKindSetting st(name, {.kind = "masked"});
-      st.mask = &l.mask();
-      gm.set_linear_kinds({st});
-      EXPECT_EQ(gm.linear_kind(name), "masked");
-    }
-  };
-  masked(1);
-  auto expect_pruned_zero = [&](const char* when) {
-    const auto p = gm.params_to_host();
-    for (const auto& name : cm.linear_names()) {
-      const auto& l = dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name));
-      const auto& info = param_named(cm, name);
-      for (size_t i = 0; i < info.numel; ++i)
-        if (!l.mask()[i]) ASSERT_EQ(p[info.offset + i], 0.f) << when << ": " << name << " pruned position " << i;
-    }
-  };
+  make_masked(cm, gm, 0.6, true, 1);
+  auto expect_pruned_zero = [&](const char* when) { expect_pruned_weights_zero(cm, gm, when); };
   expect_pruned_zero("after the masks were set");
   expect_cpu_gradients(cm, gm, B, T, "masked");
 
@@ -1067,18 +1073,7 @@ TEST_F(GpuModelSparse, MaskedMatchesCpuAndKeepsPrunedWeightsAtZero) {
   expect_curves_agree(
       cm, gm, B, T, steps, 80, hyper, [&](int s) { cpu_trainer_adamw(cm, m, v, hyper, s + 1); }, 0.95);
   expect_pruned_zero("after 12 steps");
-  // Sparser masks from the trained weights (the CPU's, as the next update of a ramp).
-  for (const auto& name : cm.linear_names()) {
-    esplag::LayerPlan plan;
-    plan.kind = "masked";
-    plan.pattern = esplag::SparsityPattern::unstructured(0.8);
-    plan.sparsity = 0.8;
-    esplag::apply_layer_plan(cm, name, plan, 2);
-    const auto& l = dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name));
-    GpuTransformer::LinearKindSetting st(name, {.kind = "masked"});
-    st.mask = &l.mask();
-    gm.set_linear_kinds({st});
-  }
+  make_masked(cm, gm, 0.8, false, 2);  // sparser masks from the trained weights, as a ramp's next update
   expect_pruned_zero("after new masks");
   GpuTransformer::LinearKindSetting no_mask(cm.linear_names()[0], {.kind = "masked"});
   gm.set_linear_kinds({no_mask});  // keeps the layer's mask
@@ -1101,29 +1096,14 @@ TEST_F(GpuModelSparse, MaskedLayersOfAwkwardWidthsMatchCpu) {
     cm.init_weights(6);
     GpuTransformer gm(c, B, T);
     gm.set_params(cm.params(), cm.num_params());
-    for (const auto& name : cm.linear_names()) {
-      esplag::LayerPlan plan;
-      plan.kind = "masked";
-      plan.pattern = esplag::SparsityPattern::unstructured(0.7);
-      plan.sparsity = 0.7;
-      esplag::apply_layer_plan(cm, name, plan, 3);
-      GpuTransformer::LinearKindSetting st(name, {.kind = "masked"});
-      st.mask = &dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name)).mask();
-      gm.set_linear_kinds({st});
-    }
+    make_masked(cm, gm, 0.7, false, 3);
     expect_cpu_gradients(cm, gm, B, T, "masked, awkward widths");
     esplag::GpuAdamW hyper;
     hyper.lr = 3e-3;
     std::map<std::string, std::vector<float>> m, v;
     expect_curves_agree(
         cm, gm, B, T, 6, 81, hyper, [&](int s) { cpu_trainer_adamw(cm, m, v, hyper, s + 1); }, 0.98);
-    const auto p = gm.params_to_host();
-    for (const auto& name : cm.linear_names()) {
-      const auto& mask = dynamic_cast<const esplag::MaskedLinear<float>&>(cm.linear(name)).mask();
-      const auto& info = param_named(cm, name);
-      for (size_t i = 0; i < info.numel; ++i)
-        if (!mask[i]) ASSERT_EQ(p[info.offset + i], 0.f) << name << " pruned position " << i;
-    }
+    expect_pruned_weights_zero(cm, gm, "after 6 steps");
   }
 }
 
