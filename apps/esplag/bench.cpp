@@ -523,9 +523,23 @@ const Command kBenchLayer = {
 };
 
 const Command kBenchSparsify = {
-    "bench sparsify", "2:4 sparsification kernels against a copy (cuda)", "", {csv_option()}, bench_sparsify};
+    "bench sparsify",
+    "2:4 sparsification kernels against a copy (cuda)",
+    "Each kernel that prunes a bf16 matrix to 2:4 (transposable, into cuSPARSELt's layout, SLoPe's double\n"
+    "prune, the activations' rows and tiles, MVUE) with each set of outputs it writes, on 4096x11008,\n"
+    "11008x4096 and 2048x8192: the median of 50 launches alternating between two inputs (none stays in L2),\n"
+    "GB/s of the bytes it must move, and the same bytes copied device to device for scale\n"
+    "(docs/sparse-gpu.md). The CSV's commit column comes from $ESPLAG_COMMIT.",
+    {csv_option()},
+    bench_sparsify};
 const Command kBenchAttention = {
-    "bench attention", "attention paths, forward and backward (cuda)", "", {csv_option()}, bench_attention};
+    "bench attention",
+    "attention paths, forward and backward (cuda)",
+    "The native kernels, cuDNN's and cuDNN's non-deterministic backward on the training shapes of gpt2-124m\n"
+    "(16 x 1024), gpt2-350m (8 x 1024) and llama-1b (4 x 2048): median forward and backward times of 20 pairs\n"
+    "after 3 warm-up pairs; a path that cannot run on a shape says why.",
+    {csv_option()},
+    bench_attention};
 const Command kBenchVnm = {
     "bench vnm",
     "V:2:M sparse GEMM against dense cuBLASLt (cuda)",
@@ -538,7 +552,13 @@ const Command kBenchVnm = {
     {csv_option()},
     bench_vnm};
 const Command kBenchSparseAdamw = {
-    "bench sparse-adamw", "SLoPe's sparse AdamW against dense AdamW (cuda)", "", {csv_option()}, bench_sparse_adamw};
+    "bench sparse-adamw",
+    "SLoPe's sparse AdamW against dense AdamW (cuda)",
+    "On 4096x11008 and 2048x5632: dense AdamW and its gradient norm against the sparse AdamW over the kept\n"
+    "values (from an fp32 or a bf16 dW, with or without writing the pruned bf16 W), the sparse gradient norm,\n"
+    "and SLoPe's backward-mask refresh and refill; median times and the ratio to dense AdamW.",
+    {csv_option()},
+    bench_sparse_adamw};
 
 const Command kBenchGenerate = {
     "bench generate",
