@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "bench/lib/fill.h"
+#include "core/device_fill.h"
 #include "bench/lib/summary.h"
 #include "core/cuda_check.h"
 #include "core/cuda_timing.h"

@@ -7,7 +7,7 @@
 #include <memory>
 #include <utility>
 
-#include "bench/lib/fill.h"
+#include "core/device_fill.h"
 #include "bench/lib/summary.h"
 #include "core/cuda_check.h"
 #include "core/cuda_timing.h"

@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <functional>
 
-#include "bench/lib/fill.h"
+#include "core/device_fill.h"
 #include "core/cuda_check.h"
 #include "core/cuda_timing.h"
 #include "core/device_arena.h"

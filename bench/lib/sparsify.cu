@@ -8,7 +8,7 @@
 #include <map>
 #include <string>
 
-#include "bench/lib/fill.h"
+#include "core/device_fill.h"
 #include "core/cuda_check.h"
 #include "core/cuda_timing.h"
 #include "core/device_arena.h"

@@ -1,7 +1,8 @@
 // The operands of a Linear layer's product timings (the per-layer dispatch, model/device_linear.h):
-// X and dX [tokens, in], Y and dY [tokens, out]; X and dY hold hashed values in [-1, 1), no
-// shortcuts, and no constant data either, whose low switching power would flatter every
-// product alike (constant operands read about 880 TFLOP/s for dense bf16 forwards on an H100).
+// X and dX [tokens, in], Y and dY [tokens, out]; X and dY random and non-zero
+// (core/device_fill.h): no shortcuts, and no constant data either, whose low switching power
+// would flatter every product alike (constant operands read about 880 TFLOP/s for dense bf16
+// forwards on an H100).
 //
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once

@@ -1,12 +1,13 @@
-// Random, never-zero bf16 data made on the device, for the benchmarks: a zero input would
-// let hardware or libraries skip work, and copying gigabytes from the host would dominate
-// a benchmark's start-up.
+// Random, never-zero bf16 data made on the device, for the benchmarks and the per-layer
+// dispatch timings (model/cuda/timing_operands.h): a zero or constant input would let
+// hardware or libraries skip work or draw less power, and copying gigabytes from the host
+// would dominate a benchmark's start-up.
 //
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once
 
 #ifndef ESPLAG_HAVE_CUDA
-#error "bench/lib/fill.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#error "core/device_fill.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
 #endif
 
 #include <cuda_bf16.h>

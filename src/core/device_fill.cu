@@ -1,4 +1,4 @@
-#include "bench/lib/fill.h"
+#include "core/device_fill.h"
 
 #include "core/cuda_check.h"
 
