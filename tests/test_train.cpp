@@ -10,6 +10,7 @@
 
 #include "data/prepare.h"
 #include "io/atomic_file.h"
+#include "io/safetensors.h"
 #include "train/trainer.h"
 
 using namespace esplag;
@@ -69,6 +70,18 @@ std::vector<nlohmann::json> read_metrics(const fs::path& run) {
 
 void quiet(const std::string&) {}
 
+// dir/full resumed from its step-3 checkpoint in a run directory dir/part that holds only
+// that checkpoint, as if the run had been interrupted right after saving it; run to the end.
+std::unique_ptr<Trainer> resume_from_step_3(const fs::path& dir) {
+  const fs::path part = dir / "part";
+  fs::create_directories(part);
+  fs::copy(dir / "full" / "step-000003", part / "step-000003", fs::copy_options::recursive);
+  std::ofstream(part / "latest") << "step-000003\n";
+  auto resumed = Trainer::resume(part.string(), quiet);
+  resumed->run();
+  return resumed;
+}
+
 }  // namespace
 
 // A recipe step written as a fraction resolves against train.steps, so resuming with
@@ -107,14 +120,7 @@ TEST(Trainer, ResumedRunIsBitIdenticalToUninterrupted) {
   Trainer full(cfg, (dir / "full").string(), quiet);
   full.run();
 
-  // A second run directory that holds only the step-3 checkpoint, as if the run had been
-  // interrupted right after saving it.
-  const fs::path part = dir / "part";
-  fs::create_directories(part);
-  fs::copy(dir / "full" / "step-000003", part / "step-000003", fs::copy_options::recursive);
-  std::ofstream(part / "latest") << "step-000003\n";
-  auto resumed = Trainer::resume(part.string(), quiet);
-  resumed->run();
+  auto resumed = resume_from_step_3(dir);
 
   const auto& a = full.model();
   const auto& b = resumed->model();
@@ -128,7 +134,7 @@ TEST(Trainer, ResumedRunIsBitIdenticalToUninterrupted) {
       if (j.contains("loss")) out[j["step"].get<int64_t>()] = j["loss"].get<double>();
     return out;
   };
-  const auto la = losses(read_metrics(dir / "full")), lb = losses(read_metrics(part));
+  const auto la = losses(read_metrics(dir / "full")), lb = losses(read_metrics(dir / "part"));
   for (int64_t s = 4; s <= 6; ++s) {
     ASSERT_TRUE(la.count(s) && lb.count(s)) << "step " << s;
     EXPECT_EQ(la.at(s), lb.at(s)) << "loss at step " << s;
@@ -156,12 +162,7 @@ TEST(Trainer, SparseDwRunResumesBitIdentically) {
     return s.find("step 0: blocks.0.mlp.fc.weight -> semi_sparse 2:4, sparse dW") != std::string::npos;
   }));
 
-  const fs::path part = dir / "part";
-  fs::create_directories(part);
-  fs::copy(dir / "full" / "step-000003", part / "step-000003", fs::copy_options::recursive);
-  std::ofstream(part / "latest") << "step-000003\n";
-  auto resumed = Trainer::resume(part.string(), quiet);
-  resumed->run();
+  auto resumed = resume_from_step_3(dir);
   const auto& a = full.model();
   const auto& b = resumed->model();
   ASSERT_EQ(a.num_params(), b.num_params());
@@ -193,15 +194,40 @@ TEST(Trainer, Fp8RunResumesBitIdentically) {
   EXPECT_TRUE(std::isfinite(r.last_loss));
   EXPECT_NE(std::memcmp(plain.model().params(), full.model().params(), plain.model().num_params() * sizeof(float)), 0);
 
-  const fs::path part = dir / "part";
-  fs::create_directories(part);
-  fs::copy(dir / "full" / "step-000003", part / "step-000003", fs::copy_options::recursive);
-  std::ofstream(part / "latest") << "step-000003\n";
-  auto resumed = Trainer::resume(part.string(), quiet);
-  resumed->run();
+  auto resumed = resume_from_step_3(dir);
   ASSERT_EQ(full.model().num_params(), resumed->model().num_params());
   EXPECT_EQ(std::memcmp(full.model().params(), resumed->model().params(), full.model().num_params() * sizeof(float)),
             0);
+}
+
+// train.fp8_scaling delayed: the checkpoint keeps every layer's amax history, so a resumed
+// run scales its casts as the uninterrupted one did and ends on the same bits; the histories
+// reach the layers (another run than current scaling).
+TEST(Trainer, Fp8DelayedScalingResumesBitIdentically) {
+  const fs::path dir = scratch("resume_fp8_delayed");
+  const std::string data = make_dataset(dir);
+  TrainConfig cfg = small_config(data);
+  cfg.grad_accum = 2;
+  cfg.precision = "fp8";
+  cfg.recipe_yaml = "- slope: {params: ['re:blocks\\.\\d+\\.mlp\\..*']}\n";
+  Trainer current(cfg, (dir / "current").string(), quiet);
+  current.run();
+  cfg.fp8_scaling = "delayed";
+  cfg.fp8_amax_history = 2;
+  Trainer full(cfg, (dir / "full").string(), quiet);
+  full.run();
+  const size_t n = full.model().num_params();
+  EXPECT_NE(std::memcmp(current.model().params(), full.model().params(), n * sizeof(float)), 0);
+  const SafetensorsFile opt = load_safetensors((dir / "full" / "step-000003" / "optimizer.safetensors").string());
+  ASSERT_TRUE(opt.tensors.count("fp8_amax_history.blocks.1.mlp.proj"));
+  EXPECT_EQ(opt.tensors.at("fp8_amax_history.blocks.1.mlp.proj").shape(), (Shape{2, 3}));
+
+  auto resumed = resume_from_step_3(dir);
+  EXPECT_EQ(std::memcmp(full.model().params(), resumed->model().params(), n * sizeof(float)), 0);
+  Transformer<float>& a = full.model();
+  Transformer<float>& b = resumed->model();
+  for (size_t i = 0; i < a.fp8_histories().size(); ++i)
+    EXPECT_EQ(a.fp8_histories()[i].values(), b.fp8_histories()[i].values()) << "layer " << i;
 }
 
 TEST(Trainer, LossFallsOnStructuredText) {

@@ -1,4 +1,4 @@
-// train.precision and train.fp8_grad: parsing, errors, what the layers get, and the GPU's
+// train.precision, train.fp8_grad and delayed scaling's settings: parsing, errors, what the layers get, and the GPU's
 // refusal of fp8 (emulated on the CPU only so far).
 #include <gtest/gtest.h>
 
@@ -34,6 +34,20 @@ TEST(TrainPrecision, DefaultsAndFp8Settings) {
   // Saved and read back.
   const TrainConfig back = parse_train_config(to_yaml(g), "config.yaml", {});
   EXPECT_EQ(back.linear_precision(), g.linear_precision());
+}
+
+TEST(TrainPrecision, DelayedScalingSettings) {
+  const TrainConfig c = parse_train_config("train:\n  precision: fp8\n", "run.yaml",
+                                           {"train.fp8_scaling=delayed", "train.fp8_amax_history=4"});
+  const LinearPrecision p = c.linear_precision();
+  EXPECT_TRUE(p.delayed());
+  EXPECT_EQ(p.amax_history, 4);
+  EXPECT_EQ(parse_train_config(to_yaml(c), "config.yaml", {}).linear_precision(), p);
+  EXPECT_FALSE(TrainConfig{}.linear_precision().delayed());
+  const std::string bad = error_of("train:\n  fp8_scaling: lazy\n");
+  EXPECT_NE(bad.find("train.fp8_scaling"), std::string::npos) << bad;
+  const std::string zero = error_of("train:\n  fp8_amax_history: 0\n");
+  EXPECT_NE(zero.find("train.fp8_amax_history"), std::string::npos) << zero;
 }
 
 TEST(TrainPrecision, UnknownValuesAreKeyErrors) {

@@ -117,7 +117,12 @@ int64_t scaled_round_trip(T* out, const T* x, int64_t n, float scale, Fp8Format 
 
 template <typename T>
 int64_t fp8_quantize_dequantize(T* out, const T* x, int64_t n, Fp8Format f) {
-  const float scale = fp8_scale(float(fp8_amax(x, n)), f);
+  return fp8_quantize_dequantize(out, x, n, f, float(fp8_amax(x, n)));
+}
+
+template <typename T>
+int64_t fp8_quantize_dequantize(T* out, const T* x, int64_t n, Fp8Format f, float amax) {
+  const float scale = fp8_scale(amax, f);
   std::atomic<int64_t> saturated{0};
   parallel_for((n + kBlock - 1) / kBlock, [&](int64_t b0, int64_t b1) {
     const int64_t i0 = b0 * kBlock, i1 = std::min(n, b1 * kBlock);
@@ -144,6 +149,8 @@ template float fp8_amax<float>(const float*, int64_t);
 template double fp8_amax<double>(const double*, int64_t);
 template int64_t fp8_quantize_dequantize<float>(float*, const float*, int64_t, Fp8Format);
 template int64_t fp8_quantize_dequantize<double>(double*, const double*, int64_t, Fp8Format);
+template int64_t fp8_quantize_dequantize<float>(float*, const float*, int64_t, Fp8Format, float);
+template int64_t fp8_quantize_dequantize<double>(double*, const double*, int64_t, Fp8Format, float);
 template int64_t fp8_quantize_dequantize_rows<float>(float*, const float*, int64_t, int64_t, Fp8Format);
 template int64_t fp8_quantize_dequantize_rows<double>(double*, const double*, int64_t, int64_t, Fp8Format);
 

@@ -48,6 +48,10 @@ T fp8_amax(const T* x, int64_t n);
 // of values the cast saturated.
 template <typename T>
 int64_t fp8_quantize_dequantize(T* out, const T* x, int64_t n, Fp8Format f);
+// The same with s = fp8_scale(amax) for a given amax (delayed scaling: one from earlier
+// steps, so that values above it saturate).
+template <typename T>
+int64_t fp8_quantize_dequantize(T* out, const T* x, int64_t n, Fp8Format f, float amax);
 // The same with one scale per row of the row-major [rows, cols] matrix x.
 template <typename T>
 int64_t fp8_quantize_dequantize_rows(T* out, const T* x, int64_t rows, int64_t cols, Fp8Format f);

@@ -42,6 +42,9 @@ struct LinearParams {
   T* dweight = nullptr;  // gradient buffers, same shapes
   T* dbias = nullptr;
   LinearPrecision precision;  // of the products (the model's, Transformer::set_linear_precision)
+  // The model's amax history of this layer's X and dY (delayed fp8 scaling); it outlives the
+  // layer's kind.
+  Fp8AmaxHistory* fp8_history = nullptr;
 };
 
 // A trained tensor owned by a Linear kind: value and gradient of the same shape.
@@ -91,7 +94,9 @@ class Linear {
  protected:
   // What a product multiplies for operand `x` of n values (model/linear_precision.h): x
   // itself, or in fp8 its quantised copy, valid until the next call for the same role.
-  const T* operand(ProductOperand role, const T* x, int64_t n) const { return fp8_(p_.precision, role, x, n); }
+  const T* operand(ProductOperand role, const T* x, int64_t n) const {
+    return fp8_(p_.precision, role, x, n, p_.fp8_history);
+  }
   // dbias += the column sums of dout [N, out] (when there is a bias): exact sums of dY in
   // every precision, apart from the products' operands.
   void bias_backward(const T* dout, int N) const;

@@ -153,6 +153,7 @@ Transformer<T>::Transformer(const ModelConfig& config) : cfg_(config) {
   head_w_ = cfg_.tie_embeddings ? wte_ : p("lm_head.weight");
   head_dw_ = cfg_.tie_embeddings ? dwte_ : g("lm_head.weight");
   norm_f_ = norm("norm_f");
+  fp8_histories_.assign(size_t(4) * L, Fp8AmaxHistory(linear_precision_.amax_history));
   blocks_.resize(L);
   for (int l = 0; l < L; ++l) {
     const std::string b = block_prefix(l);
@@ -268,6 +269,9 @@ LinearParams<T> Transformer<T>::linear_params(const std::string& weight_name) {
   lp.weight = params_.data() + info.offset;
   lp.dweight = grads_.data() + info.offset;
   lp.precision = linear_precision_;
+  const std::vector<std::string> names = linear_names();
+  const auto at = std::find(names.begin(), names.end(), weight_name);
+  if (at != names.end()) lp.fp8_history = &fp8_histories_[size_t(at - names.begin())];
   const std::string bias_name = weight_name.substr(0, weight_name.size() - 7) + ".bias";  // "weight" -> "bias"
   for (const auto& bi : infos_)
     if (bi.name == bias_name) {
@@ -319,8 +323,15 @@ void Transformer<T>::replace_linear(const std::string& weight_name, std::unique_
 
 template <typename T>
 void Transformer<T>::set_linear_precision(const LinearPrecision& precision) {
+  if (precision.amax_history != linear_precision_.amax_history)
+    for (auto& h : fp8_histories_) h.resize(precision.amax_history);
   linear_precision_ = precision;
   for (const auto& name : linear_names()) linear(name).set_precision(precision);
+}
+
+template <typename T>
+void Transformer<T>::roll_fp8_histories() {
+  for (auto& h : fp8_histories_) h.roll();
 }
 
 template <typename T>

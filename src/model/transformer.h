@@ -13,6 +13,7 @@
 #include "core/zeroed_array.h"
 #include "model/activation_checkpointing.h"
 #include "model/config.h"
+#include "model/fp8_amax_history.h"
 #include "model/linear.h"
 
 namespace esplag {
@@ -124,6 +125,11 @@ class Transformer {
   const LinearPrecision& linear_precision() const { return linear_precision_; }
   // Operand values the block linears' fp8 casts saturated so far, replaced layers included.
   int64_t fp8_saturated() const;
+  // Delayed fp8 scaling: the amax history of every block linear, in linear_names() order
+  // (their length is the precision's amax_history).
+  std::vector<Fp8AmaxHistory>& fp8_histories() { return fp8_histories_; }
+  // An optimizer step is over: every history takes its amaxes.
+  void roll_fp8_histories();
 
  private:
   struct Norm {
@@ -163,7 +169,8 @@ class Transformer {
   T *wte_ = nullptr, *dwte_ = nullptr, *wpe_ = nullptr, *dwpe_ = nullptr, *head_w_ = nullptr, *head_dw_ = nullptr;
   ActivationCheckpointing ckpt_;
   LinearPrecision linear_precision_;
-  int64_t fp8_saturated_replaced_ = 0;  // by layers since replaced
+  std::vector<Fp8AmaxHistory> fp8_histories_;  // sized once: the layers keep pointers into it
+  int64_t fp8_saturated_replaced_ = 0;         // by layers since replaced
   std::unique_ptr<Activations> acts_;
 };
 

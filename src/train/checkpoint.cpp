@@ -70,6 +70,21 @@ void read_tensor(const SafetensorsFile& file, const std::string& path, const std
   check_finite(dst, shape_numel(shape), path, name);
 }
 
+// Delayed fp8 scaling: the amax history of the block linear of weight `weight_name` is the
+// optimizer file's tensor "fp8_amax_history.<module>" (of a step since the first).
+std::string fp8_history_key(const std::string& weight_name) {
+  return "fp8_amax_history." + weight_name.substr(0, weight_name.size() - std::string(".weight").size());
+}
+
+std::vector<std::pair<std::string, Fp8AmaxHistory*>> fp8_histories_to_save(Transformer<float>& model) {
+  std::vector<std::pair<std::string, Fp8AmaxHistory*>> out;
+  if (!model.linear_precision().delayed()) return out;
+  const std::vector<std::string> names = model.linear_names();
+  for (size_t i = 0; i < names.size(); ++i)
+    if (Fp8AmaxHistory& h = model.fp8_histories()[i]; h.warm()) out.emplace_back(fp8_history_key(names[i]), &h);
+  return out;
+}
+
 // The step of a step directory's name ("step-000150" -> 150), or -1 for any other name.
 int64_t step_of_dir_name(const std::string& name) {
   const std::string digits = name.rfind("step-", 0) == 0 ? name.substr(5) : "";
@@ -183,6 +198,12 @@ std::string write_checkpoint(const std::string& run_dir, Transformer<float>& mod
       std::vector<Tensor> moments;
       for (const auto& p : trainable) moments.push_back(moment_view(*m, p, "m."));
       for (const auto& p : trainable) moments.push_back(moment_view(*v, p, "v."));
+      for (const auto& [name, h] : fp8_histories_to_save(model)) {
+        Tensor t = Tensor::zeros({2, Fp8AmaxHistory::values_per_operand(h->length())}, DType::f32, name);
+        const std::vector<float> values = h->values();
+        std::copy(values.begin(), values.end(), t.data<float>());
+        moments.push_back(std::move(t));
+      }
       save_safetensors((tmp_dir / "optimizer.safetensors").string(), moments, {{"format", kFormat}});
     }
     nlohmann::json js = {{"format", kFormat},
@@ -311,6 +332,19 @@ void load_checkpoint_weights(const std::string& checkpoint_dir, Transformer<floa
     vp.assign(n, 0.0f);
     read_tensor(opt, opt_path, "m." + p.name, p.shape, mp.data());
     read_tensor(opt, opt_path, "v." + p.name, p.shape, vp.data());
+  }
+  // A checkpoint of current scaling (or of a run's start) has no histories: the run then
+  // starts them as a new run does.
+  if (!model.linear_precision().delayed()) return;
+  const std::vector<std::string> names = model.linear_names();
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::string key = fp8_history_key(names[i]);
+    if (!opt.tensors.count(key)) continue;
+    Fp8AmaxHistory& h = model.fp8_histories()[i];
+    const Shape shape = {2, Fp8AmaxHistory::values_per_operand(h.length())};
+    std::vector<float> values(size_t(shape_numel(shape)));
+    read_tensor(opt, opt_path, key, shape, values.data());
+    h.set_values(values, opt_path + ": tensor '" + key + "'");
   }
 }
 

@@ -192,6 +192,8 @@ const std::vector<Field>& fields() {
       text("train.offload", ref(&T::offload), {"none", "optimizer", "optimizer+master"}),
       text("train.precision", ref(&T::precision), {"bf16", "fp8"}),
       text("train.fp8_grad", ref(&T::fp8_grad), {"e5m2", "e4m3"}),
+      text("train.fp8_scaling", ref(&T::fp8_scaling), {"current", "delayed"}),
+      integer("train.fp8_amax_history", ref(&T::fp8_amax_history), 1, 1024),
       text("train.sparse_dispatch", ref(&T::sparse_dispatch), {"measure", "sparse"}),
       text("train.init_from", ref(&T::init_from)),
       real("optimizer.lr", ref(&T::optimizer, &O::lr), {0, kInf, true, true}),
@@ -347,7 +349,12 @@ void TrainConfig::validate() const {
 Recipe TrainConfig::recipe() const { return Recipe::parse(recipe_yaml, source); }
 
 LinearPrecision TrainConfig::linear_precision() const {
-  return {precision == "fp8", fp8_format_from(fp8_grad, "train.fp8_grad")};
+  LinearPrecision p;
+  p.fp8 = precision == "fp8";
+  p.grad = fp8_format_from(fp8_grad, "train.fp8_grad");
+  p.scaling = fp8_scaling == "delayed" ? Fp8Scaling::delayed : Fp8Scaling::current;
+  p.amax_history = fp8_amax_history;
+  return p;
 }
 
 TrainConfig parse_train_config(const std::string& yaml_text, const std::string& source,

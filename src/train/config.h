@@ -66,6 +66,11 @@ struct TrainConfig {
   std::string precision = "bf16";
   // train.fp8_grad: e4m3 | e5m2, the output gradient's format in fp8 (docs/fp8.md says why e4m3).
   std::string fp8_grad = "e4m3";
+  // train.fp8_scaling: current | delayed, where X's and dY's fp8 scales come from: each
+  // tensor's own amax, or the largest of the last train.fp8_amax_history steps' amaxes
+  // (model/fp8_amax_history.h; docs/fp8.md, "Delayed scaling").
+  std::string fp8_scaling = "current";
+  int fp8_amax_history = 16;
   // train.sparse_dispatch: measure | sparse, the GPU's choice of products for 2:4 layers
   // (semi_sparse, semi_sparse_activation, slope): the faster of the 2:4 and the dense
   // products of the same operands, timed per layer shape when the layers appear; or the
@@ -94,7 +99,7 @@ struct TrainConfig {
   // The checks of validate() that do not depend on the model section (what a config with
   // train.init_from can be checked for before the checkpoint's model is known).
   void validate_settings() const;
-  // train.precision and train.fp8_grad as the model's layers take them.
+  // train.precision and the train.fp8_* settings as the model's layers take them.
   LinearPrecision linear_precision() const;
   // The recipe list, parsed (errors and describe() name `source`); empty for dense training.
   Recipe recipe() const;

@@ -132,6 +132,7 @@ class CpuStep final : public StepBackend {
     } else {
       step_optimizer(step, grad_scale, lr);
     }
+    model_.roll_fp8_histories();
     last_ = st;
   }
   Stats last_stats() override { return last_; }
