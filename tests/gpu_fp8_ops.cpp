@@ -2,7 +2,8 @@
 //
 // Casts must give core's codes bit for bit: fp8_encode(float(x) · s) with s =
 // fp8_scale(amax), amax = fp8_amax(x) computed on the device and equal to core's, the
-// inverse scale exactly 1 / s, and the saturated count core's. Every bf16 value is cast
+// inverse scale exactly 1 / s, the saturated count core's, and the amax a cast records
+// (delayed scaling) core's too; the step end of delayed scaling's histories follows core's. Every bf16 value is cast
 // once per format at scale 1 (ties, subnormals, the saturation thresholds, ±inf, NaN of
 // both signs); random tensors of awkward sizes (1, 17, 4097, 2^20 + 5, and one past a
 // round of the grid-stride loops) go through the 16-byte path with and without a tail and,
@@ -34,6 +35,7 @@
 #include "core/error.h"
 #include "core/fp8.h"
 #include "core/rng.h"
+#include "model/fp8_amax_history.h"
 #include "ops/gpu_fp8.h"
 
 #include "gpu_test_util.h"
@@ -186,9 +188,11 @@ void expect_amax_and_cast(Fp8Format f, const Bits& x, size_t first, size_t n, co
   float* inv = dev.poisoned_floats(1);
   uint8_t* out = dev.poisoned_codes(n);
   uint64_t* sat = dev.zeroed_counter();
+  float* record = dev.put(VF{0.0f});
   gpu::fp8_amax(amax, dx, int64_t(n), dev.stream());
-  gpu::fp8_cast(out, inv, dx, int64_t(n), amax, f, sat, dev.stream());
+  gpu::fp8_cast(out, inv, dx, int64_t(n), {amax, record}, f, sat, dev.stream());
   const float want_amax = cpu_amax(x, first, n);
+  EXPECT_EQ(float_bits(dev.get_float(record)), float_bits(want_amax)) << what << ": amax the cast recorded";
   const float s = esplag::fp8_scale(want_amax, f);
   const Expected want = cpu_cast(x, first, n, s, f);
   EXPECT_EQ(float_bits(dev.get_float(amax)), float_bits(want_amax)) << what << ": amax";
@@ -288,11 +292,13 @@ void expect_tiled_cast(const Bits& x_all, Fp8Format f, const TiledCase& t) {
   uint8_t* out = t.both ? dev.poisoned_codes(n + t.shift, t.poison) + t.shift : nullptr;
   uint8_t* out_t = dev.poisoned_codes(n + t.shift, t.poison) + t.shift;
   uint64_t* sat = dev.zeroed_counter();
+  float* record = dev.put(VF{0.0f});
   if (!t.scale_one) gpu::fp8_amax(amax, x, int64_t(n), dev.stream());
   if (t.both)
-    gpu::fp8_cast_both(out, out_t, inv, x, t.rows, t.cols, amax, f, sat, dev.stream());
+    gpu::fp8_cast_both(out, out_t, inv, x, t.rows, t.cols, {amax, record}, f, sat, dev.stream());
   else
-    gpu::fp8_cast_transpose(out_t, inv, x, t.rows, t.cols, amax, f, sat, dev.stream());
+    gpu::fp8_cast_transpose(out_t, inv, x, t.rows, t.cols, {amax, record}, f, sat, dev.stream());
+  EXPECT_EQ(float_bits(dev.get_float(record)), float_bits(cpu_amax(x_all, t.first, n))) << "the recorded amax";
   const float s = t.scale_one ? 1.0f : esplag::fp8_scale(cpu_amax(x_all, t.first, n), f);
   const Expected e = cpu_cast(x_all, t.first, n, s, f);
   Codes want_t(n);
@@ -355,6 +361,37 @@ TEST(GpuFp8, TiledCastsOfEmptyTensors) {
 
 // One scale per row: rows of very different magnitudes, a zero row, a row with NaN and
 // infinities; aligned and (shifted by one element) unaligned inputs.
+// Delayed scaling's step end against core's history (model/fp8_amax_history.h): a few
+// histories of three steps rolled five times, each step's amaxes random; the scale each
+// step's casts read is the largest past amax, the step's amax restarts at 0.
+TEST(GpuFp8, RollAmaxHistoriesMatchesTheHostRule) {
+  REQUIRE_DEVICE();
+  constexpr int kLength = 3, kCount = 5;
+  Dev dev;
+  float* d = dev.put(VF(size_t(kCount) * (kLength + 2), 0.0f));
+  std::vector<esplag::Fp8AmaxHistory> host(kCount, esplag::Fp8AmaxHistory(kLength));
+  Rng rng(7);
+  for (int step = 0; step < 5; ++step) {
+    VF all = dev.get(d, size_t(kCount) * (kLength + 2));
+    for (int i = 0; i < kCount; ++i) {
+      const float a = static_cast<float>(std::fabs(rng.normal()) * (step + 1));
+      all[size_t(i) * (kLength + 2)] = a;  // the step's amax, as the casts record it
+      host[size_t(i)].record(esplag::ProductOperand::input, a);
+      host[size_t(i)].roll();
+    }
+    CUDA_CHECK(cudaMemcpy(d, all.data(), sizeof(float) * all.size(), cudaMemcpyHostToDevice));
+    gpu::fp8_roll_amax_histories(d, kCount, kLength, dev.stream());
+    const VF got = dev.get(d, all.size());
+    for (int i = 0; i < kCount; ++i) {
+      const float* h = got.data() + size_t(i) * (kLength + 2);
+      const std::vector<float> want = host[size_t(i)].values();  // X's: current, then the past
+      EXPECT_EQ(h[0], 0.0f) << "step " << step << " history " << i;
+      EXPECT_EQ(h[1], host[size_t(i)].scale_amax(esplag::ProductOperand::input)) << "step " << step;
+      for (int k = 0; k < kLength; ++k) EXPECT_EQ(h[2 + k], want[size_t(1 + k)]) << "step " << step << " past " << k;
+    }
+  }
+}
+
 TEST(GpuFp8, CastRowsBitExact) {
   REQUIRE_DEVICE();
   const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 1}, {3, 17}, {5, 4097}, {64, 64}, {33, 1024}, {7, 8}};

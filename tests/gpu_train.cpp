@@ -445,6 +445,29 @@ TEST_F(GpuTrain, Fp8TracksTheCpuEmulation) {
   EXPECT_LT(r.last_loss, 0.9 * r.first_loss);
 }
 
+// train.fp8_scaling delayed, dense layers and fp8 slope on fc (its Fp8SparseProducts): the
+// GPU's curve within 3% of the CPU's emulation; another run than current scaling; full
+// activation checkpointing (recomputed casts record the same amaxes again) and the step-6
+// checkpoint (the histories saved and loaded) give the same bits; the checkpoint resumes on
+// the CPU, and the CPU's on the GPU. The 2:4 products everywhere, so that runs repeat.
+TEST_F(GpuTrain, Fp8DelayedScalingTracksTheCpuAndResumes) {
+  const std::vector<std::string> delayed = {"train.precision=fp8", "train.fp8_scaling=delayed",
+                                            "train.fp8_amax_history=3", "train.sparse_dispatch=sparse"};
+  const std::string slope = "slope: {params: ['re:blocks\\..*\\.mlp\\.fc\\.weight']}";
+  const Runs r = recipe_on_both("fp8_delayed", slope, 3e-2, delayed);
+  const fs::path yaml = *dir_ / "fp8_delayed.yaml";
+  const RunLog current =
+      train(twelve_steps(yaml, "cuda", {"train.precision=fp8", "train.sparse_dispatch=sparse"}), *dir_ / "fp8_current");
+  EXPECT_FALSE(bit_identical(current, r.gpu, 2, 12)) << "delayed scaling trained the current-scaling run";
+  std::vector<std::string> full = delayed;
+  full.push_back("train.checkpointing=full");
+  EXPECT_TRUE(bit_identical(train(twelve_steps(yaml, "cuda", full), *dir_ / "fp8_delayed_full"), r.gpu, 1, 12))
+      << "delayed scaling with full activation checkpointing";
+  const RunLog resumed = resume(*dir_ / "fp8_delayed_gpu_run", "step-000006", *dir_ / "fp8_delayed_resumed", "cuda");
+  EXPECT_TRUE(bit_identical(resumed, r.gpu, 7, 12)) << "the resumed run scaled its casts otherwise";
+  expect_resumes("fp8_delayed", r, 3e-2, true);
+}
+
 TEST_F(GpuTrain, AutoPicksTheGpuAndSparseRecipesAreRefused) {
   std::vector<std::string> log;
   Trainer t(tiny(*data_, "auto", {"train.steps=2", "schedule.warmup_steps=2"}), (*dir_ / "auto").string(),

@@ -157,7 +157,7 @@ TEST(TrainConfig, EveryNumericKeyHasARange) {
     EXPECT_NE(err.find("config key '" + key + "' must be "), std::string::npos) << err;
     EXPECT_TRUE(err.find(" in [") != std::string::npos || err.find(" in (") != std::string::npos) << err;
   }
-  EXPECT_EQ(numeric, 31);
+  EXPECT_EQ(numeric, 32);
 }
 
 TEST(TrainConfig, NormEpsHasADefaultAndRoundTrips) {

@@ -42,6 +42,7 @@
 namespace esplag {
 
 class StepMarks;
+class DeviceFp8Histories;
 using gpu::bf16;
 
 // Values by the CPU trainer's tensor names ("<weight>.values", "<module>.lora_l"): the
@@ -117,6 +118,8 @@ struct DeviceLinearContext {
   void* colsum_scratch = nullptr;  // gpu::column_sum_add's scratch (bias gradients as column sums)
   size_t colsum_scratch_bytes = 0;
   uint64_t* fp8_saturated = nullptr;  // the fp8 casts add the values they saturated (precision.fp8)
+  // Delayed fp8 scaling's amax histories (precision.delayed()), else null.
+  DeviceFp8Histories* fp8_histories = nullptr;
 
   // The largest of f(out, in) over the block Linear shapes (a shared scratch's size).
   size_t largest(const std::function<size_t(int64_t out, int64_t in)>& f) const;

@@ -200,6 +200,9 @@ void lay_out(const ModelConfig& c, int B, int T, const GpuModelOptions& o, GpuTr
   *loss = take.arr<double>("loss", 3);
   *norm_sq = take.arr<float>("grad_norm_sq", 1);
   if (o.precision.fp8) im.fp8_saturated = take.arr<uint64_t>("fp8.saturated", 1);
+  if (o.precision.delayed())
+    im.fp8_history_memory =
+        take.arr<float>("fp8.amax_histories", DeviceFp8Histories::floats(4 * c.n_layer, o.precision.amax_history));
   im.fused_norm = o.fused_norm_backward && gpu::fused_norm_backward_supported(c.d_model);
   // Column sums give bias gradients with the fused norm backward, and a slope or sparse_dw
   // layer's wherever (its dW product writes a scratch, without the bias epilogue).
@@ -371,6 +374,9 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
   CUDA_CHECK(cudaMemsetAsync(norm_sq_, 0, sizeof(float), stream_));
   CUDA_CHECK(cudaMemsetAsync(loss_, 0, 3 * sizeof(double), stream_));
   if (im.fp8_saturated) CUDA_CHECK(cudaMemsetAsync(im.fp8_saturated, 0, sizeof(uint64_t), stream_));
+  if (im.fp8_history_memory)
+    im.fp8_histories = std::make_unique<DeviceFp8Histories>(im.fp8_history_memory, transformer_linear_names(cfg_),
+                                                            opt_.precision.amax_history, stream_);
   im.blocks.resize(cfg_.n_layer);
   make_linears();
   if (!opt_.defer_state) lay_out_state();
@@ -390,6 +396,18 @@ void GpuTransformer::set_op_timing(bool on) { impl_->marks.set_timing(on); }
 std::vector<GpuOpTime> GpuTransformer::op_times() const { return impl_->marks.totals(); }
 
 int64_t GpuTransformer::graph_launches() const { return impl_->graph_launches; }
+
+void GpuTransformer::fp8_histories_to_host(std::vector<Fp8AmaxHistory>& host) const {
+  if (impl_->fp8_histories) impl_->fp8_histories->to_host(host, stream_);
+}
+
+void GpuTransformer::fp8_histories_from_host(const std::vector<Fp8AmaxHistory>& host) {
+  Impl& im = *impl_;
+  if (!im.fp8_histories) return;
+  const bool was_warm = im.fp8_histories->warm();
+  im.fp8_histories->from_host(host, stream_);
+  if (im.fp8_histories->warm() != was_warm) im.step_graphs.clear();  // they cast the other way
+}
 
 int64_t GpuTransformer::fp8_saturated() const {
   if (!impl_->fp8_saturated) return 0;
@@ -1023,6 +1041,14 @@ void GpuTransformer::step_adamw(const GpuAdamW& hyper) {
     im.marks.collect(stream_);
   } else {
     run_as_graph(im.adam_graphs[im.refreshing], stream_, im.graph_launches, [&] { adamw_body(); });
+  }
+  if (DeviceFp8Histories* h = im.fp8_histories.get()) {
+    const bool was_warm = h->warm();
+    h->roll(stream_);
+    if (!was_warm) {  // the step graphs captured so far run the first step's amax passes
+      synchronize();
+      im.step_graphs.clear();
+    }
   }
   size_t k = 0;
   for (auto& [name, slot] : im.linears)

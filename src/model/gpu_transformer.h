@@ -585,6 +585,12 @@ class GpuTransformer {
   // once for two products where the CPU's emulation casts them twice (docs/fp8.md), so the
   // two counts of one run differ. Waits for the stream.
   int64_t fp8_saturated() const;
+  // Delayed fp8 scaling (GpuModelOptions::precision.delayed(), model/cuda/fp8_histories.h):
+  // the block linears' amax histories, rolled by step_adamw, to and from the host model's
+  // (Transformer::fp8_histories, for checkpoints; no-ops in other precisions). to_host waits
+  // for the stream.
+  void fp8_histories_to_host(std::vector<Fp8AmaxHistory>& host) const;
+  void fp8_histories_from_host(const std::vector<Fp8AmaxHistory>& host);
 
   cudaStream_t stream() const { return stream_; }
   // The step arena (activations, scratch, workspace; callers may allocate from it, see

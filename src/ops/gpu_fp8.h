@@ -38,10 +38,20 @@ using bf16 = __nv_bfloat16;
 // fp8_amax). Exact, so the same whatever the reduction order.
 void fp8_amax(float* amax, const bf16* x, int64_t n, cudaStream_t stream);
 
-// out[i] = the code of x[i] with the scale s = fp8_scale(*amax, format); *inv_scale = 1 / s.
-// out: n bytes. amax is read on the device (from fp8_amax, or any other rule, e.g. a
-// history: values above it then saturate).
-void fp8_cast(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, const float* amax, Fp8Format format,
+// Where a cast takes its scale: `scale_from`, the device amax that s = fp8_scale(amax) is
+// made from (from fp8_amax, or another rule: delayed scaling's history, values above it then
+// saturating); and `record`, null or a device float that the cast raises to the largest
+// finite |x| it casts (exact, as fp8_amax: delayed scaling's amax of the step), so that no
+// pass of its own reads x for it. Made from a bare `const float*` where nothing is recorded.
+struct Fp8CastAmax {
+  Fp8CastAmax(const float* scale_from, float* record = nullptr) : scale_from(scale_from), record(record) {}
+  const float* scale_from;
+  float* record;
+};
+
+// out[i] = the code of x[i] with the scale s = fp8_scale(*amax.scale_from, format);
+// *inv_scale = 1 / s. out: n bytes.
+void fp8_cast(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, Fp8CastAmax amax, Fp8Format format,
               uint64_t* saturated, cudaStream_t stream);
 
 // The same cast written transposed: x [rows, cols] row-major gives out [cols, rows]
@@ -50,7 +60,7 @@ void fp8_cast(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, const fl
 // Fp8Gemm), so they need these transposed copies of W, dY and X. One pass over 128 x 64
 // tiles, 16-byte accesses on both sides where the sizes and pointers allow (rows a
 // multiple of 16 and out 16-byte aligned; cols a multiple of 8 and x 16-byte aligned).
-void fp8_cast_transpose(uint8_t* out, float* inv_scale, const bf16* x, int64_t rows, int64_t cols, const float* amax,
+void fp8_cast_transpose(uint8_t* out, float* inv_scale, const bf16* x, int64_t rows, int64_t cols, Fp8CastAmax amax,
                         Fp8Format format, uint64_t* saturated, cudaStream_t stream);
 
 // Both at once, reading x once: out [rows, cols] as fp8_cast writes it and out_t
@@ -58,7 +68,14 @@ void fp8_cast_transpose(uint8_t* out, float* inv_scale, const bf16* x, int64_t r
 // orientations: dY for dX and dW, W for the forward and dX). Each clipped value is counted
 // once. 2 bytes read and 2 written per value, where the two casts move 6.
 void fp8_cast_both(uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows, int64_t cols,
-                   const float* amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream);
+                   Fp8CastAmax amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream);
+
+// Delayed scaling's step end (model/fp8_amax_history.h) for `count` amax histories of
+// `length` past steps each, history i at histories + i · (length + 2): [this step's amax,
+// the amax the casts scale by, the past steps' amaxes newest first]. Each takes its step's
+// amax as the newest past one (the oldest leaves), scales by the largest past one from
+// now on, and starts the next step at 0.
+void fp8_roll_amax_histories(float* histories, int64_t count, int length, cudaStream_t stream);
 
 // One scale per row of x [rows, cols] (core's fp8_quantize_dequantize_rows): each row's
 // amax (written to row_amax [rows] when not null), its scale, and the cast of the row, in

@@ -125,6 +125,7 @@ class GpuStep final : public StepBackend {
     // state exists even for a moment (llama-7b's offloaded state would not fit twice).
     follow_host_kinds();
     model_.set_params(host_.params(), host_.num_params());
+    model_.fp8_histories_from_host(host_.fp8_histories());  // a resumed run's (delayed fp8 scaling)
     if (!m.empty() || !v.empty()) {
       std::vector<float> mf(host_.num_params()), vf(host_.num_params());
       for (const auto& info : host_.param_infos()) {
@@ -296,6 +297,7 @@ class GpuStep final : public StepBackend {
     // First: sharded, it also gathers the master weights' low halves, which the layers'
     // to_twin below read (an adapter's).
     model_.params_to_host(host_.params());
+    if (moments) model_.fp8_histories_to_host(host_.fp8_histories());  // a checkpoint's too
     m_.clear();
     v_.clear();
     views_m_.clear();

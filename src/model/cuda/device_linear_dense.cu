@@ -61,6 +61,9 @@ DeviceDenseLinear::DeviceDenseLinear(const DeviceLinearSetup& s, const std::stri
   fp8_own_.allocate_array<float>("fp8.scales", kScaleSlots * kScaleStride);
   w8_ = fp8_own_.allocate_array<uint8_t>("fp8.w", size_t(out_ * in_));
   wt8_ = fp8_own_.allocate_array<uint8_t>("fp8.wt", size_t(out_ * in_));
+  using R = Fp8Scratch::Role;
+  x_amax_ = Fp8OperandAmax(fp8_amax(R::input), ctx_.fp8_histories, weight_name_, ProductOperand::input);
+  dy_amax_ = Fp8OperandAmax(fp8_amax(R::grad), ctx_.fp8_histories, weight_name_, ProductOperand::grad);
 }
 
 size_t DeviceDenseLinear::fp8_layer_bytes(int64_t out, int64_t in) {
@@ -102,8 +105,8 @@ void DeviceDenseLinear::begin_backward() {
 DeviceDenseLinear::Fp8Scratch& DeviceDenseLinear::grad_codes(const bf16* dout, int N) {
   using R = Fp8Scratch::Role;
   Fp8Scratch& f = fp8_scratch();
-  f.dy_codes.take(this, dout, N, out_, fp8_amax(R::grad), fp8_inv(R::grad), ctx_.precision.grad,
-                  ctx_.fp8_saturated, ctx_.stream);
+  f.dy_codes.take(this, dout, N, out_, dy_amax_, fp8_inv(R::grad), ctx_.precision.grad, ctx_.fp8_saturated,
+                  ctx_.stream);
   return f;
 }
 
@@ -143,8 +146,8 @@ void DeviceDenseLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16*
   Fp8Scratch& f = fp8_scratch();
   ctx_.marks->mark(s, "fp8 cast");
   if (!w8_current_) cast_weight();
-  gpu::fp8_amax(fp8_amax(R::input), in, int64_t(N) * K, s);
-  gpu::fp8_cast(f.x, fp8_inv(R::input), in, int64_t(N) * K, fp8_amax(R::input), Fp8Format::e4m3, ctx_.fp8_saturated, s);
+  gpu::fp8_cast(f.x, fp8_inv(R::input), in, int64_t(N) * K, x_amax_.before_cast(in, int64_t(N) * K, s),
+                Fp8Format::e4m3, ctx_.fp8_saturated, s);
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   const bool gelu = act == Act::gelu;
   bf16* y = gelu && pre_act ? pre_act : out;
@@ -196,8 +199,8 @@ void DeviceDenseLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bo
   using R = Fp8Scratch::Role;
   ctx_.marks->mark(s, "fp8 cast");
   Fp8Scratch& f = grad_codes(dout, N);
-  gpu::fp8_cast_transpose(f.x, fp8_inv(R::input), inp, N, K, fp8_amax(R::input), Fp8Format::e4m3, ctx_.fp8_saturated,
-                          s);  // the forward's amax of X
+  gpu::fp8_cast_transpose(f.x, fp8_inv(R::input), inp, N, K, x_amax_.last(), Fp8Format::e4m3, ctx_.fp8_saturated,
+                          s);  // the forward's scale of X
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   f.gemm->set_fast_accum(false);
   f.gemm->matmul(p_.weight.grad, {f.dy_codes.dyt, fp8_inv(R::grad), ctx_.precision.grad},

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "core/device_arena.h"
+#include "model/cuda/fp8_histories.h"
 #include "model/device_linear.h"
 
 namespace esplag {
@@ -40,6 +41,8 @@ class DeviceDenseLinear : public DeviceLinear {
   //   cast in dW with the forward's amax (the saved input is unchanged until then);
   // - dY: amax and one pass writing dY (dX) and dYᵀ (dW) into the shared scratch, by the
   //   first of backward_dx and backward_dw for it; the second takes them over.
+  // With delayed scaling X's and dY's casts scale by their histories and record their
+  // amaxes (x_amax_, dy_amax_): no amax pass.
   struct Fp8Scratch;
   Fp8Scratch& fp8_scratch();
   // This layer's amax and inverse scale of X, W and dY (Fp8Scratch::Role), 256 bytes apart.
@@ -54,6 +57,7 @@ class DeviceDenseLinear : public DeviceLinear {
   DeviceArena fp8_own_;                     // the scales, w8_ and wt8_
   uint8_t *w8_ = nullptr, *wt8_ = nullptr;  // W [out, in] and Wᵀ [in, out], e4m3
   bool w8_current_ = false;                 // they hold the bound weight's codes (prepare() since the last bind)
+  Fp8OperandAmax x_amax_, dy_amax_;
 };
 
 }  // namespace esplag

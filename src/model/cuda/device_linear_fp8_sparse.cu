@@ -62,6 +62,8 @@ Fp8SparseProducts::Fp8SparseProducts(DeviceLinearContext& ctx, const std::string
   const size_t comp = sparse() ? fwd_->compressed_allocation_bytes() + bwd_->compressed_allocation_bytes() : 0;
   own_ = DeviceArena(scales + comp + 4 * a, "fp8 2:4 " + name_);
   own_.allocate_array<float>("scales", kScaleStride * 2 * slots);
+  x_amax_ = Fp8OperandAmax(amax(input), ctx.fp8_histories, name_, ProductOperand::input);
+  dy_amax_ = Fp8OperandAmax(amax(grad), ctx.fp8_histories, name_, ProductOperand::grad);
   if (!sparse()) return;
   comp_fwd_ = own_.allocate("compressed Wf (e4m3)", fwd_->compressed_allocation_bytes());
   comp_bwd_ = own_.allocate("compressed Wb^T (e4m3)", bwd_->compressed_allocation_bytes());
@@ -154,7 +156,8 @@ DeviceLinearContext::ProductTimes Fp8SparseProducts::time_ways(const std::functi
     backward_dx(o.dx, o.dy, N, wbt, "dispatch timing");
   };
   const StepMarks::Pause unmarked(*ctx_.marks);
-  // The timing's casts count nothing: the run's count is of the steps' casts.
+  // The timing's casts count nothing and record no amax: the run's are of the steps' casts.
+  const DeviceFp8Histories::Pause unrecorded(ctx_.fp8_histories);
   struct Uncounted {
     uint64_t*& counter;
     uint64_t* const held;
@@ -193,8 +196,7 @@ void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,
   Scratch& sc = scratch();
   const int64_t nx = int64_t(N) * in_;
   ctx_.marks->mark(s, "fp8 cast");
-  gpu::fp8_amax(amax(input), x, nx, s);
-  gpu::fp8_cast(sc.x, inv(input), x, nx, amax(input), Fp8Format::e4m3, ctx_.fp8_saturated, s);
+  gpu::fp8_cast(sc.x, inv(input), x, nx, x_amax_.before_cast(x, nx, s), Fp8Format::e4m3, ctx_.fp8_saturated, s);
   if (sparse() && N == ctx_.tokens) {
     sparse_product(*fwd_, true, y, comp_fwd_, sc.x, input, weight_fwd, N, op);
     return;
@@ -227,7 +229,7 @@ void Fp8SparseProducts::begin_backward() {
 
 Fp8SparseProducts::Scratch& Fp8SparseProducts::grad_codes(const bf16* dy, int N) {
   Scratch& sc = scratch();
-  sc.dy_codes.take(this, dy, N, out_, amax(grad), inv(grad), ctx_.precision.grad, ctx_.fp8_saturated, ctx_.stream);
+  sc.dy_codes.take(this, dy, N, out_, dy_amax_, inv(grad), ctx_.precision.grad, ctx_.fp8_saturated, ctx_.stream);
   return sc;
 }
 
@@ -253,8 +255,8 @@ void Fp8SparseProducts::backward_dw(float* dw, const bf16* dy, const bf16* x, in
   cudaStream_t s = ctx_.stream;
   ctx_.marks->mark(s, "fp8 cast");
   Scratch& sc = grad_codes(dy, N);
-  gpu::fp8_cast_transpose(sc.x, inv(input), x, N, in_, amax(input), Fp8Format::e4m3, ctx_.fp8_saturated,
-                          s);  // the forward's amax of X
+  gpu::fp8_cast_transpose(sc.x, inv(input), x, N, in_, x_amax_.last(), Fp8Format::e4m3, ctx_.fp8_saturated,
+                          s);  // the forward's scale of X
   ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
   sc.gemm->set_fast_accum(false);
   sc.gemm->matmul(dw, {sc.dy_codes.dyt, inv(grad), ctx_.precision.grad}, {sc.x, inv(input), Fp8Format::e4m3},

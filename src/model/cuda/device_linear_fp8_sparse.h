@@ -7,7 +7,8 @@
 //                           structured (slope: W2ᵀ)
 //   dW       dW = dYᵀ · X   cuBLASLt fp8 (gpu::Fp8Gemm), dense, as the dense kind's
 //
-// Scaling as the CPU's emulation (model/linear_precision.h): per tensor from the current amax,
+// Scaling as the CPU's emulation (model/linear_precision.h): per tensor from the current amax
+// (X and dY from their amax histories with delayed scaling, model/cuda/fp8_histories.h),
 // X and the weights e4m3, dY in train.fp8_grad, which must be e4m3 (cuSPARSELt's fp8
 // products take e4m3 operands only). Wf and Wb each have their own scale (the CPU quantises
 // W1's and W2ᵀ's kept values separately); X's and dY's amax are taken once per step and
@@ -39,6 +40,7 @@
 #include <string>
 
 #include "core/device_arena.h"
+#include "model/cuda/fp8_histories.h"
 #include "model/device_linear.h"
 #include "sparse/cuda/workspace_24.h"
 
@@ -136,6 +138,7 @@ class Fp8SparseProducts {
   bool tuned_fwd_ = false, tuned_bwd_ = false;
   int own_layout_ = -1;  // prepare_kept's writer serves both copies: -1 not asked yet, 0 no, 1 yes
   bool dense_ = false;
+  Fp8OperandAmax x_amax_, dy_amax_;  // X's and dY's scaling (current, or delayed)
 };
 
 }  // namespace esplag

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "model/cuda/fp8_histories.h"
 #include "ops/gpu_fp8.h"
 
 namespace esplag {
@@ -18,18 +19,18 @@ struct Fp8GradCodes {
   uint8_t* dy = nullptr;   // [N, out], room for the largest layer's
   uint8_t* dyt = nullptr;  // [out, N]
 
-  // dY's codes (with its amax into *amax and its inverse scale into *inv; the values the cast
+  // dY's codes (scaled as `amax` says, its inverse scale into *inv; the values the cast
   // saturated added to *saturated when given) unless `owner`'s other product of this same dY
   // (pointer and rows) cast them last: then they are taken over, and a third product would
   // cast again.
-  void take(const void* owner, const gpu::bf16* grad, int N, int64_t out, float* amax, float* inv, Fp8Format format,
-            uint64_t* saturated, cudaStream_t s) {
+  void take(const void* owner, const gpu::bf16* grad, int N, int64_t out, const Fp8OperandAmax& amax, float* inv,
+            Fp8Format format, uint64_t* saturated, cudaStream_t s) {
     if (owner_ == owner && of_ == grad && rows_ == N) {
       owner_ = nullptr;
       return;
     }
-    gpu::fp8_amax(amax, grad, int64_t(N) * out, s);
-    gpu::fp8_cast_both(dy, dyt, inv, grad, N, out, amax, format, saturated, s);
+    gpu::fp8_cast_both(dy, dyt, inv, grad, N, out, amax.before_cast(grad, int64_t(N) * out, s), format, saturated,
+                       s);
     owner_ = owner;
     of_ = grad;
     rows_ = N;

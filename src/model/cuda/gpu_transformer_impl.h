@@ -14,6 +14,7 @@
 #include "core/cuda_graph.h"
 #include "core/device_arena.h"
 #include "core/error.h"
+#include "model/cuda/fp8_histories.h"
 #include "model/cuda/step_marks.h"
 #include "model/device_linear.h"
 #include "model/gradient_buckets.h"
@@ -260,6 +261,8 @@ struct GpuTransformer::Impl {
   void *fnorm_scratch = nullptr, *colsum_scratch = nullptr;
   size_t fnorm_scratch_bytes = 0, colsum_scratch_bytes = 0;
   uint64_t* fp8_saturated = nullptr;  // values the block linears' fp8 casts saturated (precision.fp8)
+  float* fp8_history_memory = nullptr;  // precision.delayed(): the amax histories' device array
+  std::unique_ptr<DeviceFp8Histories> fp8_histories;
 
   int32_t* staging = nullptr;  // pinned host, 2 · max N
   double* host_loss = nullptr;

@@ -27,6 +27,7 @@ void GpuTransformer::make_linears() {
   ctx.colsum_scratch = im.colsum_scratch;
   ctx.colsum_scratch_bytes = im.colsum_scratch_bytes;
   ctx.fp8_saturated = im.fp8_saturated;
+  ctx.fp8_histories = im.fp8_histories.get();
   const DeviceLinearKind& first = device_linear_kinds().front();  // every layer starts as the first kind
   for (int l = 0; l < cfg_.n_layer; ++l) {
     const std::string b = "blocks." + std::to_string(l) + ".";

@@ -2,8 +2,9 @@
 // ops/cuda/fp8_codes.cuh makes them; the clipped test is core's too (Fp8Format::clips).
 //
 // amax is an integer atomicMax on the bits of |x| (non-negative floats order like their
-// bits), exact and so independent of the order of the blocks; the saturation counter is
-// an integer atomicAdd, one per block.
+// bits), exact and so independent of the order of the blocks (and so is the amax a cast
+// records for delayed scaling); the saturation counter is an integer atomicAdd, one per
+// block.
 //
 // Every pass is bandwidth-bound: 16-byte loads of x (several in flight per thread), 8- or
 // 16-byte stores of codes. A cast usually follows the amax of the same tensor, which reads
@@ -91,6 +92,20 @@ __device__ __forceinline__ void add_clipped(unsigned long long* saturated, int c
 
 __device__ __forceinline__ float finite_abs(float x) { return isfinite(x) ? fabsf(x) : 0.0f; }
 
+__device__ __forceinline__ float pack_amax(const float (&f)[kPack]) {
+  float m = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kPack; ++k) m = fmaxf(m, finite_abs(f[k]));
+  return m;
+}
+
+// Raises *record (when not null) to the block's largest m; the call synchronises the block.
+__device__ __forceinline__ void record_amax(float* record, float m, float* scratch) {
+  if (!record) return;
+  m = block_max(m, scratch);
+  if (threadIdx.x == 0 && m > 0.0f) atomicMax(reinterpret_cast<unsigned*>(record), __float_as_uint(m));
+}
+
 // ---------------------------------------------------------------------------------------
 // amax
 
@@ -108,9 +123,7 @@ __global__ void amax_kernel(unsigned* amax_bits, const bf16* x, int64_t n, int64
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (p0 + u * stride < packs)
-#pragma unroll
-        for (int k = 0; k < kPack; ++k) m = fmaxf(m, finite_abs(f[u][k]));
+      if (p0 + u * stride < packs) m = fmaxf(m, pack_amax(f[u]));
   }
   for (int64_t i = packs * kPack + first; i < n; i += stride) m = fmaxf(m, finite_abs(to_f(x[i])));
   m = block_max(m, scratch);
@@ -122,9 +135,11 @@ __global__ void amax_kernel(unsigned* amax_bits, const bf16* x, int64_t n, int64
 
 template <bool E5M2>
 __global__ void cast_kernel(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, int64_t packs,
-                            const float* amax, unsigned long long* saturated) {
+                            Fp8CastAmax amax, unsigned long long* saturated) {
   __shared__ int scratch[32];
-  const float s = fp8_scale_of<E5M2>(*amax);
+  __shared__ float fscratch[32];
+  const float s = fp8_scale_of<E5M2>(*amax.scale_from);
+  float m = 0.0f;  // amax.record's
   if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = __frcp_rn(s);
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
@@ -140,11 +155,18 @@ __global__ void cast_kernel(uint8_t* out, float* inv_scale, const bf16* x, int64
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t j = j0 + u * stride;
-      if (j < packs) *reinterpret_cast<uint2*>(out + (packs - 1 - j) * kPack) = encode8<E5M2>(f[u], s, clipped);
+      if (j >= packs) continue;
+      *reinterpret_cast<uint2*>(out + (packs - 1 - j) * kPack) = encode8<E5M2>(f[u], s, clipped);
+      if (amax.record) m = fmaxf(m, pack_amax(f[u]));
     }
   }
-  for (int64_t i = packs * kPack + first; i < n; i += stride) out[i] = encode1<E5M2>(to_f(x[i]), s, clipped);
+  for (int64_t i = packs * kPack + first; i < n; i += stride) {
+    const float v = to_f(x[i]);
+    out[i] = encode1<E5M2>(v, s, clipped);
+    m = fmaxf(m, finite_abs(v));
+  }
   add_clipped(saturated, clipped, scratch);
+  record_amax(amax.record, m, fscratch);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -183,13 +205,14 @@ __device__ __forceinline__ void transpose4x8(const uint2 (&rows)[4], uint32_t (&
 template <bool E5M2>
 __global__ void __launch_bounds__(kThreads) cast_tiles_kernel(uint8_t* out, uint8_t* out_t, float* inv_scale,
                                                               const bf16* x, int64_t rows, int64_t cols,
-                                                              int64_t col_tiles, const float* amax,
+                                                              int64_t col_tiles, Fp8CastAmax amax,
                                                               unsigned long long* saturated, bool vec_x,
                                                               bool vec_out, bool vec_t) {
   static_assert(kThreads == (kTileRows / 4) * (kTileCols / kPack), "one thread per 4 rows x 8 columns");
   __shared__ uint32_t tile[kTileCols][kTileWords];  // [column][row / 4] of the tile's codes
   __shared__ int scratch[32];
-  const float s = fp8_scale_of<E5M2>(*amax);
+  __shared__ float fscratch[32];
+  const float s = fp8_scale_of<E5M2>(*amax.scale_from);
   if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = __frcp_rn(s);
   const int64_t t = int64_t(gridDim.x) - 1 - blockIdx.x;
   const int64_t r0 = t / col_tiles * kTileRows, c0 = t % col_tiles * kTileCols;
@@ -210,11 +233,13 @@ __global__ void __launch_bounds__(kThreads) cast_tiles_kernel(uint8_t* out, uint
     }
   }
   int clipped = 0;
+  float m = 0.0f;  // amax.record's (values past the edges read as 0)
   uint2 code[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t r = r0 + 4 * g + i;
     code[i] = encode8<E5M2>(f[i], s, clipped);
+    m = fmaxf(m, pack_amax(f[i]));
     if (out && r < rows) {
       if (vec_out && c < cols) {
         *reinterpret_cast<uint2*>(out + r * cols + c) = code[i];
@@ -246,6 +271,7 @@ __global__ void __launch_bounds__(kThreads) cast_tiles_kernel(uint8_t* out, uint
     }
   }
   add_clipped(saturated, clipped, scratch);
+  record_amax(amax.record, m, fscratch);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -301,10 +327,10 @@ int64_t packs_of(const bf16* x, const uint8_t* out, int64_t n) {
 
 unsigned grid_for(int64_t n) { return std::max(1u, std::min(kMaxBlocks, detail::blocks_for(n, kThreads * kPack))); }
 
-void check_cast(const char* op, const void* out, const void* scale_out, const bf16* x, int64_t n, const void* amax) {
+void check_cast(const char* op, const void* out, const void* scale_out, const bf16* x, int64_t n, Fp8CastAmax amax) {
   ESPLAG_CHECK(n >= 0, op, ": negative size ", n);
   ESPLAG_CHECK(n == 0 || (out && x), op, ": out and x must not be null");
-  ESPLAG_CHECK(scale_out && amax, op, ": inv_scale and amax must not be null");
+  ESPLAG_CHECK(scale_out && amax.scale_from, op, ": inv_scale and amax must not be null");
 }
 
 }  // namespace
@@ -318,7 +344,7 @@ void fp8_amax(float* amax, const bf16* x, int64_t n, cudaStream_t stream) {
   CUDA_CHECK_LAUNCH("fp8_amax");
 }
 
-void fp8_cast(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, const float* amax, Fp8Format format,
+void fp8_cast(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, Fp8CastAmax amax, Fp8Format format,
               uint64_t* saturated, cudaStream_t stream) {
   check_cast("fp8_cast", out, inv_scale, x, n, amax);
   // One block even for n = 0: it writes inv_scale.
@@ -335,7 +361,7 @@ namespace {
 // The tiled cast of x [rows, cols] into out (as it lies; may be null) and out_t
 // (transposed; may be null). One block even for an empty x: it writes inv_scale.
 void cast_tiles(const char* op, uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows,
-                int64_t cols, const float* amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
+                int64_t cols, Fp8CastAmax amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
   ESPLAG_CHECK(rows >= 0 && cols >= 0, op, ": negative size ", rows, " x ", cols);
   check_cast(op, out ? out : out_t, inv_scale, x, rows * cols, amax);
   const int64_t col_tiles = std::max<int64_t>(1, (cols + kTileCols - 1) / kTileCols);
@@ -357,15 +383,42 @@ void cast_tiles(const char* op, uint8_t* out, uint8_t* out_t, float* inv_scale, 
 
 }  // namespace
 
-void fp8_cast_transpose(uint8_t* out, float* inv_scale, const bf16* x, int64_t rows, int64_t cols, const float* amax,
+void fp8_cast_transpose(uint8_t* out, float* inv_scale, const bf16* x, int64_t rows, int64_t cols, Fp8CastAmax amax,
                         Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
   cast_tiles("fp8_cast_transpose", nullptr, out, inv_scale, x, rows, cols, amax, format, saturated, stream);
 }
 
 void fp8_cast_both(uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows, int64_t cols,
-                   const float* amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
+                   Fp8CastAmax amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
   ESPLAG_CHECK(rows * cols == 0 || (out && out_t), "fp8_cast_both: out and out_t must not be null");
   cast_tiles("fp8_cast_both", out, out_t, inv_scale, x, rows, cols, amax, format, saturated, stream);
+}
+
+namespace {
+
+__global__ void roll_kernel(float* histories, int64_t count, int length) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= count) return;
+  float* h = histories + i * (int64_t(length) + 2);
+  float* past = h + 2;
+  float m = h[0];
+  for (int k = length - 1; k > 0; --k) {
+    past[k] = past[k - 1];
+    m = fmaxf(m, past[k]);
+  }
+  past[0] = h[0];
+  h[1] = m;
+  h[0] = 0.0f;
+}
+
+}  // namespace
+
+void fp8_roll_amax_histories(float* histories, int64_t count, int length, cudaStream_t stream) {
+  ESPLAG_CHECK(count >= 0 && length >= 1 && (histories || count == 0), "fp8_roll_amax_histories: ", count,
+               " histories of length ", length);
+  if (count == 0) return;
+  roll_kernel<<<detail::blocks_for(count, 128), 128, 0, stream>>>(histories, count, length);
+  CUDA_CHECK_LAUNCH("fp8_roll_amax_histories");
 }
 
 void fp8_cast_rows(uint8_t* out, float* inv_scale, float* row_amax, const bf16* x, int64_t rows, int64_t cols,
