@@ -359,8 +359,6 @@ TEST(GpuFp8, TiledCastsOfEmptyTensors) {
     for (const bool both : {true, false}) expect_tiled_cast(Bits{}, Fp8Format::e4m3, {rows, cols, 0, 0, both});
 }
 
-// One scale per row: rows of very different magnitudes, a zero row, a row with NaN and
-// infinities; aligned and (shifted by one element) unaligned inputs.
 // Delayed scaling's step end against core's history (model/fp8_amax_history.h): a few
 // histories of three steps rolled five times, each step's amaxes random; the scale each
 // step's casts read is the largest past amax, the step's amax restarts at 0.
@@ -392,6 +390,8 @@ TEST(GpuFp8, RollAmaxHistoriesMatchesTheHostRule) {
   }
 }
 
+// One scale per row: rows of very different magnitudes, a zero row, a row with NaN and
+// infinities; aligned and (shifted by one element) unaligned inputs.
 TEST(GpuFp8, CastRowsBitExact) {
   REQUIRE_DEVICE();
   const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 1}, {3, 17}, {5, 4097}, {64, 64}, {33, 1024}, {7, 8}};

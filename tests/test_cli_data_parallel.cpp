@@ -74,6 +74,18 @@ TEST(CliDataParallel, TwoRanksTrainAsOneProcessWithTwiceTheAccumulation) {
   EXPECT_TRUE(fs::exists(two / "step-000008" / "model.safetensors"));
 }
 
+// Delayed fp8 scaling keeps per-layer amax histories that the ranks do not reduce yet.
+TEST(CliDataParallel, DelayedFp8ScalingIsRefusedWithTheReason) {
+  const auto& f = fixture();
+  const Result r = run("train --gpus 2 --config " + f.config.string() + " --out " + (root() / "delayed").string() +
+                       " --set train.precision=fp8 --set train.fp8_scaling=delayed");
+  EXPECT_NE(r.code, 0);  // every rank says why, then the launcher which rank failed first
+  EXPECT_NE(r.err.find("esplag: error: train.fp8_scaling is delayed, which does not train data-parallel yet"),
+            std::string::npos)
+      << r.err;
+  EXPECT_FALSE(fs::exists(root() / "delayed" / "config.yaml"));
+}
+
 TEST(CliDataParallel, ShardedParametersOnTheCpuAreRefusedWithTheReason) {
   const auto& f = fixture();
   const Result r = run("train --config " + f.config.string() + " --out " + (root() / "zero").string() +

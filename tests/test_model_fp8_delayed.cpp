@@ -124,7 +124,8 @@ TEST(Fp8DelayedScaling, LayerCastsFollowTheHistory) {
 }
 
 // The model's histories belong to the layer's place, not to its kind: a layer made masked
-// keeps the history of the dense one it replaced; a new history length starts them over.
+// keeps the history of the dense one it replaced; evaluations leave them alone; a new
+// history length starts them over.
 TEST(Fp8DelayedScaling, ModelHistoriesOutliveKindChanges) {
   ModelConfig c;
   c.vocab_size = 32;
@@ -144,11 +145,17 @@ TEST(Fp8DelayedScaling, ModelHistoriesOutliveKindChanges) {
   const std::string fc = "blocks.0.mlp.fc.weight";
   const std::vector<float> before = model.fp8_histories()[2].values();
   EXPECT_GT(model.fp8_histories()[2].scale_amax(kX), 0.0f);
+  model.forward_loss(tokens.data(), targets.data(), 1, 16);  // an evaluation records nothing
+  EXPECT_EQ(model.fp8_histories()[2].values(), before);
+  model.forward_backward(tokens.data(), targets.data(), 1, 16, 1.0);  // a training step does
+  EXPECT_NE(model.fp8_histories()[2].values(), before);
+  model.roll_fp8_histories();
+  const std::vector<float> rolled = model.fp8_histories()[2].values();
   LinearOptions o;
   o.kind = "masked";
   o.pattern = SparsityPattern::nm(2, 4);
   model.replace_linear(fc, make_linear(model.linear_params(fc), o));
-  EXPECT_EQ(model.fp8_histories()[2].values(), before);
+  EXPECT_EQ(model.fp8_histories()[2].values(), rolled);
   EXPECT_EQ(model.linear(fc).params().fp8_history, &model.fp8_histories()[2]);
   model.set_linear_precision({true, Fp8Format::e4m3, Fp8Scaling::delayed, 4});
   EXPECT_FALSE(model.fp8_histories()[2].warm());

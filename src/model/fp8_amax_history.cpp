@@ -15,18 +15,18 @@ void Fp8AmaxHistory::resize(int length) {
   past_.assign(2 * size_t(length), 0.0f);
 }
 
-int Fp8AmaxHistory::index(ProductOperand role) const {
+int Fp8AmaxHistory::operand_index(ProductOperand role) {
   ESPLAG_CHECK(role != ProductOperand::weight, "fp8 amax history: weights keep current scaling");
   return role == ProductOperand::input ? 0 : 1;
 }
 
 float Fp8AmaxHistory::scale_amax(ProductOperand role) const {
-  const auto first = past_.begin() + ptrdiff_t(index(role)) * length_;
+  const auto first = past_.begin() + ptrdiff_t(operand_index(role)) * length_;
   return *std::max_element(first, first + length_);
 }
 
 void Fp8AmaxHistory::record(ProductOperand role, float a) {
-  float& c = current_[size_t(index(role))];
+  float& c = current_[size_t(operand_index(role))];
   c = std::max(c, a);
 }
 

@@ -38,6 +38,14 @@ class Fp8AmaxHistory {
   // The step is over: its amaxes become the newest past ones.
   void roll();
 
+  // While paused (forward-only passes: evaluation, sampling, a teacher), casts take their
+  // tensor's own amax and record nothing.
+  bool paused() const { return paused_; }
+  void set_paused(bool paused) { paused_ = paused; }
+
+  // Which of X (0) and dY (1) a role is; weights have no history (an Error).
+  static int operand_index(ProductOperand role);
+
   // X's and then dY's values_per_operand(length()) floats, for checkpoints and the GPU.
   std::vector<float> values() const;
   // Back from values() (of the same length), warm: an Error naming `what` when the count is
@@ -45,10 +53,8 @@ class Fp8AmaxHistory {
   void set_values(const std::vector<float>& v, const std::string& what);
 
  private:
-  int index(ProductOperand role) const;
-
   int length_ = 1;
-  bool warm_ = false;
+  bool warm_ = false, paused_ = false;
   std::vector<float> current_, past_;  // [2] and [2, length]: X's, then dY's
 };
 

@@ -202,7 +202,8 @@ void lay_out(const ModelConfig& c, int B, int T, const GpuModelOptions& o, GpuTr
   if (o.precision.fp8) im.fp8_saturated = take.arr<uint64_t>("fp8.saturated", 1);
   if (o.precision.delayed())
     im.fp8_history_memory =
-        take.arr<float>("fp8.amax_histories", DeviceFp8Histories::floats(4 * c.n_layer, o.precision.amax_history));
+        take.arr<float>("fp8.amax_histories", DeviceFp8Histories::floats(int64_t(transformer_linear_names(c).size()),
+                                                                         o.precision.amax_history));
   im.fused_norm = o.fused_norm_backward && gpu::fused_norm_backward_supported(c.d_model);
   // Column sums give bias gradients with the fused norm backward, and a slope or sparse_dw
   // layer's wherever (its dW product writes a scratch, without the bias epilogue).
@@ -539,6 +540,8 @@ void GpuTransformer::forward_backward_device(const int32_t* tokens, const int32_
 
 void GpuTransformer::forward_loss_device(const int32_t* tokens, const int32_t* targets, int B, int T) {
   check_batch(B, T);
+  // The histories are the training steps': an evaluation casts with current scaling.
+  const DeviceFp8Histories::Pause forward_only(impl_->fp8_histories.get());
   forward_body(tokens, B, T, std::exchange(impl_->prepare_in_forward, false));
   head(targets, B, T, false, 1.0);
   impl_->marks.end_ops();

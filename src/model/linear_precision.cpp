@@ -15,7 +15,7 @@ const T* Fp8Operands<T>::operator()(const LinearPrecision& precision, ProductOpe
   b.resize(size_t(n));
   const Fp8Format f = role == ProductOperand::grad ? precision.grad : Fp8Format::e4m3;
   float amax = float(fp8_amax(x, n));
-  if (precision.delayed() && role != ProductOperand::weight) {
+  if (precision.delayed() && role != ProductOperand::weight && !(history && history->paused())) {
     ESPLAG_CHECK(history, "fp8 delayed scaling: the layer has no amax history");
     history->record(role, amax);
     if (history->warm()) amax = history->scale_amax(role);

@@ -153,7 +153,7 @@ Transformer<T>::Transformer(const ModelConfig& config) : cfg_(config) {
   head_w_ = cfg_.tie_embeddings ? wte_ : p("lm_head.weight");
   head_dw_ = cfg_.tie_embeddings ? dwte_ : g("lm_head.weight");
   norm_f_ = norm("norm_f");
-  fp8_histories_.assign(size_t(4) * L, Fp8AmaxHistory(linear_precision_.amax_history));
+  fp8_histories_.assign(transformer_linear_names(cfg_).size(), Fp8AmaxHistory(linear_precision_.amax_history));
   blocks_.resize(L);
   for (int l = 0; l < L; ++l) {
     const std::string b = block_prefix(l);
@@ -323,7 +323,7 @@ void Transformer<T>::replace_linear(const std::string& weight_name, std::unique_
 
 template <typename T>
 void Transformer<T>::set_linear_precision(const LinearPrecision& precision) {
-  if (precision.amax_history != linear_precision_.amax_history)
+  if (precision.amax_history != linear_precision_.amax_history || precision.delayed() != linear_precision_.delayed())
     for (auto& h : fp8_histories_) h.resize(precision.amax_history);
   linear_precision_ = precision;
   for (const auto& name : linear_names()) linear(name).set_precision(precision);
@@ -331,6 +331,7 @@ void Transformer<T>::set_linear_precision(const LinearPrecision& precision) {
 
 template <typename T>
 void Transformer<T>::roll_fp8_histories() {
+  if (!linear_precision_.delayed()) return;
   for (auto& h : fp8_histories_) h.roll();
 }
 
@@ -621,14 +622,32 @@ LossParts Transformer<T>::forward_backward(const int32_t* inputs, const int32_t*
   return parts;
 }
 
+namespace {
+
+// Forward-only passes (evaluation, sampling, a distillation teacher) cast with current
+// scaling and record nothing: the histories are the training steps'.
+struct Fp8HistoriesPaused {
+  std::vector<Fp8AmaxHistory>& histories;
+  explicit Fp8HistoriesPaused(std::vector<Fp8AmaxHistory>& h) : histories(h) {
+    for (auto& x : histories) x.set_paused(true);
+  }
+  ~Fp8HistoriesPaused() {
+    for (auto& x : histories) x.set_paused(false);
+  }
+};
+
+}  // namespace
+
 template <typename T>
 double Transformer<T>::forward_loss(const int32_t* inputs, const int32_t* targets, int B, int Tlen) {
+  const Fp8HistoriesPaused forward_only(fp8_histories_);
   forward_body(inputs, B, Tlen);
   return head_loss(targets, B * Tlen, false, 1.0).loss;
 }
 
 template <typename T>
 void Transformer<T>::forward_hidden(const int32_t* inputs, int B, int Tlen) {
+  const Fp8HistoriesPaused forward_only(fp8_histories_);
   forward_body(inputs, B, Tlen);
 }
 
@@ -645,6 +664,7 @@ void Transformer<T>::head_logits(int row0, int rows, T* out) const {
 
 template <typename T>
 void Transformer<T>::forward_last_logits(const int32_t* inputs, int B, int Tlen, T* out) {
+  const Fp8HistoriesPaused forward_only(fp8_histories_);
   forward_body(inputs, B, Tlen);
   const int C = cfg_.d_model, V = cfg_.vocab_size;
   for (int b = 0; b < B; ++b)

@@ -337,11 +337,17 @@ void load_checkpoint_weights(const std::string& checkpoint_dir, Transformer<floa
   // starts them as a new run does.
   if (!model.linear_precision().delayed()) return;
   const std::vector<std::string> names = model.linear_names();
+  const auto saved = [&](const std::string& name) { return opt.tensors.count(fp8_history_key(name)) > 0; };
+  if (std::none_of(names.begin(), names.end(), saved)) return;
   for (size_t i = 0; i < names.size(); ++i) {
     const std::string key = fp8_history_key(names[i]);
-    if (!opt.tensors.count(key)) continue;
+    ESPLAG_CHECK(saved(names[i]), opt_path, ": tensor '", key, "' is missing, where the other layers' amax ",
+                 "histories are there: the checkpoint is damaged; use an earlier one");
     Fp8AmaxHistory& h = model.fp8_histories()[i];
     const Shape shape = {2, Fp8AmaxHistory::values_per_operand(h.length())};
+    ESPLAG_CHECK(opt.tensors.at(key).shape() == shape, opt_path, ": tensor '", key, "' is of shape ",
+                 shape_str(opt.tensors.at(key).shape()), ", an amax history of another length than ",
+                 "train.fp8_amax_history = ", h.length(), " (the setting changed?)");
     std::vector<float> values(size_t(shape_numel(shape)));
     read_tensor(opt, opt_path, key, shape, values.data());
     h.set_values(values, opt_path + ": tensor '" + key + "'");

@@ -536,6 +536,11 @@ void Trainer::resolve_device() {
   ESPLAG_CHECK(cfg_.parallel.zero <= 2 || device_ == "cuda", "parallel.zero = 3 (sharded parameters) is built for ",
                "train.device cuda; this run trains on the CPU, whose reference trains stages 0 to 2 (the numbers ",
                "stage 3 gives)");
+  // Each rank would record only its own batches' amaxes: the ranks would scale apart, and a
+  // resumed run would give every rank rank 0's histories.
+  ESPLAG_CHECK(!world_.distributed() || !cfg_.linear_precision().delayed(), "train.fp8_scaling is delayed, which ",
+               "does not train data-parallel yet (the ranks' amax histories are not reduced across them): use ",
+               "train.fp8_scaling current with ", world_.size, " ranks");
 }
 
 void Trainer::make_backend(Moments m, Moments v) {

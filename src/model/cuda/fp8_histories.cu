@@ -10,12 +10,7 @@ namespace esplag {
 
 namespace {
 
-constexpr int kRoles = 2;  // X, then dY
-
-int role_index(ProductOperand role) {
-  ESPLAG_CHECK(role != ProductOperand::weight, "fp8 delayed scaling: weights keep current scaling");
-  return role == ProductOperand::input ? 0 : 1;
-}
+constexpr int kRoles = 2;  // X, then dY (Fp8AmaxHistory::operand_index)
 
 }  // namespace
 
@@ -27,7 +22,7 @@ DeviceFp8Histories::DeviceFp8Histories(float* device, std::vector<std::string> w
 }
 
 float* DeviceFp8Histories::at(size_t linear, ProductOperand role) const {
-  return device_ + (kRoles * linear + size_t(role_index(role))) * size_t(length_ + 2);
+  return device_ + (kRoles * linear + size_t(Fp8AmaxHistory::operand_index(role))) * size_t(length_ + 2);
 }
 
 DeviceFp8Histories::Operand DeviceFp8Histories::operand(const std::string& weight_name, ProductOperand role) const {
@@ -65,11 +60,13 @@ void DeviceFp8Histories::from_host(const std::vector<Fp8AmaxHistory>& host, cuda
   ESPLAG_CHECK(host.size() == names_.size(), "fp8 amax histories: the host model has ", host.size(),
                " block linears, the device ", names_.size());
   std::vector<float> all(floats(int64_t(names_.size()), length_), 0.0f);
-  warm_ = !host.empty() && host[0].warm();
+  const auto warm = [](const Fp8AmaxHistory& h) { return h.warm(); };
+  warm_ = std::all_of(host.begin(), host.end(), warm) && !host.empty();
+  ESPLAG_CHECK(warm_ || std::none_of(host.begin(), host.end(), warm),
+               "fp8 amax histories: the host model's are warm for some layers only");
   for (size_t i = 0; i < host.size() && warm_; ++i) {
-    ESPLAG_CHECK(host[i].length() == length_ && host[i].warm(), "fp8 amax histories: ", names_[i],
-                 "'s on the host is of length ", host[i].length(), (host[i].warm() ? "" : ", without steps"),
-                 "; the device's of ", length_);
+    ESPLAG_CHECK(host[i].length() == length_, "fp8 amax histories: ", names_[i], "'s on the host is of length ",
+                 host[i].length(), "; the device's of ", length_);
     const std::vector<float> v = host[i].values();
     for (int r = 0; r < kRoles; ++r) {
       float* h = all.data() + (kRoles * i + size_t(r)) * size_t(length_ + 2);

@@ -157,7 +157,7 @@ __global__ void cast_kernel(uint8_t* out, float* inv_scale, const bf16* x, int64
       const int64_t j = j0 + u * stride;
       if (j >= packs) continue;
       *reinterpret_cast<uint2*>(out + (packs - 1 - j) * kPack) = encode8<E5M2>(f[u], s, clipped);
-      if (amax.record) m = fmaxf(m, pack_amax(f[u]));
+      m = fmaxf(m, pack_amax(f[u]));
     }
   }
   for (int64_t i = packs * kPack + first; i < n; i += stride) {
@@ -170,16 +170,17 @@ __global__ void cast_kernel(uint8_t* out, float* inv_scale, const bf16* x, int64
 }
 
 // ---------------------------------------------------------------------------------------
-// Tiled cast, as it lies and/or transposed: block b takes the tile t = tiles - 1 - b (row
-// tiles outer, column tiles inner: from the end of x back), x[128·tr .. +128, 64·tc .. +64].
-// Thread (g, h) loads the four rows 4g .. 4g + 3 of the tile's columns 8h .. 8h + 7 (four
-// 16-byte loads in flight), writes each row's 8 codes to out [rows, cols] where asked, and
-// byte-permutes the 4 x 8 codes into 8 words, column k's four rows in each, which it stores
-// to the transposed tile in shared memory. Then each row of out_t [cols, rows] takes 128
-// contiguous codes in 16-byte stores. Lanes are laid out so that a warp's shared-memory
-// stores and loads meet no bank twice (the tile's rows are 33 words apart). Parts of the
-// tile past rows or cols read as 0 (never clipped) and are not written. The vectorised
-// accesses need:
+// Tiled cast, as it lies and/or transposed, over tiles x[128·tr .. +128, 64·tc .. +64] (row
+// tiles outer, column tiles inner). Persistent: block b takes tiles tiles - 1 - b, then every
+// gridDim.x-th one below (from the end of x back), and loads its next tile while it encodes
+// and stores the current one, so that an SM's loads do not wait for its stores. Thread
+// (g, h) loads the four rows 4g .. 4g + 3 of a tile's columns 8h .. 8h + 7 (four 16-byte
+// loads), writes each row's 8 codes to out [rows, cols] where asked, and byte-permutes the
+// 4 x 8 codes into 8 words, column k's four rows in each, which it stores to the transposed
+// tile in shared memory. Then each row of out_t [cols, rows] takes 128 contiguous codes in
+// 16-byte stores. Lanes are laid out so that a warp's shared-memory stores and loads meet no
+// bank twice (the tile's rows are 33 words apart). Parts of a tile past rows or cols read as
+// 0 (never clipped) and are not written. The vectorised accesses need:
 //   vec_x    cols % 8 == 0 and x 16-byte aligned (else the values one by one)
 //   vec_out  cols % 8 == 0 and out 8-byte aligned
 //   vec_t    rows % 16 == 0 and out_t 16-byte aligned
@@ -202,64 +203,94 @@ __device__ __forceinline__ void transpose4x8(const uint2 (&rows)[4], uint32_t (&
   }
 }
 
+// Where tile t's rows and this thread's columns begin.
+struct TilePlace {
+  int64_t r0, c;
+  __device__ TilePlace(int64_t t, int64_t col_tiles, int h)
+      : r0(t / col_tiles * kTileRows), c(t % col_tiles * kTileCols + h * kPack) {}
+};
+
+// This thread's four rows of a tile as bf16 bits (0 past the edges).
+__device__ __forceinline__ void load_tile(uint4 (&raw)[4], const bf16* x, int64_t rows, int64_t cols,
+                                          const TilePlace& at, int g, bool vec_x) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t r = at.r0 + 4 * g + i;
+    if (vec_x && r < rows && at.c < cols) {
+      raw[i] = *reinterpret_cast<const uint4*>(x + r * cols + at.c);
+    } else {
+      __align__(16) bf16 v[kPack];
+#pragma unroll
+      for (int k = 0; k < kPack; ++k) v[k] = r < rows && at.c + k < cols ? x[r * cols + at.c + k] : bf16(0.0f);
+      raw[i] = *reinterpret_cast<const uint4*>(v);
+    }
+  }
+}
+
+__device__ __forceinline__ void unpack8(float (&f)[kPack], const uint4& raw) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int k = 0; k < kPack / 2; ++k) {
+    const float2 t = __bfloat1622float2(h[k]);
+    f[2 * k] = t.x;
+    f[2 * k + 1] = t.y;
+  }
+}
+
 template <bool E5M2>
 __global__ void __launch_bounds__(kThreads) cast_tiles_kernel(uint8_t* out, uint8_t* out_t, float* inv_scale,
                                                               const bf16* x, int64_t rows, int64_t cols,
-                                                              int64_t col_tiles, Fp8CastAmax amax,
+                                                              int64_t col_tiles, int64_t tiles, Fp8CastAmax amax,
                                                               unsigned long long* saturated, bool vec_x,
                                                               bool vec_out, bool vec_t) {
   static_assert(kThreads == (kTileRows / 4) * (kTileCols / kPack), "one thread per 4 rows x 8 columns");
   __shared__ uint32_t tile[kTileCols][kTileWords];  // [column][row / 4] of the tile's codes
   __shared__ int scratch[32];
   __shared__ float fscratch[32];
-  const float s = fp8_scale_of<E5M2>(*amax.scale_from);
-  if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = __frcp_rn(s);
-  const int64_t t = int64_t(gridDim.x) - 1 - blockIdx.x;
-  const int64_t r0 = t / col_tiles * kTileRows, c0 = t % col_tiles * kTileCols;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = (lane & 7) | (warp & 3) << 3, h = lane >> 3 | (warp >> 2) << 2;
-  const int64_t c = c0 + h * kPack;
-  // All four rows are loaded before anything is stored (the stores could alias x as far as
-  // the compiler knows).
-  float f[4][kPack];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int64_t r = r0 + 4 * g + i;
-    if (vec_x && r < rows && c < cols) {
-      load8(f[i], x + r * cols + c);
-    } else {
-#pragma unroll
-      for (int k = 0; k < kPack; ++k) f[i][k] = r < rows && c + k < cols ? to_f(x[r * cols + c + k]) : 0.0f;
-    }
-  }
+  int64_t t = tiles - 1 - blockIdx.x;
+  uint4 raw[4];
+  load_tile(raw, x, rows, cols, TilePlace(t, col_tiles, h), g, vec_x);  // before the scale: independent of it
+  const float s = fp8_scale_of<E5M2>(*amax.scale_from);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = __frcp_rn(s);
   int clipped = 0;
   float m = 0.0f;  // amax.record's (values past the edges read as 0)
-  uint2 code[4];
+  for (; t >= 0; t -= gridDim.x) {
+    const TilePlace at(t, col_tiles, h);
+    float f[4][kPack];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int64_t r = r0 + 4 * g + i;
-    code[i] = encode8<E5M2>(f[i], s, clipped);
-    m = fmaxf(m, pack_amax(f[i]));
-    if (out && r < rows) {
-      if (vec_out && c < cols) {
-        *reinterpret_cast<uint2*>(out + r * cols + c) = code[i];
-      } else {
-        for (int k = 0; k < kPack && c + k < cols; ++k) out[r * cols + c + k] = code_byte(code[i], k);
+    for (int i = 0; i < 4; ++i) unpack8(f[i], raw[i]);
+    if (t - int64_t(gridDim.x) >= 0)
+      load_tile(raw, x, rows, cols, TilePlace(t - gridDim.x, col_tiles, h), g, vec_x);  // the next tile's, in flight
+    uint2 code[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t r = at.r0 + 4 * g + i;
+      code[i] = encode8<E5M2>(f[i], s, clipped);
+      m = fmaxf(m, pack_amax(f[i]));
+      if (out && r < rows) {
+        if (vec_out && at.c < cols) {
+          *reinterpret_cast<uint2*>(out + r * cols + at.c) = code[i];
+        } else {
+          for (int k = 0; k < kPack && at.c + k < cols; ++k) out[r * cols + at.c + k] = code_byte(code[i], k);
+        }
       }
     }
-  }
-  if (out_t) {
+    if (!out_t) continue;
     uint32_t words[kPack];
     transpose4x8(code, words);
+    __syncthreads();  // the previous tile's stores have read `tile`
 #pragma unroll
     for (int k = 0; k < kPack; ++k) tile[h * kPack + k][g] = words[k];
     __syncthreads();
     // Each warp stores four rows of out_t, eight 16-byte chunks of each, per pass.
     constexpr int kChunks = kTileRows / 16;
+    const int64_t c0 = at.c - h * kPack;
 #pragma unroll
     for (int pass = 0; pass < kTileCols * kChunks / kThreads; ++pass) {
       const int cc = threadIdx.x / kChunks + pass * (kThreads / kChunks), j = threadIdx.x % kChunks;
-      const int64_t ct = c0 + cc, r = r0 + 16 * j;
+      const int64_t ct = c0 + cc, r = at.r0 + 16 * j;
       if (ct >= cols || r >= rows) continue;
       const uint32_t* src = &tile[cc][4 * j];
       uint8_t* dst = out_t + ct * rows + r;
@@ -358,6 +389,16 @@ void fp8_cast(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, Fp8CastA
 
 namespace {
 
+// Blocks of `kernel` (kThreads threads) the device holds at once: a persistent grid.
+template <typename K>
+int64_t resident_blocks(K kernel) {
+  int device = 0, sms = 0, per_sm = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+  return int64_t(sms) * std::max(1, per_sm);
+}
+
 // The tiled cast of x [rows, cols] into out (as it lies; may be null) and out_t
 // (transposed; may be null). One block even for an empty x: it writes inv_scale.
 void cast_tiles(const char* op, uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows,
@@ -366,18 +407,13 @@ void cast_tiles(const char* op, uint8_t* out, uint8_t* out_t, float* inv_scale, 
   check_cast(op, out ? out : out_t, inv_scale, x, rows * cols, amax);
   const int64_t col_tiles = std::max<int64_t>(1, (cols + kTileCols - 1) / kTileCols);
   const int64_t tiles = std::max<int64_t>(1, (rows + kTileRows - 1) / kTileRows) * col_tiles;
-  ESPLAG_CHECK(tiles <= INT32_MAX, op, ": ", rows, " x ", cols, " is too large (more than 2^31 - 1 tiles of ",
-               kTileRows, " x ", kTileCols, ")");
   const bool vec_x = cols % kPack == 0 && detail::aligned16(x);
   const bool vec_out = cols % kPack == 0 && aligned8(out);
   const bool vec_t = rows % 16 == 0 && detail::aligned16(out_t);
-  const unsigned grid = static_cast<unsigned>(tiles);
-  if (format == Fp8Format::e5m2)
-    cast_tiles_kernel<true><<<grid, kThreads, 0, stream>>>(out, out_t, inv_scale, x, rows, cols, col_tiles, amax,
-                                                           counter(saturated), vec_x, vec_out, vec_t);
-  else
-    cast_tiles_kernel<false><<<grid, kThreads, 0, stream>>>(out, out_t, inv_scale, x, rows, cols, col_tiles, amax,
-                                                            counter(saturated), vec_x, vec_out, vec_t);
+  auto kernel = format == Fp8Format::e5m2 ? cast_tiles_kernel<true> : cast_tiles_kernel<false>;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, resident_blocks(kernel)));
+  kernel<<<grid, kThreads, 0, stream>>>(out, out_t, inv_scale, x, rows, cols, col_tiles, tiles, amax,
+                                        counter(saturated), vec_x, vec_out, vec_t);
   CUDA_CHECK_LAUNCH(op);
 }
 
