@@ -127,14 +127,9 @@ TEST(Fp8DelayedScaling, LayerCastsFollowTheHistory) {
 // keeps the history of the dense one it replaced; evaluations leave them alone; a new
 // history length starts them over.
 TEST(Fp8DelayedScaling, ModelHistoriesOutliveKindChanges) {
-  ModelConfig c;
+  ModelConfig c = model_preset("tiny");
   c.vocab_size = 32;
-  c.max_seq_len = 16;
   c.n_layer = 1;
-  c.n_head = 2;
-  c.n_kv_head = 2;
-  c.d_model = 32;
-  c.d_ff = 64;
   Transformer<float> model(c);
   model.init_weights(7);
   model.set_linear_precision({true, Fp8Format::e4m3, Fp8Scaling::delayed, 8});

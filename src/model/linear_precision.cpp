@@ -5,8 +5,6 @@
 
 namespace esplag {
 
-std::string to_string(Fp8Scaling s) { return s == Fp8Scaling::delayed ? "delayed" : "current"; }
-
 template <typename T>
 const T* Fp8Operands<T>::operator()(const LinearPrecision& precision, ProductOperand role, const T* x, int64_t n,
                                     Fp8AmaxHistory* history) {

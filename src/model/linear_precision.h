@@ -23,9 +23,6 @@ namespace esplag {
 
 enum class Fp8Scaling { current, delayed };
 
-// "current" / "delayed".
-std::string to_string(Fp8Scaling s);
-
 struct LinearPrecision {
   bool fp8 = false;                  // false: the products in the layer's own type
   Fp8Format grad = Fp8Format::e4m3;  // the output gradient's format in fp8

@@ -43,9 +43,7 @@ void DeviceFp8Histories::to_host(std::vector<Fp8AmaxHistory>& host, cudaStream_t
   std::vector<float> all(floats(int64_t(names_.size()), length_));
   CUDA_CHECK(cudaMemcpyAsync(all.data(), device_, sizeof(float) * all.size(), cudaMemcpyDeviceToHost, s));
   CUDA_CHECK(cudaStreamSynchronize(s));
-  for (size_t i = 0; i < host.size(); ++i) {
-    if (host[i].length() != length_) host[i].resize(length_);
-    if (!warm_) continue;  // nothing to keep yet: the host's stay as they are, cold
+  for (size_t i = 0; i < host.size() && warm_; ++i) {  // not warm: nothing to keep yet
     std::vector<float> v;  // per role: this step's amax, then the past ones (without the scale)
     for (int r = 0; r < kRoles; ++r) {
       const float* h = all.data() + (kRoles * i + size_t(r)) * size_t(length_ + 2);

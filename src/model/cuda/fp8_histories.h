@@ -40,8 +40,8 @@ class DeviceFp8Histories {
   // The step is over (after the optimizer's update, on the model's stream).
   void roll(cudaStream_t s);
 
-  // While paused (a timing of the products on made-up operands), casts neither read nor
-  // record the histories: they take each tensor's own amax.
+  // While paused (an evaluation, or a timing of the products on made-up operands), casts
+  // neither read nor record the histories: they take each tensor's own amax.
   bool paused() const { return paused_; }
   struct Pause {
     explicit Pause(DeviceFp8Histories* h) : h_(h), was_(h && h->paused_) {

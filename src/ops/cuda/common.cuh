@@ -17,8 +17,8 @@ __device__ __forceinline__ bf16 to_bf(float x) { return __float2bfloat16_rn(x); 
 
 // Eight bf16 values moved as one 16-byte access (a single LDG.128 / STG.128).
 constexpr int kPack = 8;
-__device__ __forceinline__ void load8(float (&f)[kPack], const bf16* p) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
+// The eight bf16 values of a 16-byte word.
+__device__ __forceinline__ void unpack8(float (&f)[kPack], const uint4& u) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
 #pragma unroll
   for (int k = 0; k < kPack / 2; ++k) {
@@ -26,6 +26,9 @@ __device__ __forceinline__ void load8(float (&f)[kPack], const bf16* p) {
     f[2 * k] = t.x;
     f[2 * k + 1] = t.y;
   }
+}
+__device__ __forceinline__ void load8(float (&f)[kPack], const bf16* p) {
+  unpack8(f, *reinterpret_cast<const uint4*>(p));
 }
 __device__ __forceinline__ void store8(bf16* p, const float (&f)[kPack]) {
   uint4 u;

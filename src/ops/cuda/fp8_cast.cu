@@ -23,6 +23,7 @@ namespace {
 
 using detail::kPack;
 using detail::load8;
+using detail::unpack8;
 using detail::to_f;
 
 constexpr int kThreads = 256;
@@ -224,16 +225,6 @@ __device__ __forceinline__ void load_tile(uint4 (&raw)[4], const bf16* x, int64_
       for (int k = 0; k < kPack; ++k) v[k] = r < rows && at.c + k < cols ? x[r * cols + at.c + k] : bf16(0.0f);
       raw[i] = *reinterpret_cast<const uint4*>(v);
     }
-  }
-}
-
-__device__ __forceinline__ void unpack8(float (&f)[kPack], const uint4& raw) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int k = 0; k < kPack / 2; ++k) {
-    const float2 t = __bfloat1622float2(h[k]);
-    f[2 * k] = t.x;
-    f[2 * k + 1] = t.y;
   }
 }
 
