@@ -11,6 +11,7 @@
 // it from its start to its end; the casts walk it from the end back, so that they begin
 // with what the amax read last, which the L2 cache may still hold.
 #include <algorithm>
+#include <atomic>
 
 #include "core/error.h"
 #include "ops/cuda/common.cuh"
@@ -380,14 +381,21 @@ void fp8_cast(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, Fp8CastA
 
 namespace {
 
-// Blocks of `kernel` (kThreads threads) the device holds at once: a persistent grid.
-template <typename K>
-int64_t resident_blocks(K kernel) {
-  int device = 0, sms = 0, per_sm = 0;
+// Blocks of the tiled cast (kThreads threads) the device holds at once: a persistent grid.
+// Asked once per format and device, not at every cast.
+template <bool E5M2>
+int64_t resident_blocks() {
+  constexpr int kDevices = 64;
+  static std::atomic<int64_t> known[kDevices] = {};  // 0 until asked
+  int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
+  if (device < kDevices && known[device].load() > 0) return known[device].load();
+  int sms = 0, per_sm = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-  return int64_t(sms) * std::max(1, per_sm);
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, cast_tiles_kernel<E5M2>, kThreads, 0));
+  const int64_t blocks = int64_t(sms) * std::max(1, per_sm);
+  if (device < kDevices) known[device].store(blocks);
+  return blocks;
 }
 
 // The tiled cast of x [rows, cols] into out (as it lies; may be null) and out_t
@@ -401,8 +409,10 @@ void cast_tiles(const char* op, uint8_t* out, uint8_t* out_t, float* inv_scale, 
   const bool vec_x = cols % kPack == 0 && detail::aligned16(x);
   const bool vec_out = cols % kPack == 0 && aligned8(out);
   const bool vec_t = rows % 16 == 0 && detail::aligned16(out_t);
-  auto kernel = format == Fp8Format::e5m2 ? cast_tiles_kernel<true> : cast_tiles_kernel<false>;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, resident_blocks(kernel)));
+  const bool e5m2 = format == Fp8Format::e5m2;
+  auto kernel = e5m2 ? cast_tiles_kernel<true> : cast_tiles_kernel<false>;
+  const int64_t resident = e5m2 ? resident_blocks<true>() : resident_blocks<false>();
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, resident));
   kernel<<<grid, kThreads, 0, stream>>>(out, out_t, inv_scale, x, rows, cols, col_tiles, tiles, amax,
                                         counter(saturated), vec_x, vec_out, vec_t);
   CUDA_CHECK_LAUNCH(op);
