@@ -15,12 +15,15 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <cmath>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "io/safetensors.h"
 #include "test_util.h"
 
 namespace esplag::testing {
@@ -92,6 +95,36 @@ inline std::vector<LoggedStep> logged_steps(const cli_fs::path& run_dir) {
     if (j.contains("loss")) out.push_back({j["loss"], j["grad_norm"], j["tokens_seen"]});
   }
   return out;
+}
+
+// The largest relative difference between the delayed fp8 amax histories of two checkpoints
+// (optimizer.safetensors' fp8_amax_history.<module> [2, N + 1]: X's row, then dY's), each
+// of a's dY values multiplied by dy_ratio first (runs that scale their losses differently).
+// A failure when they hold different modules, or none.
+inline double amax_history_difference(const cli_fs::path& a, const cli_fs::path& b, float dy_ratio) {
+  const auto histories = [](const cli_fs::path& ck) {
+    std::map<std::string, Tensor> out;
+    for (auto& [name, t] : load_safetensors((ck / "optimizer.safetensors").string()).tensors)
+      if (name.rfind("fp8_amax_history.", 0) == 0) out.emplace(name, std::move(t));
+    return out;
+  };
+  const auto ha = histories(a), hb = histories(b);
+  EXPECT_FALSE(ha.empty()) << a;
+  EXPECT_EQ(ha.size(), hb.size());
+  double worst = 0;
+  for (const auto& [name, x] : ha) {
+    const auto it = hb.find(name);
+    if (it == hb.end() || it->second.numel() != x.numel()) {
+      ADD_FAILURE() << name << ": missing from " << b << " or of another length";
+      continue;
+    }
+    const int64_t per = x.numel() / 2;
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      const double u = x.data<float>()[i] * (i >= per ? dy_ratio : 1.0f), v = it->second.data<float>()[i];
+      if (u != v) worst = std::max(worst, std::abs(u - v) / std::max(std::abs(u), std::abs(v)));
+    }
+  }
+  return worst;
 }
 
 #ifdef ESPLAG_BINARY

@@ -4,7 +4,7 @@
 // ZeRO stages 0, 1, 2 and 3, and the run resumes on one GPU; the sharded stages' gathered checkpoints hold the
 // moments stage 0 holds; the gradients averaged in buckets during the backward give the
 // bits of one collective after it; stage 2's ring of gradient slots gives stage 1's bits,
-// stage 3's sharded parameters stage 2's.
+// stage 3's sharded parameters stage 2's; delayed fp8 scaling's amax histories are one GPU's.
 // Skipped on machines with fewer than two GPUs.
 #include <gtest/gtest.h>
 
@@ -294,4 +294,31 @@ TEST(GpuDataParallel, GradientBucketsMatchOneCollective) {
       const fs::path after = train("0"), during = train("0.01");
       expect_runs_agree(during, after, zero == 0, tag);
     }
+}
+
+// Delayed fp8 scaling: the ranks' amax histories take the largest amaxes over the ranks
+// (NCCL's max), so they are one GPU's with twice the accumulation (whose losses, and so dY,
+// are scaled by 1/2): to the bit after the first step (the same weights), then within what
+// other orders of sums give through bf16 and the fp8 casts. A rank that kept only its own
+// batches' amaxes would differ at once (by 16% on the CPU's tiny model).
+TEST(GpuDataParallel, DelayedFp8ScalingFollowsOneGpu) {
+  if (gpus() < 2) GTEST_SKIP() << "needs two GPUs";
+  const fs::path config = tiny_config("delayed", "");
+  const fs::path one = root() / "delayed-one", two = root() / "delayed-two";
+  const std::string fp8 =
+      " --set train.precision=fp8 --set train.fp8_scaling=delayed --set train.checkpoint_every=1 --set train.keep_checkpoints=0";
+  const Result a = run("train --config " + config.string() + " --out " + one.string() + fp8 +
+                       " --set train.grad_accum=2");
+  ASSERT_EQ(a.code, 0) << a.err;
+  const Result b = run("train --gpus 2 --config " + config.string() + " --out " + two.string() + fp8);
+  ASSERT_EQ(b.code, 0) << b.err;
+  const auto la = losses(one), lb = losses(two);
+  ASSERT_EQ(la.size(), 12u);
+  ASSERT_EQ(lb.size(), la.size());
+  for (size_t i = 0; i < la.size(); ++i) EXPECT_NEAR(lb[i], la[i], 5e-3 * la[i]) << "step " << i + 1;
+  EXPECT_EQ(esplag::testing::amax_history_difference(one / "step-000001", two / "step-000001", 2.0f), 0.0);
+  EXPECT_LT(esplag::testing::amax_history_difference(one / "step-000006", two / "step-000006", 2.0f), 5e-2);
+  const Result c = run("train --gpus 2 --resume " + two.string() + " --steps 14");  // rank 0's histories on both
+  ASSERT_EQ(c.code, 0) << c.err;
+  EXPECT_TRUE(fs::exists(two / "step-000014" / "optimizer.safetensors"));
 }

@@ -1,5 +1,5 @@
 // The host channel between ranks: each rank a thread (its own HostChannel on a free port)
-// or, where a rank dies, a forked process. Sums identical on every rank and added in rank
+// or, where a rank dies, a forked process. Sums and maxima identical on every rank, sums added in rank
 // order, reduce-scatter and gathers, broadcast, barrier, any, large buffers, and failures
 // that end every rank with an Error naming the rank instead of hanging.
 #include <gtest/gtest.h>
@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -87,6 +88,31 @@ TEST(HostChannel, SumIsBitIdenticalAndInRankOrder) {
   // Element 0 of the doubles: 1e16 + 1.0 + -1e16 from ranks 0, 1, 2 (rotated per rank) in rank order.
   EXPECT_EQ(doubles[0][0], (1e16 + 1.0) + -1e16);
   EXPECT_EQ(results[0][1], ((1e8f + 0.0f) + (1.0f + 0.1f)) + (-1e8f + 0.2f));
+}
+
+TEST(HostChannel, MaxIsElementwiseAndTheSameOnEveryRank) {
+  std::vector<std::vector<float>> results(3);
+  expect_no_errors(run_threads(3, [&](HostChannel& c) {
+    // Element i's largest value is on rank i % 3; -0.0 and 0.0 compare equal (rank 0's stays).
+    std::vector<float> v(5'000'000);
+    for (size_t i = 0; i < v.size(); ++i) v[i] = size_t(c.rank()) == i % 3 ? float(i) : -float(c.rank());
+    v[1] = c.rank() == 0 ? -0.0f : 0.0f;
+    c.all_reduce_max(v.data(), v.size());
+    results[c.rank()] = v;
+  }));
+  bool right = true;
+  for (size_t i = 2; i < results[0].size(); ++i) right = right && results[0][i] == float(i);
+  EXPECT_TRUE(right);
+  EXPECT_TRUE(std::signbit(results[0][1]));
+  for (int r = 1; r < 3; ++r)
+    EXPECT_EQ(std::memcmp(results[r].data(), results[0].data(), results[0].size() * sizeof(float)), 0) << r;
+  // A max and a sum are different collectives.
+  const auto errors = run_threads(2, [&](HostChannel& c) {
+    std::vector<float> v(4);
+    c.rank() == 0 ? c.all_reduce_max(v.data(), v.size()) : c.all_reduce_sum(v.data(), v.size());
+  });
+  for (int r = 0; r < 2; ++r)
+    EXPECT_TRUE(contains(errors[r], "rank 0 all_reduce_max(float), rank 1 all_reduce_sum(float)")) << errors[r];
 }
 
 TEST(HostChannel, LargeBuffers) {

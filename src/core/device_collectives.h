@@ -38,6 +38,8 @@ class DeviceCollectives {
   virtual void all_reduce_sum_int(int32_t* data, size_t n, cudaStream_t stream) = 0;
   // data [n] fp32, in place: the mean over the ranks (GpuModelOptions::reduce_gradients).
   virtual void all_reduce_mean(float* data, size_t n, cudaStream_t stream) = 0;
+  // data [n] fp32, in place: the largest over the ranks (delayed fp8 scaling's amaxes).
+  virtual void all_reduce_max(float* data, size_t n, cudaStream_t stream) = 0;
   // The collectives queued between group_begin and group_end may run as one launch (NCCL's
   // groups): many small ones cost less so. By default each runs as it is queued.
   virtual void group_begin() {}

@@ -33,8 +33,12 @@ Clock::time_point after(double seconds) {
 // Every message starts with a header; the magic number tells a stray connection from a rank.
 constexpr uint32_t kMagic = 0x45535031;  // "ESP1"
 enum Op : uint32_t {
-  kHello = 1, kReady, kSumFloat, kSumDouble, kBroadcast, kBarrier, kAny, kAbort, kReduceScatter, kAllGather, kGather
+  kHello = 1, kReady, kSumFloat, kSumDouble, kBroadcast, kBarrier, kAny, kAbort, kReduceScatter, kAllGather, kGather,
+  kMaxFloat
 };
+
+// The elementwise collectives: every rank sends n values, rank 0 combines them in rank order.
+bool elementwise(uint32_t op) { return op == kSumFloat || op == kSumDouble || op == kMaxFloat; }
 
 const char* op_name(uint32_t op) {
   switch (op) {
@@ -48,6 +52,7 @@ const char* op_name(uint32_t op) {
     case kReduceScatter: return "reduce_scatter_sum";
     case kAllGather: return "all_gather";
     case kGather: return "gather";
+    case kMaxFloat: return "all_reduce_max(float)";
     default: return "an unknown message";
   }
 }
@@ -337,7 +342,7 @@ std::vector<Header> gather_headers(const std::vector<int>& sockets, const Header
     if (h.op != mine.op)
       throw RunAborted{"the ranks called different collectives: rank 0 " + std::string(op_name(mine.op)) + ", " + who +
                        " " + op_name(h.op)};
-    if ((mine.op == kSumFloat || mine.op == kSumDouble) && h.length != mine.length)
+    if (elementwise(mine.op) && h.length != mine.length)
       throw RunAborted{std::string(op_name(mine.op)) + " of different sizes: " + std::to_string(mine.length) +
                        " bytes on rank 0, " + std::to_string(h.length) + " on " + who};
     if ((mine.op == kReduceScatter || mine.op == kAllGather || mine.op == kGather) && h.arg != mine.arg)
@@ -437,9 +442,9 @@ void HostChannel::guarded(const char* name, const Exchange& exchange) {
 }
 
 template <typename T>
-void HostChannel::sum(T* data, size_t n, const char* name) {
+void HostChannel::reduce(T* data, size_t n, bool max, const char* name) {
   Header mine;
-  mine.op = sizeof(T) == sizeof(float) ? kSumFloat : kSumDouble;
+  mine.op = max ? kMaxFloat : sizeof(T) == sizeof(float) ? kSumFloat : kSumDouble;
   mine.length = n * sizeof(T);
   guarded(name, [&] {
     if (rank_ != 0) {
@@ -450,22 +455,24 @@ void HostChannel::sum(T* data, size_t n, const char* name) {
       return;
     }
     gather_headers(sockets_, mine, timeout_s_);
-    // Chunk by chunk, each rank's values added in rank order: every element is ((r0 + r1) + r2) ...
+    // Chunk by chunk, each rank's values combined in rank order: every sum is ((r0 + r1) + r2) ...
     const size_t chunk = std::max<size_t>(1, kChunkBytes / sizeof(T));
     std::vector<T> peer(std::min(n, chunk));
     for (size_t first = 0; first < n; first += chunk) {
       const size_t count = std::min(chunk, n - first);
       for (int r = 1; r < size_; ++r) {
         recv_all(sockets_[r], peer.data(), count * sizeof(T), timeout_s_, r);
-        for (size_t i = 0; i < count; ++i) data[first + i] += peer[i];
+        for (size_t i = 0; i < count; ++i)
+          data[first + i] = max ? std::max(data[first + i], peer[i]) : data[first + i] + peer[i];
       }
     }
     for (int r = 1; r < size_; ++r) send_frame(sockets_[r], mine, data, timeout_s_, r);
   });
 }
 
-void HostChannel::all_reduce_sum(float* data, size_t n) { sum(data, n, "all_reduce_sum"); }
-void HostChannel::all_reduce_sum(double* data, size_t n) { sum(data, n, "all_reduce_sum"); }
+void HostChannel::all_reduce_sum(float* data, size_t n) { reduce(data, n, false, "all_reduce_sum"); }
+void HostChannel::all_reduce_sum(double* data, size_t n) { reduce(data, n, false, "all_reduce_sum"); }
+void HostChannel::all_reduce_max(float* data, size_t n) { reduce(data, n, true, "all_reduce_max"); }
 
 namespace {
 

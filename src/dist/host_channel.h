@@ -35,6 +35,8 @@ class HostChannel {
   // sent back, so every rank gets identical bits. Every rank passes the same n.
   void all_reduce_sum(float* data, size_t n);
   void all_reduce_sum(double* data, size_t n);
+  // Elementwise maximum over the ranks (of values that are not NaN), the same on every rank.
+  void all_reduce_max(float* data, size_t n);
   // The pieces of ZeRO (train/zero_partition.h). `counts` (the same on every rank) splits
   // sum(counts) elements into consecutive ranges, counts[r] elements for rank r.
   // Reduce-scatter: `data` holds sum(counts) elements on every rank; `out` gets this rank's
@@ -62,7 +64,7 @@ class HostChannel {
   template <typename Exchange>
   void guarded(const char* name, const Exchange& exchange);
   template <typename T>
-  void sum(T* data, size_t n, const char* name);
+  void reduce(T* data, size_t n, bool max, const char* name);
   void gather_to(const float* mine, const std::vector<size_t>& counts, float* out, bool to_all);
   // Records the failure, tells the other ranks (rank 0) and throws it.
   [[noreturn]] void abort_run(const std::string& message);

@@ -35,6 +35,8 @@ class Fp8AmaxHistory {
   float scale_amax(ProductOperand role) const;
   // A cast of `role` saw amax `a` this step.
   void record(ProductOperand role, float a);
+  // The largest amax `role`'s casts recorded this step (0 before the first).
+  float step_amax(ProductOperand role) const { return current_[size_t(operand_index(role))]; }
   // The step is over: its amaxes become the newest past ones.
   void roll();
 

@@ -1046,6 +1046,7 @@ void GpuTransformer::step_adamw(const GpuAdamW& hyper) {
     run_as_graph(im.adam_graphs[im.refreshing], stream_, im.graph_launches, [&] { adamw_body(); });
   }
   if (DeviceFp8Histories* h = im.fp8_histories.get()) {
+    if (opt_.fp8_amax_ranks) h->reduce_max(*opt_.fp8_amax_ranks, stream_);
     const bool was_warm = h->warm();
     h->roll(stream_);
     if (!was_warm) {  // the step graphs captured so far run the first step's amax passes

@@ -185,6 +185,11 @@ struct GpuModelOptions {
   // The communicator must outlive the model.
   DeviceCollectives* reduce_gradients = nullptr;
   size_t bucket_bytes = size_t(25) << 20;
+  // Delayed fp8 scaling (precision.delayed()), data parallel: the ranks whose largest amaxes
+  // each step's histories take before step_adamw rolls them, so that every rank scales alike
+  // (as one process running all the ranks' batches would). Null: one process. The
+  // communicator must outlive the model.
+  DeviceCollectives* fp8_amax_ranks = nullptr;
   // The block Linear layers' products (train.precision, docs/fp8.md): with precision.fp8 a
   // dense layer (and masked, vnm: the dense products of their masked weights) multiplies
   // e4m3 activations and weights and precision.grad output gradients, each cast with its

@@ -22,6 +22,7 @@ class PlannedRanks final : public DeviceCollectives {
   void all_reduce_sum(float*, size_t, cudaStream_t) override { refuse(); }
   void all_reduce_sum_int(int32_t*, size_t, cudaStream_t) override { refuse(); }
   void all_reduce_mean(float*, size_t, cudaStream_t) override { refuse(); }
+  void all_reduce_max(float*, size_t, cudaStream_t) override { refuse(); }
 
  private:
   [[noreturn]] static void refuse() { fail("the memory plan's ranks do not communicate"); }
@@ -47,6 +48,7 @@ void set_data_parallel_options(GpuModelOptions& o, const TrainConfig& config, De
   if (config.parallel.zero >= 1) o.shard_optimizer = ranks;
   o.shard_gradients = o.shard_optimizer && config.parallel.zero >= 2;
   o.shard_parameters = o.shard_optimizer && config.parallel.zero >= 3;
+  if (config.linear_precision().delayed()) o.fp8_amax_ranks = ranks;
   if (config.parallel.bucket_mb > 0) {
     o.reduce_gradients = ranks;
     o.bucket_bytes = size_t(config.parallel.bucket_mb * double(1 << 20));

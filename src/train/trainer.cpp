@@ -132,6 +132,7 @@ class CpuStep final : public StepBackend {
     } else {
       step_optimizer(step, grad_scale, lr);
     }
+    if (ranks_) max_fp8_amaxes_over_ranks();
     model_.roll_fp8_histories();
     last_ = st;
   }
@@ -165,6 +166,21 @@ class CpuStep final : public StepBackend {
     const float* at = flat.data();
     for (const auto& p : params)
       for (int64_t i = 0, n = shape_numel(p.shape); i < n; ++i) p.grad[i] = static_cast<float>(*at++ * inv);
+  }
+
+  // Delayed fp8 scaling: the step's amaxes become their largest over the ranks before the
+  // histories roll, so that every rank scales alike, as one process running every rank's
+  // batches would (and a checkpoint's histories, rank 0's, are every rank's).
+  void max_fp8_amaxes_over_ranks() {
+    if (!model_.linear_precision().delayed()) return;
+    constexpr ProductOperand kOperands[] = {ProductOperand::input, ProductOperand::grad};
+    std::vector<float> amax;
+    for (const Fp8AmaxHistory& h : model_.fp8_histories())
+      for (ProductOperand role : kOperands) amax.push_back(h.step_amax(role));
+    ranks_->all_reduce_max(amax.data(), amax.size());
+    const float* at = amax.data();
+    for (Fp8AmaxHistory& h : model_.fp8_histories())
+      for (ProductOperand role : kOperands) h.record(role, *at++);
   }
 
   // Global L2 norm of every trained gradient (deterministic order).
@@ -536,11 +552,6 @@ void Trainer::resolve_device() {
   ESPLAG_CHECK(cfg_.parallel.zero <= 2 || device_ == "cuda", "parallel.zero = 3 (sharded parameters) is built for ",
                "train.device cuda; this run trains on the CPU, whose reference trains stages 0 to 2 (the numbers ",
                "stage 3 gives)");
-  // Each rank would record only its own batches' amaxes: the ranks would scale apart, and a
-  // resumed run would give every rank rank 0's histories.
-  ESPLAG_CHECK(!world_.distributed() || !cfg_.linear_precision().delayed(), "train.fp8_scaling is delayed, which ",
-               "does not train data-parallel yet (the ranks' amax histories are not reduced across them): use ",
-               "train.fp8_scaling current with ", world_.size, " ranks");
 }
 
 void Trainer::make_backend(Moments m, Moments v) {

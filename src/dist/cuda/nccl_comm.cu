@@ -121,6 +121,10 @@ void NcclComm::all_reduce_sum(float* data, size_t n, cudaStream_t stream) {
   NCCL_CALL("all-reduce", loaded_nccl().AllReduce(data, data, n, ncclFloat32, ncclSum, handle_->comm, stream));
 }
 
+void NcclComm::all_reduce_max(float* data, size_t n, cudaStream_t stream) {
+  NCCL_CALL("all-reduce", loaded_nccl().AllReduce(data, data, n, ncclFloat32, ncclMax, handle_->comm, stream));
+}
+
 void NcclComm::all_reduce_sum_int(int32_t* data, size_t n, cudaStream_t stream) {
   NCCL_CALL("all-reduce", loaded_nccl().AllReduce(data, data, n, ncclInt32, ncclSum, handle_->comm, stream));
 }
@@ -183,6 +187,7 @@ void NcclComm::group_begin() {}
 void NcclComm::group_end() {}
 void NcclComm::all_gather(const void*, void*, size_t, cudaStream_t) {}
 void NcclComm::all_reduce_sum_int(int32_t*, size_t, cudaStream_t) {}
+void NcclComm::all_reduce_max(float*, size_t, cudaStream_t) {}
 void NcclComm::synchronize(cudaStream_t, const std::string&) {}
 std::string NcclComm::version() { return "built without nccl.h"; }
 

@@ -48,6 +48,7 @@ class NcclComm final : public DeviceCollectives {
   void all_reduce_sum_int(int32_t* data, size_t n, cudaStream_t stream) override;
   void all_reduce_sum(float* data, size_t n, cudaStream_t stream) override;
   void all_reduce_mean(float* data, size_t n, cudaStream_t stream) override;
+  void all_reduce_max(float* data, size_t n, cudaStream_t stream) override;
   void group_begin() override;
   void group_end() override;
 

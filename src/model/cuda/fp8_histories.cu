@@ -37,6 +37,10 @@ void DeviceFp8Histories::roll(cudaStream_t s) {
   warm_ = true;
 }
 
+void DeviceFp8Histories::reduce_max(DeviceCollectives& ranks, cudaStream_t s) {
+  ranks.all_reduce_max(device_, floats(int64_t(names_.size()), length_), s);
+}
+
 void DeviceFp8Histories::to_host(std::vector<Fp8AmaxHistory>& host, cudaStream_t s) const {
   ESPLAG_CHECK(host.size() == names_.size(), "fp8 amax histories: the host model has ", host.size(),
                " block linears, the device ", names_.size());

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/device_collectives.h"
 #include "model/fp8_amax_history.h"
 #include "ops/gpu_fp8.h"
 
@@ -39,6 +40,9 @@ class DeviceFp8Histories {
   bool warm() const { return warm_; }
   // The step is over (after the optimizer's update, on the model's stream).
   void roll(cudaStream_t s);
+  // Data parallel, before roll: every value becomes its largest over `ranks`. The past
+  // amaxes are the same on every rank already, so the step's amaxes become the ranks' largest.
+  void reduce_max(DeviceCollectives& ranks, cudaStream_t s);
 
   // While paused (an evaluation, or a timing of the products on made-up operands), casts
   // neither read nor record the histories: they take each tensor's own amax.
