@@ -36,6 +36,7 @@ class OneRank final : public esplag::DeviceCollectives {
   void all_reduce_sum(float*, size_t, cudaStream_t) override {}
   void all_reduce_sum_int(int32_t*, size_t, cudaStream_t) override {}
   void all_reduce_mean(float*, size_t, cudaStream_t) override {}
+  void all_reduce_max(float*, size_t, cudaStream_t) override {}
 
  private:
   static void copy(void* dst, const void* src, size_t bytes, cudaStream_t s) {
