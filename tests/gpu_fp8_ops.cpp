@@ -10,6 +10,7 @@
 // shifted by one element, the scalar path. The tiled casts (transposed, and both layouts
 // from one read) take matrices around the 64 x 64 tile, tiny and empty ones, inputs and
 // outputs off their 16-byte alignment, and every bf16 value laid out in several shapes.
+// SwiGLU's fp8 input gradient gives the codes of the tiled cast of fused_swiglu_backward's.
 // Outputs are poisoned first (0xFF, the code of -NaN, which the random tensors never give;
 // the exhaustive test, which does give it, runs twice with two poisons), and the bytes
 // after the output are checked to stay poisoned.
@@ -37,6 +38,7 @@
 #include "core/rng.h"
 #include "model/fp8_amax_history.h"
 #include "ops/gpu_fp8.h"
+#include "ops/gpu_fused.h"
 
 #include "gpu_test_util.h"
 
@@ -357,6 +359,53 @@ TEST(GpuFp8, TiledCastsOfEmptyTensors) {
   REQUIRE_DEVICE();
   for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{0, 0}, {0, 5}, {7, 0}})
     for (const bool both : {true, false}) expect_tiled_cast(Bits{}, Fp8Format::e4m3, {rows, cols, 0, 0, both});
+}
+
+// fp8_swiglu_backward's codes, inverse scale, recorded amax and saturated count are those of
+// fused_swiglu_backward's bf16 gradient through fp8_cast_both, bit for bit, at a scale from
+// half the gradient's amax (so that values saturate), for shapes around the 128 x 64 tile
+// (H not a multiple of 64: tiles that hold gate and up columns; N off 16: the transposed
+// stores one by one), NaN and infinities among the inputs, outputs poisoned first.
+TEST(GpuFp8, SwigluBackwardCodesAreTheCastOfItsGradient) {
+  REQUIRE_DEVICE();
+  uint64_t seed = 900;
+  for (const Fp8Format f : kFormats)
+    for (const auto& [N, H] : {std::pair<int64_t, int>{1, 8}, {17, 8}, {130, 72}, {256, 64}, {300, 136}, {64, 1000}}) {
+      const std::string what = std::string("fp8_swiglu_backward ") + to_string(f) + " N=" + std::to_string(N) +
+                               " H=" + std::to_string(H);
+      SCOPED_TRACE(what);
+      Dev dev;
+      const size_t n = size_t(N) * 2 * H;
+      const bf16* inp = dev.put_bf16(random_bits(n, ++seed, 3.0, N == 130));
+      const bf16* dout = dev.put_bf16(random_bits(n / 2, ++seed, 0.5, N == 300));
+      bf16* grad = dev.poisoned_bf16(n);
+      gpu::fused_swiglu_backward(grad, nullptr, inp, dout, N, H, dev.stream());
+      float* scale_from = dev.poisoned_floats(1);
+      gpu::fp8_amax(scale_from, grad, int64_t(n), dev.stream());
+      const float half = 0.5f * dev.get_float(scale_from);
+      CUDA_CHECK(cudaMemcpy(scale_from, &half, sizeof(float), cudaMemcpyHostToDevice));
+      struct Outputs {
+        uint8_t *out, *out_t;
+        float *inv, *record;
+        uint64_t* saturated;
+      };
+      const auto outputs = [&] {
+        return Outputs{dev.poisoned_codes(n), dev.poisoned_codes(n), dev.poisoned_floats(1), dev.put(VF{0.0f}),
+                       dev.zeroed_counter()};
+      };
+      const Outputs want = outputs(), got = outputs();
+      gpu::fp8_cast_both(want.out, want.out_t, want.inv, grad, N, 2 * int64_t(H), {scale_from, want.record}, f,
+                         want.saturated, dev.stream());
+      gpu::fp8_swiglu_backward({got.out, got.out_t, got.inv, {scale_from, got.record}, f, got.saturated}, inp, dout,
+                               N, H, dev.stream());
+      const Codes codes = dev.get(want.out, n), codes_t = dev.get(want.out_t, n);
+      expect_codes(what + " (as it lies)", codes, dev.get(got.out, n + kGuard));
+      expect_codes(what + " (transposed)", codes_t, dev.get(got.out_t, n + kGuard));
+      EXPECT_EQ(float_bits(dev.get_float(got.inv)), float_bits(dev.get_float(want.inv)));
+      EXPECT_EQ(float_bits(dev.get_float(got.record)), float_bits(dev.get_float(want.record)));
+      EXPECT_EQ(dev.get_count(got.saturated), dev.get_count(want.saturated));
+      EXPECT_GT(dev.get_count(want.saturated), 0u) << "the half amax saturates values";
+    }
 }
 
 // Delayed scaling's step end against core's history (model/fp8_amax_history.h): a few

@@ -26,6 +26,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -37,6 +38,7 @@
 #include "model/linear_kinds.h"
 #include "model/linear_precision.h"
 #include "ops/gpu.h"
+#include "ops/gpu_fp8.h"
 #include "sparse/cuda/sparse_linear.h"
 
 namespace esplag {
@@ -231,6 +233,12 @@ class DeviceLinear {
   // (always added; else the model sums it).
   virtual void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad,
                            const char* op) = 0;
+  // Where the op that makes this layer's output gradient dout [N, out] (SwiGLU's backward)
+  // may write its fp8 codes itself, for the layer's next backward_dx and backward_dw of that
+  // dout (pointer and rows), which then take them and do not read dout's values (nor may a
+  // bias gradient); nullopt where the layer casts dout itself (bf16 products, current
+  // scaling, a history's first step, the 2:4 kinds).
+  virtual std::optional<gpu::Fp8Target> fp8_grad_target(const bf16* dout, int N) { return std::nullopt; }
 
   // --- kind changes -----------------------------------------------------------------------
   // Whether `s` leaves the layer as it is (same kind and options; schedules aside).

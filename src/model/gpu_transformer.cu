@@ -774,15 +774,24 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       // dact, then (recompute) the activation over it, then ln2; dfc replaces fc.
       bf16* dact = reinterpret_cast<bf16*>(shared);
       linear_dx(blk.mproj, "gemm mproj dX", dact, dres);
+      // With the activation kept, mproj's dW first: fc's dY codes below may go where mproj's are.
+      if (L.act) linear_dw(blk.mproj, "gemm mproj dW", dres, L.act);
       bf16* act_out = L.act ? nullptr : dact;
-      if (cfg_.mlp == MlpKind::swiglu) {
+      // fp8 with delayed scaling: SwiGLU's backward writes fc's dY codes, never dfc in bf16.
+      std::optional<gpu::Fp8Target> dfc8;
+      if (cfg_.mlp == MlpKind::swiglu && L.act && !blk.fc->db && H % 8 == 0)
+        dfc8 = blk.fc->top().fp8_grad_target(L.fc, N);
+      if (dfc8) {
+        mark("swiglu bwd");
+        gpu::fp8_swiglu_backward(*dfc8, L.fc, dact, N, H, s);
+      } else if (cfg_.mlp == MlpKind::swiglu) {
         mark("swiglu bwd");
         gpu::fused_swiglu_backward(L.fc, act_out, L.fc, dact, N, H, s);
       } else {
         mark("relu2 bwd");
         gpu::fused_relu2_backward(L.fc, act_out, L.fc, dact, int64_t(N) * H, s);
       }
-      linear_dw(blk.mproj, "gemm mproj dW", dres, L.act ? L.act : act_out);
+      if (!L.act) linear_dw(blk.mproj, "gemm mproj dW", dres, act_out);
       if (!ln2) {
         bf16* t = reinterpret_cast<bf16*>(shared);
         norm_again(blk.n2, t, L.res_mid);

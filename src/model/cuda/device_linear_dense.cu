@@ -110,6 +110,16 @@ DeviceDenseLinear::Fp8Scratch& DeviceDenseLinear::grad_codes(const bf16* dout, i
   return f;
 }
 
+std::optional<gpu::Fp8Target> DeviceDenseLinear::fp8_grad_target(const bf16* dout, int N) {
+  if (!fp8_ || !dy_amax_.from_history()) return std::nullopt;
+  using R = Fp8Scratch::Role;
+  Fp8Scratch& f = fp8_scratch();
+  f.dy_codes.produced(this, dout, N);
+  return gpu::Fp8Target{f.dy_codes.dy, f.dy_codes.dyt, fp8_inv(R::grad),
+                        dy_amax_.before_cast(dout, int64_t(N) * out_, ctx_.stream), ctx_.precision.grad,
+                        ctx_.fp8_saturated};
+}
+
 size_t DeviceDenseLinear::fp8_scratch_bytes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens) {
   return Fp8Sizes(shapes, tokens).bytes();
 }

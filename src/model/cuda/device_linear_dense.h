@@ -24,6 +24,8 @@ class DeviceDenseLinear : public DeviceLinear {
   void bind(const DeviceLinearParams& p) override;
   size_t device_bytes() const override { return fp8_own_.capacity(); }
   void begin_backward() override;
+  // With delayed scaling, warm: the shared dY codes (as grad_codes casts them).
+  std::optional<gpu::Fp8Target> fp8_grad_target(const bf16* dout, int N) override;
   // Device bytes of the scratch the fp8 products share (GpuModelOptions::precision), for
   // block Linear shapes [out, in] and micro-batches of `tokens` rows.
   static size_t fp8_scratch_bytes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens);

@@ -1,7 +1,8 @@
 // dY's fp8 codes shared by a layer's two backward products (dX takes dY [N, out], dW takes
 // dYᵀ [out, N]): one amax and one pass writing both layouts (gpu::fp8_cast_both) by whichever
-// product of the layer runs first; the other takes them over. Part of the scratch that the
-// fp8 layers of a model share (device_linear_dense.cu, device_linear_fp8_sparse.cu).
+// product of the layer runs first; the other takes them over. Or dY's producer wrote them
+// (produced()): both take them over. Part of the scratch that the fp8 layers of a model share
+// (device_linear_dense.cu, device_linear_fp8_sparse.cu).
 //
 // Only for the CUDA build (ESPLAG_CUDA=ON).
 #pragma once
@@ -25,23 +26,31 @@ struct Fp8GradCodes {
   // cast again.
   void take(const void* owner, const gpu::bf16* grad, int N, int64_t out, const Fp8OperandAmax& amax, float* inv,
             Fp8Format format, uint64_t* saturated, cudaStream_t s) {
-    if (owner_ == owner && of_ == grad && rows_ == N) {
-      owner_ = nullptr;
+    if (owner_ == owner && of_ == grad && rows_ == N && takers_ > 0) {
+      --takers_;
       return;
     }
     gpu::fp8_cast_both(dy, dyt, inv, grad, N, out, amax.before_cast(grad, int64_t(N) * out, s), format, saturated,
                        s);
+    hold(owner, grad, N, 1);
+  }
+  // dY's producer writes the codes of `owner`'s dY (pointer and rows, whose bf16 values it
+  // need not write): both products of the layer take them over.
+  void produced(const void* owner, const gpu::bf16* grad, int N) { hold(owner, grad, N, 2); }
+  // At a new backward nothing is taken over (the same pointers hold another dY).
+  void forget() { takers_ = 0; }
+
+ private:
+  void hold(const void* owner, const gpu::bf16* grad, int N, int takers) {
     owner_ = owner;
     of_ = grad;
     rows_ = N;
+    takers_ = takers;
   }
-  // At a new backward nothing is taken over (the same pointers hold another dY).
-  void forget() { owner_ = nullptr; }
-
- private:
   const void* owner_ = nullptr;
   const gpu::bf16* of_ = nullptr;
   int rows_ = 0;
+  int takers_ = 0;  // products still to take the codes over
 };
 
 }  // namespace esplag
