@@ -26,7 +26,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -233,12 +232,18 @@ class DeviceLinear {
   // (always added; else the model sums it).
   virtual void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad,
                            const char* op) = 0;
-  // Where the op that makes this layer's output gradient dout [N, out] (SwiGLU's backward)
-  // may write its fp8 codes itself, for the layer's next backward_dx and backward_dw of that
-  // dout (pointer and rows), which then take them and do not read dout's values (nor may a
-  // bias gradient); nullopt where the layer casts dout itself (bf16 products, current
-  // scaling, a history's first step, the 2:4 kinds).
-  virtual std::optional<gpu::Fp8Target> fp8_grad_target(const bf16* dout, int N) { return std::nullopt; }
+  // --- fp8 operands written by the ops around the layer (delayed scaling) -----------------
+  // Whether the ops that make this layer's operands may write their fp8 codes themselves
+  // now: fp8 dense products, delayed scaling, warm histories, not paused. Else the layer
+  // casts its bf16 operands (and the targets below are an Error).
+  virtual bool takes_produced_fp8() const { return false; }
+  // Where dout [N, out]'s maker (SwiGLU's backward) writes its codes for this layer's next
+  // backward_dx and backward_dw of that dout (pointer and rows), which then take them and
+  // read no dout values (nor may a bias gradient).
+  virtual gpu::Fp8Target fp8_grad_target(const bf16* dout, int N);
+  // Where Xᵀ's codes [in, N] go (the backward's recomputed SwiGLU output) for this layer's
+  // next backward_dw of N rows, which then takes them and reads no inp values.
+  virtual gpu::Fp8Target fp8_input_t_target(int N);
 
   // --- kind changes -----------------------------------------------------------------------
   // Whether `s` leaves the layer as it is (same kind and options; schedules aside).

@@ -296,7 +296,8 @@ GpuMemoryPlan GpuTransformer::memory_plan(const ModelConfig& config, int max_bat
       shapes.push_back({i.shape.at(0), i.shape.at(1)});
       plan.params += size_t(config.n_layer) * DeviceDenseLinear::fp8_layer_bytes(i.shape.at(0), i.shape.at(1));
     }
-    plan.scratch += DeviceDenseLinear::fp8_scratch_bytes(shapes, int64_t(max_batch) * max_seq_len);
+    plan.scratch +=
+        DeviceDenseLinear::fp8_scratch_bytes(shapes, int64_t(max_batch) * max_seq_len, options.precision.delayed());
   }
   return plan;
 }
@@ -774,16 +775,15 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       // dact, then (recompute) the activation over it, then ln2; dfc replaces fc.
       bf16* dact = reinterpret_cast<bf16*>(shared);
       linear_dx(blk.mproj, "gemm mproj dX", dact, dres);
-      // With the activation kept, mproj's dW first: fc's dY codes below may go where mproj's are.
-      if (L.act) linear_dw(blk.mproj, "gemm mproj dW", dres, L.act);
       bf16* act_out = L.act ? nullptr : dact;
-      // fp8 with delayed scaling: SwiGLU's backward writes fc's dY codes, never dfc in bf16.
-      std::optional<gpu::Fp8Target> dfc8;
-      if (cfg_.mlp == MlpKind::swiglu && L.act && !blk.fc->db && H % 8 == 0)
-        dfc8 = blk.fc->top().fp8_grad_target(L.fc, N);
-      if (dfc8) {
+      DeviceLinear &fc = blk.fc->top(), &mproj = blk.mproj->top();
+      if (cfg_.mlp == MlpKind::swiglu && H % 8 == 0 && !blk.fc->db && fc.takes_produced_fp8() &&
+          mproj.takes_produced_fp8()) {
+        // fp8, delayed scaling: SwiGLU's backward writes fc's dY codes, and the activation
+        // again as mproj's Xᵀ codes; neither exists in bf16.
         mark("swiglu bwd");
-        gpu::fp8_swiglu_backward(*dfc8, L.fc, dact, N, H, s);
+        gpu::fp8_swiglu_backward(fc.fp8_grad_target(L.fc, N), L.fc, dact, N, H, s);
+        gpu::fp8_swiglu_forward(mproj.fp8_input_t_target(N), L.fc, N, H, s);
       } else if (cfg_.mlp == MlpKind::swiglu) {
         mark("swiglu bwd");
         gpu::fused_swiglu_backward(L.fc, act_out, L.fc, dact, N, H, s);
@@ -791,7 +791,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
         mark("relu2 bwd");
         gpu::fused_relu2_backward(L.fc, act_out, L.fc, dact, int64_t(N) * H, s);
       }
-      if (!L.act) linear_dw(blk.mproj, "gemm mproj dW", dres, act_out);
+      linear_dw(blk.mproj, "gemm mproj dW", dres, L.act ? L.act : act_out);
       if (!ln2) {
         bf16* t = reinterpret_cast<bf16*>(shared);
         norm_again(blk.n2, t, L.res_mid);

@@ -83,6 +83,13 @@ struct Fp8Target {
   uint64_t* saturated;
 };
 
+// SwiGLU's output [N, H] (fused_swiglu_forward's from inp [N, 2H] = [gate | up], the same
+// bf16 values) written only as fp8 codes: to.out [N, H] and to.out_t [H, N] (either may be
+// null) as fp8_cast_both writes them. The backward's fp8 producer of the next layer's Xᵀ
+// (DeviceLinear::fp8_input_t_target), which recomputes the activation. Needs H % 8 == 0 and
+// inp 16-byte aligned.
+void fp8_swiglu_forward(const Fp8Target& to, const bf16* inp, int64_t N, int H, cudaStream_t stream);
+
 // SwiGLU's input gradient [N, 2H] (fused_swiglu_backward's dinp from inp [N, 2H] = [gate |
 // up] and dout [N, H], the same bf16 values) written only as fp8 codes: `to` receives what
 // fp8_cast_both would make of it, with one read of inp and dout. The fp8 producer of an fc

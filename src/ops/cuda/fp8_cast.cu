@@ -1,5 +1,5 @@
-// bf16 -> fp8 casts with core/fp8.h's scaling rule (ops/gpu_fp8.h), and the tiled cast of
-// SwiGLU's input gradient as it is computed (fp8_swiglu_backward). Codes and scales as
+// bf16 -> fp8 casts with core/fp8.h's scaling rule (ops/gpu_fp8.h), and the tiled casts of
+// SwiGLU's output and input gradient as they are computed (fp8_swiglu_forward, _backward). Codes and scales as
 // ops/cuda/fp8_codes.cuh makes them; the clipped test is core's too (Fp8Format::clips).
 //
 // amax is an integer atomicMax on the bits of |x| (non-negative floats order like their
@@ -286,6 +286,37 @@ struct SwigluGradTiles {
   }
 };
 
+// SwiGLU's output [N, H] = silu(gate) · up from its input [N, 2H] = [gate | up], each value
+// rounded to bf16 as fused_swiglu_forward stores it. Needs H % 8 == 0 and inp 16-byte aligned.
+struct SwigluValueTiles {
+  const bf16* inp;
+  int64_t rows;
+  int H;
+  struct Raw {
+    uint4 g[4], u[4];
+  };
+  __device__ void load(Raw& raw, const TilePlace& at, int g) const {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t r = at.r0 + 4 * g + i;
+      raw.g[i] = raw.u[i] = make_uint4(0, 0, 0, 0);
+      if (r >= rows || at.c >= H) continue;
+      raw.g[i] = *reinterpret_cast<const uint4*>(inp + r * 2 * H + at.c);
+      raw.u[i] = *reinterpret_cast<const uint4*>(inp + r * 2 * H + H + at.c);
+    }
+  }
+  __device__ void values(float (&f)[4][kPack], const Raw& raw, const TilePlace&) const {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float g[kPack], u[kPack];
+      unpack8(g, raw.g[i]);
+      unpack8(u, raw.u[i]);
+#pragma unroll
+      for (int k = 0; k < kPack; ++k) f[i][k] = detail::to_f(detail::to_bf(detail::swiglu_value(g[k], u[k])));
+    }
+  }
+};
+
 template <bool E5M2, class Tiles>
 __global__ void __launch_bounds__(kThreads) cast_tiles_kernel(uint8_t* out, uint8_t* out_t, float* inv_scale,
                                                               Tiles src, int64_t rows, int64_t cols,
@@ -490,6 +521,17 @@ void fp8_cast_both(uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x
                    Fp8CastAmax amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
   ESPLAG_CHECK(rows * cols == 0 || (out && out_t), "fp8_cast_both: out and out_t must not be null");
   cast_bf16_tiles("fp8_cast_both", out, out_t, inv_scale, x, rows, cols, amax, format, saturated, stream);
+}
+
+void fp8_swiglu_forward(const Fp8Target& to, const bf16* inp, int64_t N, int H, cudaStream_t stream) {
+  ESPLAG_CHECK(N >= 0 && H > 0 && H % kPack == 0, "fp8_swiglu_forward: bad size N=", N, ", H=", H,
+               " (H a multiple of 8)");
+  ESPLAG_CHECK(N == 0 || ((to.out || to.out_t) && inp), "fp8_swiglu_forward: null buffer");
+  ESPLAG_CHECK(to.inv_scale && to.amax.scale_from, "fp8_swiglu_forward: inv_scale and amax must not be null");
+  ESPLAG_CHECK(detail::aligned16(inp), "fp8_swiglu_forward: inp must be 16-byte aligned");
+  const SwigluValueTiles src{inp, N, H};
+  cast_tiles("fp8_swiglu_forward", to.out, to.out_t, to.inv_scale, src, N, H, to.amax, to.format, to.saturated,
+             stream);
 }
 
 void fp8_swiglu_backward(const Fp8Target& to, const bf16* inp, const bf16* dout, int64_t N, int H,
