@@ -10,7 +10,6 @@
 // shifted by one element, the scalar path. The tiled casts (transposed, and both layouts
 // from one read) take matrices around the 64 x 64 tile, tiny and empty ones, inputs and
 // outputs off their 16-byte alignment, and every bf16 value laid out in several shapes.
-// SwiGLU's fp8 input gradient gives the codes of the tiled cast of fused_swiglu_backward's.
 // Outputs are poisoned first (0xFF, the code of -NaN, which the random tensors never give;
 // the exhaustive test, which does give it, runs twice with two poisons), and the bytes
 // after the output are checked to stay poisoned.
@@ -38,7 +37,6 @@
 #include "core/rng.h"
 #include "model/fp8_amax_history.h"
 #include "ops/gpu_fp8.h"
-#include "ops/gpu_fused.h"
 
 #include "gpu_test_util.h"
 
@@ -359,62 +357,6 @@ TEST(GpuFp8, TiledCastsOfEmptyTensors) {
   REQUIRE_DEVICE();
   for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{0, 0}, {0, 5}, {7, 0}})
     for (const bool both : {true, false}) expect_tiled_cast(Bits{}, Fp8Format::e4m3, {rows, cols, 0, 0, both});
-}
-
-// fp8_swiglu_backward's codes, inverse scale, recorded amax and saturated count are those of
-// fused_swiglu_backward's bf16 gradient through fp8_cast_both, bit for bit, and
-// fp8_swiglu_forward's those of fused_swiglu_forward's output, at scales from half the
-// tensors' amaxes (so that values saturate), for shapes around the 128 x 64 tile (H not a
-// multiple of 64: tiles that hold gate and up columns; N off 16: the transposed stores one
-// by one), NaN and infinities among the inputs, outputs poisoned first.
-TEST(GpuFp8, SwigluCodesAreTheCastsOfItsValues) {
-  REQUIRE_DEVICE();
-  uint64_t seed = 900;
-  for (const Fp8Format f : kFormats)
-    for (const auto& [N, H] : {std::pair<int64_t, int>{1, 8}, {17, 8}, {130, 72}, {256, 64}, {300, 136}, {64, 1000}}) {
-      const std::string what = std::string("fp8_swiglu_backward ") + to_string(f) + " N=" + std::to_string(N) +
-                               " H=" + std::to_string(H);
-      SCOPED_TRACE(what);
-      Dev dev;
-      const size_t n = size_t(N) * 2 * H;
-      const bf16* inp = dev.put_bf16(random_bits(n, ++seed, 3.0, N == 130));
-      const bf16* dout = dev.put_bf16(random_bits(n / 2, ++seed, 0.5, N == 300));
-      bf16* grad = dev.poisoned_bf16(n);
-      bf16* act = dev.poisoned_bf16(n / 2);
-      gpu::fused_swiglu_backward(grad, nullptr, inp, dout, N, H, dev.stream());
-      gpu::fused_swiglu_forward(act, inp, N, H, dev.stream());
-      struct Outputs {
-        uint8_t *out, *out_t;
-        float *inv, *record;
-        uint64_t* saturated;
-      };
-      // values [N, cols] (bf16) through fp8_cast_both, against `fused` writing to its target.
-      const auto expect_cast = [&](const std::string& which, const bf16* values, int64_t cols, const auto& fused) {
-        const size_t m = size_t(N * cols);
-        float* scale_from = dev.poisoned_floats(1);
-        gpu::fp8_amax(scale_from, values, int64_t(m), dev.stream());
-        const float half = 0.5f * dev.get_float(scale_from);
-        CUDA_CHECK(cudaMemcpy(scale_from, &half, sizeof(float), cudaMemcpyHostToDevice));
-        const auto outputs = [&] {
-          return Outputs{dev.poisoned_codes(m), dev.poisoned_codes(m), dev.poisoned_floats(1), dev.put(VF{0.0f}),
-                         dev.zeroed_counter()};
-        };
-        const Outputs want = outputs(), got = outputs();
-        gpu::fp8_cast_both(want.out, want.out_t, want.inv, values, N, cols, {scale_from, want.record}, f,
-                           want.saturated, dev.stream());
-        fused(gpu::Fp8Target{got.out, got.out_t, got.inv, {scale_from, got.record}, f, got.saturated});
-        expect_codes(which + " (as it lies)", dev.get(want.out, m), dev.get(got.out, m + kGuard));
-        expect_codes(which + " (transposed)", dev.get(want.out_t, m), dev.get(got.out_t, m + kGuard));
-        EXPECT_EQ(float_bits(dev.get_float(got.inv)), float_bits(dev.get_float(want.inv))) << which;
-        EXPECT_EQ(float_bits(dev.get_float(got.record)), float_bits(dev.get_float(want.record))) << which;
-        EXPECT_EQ(dev.get_count(got.saturated), dev.get_count(want.saturated)) << which;
-        EXPECT_GT(dev.get_count(want.saturated), 0u) << which << ": the half amax saturates values";
-      };
-      expect_cast(what, grad, 2 * int64_t(H),
-                  [&](const gpu::Fp8Target& to) { gpu::fp8_swiglu_backward(to, inp, dout, N, H, dev.stream()); });
-      expect_cast("fp8_swiglu_forward", act, H,
-                  [&](const gpu::Fp8Target& to) { gpu::fp8_swiglu_forward(to, inp, N, H, dev.stream()); });
-    }
 }
 
 // Delayed scaling's step end against core's history (model/fp8_amax_history.h): a few

@@ -70,34 +70,6 @@ void fp8_cast_transpose(uint8_t* out, float* inv_scale, const bf16* x, int64_t r
 void fp8_cast_both(uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows, int64_t cols,
                    Fp8CastAmax amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream);
 
-// Where a producer writes an operand's fp8 codes itself instead of the bf16 values that a
-// cast would read: as it lies [rows, cols] and transposed [cols, rows] (as fp8_cast_both
-// writes them), with the scale that `amax` gives (its inverse into *inv_scale) and the
-// saturated values counted into *saturated (may be null).
-struct Fp8Target {
-  uint8_t* out;
-  uint8_t* out_t;
-  float* inv_scale;
-  Fp8CastAmax amax;
-  Fp8Format format;
-  uint64_t* saturated;
-};
-
-// SwiGLU's output [N, H] (fused_swiglu_forward's from inp [N, 2H] = [gate | up], the same
-// bf16 values) written only as fp8 codes: to.out [N, H] and to.out_t [H, N] (either may be
-// null) as fp8_cast_both writes them. The backward's fp8 producer of the next layer's Xᵀ
-// (DeviceLinear::fp8_input_t_target), which recomputes the activation. Needs H % 8 == 0 and
-// inp 16-byte aligned.
-void fp8_swiglu_forward(const Fp8Target& to, const bf16* inp, int64_t N, int H, cudaStream_t stream);
-
-// SwiGLU's input gradient [N, 2H] (fused_swiglu_backward's dinp from inp [N, 2H] = [gate |
-// up] and dout [N, H], the same bf16 values) written only as fp8 codes: `to` receives what
-// fp8_cast_both would make of it, with one read of inp and dout. The fp8 producer of an fc
-// layer's output gradient (DeviceLinear::fp8_grad_target). Needs H % 8 == 0 and inp, dout
-// 16-byte aligned.
-void fp8_swiglu_backward(const Fp8Target& to, const bf16* inp, const bf16* dout, int64_t N, int H,
-                         cudaStream_t stream);
-
 // Delayed scaling's step end (model/fp8_amax_history.h) for `count` amax histories of
 // `length` past steps each, history i at histories + i · (length + 2): [this step's amax,
 // the amax the casts scale by, the past steps' amaxes newest first]. Each takes its step's

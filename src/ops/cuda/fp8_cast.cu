@@ -1,5 +1,4 @@
-// bf16 -> fp8 casts with core/fp8.h's scaling rule (ops/gpu_fp8.h), and the tiled casts of
-// SwiGLU's output and input gradient as they are computed (fp8_swiglu_forward, _backward). Codes and scales as
+// bf16 -> fp8 casts with core/fp8.h's scaling rule (ops/gpu_fp8.h). Codes and scales as
 // ops/cuda/fp8_codes.cuh makes them; the clipped test is core's too (Fp8Format::clips).
 //
 // amax is an integer atomicMax on the bits of |x| (non-negative floats order like their
@@ -17,7 +16,6 @@
 #include "core/error.h"
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/fp8_codes.cuh"
-#include "ops/cuda/swiglu_math.cuh"
 #include "ops/gpu_fp8.h"
 
 namespace esplag::gpu {
@@ -231,98 +229,12 @@ __device__ __forceinline__ void load_tile(uint4 (&raw)[4], const bf16* x, int64_
   }
 }
 
-// What a tiled cast reads: load() fetches a thread's part of a tile (before the previous
-// tile is encoded, so that the loads are in flight meanwhile), values() makes its four rows
-// of eight values (0 past the edges).
-struct Bf16Tiles {  // a bf16 tensor x [rows, cols]
-  const bf16* x;
-  int64_t rows, cols;
-  bool vec;  // cols % 8 == 0 and x 16-byte aligned
-  struct Raw {
-    uint4 v[4];
-  };
-  __device__ void load(Raw& raw, const TilePlace& at, int g) const { load_tile(raw.v, x, rows, cols, at, g, vec); }
-  __device__ void values(float (&f)[4][kPack], const Raw& raw, const TilePlace&) const {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) unpack8(f[i], raw.v[i]);
-  }
-};
-
-// SwiGLU's input gradient [N, 2H] = [d gate | d up] from its input [N, 2H] = [gate | up]
-// and its output gradient dout [N, H], each value rounded to bf16 as fused_swiglu_backward
-// stores it. Needs H % 8 == 0 and inp, dout 16-byte aligned.
-struct SwigluGradTiles {
-  const bf16 *inp, *dout;
-  int64_t rows;
-  int H;
-  struct Raw {
-    uint4 g[4], u[4], d[4];
-  };
-  __device__ void load(Raw& raw, const TilePlace& at, int g) const {
-    const bool gate = at.c < H;
-    const int64_t j = gate ? at.c : at.c - H;  // the pack's column of gate, up and dout
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int64_t r = at.r0 + 4 * g + i;
-      raw.g[i] = raw.u[i] = raw.d[i] = make_uint4(0, 0, 0, 0);
-      if (r >= rows || at.c >= 2 * int64_t(H)) continue;
-      raw.g[i] = *reinterpret_cast<const uint4*>(inp + r * 2 * H + j);
-      if (gate) raw.u[i] = *reinterpret_cast<const uint4*>(inp + r * 2 * H + H + j);
-      raw.d[i] = *reinterpret_cast<const uint4*>(dout + r * H + j);
-    }
-  }
-  __device__ void values(float (&f)[4][kPack], const Raw& raw, const TilePlace& at) const {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float g[kPack], u[kPack], d[kPack];
-      unpack8(g, raw.g[i]);
-      unpack8(u, raw.u[i]);
-      unpack8(d, raw.d[i]);
-#pragma unroll
-      for (int k = 0; k < kPack; ++k)
-        f[i][k] = detail::to_f(detail::to_bf(at.c < H ? detail::swiglu_grad_gate(g[k], u[k], d[k])
-                                                        : detail::swiglu_grad_up(g[k], d[k])));
-    }
-  }
-};
-
-// SwiGLU's output [N, H] = silu(gate) · up from its input [N, 2H] = [gate | up], each value
-// rounded to bf16 as fused_swiglu_forward stores it. Needs H % 8 == 0 and inp 16-byte aligned.
-struct SwigluValueTiles {
-  const bf16* inp;
-  int64_t rows;
-  int H;
-  struct Raw {
-    uint4 g[4], u[4];
-  };
-  __device__ void load(Raw& raw, const TilePlace& at, int g) const {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int64_t r = at.r0 + 4 * g + i;
-      raw.g[i] = raw.u[i] = make_uint4(0, 0, 0, 0);
-      if (r >= rows || at.c >= H) continue;
-      raw.g[i] = *reinterpret_cast<const uint4*>(inp + r * 2 * H + at.c);
-      raw.u[i] = *reinterpret_cast<const uint4*>(inp + r * 2 * H + H + at.c);
-    }
-  }
-  __device__ void values(float (&f)[4][kPack], const Raw& raw, const TilePlace&) const {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float g[kPack], u[kPack];
-      unpack8(g, raw.g[i]);
-      unpack8(u, raw.u[i]);
-#pragma unroll
-      for (int k = 0; k < kPack; ++k) f[i][k] = detail::to_f(detail::to_bf(detail::swiglu_value(g[k], u[k])));
-    }
-  }
-};
-
-template <bool E5M2, class Tiles>
+template <bool E5M2>
 __global__ void __launch_bounds__(kThreads) cast_tiles_kernel(uint8_t* out, uint8_t* out_t, float* inv_scale,
-                                                              Tiles src, int64_t rows, int64_t cols,
+                                                              const bf16* x, int64_t rows, int64_t cols,
                                                               int64_t col_tiles, int64_t tiles, Fp8CastAmax amax,
-                                                              unsigned long long* saturated, bool vec_out,
-                                                              bool vec_t) {
+                                                              unsigned long long* saturated, bool vec_x,
+                                                              bool vec_out, bool vec_t) {
   static_assert(kThreads == (kTileRows / 4) * (kTileCols / kPack), "one thread per 4 rows x 8 columns");
   __shared__ uint32_t tile[kTileCols][kTileWords];  // [column][row / 4] of the tile's codes
   __shared__ int scratch[32];
@@ -330,8 +242,8 @@ __global__ void __launch_bounds__(kThreads) cast_tiles_kernel(uint8_t* out, uint
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = (lane & 7) | (warp & 3) << 3, h = lane >> 3 | (warp >> 2) << 2;
   int64_t t = tiles - 1 - blockIdx.x;
-  typename Tiles::Raw raw;
-  src.load(raw, TilePlace(t, col_tiles, h), g);  // before the scale: independent of it
+  uint4 raw[4];
+  load_tile(raw, x, rows, cols, TilePlace(t, col_tiles, h), g, vec_x);  // before the scale: independent of it
   const float s = fp8_scale_of<E5M2>(*amax.scale_from);
   if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = __frcp_rn(s);
   int clipped = 0;
@@ -339,8 +251,10 @@ __global__ void __launch_bounds__(kThreads) cast_tiles_kernel(uint8_t* out, uint
   for (; t >= 0; t -= gridDim.x) {
     const TilePlace at(t, col_tiles, h);
     float f[4][kPack];
-    src.values(f, raw, at);
-    if (t - int64_t(gridDim.x) >= 0) src.load(raw, TilePlace(t - gridDim.x, col_tiles, h), g);  // the next tile's
+#pragma unroll
+    for (int i = 0; i < 4; ++i) unpack8(f[i], raw[i]);
+    if (t - int64_t(gridDim.x) >= 0)
+      load_tile(raw, x, rows, cols, TilePlace(t - gridDim.x, col_tiles, h), g, vec_x);  // the next tile's, in flight
     uint2 code[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -468,8 +382,8 @@ void fp8_cast(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, Fp8CastA
 namespace {
 
 // Blocks of the tiled cast (kThreads threads) the device holds at once: a persistent grid.
-// Asked once per kernel and device, not at every cast.
-template <bool E5M2, class Tiles>
+// Asked once per format and device, not at every cast.
+template <bool E5M2>
 int64_t resident_blocks() {
   constexpr int kDevices = 64;
   static std::atomic<int64_t> known[kDevices] = {};  // 0 until asked
@@ -478,73 +392,43 @@ int64_t resident_blocks() {
   if (device < kDevices && known[device].load() > 0) return known[device].load();
   int sms = 0, per_sm = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, cast_tiles_kernel<E5M2, Tiles>, kThreads, 0));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, cast_tiles_kernel<E5M2>, kThreads, 0));
   const int64_t blocks = int64_t(sms) * std::max(1, per_sm);
   if (device < kDevices) known[device].store(blocks);
   return blocks;
 }
 
-// The tiled cast of what `src` reads, [rows, cols], into out (as it lies; may be null) and
-// out_t (transposed; may be null). One block even for an empty tensor: it writes inv_scale.
-template <class Tiles>
-void cast_tiles(const char* op, uint8_t* out, uint8_t* out_t, float* inv_scale, const Tiles& src, int64_t rows,
+// The tiled cast of x [rows, cols] into out (as it lies; may be null) and out_t
+// (transposed; may be null). One block even for an empty x: it writes inv_scale.
+void cast_tiles(const char* op, uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows,
                 int64_t cols, Fp8CastAmax amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
+  ESPLAG_CHECK(rows >= 0 && cols >= 0, op, ": negative size ", rows, " x ", cols);
+  check_cast(op, out ? out : out_t, inv_scale, x, rows * cols, amax);
   const int64_t col_tiles = std::max<int64_t>(1, (cols + kTileCols - 1) / kTileCols);
   const int64_t tiles = std::max<int64_t>(1, (rows + kTileRows - 1) / kTileRows) * col_tiles;
+  const bool vec_x = cols % kPack == 0 && detail::aligned16(x);
   const bool vec_out = cols % kPack == 0 && aligned8(out);
   const bool vec_t = rows % 16 == 0 && detail::aligned16(out_t);
   const bool e5m2 = format == Fp8Format::e5m2;
-  auto kernel = e5m2 ? cast_tiles_kernel<true, Tiles> : cast_tiles_kernel<false, Tiles>;
-  const int64_t resident = e5m2 ? resident_blocks<true, Tiles>() : resident_blocks<false, Tiles>();
+  auto kernel = e5m2 ? cast_tiles_kernel<true> : cast_tiles_kernel<false>;
+  const int64_t resident = e5m2 ? resident_blocks<true>() : resident_blocks<false>();
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, resident));
-  kernel<<<grid, kThreads, 0, stream>>>(out, out_t, inv_scale, src, rows, cols, col_tiles, tiles, amax,
-                                        counter(saturated), vec_out, vec_t);
+  kernel<<<grid, kThreads, 0, stream>>>(out, out_t, inv_scale, x, rows, cols, col_tiles, tiles, amax,
+                                        counter(saturated), vec_x, vec_out, vec_t);
   CUDA_CHECK_LAUNCH(op);
-}
-
-void cast_bf16_tiles(const char* op, uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows,
-                     int64_t cols, Fp8CastAmax amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
-  ESPLAG_CHECK(rows >= 0 && cols >= 0, op, ": negative size ", rows, " x ", cols);
-  check_cast(op, out ? out : out_t, inv_scale, x, rows * cols, amax);
-  const Bf16Tiles src{x, rows, cols, cols % kPack == 0 && detail::aligned16(x)};
-  cast_tiles(op, out, out_t, inv_scale, src, rows, cols, amax, format, saturated, stream);
 }
 
 }  // namespace
 
 void fp8_cast_transpose(uint8_t* out, float* inv_scale, const bf16* x, int64_t rows, int64_t cols, Fp8CastAmax amax,
                         Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
-  cast_bf16_tiles("fp8_cast_transpose", nullptr, out, inv_scale, x, rows, cols, amax, format, saturated, stream);
+  cast_tiles("fp8_cast_transpose", nullptr, out, inv_scale, x, rows, cols, amax, format, saturated, stream);
 }
 
 void fp8_cast_both(uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows, int64_t cols,
                    Fp8CastAmax amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
   ESPLAG_CHECK(rows * cols == 0 || (out && out_t), "fp8_cast_both: out and out_t must not be null");
-  cast_bf16_tiles("fp8_cast_both", out, out_t, inv_scale, x, rows, cols, amax, format, saturated, stream);
-}
-
-void fp8_swiglu_forward(const Fp8Target& to, const bf16* inp, int64_t N, int H, cudaStream_t stream) {
-  ESPLAG_CHECK(N >= 0 && H > 0 && H % kPack == 0, "fp8_swiglu_forward: bad size N=", N, ", H=", H,
-               " (H a multiple of 8)");
-  ESPLAG_CHECK(N == 0 || ((to.out || to.out_t) && inp), "fp8_swiglu_forward: null buffer");
-  ESPLAG_CHECK(to.inv_scale && to.amax.scale_from, "fp8_swiglu_forward: inv_scale and amax must not be null");
-  ESPLAG_CHECK(detail::aligned16(inp), "fp8_swiglu_forward: inp must be 16-byte aligned");
-  const SwigluValueTiles src{inp, N, H};
-  cast_tiles("fp8_swiglu_forward", to.out, to.out_t, to.inv_scale, src, N, H, to.amax, to.format, to.saturated,
-             stream);
-}
-
-void fp8_swiglu_backward(const Fp8Target& to, const bf16* inp, const bf16* dout, int64_t N, int H,
-                         cudaStream_t stream) {
-  ESPLAG_CHECK(N >= 0 && H > 0 && H % kPack == 0, "fp8_swiglu_backward: bad size N=", N, ", H=", H,
-               " (H a multiple of 8)");
-  ESPLAG_CHECK(N == 0 || (to.out && to.out_t && inp && dout), "fp8_swiglu_backward: null buffer");
-  ESPLAG_CHECK(to.inv_scale && to.amax.scale_from, "fp8_swiglu_backward: inv_scale and amax must not be null");
-  ESPLAG_CHECK(detail::aligned16(inp) && detail::aligned16(dout), "fp8_swiglu_backward: inp and dout must be ",
-               "16-byte aligned");
-  const SwigluGradTiles src{inp, dout, N, H};
-  cast_tiles("fp8_swiglu_backward", to.out, to.out_t, to.inv_scale, src, N, 2 * int64_t(H), to.amax, to.format,
-             to.saturated, stream);
+  cast_tiles("fp8_cast_both", out, out_t, inv_scale, x, rows, cols, amax, format, saturated, stream);
 }
 
 namespace {
