@@ -306,7 +306,8 @@ TEST(GpuDataParallel, DelayedFp8ScalingFollowsOneGpu) {
   const fs::path config = tiny_config("delayed", "");
   const fs::path one = root() / "delayed-one", two = root() / "delayed-two";
   const std::string fp8 =
-      " --set train.precision=fp8 --set train.fp8_scaling=delayed --set train.checkpoint_every=1 --set train.keep_checkpoints=0";
+      " --set train.precision=fp8 --set train.fp8_scaling=delayed --set train.checkpoint_every=1"
+      " --set train.keep_checkpoints=0";
   const Result a = run("train --config " + config.string() + " --out " + one.string() + fp8 +
                        " --set train.grad_accum=2");
   ASSERT_EQ(a.code, 0) << a.err;

@@ -83,7 +83,8 @@ TEST(CliDataParallel, DelayedFp8ScalingTrainsAsOneProcess) {
   const auto& f = fixture();
   const fs::path one = root() / "delayed-one", two = root() / "delayed-two";
   const std::string fp8 =
-      " --set train.precision=fp8 --set train.fp8_scaling=delayed --set train.checkpoint_every=1 --set train.keep_checkpoints=0";
+      " --set train.precision=fp8 --set train.fp8_scaling=delayed --set train.checkpoint_every=1"
+      " --set train.keep_checkpoints=0";
   const Result a = run("train --config " + f.config.string() + " --out " + one.string() + fp8 +
                        " --set train.grad_accum=2");
   ASSERT_EQ(a.code, 0) << a.err;
