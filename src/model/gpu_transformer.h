@@ -195,9 +195,9 @@ struct GpuModelOptions {
   // e4m3 activations and weights and precision.grad output gradients on cuBLASLt's fp8 GEMMs
   // (fp32 accumulation; cuBLASLt's fast accumulation in the forward product only), and slope
   // and semi_sparse e4m3 2:4 products on cuSPARSELt (or the dense fp8 ones where slope's timed
-  // dispatch picks them). Each operand has a per-tensor scale
-  // from its current amax, or for X and dY from its amax history (precision.delayed(),
-  // model/cuda/fp8_histories.h). The LM head, attention and the other ops stay bf16.
+  // dispatch picks them). Each operand has a per-tensor scale from its current amax, or for X
+  // and dY from its amax history (precision.delayed(), model/cuda/fp8_histories.h). The LM
+  // head, attention and the other ops stay bf16.
   LinearPrecision precision;
   // Replay forward_backward_device and step_adamw as CUDA graphs (see the top of the file).
   bool cuda_graph = true;
