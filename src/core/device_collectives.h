@@ -1,6 +1,7 @@
 // The collectives a GPU model needs when data-parallel ranks shard its optimizer state
-// (ZeRO stages 1 to 3: GpuModelOptions::shard_optimizer) or average its gradients during the
-// backward (GpuModelOptions::reduce_gradients). The model only queues them; what
+// (ZeRO stages 1 to 3: GpuModelOptions::shard_optimizer), average its gradients during the
+// backward (GpuModelOptions::reduce_gradients) or reduce its delayed fp8 amaxes
+// (GpuModelOptions::fp8_amax_ranks). The model only queues them; what
 // carries them (NCCL: dist/cuda/nccl_comm.h) is the caller's. Every rank calls them in the
 // same order with the same sizes; each is queued on `stream` and waits for nothing.
 //

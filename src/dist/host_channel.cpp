@@ -443,6 +443,7 @@ void HostChannel::guarded(const char* name, const Exchange& exchange) {
 
 template <typename T>
 void HostChannel::reduce(T* data, size_t n, bool max, const char* name) {
+  ESPLAG_CHECK(!max || sizeof(T) == sizeof(float), "HostChannel: all_reduce_max takes floats");
   Header mine;
   mine.op = max ? kMaxFloat : sizeof(T) == sizeof(float) ? kSumFloat : kSumDouble;
   mine.length = n * sizeof(T);

@@ -540,6 +540,14 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& dir, LogFn log, cons
   return t;
 }
 
+int64_t Trainer::fp8_saturated_over_ranks() {
+  int64_t saturated = backend_->fp8_saturated();
+  if (!ranks_ || !cfg_.linear_precision().fp8) return saturated;
+  double total = double(saturated);  // exact below 2^53
+  ranks_->all_reduce_sum(&total, 1);
+  return int64_t(total);
+}
+
 void Trainer::resolve_device() {
   // Only `auto` and `cuda` look for a GPU (starting the CUDA runtime takes a moment).
   const DeviceProbe probe = cfg_.device == "cpu" ? DeviceProbe{} : probe_devices();
@@ -747,7 +755,7 @@ TrainResult Trainer::run() {
       append_metrics(js.dump());
       t_window = now;
       window_tokens = 0;
-      if (const int64_t saturated = backend_->fp8_saturated(); saturated > fp8_saturated_logged_) {
+      if (const int64_t saturated = fp8_saturated_over_ranks(); saturated > fp8_saturated_logged_) {
         log_("step " + std::to_string(state_.step) + ": warning: fp8 casts saturated " +
              std::to_string(saturated - fp8_saturated_logged_) +
              " values since the last line (clipped to the format's largest, or infinite; docs/fp8.md)");

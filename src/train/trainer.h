@@ -204,6 +204,9 @@ class Trainer {
   void setup_recipe();
   // Resolves cfg_.device into device_ (throws before anything is written).
   void resolve_device();
+  // Values the fp8 casts saturated so far, summed over the data-parallel ranks (each casts
+  // its own batches); a collective every rank calls at the same steps.
+  int64_t fp8_saturated_over_ranks();
   // The backend for device_, taking over the optimizer moments.
   void make_backend(Moments m, Moments v);
   // The recipe's changes, the backend's step, the counters; returns the learning rate.
@@ -239,7 +242,7 @@ class Trainer {
   std::string last_checkpoint_;
   std::unique_ptr<RunLock> lock_;
   std::string nothing_to_do_;  // why a resumed run has no step to run ("" when it has)
-  int64_t fp8_saturated_logged_ = 0;  // the model's fp8_saturated() at the last warning
+  int64_t fp8_saturated_logged_ = 0;  // fp8_saturated_over_ranks() at the last warning
 };
 
 // Loss and perplexity of a checkpoint on a data split ("val" or "train"), on `device`:
