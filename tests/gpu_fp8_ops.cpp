@@ -10,6 +10,7 @@
 // shifted by one element, the scalar path. The tiled casts (transposed, and both layouts
 // from one read) take matrices around the 64 x 64 tile, tiny and empty ones, inputs and
 // outputs off their 16-byte alignment, and every bf16 value laid out in several shapes.
+// SwiGLU's fp8 producers give the codes the casts make of the bf16 kernels' values.
 // Outputs are poisoned first (0xFF, the code of -NaN, which the random tensors never give;
 // the exhaustive test, which does give it, runs twice with two poisons), and the bytes
 // after the output are checked to stay poisoned.
@@ -37,6 +38,7 @@
 #include "core/rng.h"
 #include "model/fp8_amax_history.h"
 #include "ops/gpu_fp8.h"
+#include "ops/gpu_fused.h"
 
 #include "gpu_test_util.h"
 
@@ -357,6 +359,106 @@ TEST(GpuFp8, TiledCastsOfEmptyTensors) {
   REQUIRE_DEVICE();
   for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{0, 0}, {0, 5}, {7, 0}})
     for (const bool both : {true, false}) expect_tiled_cast(Bits{}, Fp8Format::e4m3, {rows, cols, 0, 0, both});
+}
+
+// fp8_swiglu_backward's codes, inverse scales, recorded amaxes and saturated counts are those
+// of fused_swiglu_backward's bf16 gradient through fp8_cast_both and of fused_swiglu_forward's
+// output through fp8_cast_transpose, and fp8_swiglu_forward's those of the output through
+// fp8_cast, bit for bit, at scales from half the tensors' amaxes (so that values saturate),
+// for shapes around the 128 x 64 tile (H not a multiple of 64: a partial column tile; N off
+// 16: the transposed stores one by one), NaN and infinities among the inputs, outputs
+// poisoned first.
+TEST(GpuFp8, SwigluCodesAreTheCastsOfItsValues) {
+  REQUIRE_DEVICE();
+  uint64_t seed = 900;
+  for (const Fp8Format f : kFormats)
+    for (const auto& [N, H] : {std::pair<int64_t, int>{1, 8}, {17, 8}, {130, 72}, {256, 64}, {300, 136}, {64, 1000}}) {
+      SCOPED_TRACE(std::string("fp8 SwiGLU ") + to_string(f) + " N=" + std::to_string(N) + " H=" + std::to_string(H));
+      Dev dev;
+      const size_t n = size_t(N) * 2 * H;
+      const bf16* inp = dev.put_bf16(random_bits(n, ++seed, 3.0, N == 130));
+      const bf16* dout = dev.put_bf16(random_bits(n / 2, ++seed, 0.5, N == 300));
+      bf16* grad = dev.poisoned_bf16(n);
+      bf16* act = dev.poisoned_bf16(n / 2);
+      gpu::fused_swiglu_backward(grad, nullptr, inp, dout, N, H, dev.stream());
+      gpu::fused_swiglu_forward(act, inp, N, H, dev.stream());
+      struct Outputs {
+        uint8_t *out, *out_t;
+        float *scale_from, *inv, *record;
+        uint64_t* saturated;
+        gpu::Fp8Target target(Fp8Format format) const {
+          return {out, out_t, inv, {scale_from, record}, format, saturated};
+        }
+      };
+      // Room and a half-amax scale for values [N, cols] (bf16), as they lie and/or transposed.
+      const auto outputs = [&](const bf16* values, int64_t cols, bool rows, bool transposed) {
+        const size_t m = size_t(N * cols);
+        float* scale_from = dev.poisoned_floats(1);
+        gpu::fp8_amax(scale_from, values, int64_t(m), dev.stream());
+        const float half = 0.5f * dev.get_float(scale_from);
+        CUDA_CHECK(cudaMemcpy(scale_from, &half, sizeof(float), cudaMemcpyHostToDevice));
+        const auto one = [&] {
+          return Outputs{rows ? dev.poisoned_codes(m) : nullptr, transposed ? dev.poisoned_codes(m) : nullptr,
+                         scale_from, dev.poisoned_floats(1), dev.put(VF{0.0f}), dev.zeroed_counter()};
+        };
+        return std::pair{one(), one()};  // wanted, got
+      };
+      const auto [want_g, got_g] = outputs(grad, 2 * int64_t(H), true, true);
+      const auto [want_a, got_a] = outputs(act, H, false, true);
+      const auto [want_f, got_f] = outputs(act, H, true, false);
+      gpu::fp8_cast_both(want_g.out, want_g.out_t, want_g.inv, grad, N, 2 * int64_t(H),
+                         {want_g.scale_from, want_g.record}, f, want_g.saturated, dev.stream());
+      gpu::fp8_cast_transpose(want_a.out_t, want_a.inv, act, N, H, {want_a.scale_from, want_a.record},
+                              Fp8Format::e4m3, want_a.saturated, dev.stream());
+      gpu::fp8_cast(want_f.out, want_f.inv, act, N * H, {want_f.scale_from, want_f.record}, Fp8Format::e4m3,
+                    want_f.saturated, dev.stream());
+      gpu::fp8_swiglu_backward(got_g.target(f), got_a.target(Fp8Format::e4m3), inp, dout, N, H, dev.stream());
+      gpu::fp8_swiglu_forward(got_f.target(Fp8Format::e4m3), inp, N, H, dev.stream());
+      const auto expect_same = [&](const std::string& which, const Outputs& want, const Outputs& got, size_t m) {
+        if (want.out) expect_codes(which + " (as it lies)", dev.get(want.out, m), dev.get(got.out, m + kGuard));
+        if (want.out_t) expect_codes(which + " (transposed)", dev.get(want.out_t, m), dev.get(got.out_t, m + kGuard));
+        EXPECT_EQ(float_bits(dev.get_float(got.inv)), float_bits(dev.get_float(want.inv))) << which;
+        EXPECT_EQ(float_bits(dev.get_float(got.record)), float_bits(dev.get_float(want.record))) << which;
+        EXPECT_EQ(dev.get_count(got.saturated), dev.get_count(want.saturated)) << which;
+        EXPECT_GT(dev.get_count(want.saturated), 0u) << which << ": the half amax saturates values";
+      };
+      expect_same("the backward's gradient", want_g, got_g, n);
+      expect_same("the backward's output", want_a, got_a, n / 2);
+      expect_same("the forward's output", want_f, got_f, n / 2);
+    }
+}
+
+// The SwiGLU producers refuse what they cannot write: H not a multiple of 8, an input off
+// its 16-byte alignment, codes in a layout or format they do not make.
+TEST(GpuFp8, SwigluCodesRefuseBadArguments) {
+  REQUIRE_DEVICE();
+  Dev dev;
+  const int64_t N = 32;
+  const int H = 16;
+  const bf16* inp = dev.put_bf16(random_bits(size_t(N) * 2 * H + 8, 7, 1.0));
+  const bf16* dout = dev.put_bf16(random_bits(size_t(N) * H + 8, 8, 1.0));
+  float* scale_from = dev.put(VF{1.0f});
+  const auto target = [&](bool out, bool out_t, Fp8Format f) {
+    const size_t m = size_t(N) * 2 * H;
+    return gpu::Fp8Target{out ? dev.poisoned_codes(m) : nullptr, out_t ? dev.poisoned_codes(m) : nullptr,
+                          dev.poisoned_floats(1), {scale_from}, f, nullptr};
+  };
+  const Fp8Format e4m3 = Fp8Format::e4m3, e5m2 = Fp8Format::e5m2;
+  const gpu::Fp8Target grad = target(true, true, e4m3), act_t = target(false, true, e4m3);
+  const gpu::Fp8Target act = target(true, false, e4m3);
+  cudaStream_t s = dev.stream();
+  EXPECT_THROW(gpu::fp8_swiglu_forward(act, inp, N, 12, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_swiglu_forward(act, inp + 1, N, H, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_swiglu_forward(target(true, true, e4m3), inp, N, H, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_swiglu_forward(target(true, false, e5m2), inp, N, H, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_swiglu_backward(grad, act_t, inp, dout, N, 12, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_swiglu_backward(grad, act_t, inp, dout + 1, N, H, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_swiglu_backward(grad, act, inp, dout, N, H, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_swiglu_backward(act_t, act_t, inp, dout, N, H, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_swiglu_backward(grad, target(false, true, e5m2), inp, dout, N, H, s), esplag::Error);
+  EXPECT_NO_THROW(gpu::fp8_swiglu_backward(grad, act_t, inp, dout, N, H, s));
+  EXPECT_NO_THROW(gpu::fp8_swiglu_forward(act, inp, N, H, s));
+  CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
 // Delayed scaling's step end against core's history (model/fp8_amax_history.h): a few

@@ -74,6 +74,18 @@ bool DeviceLinearContext::sparse_is_faster(const std::string& kind, const std::s
 DeviceLinear::DeviceLinear(const std::string& kind, const DeviceLinearSetup& s)
     : kind_(kind), weight_name_(s.setting->weight_name), out_(s.out), in_(s.in), ctx_(*s.context), p_(s.params) {}
 
+gpu::Fp8Target DeviceLinear::fp8_grad_target(const bf16*, int) {
+  fail(weight_name_, " (", kind_, "): its products take no fp8 codes from their producers");
+}
+
+gpu::Fp8Target DeviceLinear::fp8_input_target(const bf16*, int) {
+  fail(weight_name_, " (", kind_, "): its products take no fp8 codes from their producers");
+}
+
+gpu::Fp8Target DeviceLinear::fp8_input_t_target(int) {
+  fail(weight_name_, " (", kind_, "): its products take no fp8 codes from their producers");
+}
+
 bool DeviceLinear::keeps(const Setting& s) const {
   return s.kind == kind_ && !s.slope_masks && !s.mask && s.sparse_dw == sparse_dw();
 }

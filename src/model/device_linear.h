@@ -37,6 +37,7 @@
 #include "model/linear_kinds.h"
 #include "model/linear_precision.h"
 #include "ops/gpu.h"
+#include "ops/gpu_fp8.h"
 #include "sparse/cuda/sparse_linear.h"
 
 namespace esplag {
@@ -231,6 +232,21 @@ class DeviceLinear {
   // (always added; else the model sums it).
   virtual void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad,
                            const char* op) = 0;
+  // --- fp8 operands written by the ops around the layer (delayed scaling) -----------------
+  // Whether the ops that make this layer's operands may write their fp8 codes themselves
+  // now: fp8 dense products, delayed scaling, warm histories, not paused. Else the layer
+  // casts its bf16 operands (and the targets below are an Error).
+  virtual bool takes_produced_fp8() const { return false; }
+  // Where dout [N, out]'s maker (SwiGLU's backward) writes its codes for this layer's next
+  // backward_dx and backward_dw of that dout (pointer and rows), which then take them and
+  // read no dout values (nor may a bias gradient).
+  virtual gpu::Fp8Target fp8_grad_target(const bf16* dout, int N);
+  // Where X [N, in]'s codes go (SwiGLU's output) for this layer's next forward, of `in`
+  // (pointer and rows, which must come next), which then takes them and reads no in values.
+  virtual gpu::Fp8Target fp8_input_target(const bf16* in, int N);
+  // Where Xᵀ's codes [in, N] go (the backward's recomputed SwiGLU output) for this layer's
+  // next backward_dw of N rows, which then takes them and reads no inp values.
+  virtual gpu::Fp8Target fp8_input_t_target(int N);
 
   // --- kind changes -----------------------------------------------------------------------
   // Whether `s` leaves the layer as it is (same kind and options; schedules aside).

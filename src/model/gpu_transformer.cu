@@ -296,7 +296,8 @@ GpuMemoryPlan GpuTransformer::memory_plan(const ModelConfig& config, int max_bat
       shapes.push_back({i.shape.at(0), i.shape.at(1)});
       plan.params += size_t(config.n_layer) * DeviceDenseLinear::fp8_layer_bytes(i.shape.at(0), i.shape.at(1));
     }
-    plan.scratch += DeviceDenseLinear::fp8_scratch_bytes(shapes, int64_t(max_batch) * max_seq_len);
+    plan.scratch +=
+        DeviceDenseLinear::fp8_scratch_bytes(shapes, int64_t(max_batch) * max_seq_len, options.precision.delayed());
   }
   return plan;
 }
@@ -607,7 +608,11 @@ void GpuTransformer::block_forward(int l, int B, int T, bool again) {
       if (again && !L.act) return;  // the backward recomputes the activation itself
       mark("swiglu fwd");
       act = L.act ? L.act : tmp;
-      gpu::fused_swiglu_forward(act, L.fc, N, H, s);
+      if (!L.act && H % 8 == 0 && blk.mproj->top().takes_produced_fp8())
+        // fp8, delayed scaling: the activation only as mproj's X codes (the backward recomputes it)
+        gpu::fp8_swiglu_forward(blk.mproj->top().fp8_input_target(act, N), L.fc, N, H, s);
+      else
+        gpu::fused_swiglu_forward(act, L.fc, N, H, s);
       break;
     case MlpKind::relu2:
       linear(blk.fc, "gemm fc fwd", L.fc, ln2);
@@ -775,7 +780,14 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       bf16* dact = reinterpret_cast<bf16*>(shared);
       linear_dx(blk.mproj, "gemm mproj dX", dact, dres);
       bf16* act_out = L.act ? nullptr : dact;
-      if (cfg_.mlp == MlpKind::swiglu) {
+      DeviceLinear &fc = blk.fc->top(), &mproj = blk.mproj->top();
+      if (cfg_.mlp == MlpKind::swiglu && H % 8 == 0 && !blk.fc->db && fc.takes_produced_fp8() &&
+          mproj.takes_produced_fp8()) {
+        // fp8, delayed scaling: SwiGLU's backward writes fc's dY codes, and the activation
+        // again as mproj's Xᵀ codes; neither exists in bf16.
+        mark("swiglu bwd");
+        gpu::fp8_swiglu_backward(fc.fp8_grad_target(L.fc, N), mproj.fp8_input_t_target(N), L.fc, dact, N, H, s);
+      } else if (cfg_.mlp == MlpKind::swiglu) {
         mark("swiglu bwd");
         gpu::fused_swiglu_backward(L.fc, act_out, L.fc, dact, N, H, s);
       } else {

@@ -70,6 +70,35 @@ void fp8_cast_transpose(uint8_t* out, float* inv_scale, const bf16* x, int64_t r
 void fp8_cast_both(uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows, int64_t cols,
                    Fp8CastAmax amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream);
 
+// Where a producer writes an operand's fp8 codes itself instead of the bf16 values that a
+// cast would read: as it lies [rows, cols] and transposed [cols, rows] (as fp8_cast_both
+// writes them), with the scale that `amax` gives (its inverse into *inv_scale) and the
+// saturated values counted into *saturated (may be null).
+struct Fp8Target {
+  uint8_t* out;
+  uint8_t* out_t;
+  float* inv_scale;
+  Fp8CastAmax amax;
+  Fp8Format format;
+  uint64_t* saturated;
+};
+
+// SwiGLU's output [N, H] (fused_swiglu_forward's from inp [N, 2H] = [gate | up], the same
+// bf16 values) as fp8 codes only: into act.out [N, H] as fp8_cast would write them (act.out_t
+// null, act.format e4m3). The forward's producer of the next layer's X with delayed scaling
+// (DeviceLinear::fp8_input_target). Needs H % 8 == 0 and inp 16-byte aligned.
+void fp8_swiglu_forward(const Fp8Target& act, const bf16* inp, int64_t N, int H, cudaStream_t stream);
+
+// SwiGLU's backward as fp8 codes only, from one read of inp [N, 2H] = [gate | up] and
+// dout [N, H] (ops/cuda/fp8_swiglu.cu): its input gradient [N, 2H] (fused_swiglu_backward's
+// dinp, the same bf16 values) into `grad` as fp8_cast_both would write it, and its output
+// [N, H] recomputed (fused_swiglu_forward's values) into act.out_t [H, N] as
+// fp8_cast_transpose would (act.out null, act.format e4m3). The producer of an fc layer's
+// output gradient and of the next layer's Xᵀ with delayed scaling (DeviceLinear::
+// fp8_grad_target, fp8_input_t_target). Needs H % 8 == 0 and inp, dout 16-byte aligned.
+void fp8_swiglu_backward(const Fp8Target& grad, const Fp8Target& act, const bf16* inp, const bf16* dout, int64_t N,
+                         int H, cudaStream_t stream);
+
 // Delayed scaling's step end (model/fp8_amax_history.h) for `count` amax histories of
 // `length` past steps each, history i at histories + i · (length + 2): [this step's amax,
 // the amax the casts scale by, the past steps' amaxes newest first]. Each takes its step's

@@ -25,7 +25,7 @@ struct DeviceDenseLinear::Fp8Scratch : SharedScratch::Part {
   DeviceArena arena;
   std::unique_ptr<gpu::Fp8Gemm> gemm;
   uint8_t* x = nullptr;
-  Fp8GradCodes dy_codes;
+  Fp8GradCodes dy_codes;  // with delayed scaling its second pair too (SwiGLU's backward writes fc's)
   bf16* bias = nullptr;  // a bias that is not 16-byte aligned, copied (the fp8 GEMM reads it so)
   enum Role { input, weight, grad };
   size_t bytes() const override { return arena.capacity(); }
@@ -38,7 +38,9 @@ constexpr int kScaleSlots = 6;  // amax and inverse scale of X, W, dY
 // The parts of the fp8 scratch, in the order they are taken from its arena.
 struct Fp8Sizes {
   size_t x, dy, outs, workspace;
-  Fp8Sizes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens) {
+  bool produced;  // the second pair of dY codes (delayed scaling)
+  Fp8Sizes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens, bool produced)
+      : produced(produced) {
     x = dy = outs = 0;
     for (const auto& [out, in] : shapes) {
       x = std::max(x, size_t(tokens) * size_t(in));
@@ -47,7 +49,9 @@ struct Fp8Sizes {
     }
     workspace = gpu::Gemm::kDefaultWorkspaceBytes;
   }
-  size_t bytes() const { return x + 2 * dy + sizeof(bf16) * outs + workspace + 5 * DeviceArena::kDefaultAlignment; }
+  size_t bytes() const {
+    return x + (produced ? 4 : 2) * dy + sizeof(bf16) * outs + workspace + 7 * DeviceArena::kDefaultAlignment;
+  }
 };
 
 }  // namespace
@@ -98,32 +102,60 @@ void DeviceDenseLinear::cast_weight() {
 }
 
 void DeviceDenseLinear::begin_backward() {
+  xt_made_rows_ = 0;
   if (!fp8_) return;
   if (Fp8Scratch* f = ctx_.scratch.find<Fp8Scratch>(kFp8Scratch)) f->dy_codes.forget();
 }
 
-DeviceDenseLinear::Fp8Scratch& DeviceDenseLinear::grad_codes(const bf16* dout, int N) {
+Fp8GradCodes::Codes DeviceDenseLinear::grad_codes(const bf16* dout, int N) {
   using R = Fp8Scratch::Role;
-  Fp8Scratch& f = fp8_scratch();
-  f.dy_codes.take(this, dout, N, out_, dy_amax_, fp8_inv(R::grad), ctx_.precision.grad, ctx_.fp8_saturated,
-                  ctx_.stream);
-  return f;
+  return fp8_scratch().dy_codes.take(this, dout, N, out_, dy_amax_, fp8_inv(R::grad), ctx_.precision.grad,
+                                     ctx_.fp8_saturated, ctx_.stream);
 }
 
-size_t DeviceDenseLinear::fp8_scratch_bytes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens) {
-  return Fp8Sizes(shapes, tokens).bytes();
+gpu::Fp8Target DeviceDenseLinear::fp8_grad_target(const bf16* dout, int N) {
+  ESPLAG_CHECK(takes_produced_fp8(), weight_name_, ": fp8_grad_target without delayed fp8 scaling's histories");
+  using R = Fp8Scratch::Role;
+  const auto [dy, dyt] = fp8_scratch().dy_codes.produced(this, dout, N);
+  return {dy, dyt, fp8_inv(R::grad), dy_amax_.before_cast(dout, int64_t(N) * out_, ctx_.stream), ctx_.precision.grad,
+          ctx_.fp8_saturated};
+}
+
+gpu::Fp8Target DeviceDenseLinear::fp8_input_target(const bf16* in, int N) {
+  ESPLAG_CHECK(takes_produced_fp8(), weight_name_, ": fp8_input_target without delayed fp8 scaling's histories");
+  using R = Fp8Scratch::Role;
+  x_made_ = {in, N};
+  return {fp8_scratch().x, nullptr, fp8_inv(R::input), x_amax_.before_cast(in, int64_t(N) * in_, ctx_.stream),
+          Fp8Format::e4m3, ctx_.fp8_saturated};
+}
+
+gpu::Fp8Target DeviceDenseLinear::fp8_input_t_target(int N) {
+  ESPLAG_CHECK(takes_produced_fp8(), weight_name_, ": fp8_input_t_target without delayed fp8 scaling's histories");
+  using R = Fp8Scratch::Role;
+  xt_made_rows_ = N;
+  // The forward's scale of X, recorded there already (as the transposed cast of backward_dw).
+  return {nullptr, fp8_scratch().x, fp8_inv(R::input), x_amax_.last(), Fp8Format::e4m3, ctx_.fp8_saturated};
+}
+
+size_t DeviceDenseLinear::fp8_scratch_bytes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens,
+                                            bool delayed) {
+  return Fp8Sizes(shapes, tokens, delayed).bytes();
 }
 
 // Made at the first product, when the model knows every layer's shape (the layers are made
 // one by one).
 DeviceDenseLinear::Fp8Scratch& DeviceDenseLinear::fp8_scratch() {
   return ctx_.scratch.get<Fp8Scratch>(kFp8Scratch, [&] {
-    const Fp8Sizes n(ctx_.shapes, ctx_.tokens);
+    const Fp8Sizes n(ctx_.shapes, ctx_.tokens, ctx_.precision.delayed());
     auto p = std::make_unique<Fp8Scratch>();
     p->arena = DeviceArena(n.bytes(), "fp8 operands");
     p->x = p->arena.allocate_array<uint8_t>("fp8.x", n.x);
     p->dy_codes.dy = p->arena.allocate_array<uint8_t>("fp8.dy", n.dy);
     p->dy_codes.dyt = p->arena.allocate_array<uint8_t>("fp8.dyt", n.dy);
+    if (n.produced) {
+      p->dy_codes.made = p->arena.allocate_array<uint8_t>("fp8.dy_made", n.dy);
+      p->dy_codes.made_t = p->arena.allocate_array<uint8_t>("fp8.dyt_made", n.dy);
+    }
     p->bias = p->arena.allocate_array<bf16>("fp8.bias", n.outs);
     p->gemm = std::make_unique<gpu::Fp8Gemm>(p->arena.allocate("fp8.workspace", n.workspace), n.workspace);
     return p;
@@ -146,8 +178,11 @@ void DeviceDenseLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16*
   Fp8Scratch& f = fp8_scratch();
   ctx_.marks->mark(s, "fp8 cast");
   if (!w8_current_) cast_weight();
-  gpu::fp8_cast(f.x, fp8_inv(R::input), in, int64_t(N) * K, x_amax_.before_cast(in, int64_t(N) * K, s),
-                Fp8Format::e4m3, ctx_.fp8_saturated, s);
+  if (x_made_.in == in && x_made_.rows == N)  // its producer wrote them
+    x_made_ = {};
+  else
+    gpu::fp8_cast(f.x, fp8_inv(R::input), in, int64_t(N) * K, x_amax_.before_cast(in, int64_t(N) * K, s),
+                  Fp8Format::e4m3, ctx_.fp8_saturated, s);
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   const bool gelu = act == Act::gelu;
   bf16* y = gelu && pre_act ? pre_act : out;
@@ -177,10 +212,11 @@ void DeviceDenseLinear::backward_dx(bf16* dinp, const bf16* dout, int N, const b
   using R = Fp8Scratch::Role;
   ctx_.marks->mark(s, "fp8 cast");
   if (!w8_current_) cast_weight();
-  Fp8Scratch& f = grad_codes(dout, N);
+  const Fp8GradCodes::Codes dy = grad_codes(dout, N);
+  Fp8Scratch& f = fp8_scratch();
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   f.gemm->set_fast_accum(false);
-  f.gemm->matmul(dinp, {f.dy_codes.dy, fp8_inv(R::grad), ctx_.precision.grad},
+  f.gemm->matmul(dinp, {dy.dy, fp8_inv(R::grad), ctx_.precision.grad},
                  {wt8_, fp8_inv(R::weight), Fp8Format::e4m3}, nullptr, N, K, OC, false, s);
   gelu_backward_pass(dinp, pre_act, N);
 }
@@ -198,12 +234,15 @@ void DeviceDenseLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bo
   // dW [out, in] = dYᵀ [out, N] · (Xᵀ [in, N])ᵀ, accumulated in fp32
   using R = Fp8Scratch::Role;
   ctx_.marks->mark(s, "fp8 cast");
-  Fp8Scratch& f = grad_codes(dout, N);
-  gpu::fp8_cast_transpose(f.x, fp8_inv(R::input), inp, N, K, x_amax_.last(), Fp8Format::e4m3, ctx_.fp8_saturated,
-                          s);  // the forward's scale of X
+  const Fp8GradCodes::Codes dy = grad_codes(dout, N);
+  Fp8Scratch& f = fp8_scratch();
+  if (xt_made_rows_ != N)  // else its producer wrote them
+    gpu::fp8_cast_transpose(f.x, fp8_inv(R::input), inp, N, K, x_amax_.last(), Fp8Format::e4m3, ctx_.fp8_saturated,
+                            s);  // the forward's scale of X
+  xt_made_rows_ = 0;
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   f.gemm->set_fast_accum(false);
-  f.gemm->matmul(p_.weight.grad, {f.dy_codes.dyt, fp8_inv(R::grad), ctx_.precision.grad},
+  f.gemm->matmul(p_.weight.grad, {dy.dyt, fp8_inv(R::grad), ctx_.precision.grad},
                  {f.x, fp8_inv(R::input), Fp8Format::e4m3}, OC, K, N, accumulate, s);
   if (bias_grad) {  // the exact sum of dY, as the CPU's (the bias gradient is not an fp8 product)
     ctx_.marks->mark(s, "bias grad");

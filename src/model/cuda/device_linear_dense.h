@@ -6,6 +6,7 @@
 #pragma once
 
 #include "core/device_arena.h"
+#include "model/cuda/fp8_grad_codes.h"
 #include "model/cuda/fp8_histories.h"
 #include "model/device_linear.h"
 
@@ -24,9 +25,17 @@ class DeviceDenseLinear : public DeviceLinear {
   void bind(const DeviceLinearParams& p) override;
   size_t device_bytes() const override { return fp8_own_.capacity(); }
   void begin_backward() override;
+  // With delayed scaling, warm: dY's codes into the shared scratch's second pair, X's and
+  // Xᵀ's into its X codes, scaled as the casts would.
+  bool takes_produced_fp8() const override { return fp8_ && x_amax_.from_history() && dy_amax_.from_history(); }
+  gpu::Fp8Target fp8_grad_target(const bf16* dout, int N) override;
+  gpu::Fp8Target fp8_input_target(const bf16* in, int N) override;
+  gpu::Fp8Target fp8_input_t_target(int N) override;
   // Device bytes of the scratch the fp8 products share (GpuModelOptions::precision), for
   // block Linear shapes [out, in] and micro-batches of `tokens` rows.
-  static size_t fp8_scratch_bytes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens);
+  // `delayed`: with delayed scaling (its second pair of dY codes, Fp8GradCodes::made).
+  static size_t fp8_scratch_bytes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens,
+                                  bool delayed);
   // Device bytes an fp8 layer [out, in] holds itself (device_bytes): its weight's codes in
   // both orientations and its scales.
   static size_t fp8_layer_bytes(int64_t out, int64_t in);
@@ -50,13 +59,18 @@ class DeviceDenseLinear : public DeviceLinear {
   float* fp8_inv(int role) const;
   // The weight's codes (w8_, wt8_) from the bound weight.
   void cast_weight();
-  // The scratch with dout's codes in both orientations, cast unless the other product of
-  // this layer and dout just did.
-  Fp8Scratch& grad_codes(const bf16* dout, int N);
+  // dout's codes in both orientations, cast unless the other product of this layer and
+  // dout just did, or its producer wrote them.
+  Fp8GradCodes::Codes grad_codes(const bf16* dout, int N);
   bool fp8_ = false;
   DeviceArena fp8_own_;                     // the scales, w8_ and wt8_
   uint8_t *w8_ = nullptr, *wt8_ = nullptr;  // W [out, in] and Wᵀ [in, out], e4m3
   bool w8_current_ = false;                 // they hold the bound weight's codes (prepare() since the last bind)
+  int xt_made_rows_ = 0;                    // rows of Xᵀ's codes a producer wrote for the next backward_dw (0: none)
+  struct {
+    const bf16* in = nullptr;  // whose X codes a producer wrote for the next forward (null: none)
+    int rows = 0;
+  } x_made_;
   Fp8OperandAmax x_amax_, dy_amax_;
 };
 

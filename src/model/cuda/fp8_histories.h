@@ -91,10 +91,11 @@ class Fp8OperandAmax {
   // The amax the last before_cast's cast scaled by, for another cast of the same tensor
   // (dW's transposed cast of X after the forward's).
   const float* last() const;
-
- private:
+  // Whether the casts scale by the history now (delayed scaling, warm, not paused): before_cast
+  // then runs no pass.
   bool from_history() const { return histories_ && histories_->warm() && !histories_->paused(); }
 
+ private:
   float* own_ = nullptr;
   const DeviceFp8Histories* histories_ = nullptr;
   DeviceFp8Histories::Operand op_;

@@ -11,11 +11,9 @@
 // it from its start to its end; the casts walk it from the end back, so that they begin
 // with what the amax read last, which the L2 cache may still hold.
 #include <algorithm>
-#include <atomic>
 
 #include "core/error.h"
-#include "ops/cuda/common.cuh"
-#include "ops/cuda/fp8_codes.cuh"
+#include "ops/cuda/fp8_tiles.cuh"
 #include "ops/gpu_fp8.h"
 
 namespace esplag::gpu {
@@ -26,87 +24,33 @@ using detail::kPack;
 using detail::load8;
 using detail::unpack8;
 using detail::to_f;
+using detail::fp8_scale_of;
+using detail::encode8;
+using detail::encode1;
+using detail::block_max;
+using detail::add_clipped;
+using detail::finite_abs;
+using detail::pack_amax;
+using detail::record_amax;
+using detail::kTileRows;
+using detail::kTileCols;
+using detail::kTileWords;
+using detail::kTileThreads;
+using detail::tile_g;
+using detail::tile_h;
+using detail::TilePlace;
+using detail::store_row_codes;
+using detail::put_tile;
+using detail::store_tile_t;
+using detail::aligned8;
+using detail::aligned16;
+using detail::blocks_for;
+using detail::counter;
+using detail::resident_blocks;
 
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 2048;  // grid-stride beyond this: a cast is bandwidth-bound
 constexpr int kUnroll = 4;             // packs of 8 values each thread has in flight per iteration
-
-using detail::fp8_encode2;
-using detail::fp8_scale_of;
-template <bool E5M2>
-using Format = detail::Fp8Format<E5M2>;
-
-// 1 when x · s saturates (never for NaN).
-template <bool E5M2>
-__device__ __forceinline__ int clips(float x, float s) {
-  return Format<E5M2>::clips(fabsf(x * s));
-}
-
-// Eight values as eight codes (little-endian: value 0 in the lowest byte), counting the
-// clipped ones.
-template <bool E5M2>
-__device__ __forceinline__ uint2 encode8(const float (&f)[kPack], float s, int& clipped) {
-#pragma unroll
-  for (int k = 0; k < kPack; ++k) clipped += clips<E5M2>(f[k], s);
-  uint2 c;
-  c.x = fp8_encode2<E5M2>(f[0], f[1], s) | fp8_encode2<E5M2>(f[2], f[3], s) << 16;
-  c.y = fp8_encode2<E5M2>(f[4], f[5], s) | fp8_encode2<E5M2>(f[6], f[7], s) << 16;
-  return c;
-}
-
-// Code k of the eight encode8 gives.
-__device__ __forceinline__ uint8_t code_byte(uint2 codes, int k) {
-  return static_cast<uint8_t>((k < 4 ? codes.x : codes.y) >> (8 * (k % 4)));
-}
-
-template <bool E5M2>
-__device__ __forceinline__ uint8_t encode1(float x, float s, int& clipped) {
-  clipped += clips<E5M2>(x, s);
-  return static_cast<uint8_t>(fp8_encode2<E5M2>(x, 0.0f, s));
-}
-
-// Block-wide max of non-negative values (blockDim.x == kThreads); every thread gets it.
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = detail::warp_max(v);
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < kThreads / 32 ? scratch[lane] : 0.0f;
-  return detail::warp_max(v);
-}
-
-// Adds the block's clipped count to *saturated (thread 0); the call synchronises the block.
-__device__ __forceinline__ void add_clipped(unsigned long long* saturated, int clipped, int* scratch) {
-  if (!saturated) return;
-  int v = clipped;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned long long total = 0;
-    for (int w = 0; w < kThreads / 32; ++w) total += unsigned(scratch[w]);
-    if (total) atomicAdd(saturated, total);
-  }
-}
-
-__device__ __forceinline__ float finite_abs(float x) { return isfinite(x) ? fabsf(x) : 0.0f; }
-
-__device__ __forceinline__ float pack_amax(const float (&f)[kPack]) {
-  float m = 0.0f;
-#pragma unroll
-  for (int k = 0; k < kPack; ++k) m = fmaxf(m, finite_abs(f[k]));
-  return m;
-}
-
-// Raises *record (when not null) to the block's largest m; the call synchronises the block.
-__device__ __forceinline__ void record_amax(float* record, float m, float* scratch) {
-  if (!record) return;
-  m = block_max(m, scratch);
-  if (threadIdx.x == 0 && m > 0.0f) atomicMax(reinterpret_cast<unsigned*>(record), __float_as_uint(m));
-}
 
 // ---------------------------------------------------------------------------------------
 // amax
@@ -187,31 +131,6 @@ __global__ void cast_kernel(uint8_t* out, float* inv_scale, const bf16* x, int64
 //   vec_out  cols % 8 == 0 and out 8-byte aligned
 //   vec_t    rows % 16 == 0 and out_t 16-byte aligned
 
-constexpr int kTileRows = 128, kTileCols = 64;
-constexpr int kTileWords = kTileRows / 4 + 1;  // one transposed row (a column of x) and a pad word
-
-// Word k of the eight whose byte i is code k of rows[i]: column k's codes of the four rows.
-__device__ __forceinline__ void transpose4x8(const uint2 (&rows)[4], uint32_t (&words)[8]) {
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const uint32_t a = half ? rows[0].y : rows[0].x, b = half ? rows[1].y : rows[1].x;
-    const uint32_t c = half ? rows[2].y : rows[2].x, d = half ? rows[3].y : rows[3].x;
-    const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);  // a0 b0 a1 b1, a2 b2 a3 b3
-    const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
-    words[4 * half + 0] = __byte_perm(ab_lo, cd_lo, 0x5410);
-    words[4 * half + 1] = __byte_perm(ab_lo, cd_lo, 0x7632);
-    words[4 * half + 2] = __byte_perm(ab_hi, cd_hi, 0x5410);
-    words[4 * half + 3] = __byte_perm(ab_hi, cd_hi, 0x7632);
-  }
-}
-
-// Where tile t's rows and this thread's columns begin.
-struct TilePlace {
-  int64_t r0, c;
-  __device__ TilePlace(int64_t t, int64_t col_tiles, int h)
-      : r0(t / col_tiles * kTileRows), c(t % col_tiles * kTileCols + h * kPack) {}
-};
-
 // This thread's four rows of a tile as bf16 bits (0 past the edges).
 __device__ __forceinline__ void load_tile(uint4 (&raw)[4], const bf16* x, int64_t rows, int64_t cols,
                                           const TilePlace& at, int g, bool vec_x) {
@@ -235,12 +154,11 @@ __global__ void __launch_bounds__(kThreads) cast_tiles_kernel(uint8_t* out, uint
                                                               int64_t col_tiles, int64_t tiles, Fp8CastAmax amax,
                                                               unsigned long long* saturated, bool vec_x,
                                                               bool vec_out, bool vec_t) {
-  static_assert(kThreads == (kTileRows / 4) * (kTileCols / kPack), "one thread per 4 rows x 8 columns");
+  static_assert(kThreads == kTileThreads);
   __shared__ uint32_t tile[kTileCols][kTileWords];  // [column][row / 4] of the tile's codes
   __shared__ int scratch[32];
   __shared__ float fscratch[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = (lane & 7) | (warp & 3) << 3, h = lane >> 3 | (warp >> 2) << 2;
+  const int g = tile_g(), h = tile_h();
   int64_t t = tiles - 1 - blockIdx.x;
   uint4 raw[4];
   load_tile(raw, x, rows, cols, TilePlace(t, col_tiles, h), g, vec_x);  // before the scale: independent of it
@@ -261,37 +179,13 @@ __global__ void __launch_bounds__(kThreads) cast_tiles_kernel(uint8_t* out, uint
       const int64_t r = at.r0 + 4 * g + i;
       code[i] = encode8<E5M2>(f[i], s, clipped);
       m = fmaxf(m, pack_amax(f[i]));
-      if (out && r < rows) {
-        if (vec_out && at.c < cols) {
-          *reinterpret_cast<uint2*>(out + r * cols + at.c) = code[i];
-        } else {
-          for (int k = 0; k < kPack && at.c + k < cols; ++k) out[r * cols + at.c + k] = code_byte(code[i], k);
-        }
-      }
+      if (out) store_row_codes(out, cols, code[i], r, at.c, rows, cols, vec_out);
     }
     if (!out_t) continue;
-    uint32_t words[kPack];
-    transpose4x8(code, words);
     __syncthreads();  // the previous tile's stores have read `tile`
-#pragma unroll
-    for (int k = 0; k < kPack; ++k) tile[h * kPack + k][g] = words[k];
+    put_tile(tile, code, g, h);
     __syncthreads();
-    // Each warp stores four rows of out_t, eight 16-byte chunks of each, per pass.
-    constexpr int kChunks = kTileRows / 16;
-    const int64_t c0 = at.c - h * kPack;
-#pragma unroll
-    for (int pass = 0; pass < kTileCols * kChunks / kThreads; ++pass) {
-      const int cc = threadIdx.x / kChunks + pass * (kThreads / kChunks), j = threadIdx.x % kChunks;
-      const int64_t ct = c0 + cc, r = at.r0 + 16 * j;
-      if (ct >= cols || r >= rows) continue;
-      const uint32_t* src = &tile[cc][4 * j];
-      uint8_t* dst = out_t + ct * rows + r;
-      if (vec_t) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(src[0], src[1], src[2], src[3]);
-      } else {
-        for (int k = 0; k < 16 && r + k < rows; ++k) dst[k] = static_cast<uint8_t>(src[k / 4] >> (8 * (k % 4)));
-      }
-    }
+    store_tile_t(out_t, tile, at.r0, at.c - h * kPack, rows, cols, vec_t);
   }
   add_clipped(saturated, clipped, scratch);
   record_amax(amax.record, m, fscratch);
@@ -335,20 +229,13 @@ __global__ void cast_rows_kernel(uint8_t* out, float* inv_scale, float* row_amax
   add_clipped(saturated, clipped, iscratch);
 }
 
-bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
-
-unsigned long long* counter(uint64_t* p) {
-  static_assert(sizeof(uint64_t) == sizeof(unsigned long long));
-  return reinterpret_cast<unsigned long long*>(p);
-}
-
 // Packs of 8 values when x is 16-byte and out 8-byte aligned (the tail goes value by
 // value), none otherwise.
 int64_t packs_of(const bf16* x, const uint8_t* out, int64_t n) {
-  return detail::aligned16(x) && (!out || aligned8(out)) ? n / kPack : 0;
+  return aligned16(x) && (!out || aligned8(out)) ? n / kPack : 0;
 }
 
-unsigned grid_for(int64_t n) { return std::max(1u, std::min(kMaxBlocks, detail::blocks_for(n, kThreads * kPack))); }
+unsigned grid_for(int64_t n) { return std::max(1u, std::min(kMaxBlocks, blocks_for(n, kThreads * kPack))); }
 
 void check_cast(const char* op, const void* out, const void* scale_out, const bf16* x, int64_t n, Fp8CastAmax amax) {
   ESPLAG_CHECK(n >= 0, op, ": negative size ", n);
@@ -381,23 +268,6 @@ void fp8_cast(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, Fp8CastA
 
 namespace {
 
-// Blocks of the tiled cast (kThreads threads) the device holds at once: a persistent grid.
-// Asked once per format and device, not at every cast.
-template <bool E5M2>
-int64_t resident_blocks() {
-  constexpr int kDevices = 64;
-  static std::atomic<int64_t> known[kDevices] = {};  // 0 until asked
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  if (device < kDevices && known[device].load() > 0) return known[device].load();
-  int sms = 0, per_sm = 0;
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, cast_tiles_kernel<E5M2>, kThreads, 0));
-  const int64_t blocks = int64_t(sms) * std::max(1, per_sm);
-  if (device < kDevices) known[device].store(blocks);
-  return blocks;
-}
-
 // The tiled cast of x [rows, cols] into out (as it lies; may be null) and out_t
 // (transposed; may be null). One block even for an empty x: it writes inv_scale.
 void cast_tiles(const char* op, uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows,
@@ -406,12 +276,13 @@ void cast_tiles(const char* op, uint8_t* out, uint8_t* out_t, float* inv_scale, 
   check_cast(op, out ? out : out_t, inv_scale, x, rows * cols, amax);
   const int64_t col_tiles = std::max<int64_t>(1, (cols + kTileCols - 1) / kTileCols);
   const int64_t tiles = std::max<int64_t>(1, (rows + kTileRows - 1) / kTileRows) * col_tiles;
-  const bool vec_x = cols % kPack == 0 && detail::aligned16(x);
+  const bool vec_x = cols % kPack == 0 && aligned16(x);
   const bool vec_out = cols % kPack == 0 && aligned8(out);
-  const bool vec_t = rows % 16 == 0 && detail::aligned16(out_t);
+  const bool vec_t = rows % 16 == 0 && aligned16(out_t);
   const bool e5m2 = format == Fp8Format::e5m2;
   auto kernel = e5m2 ? cast_tiles_kernel<true> : cast_tiles_kernel<false>;
-  const int64_t resident = e5m2 ? resident_blocks<true>() : resident_blocks<false>();
+  const int64_t resident =
+      e5m2 ? resident_blocks<cast_tiles_kernel<true>>(kThreads) : resident_blocks<cast_tiles_kernel<false>>(kThreads);
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, resident));
   kernel<<<grid, kThreads, 0, stream>>>(out, out_t, inv_scale, x, rows, cols, col_tiles, tiles, amax,
                                         counter(saturated), vec_x, vec_out, vec_t);
@@ -454,7 +325,7 @@ void fp8_roll_amax_histories(float* histories, int64_t count, int length, cudaSt
   ESPLAG_CHECK(count >= 0 && length >= 1 && (histories || count == 0), "fp8_roll_amax_histories: ", count,
                " histories of length ", length);
   if (count == 0) return;
-  roll_kernel<<<detail::blocks_for(count, 128), 128, 0, stream>>>(histories, count, length);
+  roll_kernel<<<blocks_for(count, 128), 128, 0, stream>>>(histories, count, length);
   CUDA_CHECK_LAUNCH("fp8_roll_amax_histories");
 }
 
@@ -464,7 +335,7 @@ void fp8_cast_rows(uint8_t* out, float* inv_scale, float* row_amax, const bf16* 
   ESPLAG_CHECK(rows <= INT32_MAX, "fp8_cast_rows: ", rows, " rows is too many (one block per row)");
   if (rows == 0) return;
   ESPLAG_CHECK(inv_scale && (cols == 0 || (out && x)), "fp8_cast_rows: null pointer");
-  const bool vec = cols % kPack == 0 && detail::aligned16(x) && aligned8(out);
+  const bool vec = cols % kPack == 0 && aligned16(x) && aligned8(out);
   const unsigned grid = static_cast<unsigned>(rows);
   if (format == Fp8Format::e5m2)
     cast_rows_kernel<true><<<grid, kThreads, 0, stream>>>(out, inv_scale, row_amax, x, cols, vec, counter(saturated));

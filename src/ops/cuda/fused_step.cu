@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "ops/cuda/adamw_math.cuh"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/swiglu_math.cuh"
 #include "ops/gpu_fused.h"
 
 namespace esplag::gpu {
@@ -132,8 +133,7 @@ __global__ void __launch_bounds__(kThreads)
 // Activations. The forward value is one device function used by the forward kernels and
 // by the backward's recomputation, so the two agree bit for bit.
 
-__device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
-__device__ __forceinline__ float swiglu_value(float g, float u) { return g * sigmoidf(g) * u; }
+using detail::swiglu_value;
 __device__ __forceinline__ float relu2_value(float x) {
   const float r = x > 0.f ? x : 0.f;
   return r * r;
@@ -192,10 +192,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 #pragma unroll
   for (int k = 0; k < per; ++k) {
-    const float sg = sigmoidf(vg[k]);
-    const float silu = vg[k] * sg;
-    og[k] = vd[k] * vu[k] * (sg * (1.f + vg[k] * (1.f - sg)));  // d silu/dg = σ(1 + g(1 - σ))
-    ou[k] = vd[k] * silu;
+    og[k] = detail::swiglu_grad_gate(vg[k], vu[k], vd[k]);
+    ou[k] = detail::swiglu_grad_up(vg[k], vd[k]);
     oa[k] = swiglu_value(vg[k], vu[k]);
   }
   if constexpr (kVec) {

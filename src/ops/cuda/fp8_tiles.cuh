@@ -1,0 +1,193 @@
+// Device pieces the fp8 casts share (ops/cuda/fp8_cast.cu, ops/cuda/fp8_swiglu.cu): codes
+// of eight values at a time with the clipped ones counted, the block's amax and clipped
+// count into device memory, and the 128 x 64 tiles of the transposed casts with their 4 x 8
+// byte transpose. Codes and scales as ops/cuda/fp8_codes.cuh makes them.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/fp8_codes.cuh"
+
+namespace esplag::gpu::detail {
+
+template <bool E5M2>
+using Format = Fp8Format<E5M2>;
+
+// 1 when x · s saturates (never for NaN).
+template <bool E5M2>
+__device__ __forceinline__ int clips(float x, float s) {
+  return Format<E5M2>::clips(fabsf(x * s));
+}
+
+// Eight values as eight codes (little-endian: value 0 in the lowest byte), counting the
+// clipped ones.
+template <bool E5M2>
+__device__ __forceinline__ uint2 encode8(const float (&f)[kPack], float s, int& clipped) {
+#pragma unroll
+  for (int k = 0; k < kPack; ++k) clipped += clips<E5M2>(f[k], s);
+  uint2 c;
+  c.x = fp8_encode2<E5M2>(f[0], f[1], s) | fp8_encode2<E5M2>(f[2], f[3], s) << 16;
+  c.y = fp8_encode2<E5M2>(f[4], f[5], s) | fp8_encode2<E5M2>(f[6], f[7], s) << 16;
+  return c;
+}
+
+// Code k of the eight encode8 gives.
+__device__ __forceinline__ uint8_t code_byte(uint2 codes, int k) {
+  return static_cast<uint8_t>((k < 4 ? codes.x : codes.y) >> (8 * (k % 4)));
+}
+
+template <bool E5M2>
+__device__ __forceinline__ uint8_t encode1(float x, float s, int& clipped) {
+  clipped += clips<E5M2>(x, s);
+  return static_cast<uint8_t>(fp8_encode2<E5M2>(x, 0.0f, s));
+}
+
+// Block-wide max of non-negative values (blockDim.x a multiple of 32); every thread gets it.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? scratch[lane] : 0.0f;
+  return warp_max(v);
+}
+
+// Adds the block's clipped count to *saturated (thread 0); the call synchronises the block.
+__device__ __forceinline__ void add_clipped(unsigned long long* saturated, int clipped, int* scratch) {
+  if (!saturated) return;
+  int v = clipped;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long total = 0;
+    for (int w = 0; w < int(blockDim.x >> 5); ++w) total += unsigned(scratch[w]);
+    if (total) atomicAdd(saturated, total);
+  }
+}
+
+__device__ __forceinline__ float finite_abs(float x) { return isfinite(x) ? fabsf(x) : 0.0f; }
+
+__device__ __forceinline__ float pack_amax(const float (&f)[kPack]) {
+  float m = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kPack; ++k) m = fmaxf(m, finite_abs(f[k]));
+  return m;
+}
+
+// Raises *record (when not null) to the block's largest m; the call synchronises the block.
+__device__ __forceinline__ void record_amax(float* record, float m, float* scratch) {
+  if (!record) return;
+  m = block_max(m, scratch);
+  if (threadIdx.x == 0 && m > 0.0f) atomicMax(reinterpret_cast<unsigned*>(record), __float_as_uint(m));
+}
+
+// ---------------------------------------------------------------------------------------
+// Tiles of the transposed casts: 128 rows x 64 columns, thread (g, h) of 256 holding rows
+// 4g .. 4g + 3 of columns 8h .. 8h + 7, its 4 x 8 codes byte-transposed into a shared
+// tile [column][row / 4] whose rows are 33 words apart (no bank met twice by a warp).
+
+constexpr int kTileRows = 128, kTileCols = 64;
+constexpr int kTileWords = kTileRows / 4 + 1;  // one transposed row (a column of x) and a pad word
+
+// Word k of the eight whose byte i is code k of rows[i]: column k's codes of the four rows.
+__device__ __forceinline__ void transpose4x8(const uint2 (&rows)[4], uint32_t (&words)[8]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const uint32_t a = half ? rows[0].y : rows[0].x, b = half ? rows[1].y : rows[1].x;
+    const uint32_t c = half ? rows[2].y : rows[2].x, d = half ? rows[3].y : rows[3].x;
+    const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);  // a0 b0 a1 b1, a2 b2 a3 b3
+    const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
+    words[4 * half + 0] = __byte_perm(ab_lo, cd_lo, 0x5410);
+    words[4 * half + 1] = __byte_perm(ab_lo, cd_lo, 0x7632);
+    words[4 * half + 2] = __byte_perm(ab_hi, cd_hi, 0x5410);
+    words[4 * half + 3] = __byte_perm(ab_hi, cd_hi, 0x7632);
+  }
+}
+
+constexpr int kTileThreads = (kTileRows / 4) * (kTileCols / kPack);  // 256
+
+// This thread's place in a tile: rows 4·tile_g() .. + 3, columns 8·tile_h() .. + 7, laid out
+// so that a warp's stores to the shared tile (put_tile) meet no bank twice.
+__device__ __forceinline__ int tile_g() { return (threadIdx.x & 7) | (threadIdx.x >> 5 & 3) << 3; }
+__device__ __forceinline__ int tile_h() { return (threadIdx.x >> 3 & 3) | (threadIdx.x >> 7) << 2; }
+
+// Where tile t's rows and this thread's columns begin (row tiles outer, column tiles inner).
+struct TilePlace {
+  int64_t r0, c;
+  __device__ TilePlace(int64_t t, int64_t col_tiles, int h)
+      : r0(t / col_tiles * kTileRows), c(t % col_tiles * kTileCols + h * kPack) {}
+};
+
+// Row r's 8 codes at columns c .. c + 7 of out [rows, cols] (rows ld codes apart), those
+// inside it; vec: one 8-byte store (ld % 8 == 0 and out 8-byte aligned).
+__device__ __forceinline__ void store_row_codes(uint8_t* out, int64_t ld, uint2 codes, int64_t r, int64_t c,
+                                                int64_t rows, int64_t cols, bool vec) {
+  if (r >= rows) return;
+  if (vec && c < cols) {
+    *reinterpret_cast<uint2*>(out + r * ld + c) = codes;
+  } else {
+    for (int k = 0; k < kPack && c + k < cols; ++k) out[r * ld + c + k] = code_byte(codes, k);
+  }
+}
+
+// This thread's 4 x 8 codes (its rows' packs) into the shared tile, transposed.
+__device__ __forceinline__ void put_tile(uint32_t (*tile)[kTileWords], const uint2 (&codes)[4], int g, int h) {
+  uint32_t words[kPack];
+  transpose4x8(codes, words);
+#pragma unroll
+  for (int k = 0; k < kPack; ++k) tile[h * kPack + k][g] = words[k];
+}
+
+// The shared tile of rows r0 .. + 127, columns c0 .. + 63 of x [rows, cols] into out_t
+// [cols, rows], those inside it: each warp stores four rows of out_t per pass, eight
+// 16-byte chunks of each (vec: rows % 16 == 0 and out_t 16-byte aligned; else byte by byte).
+__device__ __forceinline__ void store_tile_t(uint8_t* out_t, const uint32_t (*tile)[kTileWords], int64_t r0,
+                                             int64_t c0, int64_t rows, int64_t cols, bool vec) {
+  constexpr int kChunks = kTileRows / 16;
+#pragma unroll
+  for (int pass = 0; pass < kTileCols * kChunks / kTileThreads; ++pass) {
+    const int cc = threadIdx.x / kChunks + pass * (kTileThreads / kChunks), j = threadIdx.x % kChunks;
+    const int64_t ct = c0 + cc, r = r0 + 16 * j;
+    if (ct >= cols || r >= rows) continue;
+    const uint32_t* src = &tile[cc][4 * j];
+    uint8_t* dst = out_t + ct * rows + r;
+    if (vec) {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(src[0], src[1], src[2], src[3]);
+    } else {
+      for (int k = 0; k < 16 && r + k < rows; ++k) dst[k] = static_cast<uint8_t>(src[k / 4] >> (8 * (k % 4)));
+    }
+  }
+}
+
+inline bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
+
+__host__ __device__ inline unsigned long long* counter(uint64_t* p) {
+  static_assert(sizeof(uint64_t) == sizeof(unsigned long long));
+  return reinterpret_cast<unsigned long long*>(p);
+}
+
+// Blocks of `threads` threads of Kernel the device holds at once: a persistent grid's size.
+// Asked once per kernel and device, not at every launch.
+template <auto Kernel>
+int64_t resident_blocks(int threads) {
+  constexpr int kDevices = 64;
+  static std::atomic<int64_t> known[kDevices] = {};  // 0 until asked
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  if (device < kDevices && known[device].load() > 0) return known[device].load();
+  int sms = 0, per_sm = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, 0));
+  const int64_t blocks = int64_t(sms) * std::max(1, per_sm);
+  if (device < kDevices) known[device].store(blocks);
+  return blocks;
+}
+
+}  // namespace esplag::gpu::detail
