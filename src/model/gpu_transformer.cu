@@ -781,19 +781,14 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       linear_dx(blk.mproj, "gemm mproj dX", dact, dres);
       bf16* act_out = L.act ? nullptr : dact;
       DeviceLinear &fc = blk.fc->top(), &mproj = blk.mproj->top();
-      if (cfg_.mlp == MlpKind::swiglu && H % 8 == 0 && !blk.fc->db && fc.takes_produced_fp8() &&
-          mproj.takes_produced_fp8()) {
-        // fp8, delayed scaling: SwiGLU's backward writes fc's dY codes, and the activation
-        // again as mproj's Xᵀ codes; neither exists in bf16.
-        mark("swiglu bwd");
-        gpu::fp8_swiglu_backward(fc.fp8_grad_target(L.fc, N), mproj.fp8_input_t_target(N), L.fc, dact, N, H, s);
-      } else if (cfg_.mlp == MlpKind::swiglu) {
-        mark("swiglu bwd");
-        gpu::fused_swiglu_backward(L.fc, act_out, L.fc, dact, N, H, s);
-      } else {
-        mark("relu2 bwd");
+      mark(cfg_.mlp == MlpKind::swiglu ? "swiglu bwd" : "relu2 bwd");
+      if (cfg_.mlp == MlpKind::relu2)
         gpu::fused_relu2_backward(L.fc, act_out, L.fc, dact, int64_t(N) * H, s);
-      }
+      else if (H % 8 == 0 && !blk.fc->db && fc.takes_produced_fp8() && mproj.takes_produced_fp8())
+        // fp8, delayed scaling: fc's dY and the activation again (mproj's Xᵀ) only as codes
+        gpu::fp8_swiglu_backward(fc.fp8_grad_target(L.fc, N), mproj.fp8_input_t_target(N), L.fc, dact, N, H, s);
+      else
+        gpu::fused_swiglu_backward(L.fc, act_out, L.fc, dact, N, H, s);
       linear_dw(blk.mproj, "gemm mproj dW", dres, L.act ? L.act : act_out);
       if (!ln2) {
         bf16* t = reinterpret_cast<bf16*>(shared);
