@@ -37,6 +37,7 @@
 #include "core/fp8.h"
 #include "core/rng.h"
 #include "model/fp8_amax_history.h"
+#include "ops/gpu.h"
 #include "ops/gpu_fp8.h"
 #include "ops/gpu_fused.h"
 
@@ -458,6 +459,86 @@ TEST(GpuFp8, SwigluCodesRefuseBadArguments) {
   EXPECT_THROW(gpu::fp8_swiglu_backward(grad, target(false, true, e5m2), inp, dout, N, H, s), esplag::Error);
   EXPECT_NO_THROW(gpu::fp8_swiglu_backward(grad, act_t, inp, dout, N, H, s));
   EXPECT_NO_THROW(gpu::fp8_swiglu_forward(act, inp, N, H, s));
+  CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+// fp8_norm_recompute's codes (as they lie and transposed), inverse scale and saturated count
+// are those of the norm's output recomputed in bf16 (layernorm_forward, rmsnorm_forward)
+// through fp8_cast_both, bit for bit, from the statistics the forward saved: LayerNorm with
+// and without a bias, RMSNorm, rows around the 128-row tile and off 16, columns off the
+// 64-column tile, at a scale from half the output's amax (so that values saturate).
+TEST(GpuFp8, NormRecomputeCodesAreTheCastsOfItsValues) {
+  REQUIRE_DEVICE();
+  uint64_t seed = 1200;
+  for (const int kind : {0, 1, 2})  // LayerNorm with a bias, without, RMSNorm
+    for (const auto& [N, C] : {std::pair<int64_t, int>{1, 8}, {130, 72}, {256, 64}, {300, 136}, {64, 1000}}) {
+      const bool rms = kind == 2, with_bias = kind == 0;
+      SCOPED_TRACE(std::string(rms ? "RMSNorm" : with_bias ? "LayerNorm" : "LayerNorm without bias") +
+                   " N=" + std::to_string(N) + " C=" + std::to_string(C));
+      Dev dev;
+      const size_t n = size_t(N) * C;
+      const bf16* x = dev.put_bf16(random_bits(n, ++seed, 2.0));
+      const bf16* w = dev.put_bf16(random_bits(size_t(C), ++seed, 1.5));
+      const bf16* b = with_bias ? dev.put_bf16(random_bits(size_t(C), ++seed, 0.5)) : nullptr;
+      float* mean = dev.poisoned_floats(size_t(N));
+      float* rstd = dev.poisoned_floats(size_t(N));
+      bf16* y = dev.poisoned_bf16(n);
+      bf16* again = dev.poisoned_bf16(n);
+      cudaStream_t s = dev.stream();
+      if (rms) {  // the forward saves the statistics; the recomputation, as the backward's, does not
+        gpu::rmsnorm_forward(y, rstd, nullptr, x, nullptr, w, int(N), C, s);
+        gpu::rmsnorm_forward(again, nullptr, nullptr, x, nullptr, w, int(N), C, s);
+      } else {
+        gpu::layernorm_forward(y, mean, rstd, nullptr, x, nullptr, w, b, int(N), C, s);
+        gpu::layernorm_forward(again, nullptr, nullptr, nullptr, x, nullptr, w, b, int(N), C, s);
+      }
+      float* scale_from = dev.poisoned_floats(1);
+      gpu::fp8_amax(scale_from, again, int64_t(n), s);
+      const float half = 0.5f * dev.get_float(scale_from);
+      CUDA_CHECK(cudaMemcpy(scale_from, &half, sizeof(float), cudaMemcpyHostToDevice));
+      struct Outputs {
+        uint8_t *out, *out_t;
+        float* inv;
+        uint64_t* saturated;
+      };
+      const auto outputs = [&] {
+        return Outputs{dev.poisoned_codes(n), dev.poisoned_codes(n), dev.poisoned_floats(1), dev.zeroed_counter()};
+      };
+      const Outputs want = outputs(), got = outputs();
+      gpu::fp8_cast_both(want.out, want.out_t, want.inv, again, N, C, {scale_from}, Fp8Format::e4m3, want.saturated,
+                         s);
+      gpu::fp8_norm_recompute({got.out, got.out_t, got.inv, {scale_from}, Fp8Format::e4m3, got.saturated}, x, w, b,
+                              rms ? nullptr : mean, rstd, N, C, s);
+      expect_codes("as it lies", dev.get(want.out, n), dev.get(got.out, n + kGuard));
+      expect_codes("transposed", dev.get(want.out_t, n), dev.get(got.out_t, n + kGuard));
+      EXPECT_EQ(float_bits(dev.get_float(got.inv)), float_bits(dev.get_float(want.inv)));
+      EXPECT_EQ(dev.get_count(got.saturated), dev.get_count(want.saturated));
+      EXPECT_GT(dev.get_count(want.saturated), 0u) << "the half amax saturates values";
+    }
+}
+
+// fp8_norm_recompute refuses what it cannot read or write.
+TEST(GpuFp8, NormRecomputeRefusesBadArguments) {
+  REQUIRE_DEVICE();
+  Dev dev;
+  const int64_t N = 16;
+  const int C = 64;
+  const bf16* x = dev.put_bf16(random_bits(size_t(N) * C + 8, 3, 1.0));
+  const bf16* w = dev.put_bf16(random_bits(size_t(C) + 8, 4, 1.0));
+  float* stats = dev.put(VF(size_t(N), 1.0f));
+  float* scale_from = dev.put(VF{1.0f});
+  const gpu::Fp8Target to{dev.poisoned_codes(size_t(N) * C), nullptr, dev.poisoned_floats(1), {scale_from},
+                          Fp8Format::e4m3, nullptr};
+  cudaStream_t s = dev.stream();
+  EXPECT_THROW(gpu::fp8_norm_recompute(to, x, w, nullptr, nullptr, stats, N, 60, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_norm_recompute(to, x + 1, w, nullptr, nullptr, stats, N, C, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_norm_recompute(to, x, w + 1, nullptr, nullptr, stats, N, C, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_norm_recompute(to, x, w, w, nullptr, stats, N, C, s), esplag::Error);  // a bias, no mean
+  EXPECT_THROW(gpu::fp8_norm_recompute(to, x, w, nullptr, nullptr, nullptr, N, C, s), esplag::Error);
+  gpu::Fp8Target none = to;
+  none.out = nullptr;
+  EXPECT_THROW(gpu::fp8_norm_recompute(none, x, w, nullptr, nullptr, stats, N, C, s), esplag::Error);
+  EXPECT_NO_THROW(gpu::fp8_norm_recompute(to, x, w, nullptr, nullptr, stats, N, C, s));
   CUDA_CHECK(cudaStreamSynchronize(s));
 }
 

@@ -468,13 +468,14 @@ TEST_F(GpuTrain, Fp8DelayedScalingTracksTheCpuAndResumes) {
   expect_resumes("fp8_delayed", r, 3e-2, true);
 }
 
-// Delayed scaling on a LLaMA-style model (llama-tiny: SwiGLU, no biases, dense layers),
-// where from the second step SwiGLU writes mproj's X codes in the forward, and fc's
+// Delayed scaling on a LLaMA-style model (llama-tiny: SwiGLU, RMSNorm, no biases, dense
+// layers), where from the second step SwiGLU writes mproj's X codes in the forward, and fc's
 // output-gradient codes and mproj's Xᵀ codes in the backward (gpu::fp8_swiglu_forward,
-// _backward; H = 176: a partial column tile) instead of the casts: the GPU's curve within 3%
-// of the CPU's emulation; full activation checkpointing and the resumed step-6 checkpoint
-// give its bits. (That the producers' codes are the casts' bits is
-// GpuFp8.SwigluCodesAreTheCastsOfItsValues.)
+// _backward; H = 176: a partial column tile), and the recomputed norms qkv's and fc's Xᵀ
+// codes (gpu::fp8_norm_recompute), instead of the casts: the GPU's curve within 3% of the
+// CPU's emulation; full activation checkpointing and the resumed step-6 checkpoint give its
+// bits. (That the producers' codes are the casts' bits is GpuFp8.SwigluCodesAreTheCastsOfItsValues
+// and GpuFp8.NormRecomputeCodesAreTheCastsOfItsValues.)
 TEST_F(GpuTrain, Fp8DelayedSwigluTracksTheCpuAndResumes) {
   const fs::path yaml = *dir_ / "fp8_swiglu.yaml";
   std::ofstream(yaml) << read_file(tiny_yaml());

@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <string>
@@ -43,6 +44,7 @@
 #include "model/cuda/device_linear_dense.h"
 #include "model/cuda/gpu_transformer_impl.h"
 #include "ops/gpu.h"
+#include "ops/gpu_fp8.h"
 #include "ops/gpu_fused.h"
 
 namespace esplag {
@@ -221,6 +223,25 @@ void lay_out(const ModelConfig& c, int B, int T, const GpuModelOptions& o, GpuTr
   im.gnorm_scratch = take.arr<unsigned char>("scratch.grad_norm", gpu::sum_squares_scratch_bytes());
   im.emb_ws_bytes = gpu::embedding_backward_workspace_bytes(B, T, c.d_model, c.vocab_size);
   im.emb_ws = take.arr<unsigned char>("scratch.embedding", im.emb_ws_bytes);
+}
+
+// A norm's output over N rows again in the backward, from its saved input `inp`, for the
+// layer `next` that takes it: with the forward's kernel (the same bits as the forward wrote;
+// the statistics are recomputed the same way too), or where `next` takes its Xᵀ codes from
+// their producer (fp8, delayed scaling) only those codes, from the saved statistics.
+void norm_recompute(GpuTransformer::Impl& im, const ModelConfig& c, cudaStream_t s, DeviceLinear& next,
+                    const GpuTransformer::Impl::Norm& n, bf16* out, const bf16* inp, const float* mean,
+                    const float* rstd, int N) {
+  im.marks.mark(s, "norm recompute");
+  const bool ln = c.norm == NormKind::layernorm;
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (next.takes_produced_fp8() && c.d_model % 8 == 0 && aligned(inp) && aligned(n.w) && (!ln || aligned(n.b)))
+    gpu::fp8_norm_recompute(next.fp8_input_t_target(N), inp, n.w, ln ? n.b : nullptr, ln ? mean : nullptr, rstd, N,
+                            c.d_model, s);
+  else if (ln)
+    gpu::layernorm_forward(out, nullptr, nullptr, nullptr, inp, nullptr, n.w, n.b, N, c.d_model, s, float(c.norm_eps));
+  else
+    gpu::rmsnorm_forward(out, nullptr, nullptr, inp, nullptr, n.w, N, c.d_model, s, float(c.norm_eps));
 }
 
 // Runs `body` on stream s as the graph g (core/cuda_graph.h; see the header).
@@ -723,15 +744,8 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       gpu::rmsnorm_backward(dres, n.dw, dln, inp, n.w, rstd, N, C, im.norm_scratch, im.norm_scratch_bytes, s);
     }
   };
-  // The norm's output again, from its saved input, with the forward's kernel: the same
-  // bits as the forward wrote (the statistics are recomputed the same way too).
-  auto norm_again = [&](const Impl::Norm& n, bf16* out, const bf16* inp) {
-    mark("norm recompute");
-    if (ln)
-      gpu::layernorm_forward(out, nullptr, nullptr, nullptr, inp, nullptr, n.w, n.b, N, C, s, float(cfg_.norm_eps));
-    else
-      gpu::rmsnorm_forward(out, nullptr, nullptr, inp, nullptr, n.w, N, C, s, float(cfg_.norm_eps));
-  };
+  auto norm_again = [&](Impl::Slot* next, const Impl::Norm& n, bf16* out, const bf16* inp, const float* mean,
+                        const float* rstd) { norm_recompute(im, cfg_, s, next->top(), n, out, inp, mean, rstd, N); };
   unsigned char* const shared = im.shared;
   const SharedSizes& z = im.sizes;
   // ZeRO stage 2: the blocks' gradients go into the ring's slots, fresh in every micro-batch.
@@ -769,7 +783,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       linear_dx(blk.mproj, "gemm mproj dX (+dgelu)", dfc, dres, L.fc);  // dfc = (dres · Wmproj) ∘ gelu'(fc)
       if (!ln2) {
         bf16* t = reinterpret_cast<bf16*>(shared + z.gelu_dfc);
-        norm_again(blk.n2, t, L.res_mid);
+        norm_again(blk.fc, blk.n2, t, L.res_mid, L.ln2_mean, L.ln2_rstd);
         ln2 = t;
       }
       linear_dw(blk.fc, "gemm fc dW", dfc, ln2);
@@ -792,7 +806,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       linear_dw(blk.mproj, "gemm mproj dW", dres, L.act ? L.act : act_out);
       if (!ln2) {
         bf16* t = reinterpret_cast<bf16*>(shared);
-        norm_again(blk.n2, t, L.res_mid);
+        norm_again(blk.fc, blk.n2, t, L.res_mid, L.ln2_mean, L.ln2_rstd);
         ln2 = t;
       }
       const bf16* dfc = L.fc;
@@ -817,7 +831,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     }
     const bf16* ln1 = L.ln1;
     if (!ln1) {
-      norm_again(blk.n1, datty, L.res_in);  // datty is dead after the attention backward
+      norm_again(blk.qkv, blk.n1, datty, L.res_in, L.ln1_mean, L.ln1_rstd);  // datty is dead after the attention bwd
       ln1 = datty;
     }
     linear_dw(blk.qkv, "gemm qkv dW", dqkv, ln1);

@@ -99,6 +99,15 @@ void fp8_swiglu_forward(const Fp8Target& act, const bf16* inp, int64_t N, int H,
 void fp8_swiglu_backward(const Fp8Target& grad, const Fp8Target& act, const bf16* inp, const bf16* dout, int64_t N,
                          int H, cudaStream_t stream);
 
+// A norm's output [N, C] recomputed from its saved input x and statistics (layernorm_forward's
+// or rmsnorm_forward's values: the same bf16 values from the same x, weight, bias, mean and
+// rstd; mean null for RMSNorm) as fp8 codes only, into to.out [N, C] and/or to.out_t [C, N]
+// as the casts would write them (ops/cuda/fp8_norm.cu). The backward's producer of a layer's
+// Xᵀ with delayed scaling (DeviceLinear::fp8_input_t_target), where the output is not kept.
+// Needs C % 8 == 0 and x, weight, bias 16-byte aligned.
+void fp8_norm_recompute(const Fp8Target& to, const bf16* x, const bf16* weight, const bf16* bias, const float* mean,
+                        const float* rstd, int64_t N, int C, cudaStream_t stream);
+
 // Delayed scaling's step end (model/fp8_amax_history.h) for `count` amax histories of
 // `length` past steps each, history i at histories + i · (length + 2): [this step's amax,
 // the amax the casts scale by, the past steps' amaxes newest first]. Each takes its step's

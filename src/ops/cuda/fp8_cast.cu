@@ -20,33 +20,23 @@ namespace esplag::gpu {
 
 namespace {
 
+using detail::add_clipped;
+using detail::aligned16;
+using detail::aligned8;
+using detail::Bf16Tiles;
+using detail::block_max;
+using detail::blocks_for;
+using detail::cast_tiles;
+using detail::counter;
+using detail::encode1;
+using detail::encode8;
+using detail::finite_abs;
+using detail::fp8_scale_of;
 using detail::kPack;
 using detail::load8;
-using detail::unpack8;
-using detail::to_f;
-using detail::fp8_scale_of;
-using detail::encode8;
-using detail::encode1;
-using detail::block_max;
-using detail::add_clipped;
-using detail::finite_abs;
 using detail::pack_amax;
 using detail::record_amax;
-using detail::kTileRows;
-using detail::kTileCols;
-using detail::kTileWords;
-using detail::kTileThreads;
-using detail::tile_g;
-using detail::tile_h;
-using detail::TilePlace;
-using detail::store_row_codes;
-using detail::put_tile;
-using detail::store_tile_t;
-using detail::aligned8;
-using detail::aligned16;
-using detail::blocks_for;
-using detail::counter;
-using detail::resident_blocks;
+using detail::to_f;
 
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 2048;  // grid-stride beyond this: a cast is bandwidth-bound
@@ -110,82 +100,6 @@ __global__ void cast_kernel(uint8_t* out, float* inv_scale, const bf16* x, int64
     const float v = to_f(x[i]);
     out[i] = encode1<E5M2>(v, s, clipped);
     m = fmaxf(m, finite_abs(v));
-  }
-  add_clipped(saturated, clipped, scratch);
-  record_amax(amax.record, m, fscratch);
-}
-
-// ---------------------------------------------------------------------------------------
-// Tiled cast, as it lies and/or transposed, over tiles x[128·tr .. +128, 64·tc .. +64] (row
-// tiles outer, column tiles inner). Persistent: block b takes tiles tiles - 1 - b, then every
-// gridDim.x-th one below (from the end of x back), and loads its next tile while it encodes
-// and stores the current one, so that an SM's loads do not wait for its stores. Thread
-// (g, h) loads the four rows 4g .. 4g + 3 of a tile's columns 8h .. 8h + 7 (four 16-byte
-// loads), writes each row's 8 codes to out [rows, cols] where asked, and byte-permutes the
-// 4 x 8 codes into 8 words, column k's four rows in each, which it stores to the transposed
-// tile in shared memory. Then each row of out_t [cols, rows] takes 128 contiguous codes in
-// 16-byte stores. Lanes are laid out so that a warp's shared-memory stores and loads meet no
-// bank twice (the tile's rows are 33 words apart). Parts of a tile past rows or cols read as
-// 0 (never clipped) and are not written. The vectorised accesses need:
-//   vec_x    cols % 8 == 0 and x 16-byte aligned (else the values one by one)
-//   vec_out  cols % 8 == 0 and out 8-byte aligned
-//   vec_t    rows % 16 == 0 and out_t 16-byte aligned
-
-// This thread's four rows of a tile as bf16 bits (0 past the edges).
-__device__ __forceinline__ void load_tile(uint4 (&raw)[4], const bf16* x, int64_t rows, int64_t cols,
-                                          const TilePlace& at, int g, bool vec_x) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int64_t r = at.r0 + 4 * g + i;
-    if (vec_x && r < rows && at.c < cols) {
-      raw[i] = *reinterpret_cast<const uint4*>(x + r * cols + at.c);
-    } else {
-      __align__(16) bf16 v[kPack];
-#pragma unroll
-      for (int k = 0; k < kPack; ++k) v[k] = r < rows && at.c + k < cols ? x[r * cols + at.c + k] : bf16(0.0f);
-      raw[i] = *reinterpret_cast<const uint4*>(v);
-    }
-  }
-}
-
-template <bool E5M2>
-__global__ void __launch_bounds__(kThreads) cast_tiles_kernel(uint8_t* out, uint8_t* out_t, float* inv_scale,
-                                                              const bf16* x, int64_t rows, int64_t cols,
-                                                              int64_t col_tiles, int64_t tiles, Fp8CastAmax amax,
-                                                              unsigned long long* saturated, bool vec_x,
-                                                              bool vec_out, bool vec_t) {
-  static_assert(kThreads == kTileThreads);
-  __shared__ uint32_t tile[kTileCols][kTileWords];  // [column][row / 4] of the tile's codes
-  __shared__ int scratch[32];
-  __shared__ float fscratch[32];
-  const int g = tile_g(), h = tile_h();
-  int64_t t = tiles - 1 - blockIdx.x;
-  uint4 raw[4];
-  load_tile(raw, x, rows, cols, TilePlace(t, col_tiles, h), g, vec_x);  // before the scale: independent of it
-  const float s = fp8_scale_of<E5M2>(*amax.scale_from);
-  if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = __frcp_rn(s);
-  int clipped = 0;
-  float m = 0.0f;  // amax.record's (values past the edges read as 0)
-  for (; t >= 0; t -= gridDim.x) {
-    const TilePlace at(t, col_tiles, h);
-    float f[4][kPack];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) unpack8(f[i], raw[i]);
-    if (t - int64_t(gridDim.x) >= 0)
-      load_tile(raw, x, rows, cols, TilePlace(t - gridDim.x, col_tiles, h), g, vec_x);  // the next tile's, in flight
-    uint2 code[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int64_t r = at.r0 + 4 * g + i;
-      code[i] = encode8<E5M2>(f[i], s, clipped);
-      m = fmaxf(m, pack_amax(f[i]));
-      if (out) store_row_codes(out, cols, code[i], r, at.c, rows, cols, vec_out);
-    }
-    if (!out_t) continue;
-    __syncthreads();  // the previous tile's stores have read `tile`
-    put_tile(tile, code, g, h);
-    __syncthreads();
-    store_tile_t(out_t, tile, at.r0, at.c - h * kPack, rows, cols, vec_t);
   }
   add_clipped(saturated, clipped, scratch);
   record_amax(amax.record, m, fscratch);
@@ -269,37 +183,26 @@ void fp8_cast(uint8_t* out, float* inv_scale, const bf16* x, int64_t n, Fp8CastA
 namespace {
 
 // The tiled cast of x [rows, cols] into out (as it lies; may be null) and out_t
-// (transposed; may be null). One block even for an empty x: it writes inv_scale.
-void cast_tiles(const char* op, uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows,
-                int64_t cols, Fp8CastAmax amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
+// (transposed; may be null).
+void cast_bf16_tiles(const char* op, uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows,
+                     int64_t cols, Fp8CastAmax amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
   ESPLAG_CHECK(rows >= 0 && cols >= 0, op, ": negative size ", rows, " x ", cols);
   check_cast(op, out ? out : out_t, inv_scale, x, rows * cols, amax);
-  const int64_t col_tiles = std::max<int64_t>(1, (cols + kTileCols - 1) / kTileCols);
-  const int64_t tiles = std::max<int64_t>(1, (rows + kTileRows - 1) / kTileRows) * col_tiles;
-  const bool vec_x = cols % kPack == 0 && aligned16(x);
-  const bool vec_out = cols % kPack == 0 && aligned8(out);
-  const bool vec_t = rows % 16 == 0 && aligned16(out_t);
-  const bool e5m2 = format == Fp8Format::e5m2;
-  auto kernel = e5m2 ? cast_tiles_kernel<true> : cast_tiles_kernel<false>;
-  const int64_t resident =
-      e5m2 ? resident_blocks<cast_tiles_kernel<true>>(kThreads) : resident_blocks<cast_tiles_kernel<false>>(kThreads);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, resident));
-  kernel<<<grid, kThreads, 0, stream>>>(out, out_t, inv_scale, x, rows, cols, col_tiles, tiles, amax,
-                                        counter(saturated), vec_x, vec_out, vec_t);
-  CUDA_CHECK_LAUNCH(op);
+  const Bf16Tiles src{x, rows, cols, cols % kPack == 0 && aligned16(x)};
+  cast_tiles(op, out, out_t, inv_scale, src, rows, cols, amax, format, saturated, stream);
 }
 
 }  // namespace
 
 void fp8_cast_transpose(uint8_t* out, float* inv_scale, const bf16* x, int64_t rows, int64_t cols, Fp8CastAmax amax,
                         Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
-  cast_tiles("fp8_cast_transpose", nullptr, out, inv_scale, x, rows, cols, amax, format, saturated, stream);
+  cast_bf16_tiles("fp8_cast_transpose", nullptr, out, inv_scale, x, rows, cols, amax, format, saturated, stream);
 }
 
 void fp8_cast_both(uint8_t* out, uint8_t* out_t, float* inv_scale, const bf16* x, int64_t rows, int64_t cols,
                    Fp8CastAmax amax, Fp8Format format, uint64_t* saturated, cudaStream_t stream) {
   ESPLAG_CHECK(rows * cols == 0 || (out && out_t), "fp8_cast_both: out and out_t must not be null");
-  cast_tiles("fp8_cast_both", out, out_t, inv_scale, x, rows, cols, amax, format, saturated, stream);
+  cast_bf16_tiles("fp8_cast_both", out, out_t, inv_scale, x, rows, cols, amax, format, saturated, stream);
 }
 
 namespace {

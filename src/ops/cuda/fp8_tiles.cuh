@@ -1,7 +1,8 @@
-// Device pieces the fp8 casts share (ops/cuda/fp8_cast.cu, ops/cuda/fp8_swiglu.cu): codes
-// of eight values at a time with the clipped ones counted, the block's amax and clipped
-// count into device memory, and the 128 x 64 tiles of the transposed casts with their 4 x 8
-// byte transpose. Codes and scales as ops/cuda/fp8_codes.cuh makes them.
+// Device pieces the fp8 casts share (ops/cuda/fp8_cast.cu, fp8_swiglu.cu, fp8_norm.cu):
+// codes of eight values at a time with the clipped ones counted, the block's amax and
+// clipped count into device memory, the 128 x 64 tiles of the transposed casts with their
+// 4 x 8 byte transpose, and the tiled cast itself, generic over what it reads. Codes and
+// scales as ops/cuda/fp8_codes.cuh makes them.
 #pragma once
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/fp8_codes.cuh"
+#include "ops/gpu_fp8.h"
 
 namespace esplag::gpu::detail {
 
@@ -188,6 +190,107 @@ int64_t resident_blocks(int threads) {
   const int64_t blocks = int64_t(sms) * std::max(1, per_sm);
   if (device < kDevices) known[device].store(blocks);
   return blocks;
+}
+
+// ---------------------------------------------------------------------------------------
+// The tiled cast, as it lies and/or transposed, over tiles of what a source reads [rows,
+// cols] (row tiles outer, column tiles inner). Persistent: block b takes tiles tiles - 1 - b,
+// then every gridDim.x-th one below (from the end back), and loads its next tile while it
+// encodes and stores the current one, so that an SM's loads do not wait for its stores.
+// Thread (g, h) makes four rows of eight values, writes each row's codes to out [rows, cols]
+// where asked, and puts them transposed into the shared tile, from which each row of out_t
+// [cols, rows] takes 128 contiguous codes. Values past rows or cols must read as 0 (never
+// clipped) and are not written. vec_out: cols % 8 == 0 and out 8-byte aligned; vec_t: rows
+// % 16 == 0 and out_t 16-byte aligned.
+//
+// A source (Tiles) has load(Raw&, const TilePlace&, int g), which fetches this thread's part
+// of a tile (issued before the previous tile is encoded: the loads are in flight meanwhile),
+// and values(float (&)[4][8], const Raw&, const TilePlace&, int g), which makes its four rows.
+
+// A bf16 tensor x [rows, cols]: the plain cast's source.
+struct Bf16Tiles {
+  const bf16* x;
+  int64_t rows, cols;
+  bool vec;  // cols % 8 == 0 and x 16-byte aligned (else the values one by one)
+  struct Raw {
+    uint4 v[4];
+  };
+  __device__ void load(Raw& raw, const TilePlace& at, int g) const {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t r = at.r0 + 4 * g + i;
+      if (vec && r < rows && at.c < cols) {
+        raw.v[i] = *reinterpret_cast<const uint4*>(x + r * cols + at.c);
+      } else {
+        __align__(16) bf16 v[kPack];
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) v[k] = r < rows && at.c + k < cols ? x[r * cols + at.c + k] : bf16(0.0f);
+        raw.v[i] = *reinterpret_cast<const uint4*>(v);
+      }
+    }
+  }
+  __device__ void values(float (&f)[4][kPack], const Raw& raw, const TilePlace&, int) const {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) unpack8(f[i], raw.v[i]);
+  }
+};
+
+template <bool E5M2, class Tiles>
+__global__ void __launch_bounds__(kTileThreads)
+    cast_tiles_kernel(uint8_t* out, uint8_t* out_t, float* inv_scale, Tiles src, int64_t rows, int64_t cols,
+                      int64_t col_tiles, int64_t tiles, gpu::Fp8CastAmax amax, unsigned long long* saturated,
+                      bool vec_out, bool vec_t) {
+  __shared__ uint32_t tile[kTileCols][kTileWords];  // [column][row / 4] of the tile's codes
+  __shared__ int scratch[32];
+  __shared__ float fscratch[32];
+  const int g = tile_g(), h = tile_h();
+  int64_t t = tiles - 1 - blockIdx.x;
+  typename Tiles::Raw raw;
+  src.load(raw, TilePlace(t, col_tiles, h), g);  // before the scale: independent of it
+  const float s = fp8_scale_of<E5M2>(*amax.scale_from);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = __frcp_rn(s);
+  int clipped = 0;
+  float m = 0.0f;  // amax.record's (values past the edges read as 0)
+  for (; t >= 0; t -= gridDim.x) {
+    const TilePlace at(t, col_tiles, h);
+    float f[4][kPack];
+    src.values(f, raw, at, g);
+    if (t - int64_t(gridDim.x) >= 0) src.load(raw, TilePlace(t - gridDim.x, col_tiles, h), g);  // the next tile's
+    uint2 code[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      code[i] = encode8<E5M2>(f[i], s, clipped);
+      m = fmaxf(m, pack_amax(f[i]));
+      if (out) store_row_codes(out, cols, code[i], at.r0 + 4 * g + i, at.c, rows, cols, vec_out);
+    }
+    if (!out_t) continue;
+    __syncthreads();  // the previous tile's stores have read `tile`
+    put_tile(tile, code, g, h);
+    __syncthreads();
+    store_tile_t(out_t, tile, at.r0, at.c - h * kPack, rows, cols, vec_t);
+  }
+  add_clipped(saturated, clipped, scratch);
+  record_amax(amax.record, m, fscratch);
+}
+
+// The tiled cast of what `src` reads, [rows, cols], into out (as it lies; may be null) and
+// out_t (transposed; may be null). One block even for an empty tensor: it writes inv_scale.
+template <class Tiles>
+void cast_tiles(const char* op, uint8_t* out, uint8_t* out_t, float* inv_scale, const Tiles& src, int64_t rows,
+                int64_t cols, gpu::Fp8CastAmax amax, esplag::Fp8Format format, uint64_t* saturated,
+                cudaStream_t stream) {
+  const int64_t col_tiles = std::max<int64_t>(1, (cols + kTileCols - 1) / kTileCols);
+  const int64_t tiles = std::max<int64_t>(1, (rows + kTileRows - 1) / kTileRows) * col_tiles;
+  const bool vec_out = cols % kPack == 0 && aligned8(out);
+  const bool vec_t = rows % 16 == 0 && aligned16(out_t);
+  const bool e5m2 = format == esplag::Fp8Format::e5m2;
+  auto kernel = e5m2 ? cast_tiles_kernel<true, Tiles> : cast_tiles_kernel<false, Tiles>;
+  const int64_t resident = e5m2 ? resident_blocks<cast_tiles_kernel<true, Tiles>>(kTileThreads)
+                                : resident_blocks<cast_tiles_kernel<false, Tiles>>(kTileThreads);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, resident));
+  kernel<<<grid, kTileThreads, 0, stream>>>(out, out_t, inv_scale, src, rows, cols, col_tiles, tiles, amax,
+                                            counter(saturated), vec_out, vec_t);
+  CUDA_CHECK_LAUNCH(op);
 }
 
 }  // namespace esplag::gpu::detail
