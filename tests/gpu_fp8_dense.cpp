@@ -10,7 +10,9 @@
 //   set_params, the model's loss and gradients are bit for bit those of a new model given
 //   the same weights; codes left from the old weights would give other products;
 // - the count of saturated values the run log warns about: none in a finite model, some
-//   once a weight is infinite (as on the CPU).
+//   once a weight is infinite (as on the CPU);
+// - with delayed scaling, the codes the ops around the layers write themselves (SwiGLU, the
+//   recomputed norms) give the bits of the casts they replace.
 // Skips below compute capability 8.9 (no fp8 tensor cores).
 #include <gtest/gtest.h>
 
@@ -164,6 +166,36 @@ TEST_F(GpuFp8Dense, WeightCodesFollowEveryWeightChange) {
     a.set_params(p0.data(), p0.size());
     expect_same_bits(micro_batch(a, b), first, "after set_params");
   }
+}
+
+// With delayed scaling, once the histories are warm, the ops that make the layers' operands
+// write their codes themselves (SwiGLU's forward and backward, the backward's recomputed
+// norms; GpuModelOptions::fp8_producers) and the casts do not run: a model with them and one
+// without, given the same weights, give the same losses and gradients bit for bit, through
+// micro-batches of two sizes and AdamW steps. A GELU model (LayerNorm with biases: the norms'
+// producer only) and a SwiGLU one (RMSNorm), with e5m2 and e4m3 gradients.
+TEST_F(GpuFp8Dense, ProducersGiveTheCastsBits) {
+  for (const ModelConfig& cfg : {gelu_config(), esplag::gpu_test::sparse_llama_config()})
+    for (const Fp8Format grad : {Fp8Format::e5m2, Fp8Format::e4m3}) {
+      SCOPED_TRACE(cfg.preset + " gradients " + to_string(grad));
+      Transformer<float> cm(cfg);
+      const std::vector<float> p = initial_params(cm);
+      GpuModelOptions with = fp8_options(grad);
+      with.precision.scaling = esplag::Fp8Scaling::delayed;
+      GpuModelOptions without = with;
+      without.fp8_producers = false;
+      GpuTransformer a(cfg, 2, 64, with), b(cfg, 2, 64, without);
+      a.set_params(p.data(), p.size());
+      b.set_params(p.data(), p.size());
+      const Batch full = random_batch(cfg, 2, 64, 41), smaller = random_batch(cfg, 1, 48, 43);
+      for (int step = 0; step < 3; ++step) {  // step 0: the histories are cold, the casts scale by the amaxes
+        const std::string what = "step " + std::to_string(step);
+        expect_same_bits(micro_batch(a, full), micro_batch(b, full), what + ", full micro-batch");
+        expect_same_bits(micro_batch(a, smaller), micro_batch(b, smaller), what + ", smaller micro-batch");
+        a.step_adamw(esplag::GpuAdamW{});
+        b.step_adamw(esplag::GpuAdamW{});
+      }
+    }
 }
 
 // Finite operands saturate nothing (scales come from the current amax); an infinite weight

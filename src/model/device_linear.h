@@ -113,6 +113,10 @@ struct DeviceLinearContext {
   bool gelu_mlp = false;        // the MLP's activation is GELU
   bool sparse_dispatch = true;  // GpuModelOptions::sparse_dispatch
   LinearPrecision precision;    // GpuModelOptions::precision
+  // GpuModelOptions::fp8_producers with delayed scaling: dense layers take their operands'
+  // codes from the ops that make them (DeviceLinear::takes_produced_fp8); with a SwiGLU MLP
+  // fc's dY codes too (Fp8GradCodes' second pair).
+  bool fp8_producers = false, swiglu_grad_codes = false;
   std::vector<std::pair<int64_t, int64_t>> shapes;  // every block Linear's [out, in]
   std::vector<GpuTransformer::SparseDispatch> dispatch;  // the decisions so far
   SharedScratch scratch;
@@ -244,8 +248,8 @@ class DeviceLinear {
   // Where X [N, in]'s codes go (SwiGLU's output) for this layer's next forward, of `in`
   // (pointer and rows, which must come next), which then takes them and reads no in values.
   virtual gpu::Fp8Target fp8_input_target(const bf16* in, int N);
-  // Where Xᵀ's codes [in, N] go (the backward's recomputed SwiGLU output) for this layer's
-  // next backward_dw of N rows, which then takes them and reads no inp values.
+  // Where Xᵀ's codes [in, N] go (the backward's recomputed SwiGLU output or norm output) for
+  // this layer's next backward_dw of N rows, which then takes them and reads no inp values.
   virtual gpu::Fp8Target fp8_input_t_target(int N);
 
   // --- kind changes -----------------------------------------------------------------------

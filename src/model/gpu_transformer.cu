@@ -33,7 +33,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <string>
@@ -234,8 +233,7 @@ void norm_recompute(GpuTransformer::Impl& im, const ModelConfig& c, cudaStream_t
                     const float* rstd, int N) {
   im.marks.mark(s, "norm recompute");
   const bool ln = c.norm == NormKind::layernorm;
-  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (next.takes_produced_fp8() && c.d_model % 8 == 0 && aligned(inp) && aligned(n.w) && (!ln || aligned(n.b)))
+  if (next.takes_produced_fp8())
     gpu::fp8_norm_recompute(next.fp8_input_t_target(N), inp, n.w, ln ? n.b : nullptr, ln ? mean : nullptr, rstd, N,
                             c.d_model, s);
   else if (ln)
@@ -317,8 +315,8 @@ GpuMemoryPlan GpuTransformer::memory_plan(const ModelConfig& config, int max_bat
       shapes.push_back({i.shape.at(0), i.shape.at(1)});
       plan.params += size_t(config.n_layer) * DeviceDenseLinear::fp8_layer_bytes(i.shape.at(0), i.shape.at(1));
     }
-    plan.scratch +=
-        DeviceDenseLinear::fp8_scratch_bytes(shapes, int64_t(max_batch) * max_seq_len, options.precision.delayed());
+    const bool made = options.fp8_producers && options.precision.delayed() && config.mlp == MlpKind::swiglu;
+    plan.scratch += DeviceDenseLinear::fp8_scratch_bytes(shapes, int64_t(max_batch) * max_seq_len, made);
   }
   return plan;
 }
@@ -629,7 +627,7 @@ void GpuTransformer::block_forward(int l, int B, int T, bool again) {
       if (again && !L.act) return;  // the backward recomputes the activation itself
       mark("swiglu fwd");
       act = L.act ? L.act : tmp;
-      if (!L.act && H % 8 == 0 && blk.mproj->top().takes_produced_fp8())
+      if (!L.act && blk.mproj->top().takes_produced_fp8())
         // fp8, delayed scaling: the activation only as mproj's X codes (the backward recomputes it)
         gpu::fp8_swiglu_forward(blk.mproj->top().fp8_input_target(act, N), L.fc, N, H, s);
       else
@@ -798,7 +796,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       mark(cfg_.mlp == MlpKind::swiglu ? "swiglu bwd" : "relu2 bwd");
       if (cfg_.mlp == MlpKind::relu2)
         gpu::fused_relu2_backward(L.fc, act_out, L.fc, dact, int64_t(N) * H, s);
-      else if (H % 8 == 0 && !blk.fc->db && fc.takes_produced_fp8() && mproj.takes_produced_fp8())
+      else if (!blk.fc->db && fc.takes_produced_fp8() && mproj.takes_produced_fp8())
         // fp8, delayed scaling: fc's dY and the activation again (mproj's Xᵀ) only as codes
         gpu::fp8_swiglu_backward(fc.fp8_grad_target(L.fc, N), mproj.fp8_input_t_target(N), L.fc, dact, N, H, s);
       else

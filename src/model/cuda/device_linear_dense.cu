@@ -25,7 +25,7 @@ struct DeviceDenseLinear::Fp8Scratch : SharedScratch::Part {
   DeviceArena arena;
   std::unique_ptr<gpu::Fp8Gemm> gemm;
   uint8_t* x = nullptr;
-  Fp8GradCodes dy_codes;  // with delayed scaling its second pair too (SwiGLU's backward writes fc's)
+  Fp8GradCodes dy_codes;  // with its second pair where SwiGLU's backward writes fc's (swiglu_grad_codes)
   bf16* bias = nullptr;  // a bias that is not 16-byte aligned, copied (the fp8 GEMM reads it so)
   enum Role { input, weight, grad };
   size_t bytes() const override { return arena.capacity(); }
@@ -38,7 +38,7 @@ constexpr int kScaleSlots = 6;  // amax and inverse scale of X, W, dY
 // The parts of the fp8 scratch, in the order they are taken from its arena.
 struct Fp8Sizes {
   size_t x, dy, outs, workspace;
-  bool produced;  // the second pair of dY codes (delayed scaling)
+  bool produced;  // the second pair of dY codes (DeviceLinearContext::swiglu_grad_codes)
   Fp8Sizes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens, bool produced)
       : produced(produced) {
     x = dy = outs = 0;
@@ -115,6 +115,7 @@ Fp8GradCodes::Codes DeviceDenseLinear::grad_codes(const bf16* dout, int N) {
 
 gpu::Fp8Target DeviceDenseLinear::fp8_grad_target(const bf16* dout, int N) {
   ESPLAG_CHECK(takes_produced_fp8(), weight_name_, ": fp8_grad_target without delayed fp8 scaling's histories");
+  ESPLAG_CHECK(ctx_.swiglu_grad_codes, weight_name_, ": fp8_grad_target in a model whose MLP is not SwiGLU");
   using R = Fp8Scratch::Role;
   const auto [dy, dyt] = fp8_scratch().dy_codes.produced(this, dout, N);
   return {dy, dyt, fp8_inv(R::grad), dy_amax_.before_cast(dout, int64_t(N) * out_, ctx_.stream), ctx_.precision.grad,
@@ -138,15 +139,15 @@ gpu::Fp8Target DeviceDenseLinear::fp8_input_t_target(int N) {
 }
 
 size_t DeviceDenseLinear::fp8_scratch_bytes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens,
-                                            bool delayed) {
-  return Fp8Sizes(shapes, tokens, delayed).bytes();
+                                            bool swiglu_grad_codes) {
+  return Fp8Sizes(shapes, tokens, swiglu_grad_codes).bytes();
 }
 
 // Made at the first product, when the model knows every layer's shape (the layers are made
 // one by one).
 DeviceDenseLinear::Fp8Scratch& DeviceDenseLinear::fp8_scratch() {
   return ctx_.scratch.get<Fp8Scratch>(kFp8Scratch, [&] {
-    const Fp8Sizes n(ctx_.shapes, ctx_.tokens, ctx_.precision.delayed());
+    const Fp8Sizes n(ctx_.shapes, ctx_.tokens, ctx_.swiglu_grad_codes);
     auto p = std::make_unique<Fp8Scratch>();
     p->arena = DeviceArena(n.bytes(), "fp8 operands");
     p->x = p->arena.allocate_array<uint8_t>("fp8.x", n.x);
@@ -178,9 +179,10 @@ void DeviceDenseLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16*
   Fp8Scratch& f = fp8_scratch();
   ctx_.marks->mark(s, "fp8 cast");
   if (!w8_current_) cast_weight();
-  if (x_made_.in == in && x_made_.rows == N)  // its producer wrote them
-    x_made_ = {};
-  else
+  // Its producer wrote them (a mark left by a producer that failed, or before a pause, is not).
+  const bool made = x_made_.in == in && x_made_.rows == N && takes_produced_fp8();
+  x_made_ = {};
+  if (!made)
     gpu::fp8_cast(f.x, fp8_inv(R::input), in, int64_t(N) * K, x_amax_.before_cast(in, int64_t(N) * K, s),
                   Fp8Format::e4m3, ctx_.fp8_saturated, s);
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
@@ -244,7 +246,7 @@ void DeviceDenseLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bo
   f.gemm->set_fast_accum(false);
   f.gemm->matmul(p_.weight.grad, {dy.dyt, fp8_inv(R::grad), ctx_.precision.grad},
                  {f.x, fp8_inv(R::input), Fp8Format::e4m3}, OC, K, N, accumulate, s);
-  if (bias_grad) {  // the exact sum of dY, as the CPU's (the bias gradient is not an fp8 product)
+  if (bias_grad && p_.bias.grad) {  // the exact sum of dY, as the CPU's (the bias gradient is not an fp8 product)
     ctx_.marks->mark(s, "bias grad");
     gpu::column_sum_add(p_.bias.grad, dout, N, OC, ctx_.colsum_scratch, ctx_.colsum_scratch_bytes, s);
   }

@@ -25,17 +25,20 @@ class DeviceDenseLinear : public DeviceLinear {
   void bind(const DeviceLinearParams& p) override;
   size_t device_bytes() const override { return fp8_own_.capacity(); }
   void begin_backward() override;
-  // With delayed scaling, warm: dY's codes into the shared scratch's second pair, X's and
-  // Xᵀ's into its X codes, scaled as the casts would.
-  bool takes_produced_fp8() const override { return fp8_ && x_amax_.from_history() && dy_amax_.from_history(); }
+  // With delayed scaling, warm (and DeviceLinearContext::fp8_producers): dY's codes into the
+  // shared scratch's second pair, X's and Xᵀ's into its X codes, scaled as the casts would.
+  bool takes_produced_fp8() const override {
+    return ctx_.fp8_producers && fp8_ && x_amax_.from_history() && dy_amax_.from_history();
+  }
   gpu::Fp8Target fp8_grad_target(const bf16* dout, int N) override;
   gpu::Fp8Target fp8_input_target(const bf16* in, int N) override;
   gpu::Fp8Target fp8_input_t_target(int N) override;
   // Device bytes of the scratch the fp8 products share (GpuModelOptions::precision), for
   // block Linear shapes [out, in] and micro-batches of `tokens` rows.
-  // `delayed`: with delayed scaling (its second pair of dY codes, Fp8GradCodes::made).
+  // `swiglu_grad_codes`: with the second pair of dY codes that SwiGLU's backward writes
+  // (DeviceLinearContext::swiglu_grad_codes, Fp8GradCodes::made).
   static size_t fp8_scratch_bytes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens,
-                                  bool delayed);
+                                  bool swiglu_grad_codes);
   // Device bytes an fp8 layer [out, in] holds itself (device_bytes): its weight's codes in
   // both orientations and its scales.
   static size_t fp8_layer_bytes(int64_t out, int64_t in);

@@ -12,6 +12,7 @@ namespace esplag::gpu {
 namespace {
 
 using detail::aligned16;
+using detail::Bf16Tiles;
 using detail::cast_tiles;
 using detail::kPack;
 using detail::TilePlace;
@@ -22,30 +23,21 @@ using detail::unpack8;
 // RMSNorm y = x·rstd·w, LayerNorm y = (x − mean)·rstd·w + bias, of x [rows, cols] with the
 // rows' saved statistics (cols % 8 == 0; x, w and bias 16-byte aligned).
 struct NormTiles {
-  const bf16 *x, *w, *bias;   // bias may be null
+  Bf16Tiles x;               // the saved input (vec)
+  const bf16 *w, *bias;      // bias may be null
   const float *mean, *rstd;  // mean null: RMSNorm
-  int64_t rows, cols;
-  struct Raw {
-    uint4 v[4];
-  };
-  __device__ void load(Raw& raw, const TilePlace& at, int g) const {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int64_t r = at.r0 + 4 * g + i;
-      raw.v[i] = make_uint4(0, 0, 0, 0);
-      if (r < rows && at.c < cols) raw.v[i] = *reinterpret_cast<const uint4*>(x + r * cols + at.c);
-    }
-  }
+  using Raw = Bf16Tiles::Raw;
+  __device__ void load(Raw& raw, const TilePlace& at, int g) const { x.load(raw, at, g); }
   __device__ void values(float (&f)[4][kPack], const Raw& raw, const TilePlace& at, int g) const {
+    x.values(f, raw, at, g);
     float wk[kPack], bk[kPack];
-    const bool inside = at.c < cols;
+    const bool inside = at.c < x.cols;
     unpack8(wk, inside ? *reinterpret_cast<const uint4*>(w + at.c) : make_uint4(0, 0, 0, 0));
     unpack8(bk, inside && bias ? *reinterpret_cast<const uint4*>(bias + at.c) : make_uint4(0, 0, 0, 0));
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int64_t r = at.r0 + 4 * g + i;
-      unpack8(f[i], raw.v[i]);
-      if (r >= rows || !inside) {
+      if (r >= x.rows || !inside) {
 #pragma unroll
         for (int k = 0; k < kPack; ++k) f[i][k] = 0.0f;
         continue;
@@ -71,7 +63,7 @@ void fp8_norm_recompute(const Fp8Target& to, const bf16* x, const bf16* weight, 
   ESPLAG_CHECK(aligned16(x) && aligned16(weight) && aligned16(bias), op,
                ": x, weight and bias must be 16-byte aligned");
   ESPLAG_CHECK(!bias || mean, op, ": a bias needs LayerNorm's mean (RMSNorm has none)");
-  const NormTiles src{x, weight, bias, mean, rstd, N, C};
+  const NormTiles src{{x, N, C, true}, weight, bias, mean, rstd};
   cast_tiles(op, to.out, to.out_t, to.inv_scale, src, N, C, to.amax, to.format, to.saturated, stream);
 }
 

@@ -2,9 +2,9 @@
 // codes the casts (ops/cuda/fp8_cast.cu) would make of fused_swiglu_forward's output and of
 // fused_swiglu_backward's input gradient, bit for bit, without either existing in bf16.
 //
-// The backward: one thread makes a column's gate and up gradients and its output from one
-// read of gate, up and dout and one sigmoid, over tiles of 128 rows x 64 columns of the
-// output's H columns, each giving three transposed tiles (d gate, d up, output) besides the
+// The backward: the thread that reads a value's gate, up and dout makes its gate and up
+// gradients and its output (one sigmoid), over tiles of 128 rows x 64 columns of the
+// output's H columns (4 rows x 8 columns a thread), each giving three transposed tiles (d gate, d up, output) besides the
 // gradient's codes as they lie. Persistent, as the tiled cast: a block loads its next tile's
 // rows while it computes and stores the current one.
 #include "core/error.h"

@@ -1,6 +1,6 @@
 // SwiGLU's value and gradients, one device function each, used by the activation kernels
-// (ops/cuda/fused_step.cu) and by the fp8 cast of SwiGLU's input gradient
-// (ops/cuda/fp8_cast.cu), so that they agree bit for bit.
+// (ops/cuda/fused_step.cu) and by SwiGLU's fp8 producers (ops/cuda/fp8_swiglu.cu), so that
+// they agree bit for bit.
 #pragma once
 
 namespace esplag::gpu::detail {
