@@ -238,8 +238,9 @@ class DeviceLinear {
                            const char* op) = 0;
   // --- fp8 operands written by the ops around the layer (delayed scaling) -----------------
   // Whether the ops that make this layer's operands may write their fp8 codes themselves
-  // now: fp8 dense products, delayed scaling, warm histories, not paused. Else the layer
-  // casts its bf16 operands (and the targets below are an Error).
+  // now: fp8 dense products, delayed scaling, warm histories, not paused, producers on
+  // (GpuModelOptions::fp8_producers). Else the layer casts its bf16 operands (and the targets
+  // below are an Error).
   virtual bool takes_produced_fp8() const { return false; }
   // Where dout [N, out]'s maker (SwiGLU's backward) writes its codes for this layer's next
   // backward_dx and backward_dw of that dout (pointer and rows), which then take them and

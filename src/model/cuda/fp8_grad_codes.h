@@ -21,7 +21,7 @@ struct Fp8GradCodes {
   uint8_t* dy = nullptr;   // [N, out], room for the largest layer's
   uint8_t* dyt = nullptr;  // [out, N]
   // The pair dY's producer writes (produced()), so that the cast pair may still serve
-  // another layer meanwhile; null where no producer writes (current scaling).
+  // another layer meanwhile; null where none writes (DeviceLinearContext::swiglu_grad_codes).
   uint8_t* made = nullptr;
   uint8_t* made_t = nullptr;
 
