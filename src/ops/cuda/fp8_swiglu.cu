@@ -4,9 +4,9 @@
 //
 // The backward: the thread that reads a value's gate, up and dout makes its gate and up
 // gradients and its output (one sigmoid), over tiles of 128 rows x 64 columns of the
-// output's H columns (4 rows x 8 columns a thread), each giving three transposed tiles (d gate, d up, output) besides the
-// gradient's codes as they lie. Persistent, as the tiled cast: a block loads its next tile's
-// rows while it computes and stores the current one.
+// output's H columns (4 rows x 8 columns a thread). Each tile gives three transposed tiles
+// (d gate, d up, output) besides the gradient's codes as they lie. Persistent, as the tiled
+// cast: a block loads its next tile's rows while it computes and stores the current one.
 #include "core/error.h"
 #include "ops/cuda/fp8_tiles.cuh"
 #include "ops/cuda/swiglu_math.cuh"
