@@ -1,8 +1,9 @@
 // The ranks' control and data channel over TCP, a star through rank 0: barriers, the
 // agreement to stop, small broadcasts, and the sums, maxima, reduce-scatters and gathers of
-// the CPU reference of data parallel training. Every collective is blocking and called by every rank
-// in the same order; rank 0 checks that they agree (each message carries its collective and
-// size), computes the result and sends it back, so every rank gets identical bits.
+// the CPU reference of data parallel training. Every collective is blocking and called by
+// every rank in the same order; rank 0 checks that they agree (each message carries its
+// collective and size), computes the result and sends it back, so every rank gets identical
+// bits.
 //
 // Failure: a rank that leaves (its process ends, its connection closes) or stays away longer
 // than the timeout makes the next collective throw an Error naming it on every rank: rank 0

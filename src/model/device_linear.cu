@@ -74,15 +74,11 @@ bool DeviceLinearContext::sparse_is_faster(const std::string& kind, const std::s
 DeviceLinear::DeviceLinear(const std::string& kind, const DeviceLinearSetup& s)
     : kind_(kind), weight_name_(s.setting->weight_name), out_(s.out), in_(s.in), ctx_(*s.context), p_(s.params) {}
 
-gpu::Fp8Target DeviceLinear::fp8_grad_target(const bf16*, int) {
-  fail(weight_name_, " (", kind_, "): its products take no fp8 codes from their producers");
-}
+gpu::Fp8Target DeviceLinear::fp8_grad_target(const bf16*, int) { takes_no_produced_fp8(); }
+gpu::Fp8Target DeviceLinear::fp8_input_target(const bf16*, int) { takes_no_produced_fp8(); }
+gpu::Fp8Target DeviceLinear::fp8_input_t_target(int) { takes_no_produced_fp8(); }
 
-gpu::Fp8Target DeviceLinear::fp8_input_target(const bf16*, int) {
-  fail(weight_name_, " (", kind_, "): its products take no fp8 codes from their producers");
-}
-
-gpu::Fp8Target DeviceLinear::fp8_input_t_target(int) {
+void DeviceLinear::takes_no_produced_fp8() const {
   fail(weight_name_, " (", kind_, "): its products take no fp8 codes from their producers");
 }
 

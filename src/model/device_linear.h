@@ -282,6 +282,8 @@ class DeviceLinear {
   virtual void extras_from_twin(Linear<float>& twin, const NamedValues* m, const NamedValues* v) {}
 
  protected:
+  // The fp8 targets' Error for a layer that takes no produced codes.
+  [[noreturn]] void takes_no_produced_fp8() const;
   // Sets the sparse dW draw count of a twin (through its saved state, as a checkpoint would).
   static void set_twin_draws(Linear<float>& twin, uint64_t draws);
   // The moments of a twin's n kept values ("<weight>.values" in m and v) spread over the

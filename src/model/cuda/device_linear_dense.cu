@@ -113,9 +113,15 @@ Fp8GradCodes::Codes DeviceDenseLinear::grad_codes(const bf16* dout, int N) {
                                      ctx_.fp8_saturated, ctx_.stream);
 }
 
+void DeviceDenseLinear::check_takes_produced(const char* target) const {
+  ESPLAG_CHECK(takes_produced_fp8(), weight_name_, ": ", target,
+               " while the layer takes no produced codes (delayed fp8 scaling, warm, producers on)");
+}
+
 gpu::Fp8Target DeviceDenseLinear::fp8_grad_target(const bf16* dout, int N) {
-  ESPLAG_CHECK(takes_produced_fp8(), weight_name_, ": fp8_grad_target without delayed fp8 scaling's histories");
+  check_takes_produced("fp8_grad_target");
   ESPLAG_CHECK(ctx_.swiglu_grad_codes, weight_name_, ": fp8_grad_target in a model whose MLP is not SwiGLU");
+  ESPLAG_CHECK(!p_.bias.w, weight_name_, ": fp8_grad_target for a layer with a bias (its gradient reads dY)");
   using R = Fp8Scratch::Role;
   const auto [dy, dyt] = fp8_scratch().dy_codes.produced(this, dout, N);
   return {dy, dyt, fp8_inv(R::grad), dy_amax_.before_cast(dout, int64_t(N) * out_, ctx_.stream), ctx_.precision.grad,
@@ -123,7 +129,7 @@ gpu::Fp8Target DeviceDenseLinear::fp8_grad_target(const bf16* dout, int N) {
 }
 
 gpu::Fp8Target DeviceDenseLinear::fp8_input_target(const bf16* in, int N) {
-  ESPLAG_CHECK(takes_produced_fp8(), weight_name_, ": fp8_input_target without delayed fp8 scaling's histories");
+  check_takes_produced("fp8_input_target");
   using R = Fp8Scratch::Role;
   x_made_ = {in, N};
   return {fp8_scratch().x, nullptr, fp8_inv(R::input), x_amax_.before_cast(in, int64_t(N) * in_, ctx_.stream),
@@ -131,7 +137,7 @@ gpu::Fp8Target DeviceDenseLinear::fp8_input_target(const bf16* in, int N) {
 }
 
 gpu::Fp8Target DeviceDenseLinear::fp8_input_t_target(int N) {
-  ESPLAG_CHECK(takes_produced_fp8(), weight_name_, ": fp8_input_t_target without delayed fp8 scaling's histories");
+  check_takes_produced("fp8_input_t_target");
   using R = Fp8Scratch::Role;
   xt_made_rows_ = N;
   // The forward's scale of X, recorded there already (as the transposed cast of backward_dw).

@@ -62,6 +62,8 @@ class DeviceDenseLinear : public DeviceLinear {
   float* fp8_inv(int role) const;
   // The weight's codes (w8_, wt8_) from the bound weight.
   void cast_weight();
+  // An Error naming `target` unless takes_produced_fp8().
+  void check_takes_produced(const char* target) const;
   // dout's codes in both orientations, cast unless the other product of this layer and
   // dout just did, or its producer wrote them.
   Fp8GradCodes::Codes grad_codes(const bf16* dout, int N);

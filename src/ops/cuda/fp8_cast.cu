@@ -26,11 +26,12 @@ using detail::aligned8;
 using detail::Bf16Tiles;
 using detail::block_max;
 using detail::blocks_for;
+using detail::clips;
 using detail::cast_tiles;
 using detail::counter;
-using detail::encode1;
 using detail::encode8;
 using detail::finite_abs;
+using detail::fp8_encode2;
 using detail::fp8_scale_of;
 using detail::kPack;
 using detail::load8;
@@ -41,6 +42,13 @@ using detail::to_f;
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 2048;  // grid-stride beyond this: a cast is bandwidth-bound
 constexpr int kUnroll = 4;             // packs of 8 values each thread has in flight per iteration
+
+// One value's code (the tails the packs of 8 leave), counting it when clipped.
+template <bool E5M2>
+__device__ __forceinline__ uint8_t encode1(float x, float s, int& clipped) {
+  clipped += clips<E5M2>(x, s);
+  return static_cast<uint8_t>(fp8_encode2<E5M2>(x, 0.0f, s));
+}
 
 // ---------------------------------------------------------------------------------------
 // amax

@@ -15,13 +15,10 @@
 
 namespace esplag::gpu::detail {
 
-template <bool E5M2>
-using Format = Fp8Format<E5M2>;
-
 // 1 when x · s saturates (never for NaN).
 template <bool E5M2>
 __device__ __forceinline__ int clips(float x, float s) {
-  return Format<E5M2>::clips(fabsf(x * s));
+  return Fp8Format<E5M2>::clips(fabsf(x * s));
 }
 
 // Eight values as eight codes (little-endian: value 0 in the lowest byte), counting the
@@ -39,12 +36,6 @@ __device__ __forceinline__ uint2 encode8(const float (&f)[kPack], float s, int& 
 // Code k of the eight encode8 gives.
 __device__ __forceinline__ uint8_t code_byte(uint2 codes, int k) {
   return static_cast<uint8_t>((k < 4 ? codes.x : codes.y) >> (8 * (k % 4)));
-}
-
-template <bool E5M2>
-__device__ __forceinline__ uint8_t encode1(float x, float s, int& clipped) {
-  clipped += clips<E5M2>(x, s);
-  return static_cast<uint8_t>(fp8_encode2<E5M2>(x, 0.0f, s));
 }
 
 // Block-wide max of non-negative values (blockDim.x a multiple of 32); every thread gets it.
