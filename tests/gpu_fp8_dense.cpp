@@ -20,12 +20,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "core/fp8.h"
+#include "model/device_linear.h"
 #include "model/gpu_transformer.h"
 #include "model/transformer.h"
 
@@ -39,7 +39,12 @@ using esplag::GpuTransformer;
 using esplag::LinearPrecision;
 using esplag::ModelConfig;
 using esplag::Transformer;
+using esplag::gpu_test::expect_same_bits;
+using esplag::gpu_test::micro_batch;
+using esplag::gpu_test::random_batch;
 using esplag::gpu_test::rel_l2;
+using esplag::gpu_test::StepResult;
+using esplag::gpu_test::TokenBatch;
 
 class GpuFp8Dense : public ::testing::Test {
  protected:
@@ -69,18 +74,6 @@ std::vector<float> initial_params(Transformer<float>& cm) {
   return std::vector<float>(cm.params(), cm.params() + cm.num_params());
 }
 
-struct Batch {
-  std::vector<int32_t> x, y;
-  int B, T;
-};
-
-Batch random_batch(const ModelConfig& cfg, int B, int T, uint64_t seed) {
-  Batch b{std::vector<int32_t>(size_t(B) * T), std::vector<int32_t>(size_t(B) * T), B, T};
-  esplag::gpu_test::random_tokens(b.x, cfg.vocab_size, seed);
-  esplag::gpu_test::random_tokens(b.y, cfg.vocab_size, seed + 1);
-  return b;
-}
-
 // One micro-batch of B x T (the GPU model sized for 2 x 64) on both models in fp8: the losses
 // within 2%, every gradient within 10% with e4m3 gradients and 20% with e5m2 (the GPU casts
 // bf16 activations, the CPU fp32 ones: some codes differ by one step, an e5m2 step being twice
@@ -93,7 +86,7 @@ void compare_fp8_step(const ModelConfig& cfg, Fp8Format grad, int B, int T) {
   GpuTransformer gm(cfg, 2, 64, fp8_options(grad));
   gm.set_params(p.data(), p.size());
   cm.set_linear_precision(LinearPrecision{true, grad});
-  const Batch b = random_batch(cfg, B, T, 11);
+  const TokenBatch b = random_batch(cfg, B, T, 11);
   cm.zero_grad();
   const double lc = cm.forward_backward(b.x.data(), b.y.data(), B, T, 1.0);
   gm.zero_grad();
@@ -124,24 +117,6 @@ TEST_F(GpuFp8Dense, SwigluModelTracksTheCpuEmulation) {
   }
 }
 
-struct StepResult {
-  double loss;
-  std::vector<float> grads;
-};
-
-StepResult micro_batch(GpuTransformer& gm, const Batch& b) {
-  gm.zero_grad();
-  const double loss = gm.forward_backward(b.x.data(), b.y.data(), b.B, b.T, 1.0);
-  return {loss, gm.grads_to_host()};
-}
-
-void expect_same_bits(const StepResult& got, const StepResult& want, const std::string& what) {
-  EXPECT_EQ(got.loss, want.loss) << what << ": loss";
-  ASSERT_EQ(got.grads.size(), want.grads.size()) << what;
-  EXPECT_EQ(std::memcmp(got.grads.data(), want.grads.data(), sizeof(float) * got.grads.size()), 0)
-      << what << ": gradients";
-}
-
 // The weight codes follow every weight change: an AdamW step (a model's next micro-batch
 // equals a new model's given the stepped weights) and set_params (the first weights again
 // give the first micro-batch's bits).
@@ -150,7 +125,7 @@ TEST_F(GpuFp8Dense, WeightCodesFollowEveryWeightChange) {
     SCOPED_TRACE(cfg.preset);
     Transformer<float> cm(cfg);
     const std::vector<float> p0 = initial_params(cm);
-    const Batch b = random_batch(cfg, 2, 64, 21);
+    const TokenBatch b = random_batch(cfg, 2, 64, 21);
     GpuTransformer a(cfg, 2, 64, fp8_options(Fp8Format::e5m2));
     a.set_params(p0.data(), p0.size());
     const StepResult first = micro_batch(a, b);
@@ -187,9 +162,12 @@ TEST_F(GpuFp8Dense, ProducersGiveTheCastsBits) {
       GpuTransformer a(cfg, 2, 64, with), b(cfg, 2, 64, without);
       a.set_params(p.data(), p.size());
       b.set_params(p.data(), p.size());
-      const Batch full = random_batch(cfg, 2, 64, 41), smaller = random_batch(cfg, 1, 48, 43);
+      const TokenBatch full = random_batch(cfg, 2, 64, 41), smaller = random_batch(cfg, 1, 48, 43);
       for (int step = 0; step < 3; ++step) {  // step 0: the histories are cold, the casts scale by the amaxes
         const std::string what = "step " + std::to_string(step);
+        // Not a model without producers: from the first roll on, every block Linear takes codes.
+        for (const std::string& name : cm.linear_names())
+          EXPECT_EQ(a.linear(name).takes_produced_fp8(), step > 0) << name << ", " << what;
         expect_same_bits(micro_batch(a, full), micro_batch(b, full), what + ", full micro-batch");
         expect_same_bits(micro_batch(a, smaller), micro_batch(b, smaller), what + ", smaller micro-batch");
         a.step_adamw(esplag::GpuAdamW{});
@@ -204,7 +182,7 @@ TEST_F(GpuFp8Dense, SaturatedValuesAreCounted) {
   const ModelConfig cfg = esplag::gpu_test::sparse_llama_config();
   Transformer<float> cm(cfg);
   std::vector<float> p = initial_params(cm);
-  const Batch b = random_batch(cfg, 2, 64, 31);
+  const TokenBatch b = random_batch(cfg, 2, 64, 31);
   GpuTransformer gm(cfg, 2, 64, fp8_options(Fp8Format::e4m3));
   gm.set_params(p.data(), p.size());
   micro_batch(gm, b);

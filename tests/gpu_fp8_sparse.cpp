@@ -25,6 +25,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/fp8.h"
+#include "model/device_linear.h"
 #include "model/gpu_transformer.h"
 #include "model/linear_slope.h"
 #include "model/transformer.h"
@@ -234,6 +235,47 @@ TEST_F(GpuFp8Sparse, SemiSparseTracksTheCpuEmulation) {
   compare_fp8_step("semi_sparse", 2, 96, 2, 96);
   compare_fp8_step("semi_sparse", 2, 96, 1, 64);  // the dense fp8 products of Ws and Wsᵀ
   compare_fp8_step("semi_sparse", 2, 96, 2, 96, true);
+}
+
+// With delayed scaling, once the histories are warm, SwiGLU's forward and backward and the
+// backward's recomputed norms write the 2:4 layers' X, Xᵀ and dY codes themselves
+// (GpuModelOptions::fp8_producers), as they do the dense layers': a model with them and one
+// without, of the same weights and masks, give the same losses and gradients bit for bit,
+// through micro-batches of the full size (the 2:4 products) and another (the dense fp8
+// products) and AdamW steps.
+TEST_F(GpuFp8Sparse, ProducersGiveTheCastsBits) {
+  using esplag::gpu_test::micro_batch;
+  for (const std::string kind : {"slope", "semi_sparse"}) {
+    SCOPED_TRACE(kind);
+    const ModelConfig cfg = sparse_llama_config();
+    GpuModelOptions with;
+    with.sparse_dispatch = false;
+    with.precision = kFp8;
+    with.precision.scaling = esplag::Fp8Scaling::delayed;
+    GpuModelOptions without = with;
+    without.fp8_producers = false;
+    Transformer<float> ca(cfg), cb(cfg);
+    GpuTransformer a(cfg, 2, 96, with), b(cfg, 2, 96, without);
+    for (Transformer<float>* c : {&ca, &cb}) {
+      c->init_weights(5);
+      for (size_t i = 0; i < c->num_params(); ++i) c->params()[i] = esplag::gpu_test::round_bf16(c->params()[i]);
+    }
+    make_kind(ca, a, kind);
+    make_kind(cb, b, kind);
+    const auto full = esplag::gpu_test::random_batch(cfg, 2, 96, 41);
+    const auto smaller = esplag::gpu_test::random_batch(cfg, 1, 64, 43);
+    for (int step = 0; step < 3; ++step) {  // step 0: the histories are cold, the casts scale by the amaxes
+      const std::string what = "step " + std::to_string(step);
+      // Not a model without producers: from the first roll on, every block Linear takes codes.
+      for (const std::string& name : ca.linear_names())
+        EXPECT_EQ(a.linear(name).takes_produced_fp8(), step > 0) << name << ", " << what;
+      esplag::gpu_test::expect_same_bits(micro_batch(a, full), micro_batch(b, full), what + ", full micro-batch");
+      esplag::gpu_test::expect_same_bits(micro_batch(a, smaller), micro_batch(b, smaller),
+                                         what + ", smaller micro-batch");
+      a.step_adamw(esplag::GpuAdamW{});
+      b.step_adamw(esplag::GpuAdamW{});
+    }
+  }
 }
 
 TEST_F(GpuFp8Sparse, E5m2GradientsAreRefused) {

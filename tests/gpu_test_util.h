@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -339,6 +340,35 @@ inline std::vector<float> micro_batch_on_both(Transformer<float>& cm, GpuTransfo
   std::printf("%s: loss cpu %.6f gpu %.6f\n", label.c_str(), lc, lg);
   EXPECT_NEAR(lg, lc, 2e-2 * lc);
   return gm.grads_to_host();
+}
+
+// A micro-batch of random tokens, seeded.
+struct TokenBatch {
+  std::vector<int32_t> x, y;
+  int B, T;
+};
+inline TokenBatch random_batch(const ModelConfig& cfg, int B, int T, uint64_t seed) {
+  TokenBatch b{std::vector<int32_t>(size_t(B) * T), std::vector<int32_t>(size_t(B) * T), B, T};
+  random_tokens(b.x, cfg.vocab_size, seed);
+  random_tokens(b.y, cfg.vocab_size, seed + 1);
+  return b;
+}
+
+// A GPU model's loss and gradients after one micro-batch.
+struct StepResult {
+  double loss;
+  std::vector<float> grads;
+};
+inline StepResult micro_batch(GpuTransformer& gm, const TokenBatch& b) {
+  gm.zero_grad();
+  const double loss = gm.forward_backward(b.x.data(), b.y.data(), b.B, b.T, 1.0);
+  return {loss, gm.grads_to_host()};
+}
+inline void expect_same_bits(const StepResult& got, const StepResult& want, const std::string& what) {
+  EXPECT_EQ(got.loss, want.loss) << what << ": loss";
+  ASSERT_EQ(got.grads.size(), want.grads.size()) << what;
+  EXPECT_EQ(std::memcmp(got.grads.data(), want.grads.data(), sizeof(float) * got.grads.size()), 0)
+      << what << ": gradients";
 }
 
 // Sequences that follow x[t+1] = (a · x[t] + c) mod V from a random start: learnable, so

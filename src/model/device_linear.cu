@@ -7,6 +7,7 @@
 #include "core/cuda_check.h"
 #include "core/cuda_timing.h"
 #include "core/error.h"
+#include "model/cuda/fp8_produced_codes.h"
 #include "model/cuda/step_marks.h"
 #include "model/linear.h"
 #include "ops/gpu_fused.h"
@@ -74,12 +75,28 @@ bool DeviceLinearContext::sparse_is_faster(const std::string& kind, const std::s
 DeviceLinear::DeviceLinear(const std::string& kind, const DeviceLinearSetup& s)
     : kind_(kind), weight_name_(s.setting->weight_name), out_(s.out), in_(s.in), ctx_(*s.context), p_(s.params) {}
 
-gpu::Fp8Target DeviceLinear::fp8_grad_target(const bf16*, int) { takes_no_produced_fp8(); }
-gpu::Fp8Target DeviceLinear::fp8_input_target(const bf16*, int) { takes_no_produced_fp8(); }
-gpu::Fp8Target DeviceLinear::fp8_input_t_target(int) { takes_no_produced_fp8(); }
+bool DeviceLinear::takes_produced_fp8() {
+  const Fp8ProducedCodes* c = fp8_produced_codes();
+  return c && c->on();
+}
 
-void DeviceLinear::takes_no_produced_fp8() const {
-  fail(weight_name_, " (", kind_, "): its products take no fp8 codes from their producers");
+namespace {
+
+Fp8ProducedCodes& produced_codes(Fp8ProducedCodes* c, const std::string& weight_name, const std::string& kind) {
+  if (!c) fail(weight_name, " (", kind, "): its products take no fp8 codes from their producers");
+  return *c;
+}
+
+}  // namespace
+
+gpu::Fp8Target DeviceLinear::fp8_grad_target(const bf16* dout, int N) {
+  return produced_codes(fp8_produced_codes(), weight_name_, kind_).grad(dout, N, p_.bias.w);
+}
+gpu::Fp8Target DeviceLinear::fp8_input_target(const bf16* in, int N) {
+  return produced_codes(fp8_produced_codes(), weight_name_, kind_).input(in, N);
+}
+gpu::Fp8Target DeviceLinear::fp8_input_t_target(int N) {
+  return produced_codes(fp8_produced_codes(), weight_name_, kind_).input_t(N);
 }
 
 bool DeviceLinear::keeps(const Setting& s) const {

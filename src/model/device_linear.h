@@ -42,6 +42,8 @@
 
 namespace esplag {
 
+class Fp8ProducedCodes;
+
 class StepMarks;
 class DeviceFp8Histories;
 using gpu::bf16;
@@ -238,20 +240,20 @@ class DeviceLinear {
                            const char* op) = 0;
   // --- fp8 operands written by the ops around the layer (delayed scaling) -----------------
   // Whether the ops that make this layer's operands may write their fp8 codes themselves
-  // now: fp8 dense products, delayed scaling, warm histories, not paused, producers on
-  // (GpuModelOptions::fp8_producers). Else the layer casts its bf16 operands (and the targets
-  // below are an Error).
-  virtual bool takes_produced_fp8() const { return false; }
+  // now: fp8 products that read X and dY as codes only (fp8_produced_codes), delayed
+  // scaling, warm histories, not paused, producers on (GpuModelOptions::fp8_producers). Else
+  // the layer casts its bf16 operands (and the targets below are an Error).
+  bool takes_produced_fp8();
   // Where dout [N, out]'s maker (SwiGLU's backward) writes its codes for this layer's next
   // backward_dx and backward_dw of that dout (pointer and rows), which then take them and
   // read no dout values (nor may a bias gradient).
-  virtual gpu::Fp8Target fp8_grad_target(const bf16* dout, int N);
+  gpu::Fp8Target fp8_grad_target(const bf16* dout, int N);
   // Where X [N, in]'s codes go (SwiGLU's output) for this layer's next forward, of `in`
   // (pointer and rows, which must come next), which then takes them and reads no in values.
-  virtual gpu::Fp8Target fp8_input_target(const bf16* in, int N);
+  gpu::Fp8Target fp8_input_target(const bf16* in, int N);
   // Where Xᵀ's codes [in, N] go (the backward's recomputed SwiGLU output or norm output) for
   // this layer's next backward_dw of N rows, which then takes them and reads no inp values.
-  virtual gpu::Fp8Target fp8_input_t_target(int N);
+  gpu::Fp8Target fp8_input_t_target(int N);
 
   // --- kind changes -----------------------------------------------------------------------
   // Whether `s` leaves the layer as it is (same kind and options; schedules aside).
@@ -282,8 +284,9 @@ class DeviceLinear {
   virtual void extras_from_twin(Linear<float>& twin, const NamedValues* m, const NamedValues* v) {}
 
  protected:
-  // The fp8 targets' Error for a layer that takes no produced codes.
-  [[noreturn]] void takes_no_produced_fp8() const;
+  // The codes of X, Xᵀ and dY that this layer's fp8 products would take from their
+  // producers (model/cuda/fp8_produced_codes.h), or null where they take none.
+  virtual Fp8ProducedCodes* fp8_produced_codes() { return nullptr; }
   // Sets the sparse dW draw count of a twin (through its saved state, as a checkpoint would).
   static void set_twin_draws(Linear<float>& twin, uint64_t draws);
   // The moments of a twin's n kept values ("<weight>.values" in m and v) spread over the

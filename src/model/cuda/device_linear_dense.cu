@@ -68,6 +68,10 @@ DeviceDenseLinear::DeviceDenseLinear(const DeviceLinearSetup& s, const std::stri
   using R = Fp8Scratch::Role;
   x_amax_ = Fp8OperandAmax(fp8_amax(R::input), ctx_.fp8_histories, weight_name_, ProductOperand::input);
   dy_amax_ = Fp8OperandAmax(fp8_amax(R::grad), ctx_.fp8_histories, weight_name_, ProductOperand::grad);
+  produced_ = Fp8ProducedCodes(ctx_, this, weight_name_, out_, in_, x_amax_, dy_amax_, [this] {
+    Fp8Scratch& f = fp8_scratch();
+    return Fp8ProducedCodes::Operands{f.x, fp8_inv(R::input), &f.dy_codes, fp8_inv(R::grad)};
+  });
 }
 
 size_t DeviceDenseLinear::fp8_layer_bytes(int64_t out, int64_t in) {
@@ -102,7 +106,7 @@ void DeviceDenseLinear::cast_weight() {
 }
 
 void DeviceDenseLinear::begin_backward() {
-  xt_made_rows_ = 0;
+  produced_.begin_backward();
   if (!fp8_) return;
   if (Fp8Scratch* f = ctx_.scratch.find<Fp8Scratch>(kFp8Scratch)) f->dy_codes.forget();
 }
@@ -111,37 +115,6 @@ Fp8GradCodes::Codes DeviceDenseLinear::grad_codes(const bf16* dout, int N) {
   using R = Fp8Scratch::Role;
   return fp8_scratch().dy_codes.take(this, dout, N, out_, dy_amax_, fp8_inv(R::grad), ctx_.precision.grad,
                                      ctx_.fp8_saturated, ctx_.stream);
-}
-
-void DeviceDenseLinear::check_takes_produced(const char* target) const {
-  ESPLAG_CHECK(takes_produced_fp8(), weight_name_, ": ", target,
-               " while the layer takes no produced codes (delayed fp8 scaling, warm, producers on)");
-}
-
-gpu::Fp8Target DeviceDenseLinear::fp8_grad_target(const bf16* dout, int N) {
-  check_takes_produced("fp8_grad_target");
-  ESPLAG_CHECK(ctx_.swiglu_grad_codes, weight_name_, ": fp8_grad_target in a model whose MLP is not SwiGLU");
-  ESPLAG_CHECK(!p_.bias.w, weight_name_, ": fp8_grad_target for a layer with a bias (its gradient reads dY)");
-  using R = Fp8Scratch::Role;
-  const auto [dy, dyt] = fp8_scratch().dy_codes.produced(this, dout, N);
-  return {dy, dyt, fp8_inv(R::grad), dy_amax_.before_cast(dout, int64_t(N) * out_, ctx_.stream), ctx_.precision.grad,
-          ctx_.fp8_saturated};
-}
-
-gpu::Fp8Target DeviceDenseLinear::fp8_input_target(const bf16* in, int N) {
-  check_takes_produced("fp8_input_target");
-  using R = Fp8Scratch::Role;
-  x_made_ = {in, N};
-  return {fp8_scratch().x, nullptr, fp8_inv(R::input), x_amax_.before_cast(in, int64_t(N) * in_, ctx_.stream),
-          Fp8Format::e4m3, ctx_.fp8_saturated};
-}
-
-gpu::Fp8Target DeviceDenseLinear::fp8_input_t_target(int N) {
-  check_takes_produced("fp8_input_t_target");
-  using R = Fp8Scratch::Role;
-  xt_made_rows_ = N;
-  // The forward's scale of X, recorded there already (as the transposed cast of backward_dw).
-  return {nullptr, fp8_scratch().x, fp8_inv(R::input), x_amax_.last(), Fp8Format::e4m3, ctx_.fp8_saturated};
 }
 
 size_t DeviceDenseLinear::fp8_scratch_bytes(const std::vector<std::pair<int64_t, int64_t>>& shapes, int64_t tokens,
@@ -185,10 +158,7 @@ void DeviceDenseLinear::forward(bf16* out, const bf16* in, int N, Act act, bf16*
   Fp8Scratch& f = fp8_scratch();
   ctx_.marks->mark(s, "fp8 cast");
   if (!w8_current_) cast_weight();
-  // Its producer wrote them (a mark left by a producer that failed, or before a pause, is not).
-  const bool made = x_made_.in == in && x_made_.rows == N && takes_produced_fp8();
-  x_made_ = {};
-  if (!made)
+  if (!produced_.take_input(in, N))
     gpu::fp8_cast(f.x, fp8_inv(R::input), in, int64_t(N) * K, x_amax_.before_cast(in, int64_t(N) * K, s),
                   Fp8Format::e4m3, ctx_.fp8_saturated, s);
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
@@ -244,10 +214,9 @@ void DeviceDenseLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bo
   ctx_.marks->mark(s, "fp8 cast");
   const Fp8GradCodes::Codes dy = grad_codes(dout, N);
   Fp8Scratch& f = fp8_scratch();
-  if (xt_made_rows_ != N)  // else its producer wrote them
+  if (!produced_.take_input_t(N))
     gpu::fp8_cast_transpose(f.x, fp8_inv(R::input), inp, N, K, x_amax_.last(), Fp8Format::e4m3, ctx_.fp8_saturated,
                             s);  // the forward's scale of X
-  xt_made_rows_ = 0;
   ctx_.marks->mark(s, op, 2.0 * N * K * OC);
   f.gemm->set_fast_accum(false);
   f.gemm->matmul(p_.weight.grad, {dy.dyt, fp8_inv(R::grad), ctx_.precision.grad},

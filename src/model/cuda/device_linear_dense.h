@@ -8,6 +8,7 @@
 #include "core/device_arena.h"
 #include "model/cuda/fp8_grad_codes.h"
 #include "model/cuda/fp8_histories.h"
+#include "model/cuda/fp8_produced_codes.h"
 #include "model/device_linear.h"
 
 namespace esplag {
@@ -25,14 +26,9 @@ class DeviceDenseLinear : public DeviceLinear {
   void bind(const DeviceLinearParams& p) override;
   size_t device_bytes() const override { return fp8_own_.capacity(); }
   void begin_backward() override;
-  // With delayed scaling, warm (and DeviceLinearContext::fp8_producers): dY's codes into the
-  // shared scratch's second pair, X's and Xᵀ's into its X codes, scaled as the casts would.
-  bool takes_produced_fp8() const override {
-    return ctx_.fp8_producers && fp8_ && x_amax_.from_history() && dy_amax_.from_history();
-  }
-  gpu::Fp8Target fp8_grad_target(const bf16* dout, int N) override;
-  gpu::Fp8Target fp8_input_target(const bf16* in, int N) override;
-  gpu::Fp8Target fp8_input_t_target(int N) override;
+  // fp8: X's, Xᵀ's and dY's codes from their producers (delayed scaling, warm); dY's into
+  // the shared scratch's second pair.
+  Fp8ProducedCodes* fp8_produced_codes() override { return fp8_ ? &produced_ : nullptr; }
   // Device bytes of the scratch the fp8 products share (GpuModelOptions::precision), for
   // block Linear shapes [out, in] and micro-batches of `tokens` rows.
   // `swiglu_grad_codes`: with the second pair of dY codes that SwiGLU's backward writes
@@ -62,8 +58,6 @@ class DeviceDenseLinear : public DeviceLinear {
   float* fp8_inv(int role) const;
   // The weight's codes (w8_, wt8_) from the bound weight.
   void cast_weight();
-  // An Error naming `target` unless takes_produced_fp8().
-  void check_takes_produced(const char* target) const;
   // dout's codes in both orientations, cast unless the other product of this layer and
   // dout just did, or its producer wrote them.
   Fp8GradCodes::Codes grad_codes(const bf16* dout, int N);
@@ -71,12 +65,8 @@ class DeviceDenseLinear : public DeviceLinear {
   DeviceArena fp8_own_;                     // the scales, w8_ and wt8_
   uint8_t *w8_ = nullptr, *wt8_ = nullptr;  // W [out, in] and Wᵀ [in, out], e4m3
   bool w8_current_ = false;                 // they hold the bound weight's codes (prepare() since the last bind)
-  int xt_made_rows_ = 0;                    // rows of Xᵀ's codes a producer wrote for the next backward_dw (0: none)
-  struct {
-    const bf16* in = nullptr;  // whose X codes a producer wrote for the next forward (null: none)
-    int rows = 0;
-  } x_made_;
   Fp8OperandAmax x_amax_, dy_amax_;
+  Fp8ProducedCodes produced_;  // with delayed scaling
 };
 
 }  // namespace esplag

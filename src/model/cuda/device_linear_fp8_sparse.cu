@@ -31,8 +31,9 @@ gpu::SparseGemm24Problem fp8_problem(int64_t out, int64_t in, int64_t tokens) {
 
 }  // namespace
 
-// One for all fp8 2:4 layers, sized for the largest: X's codes (or Xᵀ's), dY's and dYᵀ's,
-// a weight's e4m3 cast (compressed from here, or multiplied by the dense products),
+// One for all fp8 2:4 layers, sized for the largest: X's codes (or Xᵀ's), dY's and dYᵀ's
+// (and their second pair where SwiGLU's backward writes fc's: swiglu_grad_codes), a weight's
+// e4m3 cast (compressed from here, or multiplied by the dense products),
 // cusparseLtSpMMACompress's scratch, and the fp8 GEMM with its workspace.
 struct Fp8SparseProducts::Scratch : SharedScratch::Part {
   DeviceArena arena;
@@ -64,6 +65,10 @@ Fp8SparseProducts::Fp8SparseProducts(DeviceLinearContext& ctx, const std::string
   own_.allocate_array<float>("scales", kScaleStride * 2 * slots);
   x_amax_ = Fp8OperandAmax(amax(input), ctx.fp8_histories, name_, ProductOperand::input);
   dy_amax_ = Fp8OperandAmax(amax(grad), ctx.fp8_histories, name_, ProductOperand::grad);
+  produced_ = Fp8ProducedCodes(ctx_, this, name_, out_, in_, x_amax_, dy_amax_, [this] {
+    Scratch& sc = scratch();
+    return Fp8ProducedCodes::Operands{sc.x, inv(input), &sc.dy_codes, inv(grad)};
+  });
   if (!sparse()) return;
   comp_fwd_ = own_.allocate("compressed Wf (e4m3)", fwd_->compressed_allocation_bytes());
   comp_bwd_ = own_.allocate("compressed Wb^T (e4m3)", bwd_->compressed_allocation_bytes());
@@ -92,12 +97,17 @@ Fp8SparseProducts::Scratch& Fp8SparseProducts::scratch() {
       outs = std::max(outs, size_t(out));
     }
     const size_t ws = gpu::Gemm::kDefaultWorkspaceBytes;
+    const int dy_codes = ctx_.swiglu_grad_codes ? 4 : 2;
     auto p = std::make_unique<Scratch>();
-    p->arena = DeviceArena(x + 2 * dy + weight + sizeof(bf16) * outs + ws + 6 * DeviceArena::kDefaultAlignment,
+    p->arena = DeviceArena(x + dy_codes * dy + weight + sizeof(bf16) * outs + ws + 8 * DeviceArena::kDefaultAlignment,
                            "fp8 2:4 operands");
     p->x = p->arena.allocate_array<uint8_t>("fp8.x", x);
     p->dy_codes.dy = p->arena.allocate_array<uint8_t>("fp8.dy", dy);
     p->dy_codes.dyt = p->arena.allocate_array<uint8_t>("fp8.dyt", dy);
+    if (ctx_.swiglu_grad_codes) {
+      p->dy_codes.made = p->arena.allocate_array<uint8_t>("fp8.dy_made", dy);
+      p->dy_codes.made_t = p->arena.allocate_array<uint8_t>("fp8.dyt_made", dy);
+    }
     p->w = p->arena.allocate_array<uint8_t>("fp8.w", weight);
     p->bias = p->arena.allocate_array<bf16>("fp8.bias", outs);
     p->gemm = std::make_unique<gpu::Fp8Gemm>(p->arena.allocate("fp8.workspace", ws), ws);
@@ -196,7 +206,8 @@ void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,
   Scratch& sc = scratch();
   const int64_t nx = int64_t(N) * in_;
   ctx_.marks->mark(s, "fp8 cast");
-  gpu::fp8_cast(sc.x, inv(input), x, nx, x_amax_.before_cast(x, nx, s), Fp8Format::e4m3, ctx_.fp8_saturated, s);
+  if (!produced_.take_input(x, N))
+    gpu::fp8_cast(sc.x, inv(input), x, nx, x_amax_.before_cast(x, nx, s), Fp8Format::e4m3, ctx_.fp8_saturated, s);
   if (sparse() && N == ctx_.tokens) {
     sparse_product(*fwd_, true, y, comp_fwd_, sc.x, input, weight_fwd, N, op);
     return;
@@ -224,29 +235,30 @@ void Fp8SparseProducts::forward(bf16* out, const bf16* x, const bf16* bias, int 
 }
 
 void Fp8SparseProducts::begin_backward() {
+  produced_.begin_backward();
   if (Scratch* sc = ctx_.scratch.find<Scratch>(kScratchName)) sc->dy_codes.forget();
 }
 
-Fp8SparseProducts::Scratch& Fp8SparseProducts::grad_codes(const bf16* dy, int N) {
-  Scratch& sc = scratch();
-  sc.dy_codes.take(this, dy, N, out_, dy_amax_, inv(grad), ctx_.precision.grad, ctx_.fp8_saturated, ctx_.stream);
-  return sc;
+Fp8GradCodes::Codes Fp8SparseProducts::grad_codes(const bf16* dy, int N) {
+  return scratch().dy_codes.take(this, dy, N, out_, dy_amax_, inv(grad), ctx_.precision.grad, ctx_.fp8_saturated,
+                                 ctx_.stream);
 }
 
 void Fp8SparseProducts::backward_dx(bf16* dx, const bf16* dy, int N, const std::function<const bf16*()>& wbt,
                                     const char* op) {
   cudaStream_t s = ctx_.stream;
   ctx_.marks->mark(s, "fp8 cast");
-  Scratch& sc = grad_codes(dy, N);
+  const Fp8GradCodes::Codes codes = grad_codes(dy, N);
   if (sparse() && N == ctx_.tokens) {
-    sparse_product(*bwd_, false, dx, comp_bwd_, sc.dy_codes.dy, grad, weight_bwd, N, op);
+    sparse_product(*bwd_, false, dx, comp_bwd_, codes.dy, grad, weight_bwd, N, op);
     return;
   }
   // Fp8Gemm's B is Wbᵀ [in, out], K-major.
+  Scratch& sc = scratch();
   gpu::fp8_cast(sc.w, inv(weight_bwd), wbt(), out_ * in_, amax(weight_bwd), Fp8Format::e4m3, ctx_.fp8_saturated, s);
   ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
   sc.gemm->set_fast_accum(false);
-  sc.gemm->matmul(dx, {sc.dy_codes.dy, inv(grad), ctx_.precision.grad}, {sc.w, inv(weight_bwd), Fp8Format::e4m3},
+  sc.gemm->matmul(dx, {codes.dy, inv(grad), ctx_.precision.grad}, {sc.w, inv(weight_bwd), Fp8Format::e4m3},
                   nullptr, N, int(in_), int(out_), false, s);
 }
 
@@ -254,12 +266,14 @@ void Fp8SparseProducts::backward_dw(float* dw, const bf16* dy, const bf16* x, in
                                     const char* op) {
   cudaStream_t s = ctx_.stream;
   ctx_.marks->mark(s, "fp8 cast");
-  Scratch& sc = grad_codes(dy, N);
-  gpu::fp8_cast_transpose(sc.x, inv(input), x, N, in_, x_amax_.last(), Fp8Format::e4m3, ctx_.fp8_saturated,
-                          s);  // the forward's scale of X
+  const Fp8GradCodes::Codes codes = grad_codes(dy, N);
+  Scratch& sc = scratch();
+  if (!produced_.take_input_t(N))
+    gpu::fp8_cast_transpose(sc.x, inv(input), x, N, in_, x_amax_.last(), Fp8Format::e4m3, ctx_.fp8_saturated,
+                            s);  // the forward's scale of X
   ctx_.marks->mark(s, op, 2.0 * N * in_ * out_);
   sc.gemm->set_fast_accum(false);
-  sc.gemm->matmul(dw, {sc.dy_codes.dyt, inv(grad), ctx_.precision.grad}, {sc.x, inv(input), Fp8Format::e4m3},
+  sc.gemm->matmul(dw, {codes.dyt, inv(grad), ctx_.precision.grad}, {sc.x, inv(input), Fp8Format::e4m3},
                   int(out_), int(in_), N, accumulate, s);
 }
 

@@ -14,8 +14,9 @@
 // W1's and W2ᵀ's kept values separately); X's and dY's amax are taken once per step and
 // shared by the products that read them. dY is cast in both orientations in one pass (dX
 // takes dY, dW dYᵀ) by the first of backward_dx and backward_dw, into a scratch all such
-// layers share; the second takes the codes over. The 2:4 products take both inverse scales
-// from device memory (matmul_scaled).
+// layers share; the second takes the codes over. With delayed scaling, once warm, the ops
+// that make X and dY may write their codes instead (produced(), as the dense kind's). The 2:4
+// products take both inverse scales from device memory (matmul_scaled).
 //
 // prepare_kept() (slope's kept values and masks) and prepare_transposable() (semi_sparse's Ws)
 // cast and compress both copies in our own writer of cuSPARSELt's e4m3 layout
@@ -40,7 +41,9 @@
 #include <string>
 
 #include "core/device_arena.h"
+#include "model/cuda/fp8_grad_codes.h"
 #include "model/cuda/fp8_histories.h"
+#include "model/cuda/fp8_produced_codes.h"
 #include "model/device_linear.h"
 #include "sparse/cuda/workspace_24.h"
 
@@ -107,6 +110,9 @@ class Fp8SparseProducts {
   // `op` names each product for the op timings ("sparse " + op for the 2:4 ones, as the bf16
   // products). Before each backward: dY's codes are made again.
   void begin_backward();
+  // X's, Xᵀ's and dY's codes from their producers (delayed scaling, warm: the layer's
+  // DeviceLinear::fp8_produced_codes); dY's into the shared scratch's second pair.
+  Fp8ProducedCodes& produced() { return produced_; }
 
   size_t device_bytes() const { return own_.capacity() + workspace_.bytes(); }
   static void shared_parts(std::set<std::string>& used);
@@ -117,9 +123,9 @@ class Fp8SparseProducts {
   float* amax(Slot s) const;
   float* inv(Slot s) const;
   Scratch& scratch();
-  // The scratch with dy's codes in both orientations, cast unless the other product of this
-  // layer and dy just did.
-  Scratch& grad_codes(const bf16* dy, int N);
+  // dy's codes in both orientations, cast unless the other product of this layer and dy just
+  // did, or its producer wrote them.
+  Fp8GradCodes::Codes grad_codes(const bf16* dy, int N);
   // Whether our writer of cuSPARSELt's e4m3 layout serves both 2:4 products (asked once).
   bool own_layout();
   // out = the 2:4 product of plan g (forward or dX) of the compressed weight and the codes,
@@ -139,6 +145,7 @@ class Fp8SparseProducts {
   int own_layout_ = -1;  // prepare_kept's writer serves both copies: -1 not asked yet, 0 no, 1 yes
   bool dense_ = false;
   Fp8OperandAmax x_amax_, dy_amax_;  // X's and dY's scaling (current, or delayed)
+  Fp8ProducedCodes produced_;
 };
 
 }  // namespace esplag

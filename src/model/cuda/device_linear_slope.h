@@ -52,6 +52,7 @@ class DeviceSlopeLinear : public DeviceLinear {
   void begin_backward() override {
     if (fp8_) fp8_->begin_backward();
   }
+  Fp8ProducedCodes* fp8_produced_codes() override { return fp8_ ? &fp8_->produced() : nullptr; }
   void update(const Setting& s) override { mask_change_freq_ = s.mask_change_freq; }
   void attach() override;
   bool sparse_dw() const override { return sp_->sparse_dw(); }
