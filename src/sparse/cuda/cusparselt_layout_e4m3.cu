@@ -47,6 +47,12 @@ void check_shape(const char* who, int64_t rows, int64_t cols) {
                "] must be positive multiples of 64");
 }
 
+// The copies (either may be null) take 16-byte stores.
+void check_destinations(const char* who, const void* dst_n, const void* dst_t) {
+  ESPLAG_CHECK(reinterpret_cast<uintptr_t>(dst_n) % 16 == 0 && reinterpret_cast<uintptr_t>(dst_t) % 16 == 0, who,
+               ": the compressed copies must be 16-byte aligned");
+}
+
 // Largest finite |w| (bf16 bits) of W1's and W2's values: the bits of |w| as floats order
 // like integers, so the block's maxima go out by atomicMax on them.
 __global__ void __launch_bounds__(kThreads)
@@ -94,12 +100,22 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The four rows of a 4×4 tile (bf16 bits) as rows row0..row0 + 3 of op(W) [M, K], group g:
-// cast with scale s, their two stored codes into the values and their nibbles into the
-// metadata. The lanes holding groups g and g ^ 1 of the same rows are `partner` apart: the
+// A block's share of one compressed copy of op(W) [M, K]: its tile's 64 rows of 32 bytes of
+// values, and the 512 bytes of metadata the tile owns (one contiguous run of the layout:
+// meta_offset of rows row0..row0 + 63 and groups g0..g0 + 15, row0 % 64 == g0 % 16 == 0).
+// The threads write their 4×4 tiles here; the block then stores both with 16-byte stores,
+// where a thread's own stores of the transposed copy would each touch 4 bytes of 16 rows.
+struct StagedCopy {
+  uint8_t values[kTile][kTile / 2];
+  uint8_t meta[kTile * kTile / 8];
+};
+
+// The four rows of a 4×4 tile (bf16 bits) as the tile's local rows lr..lr + 3 and group lg of
+// op(W): cast with scale s, their two stored codes into the values and their nibbles into the
+// metadata. The lanes holding groups lg and lg ^ 1 of the same rows are `partner` apart: the
 // even group's lane writes their shared metadata byte.
-__device__ inline void write_rows(uint8_t* dst, int64_t M, int64_t K, int64_t row0, int64_t g,
-                                  const sparsify_detail::PackedTile& tile, float s, int partner) {
+__device__ inline void stage_rows(StagedCopy& st, int lr, int lg, const sparsify_detail::PackedTile& tile, float s,
+                                  int partner) {
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const uint32_t lo = tile.lo[r], hi = tile.hi[r];
@@ -110,13 +126,26 @@ __device__ inline void write_rows(uint8_t* dst, int64_t M, int64_t K, int64_t ro
 #pragma unroll
     for (int j = 0; j < 4; ++j) nonzero |= ((codes >> (8 * j)) & 0x7Fu) ? 1u << j : 0u;
     const unsigned keep = stored_positions(nonzero), i0 = lowest(keep), i1 = highest(keep);
-    const int64_t row = row0 + r;
-    *reinterpret_cast<uint16_t*>(dst + row * (K / 2) + 2 * g) =
+    *reinterpret_cast<uint16_t*>(&st.values[lr + r][2 * lg]) =
         uint16_t(((codes >> (8 * i0)) & 0xFFu) | ((codes >> (8 * i1)) & 0xFFu) << 8);
     const unsigned nib = i0 | i1 << 2;
     const unsigned other = __shfl_xor_sync(0xffffffffu, nib, partner);
-    if (g % 2 == 0) dst[M * K / 2 + meta_offset(row, g, K)] = uint8_t(nib | other << 4);
+    if (lg % 2 == 0) st.meta[meta_offset(lr + r, lg, 0)] = uint8_t(nib | other << 4);
   }
+}
+
+// The staged tile into op(W) [M, K] at rows row0.., groups g0.. by `threads` threads (t: this
+// one's index among them).
+__device__ inline void store_staged(uint8_t* dst, int64_t M, int64_t K, int64_t row0, int64_t g0,
+                                   const StagedCopy& st, int t, int threads) {
+  for (int i = t; i < kTile * 2; i += threads) {  // a row's 32 bytes as two 16-byte stores
+    const int row = i / 2, half = i % 2;
+    *reinterpret_cast<uint4*>(dst + (row0 + row) * (K / 2) + 2 * g0 + 16 * half) =
+        *reinterpret_cast<const uint4*>(&st.values[row][16 * half]);
+  }
+  uint8_t* meta = dst + M * K / 2 + meta_offset(row0, g0, K);
+  for (int i = t; i < int(sizeof st.meta / 16); i += threads)
+    reinterpret_cast<uint4*>(meta)[i] = reinterpret_cast<const uint4*>(st.meta)[i];
 }
 
 // Kept: w is slope's stored form (kept values and the two tile masks; W2 = W1 ⊙ backward
@@ -129,13 +158,15 @@ __global__ void __launch_bounds__(kThreads)
                          const float* amax_t, float* inv_n, float* inv_t, uint8_t* __restrict__ dst_n,
                          uint8_t* __restrict__ dst_t) {
   using namespace sparsify_detail;
+  __shared__ __align__(16) StagedCopy staged_n, staged_t;
   const float sn = detail::fp8_scale_of<false>(*amax_n), st = detail::fp8_scale_of<false>(*amax_t);
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
     *inv_n = __frcp_rn(sn);
     *inv_t = __frcp_rn(st);
   }
   const int tr = threadIdx.x / 16, tc = threadIdx.x % 16;  // lanes: tc fastest, two tr per warp
-  const int64_t gr = int64_t(blockIdx.y) * kTile + 4 * tr, gc = int64_t(blockIdx.x) * kTile + 4 * tc;
+  const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
+  const int64_t gr = r0 + 4 * tr, gc = c0 + 4 * tc;
   const int64_t at = (gr / 4) * (cols / 4) + gc / 4;
   PackedTile n, t;
   if constexpr (Kept) {
@@ -144,9 +175,16 @@ __global__ void __launch_bounds__(kThreads)
   } else {
     n = t = dense_tile(w, cols, gr, gc);
   }
-  if (dst_n) write_rows(dst_n, rows, cols, gr, gc / 4, n, sn, 1);  // group gc / 4: neighbour lane tc ^ 1
-  if (dst_t)  // Wᵀ's rows gc..gc + 3, group gr / 4: the lane of tr ^ 1, 16 lanes away
-    write_rows(dst_t, cols, rows, gc, gr / 4, transpose_tile(t), st, 16);
+  if (dst_n) stage_rows(staged_n, 4 * tr, tc, n, sn, 1);  // group tc: neighbour lane tc ^ 1
+  if (dst_t)  // Wᵀ's local rows 4tc..4tc + 3, group tr: the lane of tr ^ 1, 16 lanes away
+    stage_rows(staged_t, 4 * tc, tr, transpose_tile(t), st, 16);
+  __syncthreads();
+  // Half the block stores each copy (all of it where there is one).
+  const int half = dst_n && dst_t ? kThreads / 2 : kThreads;
+  const int i = int(threadIdx.x);
+  if (dst_n && i < half) store_staged(dst_n, rows, cols, r0, c0 / 4, staged_n, i, half);
+  if (dst_t && (dst_n ? i >= kThreads - half : true))
+    store_staged(dst_t, cols, rows, c0, r0 / 4, staged_t, i - (kThreads - half), half);
 }
 
 // Random e4m3 codes [m, k]: per group two, one or no non-zero codes (mostly two), never NaN;
@@ -236,6 +274,7 @@ void cusparselt24_compress_kept_e4m3(const bf16* values, const uint16_t* forward
   ESPLAG_CHECK(values && forward_tiles && backward_tiles && amax_n && amax_t && inv_n && inv_t, who,
                ": null pointer");
   ESPLAG_CHECK(reinterpret_cast<uintptr_t>(values) % 4 == 0, who, ": the kept values must be 4-byte aligned");
+  check_destinations(who, dst_n, dst_t);
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
   const auto* v = reinterpret_cast<const uint16_t*>(values);
   CUDA_CHECK(cudaMemsetAsync(amax_n, 0, sizeof(float), stream));
@@ -256,6 +295,7 @@ void cusparselt24_compress_e4m3(const bf16* w, int64_t rows, int64_t cols, const
   check_shape(who, rows, cols);
   ESPLAG_CHECK(w && amax && inv, who, ": null pointer");
   ESPLAG_CHECK(reinterpret_cast<uintptr_t>(w) % 8 == 0, who, ": W must be 8-byte aligned");
+  check_destinations(who, dst_n, dst_t);
   const dim3 grid(unsigned(cols / kTile), unsigned(rows / kTile));
   compress_e4m3_kernel<false><<<grid, kThreads, 0, stream>>>(reinterpret_cast<const uint16_t*>(w), nullptr, nullptr,
                                                               rows, cols, amax, amax, inv, inv,
