@@ -343,6 +343,7 @@ TEST_F(GpuOps, Rope) {
   run_rope(true, 2, 37, 6, 2, 18, 10000.0, 72);
   run_rope(false, 1, 2048, 4, 4, 64, 500000.0, 73);  // long positions: angles in fp64
   run_rope(true, 3, 5, 3, 1, 2, 10000.0, 74);
+  run_rope(true, 2, 19, 12, 3, 8, 10000.0, 75);  // 15 rotated heads: the kernel's batches of 8 and a partial one
 }
 
 // ---------------------------------------------------------------------------------------

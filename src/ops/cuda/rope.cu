@@ -2,8 +2,11 @@
 //
 // One thread per (token, pair i): it computes the pair's angle once, in fp64 (positions
 // reach the thousands, where an fp32 angle is already off in its last bits before the
-// cosine is taken), and rotates pair i of every q and k head of the token. Consecutive
-// threads touch consecutive elements of a head, so the accesses coalesce.
+// cosine is taken), and rotates pair i of every q and k head of the token, loading
+// kHeadsAtOnce heads' pairs before it stores any: the loads of one head would otherwise wait
+// for the stores of the one before (the compiler cannot tell they do not overlap), a memory
+// round trip per head. Consecutive threads touch consecutive elements of a head, so the
+// accesses coalesce.
 #include <cmath>
 
 #include "core/error.h"
@@ -18,6 +21,7 @@ using detail::to_bf;
 using detail::to_f;
 
 constexpr int kThreads = 256;
+constexpr int kHeadsAtOnce = 8;
 
 __global__ void __launch_bounds__(kThreads)
     rope_kernel(bf16* x, int64_t rows, int T, int rotated_heads, int64_t C, int HD, double theta, double sign) {
@@ -31,13 +35,23 @@ __global__ void __launch_bounds__(kThreads)
   double sd, cd;
   sincos(angle, &sd, &cd);
   const float c = static_cast<float>(cd), s = static_cast<float>(sign * sd);
-  bf16* row = x + r * C;
-  for (int h = 0; h < rotated_heads; ++h) {
-    bf16* x1 = row + static_cast<int64_t>(h) * HD + i;
-    bf16* x2 = x1 + half;
-    const float a = to_f(*x1), b = to_f(*x2);
-    *x1 = to_bf(a * c - b * s);
-    *x2 = to_bf(b * c + a * s);
+  bf16* row = x + r * C + i;
+  for (int h0 = 0; h0 < rotated_heads; h0 += kHeadsAtOnce) {
+    float a[kHeadsAtOnce], b[kHeadsAtOnce];
+#pragma unroll
+    for (int k = 0; k < kHeadsAtOnce; ++k)
+      if (h0 + k < rotated_heads) {
+        const bf16* x1 = row + static_cast<int64_t>(h0 + k) * HD;
+        a[k] = to_f(x1[0]);
+        b[k] = to_f(x1[half]);
+      }
+#pragma unroll
+    for (int k = 0; k < kHeadsAtOnce; ++k)
+      if (h0 + k < rotated_heads) {
+        bf16* x1 = row + static_cast<int64_t>(h0 + k) * HD;
+        x1[0] = to_bf(a[k] * c - b[k] * s);
+        x1[half] = to_bf(b[k] * c + a[k] * s);
+      }
   }
 }
 
