@@ -362,6 +362,15 @@ TEST(GpuFp8, TiledCastsOfEmptyTensors) {
     for (const bool both : {true, false}) expect_tiled_cast(Bits{}, Fp8Format::e4m3, {rows, cols, 0, 0, both});
 }
 
+// A scale source at half the amax of values [n]: the casts by it saturate values.
+float* half_amax(Dev& dev, const bf16* values, int64_t n) {
+  float* a = dev.poisoned_floats(1);
+  gpu::fp8_amax(a, values, n, dev.stream());
+  const float half = 0.5f * dev.get_float(a);
+  CUDA_CHECK(cudaMemcpy(a, &half, sizeof(float), cudaMemcpyHostToDevice));
+  return a;
+}
+
 // fp8_swiglu_backward's codes, inverse scales, recorded amaxes and saturated counts are those
 // of fused_swiglu_backward's bf16 gradient through fp8_cast_both and of fused_swiglu_forward's
 // output through fp8_cast_transpose, and fp8_swiglu_forward's those of the output through
@@ -394,10 +403,7 @@ TEST(GpuFp8, SwigluCodesAreTheCastsOfItsValues) {
       // Room and a half-amax scale for values [N, cols] (bf16), as they lie and/or transposed.
       const auto outputs = [&](const bf16* values, int64_t cols, bool rows, bool transposed) {
         const size_t m = size_t(N * cols);
-        float* scale_from = dev.poisoned_floats(1);
-        gpu::fp8_amax(scale_from, values, int64_t(m), dev.stream());
-        const float half = 0.5f * dev.get_float(scale_from);
-        CUDA_CHECK(cudaMemcpy(scale_from, &half, sizeof(float), cudaMemcpyHostToDevice));
+        float* scale_from = half_amax(dev, values, int64_t(m));
         const auto one = [&] {
           return Outputs{rows ? dev.poisoned_codes(m) : nullptr, transposed ? dev.poisoned_codes(m) : nullptr,
                          scale_from, dev.poisoned_floats(1), dev.put(VF{0.0f}), dev.zeroed_counter()};
@@ -492,10 +498,7 @@ TEST(GpuFp8, NormRecomputeCodesAreTheCastsOfItsValues) {
         gpu::layernorm_forward(y, mean, rstd, nullptr, x, nullptr, w, b, int(N), C, s);
         gpu::layernorm_forward(again, nullptr, nullptr, nullptr, x, nullptr, w, b, int(N), C, s);
       }
-      float* scale_from = dev.poisoned_floats(1);
-      gpu::fp8_amax(scale_from, again, int64_t(n), s);
-      const float half = 0.5f * dev.get_float(scale_from);
-      CUDA_CHECK(cudaMemcpy(scale_from, &half, sizeof(float), cudaMemcpyHostToDevice));
+      float* scale_from = half_amax(dev, again, int64_t(n));
       struct Outputs {
         uint8_t *out, *out_t;
         float* inv;

@@ -288,12 +288,29 @@ GpuMemoryPlan step_arena_plan(const ModelConfig& config, int B, int T, const Gpu
   return step;
 }
 
+// The fp8 products' buffers outside the arena: each block Linear's weight codes (as the
+// dense kind's) and the scratch they share, for micro-batches of `tokens` rows.
+GpuMemoryPlan fp8_plan(const ModelConfig& config, int64_t tokens, const GpuModelOptions& options) {
+  GpuMemoryPlan plan;
+  if (!options.precision.fp8) return plan;
+  const auto infos = transformer_param_layout(config);
+  std::vector<std::pair<int64_t, int64_t>> shapes;  // every block has the same shapes
+  const std::vector<std::string> names = transformer_linear_names(config);
+  for (size_t k = 0; k < 4 && k < names.size(); ++k) {
+    const ParamInfo& i = info_named(infos, names[k]);
+    shapes.push_back({i.shape.at(0), i.shape.at(1)});
+    plan.params += size_t(config.n_layer) * DeviceDenseLinear::fp8_layer_bytes(i.shape.at(0), i.shape.at(1));
+  }
+  const bool made = options.fp8_producers && options.precision.delayed() && config.mlp == MlpKind::swiglu;
+  plan.scratch = DeviceDenseLinear::fp8_scratch_bytes(shapes, tokens, made);
+  return plan;
+}
+
 }  // namespace
 
 GpuMemoryPlan GpuTransformer::memory_plan(const ModelConfig& config, int max_batch, int max_seq_len,
                                           const GpuModelOptions& given) {
   const GpuModelOptions options = effective(given);
-  const auto infos = param_layout(config);
   // The state as lay_out_state stores it: kept values [out, in/2] for options.kept_values.
   std::vector<ParamInfo> stored = stored_param_layout(config, options.kept_values);
   std::vector<size_t> slices;
@@ -306,19 +323,8 @@ GpuMemoryPlan GpuTransformer::memory_plan(const ModelConfig& config, int max_bat
   GpuMemoryPlan state;
   Impl dummy;
   lay_out_state_buffers(config, stored, end, buckets, slices, options, dummy, state, Take{}, Take{});
-  GpuMemoryPlan plan = step_arena_plan(config, max_batch, max_seq_len, options) + state;
-  if (options.precision.fp8) {  // the fp8 products' shared scratch and each layer's weight codes (outside the arena)
-    std::vector<std::pair<int64_t, int64_t>> shapes;  // every block has the same shapes
-    const std::vector<std::string> names = transformer_linear_names(config);
-    for (size_t k = 0; k < 4 && k < names.size(); ++k) {
-      const ParamInfo& i = info_named(infos, names[k]);
-      shapes.push_back({i.shape.at(0), i.shape.at(1)});
-      plan.params += size_t(config.n_layer) * DeviceDenseLinear::fp8_layer_bytes(i.shape.at(0), i.shape.at(1));
-    }
-    const bool made = options.fp8_producers && options.precision.delayed() && config.mlp == MlpKind::swiglu;
-    plan.scratch += DeviceDenseLinear::fp8_scratch_bytes(shapes, int64_t(max_batch) * max_seq_len, made);
-  }
-  return plan;
+  return step_arena_plan(config, max_batch, max_seq_len, options) + state +
+         fp8_plan(config, int64_t(max_batch) * max_seq_len, options);
 }
 
 GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max_seq_len,
@@ -355,6 +361,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
          " is free; lower the batch size or the sequence length");
   Impl& im = *impl_;
   im.step_plan = step_arena_plan(cfg_, max_b_, max_t_, opt_);
+  im.fp8_plan = fp8_plan(cfg_, N, opt_);
   arena_ = std::make_unique<DeviceArena>(im.step_plan.total() + opt_.extra_arena_bytes, "model");
   stream_ = opt_.stream;
   if (!stream_) {

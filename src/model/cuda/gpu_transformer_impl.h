@@ -177,6 +177,7 @@ struct GpuTransformer::Impl {
   DeviceArena state;
   DeviceArena state_host;    // the offloaded part (GpuModelOptions::offload_moments), pinned host memory
   GpuMemoryPlan step_plan;   // the step arena's share of the memory plan
+  GpuMemoryPlan fp8_plan;    // the fp8 layers' weight codes and shared scratch (fp8_plan), outside the arena
   bf16* w = nullptr;         // bf16 weights (the high halves of the master weights)
   int16_t* w_lo = nullptr;   // low halves
   // The gradients: the storage layout's (grad_elements = padded), or under ZeRO stage 2

@@ -227,7 +227,7 @@ void GpuTransformer::lay_out_state(RetiredState* keep) {
   GpuMemoryPlan counted;
   lay_out_state_buffers(cfg_, im.stored, nstored_, im.buckets, slices, opt_, im, counted, Take{&im.state, nullptr},
                         Take{&im.state_host, nullptr});
-  plan_ = im.step_plan + state;
+  plan_ = im.step_plan + im.fp8_plan + state;
 
   // Parameter views, fixed until the next layout.
   auto wp = [&](const std::string& n) { return view(n).w; };

@@ -30,7 +30,7 @@ using detail::kTileWords;
 using detail::pack_amax;
 using detail::put_tile;
 using detail::record_amax;
-using detail::resident_blocks;
+using detail::TileGrid;
 using detail::store_row_codes;
 using detail::store_tile_t;
 using detail::swiglu_grad_gate;
@@ -208,16 +208,10 @@ void fp8_swiglu_backward(const Fp8Target& grad, const Fp8Target& act, const bf16
   check(op, N, H, inp, act, "the output", false, true);
   ESPLAG_CHECK(act.format == Fp8Format::e4m3, op, ": the output's codes are e4m3 (a layer input)");
   ESPLAG_CHECK(N == 0 || (dout && aligned16(dout)), op, ": dout must be a 16-byte aligned device buffer");
-  const int64_t col_tiles = (H + kTileCols - 1) / kTileCols;
-  const int64_t tiles = std::max<int64_t>(1, (N + kTileRows - 1) / kTileRows) * col_tiles;
   const bool vec_out = aligned8(grad.out);
   const bool vec_t = N % 16 == 0 && aligned16(grad.out_t) && aligned16(act.out_t);
-  const bool e5m2 = grad.format == Fp8Format::e5m2;
-  auto kernel = e5m2 ? swiglu_backward_kernel<true> : swiglu_backward_kernel<false>;
-  const int64_t resident = e5m2 ? resident_blocks<swiglu_backward_kernel<true>>(kTileThreads)
-                                : resident_blocks<swiglu_backward_kernel<false>>(kTileThreads);
-  const unsigned grid = static_cast<unsigned>(std::min(tiles, resident));
-  kernel<<<grid, kTileThreads, 0, stream>>>(grad, act, inp, dout, N, H, col_tiles, tiles, vec_out, vec_t);
+  const TileGrid<swiglu_backward_kernel<true>, swiglu_backward_kernel<false>> g(N, H, grad.format == Fp8Format::e5m2);
+  g.kernel<<<g.blocks, kTileThreads, 0, stream>>>(grad, act, inp, dout, N, H, g.col_tiles, g.tiles, vec_out, vec_t);
   CUDA_CHECK_LAUNCH(op);
 }
 

@@ -183,6 +183,23 @@ int64_t resident_blocks(int threads) {
   return blocks;
 }
 
+// The persistent grid of a tiled kernel over [rows, cols]: tiles of kTileRows × kTileCols
+// (at least one, whose block writes the inverse scale even for an empty tensor), walked by
+// as many blocks as the device holds at once, or by one per tile where there are fewer.
+// E5m2 and E4m3: the kernel's instantiations for the two formats, `e5m2` choosing.
+template <auto E5m2, auto E4m3>
+struct TileGrid {
+  int64_t col_tiles, tiles;
+  unsigned blocks;
+  decltype(E5m2) kernel;
+  TileGrid(int64_t rows, int64_t cols, bool e5m2)
+      : col_tiles(std::max<int64_t>(1, (cols + kTileCols - 1) / kTileCols)),
+        tiles(std::max<int64_t>(1, (rows + kTileRows - 1) / kTileRows) * col_tiles),
+        blocks(unsigned(
+            std::min(tiles, e5m2 ? resident_blocks<E5m2>(kTileThreads) : resident_blocks<E4m3>(kTileThreads)))),
+        kernel(e5m2 ? E5m2 : E4m3) {}
+};
+
 // ---------------------------------------------------------------------------------------
 // The tiled cast, as it lies and/or transposed, over tiles of what a source reads [rows,
 // cols] (row tiles outer, column tiles inner). Persistent: block b takes tiles tiles - 1 - b,
@@ -270,17 +287,12 @@ template <class Tiles>
 void cast_tiles(const char* op, uint8_t* out, uint8_t* out_t, float* inv_scale, const Tiles& src, int64_t rows,
                 int64_t cols, gpu::Fp8CastAmax amax, esplag::Fp8Format format, uint64_t* saturated,
                 cudaStream_t stream) {
-  const int64_t col_tiles = std::max<int64_t>(1, (cols + kTileCols - 1) / kTileCols);
-  const int64_t tiles = std::max<int64_t>(1, (rows + kTileRows - 1) / kTileRows) * col_tiles;
   const bool vec_out = cols % kPack == 0 && aligned8(out);
   const bool vec_t = rows % 16 == 0 && aligned16(out_t);
-  const bool e5m2 = format == esplag::Fp8Format::e5m2;
-  auto kernel = e5m2 ? cast_tiles_kernel<true, Tiles> : cast_tiles_kernel<false, Tiles>;
-  const int64_t resident = e5m2 ? resident_blocks<cast_tiles_kernel<true, Tiles>>(kTileThreads)
-                                : resident_blocks<cast_tiles_kernel<false, Tiles>>(kTileThreads);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, resident));
-  kernel<<<grid, kTileThreads, 0, stream>>>(out, out_t, inv_scale, src, rows, cols, col_tiles, tiles, amax,
-                                            counter(saturated), vec_out, vec_t);
+  const TileGrid<cast_tiles_kernel<true, Tiles>, cast_tiles_kernel<false, Tiles>> g(
+      rows, cols, format == esplag::Fp8Format::e5m2);
+  g.kernel<<<g.blocks, kTileThreads, 0, stream>>>(out, out_t, inv_scale, src, rows, cols, g.col_tiles, g.tiles, amax,
+                                                  counter(saturated), vec_out, vec_t);
   CUDA_CHECK_LAUNCH(op);
 }
 
