@@ -90,7 +90,7 @@ Fp8ProducedCodes& produced_codes(Fp8ProducedCodes* c, const std::string& weight_
 }  // namespace
 
 gpu::Fp8Target DeviceLinear::fp8_grad_target(const bf16* dout, int N) {
-  return produced_codes(fp8_produced_codes(), weight_name_, kind_).grad(dout, N, p_.bias.w);
+  return produced_codes(fp8_produced_codes(), weight_name_, kind_).grad(dout, N, p_.bias.w != nullptr);
 }
 gpu::Fp8Target DeviceLinear::fp8_input_target(const bf16* in, int N) {
   return produced_codes(fp8_produced_codes(), weight_name_, kind_).input(in, N);

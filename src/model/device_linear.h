@@ -115,9 +115,10 @@ struct DeviceLinearContext {
   bool gelu_mlp = false;        // the MLP's activation is GELU
   bool sparse_dispatch = true;  // GpuModelOptions::sparse_dispatch
   LinearPrecision precision;    // GpuModelOptions::precision
-  // GpuModelOptions::fp8_producers with delayed scaling: dense layers take their operands'
-  // codes from the ops that make them (DeviceLinear::takes_produced_fp8); with a SwiGLU MLP
-  // fc's dY codes too (Fp8GradCodes' second pair).
+  // GpuModelOptions::fp8_producers with delayed scaling: fp8 layers (dense, masked, vnm, slope,
+  // semi_sparse) take their operands' codes from the ops that make them
+  // (DeviceLinear::takes_produced_fp8); with a SwiGLU MLP fc's dY codes too (Fp8GradCodes'
+  // second pair).
   bool fp8_producers = false, swiglu_grad_codes = false;
   std::vector<std::pair<int64_t, int64_t>> shapes;  // every block Linear's [out, in]
   std::vector<GpuTransformer::SparseDispatch> dispatch;  // the decisions so far

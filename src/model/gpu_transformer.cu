@@ -288,8 +288,9 @@ GpuMemoryPlan step_arena_plan(const ModelConfig& config, int B, int T, const Gpu
   return step;
 }
 
-// The fp8 products' buffers outside the arena: each block Linear's weight codes (as the
-// dense kind's) and the scratch they share, for micro-batches of `tokens` rows.
+// The fp8 products' buffers outside the arena: each block Linear's weight codes and the
+// scratch they share, for micro-batches of `tokens` rows, as the dense kind's for every layer
+// (planned before the kinds change: the 2:4 kinds' compressed copies and scratch differ).
 GpuMemoryPlan fp8_plan(const ModelConfig& config, int64_t tokens, const GpuModelOptions& options) {
   GpuMemoryPlan plan;
   if (!options.precision.fp8) return plan;

@@ -199,10 +199,11 @@ struct GpuModelOptions {
   // and dY from its amax history (precision.delayed(), model/cuda/fp8_histories.h). The LM
   // head, attention and the other ops stay bf16.
   LinearPrecision precision;
-  // With delayed fp8 scaling, warm: the ops that make dense layers' operands write their fp8
-  // codes themselves (SwiGLU's forward and backward, the backward's recomputed norms) instead
-  // of bf16 values that the layers then cast; the same codes bit for bit, fewer passes over
-  // memory (docs/fp8.md). false: the casts (tests hold the two ways to the same bits).
+  // With delayed fp8 scaling, warm: the ops that make the fp8 layers' operands (dense, masked,
+  // vnm, slope, semi_sparse) write their fp8 codes themselves (SwiGLU's forward and backward,
+  // the backward's recomputed norms) instead of bf16 values that the layers then cast; the
+  // same codes bit for bit, fewer passes over memory (docs/fp8.md). false: the casts (tests
+  // hold the two ways to the same bits).
   bool fp8_producers = true;
   // Replay forward_backward_device and step_adamw as CUDA graphs (see the top of the file).
   bool cuda_graph = true;

@@ -26,9 +26,6 @@ class DeviceDenseLinear : public DeviceLinear {
   void bind(const DeviceLinearParams& p) override;
   size_t device_bytes() const override { return fp8_own_.capacity(); }
   void begin_backward() override;
-  // fp8: X's, Xᵀ's and dY's codes from their producers (delayed scaling, warm); dY's into
-  // the shared scratch's second pair.
-  Fp8ProducedCodes* fp8_produced_codes() override { return fp8_ ? &produced_ : nullptr; }
   // Device bytes of the scratch the fp8 products share (GpuModelOptions::precision), for
   // block Linear shapes [out, in] and micro-batches of `tokens` rows.
   // `swiglu_grad_codes`: with the second pair of dY codes that SwiGLU's backward writes
@@ -38,6 +35,11 @@ class DeviceDenseLinear : public DeviceLinear {
   // Device bytes an fp8 layer [out, in] holds itself (device_bytes): its weight's codes in
   // both orientations and its scales.
   static size_t fp8_layer_bytes(int64_t out, int64_t in);
+
+ protected:
+  // fp8: X's, Xᵀ's and dY's codes from their producers (delayed scaling, warm); dY's into
+  // the shared scratch's second pair.
+  Fp8ProducedCodes* fp8_produced_codes() override { return fp8_ ? &produced_ : nullptr; }
 
  private:
   // The fp8 products (GpuModelOptions::precision), cuBLASLt's fp8 GEMMs, which take their

@@ -30,11 +30,13 @@ class DeviceSemiSparseActivationLinear : public DeviceDenseLinear {
   void shared_parts(std::set<std::string>& used) const override;
   void forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) override;
   void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad, const char* op) override;
-  // Its products read the bf16 input (pruned 2:4 every step): no codes from producers.
-  Fp8ProducedCodes* fp8_produced_codes() override { return nullptr; }
   // The CPU twin is a SemiSparseActivationLinear (model/linear_semi_sparse.h): its pattern.
   // DeviceLinearKind::setting_from_twin for this kind.
   static void setting_from_twin(const Linear<float>& twin, int64_t step, bool masks, Setting& s, TwinMasks& held);
+
+ protected:
+  // Its products read the bf16 input (pruned 2:4 every step): no codes from producers.
+  Fp8ProducedCodes* fp8_produced_codes() override { return nullptr; }
 
  private:
   std::unique_ptr<gpu::SparseActivationLinear> act_;

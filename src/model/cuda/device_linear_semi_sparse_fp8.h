@@ -29,6 +29,8 @@ class DeviceSemiSparseFp8Linear : public DeviceLinear {
   void backward_dx(bf16* dinp, const bf16* dout, int N, const bf16* pre_act, const char* op) override;
   void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad, const char* op) override;
   void begin_backward() override { fp8_->begin_backward(); }
+
+ protected:
   Fp8ProducedCodes* fp8_produced_codes() override { return &fp8_->produced(); }
 
  private:

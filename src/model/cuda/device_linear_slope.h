@@ -52,7 +52,6 @@ class DeviceSlopeLinear : public DeviceLinear {
   void begin_backward() override {
     if (fp8_) fp8_->begin_backward();
   }
-  Fp8ProducedCodes* fp8_produced_codes() override { return fp8_ ? &fp8_->produced() : nullptr; }
   void update(const Setting& s) override { mask_change_freq_ = s.mask_change_freq; }
   void attach() override;
   bool sparse_dw() const override { return sp_->sparse_dw(); }
@@ -71,6 +70,9 @@ class DeviceSlopeLinear : public DeviceLinear {
   void to_twin(Linear<float>& twin, const TwinCopy& c) const override;
   bool moments_from_twin(const Linear<float>& twin, const NamedValues& m, const NamedValues& v, float* dense_m,
                          float* dense_v) const override;
+
+ protected:
+  Fp8ProducedCodes* fp8_produced_codes() override { return fp8_ ? &fp8_->produced() : nullptr; }
 
  private:
   struct Scratch;

@@ -28,6 +28,10 @@ class Fp8ProducedCodes {
     float* dy_inv;
   };
   Fp8ProducedCodes() = default;  // for a layer in full precision: never on
+  // Its owner's: it points at the owner's scaling and asks the owner for its operands.
+  Fp8ProducedCodes(const Fp8ProducedCodes&) = delete;
+  Fp8ProducedCodes& operator=(const Fp8ProducedCodes&) = delete;
+  Fp8ProducedCodes& operator=(Fp8ProducedCodes&&) = default;
   // For the layer `owner` [out, in] named weight_name: `x` and `dy` its scaling of X and dY
   // (which outlive this), `operands` where its codes are (asked only for a target).
   Fp8ProducedCodes(const DeviceLinearContext& ctx, const void* owner, std::string weight_name, int64_t out,
@@ -53,16 +57,17 @@ class Fp8ProducedCodes {
   // bias (its gradient reads dY) or outside a SwiGLU model (no second pair).
   gpu::Fp8Target grad(const gpu::bf16* dout, int N, bool bias);
 
-  // Whether a producer wrote X's codes of `in` over N rows for this forward (a mark left by
-  // a producer that failed, or before a pause, is not honoured); the mark goes either way.
+  // Whether a producer wrote X's codes of `in` over N rows for this forward: the last
+  // input() was for that pointer and those rows, and producers are still on (a mark left
+  // before a pause is not honoured). The mark goes either way.
   bool take_input(const gpu::bf16* in, int N) {
     const bool made = x_made_.in == in && x_made_.rows == N && on();
     x_made_ = {};
     return made;
   }
-  // The same for Xᵀ's codes of N rows in backward_dw.
+  // The same for Xᵀ's codes of N rows in backward_dw (input_t() since begin_backward()).
   bool take_input_t(int N) {
-    const bool made = xt_made_rows_ == N;
+    const bool made = xt_made_rows_ == N && on();
     xt_made_rows_ = 0;
     return made;
   }

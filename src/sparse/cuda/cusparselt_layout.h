@@ -144,8 +144,8 @@ void cusparselt24_compress_e4m3_host(const uint8_t* w, int64_t m, int64_t k, uin
 // dst_n = the layout of W1's codes and dst_t = that of W2ᵀ's [cols, rows], 2:4 along rows,
 // and *inv_n, *inv_t the inverse scales (as fp8_cast writes them). The same bytes as
 // casting the expanded W1 and W2ᵀ with fp8_cast and compressing them through cuSPARSELt.
-// rows, cols multiples of 64 (else Error); values 4-byte aligned, dst_n, dst_t 2-byte
-// aligned. Asynchronous on `stream`.
+// rows, cols multiples of 64 (else Error); values 4-byte aligned, dst_n, dst_t 16-byte
+// aligned (else Error). Asynchronous on `stream`.
 void cusparselt24_compress_kept_e4m3(const bf16* values, const uint16_t* forward_tiles,
                                      const uint16_t* backward_tiles, int64_t rows, int64_t cols, float* amax_n,
                                      float* amax_t, float* inv_n, float* inv_t, void* dst_n, void* dst_t,
@@ -153,8 +153,8 @@ void cusparselt24_compress_kept_e4m3(const bf16* values, const uint16_t* forward
 
 // The same from a W [rows, cols] (bf16, 8-byte aligned) that is 2:4 along both dimensions
 // (semi_sparse's transposable prune), with one scale from *amax (fp8_amax of W): dst_n =
-// the layout of W's codes, dst_t = that of Wᵀ's [cols, rows] (either may be null), *inv the
-// inverse scale. One read of W. rows, cols multiples of 64 (else Error).
+// the layout of W's codes, dst_t = that of Wᵀ's [cols, rows] (either may be null; 16-byte
+// aligned), *inv the inverse scale. One read of W. rows, cols multiples of 64 (else Error).
 void cusparselt24_compress_e4m3(const bf16* w, int64_t rows, int64_t cols, const float* amax, float* inv,
                                 void* dst_n, void* dst_t, cudaStream_t stream);
 
