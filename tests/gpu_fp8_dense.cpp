@@ -40,6 +40,7 @@ using esplag::LinearPrecision;
 using esplag::ModelConfig;
 using esplag::Transformer;
 using esplag::gpu_test::expect_same_bits;
+using esplag::gpu_test::initial_params;
 using esplag::gpu_test::micro_batch;
 using esplag::gpu_test::random_batch;
 using esplag::gpu_test::rel_l2;
@@ -65,13 +66,6 @@ GpuModelOptions fp8_options(Fp8Format grad) {
   GpuModelOptions o;
   o.precision = LinearPrecision{true, grad};
   return o;
-}
-
-// Initial weights, rounded to bf16 (the GPU model's weights), so both models start equal.
-std::vector<float> initial_params(Transformer<float>& cm) {
-  cm.init_weights(5);
-  for (size_t i = 0; i < cm.num_params(); ++i) cm.params()[i] = esplag::gpu_test::round_bf16(cm.params()[i]);
-  return std::vector<float>(cm.params(), cm.params() + cm.num_params());
 }
 
 // One micro-batch of B x T (the GPU model sized for 2 x 64) on both models in fp8: the losses

@@ -163,8 +163,7 @@ void compare_fp8_step(const std::string& kind, int maxB, int maxT, int B, int T,
   SCOPED_TRACE(kind + " " + std::to_string(B) + "x" + std::to_string(T) + (dispatch ? " dispatched" : ""));
   const ModelConfig cfg = sparse_llama_config();
   Transformer<float> cm(cfg);
-  cm.init_weights(5);
-  for (size_t i = 0; i < cm.num_params(); ++i) cm.params()[i] = esplag::gpu_test::round_bf16(cm.params()[i]);
+  esplag::gpu_test::initial_params(cm);
   GpuModelOptions o;
   o.sparse_dispatch = dispatch;
   o.precision = kFp8;
@@ -256,10 +255,8 @@ TEST_F(GpuFp8Sparse, ProducersGiveTheCastsBits) {
     without.fp8_producers = false;
     Transformer<float> ca(cfg), cb(cfg);
     GpuTransformer a(cfg, 2, 96, with), b(cfg, 2, 96, without);
-    for (Transformer<float>* c : {&ca, &cb}) {
-      c->init_weights(5);
-      for (size_t i = 0; i < c->num_params(); ++i) c->params()[i] = esplag::gpu_test::round_bf16(c->params()[i]);
-    }
+    esplag::gpu_test::initial_params(ca);
+    esplag::gpu_test::initial_params(cb);
     make_kind(ca, a, kind);
     make_kind(cb, b, kind);
     const auto full = esplag::gpu_test::random_batch(cfg, 2, 96, 41);

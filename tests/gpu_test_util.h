@@ -342,6 +342,14 @@ inline std::vector<float> micro_batch_on_both(Transformer<float>& cm, GpuTransfo
   return gm.grads_to_host();
 }
 
+// A CPU model's initial weights (seed 5), rounded to bf16 (the GPU model's weights) so that
+// a GPU model given them starts equal; returns them.
+inline std::vector<float> initial_params(Transformer<float>& cm) {
+  cm.init_weights(5);
+  for (size_t i = 0; i < cm.num_params(); ++i) cm.params()[i] = round_bf16(cm.params()[i]);
+  return std::vector<float>(cm.params(), cm.params() + cm.num_params());
+}
+
 // A micro-batch of random tokens, seeded.
 struct TokenBatch {
   std::vector<int32_t> x, y;

@@ -302,8 +302,7 @@ GpuMemoryPlan fp8_plan(const ModelConfig& config, int64_t tokens, const GpuModel
     shapes.push_back({i.shape.at(0), i.shape.at(1)});
     plan.params += size_t(config.n_layer) * DeviceDenseLinear::fp8_layer_bytes(i.shape.at(0), i.shape.at(1));
   }
-  const bool made = options.fp8_producers && options.precision.delayed() && config.mlp == MlpKind::swiglu;
-  plan.scratch = DeviceDenseLinear::fp8_scratch_bytes(shapes, tokens, made);
+  plan.scratch = DeviceDenseLinear::fp8_scratch_bytes(shapes, tokens, swiglu_grad_codes(config, options));
   return plan;
 }
 

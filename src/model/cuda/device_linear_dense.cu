@@ -50,7 +50,7 @@ struct Fp8Sizes {
     workspace = gpu::Gemm::kDefaultWorkspaceBytes;
   }
   size_t bytes() const {
-    return x + (produced ? 4 : 2) * dy + sizeof(bf16) * outs + workspace + 7 * DeviceArena::kDefaultAlignment;
+    return x + Fp8GradCodes::bytes(dy, produced) + sizeof(bf16) * outs + workspace + 3 * DeviceArena::kDefaultAlignment;
   }
 };
 
@@ -130,12 +130,7 @@ DeviceDenseLinear::Fp8Scratch& DeviceDenseLinear::fp8_scratch() {
     auto p = std::make_unique<Fp8Scratch>();
     p->arena = DeviceArena(n.bytes(), "fp8 operands");
     p->x = p->arena.allocate_array<uint8_t>("fp8.x", n.x);
-    p->dy_codes.dy = p->arena.allocate_array<uint8_t>("fp8.dy", n.dy);
-    p->dy_codes.dyt = p->arena.allocate_array<uint8_t>("fp8.dyt", n.dy);
-    if (n.produced) {
-      p->dy_codes.made = p->arena.allocate_array<uint8_t>("fp8.dy_made", n.dy);
-      p->dy_codes.made_t = p->arena.allocate_array<uint8_t>("fp8.dyt_made", n.dy);
-    }
+    p->dy_codes.allocate(p->arena, n.dy, n.produced);
     p->bias = p->arena.allocate_array<bf16>("fp8.bias", n.outs);
     p->gemm = std::make_unique<gpu::Fp8Gemm>(p->arena.allocate("fp8.workspace", n.workspace), n.workspace);
     return p;

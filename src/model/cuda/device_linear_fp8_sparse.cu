@@ -97,17 +97,12 @@ Fp8SparseProducts::Scratch& Fp8SparseProducts::scratch() {
       outs = std::max(outs, size_t(out));
     }
     const size_t ws = gpu::Gemm::kDefaultWorkspaceBytes;
-    const int dy_codes = ctx_.swiglu_grad_codes ? 4 : 2;
     auto p = std::make_unique<Scratch>();
-    p->arena = DeviceArena(x + dy_codes * dy + weight + sizeof(bf16) * outs + ws + 8 * DeviceArena::kDefaultAlignment,
+    p->arena = DeviceArena(x + Fp8GradCodes::bytes(dy, ctx_.swiglu_grad_codes) + weight + sizeof(bf16) * outs + ws +
+                               4 * DeviceArena::kDefaultAlignment,
                            "fp8 2:4 operands");
     p->x = p->arena.allocate_array<uint8_t>("fp8.x", x);
-    p->dy_codes.dy = p->arena.allocate_array<uint8_t>("fp8.dy", dy);
-    p->dy_codes.dyt = p->arena.allocate_array<uint8_t>("fp8.dyt", dy);
-    if (ctx_.swiglu_grad_codes) {
-      p->dy_codes.made = p->arena.allocate_array<uint8_t>("fp8.dy_made", dy);
-      p->dy_codes.made_t = p->arena.allocate_array<uint8_t>("fp8.dyt_made", dy);
-    }
+    p->dy_codes.allocate(p->arena, dy, ctx_.swiglu_grad_codes);
     p->w = p->arena.allocate_array<uint8_t>("fp8.w", weight);
     p->bias = p->arena.allocate_array<bf16>("fp8.bias", outs);
     p->gemm = std::make_unique<gpu::Fp8Gemm>(p->arena.allocate("fp8.workspace", ws), ws);

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "core/device_arena.h"
 #include "model/cuda/fp8_histories.h"
 #include "ops/gpu_fp8.h"
 
@@ -24,6 +25,20 @@ struct Fp8GradCodes {
   // another layer meanwhile; null where none writes (DeviceLinearContext::swiglu_grad_codes).
   uint8_t* made = nullptr;
   uint8_t* made_t = nullptr;
+
+  // Arena bytes for the codes of up to n values of dY: the cast pair, and the pair a producer
+  // writes where `produced` (DeviceLinearContext::swiglu_grad_codes).
+  static size_t bytes(size_t n, bool produced) {
+    return (produced ? 4 : 2) * (n + DeviceArena::kDefaultAlignment);
+  }
+  // Takes them from `arena` (bytes(n, produced) of it).
+  void allocate(DeviceArena& arena, size_t n, bool produced) {
+    dy = arena.allocate_array<uint8_t>("fp8.dy", n);
+    dyt = arena.allocate_array<uint8_t>("fp8.dyt", n);
+    if (!produced) return;
+    made = arena.allocate_array<uint8_t>("fp8.dy_made", n);
+    made_t = arena.allocate_array<uint8_t>("fp8.dyt_made", n);
+  }
 
   struct Codes {
     const uint8_t* dy;   // [N, out]

@@ -77,6 +77,14 @@ struct ZeroChunk {  // gradient elements a table of zeroing writes
 };
 constexpr int64_t kZeroChunk = 16384;
 
+// Whether the fp8 producers run (GpuModelOptions::fp8_producers, with delayed scaling), and
+// whether SwiGLU's backward then writes fc's dY codes: the second pair of dY code buffers
+// (DeviceLinearContext::fp8_producers, swiglu_grad_codes).
+inline bool fp8_producers_run(const GpuModelOptions& o) { return o.fp8_producers && o.precision.delayed(); }
+inline bool swiglu_grad_codes(const ModelConfig& c, const GpuModelOptions& o) {
+  return fp8_producers_run(o) && c.mlp == MlpKind::swiglu;
+}
+
 inline GpuMemoryPlan operator+(const GpuMemoryPlan& a, const GpuMemoryPlan& b) {
   GpuMemoryPlan r;
   r.params = a.params + b.params;

@@ -24,8 +24,8 @@ void GpuTransformer::make_linears() {
   ctx.gelu_mlp = cfg_.mlp == MlpKind::gelu;
   ctx.sparse_dispatch = opt_.sparse_dispatch;
   ctx.precision = opt_.precision;
-  ctx.fp8_producers = opt_.fp8_producers && opt_.precision.delayed();
-  ctx.swiglu_grad_codes = ctx.fp8_producers && cfg_.mlp == MlpKind::swiglu;
+  ctx.fp8_producers = fp8_producers_run(opt_);
+  ctx.swiglu_grad_codes = swiglu_grad_codes(cfg_, opt_);
   ctx.colsum_scratch = im.colsum_scratch;
   ctx.colsum_scratch_bytes = im.colsum_scratch_bytes;
   ctx.fp8_saturated = im.fp8_saturated;

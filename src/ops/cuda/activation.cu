@@ -4,6 +4,7 @@
 // Same expressions and constants as the CPU reference (ops/cpu/activation.cpp).
 #include "core/error.h"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/swiglu_math.cuh"
 #include "ops/gpu.h"
 
 namespace esplag::gpu {
@@ -105,8 +106,6 @@ __global__ void __launch_bounds__(kThreads) residual_kernel(bf16* out, const bf1
   }
 }
 
-__device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
-
 // SwiGLU, one thread per eight outputs of one row (kVec: H % 8 == 0) or per output.
 template <bool kVec>
 __global__ void __launch_bounds__(kThreads) swiglu_forward_kernel(bf16* out, const bf16* inp, int64_t N, int H) {
@@ -124,11 +123,10 @@ __global__ void __launch_bounds__(kThreads) swiglu_forward_kernel(bf16* out, con
     load8(vg, g);
     load8(vu, u);
 #pragma unroll
-    for (int k = 0; k < kPack; ++k) vg[k] = vg[k] * sigmoidf(vg[k]) * vu[k];
+    for (int k = 0; k < kPack; ++k) vg[k] = detail::swiglu_value(vg[k], vu[k]);
     store8(o, vg);
   } else {
-    const float x = to_f(*g);
-    *o = to_bf(x * sigmoidf(x) * to_f(*u));
+    *o = to_bf(detail::swiglu_value(to_f(*g), to_f(*u)));
   }
 }
 
@@ -166,12 +164,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 #pragma unroll
   for (int k = 0; k < per; ++k) {
-    const float sg = sigmoidf(vg[k]);
-    const float silu = vg[k] * sg;
-    const float gg = vd[k] * vu[k] * (sg * (1.f + vg[k] * (1.f - sg)));  // d silu/dg = σ(1 + g(1 - σ))
-    const float gu = vd[k] * silu;
-    og[k] = kAcc ? og[k] + gg : gg;
-    ou[k] = kAcc ? ou[k] + gu : gu;
+    const detail::SwigluBackward b = detail::swiglu_backward_at(vg[k], vu[k], vd[k]);
+    og[k] = kAcc ? og[k] + b.gate : b.gate;
+    ou[k] = kAcc ? ou[k] + b.up : b.up;
   }
   if constexpr (kVec) {
     store8(dg, og);

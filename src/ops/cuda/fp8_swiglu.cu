@@ -33,9 +33,9 @@ using detail::record_amax;
 using detail::TileGrid;
 using detail::store_row_codes;
 using detail::store_tile_t;
-using detail::swiglu_grad_gate;
-using detail::swiglu_grad_up;
+using detail::swiglu_backward_at;
 using detail::swiglu_value;
+using detail::SwigluBackward;
 using detail::tile_g;
 using detail::tile_h;
 using detail::TilePlace;
@@ -143,9 +143,10 @@ __global__ void __launch_bounds__(kTileThreads, 2)
       if (more) load_row(p, i, inp, dout, N, H, next, g);  // the next tile's row, in flight meanwhile
 #pragma unroll
       for (int k = 0; k < kPack; ++k) {
-        vg[k] = as_stored(swiglu_grad_gate(fg[k], fu[k], fd[k]));
-        vu[k] = as_stored(swiglu_grad_up(fg[k], fd[k]));
-        va[k] = as_stored(swiglu_value(fg[k], fu[k]));
+        const SwigluBackward b = swiglu_backward_at(fg[k], fu[k], fd[k]);
+        vg[k] = as_stored(b.gate);
+        vu[k] = as_stored(b.up);
+        va[k] = as_stored(b.value);
       }
       dgate[i] = encode8<GradE5M2>(vg, sg, clipped_g);
       dup[i] = encode8<GradE5M2>(vu, sg, clipped_g);

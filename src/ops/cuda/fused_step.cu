@@ -192,9 +192,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 #pragma unroll
   for (int k = 0; k < per; ++k) {
-    og[k] = detail::swiglu_grad_gate(vg[k], vu[k], vd[k]);
-    ou[k] = detail::swiglu_grad_up(vg[k], vd[k]);
-    oa[k] = swiglu_value(vg[k], vu[k]);
+    const detail::SwigluBackward b = detail::swiglu_backward_at(vg[k], vu[k], vd[k]);
+    og[k] = b.gate;
+    ou[k] = b.up;
+    oa[k] = b.value;
   }
   if constexpr (kVec) {
     store8(dg, og);
