@@ -322,91 +322,120 @@ __global__ void __launch_bounds__(kFinalCols * kFinalSlices)
 }
 
 // ---------------------------------------------------------------------------------------
-// Fused norm backward. A block owns kNormRows consecutive rows: phase A, a warp per row,
-// computes the row's two sums exactly as norm.cu's backward does; phase B, a thread per
-// 8 columns (and per row lane when C < 2048) walks the rows, writes dinp and keeps the
-// column sums in registers; the row lanes are then added in order in shared memory and
-// the block writes one partial row per output.
+// Fused norm backward. A block owns kNormRows consecutive rows and walks them in groups of
+// kNormGroup: phase A, a warp per row, computes the group's row sums exactly as norm.cu's
+// backward does; phase B, a thread per 8 columns (and per row lane when C < 2048), writes
+// the group's dinp and keeps the column sums in registers. Phase B reads again the rows
+// phase A has just read, which the caches still hold (a whole block's rows at once would
+// not fit the L2 across the grid: every block is resident). A thread adds its rows in
+// increasing order whatever the grouping; the row lanes are then added in order in shared
+// memory and the block writes one partial row per output.
 
 constexpr int kNormRows = 32;
+constexpr int kNormGroup = kThreads / 32;  // a warp per row in phase A
+constexpr int kNormBatch = 4;              // rows whose loads phase B issues before it stores any
+static_assert(kNormRows % kNormGroup == 0, "groups tile the block's rows");
 
 template <bool kRms>
 __global__ void __launch_bounds__(kThreads)
     norm_bwd_fused_kernel(bf16* dinp, float* part, const bf16* dout, const bf16* inp, const bf16* weight,
                           const float* mean, const float* rstd, int N, int C, int64_t stride, bool want_w,
                           bool want_b, bool want_sum) {
-  __shared__ float stat_g[kNormRows], stat_gx[kNormRows];
+  __shared__ float stat_g[kNormGroup], stat_gx[kNormGroup];
   __shared__ float red[3][kFusedNormMaxC];
   const int row0 = blockIdx.x * kNormRows;
   const int rows = min(kNormRows, N - row0);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int i = warp; i < rows; i += kThreads / 32) {
-    const int64_t off = static_cast<int64_t>(row0 + i) * C;
-    const float m = kRms ? 0.f : mean[row0 + i], r = rstd[row0 + i];
-    float sg = 0.f, sgx = 0.f;
-    for (int c = lane * kPack; c < C; c += 32 * kPack) {
-      float d[kPack], x[kPack], w[kPack];
-      load8(d, dout + off + c);
-      load8(x, inp + off + c);
-      load8(w, weight + c);
-      for (int k = 0; k < kPack; ++k) {
-        const float g = d[k] * w[k];
-        if constexpr (kRms) {
-          sgx += g * x[k];
-        } else {
-          sg += g;
-          sgx += g * ((x[k] - m) * r);
-        }
-      }
-    }
-    sgx = detail::warp_sum(sgx);
-    if (!kRms) sg = detail::warp_sum(sg);
-    if (lane == 0) {
-      stat_g[i] = sg / C;
-      stat_gx[i] = sgx / C;
-    }
-  }
-  __syncthreads();
-
   const int groups = C / kPack;
   const int lanes = max(1, kThreads / groups);
   const int grp = threadIdx.x % groups, rl = threadIdx.x / groups;
   const bool active = rl < lanes;
   const int c = grp * kPack;
-  float aw[kPack] = {}, ab[kPack] = {}, as[kPack] = {};
-  if (active) {
-    float w[kPack];
-    load8(w, weight + c);
-    for (int i = rl; i < rows; i += lanes) {
-      const int64_t off = static_cast<int64_t>(row0 + i) * C + c;
+  float w[kPack] = {}, aw[kPack] = {}, ab[kPack] = {}, as[kPack] = {};
+  if (active) load8(w, weight + c);
+  int next = rl;  // the next row of this thread's row lane
+  for (int g0 = 0; g0 < rows; g0 += kNormGroup) {
+    const int g1 = min(rows, g0 + kNormGroup);
+    if (g0 + warp < g1) {  // phase A
+      const int i = g0 + warp;
+      const int64_t off = static_cast<int64_t>(row0 + i) * C;
       const float m = kRms ? 0.f : mean[row0 + i], r = rstd[row0 + i];
-      const float mg = stat_g[i], mgx = stat_gx[i];
-      const float kr = r * r * r * mgx;
-      float d[kPack], x[kPack], o[kPack];
-      load8(d, dout + off);
-      load8(x, inp + off);
-      load8(o, dinp + off);
+      float sg = 0.f, sgx = 0.f;
 #pragma unroll
-      for (int k = 0; k < kPack; ++k) {
-        const float g = d[k] * w[k];
-        float dx;
-        if constexpr (kRms) {
-          dx = r * g - kr * x[k];
-          aw[k] += d[k] * x[k] * r;
-        } else {
-          const float xh = (x[k] - m) * r;
-          dx = r * (g - mg - xh * mgx);
-          aw[k] += d[k] * xh;
-          ab[k] += d[k];
+      for (int j = 0; j < kFusedNormMaxC / (32 * kPack); ++j) {
+        const int cc = (j * 32 + lane) * kPack;
+        if (cc >= C) break;
+        float d[kPack], x[kPack], wc[kPack];
+        load8(d, dout + off + cc);
+        load8(x, inp + off + cc);
+        load8(wc, weight + cc);
+        for (int k = 0; k < kPack; ++k) {
+          const float g = d[k] * wc[k];
+          if constexpr (kRms) {
+            sgx += g * x[k];
+          } else {
+            sg += g;
+            sgx += g * ((x[k] - m) * r);
+          }
         }
-        o[k] += dx;
       }
-      store8(dinp + off, o);
-      if (want_sum) {
-#pragma unroll
-        for (int k = 0; k < kPack; ++k) as[k] += to_f(to_bf(o[k]));  // what was stored
+      sgx = detail::warp_sum(sgx);
+      if (!kRms) sg = detail::warp_sum(sg);
+      if (lane == 0) {
+        stat_g[warp] = sg / C;
+        stat_gx[warp] = sgx / C;
       }
     }
+    __syncthreads();
+    // Phase B: this lane's rows of the group, kNormBatch at a time, loads first.
+    while (active && next < g1) {
+      uint4 d[kNormBatch], x[kNormBatch], o[kNormBatch];
+      int n = 0;
+#pragma unroll
+      for (int b = 0; b < kNormBatch; ++b) {
+        const int i = next + b * lanes;
+        if (i >= g1) break;
+        const int64_t off = static_cast<int64_t>(row0 + i) * C + c;
+        d[b] = *reinterpret_cast<const uint4*>(dout + off);
+        x[b] = *reinterpret_cast<const uint4*>(inp + off);
+        o[b] = *reinterpret_cast<const uint4*>(dinp + off);
+        n = b + 1;
+      }
+#pragma unroll
+      for (int b = 0; b < kNormBatch; ++b) {
+        if (b >= n) break;
+        const int i = next + b * lanes;
+        const float m = kRms ? 0.f : mean[row0 + i], r = rstd[row0 + i];
+        const float mg = stat_g[i - g0], mgx = stat_gx[i - g0];
+        const float kr = r * r * r * mgx;
+        float dv[kPack], xv[kPack], ov[kPack];
+        detail::unpack8(dv, d[b]);
+        detail::unpack8(xv, x[b]);
+        detail::unpack8(ov, o[b]);
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) {
+          const float g = dv[k] * w[k];
+          float dx;
+          if constexpr (kRms) {
+            dx = r * g - kr * xv[k];
+            aw[k] += dv[k] * xv[k] * r;
+          } else {
+            const float xh = (xv[k] - m) * r;
+            dx = r * (g - mg - xh * mgx);
+            aw[k] += dv[k] * xh;
+            ab[k] += dv[k];
+          }
+          ov[k] += dx;
+        }
+        store8(dinp + static_cast<int64_t>(row0 + i) * C + c, ov);
+        if (want_sum) {
+#pragma unroll
+          for (int k = 0; k < kPack; ++k) as[k] += to_f(to_bf(ov[k]));  // what was stored
+        }
+      }
+      next += n * lanes;
+    }
+    __syncthreads();  // the group's statistics are read before the next group's replace them
   }
   for (int l = 0; l < lanes; ++l) {  // row lanes in order
     __syncthreads();
