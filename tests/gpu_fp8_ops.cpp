@@ -520,6 +520,97 @@ TEST(GpuFp8, NormRecomputeCodesAreTheCastsOfItsValues) {
     }
 }
 
+// fp8_layernorm_forward's and fp8_rmsnorm_forward's codes, inverse scale, recorded amax and
+// saturated count are those of the bf16 forward's output through fp8_cast, bit for bit, at
+// a scale from half the output's amax; their residual sums and statistics are the bf16
+// forward's bits. With and without the residual add, C below and above a warp's 256
+// columns and off them, outputs poisoned first.
+TEST(GpuFp8, NormForwardCodesAreTheCastsOfItsValues) {
+  REQUIRE_DEVICE();
+  uint64_t seed = 1400;
+  for (const int kind : {0, 1, 2})  // LayerNorm with a bias, without, RMSNorm
+    for (const bool add : {false, true})
+      for (const auto& [N, C] : {std::pair<int, int>{1, 8}, {130, 72}, {9, 1000}, {300, 136}, {64, 2048}}) {
+        const bool rms = kind == 2, with_bias = kind == 0;
+        SCOPED_TRACE(std::string(rms ? "RMSNorm" : with_bias ? "LayerNorm" : "LayerNorm without bias") +
+                     (add ? " with the residual add" : "") + " N=" + std::to_string(N) + " C=" + std::to_string(C));
+        Dev dev;
+        const size_t n = size_t(N) * C;
+        const bf16* a = dev.put_bf16(random_bits(n, ++seed, 2.0, N == 130));
+        const bf16* b = add ? dev.put_bf16(random_bits(n, ++seed, 1.0)) : nullptr;
+        const bf16* w = dev.put_bf16(random_bits(size_t(C), ++seed, 1.5));
+        const bf16* bias = with_bias ? dev.put_bf16(random_bits(size_t(C), ++seed, 0.5)) : nullptr;
+        struct Outputs {
+          bf16* res;
+          float *mean, *rstd;
+        };
+        const auto outputs = [&] { return Outputs{dev.poisoned_bf16(n), dev.poisoned_floats(size_t(N)),
+                                                  dev.poisoned_floats(size_t(N))}; };
+        const Outputs want = outputs(), got = outputs();
+        bf16* y = dev.poisoned_bf16(n);
+        cudaStream_t s = dev.stream();
+        if (rms)
+          gpu::rmsnorm_forward(y, want.rstd, want.res, a, b, w, N, C, s);
+        else
+          gpu::layernorm_forward(y, want.mean, want.rstd, want.res, a, b, w, bias, N, C, s);
+        float* scale_from = half_amax(dev, y, int64_t(n));
+        uint8_t *want_codes = dev.poisoned_codes(n), *got_codes = dev.poisoned_codes(n);
+        float *want_inv = dev.poisoned_floats(1), *got_inv = dev.poisoned_floats(1);
+        float *want_record = dev.put(VF{0.0f}), *got_record = dev.put(VF{0.0f});
+        uint64_t *want_sat = dev.zeroed_counter(), *got_sat = dev.zeroed_counter();
+        gpu::fp8_cast(want_codes, want_inv, y, int64_t(n), {scale_from, want_record}, Fp8Format::e4m3, want_sat, s);
+        const gpu::Fp8Target to{got_codes, nullptr, got_inv, {scale_from, got_record}, Fp8Format::e4m3, got_sat};
+        if (rms)
+          gpu::fp8_rmsnorm_forward(to, got.rstd, got.res, a, b, w, N, C, s);
+        else
+          gpu::fp8_layernorm_forward(to, got.mean, got.rstd, got.res, a, b, w, bias, N, C, s);
+        expect_codes("the output", dev.get(want_codes, n), dev.get(got_codes, n + kGuard));
+        EXPECT_EQ(float_bits(dev.get_float(got_inv)), float_bits(dev.get_float(want_inv)));
+        EXPECT_EQ(float_bits(dev.get_float(got_record)), float_bits(dev.get_float(want_record)));
+        EXPECT_EQ(dev.get_count(got_sat), dev.get_count(want_sat));
+        EXPECT_GT(dev.get_count(want_sat), 0u) << "the half amax saturates values";
+        const auto bits = [&](const float* p) {
+          std::vector<uint32_t> r;
+          for (const float f : dev.get(p, size_t(N))) r.push_back(float_bits(f));
+          return r;
+        };
+        EXPECT_EQ(bits(got.rstd), bits(want.rstd));
+        if (!rms) EXPECT_EQ(bits(got.mean), bits(want.mean));
+        if (add) EXPECT_EQ(dev.get_bits(got.res, n), dev.get_bits(want.res, n));
+      }
+}
+
+// The forward norms' fp8 producers refuse what they cannot write.
+TEST(GpuFp8, NormForwardCodesRefuseBadArguments) {
+  REQUIRE_DEVICE();
+  Dev dev;
+  const int N = 16, C = 64;
+  const bf16* x = dev.put_bf16(random_bits(size_t(N) * C + 8, 5, 1.0));
+  const bf16* w = dev.put_bf16(random_bits(size_t(C) + 8, 6, 1.0));
+  float* rstd = dev.poisoned_floats(size_t(N));
+  float* scale_from = dev.put(VF{1.0f});
+  const auto target = [&](bool out_t, Fp8Format f) {
+    const size_t m = size_t(N) * C + 8;
+    return gpu::Fp8Target{dev.poisoned_codes(m), out_t ? dev.poisoned_codes(m) : nullptr, dev.poisoned_floats(1),
+                          {scale_from}, f, nullptr};
+  };
+  const gpu::Fp8Target to = target(false, Fp8Format::e4m3);
+  gpu::Fp8Target shifted = to;
+  shifted.out += 4;
+  cudaStream_t s = dev.stream();
+  EXPECT_THROW(gpu::fp8_rmsnorm_forward(to, rstd, nullptr, x, nullptr, w, N, 60, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_rmsnorm_forward(to, rstd, nullptr, x + 1, nullptr, w, N, C, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_rmsnorm_forward(shifted, rstd, nullptr, x, nullptr, w, N, C, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_rmsnorm_forward(to, rstd, nullptr, x, x, w, N, C, s), esplag::Error);  // no residual_out
+  EXPECT_THROW(gpu::fp8_rmsnorm_forward(target(true, Fp8Format::e4m3), rstd, nullptr, x, nullptr, w, N, C, s),
+               esplag::Error);
+  EXPECT_THROW(gpu::fp8_layernorm_forward(target(false, Fp8Format::e5m2), nullptr, rstd, nullptr, x, nullptr, w,
+                                          nullptr, N, C, s),
+               esplag::Error);
+  EXPECT_NO_THROW(gpu::fp8_rmsnorm_forward(to, rstd, nullptr, x, nullptr, w, N, C, s));
+  CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
 // fp8_norm_recompute refuses what it cannot read or write.
 TEST(GpuFp8, NormRecomputeRefusesBadArguments) {
   REQUIRE_DEVICE();

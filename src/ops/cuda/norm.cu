@@ -1,5 +1,6 @@
-// LayerNorm and RMSNorm, forward fused with the residual add, backward accumulating
-// into the residual-stream gradient.
+// LayerNorm and RMSNorm, forward fused with the residual add (its kernel in
+// norm_forward.cuh, with a bf16 sink here), backward accumulating into the residual-stream
+// gradient.
 //
 // One warp per row: the row is read with 16-byte loads when C is a multiple of 8 and the
 // pointers are aligned (scalar loads otherwise), statistics are warp butterfly sums in
@@ -8,6 +9,7 @@
 // column sums (reduce.cuh).
 #include "core/error.h"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/norm_forward.cuh"
 #include "ops/cuda/reduce.cuh"
 #include "ops/gpu.h"
 
@@ -16,106 +18,22 @@ namespace esplag::gpu {
 namespace {
 
 using detail::kPack;
-using detail::load8;
-using detail::store8;
-using detail::to_bf;
+using detail::load_n;
+using detail::store_n;
 using detail::to_f;
 using detail::warp_sum;
 
-constexpr int kRowsPerBlock = 8;
-constexpr int kThreads = 32 * kRowsPerBlock;
+constexpr int kRowsPerBlock = detail::kNormRowsPerBlock;
+constexpr int kThreads = detail::kNormThreads;
 
-// Loads the eight elements at column c (vector path) or element c (scalar path) of the
-// row; kVec callers step c by 8 * 32, scalar callers by 32.
+// The forward's sink: the output in bf16.
 template <bool kVec>
-__device__ __forceinline__ int load_n(float (&f)[kPack], const bf16* row, int c, int C) {
-  if constexpr (kVec) {
-    load8(f, row + c);
-    return kPack;
-  } else {
-    f[0] = to_f(row[c]);
-    return 1;
-  }
-}
-
-template <bool kVec>
-__device__ __forceinline__ void store_n(bf16* row, int c, const float (&f)[kPack]) {
-  if constexpr (kVec)
-    store8(row + c, f);
-  else
-    row[c] = to_bf(f[0]);
-}
-
-// Forward. x = bf16(a + b) (written to res) or a; LayerNorm: y = (x - mean) rstd w + bias,
-// RMSNorm: y = x rstd w; rstd = rsqrt(var(x) + eps), or rsqrt(mean(x²) + eps).
-template <bool kVec, bool kRms>
-__global__ void __launch_bounds__(kThreads)
-    norm_forward_kernel(bf16* out, float* mean, float* rstd, bf16* res, const bf16* a, const bf16* b,
-                        const bf16* weight, const bf16* bias, int N, int C, float eps) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
-  const int lane = threadIdx.x & 31;
-  if (row >= N) return;  // whole warps leave; no block-wide barrier below
-  const int64_t off = row * C;
-  const int first = kVec ? lane * kPack : lane, step = kVec ? 32 * kPack : 32;
-  const bf16* x = a + off;
-  float s = 0.f;
-  if (b) {
-    bf16* r = res + off;
-    for (int c = first; c < C; c += step) {
-      float va[kPack], vb[kPack];
-      const int n = load_n<kVec>(va, a + off, c, C);
-      load_n<kVec>(vb, b + off, c, C);
-      for (int k = 0; k < n; ++k) {
-        va[k] = to_f(to_bf(va[k] + vb[k]));  // the norm sees exactly what is stored
-        s += kRms ? va[k] * va[k] : va[k];
-      }
-      store_n<kVec>(r, c, va);
-    }
-    x = r;  // each lane re-reads only what it wrote itself
-  } else {
-    for (int c = first; c < C; c += step) {
-      float v[kPack];
-      const int n = load_n<kVec>(v, x, c, C);
-      for (int k = 0; k < n; ++k) s += kRms ? v[k] * v[k] : v[k];
-    }
-  }
-  s = warp_sum(s);
-  float m = 0.f, r;
-  if constexpr (kRms) {
-    r = rsqrtf(s / C + eps);
-  } else {
-    m = s / C;
-    float var = 0.f;  // two passes: Σ(x - m)² does not cancel like Σx² - C m²
-    for (int c = first; c < C; c += step) {
-      float v[kPack];
-      const int n = load_n<kVec>(v, x, c, C);
-      for (int k = 0; k < n; ++k) {
-        const float d = v[k] - m;
-        var += d * d;
-      }
-    }
-    var = warp_sum(var);
-    r = rsqrtf(var / C + eps);
-  }
-  bf16* o = out + off;
-  for (int c = first; c < C; c += step) {
-    float v[kPack], w[kPack], bi[kPack];
-    const int n = load_n<kVec>(v, x, c, C);
-    load_n<kVec>(w, weight, c, C);
-    if (!kRms && bias) load_n<kVec>(bi, bias, c, C);
-    for (int k = 0; k < n; ++k) {
-      if constexpr (kRms)
-        v[k] = v[k] * r * w[k];
-      else
-        v[k] = (v[k] - m) * r * w[k] + (bias ? bi[k] : 0.f);
-    }
-    store_n<kVec>(o, c, v);
-  }
-  if (lane == 0) {
-    if (mean && !kRms) mean[row] = m;
-    if (rstd) rstd[row] = r;
-  }
-}
+struct Bf16Rows {
+  bf16* out;
+  __device__ void begin() {}
+  __device__ void put(int64_t off, int c, const float (&v)[kPack], int) { store_n<kVec>(out + off, c, v); }
+  __device__ void finish() {}
+};
 
 // dinp += d(norm)/d(inp) · dout, per row.
 //   LayerNorm: dx = rstd (g - mean(g) - x̂ mean(g x̂)),  g = dout w, x̂ = (x - mean) rstd
@@ -181,11 +99,11 @@ void launch_forward(bf16* out, float* mean, float* rstd, bf16* res, const bf16* 
                    (!b || (detail::aligned16(b) && detail::aligned16(res))) && (!bias || detail::aligned16(bias));
   const unsigned grid = detail::blocks_for(N, kRowsPerBlock);
   if (vec)
-    norm_forward_kernel<true, kRms>
-        <<<grid, kThreads, 0, stream>>>(out, mean, rstd, res, a, b, weight, bias, N, C, eps);
+    detail::norm_forward_kernel<true, kRms>
+        <<<grid, kThreads, 0, stream>>>(Bf16Rows<true>{out}, mean, rstd, res, a, b, weight, bias, N, C, eps);
   else
-    norm_forward_kernel<false, kRms>
-        <<<grid, kThreads, 0, stream>>>(out, mean, rstd, res, a, b, weight, bias, N, C, eps);
+    detail::norm_forward_kernel<false, kRms>
+        <<<grid, kThreads, 0, stream>>>(Bf16Rows<false>{out}, mean, rstd, res, a, b, weight, bias, N, C, eps);
   CUDA_CHECK_LAUNCH(name);
 }
 
