@@ -440,6 +440,17 @@ TEST(CusparseltLayout, CompressKeptE4m3MatchesTheHostCast) {
         << "W1's codes: " << diff_text(download(n_got, bytes), want_n, n / 2);
     EXPECT_TRUE(download(t_got, bytes) == want_t)
         << "W2^T's codes: " << diff_text(download(t_got, bytes), want_t, n / 2);
+    // Either copy alone: its block stores it with all its threads (half of them with both).
+    for (const bool forward : {true, false}) {
+      Dev one(bytes);
+      CUDA_CHECK(cudaMemset(one.p, 0xFF, bytes));
+      gpu::cusparselt24_compress_kept_e4m3(dk.as<gpu::bf16>(), df.as<uint16_t>(), db.as<uint16_t>(), rows, cols, sc,
+                                           sc + 16, sc + 32, sc + 48, forward ? one.p : nullptr,
+                                           forward ? nullptr : one.p, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_TRUE(download(one, bytes) == (forward ? want_n : want_t)) << (forward ? "W1's" : "W2^T's")
+                                                                       << " codes alone";
+    }
     // W2 is 2:4 along both dimensions: from it as a dense W (semi_sparse's way), both
     // orientations with W2's one scale.
     float amax_w2 = 0, inv_w2 = 0;

@@ -33,11 +33,18 @@ __device__ __forceinline__ float fp8_scale_of(float amax) {
   return isfinite(s) ? s : FLT_MAX;
 }
 
+// The codes of x0 · s and x1 · s, x0's in the low byte, where neither x is NaN (the
+// scales are finite and positive, so then neither product is NaN either).
+template <bool E5M2>
+__device__ __forceinline__ uint32_t fp8_encode2_no_nan(float x0, float x1, float s) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(x0 * s, x1 * s), __NV_SATFINITE, Fp8Format<E5M2>::kind);
+}
+
 // The codes of x0 · s and x1 · s, x0's in the low byte. A NaN takes the sign of x (the
 // device's product of a NaN is the canonical, positive NaN; the host's keeps x's sign).
 template <bool E5M2>
 __device__ __forceinline__ uint32_t fp8_encode2(float x0, float x1, float s) {
-  uint32_t c = __nv_cvt_float2_to_fp8x2(make_float2(x0 * s, x1 * s), __NV_SATFINITE, Fp8Format<E5M2>::kind);
+  uint32_t c = fp8_encode2_no_nan<E5M2>(x0, x1, s);
   if (isnan(x0)) c = (c & 0xFF00u) | (signbit(x0) ? 0xFFu : 0x7Fu);
   if (isnan(x1)) c = (c & 0x00FFu) | (signbit(x1) ? 0xFF00u : 0x7F00u);
   return c;

@@ -28,7 +28,7 @@ __host__ __device__ inline int64_t meta_offset(int64_t r, int64_t g, int64_t k) 
 
 // The positions a group stores, from its non-zero ones (bit j = code j non-zero): the first
 // two, padded by the highest positions not taken, as a 4-bit set of exactly two.
-__host__ __device__ inline unsigned stored_positions(unsigned nonzero) {
+__host__ __device__ constexpr unsigned stored_positions(unsigned nonzero) {
   const unsigned low = nonzero & (0u - nonzero), rest = nonzero & ~low;
   unsigned keep = low | (rest & (0u - rest));
   for (int pad = 0; pad < 2; ++pad)
@@ -39,8 +39,20 @@ __host__ __device__ inline unsigned stored_positions(unsigned nonzero) {
   return keep;
 }
 
-__host__ __device__ inline unsigned lowest(unsigned set) { return set & 1u ? 0u : set & 2u ? 1u : set & 4u ? 2u : 3u; }
-__host__ __device__ inline unsigned highest(unsigned set) { return set & 8u ? 3u : set & 4u ? 2u : set & 2u ? 1u : 0u; }
+__host__ __device__ constexpr unsigned lowest(unsigned set) { return set & 1u ? 0u : set & 2u ? 1u : set & 4u ? 2u : 3u; }
+__host__ __device__ constexpr unsigned highest(unsigned set) { return set & 8u ? 3u : set & 4u ? 2u : set & 2u ? 1u : 0u; }
+
+// The metadata nibble lowest | highest << 2 of stored_positions(n) for every set n of
+// non-zero codes, at bits 4n: the device writer's lookup instead of the branches.
+constexpr uint64_t stored_nibbles() {
+  uint64_t t = 0;
+  for (unsigned n = 0; n < 16; ++n) {
+    const unsigned keep = stored_positions(n);
+    t |= uint64_t(lowest(keep) | highest(keep) << 2) << (4 * n);
+  }
+  return t;
+}
+constexpr uint64_t kStoredNibbles = stored_nibbles();
 
 void check_shape(const char* who, int64_t rows, int64_t cols) {
   ESPLAG_CHECK(rows > 0 && cols > 0 && rows % kTile == 0 && cols % kTile == 0, who, ": [", rows, ", ", cols,
@@ -110,6 +122,22 @@ struct StagedCopy {
   uint8_t meta[kTile * kTile / 8];
 };
 
+// The codes of a group's four values (bf16 bits: lo holds values 0 and 1, hi 2 and 3, the
+// lower in the low half) at scale s, as fp8_encode2 makes them; its NaN sign fix is taken
+// only for a group that holds a NaN (|bits| above infinity's).
+__device__ inline uint32_t encode_group(uint32_t lo, uint32_t hi, float s) {
+  const float x0 = __uint_as_float(lo << 16), x1 = __uint_as_float(lo & 0xFFFF0000u);
+  const float x2 = __uint_as_float(hi << 16), x3 = __uint_as_float(hi & 0xFFFF0000u);
+  if (__vcmpgtu2(lo & 0x7FFF7FFFu, 0x7F807F80u) | __vcmpgtu2(hi & 0x7FFF7FFFu, 0x7F807F80u))
+    return detail::fp8_encode2<false>(x0, x1, s) | detail::fp8_encode2<false>(x2, x3, s) << 16;
+  return detail::fp8_encode2_no_nan<false>(x0, x1, s) | detail::fp8_encode2_no_nan<false>(x2, x3, s) << 16;
+}
+
+// meta_offset(r, g, 0) of a tile's local row r < 64 and group g < 16, in 32 bits.
+__device__ inline unsigned tile_meta_offset(unsigned r, unsigned g) {
+  return (r / 16) * 128 + (r % 8) * 16 + ((g % 8) / 2) * 4 + (g / 8) * 2 + (r % 16) / 8;
+}
+
 // The four rows of a 4×4 tile (bf16 bits) as the tile's local rows lr..lr + 3 and group lg of
 // op(W): cast with scale s, their two stored codes into the values and their nibbles into the
 // metadata. The lanes holding groups lg and lg ^ 1 of the same rows are `partner` apart: the
@@ -118,19 +146,15 @@ __device__ inline void stage_rows(StagedCopy& st, int lr, int lg, const sparsify
                                   int partner) {
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    const uint32_t lo = tile.lo[r], hi = tile.hi[r];
-    const uint32_t codes =
-        detail::fp8_encode2<false>(__uint_as_float(lo << 16), __uint_as_float(lo & 0xFFFF0000u), s) |
-        detail::fp8_encode2<false>(__uint_as_float(hi << 16), __uint_as_float(hi & 0xFFFF0000u), s) << 16;
-    unsigned nonzero = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) nonzero |= ((codes >> (8 * j)) & 0x7Fu) ? 1u << j : 0u;
-    const unsigned keep = stored_positions(nonzero), i0 = lowest(keep), i1 = highest(keep);
+    const uint32_t codes = encode_group(tile.lo[r], tile.hi[r], s);
+    // Byte j of `marks` is 1 << j where code j is not ±0; their sum is the set of them.
+    const uint32_t marks = __vcmpne4(codes & 0x7F7F7F7Fu, 0u) & 0x08040201u;
+    const unsigned nonzero = (marks * 0x01010101u) >> 24;
+    const unsigned nib = unsigned(kStoredNibbles >> (4 * nonzero)) & 15u;  // i0 | i1 << 2
     *reinterpret_cast<uint16_t*>(&st.values[lr + r][2 * lg]) =
-        uint16_t(((codes >> (8 * i0)) & 0xFFu) | ((codes >> (8 * i1)) & 0xFFu) << 8);
-    const unsigned nib = i0 | i1 << 2;
+        uint16_t(__byte_perm(codes, 0u, (nib & 3u) | (nib >> 2) << 4));  // codes i0, i1
     const unsigned other = __shfl_xor_sync(0xffffffffu, nib, partner);
-    if (lg % 2 == 0) st.meta[meta_offset(lr + r, lg, 0)] = uint8_t(nib | other << 4);
+    if (lg % 2 == 0) st.meta[tile_meta_offset(lr + r, lg)] = uint8_t(nib | other << 4);
   }
 }
 
