@@ -304,9 +304,12 @@ TEST(CusparseltLayout, PruneCompressMatchesTheTwoPasses) {
 // whose stored positions are padded), the forward mask as tile bits, and a backward mask
 // keeping the first two of the forward mask's positions down each column of a tile (so
 // columns keep 0, 1 or 2); with W1 and W2 = W1 ⊙ backward mask dense.
+// `specials`: now and then a group's first kept value is NaN (either sign), ±inf, -0 or a
+// negative bf16 subnormal (an fp8 -0 after any scale).
 struct SlopeWeight {
   std::vector<uint16_t> w1, w2, kept, fwd, bwd;
-  SlopeWeight(int64_t rows, int64_t cols, uint64_t seed) {
+  SlopeWeight(int64_t rows, int64_t cols, uint64_t seed, bool specials = false) {
+    const uint16_t kSpecials[6] = {0x7FC0, 0xFFC1, 0x7F80, 0xFF80, 0x8000, 0x8001};
     const int64_t groups = cols / 4;
     w1.assign(size_t(rows * cols), 0);
     w2.assign(w1.size(), 0);
@@ -322,7 +325,8 @@ struct SlopeWeight {
         for (int j = 0; j < 4; ++j)
           if (nib >> j & 1u) {
             const uint32_t x = lcg(seed);
-            const uint16_t b = x % 8 == 0 ? 0 : uint16_t(((x & 1u) << 15) | (0x3C00u + (x >> 4) % 200u));
+            uint16_t b = x % 8 == 0 ? 0 : uint16_t(((x & 1u) << 15) | (0x3C00u + (x >> 4) % 200u));
+            if (specials && k == 0 && (r * groups + g) % 29 == 3) b = kSpecials[size_t((r * groups + g) / 29 % 6)];
             w1[size_t(r * cols + 4 * g + j)] = b;
             kept[size_t(r * (cols / 2) + 2 * g + k++)] = b;
           }
@@ -393,12 +397,13 @@ TEST(CusparseltLayout, E4m3HostMatchesLibrary) {
 // against the CPU: core's amax of W1 and of W2, each cast with its scale (fp8_encode of
 // float(w) · s), W2 transposed, both through the CPU reference of the layout; and the
 // inverse scales. Then W2 (2:4 both ways) as a dense W through cusparselt24_compress_e4m3:
-// its codes and its transpose's with one scale. Outputs poisoned; needs no library.
+// its codes and its transpose's with one scale. NaN of either sign, ±inf, -0 and a negative
+// subnormal among the values (SlopeWeight's specials); outputs poisoned; needs no library.
 TEST(CusparseltLayout, CompressKeptE4m3MatchesTheHostCast) {
   if (!esplag::gpu_test::has_device()) GTEST_SKIP() << "no CUDA device";
   for (auto [rows, cols] : {std::pair<int64_t, int64_t>{64, 64}, {128, 320}, {320, 192}}) {
     SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols));
-    const SlopeWeight sw(rows, cols, 991 + uint64_t(rows * 7 + cols));
+    const SlopeWeight sw(rows, cols, 991 + uint64_t(rows * 7 + cols), true);
     const size_t n = sw.w1.size(), bytes = gpu::cusparselt24_e4m3_layout_bytes(rows, cols);
     // The CPU side.
     auto codes = [&](const std::vector<uint16_t>& w, bool transpose, float* amax, float* inv) {

@@ -33,6 +33,7 @@
 
 namespace {
 
+using esplag::CheckpointMode;
 using esplag::Fp8Format;
 using esplag::GpuModelOptions;
 using esplag::GpuTransformer;
@@ -138,36 +139,41 @@ TEST_F(GpuFp8Dense, WeightCodesFollowEveryWeightChange) {
 }
 
 // With delayed scaling, once the histories are warm, the ops that make the layers' operands
-// write their codes themselves (SwiGLU's forward and backward, the backward's recomputed
-// norms; GpuModelOptions::fp8_producers) and the casts do not run: a model with them and one
-// without, given the same weights, give the same losses and gradients bit for bit, through
-// micro-batches of two sizes and AdamW steps. A GELU model (LayerNorm with biases: the norms'
-// producer only) and a SwiGLU one (RMSNorm), with e5m2 and e4m3 gradients.
+// write their codes themselves (SwiGLU's forward and backward, the norms' forward and the
+// backward's recomputed norms; GpuModelOptions::fp8_producers) and the casts do not run: a
+// model with them and one without, given the same weights, give the same losses and
+// gradients bit for bit, through micro-batches of two sizes and AdamW steps. A GELU model
+// (LayerNorm with biases: the norms' producers only) and a SwiGLU one (RMSNorm), with e5m2
+// and e4m3 gradients; the SwiGLU one with e4m3 also under full activation checkpointing
+// (every other block's forward runs again before its backward, its norm writing codes again).
 TEST_F(GpuFp8Dense, ProducersGiveTheCastsBits) {
   for (const ModelConfig& cfg : {gelu_config(), esplag::gpu_test::sparse_llama_config()})
-    for (const Fp8Format grad : {Fp8Format::e5m2, Fp8Format::e4m3}) {
-      SCOPED_TRACE(cfg.preset + " gradients " + to_string(grad));
-      Transformer<float> cm(cfg);
-      const std::vector<float> p = initial_params(cm);
-      GpuModelOptions with = fp8_options(grad);
-      with.precision.scaling = esplag::Fp8Scaling::delayed;
-      GpuModelOptions without = with;
-      without.fp8_producers = false;
-      GpuTransformer a(cfg, 2, 64, with), b(cfg, 2, 64, without);
-      a.set_params(p.data(), p.size());
-      b.set_params(p.data(), p.size());
-      const TokenBatch full = random_batch(cfg, 2, 64, 41), smaller = random_batch(cfg, 1, 48, 43);
-      for (int step = 0; step < 3; ++step) {  // step 0: the histories are cold, the casts scale by the amaxes
-        const std::string what = "step " + std::to_string(step);
-        // Not a model without producers: from the first roll on, every block Linear takes codes.
-        for (const std::string& name : cm.linear_names())
-          EXPECT_EQ(a.linear(name).takes_produced_fp8(), step > 0) << name << ", " << what;
-        expect_same_bits(micro_batch(a, full), micro_batch(b, full), what + ", full micro-batch");
-        expect_same_bits(micro_batch(a, smaller), micro_batch(b, smaller), what + ", smaller micro-batch");
-        a.step_adamw(esplag::GpuAdamW{});
-        b.step_adamw(esplag::GpuAdamW{});
+    for (const Fp8Format grad : {Fp8Format::e5m2, Fp8Format::e4m3})
+      for (const bool checkpointed : {false, true}) {
+        if (checkpointed && (cfg.mlp != esplag::MlpKind::swiglu || grad != Fp8Format::e4m3)) continue;
+        SCOPED_TRACE(cfg.preset + " gradients " + to_string(grad) + (checkpointed ? ", full checkpointing" : ""));
+        Transformer<float> cm(cfg);
+        const std::vector<float> p = initial_params(cm);
+        GpuModelOptions with = fp8_options(grad);
+        with.precision.scaling = esplag::Fp8Scaling::delayed;
+        if (checkpointed) with.checkpointing = {CheckpointMode::full, 2};
+        GpuModelOptions without = with;
+        without.fp8_producers = false;
+        GpuTransformer a(cfg, 2, 64, with), b(cfg, 2, 64, without);
+        a.set_params(p.data(), p.size());
+        b.set_params(p.data(), p.size());
+        const TokenBatch full = random_batch(cfg, 2, 64, 41), smaller = random_batch(cfg, 1, 48, 43);
+        for (int step = 0; step < 3; ++step) {  // step 0: the histories are cold, the casts scale by the amaxes
+          const std::string what = "step " + std::to_string(step);
+          // Not a model without producers: from the first roll on, every block Linear takes codes.
+          for (const std::string& name : cm.linear_names())
+            EXPECT_EQ(a.linear(name).takes_produced_fp8(), step > 0) << name << ", " << what;
+          expect_same_bits(micro_batch(a, full), micro_batch(b, full), what + ", full micro-batch");
+          expect_same_bits(micro_batch(a, smaller), micro_batch(b, smaller), what + ", smaller micro-batch");
+          a.step_adamw(esplag::GpuAdamW{});
+          b.step_adamw(esplag::GpuAdamW{});
+        }
       }
-    }
 }
 
 // Finite operands saturate nothing (scales come from the current amax); an infinite weight

@@ -237,7 +237,7 @@ TEST_F(GpuFp8Sparse, SemiSparseTracksTheCpuEmulation) {
 }
 
 // With delayed scaling, once the histories are warm, SwiGLU's forward and backward and the
-// backward's recomputed norms write the 2:4 layers' X, Xᵀ and dY codes themselves
+// norms (forward and recomputed) write the 2:4 layers' X, Xᵀ and dY codes themselves
 // (GpuModelOptions::fp8_producers), as they do the dense layers': a model with them and one
 // without, of the same weights and masks, give the same losses and gradients bit for bit,
 // through micro-batches of the full size (the 2:4 products) and another (the dense fp8

@@ -249,7 +249,7 @@ class DeviceLinear {
   // backward_dx and backward_dw of that dout (pointer and rows), which then take them and
   // read no dout values (nor may a bias gradient).
   gpu::Fp8Target fp8_grad_target(const bf16* dout, int N);
-  // Where X [N, in]'s codes go (SwiGLU's output) for this layer's next forward, of `in`
+  // Where X [N, in]'s codes go (SwiGLU's or a norm's output) for this layer's next forward, of `in`
   // (pointer and rows, which must come next), which then takes them and reads no in values.
   gpu::Fp8Target fp8_input_target(const bf16* in, int N);
   // Where Xᵀ's codes [in, N] go (the backward's recomputed SwiGLU output or norm output) for

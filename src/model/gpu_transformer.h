@@ -201,7 +201,8 @@ struct GpuModelOptions {
   LinearPrecision precision;
   // With delayed fp8 scaling, warm: the ops that make the fp8 layers' operands (dense, masked,
   // vnm, slope, semi_sparse) write their fp8 codes themselves (SwiGLU's forward and backward,
-  // the backward's recomputed norms) instead of bf16 values that the layers then cast; the
+  // the norms' forward and the backward's recomputed norms, where the block does not keep
+  // their outputs) instead of bf16 values that the layers then cast; the
   // same codes bit for bit, fewer passes over memory (docs/fp8.md). false: the casts (tests
   // hold the two ways to the same bits).
   bool fp8_producers = true;

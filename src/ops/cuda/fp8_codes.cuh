@@ -33,8 +33,8 @@ __device__ __forceinline__ float fp8_scale_of(float amax) {
   return isfinite(s) ? s : FLT_MAX;
 }
 
-// The codes of x0 · s and x1 · s, x0's in the low byte, where neither x is NaN (the
-// scales are finite and positive, so then neither product is NaN either).
+// The codes of x0 · s and x1 · s, x0's in the low byte, for x0 and x1 not NaN: fp8_encode2
+// without its NaN sign fix (which looks at x only).
 template <bool E5M2>
 __device__ __forceinline__ uint32_t fp8_encode2_no_nan(float x0, float x1, float s) {
   return __nv_cvt_float2_to_fp8x2(make_float2(x0 * s, x1 * s), __NV_SATFINITE, Fp8Format<E5M2>::kind);

@@ -1,12 +1,7 @@
 // LayerNorm and RMSNorm, forward fused with the residual add (its kernel in
 // norm_forward.cuh, with a bf16 sink here), backward accumulating into the residual-stream
-// gradient.
-//
-// One warp per row: the row is read with 16-byte loads when C is a multiple of 8 and the
-// pointers are aligned (scalar loads otherwise), statistics are warp butterfly sums in
-// fp32, and the row is re-read from L1/L2 for each pass instead of being held in
-// registers, so any C works. The weight / bias gradients are deterministic two-pass
-// column sums (reduce.cuh).
+// gradient: one warp per row as the forward (see there). The weight / bias gradients are
+// deterministic two-pass column sums (reduce.cuh).
 #include "core/error.h"
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/norm_forward.cuh"
@@ -20,7 +15,6 @@ namespace {
 using detail::kPack;
 using detail::load_n;
 using detail::store_n;
-using detail::to_f;
 using detail::warp_sum;
 
 constexpr int kRowsPerBlock = detail::kNormRowsPerBlock;

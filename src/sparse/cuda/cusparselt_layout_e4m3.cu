@@ -39,8 +39,12 @@ __host__ __device__ constexpr unsigned stored_positions(unsigned nonzero) {
   return keep;
 }
 
-__host__ __device__ constexpr unsigned lowest(unsigned set) { return set & 1u ? 0u : set & 2u ? 1u : set & 4u ? 2u : 3u; }
-__host__ __device__ constexpr unsigned highest(unsigned set) { return set & 8u ? 3u : set & 4u ? 2u : set & 2u ? 1u : 0u; }
+__host__ __device__ constexpr unsigned lowest(unsigned set) {
+  return set & 1u ? 0u : set & 2u ? 1u : set & 4u ? 2u : 3u;
+}
+__host__ __device__ constexpr unsigned highest(unsigned set) {
+  return set & 8u ? 3u : set & 4u ? 2u : set & 2u ? 1u : 0u;
+}
 
 // The metadata nibble lowest | highest << 2 of stored_positions(n) for every set n of
 // non-zero codes, at bits 4n: the device writer's lookup instead of the branches.
