@@ -1,13 +1,13 @@
 // A norm's output written as fp8 codes only (ops/gpu_fp8.h), each value rounded to bf16
-// exactly as the norms' forward kernel (ops/cuda/norm_forward.cuh) stores it in bf16, so
+// exactly as the norms' forward kernel (ops/cuda/norm.cuh) stores it in bf16, so
 // that the codes are those of the bf16 output's cast:
 // - in the forward (fp8_layernorm_forward, fp8_rmsnorm_forward), the norms' forward kernel
-//   (ops/cuda/norm_forward.cuh) with a sink that encodes its rows;
+//   (ops/cuda/norm.cuh) with a sink that encodes its rows;
 // - recomputed from the saved input and statistics (fp8_norm_recompute), the tiled cast
 //   (ops/cuda/fp8_tiles.cuh) with the norm's arithmetic in place of the bf16 load.
 #include "core/error.h"
 #include "ops/cuda/fp8_tiles.cuh"
-#include "ops/cuda/norm_forward.cuh"
+#include "ops/cuda/norm.cuh"
 #include "ops/gpu_fp8.h"
 
 namespace esplag::gpu {
@@ -53,7 +53,7 @@ struct NormTiles {
         continue;
       }
       const float m = mean ? mean[r] : 0.0f, rs = rstd[r];
-      // The expressions of the norms' forward kernel (norm_forward.cuh), term for term.
+      // The expressions of the norms' forward kernel (norm.cuh), term for term.
 #pragma unroll
       for (int k = 0; k < kPack; ++k)
         f[i][k] = to_f(to_bf(mean ? (f[i][k] - m) * rs * wk[k] + (bias ? bk[k] : 0.f) : f[i][k] * rs * wk[k]));

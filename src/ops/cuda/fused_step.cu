@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "ops/cuda/adamw_math.cuh"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/norm.cuh"
 #include "ops/cuda/swiglu_math.cuh"
 #include "ops/gpu_fused.h"
 
@@ -369,15 +370,7 @@ __global__ void __launch_bounds__(kThreads)
         load8(d, dout + off + cc);
         load8(x, inp + off + cc);
         load8(wc, weight + cc);
-        for (int k = 0; k < kPack; ++k) {
-          const float g = d[k] * wc[k];
-          if constexpr (kRms) {
-            sgx += g * x[k];
-          } else {
-            sg += g;
-            sgx += g * ((x[k] - m) * r);
-          }
-        }
+        detail::add_row_sums<kRms>(sg, sgx, d, x, wc, m, r, kPack);
       }
       sgx = detail::warp_sum(sgx);
       if (!kRms) sg = detail::warp_sum(sg);

@@ -1,10 +1,10 @@
 // LayerNorm and RMSNorm, forward fused with the residual add (its kernel in
-// norm_forward.cuh, with a bf16 sink here), backward accumulating into the residual-stream
+// norm.cuh, with a bf16 sink here), backward accumulating into the residual-stream
 // gradient: one warp per row as the forward (see there). The weight / bias gradients are
 // deterministic two-pass column sums (reduce.cuh).
 #include "core/error.h"
 #include "ops/cuda/common.cuh"
-#include "ops/cuda/norm_forward.cuh"
+#include "ops/cuda/norm.cuh"
 #include "ops/cuda/reduce.cuh"
 #include "ops/gpu.h"
 
@@ -48,15 +48,7 @@ __global__ void __launch_bounds__(kThreads)
     const int n = load_n<kVec>(d, dout + off, c, C);
     load_n<kVec>(x, inp + off, c, C);
     load_n<kVec>(w, weight, c, C);
-    for (int k = 0; k < n; ++k) {
-      const float g = d[k] * w[k];
-      if constexpr (kRms) {
-        sgx += g * x[k];
-      } else {
-        sg += g;
-        sgx += g * ((x[k] - m) * r);
-      }
-    }
+    detail::add_row_sums<kRms>(sg, sgx, d, x, w, m, r, n);
   }
   sgx = warp_sum(sgx);
   if (!kRms) sg = warp_sum(sg);

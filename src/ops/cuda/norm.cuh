@@ -1,6 +1,7 @@
-// The norms' forward kernel (LayerNorm and RMSNorm, fused with the residual add), with what
-// it does with its output left to a sink: norm.cu's stores the bf16 values, fp8_norm.cu's
-// their fp8 codes. One warp per row: the row is read with 16-byte loads when C is a
+// The norms' device pieces (LayerNorm and RMSNorm): the backward's row sums, which norm.cu's
+// and fused_step.cu's backward kernels share, and the forward kernel, fused with the residual
+// add, with what it does with its output left to a sink: norm.cu's stores the bf16 values,
+// fp8_norm.cu's their fp8 codes. One warp per row: the row is read with 16-byte loads when C is a
 // multiple of 8 and the pointers are aligned (scalar loads otherwise), statistics are warp
 // butterfly sums in fp32, and the row is re-read from L1/L2 for each pass instead of being
 // held in registers, so any C works.
@@ -32,6 +33,22 @@ __device__ __forceinline__ void store_n(bf16* row, int c, const float (&f)[kPack
     store8(row + c, f);
   else
     row[c] = to_bf(f[0]);
+}
+
+// The backward's row sums of n values at one column: sg += Σ g, sgx += Σ g·x̂ (LayerNorm,
+// x̂ = (x - mean)·rstd) or sgx += Σ g·x (RMSNorm), g = dout·w.
+template <bool kRms>
+__device__ __forceinline__ void add_row_sums(float& sg, float& sgx, const float (&d)[kPack], const float (&x)[kPack],
+                                             const float (&w)[kPack], float m, float r, int n) {
+  for (int k = 0; k < n; ++k) {
+    const float g = d[k] * w[k];
+    if constexpr (kRms) {
+      sgx += g * x[k];
+    } else {
+      sg += g;
+      sgx += g * ((x[k] - m) * r);
+    }
+  }
 }
 
 // x = bf16(a + b) (written to res) or a; LayerNorm: y = (x - mean) rstd w + bias, RMSNorm:
