@@ -70,12 +70,15 @@ train() {  # which (new|base), label, config, sets...: prints "tokens/s,loss" of
   rm -rf "${work:?}/run-$label-$which"
   grep -E "^step +$steps/" "$log" | awk -F'|' '{
     for (i = 1; i <= NF; ++i) {
-      if ($i ~ /tok\/s/) { v = $i; gsub(/[^0-9.KM]/, "", v); m = v ~ /K$/ ? 1e3 : v ~ /M$/ ? 1e6 : 1; sub(/[KM]$/, "", v); t = v * m }
+      if ($i ~ /tok\/s/) {
+        v = $i; gsub(/[^0-9.KM]/, "", v); m = v ~ /K$/ ? 1e3 : v ~ /M$/ ? 1e6 : 1; sub(/[KM]$/, "", v); t = v * m
+      }
       if ($i ~ /loss/) { l = $i; gsub(/[^0-9.]/, "", l) }
     }
     printf "%.0f,%s\n", t, l }'
 }
-echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1); baseline: $(basename "$patch") reversed"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+echo "# ${gpu:-no GPU name}; baseline: $(basename "$patch") reversed"
 echo "run,round,base tokens/s,new tokens/s,change,base loss,new loss"
 for r in "${runs[@]}"; do
   label=${r%%=*} spec=${r#*=}
@@ -85,7 +88,8 @@ for r in "${runs[@]}"; do
     old=$(train base "$label" "${parts[@]}")
     awk -F, -v run="$label" -v k="$k" -v n="$new" -v o="$old" 'BEGIN {
       split(n, a, ","); split(o, b, ",");
-      change = (a[1] ~ /^[0-9]+$/ && b[1] ~ /^[0-9]+$/ && b[1] > 0) ? sprintf("%+.1f%%", 100 * (a[1] / b[1] - 1)) : "-";
+      timed = a[1] ~ /^[0-9]+$/ && b[1] ~ /^[0-9]+$/ && b[1] > 0;
+      change = timed ? sprintf("%+.1f%%", 100 * (a[1] / b[1] - 1)) : "-";
       printf "%s,%d,%s,%s,%s,%s,%s\n", run, k, b[1], a[1], change, b[2], a[2] }'
   done
 done
