@@ -37,6 +37,14 @@ for r in "${runs[@]}"; do
   [ -f "$config" ] || { echo "ab-train-gpu: RUN '$r': no config $config" >&2; exit 2; }
 done
 
+# cuSPARSELt (the 2:4 kinds) from the nvidia-cusparselt wheel where the loader would not find
+# it, as scripts/gpu-check.sh does; NVLink multicast off, as there.
+if [ -z "${ESPLAG_CUSPARSELT_LIB:-}" ] && command -v python3 >/dev/null; then
+  wheel='import nvidia.cusparselt as m; print(list(m.__path__)[0] + "/lib")'
+  ESPLAG_CUSPARSELT_LIB=$(python3 -c "$wheel" 2>/dev/null) && export ESPLAG_CUSPARSELT_LIB
+fi
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+
 work=$(mktemp -d)
 trap '[ -n "${LOGS:-}" ] && mkdir -p "$LOGS" && cp "$work"/*.log "$LOGS"/ 2>/dev/null; rm -rf "$work"' EXIT
 base=$work/base
