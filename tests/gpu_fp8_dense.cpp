@@ -162,17 +162,8 @@ TEST_F(GpuFp8Dense, ProducersGiveTheCastsBits) {
         GpuTransformer a(cfg, 2, 64, with), b(cfg, 2, 64, without);
         a.set_params(p.data(), p.size());
         b.set_params(p.data(), p.size());
-        const TokenBatch full = random_batch(cfg, 2, 64, 41), smaller = random_batch(cfg, 1, 48, 43);
-        for (int step = 0; step < 3; ++step) {  // step 0: the histories are cold, the casts scale by the amaxes
-          const std::string what = "step " + std::to_string(step);
-          // Not a model without producers: from the first roll on, every block Linear takes codes.
-          for (const std::string& name : cm.linear_names())
-            EXPECT_EQ(a.linear(name).takes_produced_fp8(), step > 0) << name << ", " << what;
-          expect_same_bits(micro_batch(a, full), micro_batch(b, full), what + ", full micro-batch");
-          expect_same_bits(micro_batch(a, smaller), micro_batch(b, smaller), what + ", smaller micro-batch");
-          a.step_adamw(esplag::GpuAdamW{});
-          b.step_adamw(esplag::GpuAdamW{});
-        }
+        esplag::gpu_test::expect_producers_give_the_casts_bits(cm.linear_names(), a, b, random_batch(cfg, 2, 64, 41),
+                                                               random_batch(cfg, 1, 48, 43));
       }
 }
 

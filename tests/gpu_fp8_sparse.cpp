@@ -243,7 +243,6 @@ TEST_F(GpuFp8Sparse, SemiSparseTracksTheCpuEmulation) {
 // through micro-batches of the full size (the 2:4 products) and another (the dense fp8
 // products) and AdamW steps.
 TEST_F(GpuFp8Sparse, ProducersGiveTheCastsBits) {
-  using esplag::gpu_test::micro_batch;
   for (const std::string kind : {"slope", "semi_sparse"}) {
     SCOPED_TRACE(kind);
     const ModelConfig cfg = sparse_llama_config();
@@ -259,19 +258,9 @@ TEST_F(GpuFp8Sparse, ProducersGiveTheCastsBits) {
     esplag::gpu_test::initial_params(cb);
     make_kind(ca, a, kind);
     make_kind(cb, b, kind);
-    const auto full = esplag::gpu_test::random_batch(cfg, 2, 96, 41);
-    const auto smaller = esplag::gpu_test::random_batch(cfg, 1, 64, 43);
-    for (int step = 0; step < 3; ++step) {  // step 0: the histories are cold, the casts scale by the amaxes
-      const std::string what = "step " + std::to_string(step);
-      // Not a model without producers: from the first roll on, every block Linear takes codes.
-      for (const std::string& name : ca.linear_names())
-        EXPECT_EQ(a.linear(name).takes_produced_fp8(), step > 0) << name << ", " << what;
-      esplag::gpu_test::expect_same_bits(micro_batch(a, full), micro_batch(b, full), what + ", full micro-batch");
-      esplag::gpu_test::expect_same_bits(micro_batch(a, smaller), micro_batch(b, smaller),
-                                         what + ", smaller micro-batch");
-      a.step_adamw(esplag::GpuAdamW{});
-      b.step_adamw(esplag::GpuAdamW{});
-    }
+    esplag::gpu_test::expect_producers_give_the_casts_bits(ca.linear_names(), a, b,
+                                                           esplag::gpu_test::random_batch(cfg, 2, 96, 41),
+                                                           esplag::gpu_test::random_batch(cfg, 1, 64, 43));
   }
 }
 

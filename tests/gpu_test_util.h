@@ -20,6 +20,7 @@
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "model/config.h"
+#include "model/device_linear.h"
 #include "model/gpu_transformer.h"
 #include "model/linear_kinds.h"
 #include "model/linear_slope.h"
@@ -377,6 +378,24 @@ inline void expect_same_bits(const StepResult& got, const StepResult& want, cons
   ASSERT_EQ(got.grads.size(), want.grads.size()) << what;
   EXPECT_EQ(std::memcmp(got.grads.data(), want.grads.data(), sizeof(float) * got.grads.size()), 0)
       << what << ": gradients";
+}
+
+// fp8 with delayed scaling: models `with` the producers and `without` them, from the same
+// weights, through three AdamW steps. From the first roll of the histories on, every block
+// Linear (`linears`) of `with` takes produced codes (so the test is not vacuous), and at
+// every step both give the same losses and gradients bit for bit at both micro-batches.
+inline void expect_producers_give_the_casts_bits(const std::vector<std::string>& linears, GpuTransformer& with,
+                                                 GpuTransformer& without, const TokenBatch& full,
+                                                 const TokenBatch& smaller) {
+  for (int step = 0; step < 3; ++step) {  // step 0: the histories are cold, the casts scale by the amaxes
+    const std::string what = "step " + std::to_string(step);
+    for (const std::string& name : linears)
+      EXPECT_EQ(with.linear(name).takes_produced_fp8(), step > 0) << name << ", " << what;
+    expect_same_bits(micro_batch(with, full), micro_batch(without, full), what + ", full micro-batch");
+    expect_same_bits(micro_batch(with, smaller), micro_batch(without, smaller), what + ", smaller micro-batch");
+    with.step_adamw(GpuAdamW{});
+    without.step_adamw(GpuAdamW{});
+  }
 }
 
 // Sequences that follow x[t+1] = (a · x[t] + c) mod V from a random start: learnable, so

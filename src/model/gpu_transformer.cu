@@ -247,17 +247,17 @@ void run_as_graph(ReplayedGraph& g, cudaStream_t s, int64_t& launches, const std
   g.run(s, launches, body, "GpuTransformer");
 }
 
-// A norm's forward over N rows (ops/gpu.h; with the residual add when b is given), for the
-// layer `next` that takes it (null: the LM head). Where the output is not kept (`kept`
-// false) and `next` takes its X codes from their producer (fp8, delayed scaling), only
-// those codes.
-void norm_forward(GpuTransformer::Impl& im, const ModelConfig& c, cudaStream_t s, DeviceLinear* next, bool kept,
+// A norm's forward over N rows (ops/gpu.h; with the residual add when b is given). `next`:
+// the layer that takes the output where the block keeps no bf16 copy of it (null: the
+// output is kept, or goes to the LM head); where `next` takes its X codes from their
+// producer (fp8, delayed scaling), only those codes are written.
+void norm_forward(GpuTransformer::Impl& im, const ModelConfig& c, cudaStream_t s, DeviceLinear* next,
                   const GpuTransformer::Impl::Norm& n, bf16* out, float* mean, float* rstd, bf16* res, const bf16* a,
                   const bf16* b, int N) {
   im.marks.mark(s, "norm fwd");
   const bool ln = c.norm == NormKind::layernorm;
   const auto eps = float(c.norm_eps);
-  if (next && !kept && next->takes_produced_fp8()) {
+  if (next && next->takes_produced_fp8()) {
     const gpu::Fp8Target to = next->fp8_input_target(out, N);
     if (ln)
       gpu::fp8_layernorm_forward(to, mean, rstd, res, a, b, n.w, n.b, N, c.d_model, s, eps);
@@ -600,8 +600,8 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T, bool prep
     block_forward(l, B, T, false);
   }
   im.marks.layer = -1;
-  norm_forward(im, cfg_, stream_, nullptr, true, im.nf, im.s0, im.lnf_mean, im.lnf_rstd, im.res_f,
-               im.layers.back().res_mid, im.s1, B * T);
+  norm_forward(im, cfg_, stream_, nullptr, im.nf, im.s0, im.lnf_mean, im.lnf_rstd, im.res_f, im.layers.back().res_mid,
+               im.s1, B * T);
 }
 
 void GpuTransformer::block_forward(int l, int B, int T, bool again) {
@@ -623,13 +623,12 @@ void GpuTransformer::block_forward(int l, int B, int T, bool again) {
   bf16* ln1 = L.ln1 ? L.ln1 : tmp;
   // Again, from the kept input, which the forward's residual add wrote: the same bits (the
   // norm reads the sum as stored).
-  DeviceLinear& qkv = blk.qkv->top();
+  DeviceLinear* qkv_codes = L.ln1 ? nullptr : &blk.qkv->top();
   if (l == 0 || again)
-    norm_forward(im, cfg_, s, &qkv, L.ln1 != nullptr, blk.n1, ln1, L.ln1_mean, L.ln1_rstd, nullptr, L.res_in,
-                 nullptr, N);
+    norm_forward(im, cfg_, s, qkv_codes, blk.n1, ln1, L.ln1_mean, L.ln1_rstd, nullptr, L.res_in, nullptr, N);
   else
-    norm_forward(im, cfg_, s, &qkv, L.ln1 != nullptr, blk.n1, ln1, L.ln1_mean, L.ln1_rstd, L.res_in,
-                 im.layers[l - 1].res_mid, branch, N);
+    norm_forward(im, cfg_, s, qkv_codes, blk.n1, ln1, L.ln1_mean, L.ln1_rstd, L.res_in, im.layers[l - 1].res_mid,
+                 branch, N);
   linear(blk.qkv, "gemm qkv fwd", L.qkv, ln1);
   if (cfg_.pos == PosKind::rope) {
     mark("rope fwd");
@@ -639,7 +638,7 @@ void GpuTransformer::block_forward(int l, int B, int T, bool again) {
   gpu::attention_forward(L.atty, L.lse, L.qkv, B, T, NH, KV, HD, im.shared, im.sizes.attn_ws, s, opt_.attention);
   linear(blk.proj, "gemm proj fwd", branch, L.atty);
   bf16* ln2 = L.ln2 ? L.ln2 : tmp;
-  norm_forward(im, cfg_, s, &blk.fc->top(), L.ln2 != nullptr, blk.n2, ln2, L.ln2_mean, L.ln2_rstd, L.res_mid,
+  norm_forward(im, cfg_, s, L.ln2 ? nullptr : &blk.fc->top(), blk.n2, ln2, L.ln2_mean, L.ln2_rstd, L.res_mid,
                L.res_in, branch, N);
   bf16* act = L.act;
   switch (cfg_.mlp) {

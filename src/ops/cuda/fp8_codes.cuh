@@ -34,7 +34,7 @@ __device__ __forceinline__ float fp8_scale_of(float amax) {
 }
 
 // The codes of x0 · s and x1 · s, x0's in the low byte, for x0 and x1 not NaN: fp8_encode2
-// without its NaN sign fix (which looks at x only).
+// without its NaN sign fix (which looks at x only; fp8_encode4 chooses).
 template <bool E5M2>
 __device__ __forceinline__ uint32_t fp8_encode2_no_nan(float x0, float x1, float s) {
   return __nv_cvt_float2_to_fp8x2(make_float2(x0 * s, x1 * s), __NV_SATFINITE, Fp8Format<E5M2>::kind);
@@ -48,6 +48,15 @@ __device__ __forceinline__ uint32_t fp8_encode2(float x0, float x1, float s) {
   if (isnan(x0)) c = (c & 0xFF00u) | (signbit(x0) ? 0xFFu : 0x7Fu);
   if (isnan(x1)) c = (c & 0x00FFu) | (signbit(x1) ? 0xFF00u : 0x7F00u);
   return c;
+}
+
+// The codes of four values at scale s, x0's in the lowest byte: fp8_encode2's, its NaN fix
+// taken only where one of the four is NaN (rare), since it costs more than the cast itself.
+template <bool E5M2>
+__device__ __forceinline__ uint32_t fp8_encode4(float x0, float x1, float x2, float x3, float s) {
+  if (isnan(x0) | isnan(x1) | isnan(x2) | isnan(x3))
+    return fp8_encode2<E5M2>(x0, x1, s) | fp8_encode2<E5M2>(x2, x3, s) << 16;
+  return fp8_encode2_no_nan<E5M2>(x0, x1, s) | fp8_encode2_no_nan<E5M2>(x2, x3, s) << 16;
 }
 
 }  // namespace esplag::gpu::detail

@@ -1,6 +1,6 @@
-// A norm's output written as fp8 codes only (ops/gpu_fp8.h), each value rounded to bf16
-// exactly as the norms' forward kernel (ops/cuda/norm.cuh) stores it in bf16, so
-// that the codes are those of the bf16 output's cast:
+// A norm's output written as fp8 codes only (ops/gpu_fp8.h), each value norm_output's
+// (ops/cuda/norm.cuh) rounded to bf16 as the bf16 norms store it, so that the codes are
+// those of the bf16 output's cast:
 // - in the forward (fp8_layernorm_forward, fp8_rmsnorm_forward), the norms' forward kernel
 //   (ops/cuda/norm.cuh) with a sink that encodes its rows;
 // - recomputed from the saved input and statistics (fp8_norm_recompute), the tiled cast
@@ -53,10 +53,10 @@ struct NormTiles {
         continue;
       }
       const float m = mean ? mean[r] : 0.0f, rs = rstd[r];
-      // The expressions of the norms' forward kernel (norm.cuh), term for term.
 #pragma unroll
       for (int k = 0; k < kPack; ++k)
-        f[i][k] = to_f(to_bf(mean ? (f[i][k] - m) * rs * wk[k] + (bias ? bk[k] : 0.f) : f[i][k] * rs * wk[k]));
+        f[i][k] = to_f(to_bf(mean ? detail::norm_output<false>(f[i][k], m, rs, wk[k], bias ? bk[k] : 0.f)
+                                  : detail::norm_output<true>(f[i][k], m, rs, wk[k], 0.f)));
     }
   }
 };

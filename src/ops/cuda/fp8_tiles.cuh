@@ -22,24 +22,12 @@ __device__ __forceinline__ int clips(float x, float s) {
 }
 
 // Eight values as eight codes (little-endian: value 0 in the lowest byte), counting the
-// clipped ones. fp8_encode2's NaN fix only where the eight hold a NaN (rare).
+// clipped ones.
 template <bool E5M2>
 __device__ __forceinline__ uint2 encode8(const float (&f)[kPack], float s, int& clipped) {
-  bool nan = false;
 #pragma unroll
-  for (int k = 0; k < kPack; ++k) {
-    clipped += clips<E5M2>(f[k], s);
-    nan |= isnan(f[k]);
-  }
-  uint2 c;
-  if (nan) {
-    c.x = fp8_encode2<E5M2>(f[0], f[1], s) | fp8_encode2<E5M2>(f[2], f[3], s) << 16;
-    c.y = fp8_encode2<E5M2>(f[4], f[5], s) | fp8_encode2<E5M2>(f[6], f[7], s) << 16;
-  } else {
-    c.x = fp8_encode2_no_nan<E5M2>(f[0], f[1], s) | fp8_encode2_no_nan<E5M2>(f[2], f[3], s) << 16;
-    c.y = fp8_encode2_no_nan<E5M2>(f[4], f[5], s) | fp8_encode2_no_nan<E5M2>(f[6], f[7], s) << 16;
-  }
-  return c;
+  for (int k = 0; k < kPack; ++k) clipped += clips<E5M2>(f[k], s);
+  return {fp8_encode4<E5M2>(f[0], f[1], f[2], f[3], s), fp8_encode4<E5M2>(f[4], f[5], f[6], f[7], s)};
 }
 
 // Code k of the eight encode8 gives.

@@ -51,6 +51,15 @@ __device__ __forceinline__ void add_row_sums(float& sg, float& sgx, const float 
   }
 }
 
+// The norm's output at x, in fp32: LayerNorm (x - mean)·rstd·w + bias, RMSNorm x·rstd·w.
+template <bool kRms>
+__device__ __forceinline__ float norm_output(float x, float mean, float rstd, float w, float bias) {
+  if constexpr (kRms)
+    return x * rstd * w;
+  else
+    return (x - mean) * rstd * w + bias;
+}
+
 // x = bf16(a + b) (written to res) or a; LayerNorm: y = (x - mean) rstd w + bias, RMSNorm:
 // y = x rstd w; rstd = rsqrt(var(x) + eps), or rsqrt(mean(x²) + eps). The sink: begin()
 // before any row, put(row offset, c, y, n) for the n values of y at column c of a row (in
@@ -111,12 +120,7 @@ __global__ void __launch_bounds__(kNormThreads)
       const int n = load_n<kVec>(v, x, c, C);
       load_n<kVec>(w, weight, c, C);
       if (!kRms && bias) load_n<kVec>(bi, bias, c, C);
-      for (int k = 0; k < n; ++k) {
-        if constexpr (kRms)
-          v[k] = v[k] * r * w[k];
-        else
-          v[k] = (v[k] - m) * r * w[k] + (bias ? bi[k] : 0.f);
-      }
+      for (int k = 0; k < n; ++k) v[k] = norm_output<kRms>(v[k], m, r, w[k], !kRms && bias ? bi[k] : 0.f);
       sink.put(off, c, v, n);
     }
     if (lane == 0) {

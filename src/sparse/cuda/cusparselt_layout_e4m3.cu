@@ -127,14 +127,10 @@ struct StagedCopy {
 };
 
 // The codes of a group's four values (bf16 bits: lo holds values 0 and 1, hi 2 and 3, the
-// lower in the low half) at scale s, as fp8_encode2 makes them; its NaN sign fix is taken
-// only for a group that holds a NaN (|bits| above infinity's).
+// lower in the low half) at scale s.
 __device__ inline uint32_t encode_group(uint32_t lo, uint32_t hi, float s) {
-  const float x0 = __uint_as_float(lo << 16), x1 = __uint_as_float(lo & 0xFFFF0000u);
-  const float x2 = __uint_as_float(hi << 16), x3 = __uint_as_float(hi & 0xFFFF0000u);
-  if (__vcmpgtu2(lo & 0x7FFF7FFFu, 0x7F807F80u) | __vcmpgtu2(hi & 0x7FFF7FFFu, 0x7F807F80u))
-    return detail::fp8_encode2<false>(x0, x1, s) | detail::fp8_encode2<false>(x2, x3, s) << 16;
-  return detail::fp8_encode2_no_nan<false>(x0, x1, s) | detail::fp8_encode2_no_nan<false>(x2, x3, s) << 16;
+  return detail::fp8_encode4<false>(__uint_as_float(lo << 16), __uint_as_float(lo & 0xFFFF0000u),
+                                    __uint_as_float(hi << 16), __uint_as_float(hi & 0xFFFF0000u), s);
 }
 
 // meta_offset(r, g, 0) of a tile's local row r < 64 and group g < 16, in 32 bits.
