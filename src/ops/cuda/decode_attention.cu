@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/rope.cuh"
 #include "ops/gpu_attention.h"
 #include "ops/gpu_decode.h"
 
@@ -48,17 +49,14 @@ __global__ void rope_rows_kernel(bf16* qkv, const int32_t* pos, int N, int rotat
   if (t_id >= int64_t(N) * half) return;
   const int64_t r = t_id / half;
   const int i = static_cast<int>(t_id % half);
-  const double angle = static_cast<double>(pos[r]) * pow(theta, -2.0 * i / HD);
-  double sd, cd;
-  sincos(angle, &sd, &cd);
-  const float c = static_cast<float>(cd), s = static_cast<float>(sd);
+  const float2 cs = detail::rope_cos_sin(static_cast<double>(pos[r]), i, HD, theta);
   bf16* row = qkv + r * Q;
   for (int h = 0; h < rotated_heads; ++h) {
     bf16* x1 = row + static_cast<int64_t>(h) * HD + i;
     bf16* x2 = x1 + half;
-    const float a = to_f(*x1), b = to_f(*x2);
-    *x1 = to_bf(a * c - b * s);
-    *x2 = to_bf(b * c + a * s);
+    const float2 y = detail::rope_rotate(to_f(*x1), to_f(*x2), cs.x, cs.y);
+    *x1 = to_bf(y.x);
+    *x2 = to_bf(y.y);
   }
 }
 

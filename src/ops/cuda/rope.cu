@@ -1,8 +1,7 @@
 // Rotary position embedding on the fused qkv buffer (ops/attention.h convention).
 //
-// One thread per (token, pair i): it computes the pair's angle once, in fp64 (positions
-// reach the thousands, where an fp32 angle is already off in its last bits before the
-// cosine is taken), and rotates pair i of every q and k head of the token, loading
+// One thread per (token, pair i): it computes the pair's angle once (ops/cuda/rope.cuh, in
+// fp64) and rotates pair i of every q and k head of the token, loading
 // kHeadsAtOnce heads' pairs before it stores any: the loads of one head would otherwise wait
 // for the stores of the one before (the compiler cannot tell they do not overlap), a memory
 // round trip per head. Consecutive threads touch consecutive elements of a head, so the
@@ -11,6 +10,7 @@
 
 #include "core/error.h"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/rope.cuh"
 #include "ops/gpu.h"
 
 namespace esplag::gpu {
@@ -30,11 +30,8 @@ __global__ void __launch_bounds__(kThreads)
   if (t_id >= rows * half) return;
   const int64_t r = t_id / half;
   const int i = static_cast<int>(t_id % half);
-  const double pos = static_cast<double>(r % T);
-  const double angle = pos * pow(theta, -2.0 * i / HD);
-  double sd, cd;
-  sincos(angle, &sd, &cd);
-  const float c = static_cast<float>(cd), s = static_cast<float>(sign * sd);
+  const float2 cs = detail::rope_cos_sin(static_cast<double>(r % T), i, HD, theta);
+  const float c = cs.x, s = sign < 0 ? -cs.y : cs.y;
   bf16* row = x + r * C + i;
   for (int h0 = 0; h0 < rotated_heads; h0 += kHeadsAtOnce) {
     float a[kHeadsAtOnce], b[kHeadsAtOnce];
@@ -49,8 +46,9 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < kHeadsAtOnce; ++k)
       if (h0 + k < rotated_heads) {
         bf16* x1 = row + static_cast<int64_t>(h0 + k) * HD;
-        x1[0] = to_bf(a[k] * c - b[k] * s);
-        x1[half] = to_bf(b[k] * c + a[k] * s);
+        const float2 y = detail::rope_rotate(a[k], b[k], c, s);
+        x1[0] = to_bf(y.x);
+        x1[half] = to_bf(y.y);
       }
   }
 }
@@ -71,7 +69,27 @@ void launch(bf16* x, int B, int T, int NH, int NKV, int HD, double theta, double
   CUDA_CHECK_LAUNCH(name);
 }
 
+__global__ void rope_table_kernel(float2* cos_sin, int positions, int HD, double theta) {
+  const int half = HD / 2;
+  const int64_t t_id = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (t_id >= int64_t(positions) * half) return;
+  cos_sin[t_id] = detail::rope_cos_sin(static_cast<double>(t_id / half), static_cast<int>(t_id % half), HD, theta);
+}
+
 }  // namespace
+
+void rope_table(const RopeTable& t, double theta, cudaStream_t stream) {
+  ESPLAG_CHECK(t.positions >= 0 && t.head_dim > 0 && t.head_dim % 2 == 0, "rope_table: bad shape positions=",
+               t.positions, ", head_dim=", t.head_dim, " (head_dim even)");
+  ESPLAG_CHECK(theta > 0 && std::isfinite(theta), "rope_table: rotary base theta must be positive and finite, got ",
+               theta);
+  const int64_t n = int64_t(t.positions) * (t.head_dim / 2);
+  if (n == 0) return;
+  ESPLAG_CHECK(t.cos_sin, "rope_table: null table");
+  rope_table_kernel<<<detail::blocks_for(n, kThreads), kThreads, 0, stream>>>(t.cos_sin, t.positions, t.head_dim,
+                                                                                theta);
+  CUDA_CHECK_LAUNCH("rope_table");
+}
 
 void rope_forward(bf16* qkv, int B, int T, int NH, int NKV, int HD, double theta, cudaStream_t stream) {
   launch(qkv, B, T, NH, NKV, HD, theta, 1.0, stream, "rope_forward");
