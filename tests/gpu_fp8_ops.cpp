@@ -10,8 +10,7 @@
 // shifted by one element, the scalar path. The tiled casts (transposed, and both layouts
 // from one read) take matrices around the 64 x 64 tile, tiny and empty ones, inputs and
 // outputs off their 16-byte alignment, and every bf16 value laid out in several shapes.
-// SwiGLU's, the norms' and RoPE's fp8 producers give the codes the casts make of the bf16
-// kernels' values.
+// SwiGLU's fp8 producers give the codes the casts make of the bf16 kernels' values.
 // Outputs are poisoned first (0xFF, the code of -NaN, which the random tensors never give;
 // the exhaustive test, which does give it, runs twice with two poisons), and the bytes
 // after the output are checked to stay poisoned.
@@ -634,114 +633,6 @@ TEST(GpuFp8, NormRecomputeRefusesBadArguments) {
   none.out = nullptr;
   EXPECT_THROW(gpu::fp8_norm_recompute(none, x, w, nullptr, nullptr, stats, N, C, s), esplag::Error);
   EXPECT_NO_THROW(gpu::fp8_norm_recompute(to, x, w, nullptr, nullptr, stats, N, C, s));
-  CUDA_CHECK(cudaStreamSynchronize(s));
-}
-
-// A RoPE table for T positions and a little more, filled by rope_table.
-gpu::RopeTable rope_table_of(Dev& dev, int positions, int HD, double theta) {
-  gpu::RopeTable t{dev.poisoned<float2>(size_t(positions) * (HD / 2), "rope table"), positions, HD};
-  gpu::rope_table(t, theta, dev.stream());
-  return t;
-}
-
-// rope_table's cosines and sines are those of the angles t · theta^(-2i/HD), within fp32's
-// rounding of the fp64 values (the host's libm may differ from CUDA's in the last fp64 bit).
-TEST(GpuFp8, RopeTableHoldsTheAngles) {
-  REQUIRE_DEVICE();
-  Dev dev;
-  const int positions = 300, HD = 48;
-  const double theta = 10000.0;
-  const gpu::RopeTable t = rope_table_of(dev, positions, HD, theta);
-  const std::vector<float2> got = dev.get(t.cos_sin, size_t(positions) * (HD / 2));
-  int bad = 0;
-  for (int p = 0; p < positions; ++p)
-    for (int i = 0; i < HD / 2; ++i) {
-      const double angle = p * std::pow(theta, -2.0 * i / HD);
-      const float2 g = got[size_t(p) * (HD / 2) + i];
-      if ((std::fabs(g.x - std::cos(angle)) > 1e-7 || std::fabs(g.y - std::sin(angle)) > 1e-7) && ++bad <= 5)
-        ADD_FAILURE() << "position " << p << ", pair " << i << ": " << g.x << ", " << g.y;
-    }
-  EXPECT_EQ(bad, 0);
-  EXPECT_THROW(gpu::rope_table({t.cos_sin, positions, 7}, theta, dev.stream()), esplag::Error);
-  EXPECT_THROW(gpu::rope_table(t, 0.0, dev.stream()), esplag::Error);
-  EXPECT_THROW(gpu::rope_table({nullptr, positions, HD}, theta, dev.stream()), esplag::Error);
-}
-
-// fp8_rope_backward's codes (as they lie and transposed), inverse scale, recorded amax and
-// saturated count are those of rope_backward's output through fp8_cast_both, bit for bit,
-// at a scale from half the output's amax (so that values saturate): heads of 16, 64 and 128
-// values (the pair's other half in another column tile), grouped and plain attention, rows
-// around the 128-row tile and off 16, several sequences, a table longer than T, NaN and
-// infinities among the gradients, both formats; dqkv itself is left as it was.
-TEST(GpuFp8, RopeBackwardCodesAreTheCastsOfItsValues) {
-  REQUIRE_DEVICE();
-  struct Case {
-    int B, T, NH, NKV, HD;
-  };
-  uint64_t seed = 1700;
-  for (const Fp8Format f : kFormats)
-    for (const Case& k : {Case{1, 1, 1, 1, 16}, Case{2, 65, 4, 2, 64}, Case{1, 130, 2, 1, 128}, Case{3, 100, 3, 3, 32},
-                          Case{1, 300, 4, 1, 128}}) {
-      SCOPED_TRACE(std::string("fp8 RoPE backward ") + to_string(f) + " B=" + std::to_string(k.B) +
-                   " T=" + std::to_string(k.T) + " NH=" + std::to_string(k.NH) + " NKV=" + std::to_string(k.NKV) +
-                   " HD=" + std::to_string(k.HD));
-      Dev dev;
-      const int64_t rows = int64_t(k.B) * k.T, cols = int64_t(k.NH + 2 * k.NKV) * k.HD;
-      const size_t n = size_t(rows * cols);
-      const Bits in = random_bits(n, ++seed, 2.0, k.T == 100);
-      const bf16* dqkv = dev.put_bf16(in);
-      bf16* rotated = dev.put_bf16(in);
-      cudaStream_t s = dev.stream();
-      const double theta = 10000.0;
-      gpu::rope_backward(rotated, k.B, k.T, k.NH, k.NKV, k.HD, theta, s);
-      float* scale_from = half_amax(dev, rotated, int64_t(n));
-      struct Outputs {
-        uint8_t *out, *out_t;
-        float *inv, *record;
-        uint64_t* saturated;
-      };
-      const auto outputs = [&] {
-        return Outputs{dev.poisoned_codes(n), dev.poisoned_codes(n), dev.poisoned_floats(1), dev.put(VF{0.0f}),
-                       dev.zeroed_counter()};
-      };
-      const Outputs want = outputs(), got = outputs();
-      gpu::fp8_cast_both(want.out, want.out_t, want.inv, rotated, rows, cols, {scale_from, want.record}, f,
-                         want.saturated, s);
-      gpu::fp8_rope_backward({got.out, got.out_t, got.inv, {scale_from, got.record}, f, got.saturated}, dqkv,
-                             rope_table_of(dev, k.T + 3, k.HD, theta), k.B, k.T, k.NH, k.NKV, k.HD, s);
-      expect_codes("as it lies", dev.get(want.out, n), dev.get(got.out, n + kGuard));
-      expect_codes("transposed", dev.get(want.out_t, n), dev.get(got.out_t, n + kGuard));
-      EXPECT_EQ(float_bits(dev.get_float(got.inv)), float_bits(dev.get_float(want.inv)));
-      EXPECT_EQ(float_bits(dev.get_float(got.record)), float_bits(dev.get_float(want.record)));
-      EXPECT_EQ(dev.get_count(got.saturated), dev.get_count(want.saturated));
-      EXPECT_GT(dev.get_count(want.saturated), 0u) << "the half amax saturates values";
-      EXPECT_EQ(dev.get(reinterpret_cast<const uint16_t*>(dqkv), n), in) << "dqkv was written";
-    }
-}
-
-// fp8_rope_backward refuses what it cannot read or write: a head size off 16, a table of
-// fewer positions or another head size, dqkv off its 16-byte alignment, a missing layout.
-TEST(GpuFp8, RopeBackwardRefusesBadArguments) {
-  REQUIRE_DEVICE();
-  Dev dev;
-  const int B = 2, T = 8, NH = 2, NKV = 1, HD = 32;
-  const size_t n = size_t(B) * T * (NH + 2 * NKV) * HD;
-  const bf16* dqkv = dev.put_bf16(random_bits(n + 8, 5, 1.0));
-  const gpu::RopeTable table = rope_table_of(dev, T, HD, 10000.0);
-  const gpu::Fp8Target to{dev.poisoned_codes(n), dev.poisoned_codes(n), dev.poisoned_floats(1),
-                          {dev.put(VF{1.0f})}, Fp8Format::e4m3, nullptr};
-  cudaStream_t s = dev.stream();
-  EXPECT_THROW(gpu::fp8_rope_backward(to, dqkv, rope_table_of(dev, T, 24, 10000.0), B, T, NH, NKV, 24, s),
-               esplag::Error);
-  EXPECT_THROW(gpu::fp8_rope_backward(to, dqkv, table, B, T + 1, NH, NKV, HD, s), esplag::Error);
-  EXPECT_THROW(gpu::fp8_rope_backward(to, dqkv, rope_table_of(dev, T, 64, 10000.0), B, T, NH, NKV, HD, s),
-               esplag::Error);
-  EXPECT_THROW(gpu::fp8_rope_backward(to, dqkv + 1, table, B, T, NH, NKV, HD, s), esplag::Error);
-  EXPECT_THROW(gpu::fp8_rope_backward(to, dqkv, table, B, T, 3, 2, HD, s), esplag::Error);
-  gpu::Fp8Target one = to;
-  one.out_t = nullptr;
-  EXPECT_THROW(gpu::fp8_rope_backward(one, dqkv, table, B, T, NH, NKV, HD, s), esplag::Error);
-  EXPECT_NO_THROW(gpu::fp8_rope_backward(to, dqkv, table, B, T, NH, NKV, HD, s));
   CUDA_CHECK(cudaStreamSynchronize(s));
 }
 

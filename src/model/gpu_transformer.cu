@@ -222,8 +222,6 @@ void lay_out(const ModelConfig& c, int B, int T, const GpuModelOptions& o, GpuTr
   im.gnorm_scratch = take.arr<unsigned char>("scratch.grad_norm", gpu::sum_squares_scratch_bytes());
   im.emb_ws_bytes = gpu::embedding_backward_workspace_bytes(B, T, c.d_model, c.vocab_size);
   im.emb_ws = take.arr<unsigned char>("scratch.embedding", im.emb_ws_bytes);
-  if (rope_grad_codes(c, o))
-    im.rope_table = {take.arr<float2>("rope.table", size_t(T) * (c.head_dim() / 2)), T, c.head_dim()};
 }
 
 // A norm's output over N rows again in the backward, from its saved input `inp`, for the
@@ -417,7 +415,6 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, int max_batch, int max
   CUDA_CHECK(cudaMemsetAsync(norm_sq_, 0, sizeof(float), stream_));
   CUDA_CHECK(cudaMemsetAsync(loss_, 0, 3 * sizeof(double), stream_));
   if (im.fp8_saturated) CUDA_CHECK(cudaMemsetAsync(im.fp8_saturated, 0, sizeof(uint64_t), stream_));
-  if (im.rope_table.cos_sin) gpu::rope_table(im.rope_table, cfg_.rope_theta, stream_);
   if (im.fp8_history_memory)
     im.fp8_histories = std::make_unique<DeviceFp8Histories>(im.fp8_history_memory, transformer_linear_names(cfg_),
                                                             opt_.precision.amax_history, stream_);
@@ -851,12 +848,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     gpu::attention_backward(dqkv, datty, L.qkv, L.atty, L.lse, B, T, NH, KV, HD, ws, z.attn_ws, s, opt_.attention);
     if (cfg_.pos == PosKind::rope) {
       mark("rope bwd");
-      DeviceLinear& qkv = blk.qkv->top();
-      if (im.rope_table.cos_sin && !blk.qkv->db && qkv.takes_produced_fp8())
-        // fp8, delayed scaling: qkv's dY only as codes
-        gpu::fp8_rope_backward(qkv.fp8_grad_target(dqkv, N), dqkv, im.rope_table, B, T, NH, KV, HD, s);
-      else
-        gpu::rope_backward(dqkv, B, T, NH, KV, HD, cfg_.rope_theta, s);
+      gpu::rope_backward(dqkv, B, T, NH, KV, HD, cfg_.rope_theta, s);
     }
     const bf16* ln1 = L.ln1;
     if (!ln1) {

@@ -98,14 +98,6 @@ void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* 
 void rope_forward(bf16* qkv, int B, int T, int NH, int NKV, int HD, double theta, cudaStream_t stream);
 // The inverse rotation, in place on dqkv.
 void rope_backward(bf16* dqkv, int B, int T, int NH, int NKV, int HD, double theta, cudaStream_t stream);
-// The cosines and sines of the rotations at positions [0, positions) of heads of head_dim
-// values, float2 [positions, head_dim / 2], each as rope_forward's kernel rounds them, for the
-// ops that rotate without computing angles (fp8_rope_backward). rope_table writes it.
-struct RopeTable {
-  float2* cos_sin = nullptr;
-  int positions = 0, head_dim = 0;
-};
-void rope_table(const RopeTable& table, double theta, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // Pointwise activations (ops/activation.h). Backward: accumulate = true adds into dinp

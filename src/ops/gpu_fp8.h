@@ -32,8 +32,6 @@
 
 namespace esplag::gpu {
 
-struct RopeTable;  // ops/gpu.h
-
 using bf16 = __nv_bfloat16;
 
 // *amax (fp32) = the largest finite |x[i]| of the n values, 0 when there is none (core's
@@ -120,15 +118,6 @@ void fp8_rmsnorm_forward(const Fp8Target& to, float* rstd, bf16* residual_out, c
 // Needs C % 8 == 0 and x, weight, bias 16-byte aligned.
 void fp8_norm_recompute(const Fp8Target& to, const bf16* x, const bf16* weight, const bf16* bias, const float* mean,
                         const float* rstd, int64_t N, int C, cudaStream_t stream);
-
-// RoPE's backward of dqkv [B·T, (NH + 2·NKV)·HD] as the attention's backward leaves it
-// (rope_backward's values, the angles from `table`, ops/gpu.h) written as fp8 codes only,
-// into `grad` as fp8_cast_both would write them (ops/cuda/fp8_rope.cu); dqkv is read, not
-// rotated. The producer of a qkv layer's output gradient with delayed scaling
-// (DeviceLinear::fp8_grad_target). Needs HD % 16 == 0, T <= table.positions, HD ==
-// table.head_dim and dqkv 16-byte aligned.
-void fp8_rope_backward(const Fp8Target& grad, const bf16* dqkv, const RopeTable& table, int B, int T, int NH, int NKV,
-                       int HD, cudaStream_t stream);
 
 // Delayed scaling's step end (model/fp8_amax_history.h) for `count` amax histories of
 // `length` past steps each, history i at histories + i · (length + 2): [this step's amax,

@@ -84,11 +84,6 @@ inline bool fp8_producers_run(const GpuModelOptions& o) { return o.fp8_producers
 inline bool swiglu_grad_codes(const ModelConfig& c, const GpuModelOptions& o) {
   return fp8_producers_run(o) && c.mlp == MlpKind::swiglu;
 }
-// Whether RoPE's backward may write qkv's dY codes (gpu::fp8_rope_backward): into the second
-// pair, which fc's have left by then.
-inline bool rope_grad_codes(const ModelConfig& c, const GpuModelOptions& o) {
-  return swiglu_grad_codes(c, o) && c.pos == PosKind::rope && c.head_dim() % 16 == 0 && !o.forward_only;
-}
 
 inline GpuMemoryPlan operator+(const GpuMemoryPlan& a, const GpuMemoryPlan& b) {
   GpuMemoryPlan r;
@@ -274,8 +269,6 @@ struct GpuTransformer::Impl {
   bool fused_norm = false;  // GpuModelOptions::fused_norm_backward, where d_model allows it
   void *fnorm_scratch = nullptr, *colsum_scratch = nullptr;
   size_t fnorm_scratch_bytes = 0, colsum_scratch_bytes = 0;
-  // RoPE's cosines and sines for its backward's fp8 producer (rope_grad_codes), else null.
-  gpu::RopeTable rope_table;
   uint64_t* fp8_saturated = nullptr;  // values the block linears' fp8 casts saturated (precision.fp8)
   float* fp8_history_memory = nullptr;  // precision.delayed(): the amax histories' device array
   std::unique_ptr<DeviceFp8Histories> fp8_histories;

@@ -69,27 +69,7 @@ void launch(bf16* x, int B, int T, int NH, int NKV, int HD, double theta, double
   CUDA_CHECK_LAUNCH(name);
 }
 
-__global__ void rope_table_kernel(float2* cos_sin, int positions, int HD, double theta) {
-  const int half = HD / 2;
-  const int64_t t_id = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (t_id >= int64_t(positions) * half) return;
-  cos_sin[t_id] = detail::rope_cos_sin(static_cast<double>(t_id / half), static_cast<int>(t_id % half), HD, theta);
-}
-
 }  // namespace
-
-void rope_table(const RopeTable& t, double theta, cudaStream_t stream) {
-  ESPLAG_CHECK(t.positions >= 0 && t.head_dim > 0 && t.head_dim % 2 == 0, "rope_table: bad shape positions=",
-               t.positions, ", head_dim=", t.head_dim, " (head_dim even)");
-  ESPLAG_CHECK(theta > 0 && std::isfinite(theta), "rope_table: rotary base theta must be positive and finite, got ",
-               theta);
-  const int64_t n = int64_t(t.positions) * (t.head_dim / 2);
-  if (n == 0) return;
-  ESPLAG_CHECK(t.cos_sin, "rope_table: null table");
-  rope_table_kernel<<<detail::blocks_for(n, kThreads), kThreads, 0, stream>>>(t.cos_sin, t.positions, t.head_dim,
-                                                                                theta);
-  CUDA_CHECK_LAUNCH("rope_table");
-}
 
 void rope_forward(bf16* qkv, int B, int T, int NH, int NKV, int HD, double theta, cudaStream_t stream) {
   launch(qkv, B, T, NH, NKV, HD, theta, 1.0, stream, "rope_forward");

@@ -1,6 +1,5 @@
-// RoPE's angles and rotation as device functions, shared by every kernel that rotates
-// (rope.cu, decode_attention.cu, fp8_rope.cu, and rope_table, which the fused ops read), so
-// that they agree bit for bit.
+// RoPE's angles and rotation as device functions, shared by the kernels that rotate
+// (rope.cu for training, decode_attention.cu for generation), so that they agree bit for bit.
 #pragma once
 
 #include "ops/cuda/common.cuh"
