@@ -592,13 +592,54 @@ TEST(GpuFused, SwigluAndRelu2RecomputeTheForwardBits) {
   run_fused_relu2(4096 + 3, 312);  // vector path with a scalar tail
 }
 
+// The largest finite |x| of the bf16 values at the segments of each amax slot (0 for none), as
+// gpu::fp8_amax takes it.
+std::vector<float> host_amaxes(const std::vector<uint16_t>& hi, const std::vector<gpu::ParamSegment>& segs, int slots) {
+  std::vector<float> a(size_t(slots), 0.0f);
+  for (const auto& sg : segs)
+    for (int64_t i = sg.offset; sg.amax_slot >= 0 && i < sg.offset + sg.numel; ++i) {
+      const float x = esplag::bf16_to_float(hi[size_t(i)]);
+      if (std::isfinite(x)) a[size_t(sg.amax_slot)] = std::max(a[size_t(sg.amax_slot)], std::fabs(x));
+    }
+  return a;
+}
+
+// adamw_update_split's amaxes after the steps above are those of the weights it wrote; then,
+// with infinities, NaN of either sign and -0 among the weights and lr 0 (the weights stay
+// as they are), the largest finite magnitude still, and 0 for a segment of no finite value.
+void expect_split_adamw_amaxes(Dev& dev, const gpu::SplitAdamWPlan& plan, const std::vector<gpu::ParamSegment>& segs,
+                               bf16* dhi, int16_t* dlo, float* dm, float* dv, const float* dg,
+                               gpu::AdamWStepParams* params, const float* norm_sq, float* amax) {
+  const int64_t total = plan.total_numel();
+  EXPECT_EQ(dev.get(amax, 4), host_amaxes(get_raw<uint16_t>(dev, dhi, total), segs, 4)) << "after the two steps";
+  std::vector<uint16_t> hi = get_raw<uint16_t>(dev, dhi, total);
+  const uint16_t specials[] = {0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x8000};
+  for (int k = 0; k < 5; ++k) hi[size_t(1037 + 4000 * k)] = specials[k];  // segment 2's chunks
+  hi[999] = 0x41F0;  // 30: the largest of segment 0
+  for (int64_t i = 21871; i < total; ++i) hi[size_t(i)] = i % 2 ? 0x7F80 : 0xFFC0;  // segment 5: none finite
+  CUDA_CHECK(cudaMemcpy(dhi, hi.data(), hi.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  gpu::AdamWConfig still;
+  still.step = 9;
+  gpu::set_adamw_step_params(params, gpu::make_adamw_step_params(still), dev.stream());
+  gpu::adamw_update_split(plan, dhi, dlo, dm, dv, dg, params, norm_sq, nullptr, amax, dev.stream());
+  const std::vector<uint16_t> after = get_raw<uint16_t>(dev, dhi, total);
+  for (int k = 0; k < 5; ++k) ASSERT_EQ(after[size_t(1037 + 4000 * k)] & 0x7F80, specials[k] & 0x7F80) << k;
+  const std::vector<float> want = host_amaxes(after, segs, 4);
+  EXPECT_EQ(dev.get(amax, 4), want) << "with infinities and NaN";
+  EXPECT_EQ(want[1], 0.0f);
+  EXPECT_THROW(
+      gpu::adamw_update_split(plan, dhi, dlo, dm, dv, dg, params, norm_sq, nullptr, nullptr, dev.stream()),
+      esplag::Error);
+}
+
 TEST(GpuFused, SplitAdamWMatchesCpuWithDeviceHyperParameters) {
   REQUIRE_DEVICE();
   Dev dev;
   // As in the AdamW op test: odd offsets (scalar path), a segment longer than a chunk, a
-  // gap that must stay untouched, decay on and off; segment 4 mirrored.
-  const std::vector<gpu::ParamSegment> segs = {{0, 1000, true},   {1000, 37, false}, {1037, 20000, true},
-                                               {21037, 3, false}, {21100, 771, true}, {21871, 4096, false}};
+  // gap that must stay untouched, decay on and off; segment 4 mirrored. Amaxes: segments 2
+  // and 3 into slot 3, 0 into 0, 5 into 1; slot 2 has none.
+  const std::vector<gpu::ParamSegment> segs = {{0, 1000, true, 0},    {1000, 37, false},     {1037, 20000, true, 3},
+                                               {21037, 3, false, 3}, {21100, 771, true}, {21871, 4096, false, 1}};
   const int64_t total = 21871 + 4096;
   Rng rng(401);
   VF master(total), m(total), v(total), g(total);
@@ -621,6 +662,8 @@ TEST(GpuFused, SplitAdamWMatchesCpuWithDeviceHyperParameters) {
   bf16* mirror = reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(771));
   gpu::SplitAdamWPlan plan(segs, dev.arena(), 4);
   EXPECT_EQ(plan.total_numel(), total);
+  EXPECT_EQ(plan.amax_slots(), 4);
+  float* amax = dev.poisoned<float>(4);
 
   // Two steps with different hyper-parameters, written to the device before each update;
   // the second clips.
@@ -635,7 +678,7 @@ TEST(GpuFused, SplitAdamWMatchesCpuWithDeviceHyperParameters) {
   c2.max_grad_norm = 1.0f;
   for (const auto& c : {c1, c2}) {
     gpu::set_adamw_step_params(params, gpu::make_adamw_step_params(c), dev.stream());
-    gpu::adamw_update_split(plan, dhi, dlo, dm, dv, dg, params, norm_sq, mirror, dev.stream());
+    gpu::adamw_update_split(plan, dhi, dlo, dm, dv, dg, params, norm_sq, mirror, amax, dev.stream());
   }
   const auto ghi = get_raw<uint16_t>(dev, dhi, total);
   const auto glo = get_raw<int16_t>(dev, dlo, total);
@@ -664,6 +707,7 @@ TEST(GpuFused, SplitAdamWMatchesCpuWithDeviceHyperParameters) {
   }
   const auto mir = get_raw<uint16_t>(dev, mirror, 771);
   for (int i = 0; i < 771; ++i) ASSERT_EQ(mir[i], ghi[21100 + i]) << "mirror at " << i;
+  expect_split_adamw_amaxes(dev, plan, segs, dhi, dlo, dm, dv, dg, params, norm_sq, amax);
   // Bad hyper-parameters are refused on the host, before anything runs.
   gpu::AdamWConfig bad = c1;
   bad.beta2 = 1.0f;

@@ -228,6 +228,11 @@ class DeviceLinear {
   // After AdamW's update, before prepare: the op name to mark (null: nothing to do) and the work.
   virtual const char* after_optimizer_step_op() const { return nullptr; }
   virtual void after_optimizer_step() {}
+  // Whether the next prepare after an AdamW step reads the amax of the bf16 weight the step
+  // wrote (an fp8 weight cast), which AdamW can take as it writes it; the model then hands it
+  // over with weight_amax_taken (a device float, valid until that prepare).
+  virtual bool takes_weight_amax() const { return false; }
+  virtual void weight_amax_taken(const float* amax) {}
   // Before each backward (buffers reused between a layer's dX and dW start over).
   virtual void begin_backward() {}
   // out [N, out] = act(in [N, in] · Wᵀ + b); with act gelu, pre_act receives the

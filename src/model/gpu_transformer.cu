@@ -990,7 +990,8 @@ void GpuTransformer::adamw_body() {
     for (size_t k = 0; k < im.slices.size(); ++k) {
       const Impl::Slice& sl = im.slices[k];
       gpu::adamw_update_split(*im.adamw[k], im.master_hi(k), im.master_lo(k), im.m_shard + sl.shard_at,
-                              im.v_shard + sl.shard_at, im.slice_grad(k), im.adam_params, norm_sq_, nullptr, stream_);
+                              im.v_shard + sl.shard_at, im.slice_grad(k), im.adam_params, norm_sq_, nullptr, nullptr,
+                              stream_);
     }
     im.marks.mark(stream_, "all-gather (weights)");
     if (im.w_own) {  // ZeRO stage 3: the blocks' weights are gathered where they are used
@@ -1007,7 +1008,11 @@ void GpuTransformer::adamw_body() {
     gpu::sum_squares(norm_sq_, im.grad, int64_t(nstored_), im.gnorm_scratch, stream_);
     im.marks.mark(stream_, "adamw");
     gpu::adamw_update_split(*im.adamw.front(), im.w, im.w_lo, im.m, im.v, im.grad, im.adam_params, norm_sq_,
-                            im.head_pad, stream_);
+                            im.head_pad, im.weight_amax, stream_);
+    for (const size_t k : im.weight_amax_takers) {  // still takers: a kind may have changed since the plan
+      DeviceLinear& layer = im.find_linear(im.stored[k].name)->top();
+      if (layer.takes_weight_amax()) layer.weight_amax_taken(im.weight_amax + k);
+    }
   }
   // The layers' own work after the update (a masked layer zeroes its pruned weights), then
   // their preparation for the next step.

@@ -148,6 +148,9 @@ struct ParamSegment {
   int64_t offset = 0;
   int64_t numel = 0;
   bool decay = false;
+  // adamw_update_split only: where in its `amax` array the largest finite |x| of the
+  // segment's updated bf16 values goes (-1: nowhere).
+  int amax_slot = -1;
 };
 
 struct AdamWConfig {

@@ -99,6 +99,7 @@ void set_adamw_step_params(AdamWStepParams* device, const AdamWStepParams& p, cu
 // allocates from the arena and uploads synchronously. `mirror_segment` (index into
 // segments, or -1) names a tensor whose updated bf16 values are also written to the
 // `mirror` buffer passed to adamw_update_split, at the same offsets within the tensor.
+// Segments with an amax_slot have the amax of their updated bf16 values taken (below).
 class SplitAdamWPlan {
  public:
   SplitAdamWPlan(const std::vector<ParamSegment>& segments, DeviceArena& arena, int mirror_segment = -1);
@@ -106,6 +107,7 @@ class SplitAdamWPlan {
   int64_t total_numel() const { return total_; }
   const void* device_table() const { return table_; }
   int64_t mirror_base() const { return mirror_base_; }  // flat offset of the mirrored segment
+  int amax_slots() const { return amax_slots_; }  // 1 + the largest amax_slot of its segments
   // Upper bound of the table's bytes in the arena, for memory plans.
   static size_t table_bytes_bound(const std::vector<ParamSegment>& segments);
 
@@ -114,6 +116,7 @@ class SplitAdamWPlan {
   int64_t num_chunks_ = 0;
   int64_t total_ = 0;
   int64_t mirror_base_ = 0;
+  int amax_slots_ = 0;
 };
 
 // cpu::adamw_step for every segment on the split master weights (hi, lo), fp32 moments
@@ -121,8 +124,12 @@ class SplitAdamWPlan {
 // when params->max_grad_norm > 0, the clipping factor from *norm_sq (device). The same
 // arithmetic as adamw_update. hi is rewritten in the same pass, and mirror (when the plan
 // has a mirror segment and mirror is not null) receives that segment's new hi values.
+// amax [plan.amax_slots()] (needed when the plan has slots) receives in each slot the largest
+// finite |x| of its segments' new hi values, as gpu::fp8_amax would take it (0 for none):
+// the amax an fp8 weight cast needs, without a pass over the weights of its own.
 void adamw_update_split(const SplitAdamWPlan& plan, bf16* hi, int16_t* lo, float* m, float* v, const float* grad,
-                        const AdamWStepParams* params, const float* norm_sq, bf16* mirror, cudaStream_t stream);
+                        const AdamWStepParams* params, const float* norm_sq, bf16* mirror, float* amax,
+                        cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // MLP activations whose backward recomputes the forward output

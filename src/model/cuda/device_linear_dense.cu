@@ -88,6 +88,7 @@ float* DeviceDenseLinear::fp8_inv(int role) const {
 void DeviceDenseLinear::bind(const DeviceLinearParams& p) {
   DeviceLinear::bind(p);
   w8_current_ = false;  // another weight: its codes are made at the next prepare or product
+  weight_amax_ = nullptr;
 }
 
 void DeviceDenseLinear::prepare(bool) {
@@ -99,9 +100,14 @@ void DeviceDenseLinear::prepare(bool) {
 void DeviceDenseLinear::cast_weight() {
   using R = Fp8Scratch::Role;
   cudaStream_t s = ctx_.stream;
-  gpu::fp8_amax(fp8_amax(R::weight), p_.weight.w, out_ * in_, s);
-  gpu::fp8_cast_both(w8_, wt8_, fp8_inv(R::weight), p_.weight.w, out_, in_, fp8_amax(R::weight), Fp8Format::e4m3,
-                     ctx_.fp8_saturated, s);
+  const float* amax = weight_amax_;
+  weight_amax_ = nullptr;
+  if (!amax) {
+    amax = fp8_amax(R::weight);
+    gpu::fp8_amax(fp8_amax(R::weight), p_.weight.w, out_ * in_, s);
+  }
+  gpu::fp8_cast_both(w8_, wt8_, fp8_inv(R::weight), p_.weight.w, out_, in_, amax, Fp8Format::e4m3, ctx_.fp8_saturated,
+                     s);
   w8_current_ = true;
 }
 

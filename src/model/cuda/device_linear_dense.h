@@ -24,6 +24,9 @@ class DeviceDenseLinear : public DeviceLinear {
   bool prepares() const override { return fp8_; }
   void prepare(bool refresh) override;
   void bind(const DeviceLinearParams& p) override;
+  // fp8: the weight cast's amax from AdamW instead of a pass over the weight.
+  bool takes_weight_amax() const override { return fp8_; }
+  void weight_amax_taken(const float* amax) override { weight_amax_ = amax; }
   size_t device_bytes() const override { return fp8_own_.capacity(); }
   void begin_backward() override;
   // Device bytes of the scratch the fp8 products share (GpuModelOptions::precision), for
@@ -44,9 +47,9 @@ class DeviceDenseLinear : public DeviceLinear {
  private:
   // The fp8 products (GpuModelOptions::precision), cuBLASLt's fp8 GEMMs, which take their
   // operands K-major, so the backward's need transposed copies:
-  // - W: its amax and one pass writing W [out, in] (forward) and Wᵀ [in, out] (dX) into the
-  //   layer's own codes, at every prepare() (after each optimizer step and weight change),
-  //   not per micro-batch;
+  // - W: its amax (AdamW's, weight_amax_taken, after a step) and one pass writing W [out,
+  //   in] (forward) and Wᵀ [in, out] (dX) into the layer's own codes, at every prepare()
+  //   (after each optimizer step and weight change), not per micro-batch;
   // - X: amax and cast in the forward, into a scratch all fp8 layers share; its transposed
   //   cast in dW with the forward's amax (the saved input is unchanged until then);
   // - dY: amax and one pass writing dY (dX) and dYᵀ (dW) into the shared scratch, by the
@@ -67,6 +70,7 @@ class DeviceDenseLinear : public DeviceLinear {
   DeviceArena fp8_own_;                     // the scales, w8_ and wt8_
   uint8_t *w8_ = nullptr, *wt8_ = nullptr;  // W [out, in] and Wᵀ [in, out], e4m3
   bool w8_current_ = false;                 // they hold the bound weight's codes (prepare() since the last bind)
+  const float* weight_amax_ = nullptr;      // the bound weight's amax, taken by AdamW (null: none since the cast)
   Fp8OperandAmax x_amax_, dy_amax_;
   Fp8ProducedCodes produced_;  // with delayed scaling
 };

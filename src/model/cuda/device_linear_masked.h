@@ -33,6 +33,8 @@ class DeviceMaskedLinear : public DeviceDenseLinear {
     return steps_keep_pruned_zero() ? nullptr : "masked weights";
   }
   void after_optimizer_step() override;
+  // Its prepare may zero pruned weights after AdamW took the amax.
+  bool takes_weight_amax() const override { return false; }
   // The pruned weights zeroed; with a 2:4 mask, the dispatch and the compressed copy.
   void attach() override;
   void bind(const DeviceLinearParams& p) override;

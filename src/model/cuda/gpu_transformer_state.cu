@@ -21,12 +21,15 @@ __global__ void zero_chunks_kernel(const ZeroChunk* table) {
 }
 
 // The segments AdamW updates: the tensors' parts within [begin, begin + size) of the storage
-// layout (one of this rank's slices), at offsets from begin.
-std::vector<gpu::ParamSegment> segments_of(const std::vector<ParamInfo>& infos, size_t begin, size_t size) {
+// layout (one of this rank's slices), at offsets from begin; tensor k's amax into slot k
+// where takes_amax[k].
+std::vector<gpu::ParamSegment> segments_of(const std::vector<ParamInfo>& infos, size_t begin, size_t size,
+                                           const std::vector<bool>& takes_amax) {
   std::vector<gpu::ParamSegment> segs;
-  for (const auto& i : infos) {
+  for (size_t k = 0; k < infos.size(); ++k) {
+    const ParamInfo& i = infos[k];
     const size_t lo = std::max(i.offset, begin), hi = std::min(i.offset + i.numel, begin + size);
-    if (lo < hi) segs.push_back({int64_t(lo - begin), int64_t(hi - lo), i.decay});
+    if (lo < hi) segs.push_back({int64_t(lo - begin), int64_t(hi - lo), i.decay, takes_amax[k] ? int(k) : -1});
   }
   return segs;
 }
@@ -121,8 +124,19 @@ void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<Pa
   im.shard_size = 0;
   for (const GpuTransformer::Impl::Slice& sl : im.slices) im.shard_size += sl.size;
   im.padded = end;
+  // Unsharded, AdamW takes the amax of the weights whose layers cast them next
+  // (DeviceLinear::takes_weight_amax; a rank's update sees a slice of a weight only).
+  std::vector<bool> takes_amax(stored.size(), false);
+  im.weight_amax_takers.clear();
+  for (size_t k = 0; k < stored.size() && !shards; ++k)
+    if (const GpuTransformer::Impl::Slot* slot = im.find_linear(stored[k].name);
+        slot && slot->top().takes_weight_amax()) {
+      takes_amax[k] = true;
+      im.weight_amax_takers.push_back(k);
+    }
   std::vector<std::vector<gpu::ParamSegment>> segments;
-  for (const GpuTransformer::Impl::Slice& sl : im.slices) segments.push_back(segments_of(stored, sl.at, sl.size));
+  for (const GpuTransformer::Impl::Slice& sl : im.slices)
+    segments.push_back(segments_of(stored, sl.at, sl.size, takes_amax));
   // ZeRO stage 2 writes the blocks' gradients into a ring of slots, if there are block buckets.
   im.grad_storage = plan_gradient_storage(buckets, shards && o.shard_gradients);
   const bool ring = im.grad_storage.slots > 0;
@@ -160,6 +174,8 @@ void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<Pa
   im.m = shards ? nullptr : im.m_shard;
   im.v = shards ? nullptr : im.v_shard;
   im.norm_parts = shards ? take.arr<float>("grad.norm_parts", im.slices.size()) : nullptr;
+  // A slot per stored tensor (the plan's size without the layers: memory_plan's).
+  im.weight_amax = o.precision.fp8 && !shards ? take.arr<float>("adamw.weight_amax", stored.size()) : nullptr;
   for (const auto& segs : segments) plan.optimizer += gpu::SplitAdamWPlan::table_bytes_bound(segs);
   if (!take.arena) return;
   // Sharded, the padded head copy is refreshed from the gathered weights instead.

@@ -125,6 +125,7 @@ AdamWPlan::AdamWPlan(const std::vector<ParamSegment>& segments, DeviceArena& are
     const ParamSegment& s = segments[i];
     ESPLAG_CHECK(s.offset >= 0 && s.numel >= 0, "AdamWPlan: segment ", i, " has offset ", s.offset, " and numel ",
                  s.numel);
+    ESPLAG_CHECK(s.amax_slot < 0, "AdamWPlan: segment ", i, " asks for its amax (adamw_update_split only)");
     for (int64_t o = 0; o < s.numel; o += kChunk)
       table.push_back(Chunk{s.offset + o, static_cast<int32_t>(std::min(kChunk, s.numel - o)), s.decay ? 1 : 0});
     total_ = std::max(total_, s.offset + s.numel);

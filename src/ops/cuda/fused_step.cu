@@ -3,8 +3,8 @@
 // the forward output.
 //
 // Same expressions and constants as the op kernels they stand beside (ops/cuda/adamw.cu,
-// ops/cuda/activation.cu) and the CPU references; no atomics, every element written by
-// one thread.
+// ops/cuda/activation.cu) and the CPU references; every element written by one thread, and
+// no floating-point atomics (AdamW's amaxes are integer maxima of bf16 magnitudes, exact).
 #include <algorithm>
 #include <cmath>
 
@@ -58,8 +58,9 @@ constexpr int64_t kChunk = int64_t(kThreads) * 4 * 16;  // 16 groups of 4 per th
 struct Chunk {
   int64_t offset;  // in the flat buffers
   int32_t n;
-  int16_t decay;
-  int16_t mirror;  // 1: also write hi to mirror[offset - mirror_base + i]
+  int8_t decay;
+  int8_t mirror;  // 1: also write hi to mirror[offset - mirror_base + i]
+  int16_t amax;   // >= 0: raise amax[amax] to the largest finite |hi| written
 };
 static_assert(sizeof(Chunk) == 16, "one 16-byte load per block");
 
@@ -74,7 +75,7 @@ __device__ __forceinline__ void adam_one(float& p, float& m, float& v, float g, 
 __global__ void __launch_bounds__(kThreads)
     adamw_split_kernel(const Chunk* chunks, uint16_t* hi_all, int16_t* lo_all, float* mom1, float* mom2,
                        const float* grad, const AdamWStepParams* params, const float* norm_sq, uint16_t* mirror,
-                       int64_t mirror_base) {
+                       int64_t mirror_base, unsigned* amax) {
   const Chunk ch = chunks[blockIdx.x];
   const AdamWStepParams h = *params;
   float scale = h.grad_scale;
@@ -89,6 +90,11 @@ __global__ void __launch_bounds__(kThreads)
   const auto a8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
   const bool vec = ch.n % 4 == 0 && detail::aligned16(m) && detail::aligned16(v) && detail::aligned16(g) && a8(hi) &&
                    a8(lo) && (!mir || a8(mir));
+  unsigned largest = 0;  // of the finite |hi| bits written: their order is the values'
+  const auto note = [&](uint16_t h) {
+    const unsigned a = h & 0x7FFFu;
+    if (a < 0x7F80u) largest = max(largest, a);
+  };
   if (vec) {
     for (int i = threadIdx.x * 4; i < ch.n; i += kThreads * 4) {
       float4 mm = *reinterpret_cast<float4*>(m + i);
@@ -113,6 +119,7 @@ __global__ void __launch_bounds__(kThreads)
       *reinterpret_cast<ushort4*>(hi + i) = ho;
       *reinterpret_cast<short4*>(lo + i) = lw;
       if (mir) *reinterpret_cast<ushort4*>(mir + i) = ho;
+      note(ho.x), note(ho.y), note(ho.z), note(ho.w);
     }
   } else {
     for (int i = threadIdx.x; i < ch.n; i += kThreads) {
@@ -126,8 +133,17 @@ __global__ void __launch_bounds__(kThreads)
       hi[i] = ho;
       lo[i] = lw;
       if (mir) mir[i] = ho;
+      note(ho);
     }
   }
+  if (ch.amax < 0) return;  // the whole block's choice
+  __shared__ unsigned warps[kThreads / 32];
+  largest = __reduce_max_sync(0xffffffffu, largest);
+  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = largest;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  for (int w = 1; w < kThreads / 32; ++w) largest = max(largest, warps[w]);
+  if (largest) atomicMax(amax + ch.amax, largest << 16);  // the float's bits
 }
 
 // ---------------------------------------------------------------------------------------
@@ -553,10 +569,14 @@ SplitAdamWPlan::SplitAdamWPlan(const std::vector<ParamSegment>& segments, Device
     const ParamSegment& s = segments[i];
     ESPLAG_CHECK(s.offset >= 0 && s.numel >= 0, "SplitAdamWPlan: segment ", i, " has offset ", s.offset,
                  " and numel ", s.numel);
-    const int16_t mirror = static_cast<int>(i) == mirror_segment ? 1 : 0;
+    ESPLAG_CHECK(s.amax_slot < 0x8000, "SplitAdamWPlan: segment ", i, " has amax slot ", s.amax_slot,
+                 " (at most 32767)");
+    const int8_t mirror = static_cast<int>(i) == mirror_segment ? 1 : 0;
+    const int16_t amax = int16_t(std::max(-1, s.amax_slot));
+    amax_slots_ = std::max(amax_slots_, amax + 1);
     for (int64_t o = 0; o < s.numel; o += kChunk)
-      table.push_back(
-          Chunk{s.offset + o, static_cast<int32_t>(std::min(kChunk, s.numel - o)), int16_t(s.decay ? 1 : 0), mirror});
+      table.push_back(Chunk{s.offset + o, static_cast<int32_t>(std::min(kChunk, s.numel - o)), int8_t(s.decay ? 1 : 0),
+                            mirror, amax});
     total_ = std::max(total_, s.offset + s.numel);
   }
   num_chunks_ = static_cast<int64_t>(table.size());
@@ -569,13 +589,17 @@ SplitAdamWPlan::SplitAdamWPlan(const std::vector<ParamSegment>& segments, Device
 }
 
 void adamw_update_split(const SplitAdamWPlan& plan, bf16* hi, int16_t* lo, float* m, float* v, const float* grad,
-                        const AdamWStepParams* params, const float* norm_sq, bf16* mirror, cudaStream_t stream) {
+                        const AdamWStepParams* params, const float* norm_sq, bf16* mirror, float* amax,
+                        cudaStream_t stream) {
+  ESPLAG_CHECK(amax || plan.amax_slots() == 0, "adamw_update_split: the plan takes ", plan.amax_slots(),
+               " amaxes, and amax is null");
+  if (plan.amax_slots() > 0) CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float) * size_t(plan.amax_slots()), stream));
   if (plan.num_chunks() == 0) return;
   ESPLAG_CHECK(hi && lo && m && v && grad && params, "adamw_update_split: null weight, moment, gradient or "
                "parameter buffer");
   adamw_split_kernel<<<static_cast<unsigned>(plan.num_chunks()), kThreads, 0, stream>>>(
       static_cast<const Chunk*>(plan.device_table()), reinterpret_cast<uint16_t*>(hi), lo, m, v, grad, params,
-      norm_sq, reinterpret_cast<uint16_t*>(mirror), plan.mirror_base());
+      norm_sq, reinterpret_cast<uint16_t*>(mirror), plan.mirror_base(), reinterpret_cast<unsigned*>(amax));
   CUDA_CHECK_LAUNCH("adamw_update_split");
 }
 
