@@ -613,11 +613,19 @@ void expect_split_adamw_amaxes(Dev& dev, const gpu::SplitAdamWPlan& plan, const 
   const int64_t total = plan.total_numel();
   EXPECT_EQ(dev.get(amax, 4), host_amaxes(get_raw<uint16_t>(dev, dhi, total), segs, 4)) << "after the two steps";
   std::vector<uint16_t> hi = get_raw<uint16_t>(dev, dhi, total);
+  std::vector<int16_t> lo = get_raw<int16_t>(dev, dlo, total);
   const uint16_t specials[] = {0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x8000};
-  for (int k = 0; k < 5; ++k) hi[size_t(1037 + 4000 * k)] = specials[k];  // segment 2's chunks
+  for (int k = 0; k < 5; ++k) {  // in segment 2's chunks, the low halves 0 (else they move the value)
+    hi[size_t(1037 + 4000 * k)] = specials[k];
+    lo[size_t(1037 + 4000 * k)] = 0;
+  }
   hi[999] = 0x41F0;  // 30: the largest of segment 0
-  for (int64_t i = 21871; i < total; ++i) hi[size_t(i)] = i % 2 ? 0x7F80 : 0xFFC0;  // segment 5: none finite
+  for (int64_t i = 21871; i < total; ++i) {  // segment 5: none finite
+    hi[size_t(i)] = i % 2 ? 0x7F80 : 0xFFC0;
+    lo[size_t(i)] = 0;
+  }
   CUDA_CHECK(cudaMemcpy(dhi, hi.data(), hi.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(dlo, lo.data(), lo.size() * sizeof(int16_t), cudaMemcpyHostToDevice));
   gpu::AdamWConfig still;
   still.step = 9;
   gpu::set_adamw_step_params(params, gpu::make_adamw_step_params(still), dev.stream());
