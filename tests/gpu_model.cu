@@ -27,6 +27,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -605,8 +606,9 @@ std::vector<float> host_amaxes(const std::vector<uint16_t>& hi, const std::vecto
 }
 
 // adamw_update_split's amaxes after the steps above are those of the weights it wrote; then,
-// with infinities, NaN of either sign and -0 among the weights and lr 0 (the weights stay
-// as they are), the largest finite magnitude still, and 0 for a segment of no finite value.
+// at lr 0 (the weights stay as they are), with masters of ±FLT_MAX (whose bf16 halves round
+// to ±inf), -0 and NaN (a NaN master's high half wraps to -0) among them, the largest finite
+// magnitude still, and 0 for a segment of no finite value.
 void expect_split_adamw_amaxes(Dev& dev, const gpu::SplitAdamWPlan& plan, const std::vector<gpu::ParamSegment>& segs,
                                bf16* dhi, int16_t* dlo, float* dm, float* dv, const float* dg,
                                gpu::AdamWStepParams* params, const float* norm_sq, float* amax) {
@@ -614,16 +616,14 @@ void expect_split_adamw_amaxes(Dev& dev, const gpu::SplitAdamWPlan& plan, const 
   EXPECT_EQ(dev.get(amax, 4), host_amaxes(get_raw<uint16_t>(dev, dhi, total), segs, 4)) << "after the two steps";
   std::vector<uint16_t> hi = get_raw<uint16_t>(dev, dhi, total);
   std::vector<int16_t> lo = get_raw<int16_t>(dev, dlo, total);
-  const uint16_t specials[] = {0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x8000};
-  for (int k = 0; k < 5; ++k) {  // in segment 2's chunks, the low halves 0 (else they move the value)
-    hi[size_t(1037 + 4000 * k)] = specials[k];
-    lo[size_t(1037 + 4000 * k)] = 0;
-  }
-  hi[999] = 0x41F0;  // 30: the largest of segment 0
-  for (int64_t i = 21871; i < total; ++i) {  // segment 5: none finite
-    hi[size_t(i)] = i % 2 ? 0x7F80 : 0xFFC0;
-    lo[size_t(i)] = 0;
-  }
+  const auto set = [&](int64_t i, float w) {
+    hi[size_t(i)] = gpu::master_hi_bits(w);
+    lo[size_t(i)] = gpu::master_lo_bits(w);
+  };
+  const float specials[] = {FLT_MAX, -FLT_MAX, -0.0f, std::numeric_limits<float>::quiet_NaN()};
+  for (int k = 0; k < 4; ++k) set(1037 + 4000 * k, specials[k]);  // in segment 2's chunks
+  set(999, 30.0f);  // the largest of segment 0
+  for (int64_t i = 21871; i < total; ++i) set(i, i % 2 ? FLT_MAX : -FLT_MAX);  // segment 5: none finite
   CUDA_CHECK(cudaMemcpy(dhi, hi.data(), hi.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(dlo, lo.data(), lo.size() * sizeof(int16_t), cudaMemcpyHostToDevice));
   gpu::AdamWConfig still;
@@ -631,9 +631,11 @@ void expect_split_adamw_amaxes(Dev& dev, const gpu::SplitAdamWPlan& plan, const 
   gpu::set_adamw_step_params(params, gpu::make_adamw_step_params(still), dev.stream());
   gpu::adamw_update_split(plan, dhi, dlo, dm, dv, dg, params, norm_sq, nullptr, amax, dev.stream());
   const std::vector<uint16_t> after = get_raw<uint16_t>(dev, dhi, total);
-  for (int k = 0; k < 5; ++k) ASSERT_EQ(after[size_t(1037 + 4000 * k)] & 0x7F80, specials[k] & 0x7F80) << k;
+  ASSERT_EQ(after[1037], 0x7F80) << "FLT_MAX's high half";
+  ASSERT_EQ(after[5037], 0xFF80) << "-FLT_MAX's high half";
   const std::vector<float> want = host_amaxes(after, segs, 4);
-  EXPECT_EQ(dev.get(amax, 4), want) << "with infinities and NaN";
+  EXPECT_EQ(dev.get(amax, 4), want) << "with infinities, -0 and NaN";
+  EXPECT_EQ(want[0], 30.0f);
   EXPECT_EQ(want[1], 0.0f);
   EXPECT_THROW(
       gpu::adamw_update_split(plan, dhi, dlo, dm, dv, dg, params, norm_sq, nullptr, nullptr, dev.stream()),
