@@ -1009,8 +1009,8 @@ void GpuTransformer::adamw_body() {
     im.marks.mark(stream_, "adamw");
     gpu::adamw_update_split(*im.adamw.front(), im.w, im.w_lo, im.m, im.v, im.grad, im.adam_params, norm_sq_,
                             im.head_pad, im.weight_amax, stream_);
-    for (const size_t k : im.weight_amax_takers) {  // still takers: a kind may have changed since the plan
-      DeviceLinear& layer = im.find_linear(im.stored[k].name)->top();
+    for (const auto& [k, slot] : im.weight_amax_takers) {  // still takers: a kind may have changed since the plan
+      DeviceLinear& layer = slot->top();
       if (layer.takes_weight_amax()) layer.weight_amax_taken(im.weight_amax + k);
     }
   }

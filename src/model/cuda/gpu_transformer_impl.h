@@ -244,10 +244,10 @@ struct GpuTransformer::Impl {
   // Where bucket k's bf16 weights are (stage 3: its ring slot, when gathered there).
   bf16* bucket_weights(size_t k) const { return w_own ? w + grad_storage.offset[k] : w + slices[k].bucket; }
   std::vector<std::unique_ptr<gpu::SplitAdamWPlan>> adamw;  // per slice
-  // Unsharded fp8: AdamW's amax of stored tensor k into weight_amax[k], for each k in
-  // weight_amax_takers (their layers take it: DeviceLinear::takes_weight_amax).
+  // Unsharded fp8: AdamW's amax of stored tensor k into weight_amax[k], for each (k, its
+  // layer's slot) in weight_amax_takers (DeviceLinear::takes_weight_amax).
   float* weight_amax = nullptr;
-  std::vector<size_t> weight_amax_takers;
+  std::vector<std::pair<size_t, Slot*>> weight_amax_takers;
   float* norm_parts = nullptr;  // per slice, its gradients' sum of squares (device; sharded)
   DeviceArena gathered;
   bool gathered_written = false;

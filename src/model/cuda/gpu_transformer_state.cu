@@ -129,10 +129,9 @@ void gpu_model::lay_out_state_buffers(const ModelConfig& c, const std::vector<Pa
   std::vector<bool> takes_amax(stored.size(), false);
   im.weight_amax_takers.clear();
   for (size_t k = 0; k < stored.size() && !shards; ++k)
-    if (const GpuTransformer::Impl::Slot* slot = im.find_linear(stored[k].name);
-        slot && slot->top().takes_weight_amax()) {
+    if (GpuTransformer::Impl::Slot* slot = im.find_linear(stored[k].name); slot && slot->top().takes_weight_amax()) {
       takes_amax[k] = true;
-      im.weight_amax_takers.push_back(k);
+      im.weight_amax_takers.push_back({k, slot});
     }
   std::vector<std::vector<gpu::ParamSegment>> segments;
   for (const GpuTransformer::Impl::Slice& sl : im.slices)

@@ -1,4 +1,5 @@
-// Device pieces the fp8 casts share (ops/cuda/fp8_cast.cu, fp8_swiglu.cu, fp8_norm.cu):
+// Device pieces the fp8 casts share (ops/cuda/fp8_cast.cu, fp8_swiglu.cu, fp8_norm.cu; AdamW's
+// weight amax in fused_step.cu takes record_amax):
 // codes of eight values at a time with the clipped ones counted, the block's amax and
 // clipped count into device memory, the 128 x 64 tiles of the transposed casts with their
 // 4 x 8 byte transpose, and the tiled cast itself, generic over what it reads. Codes and

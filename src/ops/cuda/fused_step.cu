@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "ops/cuda/adamw_math.cuh"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/fp8_tiles.cuh"
 #include "ops/cuda/norm.cuh"
 #include "ops/cuda/swiglu_math.cuh"
 #include "ops/gpu_fused.h"
@@ -75,7 +76,7 @@ __device__ __forceinline__ void adam_one(float& p, float& m, float& v, float g, 
 __global__ void __launch_bounds__(kThreads)
     adamw_split_kernel(const Chunk* chunks, uint16_t* hi_all, int16_t* lo_all, float* mom1, float* mom2,
                        const float* grad, const AdamWStepParams* params, const float* norm_sq, uint16_t* mirror,
-                       int64_t mirror_base, unsigned* amax) {
+                       int64_t mirror_base, float* amax) {
   const Chunk ch = chunks[blockIdx.x];
   const AdamWStepParams h = *params;
   float scale = h.grad_scale;
@@ -137,13 +138,8 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if (ch.amax < 0) return;  // the whole block's choice
-  __shared__ unsigned warps[kThreads / 32];
-  largest = __reduce_max_sync(0xffffffffu, largest);
-  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = largest;
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  for (int w = 1; w < kThreads / 32; ++w) largest = max(largest, warps[w]);
-  if (largest) atomicMax(amax + ch.amax, largest << 16);  // the float's bits
+  __shared__ float scratch[32];
+  detail::record_amax(amax + ch.amax, __uint_as_float(largest << 16), scratch);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -599,7 +595,7 @@ void adamw_update_split(const SplitAdamWPlan& plan, bf16* hi, int16_t* lo, float
                "parameter buffer");
   adamw_split_kernel<<<static_cast<unsigned>(plan.num_chunks()), kThreads, 0, stream>>>(
       static_cast<const Chunk*>(plan.device_table()), reinterpret_cast<uint16_t*>(hi), lo, m, v, grad, params,
-      norm_sq, reinterpret_cast<uint16_t*>(mirror), plan.mirror_base(), reinterpret_cast<unsigned*>(amax));
+      norm_sq, reinterpret_cast<uint16_t*>(mirror), plan.mirror_base(), amax);
   CUDA_CHECK_LAUNCH("adamw_update_split");
 }
 

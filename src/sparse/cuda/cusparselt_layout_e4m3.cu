@@ -21,9 +21,13 @@ namespace {
 constexpr int kTile = 64;                      // a block's tile of W, as the 16-bit writer's
 constexpr int kThreads = (kTile / 4) * (kTile / 4);  // one 4×4 tile of W per thread
 
+// The metadata byte of row r < 64 and group g < 16 within a 64 × 64 tile's 512.
+__host__ __device__ inline unsigned tile_meta_offset(unsigned r, unsigned g) {
+  return (r / 16) * 128 + (r % 8) * 16 + ((g % 8) / 2) * 4 + (g / 8) * 2 + (r % 16) / 8;
+}
+
 __host__ __device__ inline int64_t meta_offset(int64_t r, int64_t g, int64_t k) {
-  return (r / 64) * 8 * k + (g / 16) * 512 + ((r % 64) / 16) * 128 + (r % 8) * 16 + ((g % 8) / 2) * 4 +
-         ((g % 16) / 8) * 2 + (r % 16) / 8;
+  return (r / 64) * 8 * k + (g / 16) * 512 + tile_meta_offset(unsigned(r % 64), unsigned(g % 16));
 }
 
 // The positions a group stores, from its non-zero ones (bit j = code j non-zero): the first
@@ -131,11 +135,6 @@ struct StagedCopy {
 __device__ inline uint32_t encode_group(uint32_t lo, uint32_t hi, float s) {
   return detail::fp8_encode4<false>(__uint_as_float(lo << 16), __uint_as_float(lo & 0xFFFF0000u),
                                     __uint_as_float(hi << 16), __uint_as_float(hi & 0xFFFF0000u), s);
-}
-
-// meta_offset(r, g, 0) of a tile's local row r < 64 and group g < 16, in 32 bits.
-__device__ inline unsigned tile_meta_offset(unsigned r, unsigned g) {
-  return (r / 16) * 128 + (r % 8) * 16 + ((g % 8) / 2) * 4 + (g / 8) * 2 + (r % 16) / 8;
 }
 
 // The four rows of a 4×4 tile (bf16 bits) as the tile's local rows lr..lr + 3 and group lg of
