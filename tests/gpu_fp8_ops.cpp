@@ -377,7 +377,8 @@ float* half_amax(Dev& dev, const bf16* values, int64_t n) {
 // fp8_cast, bit for bit, at scales from half the tensors' amaxes (so that values saturate),
 // for shapes around the 128 x 64 tile (H not a multiple of 64: a partial column tile; N off
 // 16: the transposed stores one by one), NaN and infinities among the inputs, outputs
-// poisoned first.
+// poisoned first. For even N the producers read inp and dout with pending scales (2:4 fp8
+// products' outputs), the bf16 kernels them scaled in place first (apply_pending_scale).
 TEST(GpuFp8, SwigluCodesAreTheCastsOfItsValues) {
   REQUIRE_DEVICE();
   uint64_t seed = 900;
@@ -386,12 +387,24 @@ TEST(GpuFp8, SwigluCodesAreTheCastsOfItsValues) {
       SCOPED_TRACE(std::string("fp8 SwiGLU ") + to_string(f) + " N=" + std::to_string(N) + " H=" + std::to_string(H));
       Dev dev;
       const size_t n = size_t(N) * 2 * H;
-      const bf16* inp = dev.put_bf16(random_bits(n, ++seed, 3.0, N == 130));
-      const bf16* dout = dev.put_bf16(random_bits(n / 2, ++seed, 0.5, N == 300));
+      const Bits inp_bits = random_bits(n, ++seed, 3.0, N == 130);
+      const Bits dout_bits = random_bits(n / 2, ++seed, 0.5, N == 300);
+      const bf16* inp = dev.put_bf16(inp_bits);
+      const bf16* dout = dev.put_bf16(dout_bits);
+      gpu::PendingScale inp_scale, dout_scale;
+      bf16* scaled_inp = dev.put_bf16(inp_bits);
+      bf16* scaled_dout = dev.put_bf16(dout_bits);
+      if (N % 2 == 0) {
+        const float* f = dev.put(VF{0.37f, 3.1f, 1.9f, 0.21f});
+        inp_scale = {f, f + 1};
+        dout_scale = {f + 2, f + 3};
+        gpu::apply_pending_scale(scaled_inp, int64_t(n), inp_scale, dev.stream());
+        gpu::apply_pending_scale(scaled_dout, int64_t(n / 2), dout_scale, dev.stream());
+      }
       bf16* grad = dev.poisoned_bf16(n);
       bf16* act = dev.poisoned_bf16(n / 2);
-      gpu::fused_swiglu_backward(grad, nullptr, inp, dout, N, H, dev.stream());
-      gpu::fused_swiglu_forward(act, inp, N, H, dev.stream());
+      gpu::fused_swiglu_backward(grad, nullptr, scaled_inp, {}, scaled_dout, {}, N, H, dev.stream());
+      gpu::fused_swiglu_forward(act, scaled_inp, {}, N, H, dev.stream());
       struct Outputs {
         uint8_t *out, *out_t;
         float *scale_from, *inv, *record;
@@ -419,8 +432,9 @@ TEST(GpuFp8, SwigluCodesAreTheCastsOfItsValues) {
                               Fp8Format::e4m3, want_a.saturated, dev.stream());
       gpu::fp8_cast(want_f.out, want_f.inv, act, N * H, {want_f.scale_from, want_f.record}, Fp8Format::e4m3,
                     want_f.saturated, dev.stream());
-      gpu::fp8_swiglu_backward(got_g.target(f), got_a.target(Fp8Format::e4m3), inp, dout, N, H, dev.stream());
-      gpu::fp8_swiglu_forward(got_f.target(Fp8Format::e4m3), inp, N, H, dev.stream());
+      gpu::fp8_swiglu_backward(got_g.target(f), got_a.target(Fp8Format::e4m3), inp, inp_scale, dout, dout_scale, N, H,
+                               dev.stream());
+      gpu::fp8_swiglu_forward(got_f.target(Fp8Format::e4m3), inp, inp_scale, N, H, dev.stream());
       const auto expect_same = [&](const std::string& which, const Outputs& want, const Outputs& got, size_t m) {
         if (want.out) expect_codes(which + " (as it lies)", dev.get(want.out, m), dev.get(got.out, m + kGuard));
         if (want.out_t) expect_codes(which + " (transposed)", dev.get(want.out_t, m), dev.get(got.out_t, m + kGuard));
@@ -454,17 +468,17 @@ TEST(GpuFp8, SwigluCodesRefuseBadArguments) {
   const gpu::Fp8Target grad = target(true, true, e4m3), act_t = target(false, true, e4m3);
   const gpu::Fp8Target act = target(true, false, e4m3);
   cudaStream_t s = dev.stream();
-  EXPECT_THROW(gpu::fp8_swiglu_forward(act, inp, N, 12, s), esplag::Error);
-  EXPECT_THROW(gpu::fp8_swiglu_forward(act, inp + 1, N, H, s), esplag::Error);
-  EXPECT_THROW(gpu::fp8_swiglu_forward(target(true, true, e4m3), inp, N, H, s), esplag::Error);
-  EXPECT_THROW(gpu::fp8_swiglu_forward(target(true, false, e5m2), inp, N, H, s), esplag::Error);
-  EXPECT_THROW(gpu::fp8_swiglu_backward(grad, act_t, inp, dout, N, 12, s), esplag::Error);
-  EXPECT_THROW(gpu::fp8_swiglu_backward(grad, act_t, inp, dout + 1, N, H, s), esplag::Error);
-  EXPECT_THROW(gpu::fp8_swiglu_backward(grad, act, inp, dout, N, H, s), esplag::Error);
-  EXPECT_THROW(gpu::fp8_swiglu_backward(act_t, act_t, inp, dout, N, H, s), esplag::Error);
-  EXPECT_THROW(gpu::fp8_swiglu_backward(grad, target(false, true, e5m2), inp, dout, N, H, s), esplag::Error);
-  EXPECT_NO_THROW(gpu::fp8_swiglu_backward(grad, act_t, inp, dout, N, H, s));
-  EXPECT_NO_THROW(gpu::fp8_swiglu_forward(act, inp, N, H, s));
+  EXPECT_THROW(gpu::fp8_swiglu_forward(act, inp, {}, N, 12, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_swiglu_forward(act, inp + 1, {}, N, H, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_swiglu_forward(target(true, true, e4m3), inp, {}, N, H, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_swiglu_forward(target(true, false, e5m2), inp, {}, N, H, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_swiglu_backward(grad, act_t, inp, {}, dout, {}, N, 12, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_swiglu_backward(grad, act_t, inp, {}, dout + 1, {}, N, H, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_swiglu_backward(grad, act, inp, {}, dout, {}, N, H, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_swiglu_backward(act_t, act_t, inp, {}, dout, {}, N, H, s), esplag::Error);
+  EXPECT_THROW(gpu::fp8_swiglu_backward(grad, target(false, true, e5m2), inp, {}, dout, {}, N, H, s), esplag::Error);
+  EXPECT_NO_THROW(gpu::fp8_swiglu_backward(grad, act_t, inp, {}, dout, {}, N, H, s));
+  EXPECT_NO_THROW(gpu::fp8_swiglu_forward(act, inp, {}, N, H, s));
   CUDA_CHECK(cudaStreamSynchronize(s));
 }
 

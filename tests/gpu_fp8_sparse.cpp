@@ -238,9 +238,10 @@ TEST_F(GpuFp8Sparse, SemiSparseTracksTheCpuEmulation) {
 
 // With delayed scaling, once the histories are warm, SwiGLU's forward and backward and the
 // norms (forward and recomputed) write the 2:4 layers' X, Xᵀ and dY codes themselves
-// (GpuModelOptions::fp8_producers), as they do the dense layers': a model with them and one
-// without, of the same weights and masks, give the same losses and gradients bit for bit,
-// through micro-batches of the full size (the 2:4 products) and another (the dense fp8
+// (GpuModelOptions::fp8_producers), as they do the dense layers', and from the first step
+// SwiGLU's kernels apply the scales of fc's and mproj's 2:4 outputs: a model with them and
+// one without, of the same weights and masks, give the same losses and gradients bit for
+// bit, through micro-batches of the full size (the 2:4 products) and another (the dense fp8
 // products) and AdamW steps.
 TEST_F(GpuFp8Sparse, ProducersGiveTheCastsBits) {
   for (const std::string kind : {"slope", "semi_sparse"}) {

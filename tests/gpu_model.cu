@@ -27,6 +27,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -48,6 +49,7 @@
 #include "ops/activation.h"
 #include "ops/norm.h"
 #include "ops/gpu_fused.h"
+#include "ops/pending_scale.h"
 #include "bench/lib/train.h"
 
 #include "gpu_test_util.h"
@@ -526,7 +528,7 @@ void run_fused_swiglu(int64_t N, int H, uint64_t seed) {
   const bf16* dx = reinterpret_cast<bf16*>(dev.put(x.bits));
   const bf16* dd = reinterpret_cast<bf16*>(dev.put(d.bits));
   bf16* out = reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(no));
-  gpu::fused_swiglu_forward(out, dx, N, H, dev.stream());
+  gpu::fused_swiglu_forward(out, dx, {}, N, H, dev.stream());
   VD ref(no);
   VF low(no);
   cpu::swiglu_forward(ref.data(), x.d.data(), N, H);
@@ -535,7 +537,7 @@ void run_fused_swiglu(int64_t N, int H, uint64_t seed) {
 
   bf16* dinp = reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(ni));
   bf16* act = reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(no));
-  gpu::fused_swiglu_backward(dinp, act, dx, dd, N, H, dev.stream());
+  gpu::fused_swiglu_backward(dinp, act, dx, {}, dd, {}, N, H, dev.stream());
   VD refb(ni, 0.0);
   VF lowb(ni, 0.f);
   cpu::swiglu_backward(refb.data(), x.d.data(), d.d.data(), N, H);
@@ -546,12 +548,36 @@ void run_fused_swiglu(int64_t N, int H, uint64_t seed) {
   // In place: the gradient over the input, the activation over dout; then no activation.
   bf16* x2 = reinterpret_cast<bf16*>(dev.put(x.bits));
   bf16* d2 = reinterpret_cast<bf16*>(dev.put(d.bits));
-  gpu::fused_swiglu_backward(x2, d2, x2, d2, N, H, dev.stream());
+  gpu::fused_swiglu_backward(x2, d2, x2, {}, d2, {}, N, H, dev.stream());
   EXPECT_EQ(get_raw<uint16_t>(dev, x2, ni), grad_bits) << "in-place gradient";
   EXPECT_EQ(get_raw<uint16_t>(dev, d2, no), fwd_bits) << "in-place activation";
   bf16* dinp3 = reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(ni));
-  gpu::fused_swiglu_backward(dinp3, nullptr, dx, dd, N, H, dev.stream());
+  gpu::fused_swiglu_backward(dinp3, nullptr, dx, {}, dd, {}, N, H, dev.stream());
   EXPECT_EQ(get_raw<uint16_t>(dev, dinp3, ni), grad_bits) << "gradient without the activation";
+
+  // Inputs with pending scales (a 2:4 fp8 product's outputs): the bits of the kernels on the
+  // inputs scaled in place first (apply_pending_scale, the pass those products run otherwise).
+  const float* f = dev.put(VF{0.37f, 3.1f, 1.9f, 0.21f});
+  const gpu::PendingScale xs{f, f + 1}, ds{f + 2, f + 3};
+  bf16* xsc = reinterpret_cast<bf16*>(dev.put(x.bits));
+  bf16* dsc = reinterpret_cast<bf16*>(dev.put(d.bits));
+  gpu::apply_pending_scale(xsc, int64_t(ni), xs, dev.stream());
+  gpu::apply_pending_scale(dsc, int64_t(no), ds, dev.stream());
+  const auto outputs = [&] {
+    return std::array<bf16*, 3>{reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(no)),
+                                reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(ni)),
+                                reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(no))};  // forward, dinp, act
+  };
+  const auto want = outputs(), got = outputs();
+  gpu::fused_swiglu_forward(want[0], xsc, {}, N, H, dev.stream());
+  gpu::fused_swiglu_backward(want[1], want[2], xsc, {}, dsc, {}, N, H, dev.stream());
+  gpu::fused_swiglu_forward(got[0], dx, xs, N, H, dev.stream());
+  gpu::fused_swiglu_backward(got[1], got[2], dx, xs, dd, ds, N, H, dev.stream());
+  const size_t sizes[3] = {no, ni, no};
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(get_raw<uint16_t>(dev, got[i], sizes[i]), get_raw<uint16_t>(dev, want[i], sizes[i]))
+        << "pending scales, output " << i << " (forward, gradient, activation)";
+  EXPECT_NE(get_raw<uint16_t>(dev, want[0], no), fwd_bits) << "the scales change the values";
 }
 
 void run_fused_relu2(int64_t n, uint64_t seed) {

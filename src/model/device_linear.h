@@ -38,6 +38,7 @@
 #include "model/linear_precision.h"
 #include "ops/gpu.h"
 #include "ops/gpu_fp8.h"
+#include "ops/pending_scale.h"
 #include "sparse/cuda/sparse_linear.h"
 
 namespace esplag {
@@ -244,6 +245,19 @@ class DeviceLinear {
   // (always added; else the model sums it).
   virtual void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad,
                            const char* op) = 0;
+  // forward (no activation) and backward_dx where the op that reads the output next applies a
+  // scale as it loads it (gpu::PendingScale; SwiGLU's kernels, for fc's output and mproj's
+  // input gradient). A layer may leave its output unscaled and return that scale: the fp8 2:4
+  // products, which cuSPARSELt cannot scale by a device value, so save their pass over the
+  // output. By default the output is final and the scale empty.
+  virtual gpu::PendingScale forward_leaving_scale(bf16* out, const bf16* in, int N, const char* op) {
+    forward(out, in, N, Act::none, nullptr, op);
+    return {};
+  }
+  virtual gpu::PendingScale backward_dx_leaving_scale(bf16* dinp, const bf16* dout, int N, const char* op) {
+    backward_dx(dinp, dout, N, nullptr, op);
+    return {};
+  }
   // --- fp8 operands written by the ops around the layer (delayed scaling) -----------------
   // Whether the ops that make this layer's operands may write their fp8 codes themselves
   // now: fp8 products that read X and dY as codes only (fp8_produced_codes), delayed

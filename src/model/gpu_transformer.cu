@@ -646,15 +646,19 @@ void GpuTransformer::block_forward(int l, int B, int T, bool again) {
       linear(blk.fc, "gemm fc fwd (+gelu)", L.act, ln2, gpu::Gemm::Act::gelu, L.fc);
       break;
     case MlpKind::swiglu:
-      linear(blk.fc, "gemm fc fwd", L.fc, ln2);
+      L.fc_scale = {};
+      if (opt_.fp8_producers)  // SwiGLU's kernels apply the scale of fc's 2:4 fp8 product
+        L.fc_scale = blk.fc->top().forward_leaving_scale(L.fc, ln2, N, "gemm fc fwd");
+      else
+        linear(blk.fc, "gemm fc fwd", L.fc, ln2);
       if (again && !L.act) return;  // the backward recomputes the activation itself
       mark("swiglu fwd");
       act = L.act ? L.act : tmp;
       if (!L.act && blk.mproj->top().takes_produced_fp8())
         // fp8, delayed scaling: the activation only as mproj's X codes (the backward recomputes it)
-        gpu::fp8_swiglu_forward(blk.mproj->top().fp8_input_target(act, N), L.fc, N, H, s);
+        gpu::fp8_swiglu_forward(blk.mproj->top().fp8_input_target(act, N), L.fc, L.fc_scale, N, H, s);
       else
-        gpu::fused_swiglu_forward(act, L.fc, N, H, s);
+        gpu::fused_swiglu_forward(act, L.fc, L.fc_scale, N, H, s);
       break;
     case MlpKind::relu2:
       linear(blk.fc, "gemm fc fwd", L.fc, ln2);
@@ -813,17 +817,22 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     } else {
       // dact, then (recompute) the activation over it, then ln2; dfc replaces fc.
       bf16* dact = reinterpret_cast<bf16*>(shared);
-      linear_dx(blk.mproj, "gemm mproj dX", dact, dres);
-      bf16* act_out = L.act ? nullptr : dact;
       DeviceLinear &fc = blk.fc->top(), &mproj = blk.mproj->top();
+      gpu::PendingScale dact_scale;
+      if (cfg_.mlp == MlpKind::swiglu && opt_.fp8_producers)  // as fc's forward
+        dact_scale = mproj.backward_dx_leaving_scale(dact, dres, N, "gemm mproj dX");
+      else
+        linear_dx(blk.mproj, "gemm mproj dX", dact, dres);
+      bf16* act_out = L.act ? nullptr : dact;
       mark(cfg_.mlp == MlpKind::swiglu ? "swiglu bwd" : "relu2 bwd");
       if (cfg_.mlp == MlpKind::relu2)
         gpu::fused_relu2_backward(L.fc, act_out, L.fc, dact, int64_t(N) * H, s);
       else if (!blk.fc->db && fc.takes_produced_fp8() && mproj.takes_produced_fp8())
         // fp8, delayed scaling: fc's dY and the activation again (mproj's Xᵀ) only as codes
-        gpu::fp8_swiglu_backward(fc.fp8_grad_target(L.fc, N), mproj.fp8_input_t_target(N), L.fc, dact, N, H, s);
+        gpu::fp8_swiglu_backward(fc.fp8_grad_target(L.fc, N), mproj.fp8_input_t_target(N), L.fc, L.fc_scale, dact,
+                                 dact_scale, N, H, s);
       else
-        gpu::fused_swiglu_backward(L.fc, act_out, L.fc, dact, N, H, s);
+        gpu::fused_swiglu_backward(L.fc, act_out, L.fc, L.fc_scale, dact, dact_scale, N, H, s);
       linear_dw(blk.mproj, "gemm mproj dW", dres, L.act ? L.act : act_out);
       if (!ln2) {
         bf16* t = reinterpret_cast<bf16*>(shared);

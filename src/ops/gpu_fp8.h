@@ -29,6 +29,7 @@
 #include <memory>
 
 #include "core/fp8.h"
+#include "ops/pending_scale.h"
 
 namespace esplag::gpu {
 
@@ -83,21 +84,24 @@ struct Fp8Target {
   uint64_t* saturated;
 };
 
-// SwiGLU's output [N, H] (fused_swiglu_forward's from inp [N, 2H] = [gate | up], the same
-// bf16 values) as fp8 codes only: into act.out [N, H] as fp8_cast would write them (act.out_t
-// null, act.format e4m3). The forward's producer of the next layer's X with delayed scaling
-// (DeviceLinear::fp8_input_target). Needs H % 8 == 0 and inp 16-byte aligned.
-void fp8_swiglu_forward(const Fp8Target& act, const bf16* inp, int64_t N, int H, cudaStream_t stream);
+// SwiGLU's output [N, H] (fused_swiglu_forward's from inp [N, 2H] = [gate | up] and its
+// pending scale, the same bf16 values) as fp8 codes only: into act.out [N, H] as fp8_cast
+// would write them (act.out_t null, act.format e4m3). The forward's producer of the next
+// layer's X with delayed scaling (DeviceLinear::fp8_input_target). Needs H % 8 == 0 and inp
+// 16-byte aligned.
+void fp8_swiglu_forward(const Fp8Target& act, const bf16* inp, PendingScale inp_scale, int64_t N, int H,
+                        cudaStream_t stream);
 
 // SwiGLU's backward as fp8 codes only, from one read of inp [N, 2H] = [gate | up] and
-// dout [N, H] (ops/cuda/fp8_swiglu.cu): its input gradient [N, 2H] (fused_swiglu_backward's
-// dinp, the same bf16 values) into `grad` as fp8_cast_both would write it, and its output
-// [N, H] recomputed (fused_swiglu_forward's values) into act.out_t [H, N] as
-// fp8_cast_transpose would (act.out null, act.format e4m3). The producer of an fc layer's
-// output gradient and of the next layer's Xᵀ with delayed scaling (DeviceLinear::
-// fp8_grad_target, fp8_input_t_target). Needs H % 8 == 0 and inp, dout 16-byte aligned.
-void fp8_swiglu_backward(const Fp8Target& grad, const Fp8Target& act, const bf16* inp, const bf16* dout, int64_t N,
-                         int H, cudaStream_t stream);
+// dout [N, H], each with its pending scale (ops/cuda/fp8_swiglu.cu): its input gradient
+// [N, 2H] (fused_swiglu_backward's dinp, the same bf16 values) into `grad` as fp8_cast_both
+// would write it, and its output [N, H] recomputed (fused_swiglu_forward's values) into
+// act.out_t [H, N] as fp8_cast_transpose would (act.out null, act.format e4m3). The producer
+// of an fc layer's output gradient and of the next layer's Xᵀ with delayed scaling
+// (DeviceLinear::fp8_grad_target, fp8_input_t_target). Needs H % 8 == 0 and inp, dout
+// 16-byte aligned.
+void fp8_swiglu_backward(const Fp8Target& grad, const Fp8Target& act, const bf16* inp, PendingScale inp_scale,
+                         const bf16* dout, PendingScale dout_scale, int64_t N, int H, cudaStream_t stream);
 
 // A norm's forward (layernorm_forward, rmsnorm_forward: the same residual add into
 // residual_out, statistics and bf16 values) with its output [N, C] as fp8 codes only, into

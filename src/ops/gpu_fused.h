@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "ops/gpu.h"
+#include "ops/pending_scale.h"
 
 namespace esplag::gpu {
 
@@ -134,13 +135,15 @@ void adamw_update_split(const SplitAdamWPlan& plan, bf16* hi, int16_t* lo, float
 // ---------------------------------------------------------------------------------------
 // MLP activations whose backward recomputes the forward output
 
-// out [N, H] = silu(gate) · up with inp rows [gate (H) | up (H)] (as swiglu_forward).
-void fused_swiglu_forward(bf16* out, const bf16* inp, int64_t N, int H, cudaStream_t stream);
+// out [N, H] = silu(gate) · up with inp rows [gate (H) | up (H)] (as swiglu_forward), inp
+// scaled by inp_scale as it is read (ops/pending_scale.h: a 2:4 fp8 product's output).
+void fused_swiglu_forward(bf16* out, const bf16* inp, PendingScale inp_scale, int64_t N, int H, cudaStream_t stream);
 // dinp [N, 2H] = the gradient w.r.t. [gate | up] (overwritten; may alias inp, which lets
-// it replace the pre-activation it no longer needs). When act is not null, act [N, H]
-// receives silu(gate) · up, bit-identical to fused_swiglu_forward; act may alias dout.
-void fused_swiglu_backward(bf16* dinp, bf16* act, const bf16* inp, const bf16* dout, int64_t N, int H,
-                           cudaStream_t stream);
+// it replace the pre-activation it no longer needs), inp and dout scaled by their pending
+// scales as they are read. When act is not null, act [N, H] receives silu(gate) · up,
+// bit-identical to fused_swiglu_forward; act may alias dout.
+void fused_swiglu_backward(bf16* dinp, bf16* act, const bf16* inp, PendingScale inp_scale, const bf16* dout,
+                           PendingScale dout_scale, int64_t N, int H, cudaStream_t stream);
 
 // out [n] = relu(inp)² (as relu2_forward).
 void fused_relu2_forward(bf16* out, const bf16* inp, int64_t n, cudaStream_t stream);

@@ -105,6 +105,14 @@ class Fp8SparseProducts {
                const std::function<const bf16*()>& wf, const char* op);
   // dx [N, in] = dY · Wb; wbt as for prepare(), read by the dense product only.
   void backward_dx(bf16* dx, const bf16* dy, int N, const std::function<const bf16*()>& wbt, const char* op);
+  // forward (no activation) and backward_dx for a caller whose next op applies the output's
+  // scale (DeviceLinear::forward_leaving_scale): a 2:4 product leaves its output unscaled and
+  // returns the scale, the inverse scales of its operands (valid until this layer casts or
+  // takes that operand again); the dense products scale their output and return none.
+  gpu::PendingScale forward_leaving_scale(bf16* y, const bf16* x, const bf16* bias, int N,
+                                          const std::function<const bf16*()>& wf, const char* op);
+  gpu::PendingScale backward_dx_leaving_scale(bf16* dx, const bf16* dy, int N,
+                                              const std::function<const bf16*()>& wbt, const char* op);
   // dw [out, in] fp32 (= or += when accumulate) = dYᵀ · X.
   void backward_dw(float* dw, const bf16* dy, const bf16* x, int N, bool accumulate, const char* op);
   // `op` names each product for the op timings ("sparse " + op for the 2:4 ones, as the bf16
@@ -129,9 +137,16 @@ class Fp8SparseProducts {
   // Whether our writer of cuSPARSELt's e4m3 layout serves both 2:4 products (asked once).
   bool own_layout();
   // out = the 2:4 product of plan g (forward or dX) of the compressed weight and the codes,
-  // scaled by the inverse scales of their slots.
-  void sparse_product(gpu::SparseGemm24& g, bool forward, bf16* out, const void* compressed, const uint8_t* codes,
-                      Slot codes_slot, Slot weight_slot, int N, const char* op);
+  // scaled by the inverse scales of their slots, or (leave_scale) unscaled and that scale
+  // returned.
+  gpu::PendingScale sparse_product(gpu::SparseGemm24& g, bool forward, bf16* out, const void* compressed,
+                                   const uint8_t* codes, Slot codes_slot, Slot weight_slot, int N, const char* op,
+                                   bool leave_scale);
+  // forward and backward_dx, the 2:4 products' scale left to the caller when leave_scale.
+  gpu::PendingScale forward_product(bf16* y, const bf16* x, const bf16* bias, int N,
+                                    const std::function<const bf16*()>& wf, const char* op, bool leave_scale);
+  gpu::PendingScale backward_dx_product(bf16* dx, const bf16* dy, int N, const std::function<const bf16*()>& wbt,
+                                        const char* op, bool leave_scale);
 
   DeviceLinearContext& ctx_;
   const std::string name_;

@@ -77,6 +77,16 @@ void DeviceSemiSparseFp8Linear::backward_dx(bf16* dinp, const bf16* dout, int N,
   gelu_backward_pass(dinp, pre_act, N);
 }
 
+gpu::PendingScale DeviceSemiSparseFp8Linear::forward_leaving_scale(bf16* out, const bf16* in, int N,
+                                                                 const char* op) {
+  return fp8_->forward_leaving_scale(out, in, p_.bias.w, N, [&] { return pruned(false); }, op);
+}
+
+gpu::PendingScale DeviceSemiSparseFp8Linear::backward_dx_leaving_scale(bf16* dinp, const bf16* dout, int N,
+                                                                     const char* op) {
+  return fp8_->backward_dx_leaving_scale(dinp, dout, N, [&] { return pruned(true); }, op);
+}
+
 void DeviceSemiSparseFp8Linear::backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad,
                                             const char* op) {
   fp8_->backward_dw(p_.weight.grad, dout, inp, N, accumulate, op);

@@ -27,6 +27,8 @@ class DeviceSemiSparseFp8Linear : public DeviceLinear {
   void prepare(bool refresh) override;
   void forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) override;
   void backward_dx(bf16* dinp, const bf16* dout, int N, const bf16* pre_act, const char* op) override;
+  gpu::PendingScale forward_leaving_scale(bf16* out, const bf16* in, int N, const char* op) override;
+  gpu::PendingScale backward_dx_leaving_scale(bf16* dinp, const bf16* dout, int N, const char* op) override;
   void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad, const char* op) override;
   void begin_backward() override { fp8_->begin_backward(); }
 

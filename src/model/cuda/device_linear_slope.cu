@@ -255,6 +255,16 @@ void DeviceSlopeLinear::backward_dx(bf16* dinp, const bf16* dout, int N, const b
   gelu_backward_pass(dinp, pre_act, N);
 }
 
+gpu::PendingScale DeviceSlopeLinear::forward_leaving_scale(bf16* out, const bf16* in, int N, const char* op) {
+  if (!fp8_) return DeviceLinear::forward_leaving_scale(out, in, N, op);
+  return fp8_->forward_leaving_scale(out, in, p_.bias.w, N, [&] { return expand_w1(); }, op);
+}
+
+gpu::PendingScale DeviceSlopeLinear::backward_dx_leaving_scale(bf16* dinp, const bf16* dout, int N, const char* op) {
+  if (!fp8_) return DeviceLinear::backward_dx_leaving_scale(dinp, dout, N, op);
+  return fp8_->backward_dx_leaving_scale(dinp, dout, N, [&] { return expand_w2t(); }, op);
+}
+
 void DeviceSlopeLinear::backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad,
                                     const char* op) {
   // The dense dW (or sparse_dw's 2:4 product of the MVUE of doutᵀ, one draw) into the

@@ -48,6 +48,8 @@ class DeviceSlopeLinear : public DeviceLinear {
   void masks_refreshed(int64_t step) override { refresh_step_ = step; }
   void forward(bf16* out, const bf16* in, int N, Act act, bf16* pre_act, const char* op) override;
   void backward_dx(bf16* dinp, const bf16* dout, int N, const bf16* pre_act, const char* op) override;
+  gpu::PendingScale forward_leaving_scale(bf16* out, const bf16* in, int N, const char* op) override;
+  gpu::PendingScale backward_dx_leaving_scale(bf16* dinp, const bf16* dout, int N, const char* op) override;
   void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad, const char* op) override;
   void begin_backward() override {
     if (fp8_) fp8_->begin_backward();

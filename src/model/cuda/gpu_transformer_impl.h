@@ -133,6 +133,7 @@ struct GpuTransformer::Impl {
     bf16 *res_in = nullptr, *ln1 = nullptr, *qkv = nullptr, *atty = nullptr, *res_mid = nullptr, *ln2 = nullptr,
          *fc = nullptr, *act = nullptr;
     float *ln1_mean = nullptr, *ln1_rstd = nullptr, *lse = nullptr, *ln2_mean = nullptr, *ln2_rstd = nullptr;
+    gpu::PendingScale fc_scale;  // the scale fc's output is stored without (SwiGLU applies it)
     bool recomputed = false;
   };
 

@@ -9,6 +9,7 @@
 // cast: a block loads its next tile's rows while it computes and stores the current one.
 #include "core/error.h"
 #include "ops/cuda/fp8_tiles.cuh"
+#include "ops/cuda/pending_scale.cuh"
 #include "ops/cuda/swiglu_math.cuh"
 #include "ops/gpu_fp8.h"
 
@@ -28,6 +29,7 @@ using detail::kTileRows;
 using detail::kTileThreads;
 using detail::kTileWords;
 using detail::pack_amax;
+using detail::PendingFactor;
 using detail::put_tile;
 using detail::record_amax;
 using detail::TileGrid;
@@ -55,7 +57,7 @@ constexpr int kThreads = 256;
 constexpr int kUnroll = 2;
 
 __global__ void __launch_bounds__(kThreads)
-    swiglu_forward_kernel(Fp8Target act, const bf16* inp, int64_t N, int H, bool vec_out) {
+    swiglu_forward_kernel(Fp8Target act, const bf16* inp, PendingScale inp_scale, int64_t N, int H, bool vec_out) {
   __shared__ int scratch[32];
   __shared__ float fscratch[32];
   const float s = fp8_scale_of<false>(*act.amax.scale_from);
@@ -73,6 +75,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   int clipped = 0;
   float m = 0.0f;
+  const PendingFactor scaled(inp_scale);
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const uint32_t p = p0 + u * kThreads;
@@ -80,6 +83,8 @@ __global__ void __launch_bounds__(kThreads)
     float fg[kPack], fu[kPack], va[kPack];
     unpack8(fg, gate[u]);
     unpack8(fu, up[u]);
+    scaled.apply(fg);
+    scaled.apply(fu);
 #pragma unroll
     for (int k = 0; k < kPack; ++k) va[k] = as_stored(swiglu_value(fg[k], fu[k]));
     store_row_codes(act.out, H, encode8<false>(va, s, clipped), p / per_row, p % per_row * kPack, N, H, vec_out);
@@ -112,8 +117,9 @@ __device__ __forceinline__ void load_row(Packs& p, int i, const bf16* inp, const
 // loads idle while it computes.
 template <bool GradE5M2>
 __global__ void __launch_bounds__(kTileThreads, 2)
-    swiglu_backward_kernel(Fp8Target grad, Fp8Target act, const bf16* inp, const bf16* dout, int64_t N, int H,
-                           int64_t col_tiles, int64_t tiles, bool vec_out, bool vec_t) {
+    swiglu_backward_kernel(Fp8Target grad, Fp8Target act, const bf16* inp, PendingScale inp_scale, const bf16* dout,
+                           PendingScale dout_scale, int64_t N, int H, int64_t col_tiles, int64_t tiles, bool vec_out,
+                           bool vec_t) {
   __shared__ uint32_t tile[3][kTileCols][kTileWords];  // d gate, d up, output: [column][row / 4] of the codes
   __shared__ int scratch[32];
   __shared__ float fscratch[32];
@@ -127,6 +133,7 @@ __global__ void __launch_bounds__(kTileThreads, 2)
     *grad.inv_scale = __frcp_rn(sg);
     *act.inv_scale = __frcp_rn(sa);
   }
+  const PendingFactor inp_scaled(inp_scale), dout_scaled(dout_scale);
   int clipped_g = 0, clipped_a = 0;
   float mg = 0.0f, ma = 0.0f;  // the amaxes recorded (values past the edges are 0)
   const int64_t ld = 2 * int64_t(H);
@@ -140,6 +147,9 @@ __global__ void __launch_bounds__(kTileThreads, 2)
       unpack8(fg, p.gate[i]);
       unpack8(fu, p.up[i]);
       unpack8(fd, p.dout[i]);
+      inp_scaled.apply(fg);
+      inp_scaled.apply(fu);
+      dout_scaled.apply(fd);
       if (more) load_row(p, i, inp, dout, N, H, next, g);  // the next tile's row, in flight meanwhile
 #pragma unroll
       for (int k = 0; k < kPack; ++k) {
@@ -190,7 +200,8 @@ void check(const char* op, int64_t N, int H, const bf16* inp, const Fp8Target& t
 
 }  // namespace
 
-void fp8_swiglu_forward(const Fp8Target& act, const bf16* inp, int64_t N, int H, cudaStream_t stream) {
+void fp8_swiglu_forward(const Fp8Target& act, const bf16* inp, PendingScale inp_scale, int64_t N, int H,
+                        cudaStream_t stream) {
   constexpr const char* op = "fp8_swiglu_forward";
   check(op, N, H, inp, act, "the output", true, false);
   ESPLAG_CHECK(act.format == Fp8Format::e4m3, op, ": the output's codes are e4m3 (a layer input)");
@@ -198,12 +209,12 @@ void fp8_swiglu_forward(const Fp8Target& act, const bf16* inp, int64_t N, int H,
   ESPLAG_CHECK(packs <= INT32_MAX, op, ": ", N, " x ", H, " outputs are too many for its 32-bit indices");
   // One block even for N = 0: it writes inv_scale.
   const int64_t grid = std::max<int64_t>(1, (packs + kUnroll * kThreads - 1) / (kUnroll * kThreads));
-  swiglu_forward_kernel<<<unsigned(grid), kThreads, 0, stream>>>(act, inp, N, H, aligned8(act.out));
+  swiglu_forward_kernel<<<unsigned(grid), kThreads, 0, stream>>>(act, inp, inp_scale, N, H, aligned8(act.out));
   CUDA_CHECK_LAUNCH(op);
 }
 
-void fp8_swiglu_backward(const Fp8Target& grad, const Fp8Target& act, const bf16* inp, const bf16* dout, int64_t N,
-                         int H, cudaStream_t stream) {
+void fp8_swiglu_backward(const Fp8Target& grad, const Fp8Target& act, const bf16* inp, PendingScale inp_scale,
+                         const bf16* dout, PendingScale dout_scale, int64_t N, int H, cudaStream_t stream) {
   constexpr const char* op = "fp8_swiglu_backward";
   check(op, N, H, inp, grad, "the gradient", true, true);
   check(op, N, H, inp, act, "the output", false, true);
@@ -212,7 +223,8 @@ void fp8_swiglu_backward(const Fp8Target& grad, const Fp8Target& act, const bf16
   const bool vec_out = aligned8(grad.out);
   const bool vec_t = N % 16 == 0 && aligned16(grad.out_t) && aligned16(act.out_t);
   const TileGrid<swiglu_backward_kernel<true>, swiglu_backward_kernel<false>> g(N, H, grad.format == Fp8Format::e5m2);
-  g.kernel<<<g.blocks, kTileThreads, 0, stream>>>(grad, act, inp, dout, N, H, g.col_tiles, g.tiles, vec_out, vec_t);
+  g.kernel<<<g.blocks, kTileThreads, 0, stream>>>(grad, act, inp, inp_scale, dout, dout_scale, N, H, g.col_tiles,
+                                                  g.tiles, vec_out, vec_t);
   CUDA_CHECK_LAUNCH(op);
 }
 

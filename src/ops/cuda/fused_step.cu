@@ -14,6 +14,7 @@
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/fp8_tiles.cuh"
 #include "ops/cuda/norm.cuh"
+#include "ops/cuda/pending_scale.cuh"
 #include "ops/cuda/swiglu_math.cuh"
 #include "ops/gpu_fused.h"
 
@@ -154,7 +155,8 @@ __device__ __forceinline__ float relu2_value(float x) {
 
 // One thread per eight outputs of a row (kVec: H % 8 == 0 and aligned) or per output.
 template <bool kVec>
-__global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(bf16* out, const bf16* inp, int64_t N, int H) {
+__global__ void __launch_bounds__(kThreads)
+    swiglu_fwd_kernel(bf16* out, const bf16* inp, PendingScale inp_scale, int64_t N, int H) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int per = kVec ? kPack : 1;
   const int64_t groups = H / per;
@@ -164,15 +166,21 @@ __global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(bf16* out, const b
   const bf16* g = inp + n * 2 * H + h;
   const bf16* u = g + H;
   bf16* o = out + n * H + h;
+  const detail::PendingFactor scaled(inp_scale);
   if constexpr (kVec) {
     float vg[kPack], vu[kPack];
     load8(vg, g);
     load8(vu, u);
+    scaled.apply(vg);
+    scaled.apply(vu);
 #pragma unroll
     for (int k = 0; k < kPack; ++k) vg[k] = swiglu_value(vg[k], vu[k]);
     store8(o, vg);
   } else {
-    *o = to_bf(swiglu_value(to_f(*g), to_f(*u)));
+    float vg[1] = {to_f(*g)}, vu[1] = {to_f(*u)};
+    scaled.apply(vg);
+    scaled.apply(vu);
+    *o = to_bf(swiglu_value(vg[0], vu[0]));
   }
 }
 
@@ -180,7 +188,8 @@ __global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(bf16* out, const b
 // inp and act may alias dout (no __restrict__ on purpose).
 template <bool kVec>
 __global__ void __launch_bounds__(kThreads)
-    swiglu_bwd_kernel(bf16* dinp, bf16* act, const bf16* inp, const bf16* dout, int64_t N, int H) {
+    swiglu_bwd_kernel(bf16* dinp, bf16* act, const bf16* inp, PendingScale inp_scale, const bf16* dout,
+                      PendingScale dout_scale, int64_t N, int H) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int per = kVec ? kPack : 1;
   const int64_t groups = H / per;
@@ -193,7 +202,7 @@ __global__ void __launch_bounds__(kThreads)
   bf16* dg = dinp + n * 2 * H + h;
   bf16* du = dg + H;
   bf16* a = act ? act + n * H + h : nullptr;
-  float vg[kPack], vu[kPack], vd[kPack], og[kPack], ou[kPack], oa[kPack];
+  float vg[kPack] = {}, vu[kPack] = {}, vd[kPack] = {}, og[kPack], ou[kPack], oa[kPack];  // [0] only: !kVec
   if constexpr (kVec) {
     load8(vg, g);
     load8(vu, u);
@@ -203,6 +212,10 @@ __global__ void __launch_bounds__(kThreads)
     vu[0] = to_f(*u);
     vd[0] = to_f(*d);
   }
+  const detail::PendingFactor inp_scaled(inp_scale);
+  inp_scaled.apply(vg);
+  inp_scaled.apply(vu);
+  detail::PendingFactor(dout_scale).apply(vd);
 #pragma unroll
   for (int k = 0; k < per; ++k) {
     const detail::SwigluBackward b = detail::swiglu_backward_at(vg[k], vu[k], vd[k]);
@@ -607,21 +620,21 @@ void check_swiglu(const char* op, int64_t N, int H) {
 }
 }  // namespace
 
-void fused_swiglu_forward(bf16* out, const bf16* inp, int64_t N, int H, cudaStream_t stream) {
+void fused_swiglu_forward(bf16* out, const bf16* inp, PendingScale inp_scale, int64_t N, int H, cudaStream_t stream) {
   check_swiglu("fused_swiglu_forward", N, H);
   if (N == 0) return;
   ESPLAG_CHECK(out && inp, "fused_swiglu_forward: null buffer");
   const bool vec = H % kPack == 0 && detail::aligned16(out) && detail::aligned16(inp);
   const unsigned grid = detail::blocks_for(N * (vec ? H / kPack : H), kThreads);
   if (vec)
-    swiglu_fwd_kernel<true><<<grid, kThreads, 0, stream>>>(out, inp, N, H);
+    swiglu_fwd_kernel<true><<<grid, kThreads, 0, stream>>>(out, inp, inp_scale, N, H);
   else
-    swiglu_fwd_kernel<false><<<grid, kThreads, 0, stream>>>(out, inp, N, H);
+    swiglu_fwd_kernel<false><<<grid, kThreads, 0, stream>>>(out, inp, inp_scale, N, H);
   CUDA_CHECK_LAUNCH("fused_swiglu_forward");
 }
 
-void fused_swiglu_backward(bf16* dinp, bf16* act, const bf16* inp, const bf16* dout, int64_t N, int H,
-                           cudaStream_t stream) {
+void fused_swiglu_backward(bf16* dinp, bf16* act, const bf16* inp, PendingScale inp_scale, const bf16* dout,
+                           PendingScale dout_scale, int64_t N, int H, cudaStream_t stream) {
   check_swiglu("fused_swiglu_backward", N, H);
   if (N == 0) return;
   ESPLAG_CHECK(dinp && inp && dout, "fused_swiglu_backward: null buffer");
@@ -629,9 +642,9 @@ void fused_swiglu_backward(bf16* dinp, bf16* act, const bf16* inp, const bf16* d
                    (!act || detail::aligned16(act));
   const unsigned grid = detail::blocks_for(N * (vec ? H / kPack : H), kThreads);
   if (vec)
-    swiglu_bwd_kernel<true><<<grid, kThreads, 0, stream>>>(dinp, act, inp, dout, N, H);
+    swiglu_bwd_kernel<true><<<grid, kThreads, 0, stream>>>(dinp, act, inp, inp_scale, dout, dout_scale, N, H);
   else
-    swiglu_bwd_kernel<false><<<grid, kThreads, 0, stream>>>(dinp, act, inp, dout, N, H);
+    swiglu_bwd_kernel<false><<<grid, kThreads, 0, stream>>>(dinp, act, inp, inp_scale, dout, dout_scale, N, H);
   CUDA_CHECK_LAUNCH("fused_swiglu_backward");
 }
 

@@ -61,6 +61,7 @@
 #include "core/cuda_check.h"
 #include "core/cuda_timing.h"
 #include "core/error.h"
+#include "ops/pending_scale.h"
 
 #ifdef ESPLAG_HAVE_CUSPARSELT
 #include "sparse/cuda/cusparselt_loader.h"
@@ -266,23 +267,6 @@ struct SparseGemm24::Impl {
 
 namespace {
 
-// out[i] *= *scale_a · *scale_b for n values, in place (rounded once more), 8 per thread
-// (n % 8 == 0 and out 16-byte aligned: the problem's dimensions are multiples of 32).
-__global__ void scale_output_kernel(bf16* out, int64_t n, const float* scale_a, const float* scale_b) {
-  const float a = *scale_a * *scale_b;
-  uint4* v = reinterpret_cast<uint4*>(out);
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n / 8; i += int64_t(gridDim.x) * blockDim.x) {
-    uint4 q = v[i];
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&q);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __bfloat1622float2(h[j]);
-      h[j] = __floats2bfloat162_rn(f.x * a, f.y * a);
-    }
-    v[i] = q;
-  }
-}
-
 // cusparseLtMatmul of a checked call, alpha 1.
 void run_matmul(const SparseGemm24::Impl& m, bf16* out, const void* compressed, const void* dense, const bf16* bias,
                 void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -476,10 +460,7 @@ void SparseGemm24::matmul_scaled(bf16* out, const void* compressed, const void* 
   ESPLAG_CHECK(scale_a && scale_b, m.ctx, ": matmul_scaled without its two scales");
   m.check_operands(compressed, dense, out, nullptr);
   run_matmul(m, out, compressed, dense, nullptr, workspace, workspace_bytes, stream);
-  const int64_t n = m.output_elements();
-  scale_output_kernel<<<unsigned(std::min<int64_t>((n / 8 + 255) / 256, 4096)), 256, 0, stream>>>(out, n, scale_a,
-                                                                                                  scale_b);
-  CUDA_CHECK_LAUNCH("SparseGemm24::matmul_scaled (scale)");
+  apply_pending_scale(out, m.output_elements(), PendingScale{scale_a, scale_b}, stream);
 }
 
 void SparseGemm24::search(bf16* out, const void* compressed, const void* dense, const bf16* bias, void* workspace,

@@ -244,7 +244,8 @@ class SparseGemm24 {
   // the output and rounded again. cuSPARSELt 0.8.0 on an
   // H100 refuses its alpha vector for e4m3, and takes a scalar scale of A
   // (CUSPARSELT_MATMUL_A_SCALE_POINTER, SCALAR_32F) without applying it (the output came
-  // back unscaled), so neither is used. matmul() and search() on such a problem do not scale.
+  // back unscaled), so neither is used. matmul() and search() on such a problem do not scale:
+  // matmul() leaves the scaling to an op that reads `out` (gpu::PendingScale{scale_a, scale_b}).
   void matmul_scaled(bf16* out, const void* compressed, const void* dense, const float* scale_a,
                      const float* scale_b, void* workspace, size_t workspace_bytes, cudaStream_t stream) const;
 
