@@ -551,7 +551,14 @@ TEST(GpuFp8, NormForwardCodesAreTheCastsOfItsValues) {
         Dev dev;
         const size_t n = size_t(N) * C;
         const bf16* a = dev.put_bf16(random_bits(n, ++seed, 2.0, N == 130));
-        const bf16* b = add ? dev.put_bf16(random_bits(n, ++seed, 1.0)) : nullptr;
+        const Bits b_bits = add ? random_bits(n, ++seed, 1.0) : Bits{};
+        const bf16* b = add ? dev.put_bf16(b_bits) : nullptr;
+        // b with a pending scale (a 2:4 fp8 product's output) for the producer, scaled in
+        // place first (apply_pending_scale) for the bf16 kernel.
+        const float* f = dev.put(VF{1.9f, 0.21f});
+        const gpu::PendingScale b_scale = add ? gpu::PendingScale{f, f + 1} : gpu::PendingScale{};
+        bf16* scaled_b = add ? dev.put_bf16(b_bits) : nullptr;
+        gpu::apply_pending_scale(scaled_b, int64_t(add ? n : 0), b_scale, dev.stream());
         const bf16* w = dev.put_bf16(random_bits(size_t(C), ++seed, 1.5));
         const bf16* bias = with_bias ? dev.put_bf16(random_bits(size_t(C), ++seed, 0.5)) : nullptr;
         struct Outputs {
@@ -564,9 +571,9 @@ TEST(GpuFp8, NormForwardCodesAreTheCastsOfItsValues) {
         bf16* y = dev.poisoned_bf16(n);
         cudaStream_t s = dev.stream();
         if (rms)
-          gpu::rmsnorm_forward(y, want.rstd, want.res, a, b, w, N, C, s);
+          gpu::rmsnorm_forward(y, want.rstd, want.res, a, scaled_b, w, N, C, s);
         else
-          gpu::layernorm_forward(y, want.mean, want.rstd, want.res, a, b, w, bias, N, C, s);
+          gpu::layernorm_forward(y, want.mean, want.rstd, want.res, a, scaled_b, w, bias, N, C, s);
         float* scale_from = half_amax(dev, y, int64_t(n));
         uint8_t *want_codes = dev.poisoned_codes(n), *got_codes = dev.poisoned_codes(n);
         float *want_inv = dev.poisoned_floats(1), *got_inv = dev.poisoned_floats(1);
@@ -575,9 +582,9 @@ TEST(GpuFp8, NormForwardCodesAreTheCastsOfItsValues) {
         gpu::fp8_cast(want_codes, want_inv, y, int64_t(n), {scale_from, want_record}, Fp8Format::e4m3, want_sat, s);
         const gpu::Fp8Target to{got_codes, nullptr, got_inv, {scale_from, got_record}, Fp8Format::e4m3, got_sat};
         if (rms)
-          gpu::fp8_rmsnorm_forward(to, got.rstd, got.res, a, b, w, N, C, s);
+          gpu::fp8_rmsnorm_forward(to, got.rstd, got.res, a, b, w, N, C, s, 1e-5f, b_scale);
         else
-          gpu::fp8_layernorm_forward(to, got.mean, got.rstd, got.res, a, b, w, bias, N, C, s);
+          gpu::fp8_layernorm_forward(to, got.mean, got.rstd, got.res, a, b, w, bias, N, C, s, 1e-5f, b_scale);
         expect_codes("the output", dev.get(want_codes, n), dev.get(got_codes, n + kGuard));
         EXPECT_EQ(float_bits(dev.get_float(got_inv)), float_bits(dev.get_float(want_inv)));
         EXPECT_EQ(float_bits(dev.get_float(got_record)), float_bits(dev.get_float(want_record)));

@@ -823,9 +823,9 @@ void run_fused_norm(bool rms, int N, int C, uint64_t seed) {
   const float* dmean = dev.put(mean_f);
   const float* drstd = dev.put(rstd_f);
   if (rms)
-    gpu::fused_rmsnorm_backward(ddinp, ddw, dds, ddout, dinp_in, dwt, drstd, N, C, scratch, sb, dev.stream());
+    gpu::fused_rmsnorm_backward(ddinp, ddw, dds, ddout, {}, dinp_in, dwt, drstd, N, C, scratch, sb, dev.stream());
   else
-    gpu::fused_layernorm_backward(ddinp, ddw, ddb, dds, ddout, dinp_in, dwt, dmean, drstd, N, C, scratch, sb,
+    gpu::fused_layernorm_backward(ddinp, ddw, ddb, dds, ddout, {}, dinp_in, dwt, dmean, drstd, N, C, scratch, sb,
                                   dev.stream());
   const VF got_dinp = dev.get_bf16(ddinp, n), got_dw = dev.get(ddw, C), got_db = dev.get(ddb, C),
            got_ds = dev.get(dds, C);
@@ -857,6 +857,28 @@ void run_fused_norm(bool rms, int N, int C, uint64_t seed) {
       low_ds[c] += got_dinp[size_t(r) * C + c];
     }
   expect_f32_close("fused norm backward dsum", ref_ds, low_ds, got_ds);
+
+  // dout with a pending scale (a 2:4 fp8 product's output): the bits of dout scaled in place
+  // first (apply_pending_scale), in dinp and every sum.
+  const float* f = dev.put(VF{1.9f, 0.21f});
+  const gpu::PendingScale scale{f, f + 1};
+  bf16* scaled_dout = reinterpret_cast<bf16*>(dev.put(dout.bits));
+  gpu::apply_pending_scale(scaled_dout, int64_t(n), scale, dev.stream());
+  const auto run = [&](const bf16* d, gpu::PendingScale s) {
+    bf16* di = reinterpret_cast<bf16*>(dev.put(pre.bits));
+    float *dw = dev.put(dw0), *db = dev.put(db0), *ds = dev.put(ds0);
+    if (rms)
+      gpu::fused_rmsnorm_backward(di, dw, ds, d, s, dinp_in, dwt, drstd, N, C, scratch, sb, dev.stream());
+    else
+      gpu::fused_layernorm_backward(di, dw, db, ds, d, s, dinp_in, dwt, dmean, drstd, N, C, scratch, sb, dev.stream());
+    return std::pair{get_raw<uint16_t>(dev, di, n), std::vector<std::vector<uint32_t>>{get_raw<uint32_t>(dev, dw, C),
+                                                                                        get_raw<uint32_t>(dev, db, C),
+                                                                                        get_raw<uint32_t>(dev, ds, C)}};
+  };
+  const auto want = run(scaled_dout, {}), got = run(ddout, scale);
+  EXPECT_EQ(got.first, want.first) << "dinp with a pending scale";
+  EXPECT_EQ(got.second, want.second) << "dweight, dbias, dsum with a pending scale";
+  EXPECT_NE(want.first, run(ddout, {}).first) << "the scale changes the gradient";
 }
 
 TEST(GpuFused, NormBackwardSumsTheGradientsInOnePass) {
@@ -872,7 +894,7 @@ TEST(GpuFused, NormBackwardSumsTheGradientsInOnePass) {
   bf16* x = reinterpret_cast<bf16*>(dev.poisoned<uint16_t>(64 * 12));
   float* f = dev.poisoned<float>(64);
   void* scratch = dev.scratch(gpu::fused_norm_backward_scratch_bytes(4, 12));
-  EXPECT_THROW(gpu::fused_rmsnorm_backward(x, f, nullptr, x, x, x, f, 4, 12, scratch,
+  EXPECT_THROW(gpu::fused_rmsnorm_backward(x, f, nullptr, x, {}, x, x, f, 4, 12, scratch,
                                            gpu::fused_norm_backward_scratch_bytes(4, 12), dev.stream()),
                esplag::Error);
 }

@@ -214,6 +214,23 @@ void run_norm_forward(bool rms, int N, int C, bool residual, bool alias, uint64_
   }
   expect_matches("out", od, round_bf16(of), dev.get_bf16(out, n), Out::bf16);
   expect_matches("rstd", rd, rf, dev.get(rstd, N), Out::f32);
+  if (!residual || alias) return;
+  // b with a pending scale (a 2:4 fp8 product's output): the bits of b scaled in place first.
+  const float* f = dev.put(VF{1.9f, 0.21f});
+  const gpu::PendingScale scale{f, f + 1};
+  bf16* scaled_b = dev.put_bf16(b.bits);
+  gpu::apply_pending_scale(scaled_b, int64_t(n), scale, dev.stream());
+  const auto run = [&](const bf16* bb, gpu::PendingScale s) {
+    bf16* o = dev.poisoned_bf16(n);
+    if (rms)
+      gpu::rmsnorm_forward(o, rstd, res, da, bb, dev.put_bf16(w.bits), N, C, dev.stream(), 1e-5f, s);
+    else
+      gpu::layernorm_forward(o, mean, rstd, res, da, bb, dev.put_bf16(w.bits), dev.put_bf16(bias.bits), N, C,
+                             dev.stream(), 1e-5f, s);
+    const auto bits = [&](const bf16* p) { return dev.get(reinterpret_cast<const uint16_t*>(p), n); };
+    return std::pair{bits(o), bits(res)};
+  };
+  EXPECT_EQ(run(db, scale), run(scaled_b, {})) << "the norm's output and residual_out with a pending scale";
 }
 
 TEST_F(GpuOps, LayerNormForward) {
@@ -326,7 +343,7 @@ void run_rope(bool backward, int B, int T, int NH, int NKV, int HD, double theta
     cpu::rope_backward(ref.data(), B, T, NH, NKV, HD, theta);
     cpu::rope_backward(low.data(), B, T, NH, NKV, HD, theta);
   } else {
-    gpu::rope_forward(d, B, T, NH, NKV, HD, theta, dev.stream());
+    gpu::rope_forward(d, {}, B, T, NH, NKV, HD, theta, dev.stream());
     cpu::rope_forward(ref.data(), B, T, NH, NKV, HD, theta);
     cpu::rope_forward(low.data(), B, T, NH, NKV, HD, theta);
   }
@@ -336,6 +353,19 @@ void run_rope(bool backward, int B, int T, int NH, int NKV, int HD, double theta
   const int64_t Ctot = int64_t(NH + 2 * NKV) * HD, v0 = int64_t(NH + NKV) * HD;
   for (int64_t r = 0; r < int64_t(B) * T; ++r)
     for (int64_t c = v0; c < Ctot; ++c) ASSERT_EQ(got[r * Ctot + c], x.f[r * Ctot + c]);
+  if (backward) return;
+  // With a pending scale (a 2:4 fp8 product's output): the bits of the scale applied in place
+  // first (apply_pending_scale), then the rotation; v scaled too.
+  const float* f = dev.put(VF{0.37f, 3.1f});
+  const gpu::PendingScale scale{f, f + 1};
+  bf16* want = dev.put_bf16(x.bits);
+  bf16* scaled = dev.put_bf16(x.bits);
+  gpu::apply_pending_scale(want, int64_t(n), scale, dev.stream());
+  gpu::rope_forward(want, {}, B, T, NH, NKV, HD, theta, dev.stream());
+  gpu::rope_forward(scaled, scale, B, T, NH, NKV, HD, theta, dev.stream());
+  const auto bits = [&](const bf16* p) { return dev.get(reinterpret_cast<const uint16_t*>(p), n); };
+  EXPECT_EQ(bits(scaled), bits(want)) << "rope_forward with a pending scale";
+  EXPECT_NE(bits(want), bits(d)) << "the scale changes the values";
 }
 
 TEST_F(GpuOps, Rope) {

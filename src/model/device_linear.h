@@ -246,8 +246,8 @@ class DeviceLinear {
   virtual void backward_dw(const bf16* dout, const bf16* inp, int N, bool accumulate, bool bias_grad,
                            const char* op) = 0;
   // forward (no activation) and backward_dx where the op that reads the output next applies a
-  // scale as it loads it (gpu::PendingScale; SwiGLU's kernels, for fc's output and mproj's
-  // input gradient). A layer may leave its output unscaled and return that scale: the fp8 2:4
+  // scale as it loads it (gpu::PendingScale: SwiGLU, RoPE, the norms; GpuModelOptions::
+  // fp8_producers). A layer may leave its output unscaled and return that scale: the fp8 2:4
   // products, which cuSPARSELt cannot scale by a device value, so save their pass over the
   // output. By default the output is final and the scale empty.
   virtual gpu::PendingScale forward_leaving_scale(bf16* out, const bf16* in, int N, const char* op) {

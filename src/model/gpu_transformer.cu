@@ -247,26 +247,27 @@ void run_as_graph(ReplayedGraph& g, cudaStream_t s, int64_t& launches, const std
   g.run(s, launches, body, "GpuTransformer");
 }
 
-// A norm's forward over N rows (ops/gpu.h; with the residual add when b is given). `next`:
+// A norm's forward over N rows (ops/gpu.h; with the residual add when b is given, b read
+// with its pending scale b_scale). `next`:
 // the layer that takes the output where the block keeps no bf16 copy of it (null: the
 // output is kept, or goes to the LM head); where `next` takes its X codes from their
 // producer (fp8, delayed scaling), only those codes are written.
 void norm_forward(GpuTransformer::Impl& im, const ModelConfig& c, cudaStream_t s, DeviceLinear* next,
                   const GpuTransformer::Impl::Norm& n, bf16* out, float* mean, float* rstd, bf16* res, const bf16* a,
-                  const bf16* b, int N) {
+                  const bf16* b, gpu::PendingScale b_scale, int N) {
   im.marks.mark(s, "norm fwd");
   const bool ln = c.norm == NormKind::layernorm;
   const auto eps = float(c.norm_eps);
   if (next && next->takes_produced_fp8()) {
     const gpu::Fp8Target to = next->fp8_input_target(out, N);
     if (ln)
-      gpu::fp8_layernorm_forward(to, mean, rstd, res, a, b, n.w, n.b, N, c.d_model, s, eps);
+      gpu::fp8_layernorm_forward(to, mean, rstd, res, a, b, n.w, n.b, N, c.d_model, s, eps, b_scale);
     else
-      gpu::fp8_rmsnorm_forward(to, rstd, res, a, b, n.w, N, c.d_model, s, eps);
+      gpu::fp8_rmsnorm_forward(to, rstd, res, a, b, n.w, N, c.d_model, s, eps, b_scale);
   } else if (ln) {
-    gpu::layernorm_forward(out, mean, rstd, res, a, b, n.w, n.b, N, c.d_model, s, eps);
+    gpu::layernorm_forward(out, mean, rstd, res, a, b, n.w, n.b, N, c.d_model, s, eps, b_scale);
   } else {
-    gpu::rmsnorm_forward(out, rstd, res, a, b, n.w, N, c.d_model, s, eps);
+    gpu::rmsnorm_forward(out, rstd, res, a, b, n.w, N, c.d_model, s, eps, b_scale);
   }
 }
 
@@ -601,7 +602,7 @@ void GpuTransformer::forward_body(const int32_t* tokens, int B, int T, bool prep
   }
   im.marks.layer = -1;
   norm_forward(im, cfg_, stream_, nullptr, im.nf, im.s0, im.lnf_mean, im.lnf_rstd, im.res_f, im.layers.back().res_mid,
-               im.s1, B * T);
+               im.s1, im.s1_scale, B * T);
 }
 
 void GpuTransformer::block_forward(int l, int B, int T, bool again) {
@@ -615,6 +616,13 @@ void GpuTransformer::block_forward(int l, int B, int T, bool again) {
                     gpu::Gemm::Act act = gpu::Gemm::Act::none, bf16* pre_gelu = nullptr) {
     lin->top().forward(out, in, N, act, pre_gelu, name);
   };
+  // The same where the next op reads `out` with its pending scale (GpuModelOptions::
+  // fp8_producers): a 2:4 fp8 product leaves its output unscaled for that op.
+  auto linear_leaving_scale = [&](Impl::Slot* lin, const char* name, bf16* out, const bf16* in) {
+    if (opt_.fp8_producers) return lin->top().forward_leaving_scale(out, in, N, name);
+    linear(lin, name, out, in);
+    return gpu::PendingScale{};
+  };
   bf16* tmp = reinterpret_cast<bf16*>(im.shared);  // ln1 / ln2 / act where the block recomputes them
   bf16* branch = im.s1;  // the previous block's mlp.proj output in, this block's out (dead in the backward)
   auto& L = im.layers[l];
@@ -625,32 +633,30 @@ void GpuTransformer::block_forward(int l, int B, int T, bool again) {
   // norm reads the sum as stored).
   DeviceLinear* qkv_codes = L.ln1 ? nullptr : &blk.qkv->top();
   if (l == 0 || again)
-    norm_forward(im, cfg_, s, qkv_codes, blk.n1, ln1, L.ln1_mean, L.ln1_rstd, nullptr, L.res_in, nullptr, N);
+    norm_forward(im, cfg_, s, qkv_codes, blk.n1, ln1, L.ln1_mean, L.ln1_rstd, nullptr, L.res_in, nullptr, {}, N);
   else
     norm_forward(im, cfg_, s, qkv_codes, blk.n1, ln1, L.ln1_mean, L.ln1_rstd, L.res_in, im.layers[l - 1].res_mid,
-                 branch, N);
-  linear(blk.qkv, "gemm qkv fwd", L.qkv, ln1);
-  if (cfg_.pos == PosKind::rope) {
+                 branch, im.s1_scale, N);
+  if (cfg_.pos == PosKind::rope) {  // RoPE's kernel applies qkv's scale
+    const gpu::PendingScale qkv_scale = linear_leaving_scale(blk.qkv, "gemm qkv fwd", L.qkv, ln1);
     mark("rope fwd");
-    gpu::rope_forward(L.qkv, B, T, NH, KV, HD, cfg_.rope_theta, s);
+    gpu::rope_forward(L.qkv, qkv_scale, B, T, NH, KV, HD, cfg_.rope_theta, s);
+  } else {
+    linear(blk.qkv, "gemm qkv fwd", L.qkv, ln1);
   }
   mark("attention fwd", attn_flops);
   gpu::attention_forward(L.atty, L.lse, L.qkv, B, T, NH, KV, HD, im.shared, im.sizes.attn_ws, s, opt_.attention);
-  linear(blk.proj, "gemm proj fwd", branch, L.atty);
+  im.s1_scale = linear_leaving_scale(blk.proj, "gemm proj fwd", branch, L.atty);
   bf16* ln2 = L.ln2 ? L.ln2 : tmp;
   norm_forward(im, cfg_, s, L.ln2 ? nullptr : &blk.fc->top(), blk.n2, ln2, L.ln2_mean, L.ln2_rstd, L.res_mid,
-               L.res_in, branch, N);
+               L.res_in, branch, im.s1_scale, N);
   bf16* act = L.act;
   switch (cfg_.mlp) {
     case MlpKind::gelu:
       linear(blk.fc, "gemm fc fwd (+gelu)", L.act, ln2, gpu::Gemm::Act::gelu, L.fc);
       break;
     case MlpKind::swiglu:
-      L.fc_scale = {};
-      if (opt_.fp8_producers)  // SwiGLU's kernels apply the scale of fc's 2:4 fp8 product
-        L.fc_scale = blk.fc->top().forward_leaving_scale(L.fc, ln2, N, "gemm fc fwd");
-      else
-        linear(blk.fc, "gemm fc fwd", L.fc, ln2);
+      L.fc_scale = linear_leaving_scale(blk.fc, "gemm fc fwd", L.fc, ln2);  // SwiGLU's kernels apply it
       if (again && !L.act) return;  // the backward recomputes the activation itself
       mark("swiglu fwd");
       act = L.act ? L.act : tmp;
@@ -669,7 +675,7 @@ void GpuTransformer::block_forward(int l, int B, int T, bool again) {
       break;
   }
   // The output, the next block's input, is kept there (or in res_f): not recomputed.
-  if (!again) linear(blk.mproj, "gemm mproj fwd", branch, act);
+  if (!again) im.s1_scale = linear_leaving_scale(blk.mproj, "gemm mproj fwd", branch, act);
 }
 
 void GpuTransformer::head(const int32_t* targets, int B, int T, bool train, double loss_scale, bool overwrite,
@@ -743,6 +749,13 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   // dinp = dout · W (times gelu'(pre_gelu) when given), as the layer's kind computes it.
   auto linear_dx = [&](Impl::Slot* lin, const char* name, bf16* dinp, const bf16* dout,
                        const bf16* pre_gelu = nullptr) { lin->top().backward_dx(dinp, dout, N, pre_gelu, name); };
+  // The same where the next op reads dinp with its pending scale (`takes`, and GpuModelOptions::
+  // fp8_producers): a 2:4 fp8 product leaves dinp unscaled for that op.
+  auto linear_dx_leaving_scale = [&](Impl::Slot* lin, const char* name, bf16* dinp, const bf16* dout, bool takes) {
+    if (takes && opt_.fp8_producers) return lin->top().backward_dx_leaving_scale(dinp, dout, N, name);
+    linear_dx(lin, name, dinp, dout);
+    return gpu::PendingScale{};
+  };
   // Bias gradients: with the fused norm backward, those of attn.proj and mlp.proj (whose
   // output gradient is dres right after a norm backward) come out of that norm backward
   // (next_bias), those of qkv and fc from column sums; otherwise from the GEMM epilogue.
@@ -753,16 +766,20 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     gpu::column_sum_add(db, dout, N, OC, im.colsum_scratch, im.colsum_scratch_bytes, s);
   };
   // dres += the norm's input gradient.
-  auto norm_bwd = [&](const Impl::Norm& n, const bf16* inp, const float* mean, const float* rstd, float* next_bias) {
+  // dln_scale: dln's pending scale, which only the fused norm backward takes.
+  auto norm_bwd = [&](const Impl::Norm& n, const bf16* inp, const float* mean, const float* rstd, float* next_bias,
+                      gpu::PendingScale dln_scale) {
     mark("norm bwd");
     if (fz) {
       if (ln)
-        gpu::fused_layernorm_backward(dres, n.dw, n.db, next_bias, dln, inp, n.w, mean, rstd, N, C, im.fnorm_scratch,
-                                      im.fnorm_scratch_bytes, s);
+        gpu::fused_layernorm_backward(dres, n.dw, n.db, next_bias, dln, dln_scale, inp, n.w, mean, rstd, N, C,
+                                      im.fnorm_scratch, im.fnorm_scratch_bytes, s);
       else
-        gpu::fused_rmsnorm_backward(dres, n.dw, next_bias, dln, inp, n.w, rstd, N, C, im.fnorm_scratch,
+        gpu::fused_rmsnorm_backward(dres, n.dw, next_bias, dln, dln_scale, inp, n.w, rstd, N, C, im.fnorm_scratch,
                                     im.fnorm_scratch_bytes, s);
-    } else if (ln) {
+      return;
+    }
+    if (ln) {
       gpu::layernorm_backward(dres, n.dw, n.db, dln, inp, n.w, mean, rstd, N, C, im.norm_scratch,
                               im.norm_scratch_bytes, s);
     } else {
@@ -789,7 +806,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   ready_ring_slot_below(cfg_.n_layer);
   mark("memset dres");
   CUDA_CHECK(cudaMemsetAsync(dres, 0, sizeof(bf16) * size_t(N) * C, s));
-  norm_bwd(im.nf, im.res_f, im.lnf_mean, im.lnf_rstd, im.blocks.back().mproj->db);  // dln holds dlnf from the head
+  norm_bwd(im.nf, im.res_f, im.lnf_mean, im.lnf_rstd, im.blocks.back().mproj->db, {});  // dln holds dlnf from the head
   if (collect) reduce_buckets_after(GradientBucket::kAfterHead, reduce, overwrite);
   for (int l = cfg_.n_layer - 1; l >= 0; --l) {
     im.marks.layer = l;
@@ -802,6 +819,7 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     if (L.recomputed) block_forward(l, B, T, true);
     // MLP half: dres = d(res_out) = d(res_mid) through the residual.
     const bf16* ln2 = L.ln2;
+    gpu::PendingScale dln_scale;  // of fc's and then qkv's dX in dln, for the fused norm backward
     if (cfg_.mlp == MlpKind::gelu) {
       bf16* dfc = reinterpret_cast<bf16*>(shared);
       linear_dw(blk.mproj, "gemm mproj dW", dres, L.act);
@@ -813,16 +831,13 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       }
       linear_dw(blk.fc, "gemm fc dW", dfc, ln2);
       bias_sum(blk.fc->db, dfc, F);
-      linear_dx(blk.fc, "gemm fc dX", dln, dfc);
+      dln_scale = linear_dx_leaving_scale(blk.fc, "gemm fc dX", dln, dfc, fz);
     } else {
       // dact, then (recompute) the activation over it, then ln2; dfc replaces fc.
       bf16* dact = reinterpret_cast<bf16*>(shared);
       DeviceLinear &fc = blk.fc->top(), &mproj = blk.mproj->top();
-      gpu::PendingScale dact_scale;
-      if (cfg_.mlp == MlpKind::swiglu && opt_.fp8_producers)  // as fc's forward
-        dact_scale = mproj.backward_dx_leaving_scale(dact, dres, N, "gemm mproj dX");
-      else
-        linear_dx(blk.mproj, "gemm mproj dX", dact, dres);
+      const gpu::PendingScale dact_scale =  // SwiGLU's backward applies it
+          linear_dx_leaving_scale(blk.mproj, "gemm mproj dX", dact, dres, cfg_.mlp == MlpKind::swiglu);
       bf16* act_out = L.act ? nullptr : dact;
       mark(cfg_.mlp == MlpKind::swiglu ? "swiglu bwd" : "relu2 bwd");
       if (cfg_.mlp == MlpKind::relu2)
@@ -842,9 +857,9 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
       const bf16* dfc = L.fc;
       linear_dw(blk.fc, "gemm fc dW", dfc, ln2);
       bias_sum(blk.fc->db, dfc, F);
-      linear_dx(blk.fc, "gemm fc dX", dln, dfc);
+      dln_scale = linear_dx_leaving_scale(blk.fc, "gemm fc dX", dln, dfc, fz);
     }
-    norm_bwd(blk.n2, L.res_mid, L.ln2_mean, L.ln2_rstd, blk.proj->db);
+    norm_bwd(blk.n2, L.res_mid, L.ln2_mean, L.ln2_rstd, blk.proj->db, dln_scale);
     // Attention half: dres = d(res_mid) = d(res_in) through the residual. dqkv and datty
     // go into the layer's fc storage (dead now) when they fit, else into the shared region.
     unsigned char* region = z.attn_in_fc ? reinterpret_cast<unsigned char*>(L.fc) : shared;
@@ -866,9 +881,9 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     }
     linear_dw(blk.qkv, "gemm qkv dW", dqkv, ln1);
     bias_sum(blk.qkv->db, dqkv, Q);
-    linear_dx(blk.qkv, "gemm qkv dX", dln, dqkv);
+    dln_scale = linear_dx_leaving_scale(blk.qkv, "gemm qkv dX", dln, dqkv, fz);
     ready_ring_slot_below(l);
-    norm_bwd(blk.n1, L.res_in, L.ln1_mean, L.ln1_rstd, l > 0 ? im.blocks[l - 1].mproj->db : nullptr);
+    norm_bwd(blk.n1, L.res_in, L.ln1_mean, L.ln1_rstd, l > 0 ? im.blocks[l - 1].mproj->db : nullptr, dln_scale);
     if (collect) reduce_buckets_after(l, reduce, overwrite);
   }
   im.marks.layer = -1;

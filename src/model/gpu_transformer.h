@@ -204,9 +204,12 @@ struct GpuModelOptions {
   // the norms' forward and the backward's recomputed norms, where the block does not keep
   // their outputs) instead of bf16 values that the layers then cast; the
   // same codes bit for bit, fewer passes over memory (docs/fp8.md). With any fp8 scaling,
-  // SwiGLU's kernels also apply the output scales of fc's forward and mproj's input gradient
-  // where these are 2:4 products (gpu::PendingScale), whose own pass over the output then
-  // does not run. false: the casts and those passes (tests hold the two ways to the same bits).
+  // the ops that read a 2:4 fp8 product's output also apply its scale as they load it
+  // (gpu::PendingScale), so the product's own pass over its output does not run: SwiGLU
+  // (fc's forward, mproj's input gradient), RoPE (qkv's forward), the norms' residual add
+  // (the forwards of attn.proj and mproj) and the fused norm backward (the input gradients
+  // of qkv and fc). false: the casts and those passes (tests hold the two ways to the same
+  // bits).
   bool fp8_producers = true;
   // Replay forward_backward_device and step_adamw as CUDA graphs (see the top of the file).
   bool cuda_graph = true;

@@ -35,6 +35,8 @@
 #include <memory>
 #include <vector>
 
+#include "ops/pending_scale.h"
+
 namespace esplag {
 class DeviceArena;
 }
@@ -70,12 +72,15 @@ void embedding_backward(float* dwte, float* dwpe, const bf16* dout, const int32_
 // Forward: when b is not null, residual_out = a + b (rounded to bf16) and the norm is
 // taken of residual_out; when b is null the norm is taken of a and residual_out is
 // ignored. residual_out may alias a or b. mean / rstd ([N], fp32) are saved for backward
-// (either may be null when backward will not run).
+// (either may be null when backward will not run). b_scale: b's pending scale
+// (ops/pending_scale.h: a 2:4 fp8 product's output), applied as b is read.
 
 void layernorm_forward(bf16* out, float* mean, float* rstd, bf16* residual_out, const bf16* a, const bf16* b,
-                       const bf16* weight, const bf16* bias, int N, int C, cudaStream_t stream, float eps = 1e-5f);
+                       const bf16* weight, const bf16* bias, int N, int C, cudaStream_t stream, float eps = 1e-5f,
+                       PendingScale b_scale = {});
 void rmsnorm_forward(bf16* out, float* rstd, bf16* residual_out, const bf16* a, const bf16* b,
-                     const bf16* weight, int N, int C, cudaStream_t stream, float eps = 1e-5f);
+                     const bf16* weight, int N, int C, cudaStream_t stream, float eps = 1e-5f,
+                     PendingScale b_scale = {});
 
 // Scratch for the weight / bias gradients of the norm backwards.
 size_t norm_backward_scratch_bytes(int N, int C);
@@ -94,8 +99,10 @@ void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* 
 // ---------------------------------------------------------------------------------------
 // Rotary position embedding (ops/attention.h): LLaMA / GPT-NeoX rotate-half, pair
 // (i, i + HD/2) of every q and k head rotated by t · theta^(-2i/HD), in place on the
-// fused qkv buffer [B, T, (NH + 2·NKV)·HD]; v untouched. Angles are computed in fp64.
-void rope_forward(bf16* qkv, int B, int T, int NH, int NKV, int HD, double theta, cudaStream_t stream);
+// fused qkv buffer [B, T, (NH + 2·NKV)·HD]; v untouched. Angles are computed in fp64. With
+// a pending scale (ops/pending_scale.h), every value of qkv is scaled first, v's included.
+void rope_forward(bf16* qkv, PendingScale qkv_scale, int B, int T, int NH, int NKV, int HD, double theta,
+                  cudaStream_t stream);
 // The inverse rotation, in place on dqkv.
 void rope_backward(bf16* dqkv, int B, int T, int NH, int NKV, int HD, double theta, cudaStream_t stream);
 

@@ -105,14 +105,16 @@ void fp8_swiglu_backward(const Fp8Target& grad, const Fp8Target& act, const bf16
 
 // A norm's forward (layernorm_forward, rmsnorm_forward: the same residual add into
 // residual_out, statistics and bf16 values) with its output [N, C] as fp8 codes only, into
-// to.out as fp8_cast would write them (to.out_t null, to.format e4m3). The forward's
-// producer of a layer's X with delayed scaling (DeviceLinear::fp8_input_target), where the
-// output is not kept. Needs C % 8 == 0, the bf16 buffers 16-byte aligned, to.out 8-byte.
+// to.out as fp8_cast would write them (to.out_t null, to.format e4m3; b's pending scale as
+// there). The forward's producer of a layer's X with delayed scaling (DeviceLinear::
+// fp8_input_target), where the output is not kept. Needs C % 8 == 0, the bf16 buffers
+// 16-byte aligned, to.out 8-byte.
 void fp8_layernorm_forward(const Fp8Target& to, float* mean, float* rstd, bf16* residual_out, const bf16* a,
                            const bf16* b, const bf16* weight, const bf16* bias, int N, int C, cudaStream_t stream,
-                           float eps = 1e-5f);
+                           float eps = 1e-5f, PendingScale b_scale = {});
 void fp8_rmsnorm_forward(const Fp8Target& to, float* rstd, bf16* residual_out, const bf16* a, const bf16* b,
-                         const bf16* weight, int N, int C, cudaStream_t stream, float eps = 1e-5f);
+                         const bf16* weight, int N, int C, cudaStream_t stream, float eps = 1e-5f,
+                         PendingScale b_scale = {});
 
 // A norm's output [N, C] recomputed from its saved input x and statistics (layernorm_forward's
 // or rmsnorm_forward's values: the same bf16 values from the same x, weight, bias, mean and

@@ -169,18 +169,20 @@ void column_sum_add(float* out, const bf16* x, int64_t N, int C, void* scratch, 
 // same pass: LayerNorm dweight += Σ_n dout · (inp − mean) · rstd, dbias += Σ_n dout;
 // RMSNorm dweight += Σ_n dout · inp · rstd. When dsum is not null, dsum[c] += Σ_n of the
 // updated dinp (as stored, in bf16): the bias gradient of the Linear layer whose output
-// gradient dinp is. Any of dweight, dbias, dsum may be null. Needs C % 8 == 0,
+// gradient dinp is. Any of dweight, dbias, dsum may be null. dout is read with its pending
+// scale (ops/pending_scale.h: a 2:4 fp8 product's output). Needs C % 8 == 0,
 // C <= kFusedNormMaxC and 16-byte aligned rows (fused_norm_backward_supported); throws
 // otherwise.
 constexpr int kFusedNormMaxC = 2048;
 bool fused_norm_backward_supported(int C);
 size_t fused_norm_backward_scratch_bytes(int N, int C);
 void fused_layernorm_backward(bf16* dinp, float* dweight, float* dbias, float* dsum, const bf16* dout,
-                              const bf16* inp, const bf16* weight, const float* mean, const float* rstd, int N, int C,
-                              void* scratch, size_t scratch_bytes, cudaStream_t stream);
-void fused_rmsnorm_backward(bf16* dinp, float* dweight, float* dsum, const bf16* dout, const bf16* inp,
-                            const bf16* weight, const float* rstd, int N, int C, void* scratch, size_t scratch_bytes,
-                            cudaStream_t stream);
+                              PendingScale dout_scale, const bf16* inp, const bf16* weight, const float* mean,
+                              const float* rstd, int N, int C, void* scratch, size_t scratch_bytes,
+                              cudaStream_t stream);
+void fused_rmsnorm_backward(bf16* dinp, float* dweight, float* dsum, const bf16* dout, PendingScale dout_scale,
+                            const bf16* inp, const bf16* weight, const float* rstd, int N, int C, void* scratch,
+                            size_t scratch_bytes, cudaStream_t stream);
 
 // *out (fp32) = Σ x² over an fp32 buffer: fixed blocks over contiguous ranges summed with
 // 16-byte loads, then the partials in order in fp64 (the same contract as

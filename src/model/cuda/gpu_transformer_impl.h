@@ -133,7 +133,7 @@ struct GpuTransformer::Impl {
     bf16 *res_in = nullptr, *ln1 = nullptr, *qkv = nullptr, *atty = nullptr, *res_mid = nullptr, *ln2 = nullptr,
          *fc = nullptr, *act = nullptr;
     float *ln1_mean = nullptr, *ln1_rstd = nullptr, *lse = nullptr, *ln2_mean = nullptr, *ln2_rstd = nullptr;
-    gpu::PendingScale fc_scale;  // the scale fc's output is stored without (SwiGLU applies it)
+    gpu::PendingScale fc_scale;  // the scale fc's output is stored without (SwiGLU's kernels apply it)
     bool recomputed = false;
   };
 
@@ -266,6 +266,7 @@ struct GpuTransformer::Impl {
   bf16* res_f = nullptr;
   float *lnf_mean = nullptr, *lnf_rstd = nullptr;
   bf16 *s0 = nullptr, *s1 = nullptr;
+  gpu::PendingScale s1_scale;  // the scale a block's output in s1 is stored without (the next norm applies it)
   unsigned char* shared = nullptr;
   gpu_model::SharedSizes sizes;
   float* losses = nullptr;

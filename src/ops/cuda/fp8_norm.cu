@@ -91,8 +91,8 @@ struct CodeRows {
 
 template <bool kRms>
 void norm_forward_codes(const char* op, const Fp8Target& to, float* mean, float* rstd, bf16* res, const bf16* a,
-                        const bf16* b, const bf16* weight, const bf16* bias, int N, int C, float eps,
-                        cudaStream_t stream) {
+                        const bf16* b, PendingScale b_scale, const bf16* weight, const bf16* bias, int N, int C,
+                        float eps, cudaStream_t stream) {
   ESPLAG_CHECK(N >= 0 && C > 0 && C % kPack == 0, op, ": bad size N=", N, ", C=", C, " (C a multiple of 8)");
   ESPLAG_CHECK(to.inv_scale && to.amax.scale_from, op, ": inv_scale and amax must not be null");
   ESPLAG_CHECK(to.format == Fp8Format::e4m3, op, ": the output's codes are e4m3 (a layer input)");
@@ -106,7 +106,7 @@ void norm_forward_codes(const char* op, const Fp8Target& to, float* mean, float*
   // One block even for N = 0: it writes inv_scale.
   const unsigned grid = std::max(1u, detail::blocks_for(N, detail::kNormRowsPerBlock));
   detail::norm_forward_kernel<true, kRms>
-      <<<grid, detail::kNormThreads, 0, stream>>>(sink, mean, rstd, res, a, b, weight, bias, N, C, eps);
+      <<<grid, detail::kNormThreads, 0, stream>>>(sink, mean, rstd, res, a, b, b_scale, weight, bias, N, C, eps);
   CUDA_CHECK_LAUNCH(op);
 }
 
@@ -114,15 +114,15 @@ void norm_forward_codes(const char* op, const Fp8Target& to, float* mean, float*
 
 void fp8_layernorm_forward(const Fp8Target& to, float* mean, float* rstd, bf16* residual_out, const bf16* a,
                            const bf16* b, const bf16* weight, const bf16* bias, int N, int C, cudaStream_t stream,
-                           float eps) {
-  norm_forward_codes<false>("fp8_layernorm_forward", to, mean, rstd, residual_out, a, b, weight, bias, N, C, eps,
-                            stream);
+                           float eps, PendingScale b_scale) {
+  norm_forward_codes<false>("fp8_layernorm_forward", to, mean, rstd, residual_out, a, b, b_scale, weight, bias, N, C,
+                            eps, stream);
 }
 
 void fp8_rmsnorm_forward(const Fp8Target& to, float* rstd, bf16* residual_out, const bf16* a, const bf16* b,
-                         const bf16* weight, int N, int C, cudaStream_t stream, float eps) {
-  norm_forward_codes<true>("fp8_rmsnorm_forward", to, nullptr, rstd, residual_out, a, b, weight, nullptr, N, C, eps,
-                           stream);
+                         const bf16* weight, int N, int C, cudaStream_t stream, float eps, PendingScale b_scale) {
+  norm_forward_codes<true>("fp8_rmsnorm_forward", to, nullptr, rstd, residual_out, a, b, b_scale, weight, nullptr, N,
+                           C, eps, stream);
 }
 
 void fp8_norm_recompute(const Fp8Target& to, const bf16* x, const bf16* weight, const bf16* bias, const float* mean,

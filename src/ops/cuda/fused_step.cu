@@ -364,9 +364,9 @@ static_assert(kNormRows % kNormGroup == 0, "groups tile the block's rows");
 
 template <bool kRms>
 __global__ void __launch_bounds__(kThreads)
-    norm_bwd_fused_kernel(bf16* dinp, float* part, const bf16* dout, const bf16* inp, const bf16* weight,
-                          const float* mean, const float* rstd, int N, int C, int64_t stride, bool want_w,
-                          bool want_b, bool want_sum) {
+    norm_bwd_fused_kernel(bf16* dinp, float* part, const bf16* dout, PendingScale dout_scale, const bf16* inp,
+                          const bf16* weight, const float* mean, const float* rstd, int N, int C, int64_t stride,
+                          bool want_w, bool want_b, bool want_sum) {
   __shared__ float stat_g[kNormGroup], stat_gx[kNormGroup];
   __shared__ float red[3][kFusedNormMaxC];
   const int row0 = blockIdx.x * kNormRows;
@@ -379,6 +379,7 @@ __global__ void __launch_bounds__(kThreads)
   const int c = grp * kPack;
   float w[kPack] = {}, aw[kPack] = {}, ab[kPack] = {}, as[kPack] = {};
   if (active) load8(w, weight + c);
+  const detail::PendingFactor dout_scaled(dout_scale);
   int next = rl;  // the next row of this thread's row lane
   for (int g0 = 0; g0 < rows; g0 += kNormGroup) {
     const int g1 = min(rows, g0 + kNormGroup);
@@ -395,6 +396,7 @@ __global__ void __launch_bounds__(kThreads)
         load8(d, dout + off + cc);
         load8(x, inp + off + cc);
         load8(wc, weight + cc);
+        dout_scaled.apply(d);
         detail::add_row_sums<kRms>(sg, sgx, d, x, wc, m, r, kPack);
       }
       sgx = detail::warp_sum(sgx);
@@ -428,6 +430,7 @@ __global__ void __launch_bounds__(kThreads)
         const float kr = r * r * r * mgx;
         float dv[kPack], xv[kPack], ov[kPack];
         detail::unpack8(dv, d[b]);
+        dout_scaled.apply(dv);
         detail::unpack8(xv, x[b]);
         detail::unpack8(ov, o[b]);
 #pragma unroll
@@ -713,8 +716,9 @@ namespace {
 
 template <bool kRms>
 void launch_fused_norm_backward(bf16* dinp, float* dweight, float* dbias, float* dsum, const bf16* dout,
-                                const bf16* inp, const bf16* weight, const float* mean, const float* rstd, int N,
-                                int C, void* scratch, size_t scratch_bytes, cudaStream_t stream, const char* name) {
+                                PendingScale dout_scale, const bf16* inp, const bf16* weight, const float* mean,
+                                const float* rstd, int N, int C, void* scratch, size_t scratch_bytes,
+                                cudaStream_t stream, const char* name) {
   ESPLAG_CHECK(N >= 0 && C > 0, name, ": bad size N=", N, ", C=", C);
   ESPLAG_CHECK(fused_norm_backward_supported(C), name, ": needs C % 8 == 0 and C <= ", kFusedNormMaxC, ", got C=",
                C);
@@ -730,7 +734,8 @@ void launch_fused_norm_backward(bf16* dinp, float* dweight, float* dbias, float*
   const int64_t stride = blocks * C;
   float* part = static_cast<float*>(scratch);
   norm_bwd_fused_kernel<kRms><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      dinp, part, dout, inp, weight, mean, rstd, N, C, stride, dweight != nullptr, dbias != nullptr, dsum != nullptr);
+      dinp, part, dout, dout_scale, inp, weight, mean, rstd, N, C, stride, dweight != nullptr, dbias != nullptr,
+      dsum != nullptr);
   CUDA_CHECK_LAUNCH(name);
   if (dweight || dbias || dsum) {
     partials_final_kernel<<<detail::blocks_for(C, kFinalCols), kFinalCols * kFinalSlices, 0, stream>>>(
@@ -742,17 +747,18 @@ void launch_fused_norm_backward(bf16* dinp, float* dweight, float* dbias, float*
 }  // namespace
 
 void fused_layernorm_backward(bf16* dinp, float* dweight, float* dbias, float* dsum, const bf16* dout,
-                              const bf16* inp, const bf16* weight, const float* mean, const float* rstd, int N, int C,
-                              void* scratch, size_t scratch_bytes, cudaStream_t stream) {
-  launch_fused_norm_backward<false>(dinp, dweight, dbias, dsum, dout, inp, weight, mean, rstd, N, C, scratch,
-                                    scratch_bytes, stream, "fused_layernorm_backward");
+                              PendingScale dout_scale, const bf16* inp, const bf16* weight, const float* mean,
+                              const float* rstd, int N, int C, void* scratch, size_t scratch_bytes,
+                              cudaStream_t stream) {
+  launch_fused_norm_backward<false>(dinp, dweight, dbias, dsum, dout, dout_scale, inp, weight, mean, rstd, N, C,
+                                    scratch, scratch_bytes, stream, "fused_layernorm_backward");
 }
 
-void fused_rmsnorm_backward(bf16* dinp, float* dweight, float* dsum, const bf16* dout, const bf16* inp,
-                            const bf16* weight, const float* rstd, int N, int C, void* scratch, size_t scratch_bytes,
-                            cudaStream_t stream) {
-  launch_fused_norm_backward<true>(dinp, dweight, nullptr, dsum, dout, inp, weight, nullptr, rstd, N, C, scratch,
-                                   scratch_bytes, stream, "fused_rmsnorm_backward");
+void fused_rmsnorm_backward(bf16* dinp, float* dweight, float* dsum, const bf16* dout, PendingScale dout_scale,
+                            const bf16* inp, const bf16* weight, const float* rstd, int N, int C, void* scratch,
+                            size_t scratch_bytes, cudaStream_t stream) {
+  launch_fused_norm_backward<true>(dinp, dweight, nullptr, dsum, dout, dout_scale, inp, weight, nullptr, rstd, N, C,
+                                   scratch, scratch_bytes, stream, "fused_rmsnorm_backward");
 }
 
 size_t sum_squares_scratch_bytes() { return kSqBlocks * sizeof(float); }

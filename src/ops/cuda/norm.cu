@@ -75,8 +75,8 @@ __global__ void __launch_bounds__(kThreads)
 
 template <bool kRms>
 void launch_forward(bf16* out, float* mean, float* rstd, bf16* res, const bf16* a, const bf16* b,
-                    const bf16* weight, const bf16* bias, int N, int C, float eps, cudaStream_t stream,
-                    const char* name) {
+                    PendingScale b_scale, const bf16* weight, const bf16* bias, int N, int C, float eps,
+                    cudaStream_t stream, const char* name) {
   ESPLAG_CHECK(N >= 0 && C > 0, name, ": bad size N=", N, ", C=", C);
   ESPLAG_CHECK(out && a && weight, name, ": out, input and weight must not be null");
   ESPLAG_CHECK(!b || res, name, ": the fused residual add (b given) needs residual_out");
@@ -86,10 +86,10 @@ void launch_forward(bf16* out, float* mean, float* rstd, bf16* res, const bf16* 
   const unsigned grid = detail::blocks_for(N, kRowsPerBlock);
   if (vec)
     detail::norm_forward_kernel<true, kRms>
-        <<<grid, kThreads, 0, stream>>>(Bf16Rows<true>{out}, mean, rstd, res, a, b, weight, bias, N, C, eps);
+        <<<grid, kThreads, 0, stream>>>(Bf16Rows<true>{out}, mean, rstd, res, a, b, b_scale, weight, bias, N, C, eps);
   else
     detail::norm_forward_kernel<false, kRms>
-        <<<grid, kThreads, 0, stream>>>(Bf16Rows<false>{out}, mean, rstd, res, a, b, weight, bias, N, C, eps);
+        <<<grid, kThreads, 0, stream>>>(Bf16Rows<false>{out}, mean, rstd, res, a, b, b_scale, weight, bias, N, C, eps);
   CUDA_CHECK_LAUNCH(name);
 }
 
@@ -124,13 +124,16 @@ void launch_backward(bf16* dinp, float* dweight, float* dbias, const bf16* dout,
 }  // namespace
 
 void layernorm_forward(bf16* out, float* mean, float* rstd, bf16* residual_out, const bf16* a, const bf16* b,
-                       const bf16* weight, const bf16* bias, int N, int C, cudaStream_t stream, float eps) {
-  launch_forward<false>(out, mean, rstd, residual_out, a, b, weight, bias, N, C, eps, stream, "layernorm_forward");
+                       const bf16* weight, const bf16* bias, int N, int C, cudaStream_t stream, float eps,
+                       PendingScale b_scale) {
+  launch_forward<false>(out, mean, rstd, residual_out, a, b, b_scale, weight, bias, N, C, eps, stream,
+                        "layernorm_forward");
 }
 
 void rmsnorm_forward(bf16* out, float* rstd, bf16* residual_out, const bf16* a, const bf16* b,
-                     const bf16* weight, int N, int C, cudaStream_t stream, float eps) {
-  launch_forward<true>(out, nullptr, rstd, residual_out, a, b, weight, nullptr, N, C, eps, stream, "rmsnorm_forward");
+                     const bf16* weight, int N, int C, cudaStream_t stream, float eps, PendingScale b_scale) {
+  launch_forward<true>(out, nullptr, rstd, residual_out, a, b, b_scale, weight, nullptr, N, C, eps, stream,
+                       "rmsnorm_forward");
 }
 
 size_t norm_backward_scratch_bytes(int N, int C) {

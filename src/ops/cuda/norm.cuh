@@ -8,6 +8,7 @@
 #pragma once
 
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/pending_scale.cuh"
 
 namespace esplag::gpu::detail {
 
@@ -60,15 +61,15 @@ __device__ __forceinline__ float norm_output(float x, float mean, float rstd, fl
     return (x - mean) * rstd * w + bias;
 }
 
-// x = bf16(a + b) (written to res) or a; LayerNorm: y = (x - mean) rstd w + bias, RMSNorm:
-// y = x rstd w; rstd = rsqrt(var(x) + eps), or rsqrt(mean(x²) + eps). The sink: begin()
-// before any row, put(row offset, c, y, n) for the n values of y at column c of a row (in
-// fp32, before any rounding), finish() after; every thread of the block calls begin and
-// finish, so a sink may synchronise the block there.
+// x = bf16(a + b) (written to res; b scaled by b_scale as it is read) or a; LayerNorm:
+// y = (x - mean) rstd w + bias, RMSNorm: y = x rstd w; rstd = rsqrt(var(x) + eps), or
+// rsqrt(mean(x²) + eps). The sink: begin() before any row, put(row offset, c, y, n) for the
+// n values of y at column c of a row (in fp32, before any rounding), finish() after; every
+// thread of the block calls begin and finish, so a sink may synchronise the block there.
 template <bool kVec, bool kRms, class Sink>
 __global__ void __launch_bounds__(kNormThreads)
     norm_forward_kernel(Sink sink, float* mean, float* rstd, bf16* res, const bf16* a, const bf16* b,
-                        const bf16* weight, const bf16* bias, int N, int C, float eps) {
+                        PendingScale b_scale, const bf16* weight, const bf16* bias, int N, int C, float eps) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kNormRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   sink.begin();
@@ -78,13 +79,14 @@ __global__ void __launch_bounds__(kNormThreads)
     const bf16* x = a + off;
     float s = 0.f;
     if (b) {
+      const PendingFactor scaled(b_scale);
       bf16* r = res + off;
       for (int c = first; c < C; c += step) {
         float va[kPack], vb[kPack];
         const int n = load_n<kVec>(va, a + off, c, C);
         load_n<kVec>(vb, b + off, c, C);
         for (int k = 0; k < n; ++k) {
-          va[k] = to_f(to_bf(va[k] + vb[k]));  // the norm sees exactly what is stored
+          va[k] = to_f(to_bf(va[k] + scaled(vb[k])));  // the norm sees exactly what is stored
           s += kRms ? va[k] * va[k] : va[k];
         }
         store_n<kVec>(r, c, va);

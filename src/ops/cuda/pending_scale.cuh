@@ -12,7 +12,8 @@ class PendingFactor {
  public:
   __device__ __forceinline__ explicit PendingFactor(PendingScale p)
       : on_(p.a != nullptr), f_(on_ ? *p.a * *p.b : 1.f) {}
-  // Stored bf16 values (as floats) scaled and rounded to bf16 again; untouched without a scale.
+  // A stored bf16 value (as a float) scaled and rounded to bf16 again; untouched without a scale.
+  __device__ __forceinline__ float operator()(float x) const { return on_ ? to_f(to_bf(x * f_)) : x; }
   template <int n>
   __device__ __forceinline__ void apply(float (&v)[n]) const {
     if (!on_) return;

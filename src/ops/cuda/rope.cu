@@ -5,11 +5,13 @@
 // kHeadsAtOnce heads' pairs before it stores any: the loads of one head would otherwise wait
 // for the stores of the one before (the compiler cannot tell they do not overlap), a memory
 // round trip per head. Consecutive threads touch consecutive elements of a head, so the
-// accesses coalesce.
+// accesses coalesce. The forward may take qkv's pending scale (a 2:4 fp8 product's output):
+// each value is scaled as it is loaded, and then v's heads are scaled too.
 #include <cmath>
 
 #include "core/error.h"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/pending_scale.cuh"
 #include "ops/cuda/rope.cuh"
 #include "ops/gpu.h"
 
@@ -23,8 +25,10 @@ using detail::to_f;
 constexpr int kThreads = 256;
 constexpr int kHeadsAtOnce = 8;
 
-__global__ void __launch_bounds__(kThreads)
-    rope_kernel(bf16* x, int64_t rows, int T, int rotated_heads, int64_t C, int HD, double theta, double sign) {
+// Heads [0, rotated_heads) rotated, heads [rotated_heads, heads) only scaled.
+__global__ void __launch_bounds__(kThreads) rope_kernel(bf16* x, int64_t rows, int T, int rotated_heads, int heads,
+                                                        int64_t C, int HD, double theta, double sign,
+                                                        PendingScale scale) {
   const int half = HD / 2;
   const int64_t t_id = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (t_id >= rows * half) return;
@@ -32,29 +36,30 @@ __global__ void __launch_bounds__(kThreads)
   const int i = static_cast<int>(t_id % half);
   const float2 cs = detail::rope_cos_sin(static_cast<double>(r % T), i, HD, theta);
   const float c = cs.x, s = sign < 0 ? -cs.y : cs.y;
+  const detail::PendingFactor scaled(scale);
   bf16* row = x + r * C + i;
-  for (int h0 = 0; h0 < rotated_heads; h0 += kHeadsAtOnce) {
+  for (int h0 = 0; h0 < heads; h0 += kHeadsAtOnce) {
     float a[kHeadsAtOnce], b[kHeadsAtOnce];
 #pragma unroll
     for (int k = 0; k < kHeadsAtOnce; ++k)
-      if (h0 + k < rotated_heads) {
+      if (h0 + k < heads) {
         const bf16* x1 = row + static_cast<int64_t>(h0 + k) * HD;
-        a[k] = to_f(x1[0]);
-        b[k] = to_f(x1[half]);
+        a[k] = scaled(to_f(x1[0]));
+        b[k] = scaled(to_f(x1[half]));
       }
 #pragma unroll
     for (int k = 0; k < kHeadsAtOnce; ++k)
-      if (h0 + k < rotated_heads) {
+      if (h0 + k < heads) {
         bf16* x1 = row + static_cast<int64_t>(h0 + k) * HD;
-        const float2 y = detail::rope_rotate(a[k], b[k], c, s);
+        const float2 y = h0 + k < rotated_heads ? detail::rope_rotate(a[k], b[k], c, s) : make_float2(a[k], b[k]);
         x1[0] = to_bf(y.x);
         x1[half] = to_bf(y.y);
       }
   }
 }
 
-void launch(bf16* x, int B, int T, int NH, int NKV, int HD, double theta, double sign, cudaStream_t stream,
-            const char* name) {
+void launch(bf16* x, int B, int T, int NH, int NKV, int HD, double theta, double sign, PendingScale scale,
+            cudaStream_t stream, const char* name) {
   ESPLAG_CHECK(B >= 0 && T > 0 && NH > 0 && NKV > 0 && HD > 0, name, ": bad shape B=", B, ", T=", T, ", NH=", NH,
                ", NKV=", NKV, ", HD=", HD);
   ESPLAG_CHECK(NH % NKV == 0, name, ": NH=", NH, " must be a multiple of NKV=", NKV);
@@ -65,18 +70,20 @@ void launch(bf16* x, int B, int T, int NH, int NKV, int HD, double theta, double
   if (rows == 0) return;
   const int64_t C = static_cast<int64_t>(NH + 2 * NKV) * HD;
   const unsigned grid = detail::blocks_for(rows * (HD / 2), kThreads);
-  rope_kernel<<<grid, kThreads, 0, stream>>>(x, rows, T, NH + NKV, C, HD, theta, sign);
+  const int heads = NH + (scale ? 2 : 1) * NKV;  // v's heads too where they take a scale
+  rope_kernel<<<grid, kThreads, 0, stream>>>(x, rows, T, NH + NKV, heads, C, HD, theta, sign, scale);
   CUDA_CHECK_LAUNCH(name);
 }
 
 }  // namespace
 
-void rope_forward(bf16* qkv, int B, int T, int NH, int NKV, int HD, double theta, cudaStream_t stream) {
-  launch(qkv, B, T, NH, NKV, HD, theta, 1.0, stream, "rope_forward");
+void rope_forward(bf16* qkv, PendingScale qkv_scale, int B, int T, int NH, int NKV, int HD, double theta,
+                  cudaStream_t stream) {
+  launch(qkv, B, T, NH, NKV, HD, theta, 1.0, qkv_scale, stream, "rope_forward");
 }
 
 void rope_backward(bf16* dqkv, int B, int T, int NH, int NKV, int HD, double theta, cudaStream_t stream) {
-  launch(dqkv, B, T, NH, NKV, HD, theta, -1.0, stream, "rope_backward");
+  launch(dqkv, B, T, NH, NKV, HD, theta, -1.0, {}, stream, "rope_backward");
 }
 
 }  // namespace esplag::gpu
