@@ -49,7 +49,7 @@
 #include "ops/activation.h"
 #include "ops/norm.h"
 #include "ops/gpu_fused.h"
-#include "ops/pending_scale.h"
+#include "ops/gpu_pending_scale.h"
 #include "bench/lib/train.h"
 
 #include "gpu_test_util.h"

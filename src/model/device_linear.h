@@ -38,7 +38,7 @@
 #include "model/linear_precision.h"
 #include "ops/gpu.h"
 #include "ops/gpu_fp8.h"
-#include "ops/pending_scale.h"
+#include "ops/gpu_pending_scale.h"
 #include "sparse/cuda/sparse_linear.h"
 
 namespace esplag {

@@ -271,6 +271,28 @@ void norm_forward(GpuTransformer::Impl& im, const ModelConfig& c, cudaStream_t s
   }
 }
 
+// A norm's backward over N rows: dinp += its input gradient from dout (ops/gpu.h), with the
+// fused norm backward where the model uses it (ops/gpu_fused.h: the norm's weight gradients
+// and next_bias, the bias gradient of the Linear before it, in the same pass; dout read with
+// its pending scale, which only that one takes).
+void norm_backward(GpuTransformer::Impl& im, const ModelConfig& c, cudaStream_t s, const GpuTransformer::Impl::Norm& n,
+                   bf16* dinp, const bf16* dout, gpu::PendingScale dout_scale, const bf16* inp, const float* mean,
+                   const float* rstd, float* next_bias, int N) {
+  const bool ln = c.norm == NormKind::layernorm;
+  const int C = c.d_model;
+  if (im.fused_norm && ln)
+    gpu::fused_layernorm_backward(dinp, n.dw, n.db, next_bias, dout, dout_scale, inp, n.w, mean, rstd, N, C,
+                                  im.fnorm_scratch, im.fnorm_scratch_bytes, s);
+  else if (im.fused_norm)
+    gpu::fused_rmsnorm_backward(dinp, n.dw, next_bias, dout, dout_scale, inp, n.w, rstd, N, C, im.fnorm_scratch,
+                                im.fnorm_scratch_bytes, s);
+  else if (ln)
+    gpu::layernorm_backward(dinp, n.dw, n.db, dout, inp, n.w, mean, rstd, N, C, im.norm_scratch,
+                            im.norm_scratch_bytes, s);
+  else
+    gpu::rmsnorm_backward(dinp, n.dw, dout, inp, n.w, rstd, N, C, im.norm_scratch, im.norm_scratch_bytes, s);
+}
+
 }  // namespace
 
 std::string GpuMemoryPlan::describe() const {
@@ -742,7 +764,6 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
   cudaStream_t s = stream_;
   const int N = B * T, C = cfg_.d_model, V = cfg_.vocab_size, NH = cfg_.n_head, KV = cfg_.n_kv_head,
             HD = cfg_.head_dim(), Q = cfg_.qkv_dim(), F = cfg_.fc_dim(), H = cfg_.d_ff;
-  const bool ln = cfg_.norm == NormKind::layernorm;
   bf16* dres = im.s0;  // the residual-stream gradient
   bf16* dln = im.s1;   // the gradient w.r.t. a norm's output
   auto mark = [&](std::string_view name, double flops = 0) { im.marks.mark(s, name, flops); };
@@ -765,26 +786,11 @@ void GpuTransformer::backward_body(const int32_t* tokens, int B, int T, bool ove
     mark("bias grad");
     gpu::column_sum_add(db, dout, N, OC, im.colsum_scratch, im.colsum_scratch_bytes, s);
   };
-  // dres += the norm's input gradient.
-  // dln_scale: dln's pending scale, which only the fused norm backward takes.
+  // dres += the norm's input gradient from dln (with its pending scale: fused norm backward only).
   auto norm_bwd = [&](const Impl::Norm& n, const bf16* inp, const float* mean, const float* rstd, float* next_bias,
                       gpu::PendingScale dln_scale) {
     mark("norm bwd");
-    if (fz) {
-      if (ln)
-        gpu::fused_layernorm_backward(dres, n.dw, n.db, next_bias, dln, dln_scale, inp, n.w, mean, rstd, N, C,
-                                      im.fnorm_scratch, im.fnorm_scratch_bytes, s);
-      else
-        gpu::fused_rmsnorm_backward(dres, n.dw, next_bias, dln, dln_scale, inp, n.w, rstd, N, C, im.fnorm_scratch,
-                                    im.fnorm_scratch_bytes, s);
-      return;
-    }
-    if (ln) {
-      gpu::layernorm_backward(dres, n.dw, n.db, dln, inp, n.w, mean, rstd, N, C, im.norm_scratch,
-                              im.norm_scratch_bytes, s);
-    } else {
-      gpu::rmsnorm_backward(dres, n.dw, dln, inp, n.w, rstd, N, C, im.norm_scratch, im.norm_scratch_bytes, s);
-    }
+    norm_backward(im, cfg_, s, n, dres, dln, dln_scale, inp, mean, rstd, next_bias, N);
   };
   auto norm_again = [&](Impl::Slot* next, const Impl::Norm& n, bf16* out, const bf16* inp, const float* mean,
                         const float* rstd) { norm_recompute(im, cfg_, s, next->top(), n, out, inp, mean, rstd, N); };

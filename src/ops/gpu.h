@@ -35,7 +35,7 @@
 #include <memory>
 #include <vector>
 
-#include "ops/pending_scale.h"
+#include "ops/gpu_pending_scale.h"
 
 namespace esplag {
 class DeviceArena;
@@ -73,7 +73,7 @@ void embedding_backward(float* dwte, float* dwpe, const bf16* dout, const int32_
 // taken of residual_out; when b is null the norm is taken of a and residual_out is
 // ignored. residual_out may alias a or b. mean / rstd ([N], fp32) are saved for backward
 // (either may be null when backward will not run). b_scale: b's pending scale
-// (ops/pending_scale.h: a 2:4 fp8 product's output), applied as b is read.
+// (ops/gpu_pending_scale.h: a 2:4 fp8 product's output), applied as b is read.
 
 void layernorm_forward(bf16* out, float* mean, float* rstd, bf16* residual_out, const bf16* a, const bf16* b,
                        const bf16* weight, const bf16* bias, int N, int C, cudaStream_t stream, float eps = 1e-5f,
@@ -100,7 +100,7 @@ void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* 
 // Rotary position embedding (ops/attention.h): LLaMA / GPT-NeoX rotate-half, pair
 // (i, i + HD/2) of every q and k head rotated by t · theta^(-2i/HD), in place on the
 // fused qkv buffer [B, T, (NH + 2·NKV)·HD]; v untouched. Angles are computed in fp64. With
-// a pending scale (ops/pending_scale.h), every value of qkv is scaled first, v's included.
+// a pending scale (ops/gpu_pending_scale.h), every value of qkv is scaled first, v's included.
 void rope_forward(bf16* qkv, PendingScale qkv_scale, int B, int T, int NH, int NKV, int HD, double theta,
                   cudaStream_t stream);
 // The inverse rotation, in place on dqkv.

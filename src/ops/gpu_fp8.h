@@ -29,7 +29,7 @@
 #include <memory>
 
 #include "core/fp8.h"
-#include "ops/pending_scale.h"
+#include "ops/gpu_pending_scale.h"
 
 namespace esplag::gpu {
 

@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "ops/gpu.h"
-#include "ops/pending_scale.h"
+#include "ops/gpu_pending_scale.h"
 
 namespace esplag::gpu {
 
@@ -136,7 +136,7 @@ void adamw_update_split(const SplitAdamWPlan& plan, bf16* hi, int16_t* lo, float
 // MLP activations whose backward recomputes the forward output
 
 // out [N, H] = silu(gate) · up with inp rows [gate (H) | up (H)] (as swiglu_forward), inp
-// scaled by inp_scale as it is read (ops/pending_scale.h: a 2:4 fp8 product's output).
+// scaled by inp_scale as it is read (ops/gpu_pending_scale.h: a 2:4 fp8 product's output).
 void fused_swiglu_forward(bf16* out, const bf16* inp, PendingScale inp_scale, int64_t N, int H, cudaStream_t stream);
 // dinp [N, 2H] = the gradient w.r.t. [gate | up] (overwritten; may alias inp, which lets
 // it replace the pre-activation it no longer needs), inp and dout scaled by their pending
@@ -170,7 +170,7 @@ void column_sum_add(float* out, const bf16* x, int64_t N, int C, void* scratch, 
 // RMSNorm dweight += Σ_n dout · inp · rstd. When dsum is not null, dsum[c] += Σ_n of the
 // updated dinp (as stored, in bf16): the bias gradient of the Linear layer whose output
 // gradient dinp is. Any of dweight, dbias, dsum may be null. dout is read with its pending
-// scale (ops/pending_scale.h: a 2:4 fp8 product's output). Needs C % 8 == 0,
+// scale (ops/gpu_pending_scale.h: a 2:4 fp8 product's output). Needs C % 8 == 0,
 // C <= kFusedNormMaxC and 16-byte aligned rows (fused_norm_backward_supported); throws
 // otherwise.
 constexpr int kFusedNormMaxC = 2048;

@@ -16,7 +16,8 @@
 // takes dY, dW dYᵀ) by the first of backward_dx and backward_dw, into a scratch all such
 // layers share; the second takes the codes over. With delayed scaling, once warm, the ops
 // that make X and dY may write their codes instead (produced(), as the dense kind's). The 2:4
-// products take both inverse scales from device memory (matmul_scaled).
+// products take both inverse scales from device memory (matmul_scaled), or leave them to the
+// op that reads their output next (forward_leaving_scale, backward_dx_leaving_scale).
 //
 // prepare_kept() (slope's kept values and masks) and prepare_transposable() (semi_sparse's Ws)
 // cast and compress both copies in our own writer of cuSPARSELt's e4m3 layout

@@ -1,10 +1,10 @@
-// A gpu::PendingScale (ops/pending_scale.h) applied as values are loaded: the same fp32 product and
+// A gpu::PendingScale (ops/gpu_pending_scale.h) applied as values are loaded: the same fp32 product and
 // rounding as the pass that scales a 2:4 product's output in place (sparse/cuda/cusparselt.cu),
 // so the op that applies it computes from the same bits.
 #pragma once
 
 #include "ops/cuda/common.cuh"
-#include "ops/pending_scale.h"
+#include "ops/gpu_pending_scale.h"
 
 namespace esplag::gpu::detail {
 

@@ -61,7 +61,7 @@
 #include "core/cuda_check.h"
 #include "core/cuda_timing.h"
 #include "core/error.h"
-#include "ops/pending_scale.h"
+#include "ops/gpu_pending_scale.h"
 
 #ifdef ESPLAG_HAVE_CUSPARSELT
 #include "sparse/cuda/cusparselt_loader.h"

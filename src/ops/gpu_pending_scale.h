@@ -4,7 +4,7 @@
 #pragma once
 
 #ifndef ESPLAG_HAVE_CUDA
-#error "ops/pending_scale.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
+#error "ops/gpu_pending_scale.h is only available in the CUDA build (configure with -DESPLAG_CUDA=ON)"
 #endif
 
 #include <cuda_bf16.h>
