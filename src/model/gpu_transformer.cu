@@ -248,10 +248,9 @@ void run_as_graph(ReplayedGraph& g, cudaStream_t s, int64_t& launches, const std
 }
 
 // A norm's forward over N rows (ops/gpu.h; with the residual add when b is given, b read
-// with its pending scale b_scale). `next`:
-// the layer that takes the output where the block keeps no bf16 copy of it (null: the
-// output is kept, or goes to the LM head); where `next` takes its X codes from their
-// producer (fp8, delayed scaling), only those codes are written.
+// with its pending scale b_scale). `next`: the layer that takes the output where the block
+// keeps no bf16 copy of it (null: the output is kept, or goes to the LM head); where `next`
+// takes its X codes from their producer (fp8, delayed scaling), only those codes are written.
 void norm_forward(GpuTransformer::Impl& im, const ModelConfig& c, cudaStream_t s, DeviceLinear* next,
                   const GpuTransformer::Impl::Norm& n, bf16* out, float* mean, float* rstd, bf16* res, const bf16* a,
                   const bf16* b, gpu::PendingScale b_scale, int N) {

@@ -1,5 +1,7 @@
 #include "model/cuda/device_linear_dense.h"
 
+#include <utility>
+
 #include "core/cuda_check.h"
 #include "core/device_arena.h"
 #include "model/cuda/fp8_grad_codes.h"
@@ -100,11 +102,11 @@ void DeviceDenseLinear::prepare(bool) {
 void DeviceDenseLinear::cast_weight() {
   using R = Fp8Scratch::Role;
   cudaStream_t s = ctx_.stream;
-  const float* amax = weight_amax_;
-  weight_amax_ = nullptr;
+  const float* amax = std::exchange(weight_amax_, nullptr);  // AdamW's, once
   if (!amax) {
-    amax = fp8_amax(R::weight);
-    gpu::fp8_amax(fp8_amax(R::weight), p_.weight.w, out_ * in_, s);
+    float* own = fp8_amax(R::weight);
+    gpu::fp8_amax(own, p_.weight.w, out_ * in_, s);
+    amax = own;
   }
   gpu::fp8_cast_both(w8_, wt8_, fp8_inv(R::weight), p_.weight.w, out_, in_, amax, Fp8Format::e4m3, ctx_.fp8_saturated,
                      s);

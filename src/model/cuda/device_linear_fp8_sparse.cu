@@ -188,39 +188,28 @@ bool Fp8SparseProducts::prepare_kept(const bf16* values, const uint16_t* forward
 
 gpu::PendingScale Fp8SparseProducts::sparse_product(gpu::SparseGemm24& g, bool forward, bf16* out,
                                                     const void* compressed, const uint8_t* codes, Slot codes_slot,
-                                                    Slot weight_slot, int N, const char* op, bool leave_scale) {
+                                                    Slot weight_slot, int N, const char* op) {
   cudaStream_t s = ctx_.stream;
   workspace_.tune_once(g, forward ? tuned_fwd_ : tuned_bwd_, {fwd_, bwd_}, out, compressed, codes, nullptr, s);
   ctx_.marks->mark_product(s, op, 2.0 * N * in_ * out_, true);
-  if (leave_scale) {
-    g.matmul(out, compressed, codes, nullptr, workspace_.get(), workspace_.bytes(), s);
-    return {inv(codes_slot), inv(weight_slot)};
-  }
-  g.matmul_scaled(out, compressed, codes, inv(codes_slot), inv(weight_slot), workspace_.get(), workspace_.bytes(), s);
-  return {};
+  g.matmul(out, compressed, codes, nullptr, workspace_.get(), workspace_.bytes(), s);
+  return {inv(codes_slot), inv(weight_slot)};
 }
 
 void Fp8SparseProducts::forward(bf16* y, const bf16* x, const bf16* bias, int N,
                                 const std::function<const bf16*()>& wf, const char* op) {
-  forward_product(y, x, bias, N, wf, op, false);
+  gpu::apply_pending_scale(y, int64_t(N) * out_, forward_leaving_scale(y, x, bias, N, wf, op), ctx_.stream);
 }
 
 gpu::PendingScale Fp8SparseProducts::forward_leaving_scale(bf16* y, const bf16* x, const bf16* bias, int N,
                                                            const std::function<const bf16*()>& wf, const char* op) {
-  return forward_product(y, x, bias, N, wf, op, true);
-}
-
-gpu::PendingScale Fp8SparseProducts::forward_product(bf16* y, const bf16* x, const bf16* bias, int N,
-                                                     const std::function<const bf16*()>& wf, const char* op,
-                                                     bool leave_scale) {
   cudaStream_t s = ctx_.stream;
   Scratch& sc = scratch();
   const int64_t nx = int64_t(N) * in_;
   ctx_.marks->mark(s, "fp8 cast");
   if (!produced_.take_input(x, N))
     gpu::fp8_cast(sc.x, inv(input), x, nx, x_amax_.before_cast(x, nx, s), Fp8Format::e4m3, ctx_.fp8_saturated, s);
-  if (sparse() && N == ctx_.tokens) return sparse_product(*fwd_, true, y, comp_fwd_, sc.x, input, weight_fwd, N, op,
-                                                          leave_scale);
+  if (sparse() && N == ctx_.tokens) return sparse_product(*fwd_, true, y, comp_fwd_, sc.x, input, weight_fwd, N, op);
   gpu::fp8_cast(sc.w, inv(weight_fwd), wf(), out_ * in_, amax(weight_fwd), Fp8Format::e4m3, ctx_.fp8_saturated, s);
   if (bias && reinterpret_cast<uintptr_t>(bias) % 16 != 0) {
     CUDA_CHECK(cudaMemcpyAsync(sc.bias, bias, sizeof(bf16) * out_, cudaMemcpyDeviceToDevice, s));
@@ -256,23 +245,17 @@ Fp8GradCodes::Codes Fp8SparseProducts::grad_codes(const bf16* dy, int N) {
 
 void Fp8SparseProducts::backward_dx(bf16* dx, const bf16* dy, int N, const std::function<const bf16*()>& wbt,
                                     const char* op) {
-  backward_dx_product(dx, dy, N, wbt, op, false);
+  gpu::apply_pending_scale(dx, int64_t(N) * in_, backward_dx_leaving_scale(dx, dy, N, wbt, op), ctx_.stream);
 }
 
 gpu::PendingScale Fp8SparseProducts::backward_dx_leaving_scale(bf16* dx, const bf16* dy, int N,
                                                                const std::function<const bf16*()>& wbt,
                                                                const char* op) {
-  return backward_dx_product(dx, dy, N, wbt, op, true);
-}
-
-gpu::PendingScale Fp8SparseProducts::backward_dx_product(bf16* dx, const bf16* dy, int N,
-                                                         const std::function<const bf16*()>& wbt, const char* op,
-                                                         bool leave_scale) {
   cudaStream_t s = ctx_.stream;
   ctx_.marks->mark(s, "fp8 cast");
   const Fp8GradCodes::Codes codes = grad_codes(dy, N);
   if (sparse() && N == ctx_.tokens)
-    return sparse_product(*bwd_, false, dx, comp_bwd_, codes.dy, grad, weight_bwd, N, op, leave_scale);
+    return sparse_product(*bwd_, false, dx, comp_bwd_, codes.dy, grad, weight_bwd, N, op);
   // Fp8Gemm's B is Wbᵀ [in, out], K-major.
   Scratch& sc = scratch();
   gpu::fp8_cast(sc.w, inv(weight_bwd), wbt(), out_ * in_, amax(weight_bwd), Fp8Format::e4m3, ctx_.fp8_saturated, s);

@@ -16,8 +16,9 @@
 // takes dY, dW dYᵀ) by the first of backward_dx and backward_dw, into a scratch all such
 // layers share; the second takes the codes over. With delayed scaling, once warm, the ops
 // that make X and dY may write their codes instead (produced(), as the dense kind's). The 2:4
-// products take both inverse scales from device memory (matmul_scaled), or leave them to the
-// op that reads their output next (forward_leaving_scale, backward_dx_leaving_scale).
+// products leave both inverse scales, in device memory, to the op that reads their output
+// next (forward_leaving_scale, backward_dx_leaving_scale), or apply them in a pass over it
+// (apply_pending_scale).
 //
 // prepare_kept() (slope's kept values and masks) and prepare_transposable() (semi_sparse's Ws)
 // cast and compress both copies in our own writer of cuSPARSELt's e4m3 layout
@@ -138,16 +139,9 @@ class Fp8SparseProducts {
   // Whether our writer of cuSPARSELt's e4m3 layout serves both 2:4 products (asked once).
   bool own_layout();
   // out = the 2:4 product of plan g (forward or dX) of the compressed weight and the codes,
-  // scaled by the inverse scales of their slots, or (leave_scale) unscaled and that scale
-  // returned.
+  // unscaled; returns its scale, the inverse scales of their slots.
   gpu::PendingScale sparse_product(gpu::SparseGemm24& g, bool forward, bf16* out, const void* compressed,
-                                   const uint8_t* codes, Slot codes_slot, Slot weight_slot, int N, const char* op,
-                                   bool leave_scale);
-  // forward and backward_dx, the 2:4 products' scale left to the caller when leave_scale.
-  gpu::PendingScale forward_product(bf16* y, const bf16* x, const bf16* bias, int N,
-                                    const std::function<const bf16*()>& wf, const char* op, bool leave_scale);
-  gpu::PendingScale backward_dx_product(bf16* dx, const bf16* dy, int N, const std::function<const bf16*()>& wbt,
-                                        const char* op, bool leave_scale);
+                                   const uint8_t* codes, Slot codes_slot, Slot weight_slot, int N, const char* op);
 
   DeviceLinearContext& ctx_;
   const std::string name_;

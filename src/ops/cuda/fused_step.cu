@@ -177,10 +177,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < kPack; ++k) vg[k] = swiglu_value(vg[k], vu[k]);
     store8(o, vg);
   } else {
-    float vg[1] = {to_f(*g)}, vu[1] = {to_f(*u)};
-    scaled.apply(vg);
-    scaled.apply(vu);
-    *o = to_bf(swiglu_value(vg[0], vu[0]));
+    *o = to_bf(swiglu_value(scaled(to_f(*g)), scaled(to_f(*u))));
   }
 }
 
@@ -202,20 +199,20 @@ __global__ void __launch_bounds__(kThreads)
   bf16* dg = dinp + n * 2 * H + h;
   bf16* du = dg + H;
   bf16* a = act ? act + n * H + h : nullptr;
-  float vg[kPack] = {}, vu[kPack] = {}, vd[kPack] = {}, og[kPack], ou[kPack], oa[kPack];  // [0] only: !kVec
+  const detail::PendingFactor inp_scaled(inp_scale), dout_scaled(dout_scale);
+  float vg[kPack], vu[kPack], vd[kPack], og[kPack], ou[kPack], oa[kPack];
   if constexpr (kVec) {
     load8(vg, g);
     load8(vu, u);
     load8(vd, d);
+    inp_scaled.apply(vg);
+    inp_scaled.apply(vu);
+    dout_scaled.apply(vd);
   } else {
-    vg[0] = to_f(*g);
-    vu[0] = to_f(*u);
-    vd[0] = to_f(*d);
+    vg[0] = inp_scaled(to_f(*g));
+    vu[0] = inp_scaled(to_f(*u));
+    vd[0] = dout_scaled(to_f(*d));
   }
-  const detail::PendingFactor inp_scaled(inp_scale);
-  inp_scaled.apply(vg);
-  inp_scaled.apply(vu);
-  detail::PendingFactor(dout_scale).apply(vd);
 #pragma unroll
   for (int k = 0; k < per; ++k) {
     const detail::SwigluBackward b = detail::swiglu_backward_at(vg[k], vu[k], vd[k]);

@@ -25,11 +25,7 @@ __global__ void apply_pending_scale_kernel(bf16* x, int64_t n, PendingScale scal
       detail::store8(p, v);
       continue;
     }
-    for (int64_t j = 0; j < kPack && kPack * i + j < n; ++j) {
-      float v[1] = {detail::to_f(p[j])};
-      f.apply(v);
-      p[j] = detail::to_bf(v[0]);
-    }
+    for (int64_t j = 0; j < kPack && kPack * i + j < n; ++j) p[j] = detail::to_bf(f(detail::to_f(p[j])));
   }
 }
 

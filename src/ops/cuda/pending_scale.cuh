@@ -1,6 +1,6 @@
-// A gpu::PendingScale (ops/gpu_pending_scale.h) applied as values are loaded: the same fp32 product and
-// rounding as the pass that scales a 2:4 product's output in place (sparse/cuda/cusparselt.cu),
-// so the op that applies it computes from the same bits.
+// A gpu::PendingScale (ops/gpu_pending_scale.h) applied as values are loaded, by every op
+// that takes one and by the pass that applies it in place (apply_pending_scale): one
+// expression, so they all compute from the same bits.
 #pragma once
 
 #include "ops/cuda/common.cuh"
@@ -16,9 +16,8 @@ class PendingFactor {
   __device__ __forceinline__ float operator()(float x) const { return on_ ? to_f(to_bf(x * f_)) : x; }
   template <int n>
   __device__ __forceinline__ void apply(float (&v)[n]) const {
-    if (!on_) return;
 #pragma unroll
-    for (int k = 0; k < n; ++k) v[k] = to_f(to_bf(v[k] * f_));
+    for (int k = 0; k < n; ++k) v[k] = (*this)(v[k]);
   }
 
  private:
