@@ -73,30 +73,36 @@ void check_destinations(const char* who, const void* dst_n, const void* dst_t) {
                ": the compressed copies must be 16-byte aligned");
 }
 
-// Largest finite |w| (bf16 bits) of W1's and W2's values: the bits of |w| as floats order
-// like integers, so the block's maxima go out by atomicMax on them.
-__global__ void __launch_bounds__(kThreads)
-    kept_amax_kernel(const uint16_t* __restrict__ values, const uint16_t* __restrict__ fwd_tiles,
-                     const uint16_t* __restrict__ bwd_tiles, int64_t cols, unsigned* amax_n, unsigned* amax_t) {
-  using namespace sparsify_detail;
-  const int64_t gr = int64_t(blockIdx.y) * kTile + 4 * (threadIdx.x / 16);
-  const int64_t gc = int64_t(blockIdx.x) * kTile + 4 * (threadIdx.x % 16);
-  const int64_t at = (gr / 4) * (cols / 4) + gc / 4;
-  const PackedTile n = kept_tile(values, cols, gr, gc, fwd_tiles[at]);
-  const PackedTile t = prune_tile(n, bwd_tiles[at]);
+// Whether a bf16 magnitude (15 bits) is finite.
+__device__ inline bool finite_magnitude(unsigned a) { return a < 0x7F80u; }
+
+// Largest finite |w| of W1's and of W2's values, as the bits of bf16 magnitudes (which order
+// like the magnitudes): the block's maxima go out by atomicMax on them. The kept values are
+// read as they lie, without the dense tiles: a group's two words are W1's values at the
+// first two positions of its forward mask (kept_tile's order), W2's where the backward mask
+// keeps those positions too. Thread x of block (bx, by) takes group 256·by + x of the four
+// rows of tile row bx, which share one word of each mask.
+constexpr int kAmaxThreads = 256;
+
+__global__ void __launch_bounds__(kAmaxThreads)
+    kept_amax_kernel(const uint32_t* __restrict__ values, const uint16_t* __restrict__ fwd_tiles,
+                     const uint16_t* __restrict__ bwd_tiles, int64_t groups, unsigned* amax_n, unsigned* amax_t) {
+  const int64_t g = int64_t(blockIdx.y) * kAmaxThreads + threadIdx.x, tile_row = blockIdx.x;
   unsigned mn = 0, mt = 0;
-  auto fold = [](unsigned m, uint32_t word) {
+  if (g < groups) {
+    uint32_t two[4];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const unsigned a = (word >> (16 * h)) & 0x7FFFu;
-      if ((a & 0x7F80u) != 0x7F80u) m = max(m, a);  // finite only
+    for (int r = 0; r < 4; ++r) two[r] = values[(4 * tile_row + r) * groups + g];
+    const unsigned f = fwd_tiles[tile_row * groups + g], b = bwd_tiles[tile_row * groups + g];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const unsigned nib = (f >> (4 * r)) & 15u, low = nib & (0u - nib), rest = nib ^ low,
+                     second = rest & (0u - rest), keep = (b >> (4 * r)) & nib;
+      const unsigned a0 = two[r] & 0x7FFFu, a1 = (two[r] >> 16) & 0x7FFFu;
+      const bool f0 = low && finite_magnitude(a0), f1 = second && finite_magnitude(a1);
+      mn = max(mn, max(f0 ? a0 : 0u, f1 ? a1 : 0u));
+      mt = max(mt, max(f0 && (keep & low) ? a0 : 0u, f1 && (keep & second) ? a1 : 0u));
     }
-    return m;
-  };
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    mn = fold(fold(mn, n.lo[r]), n.hi[r]);
-    mt = fold(fold(mt, t.lo[r]), t.hi[r]);
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -104,14 +110,14 @@ __global__ void __launch_bounds__(kThreads)
     mt = max(mt, __shfl_xor_sync(0xffffffffu, mt, o));
   }
   // Then across the block's warps: one atomic per tensor and block.
-  __shared__ unsigned warp_n[kThreads / 32], warp_t[kThreads / 32];
+  __shared__ unsigned warp_n[kAmaxThreads / 32], warp_t[kAmaxThreads / 32];
   if (threadIdx.x % 32 == 0) {
     warp_n[threadIdx.x / 32] = mn;
     warp_t[threadIdx.x / 32] = mt;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kThreads / 32; ++w) {
+    for (int w = 1; w < kAmaxThreads / 32; ++w) {
       mn = max(mn, warp_n[w]);
       mt = max(mt, warp_t[w]);
     }
@@ -125,10 +131,14 @@ __global__ void __launch_bounds__(kThreads)
 // meta_offset of rows row0..row0 + 63 and groups g0..g0 + 15, row0 % 64 == g0 % 16 == 0).
 // The threads write their 4×4 tiles here; the block then stores both with 16-byte stores,
 // where a thread's own stores of the transposed copy would each touch 4 bytes of 16 rows.
+// Row r's 4-byte words are swizzled within their 16-byte halves (word w at w ^ swizzle(r)):
+// the transposed copy's lanes write rows 4 apart, all in the same bank otherwise.
 struct StagedCopy {
   uint8_t values[kTile][kTile / 2];
   uint8_t meta[kTile * kTile / 8];
 };
+
+__device__ inline unsigned swizzle(int row) { return unsigned(row >> 4) & 3u; }
 
 // The codes of a group's four values (bf16 bits: lo holds values 0 and 1, hi 2 and 3, the
 // lower in the low half) at scale s.
@@ -137,23 +147,59 @@ __device__ inline uint32_t encode_group(uint32_t lo, uint32_t hi, float s) {
                                     __uint_as_float(hi << 16), __uint_as_float(hi & 0xFFFF0000u), s);
 }
 
-// The four rows of a 4×4 tile (bf16 bits) as the tile's local rows lr..lr + 3 and group lg of
-// op(W): cast with scale s, their two stored codes into the values and their nibbles into the
-// metadata. The lanes holding groups lg and lg ^ 1 of the same rows are `partner` apart: the
-// even group's lane writes their shared metadata byte.
-__device__ inline void stage_rows(StagedCopy& st, int lr, int lg, const sparsify_detail::PackedTile& tile, float s,
-                                  int partner) {
+// The four codes of a group of W1 or W2 from its two kept values (bf16 bits, the first in the
+// low half: W1's values at the first two positions of the forward mask nibble `nib`, as
+// kept_tile places them), cast at scale s: each at its position where `keep` (a subset of
+// nib) holds it, 0 elsewhere, as the cast of the dense group would give. Only the two kept
+// values are cast; a byte permutation places them.
+__device__ inline uint32_t kept_group_codes(uint32_t two, unsigned nib, unsigned keep, float s) {
+  const float x0 = __uint_as_float(two << 16), x1 = __uint_as_float(two & 0xFFFF0000u);
+  const uint32_t c = isnan(x0) | isnan(x1) ? detail::fp8_encode2<false>(x0, x1, s)
+                                           : detail::fp8_encode2_no_nan<false>(x0, x1, s);
+  const unsigned low = nib & (0u - nib), rest = nib ^ low, second = rest & (0u - rest);
+  // Selector nibble 4 takes a zero byte; 0 and 1 the first and second kept code.
+  unsigned select = 0x4444u;
+  if (keep & low) select ^= 4u << (4 * (__ffs(low) - 1));
+  if (keep & second) select ^= 5u << (4 * (__ffs(second) - 1));
+  return __byte_perm(c, 0u, select);
+}
+
+// Rows of four codes transposed: row c of the result is column c of the rows.
+__device__ inline void transpose_codes(uint32_t (&rows)[4]) {
+  const uint32_t a = __byte_perm(rows[0], rows[1], 0x5140u), b = __byte_perm(rows[2], rows[3], 0x5140u);
+  const uint32_t c = __byte_perm(rows[0], rows[1], 0x7362u), d = __byte_perm(rows[2], rows[3], 0x7362u);
+  rows[0] = __byte_perm(a, b, 0x5410u);
+  rows[1] = __byte_perm(a, b, 0x7632u);
+  rows[2] = __byte_perm(c, d, 0x5410u);
+  rows[3] = __byte_perm(c, d, 0x7632u);
+}
+
+// Four rows of codes of a 4×4 tile (byte j of rows[r]: column j) as the tile's local rows
+// lr..lr + 3 and group lg of op(W): their two stored codes into the values and their
+// nibbles into the metadata. The lanes holding groups lg and lg ^ 1 of the same rows are
+// `partner` apart: the even group's lane writes their shared metadata byte. Each lane walks
+// its rows starting at row (lr / 4) % 4, so that lanes whose rows are 4 or 8 apart store to
+// different banks at each step.
+__device__ inline void stage_rows(StagedCopy& st, int lr, int lg, const uint32_t (&rows)[4], int partner) {
+  const int rot = (lr / 4) & 3;
+  uint32_t half_turned[4], turned[4];  // turned[r] = rows[(r + rot) % 4]
+#pragma unroll
+  for (int r = 0; r < 4; ++r) half_turned[r] = rot & 1 ? rows[(r + 1) & 3] : rows[r];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) turned[r] = rot & 2 ? half_turned[(r + 2) & 3] : half_turned[r];
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    const uint32_t codes = encode_group(tile.lo[r], tile.hi[r], s);
+    const int row = lr + ((r + rot) & 3);
+    const uint32_t codes = turned[r];
     // Byte j of `marks` is 1 << j where code j is not ±0; their sum is the set of them.
     const uint32_t marks = __vcmpne4(codes & 0x7F7F7F7Fu, 0u) & 0x08040201u;
     const unsigned nonzero = (marks * 0x01010101u) >> 24;
     const unsigned nib = unsigned(kStoredNibbles >> (4 * nonzero)) & 15u;  // i0 | i1 << 2
-    *reinterpret_cast<uint16_t*>(&st.values[lr + r][2 * lg]) =
+    const unsigned word = unsigned(lg / 2) ^ swizzle(row);
+    *reinterpret_cast<uint16_t*>(&st.values[row][4 * word + 2 * (lg % 2)]) =
         uint16_t(__byte_perm(codes, 0u, (nib & 3u) | (nib >> 2) << 4));  // codes i0, i1
     const unsigned other = __shfl_xor_sync(0xffffffffu, nib, partner);
-    if (lg % 2 == 0) st.meta[tile_meta_offset(lr + r, lg)] = uint8_t(nib | other << 4);
+    if (lg % 2 == 0) st.meta[tile_meta_offset(row, lg)] = uint8_t(nib | other << 4);
   }
 }
 
@@ -163,8 +209,11 @@ __device__ inline void store_staged(uint8_t* dst, int64_t M, int64_t K, int64_t 
                                    const StagedCopy& st, int t, int threads) {
   for (int i = t; i < kTile * 2; i += threads) {  // a row's 32 bytes as two 16-byte stores
     const int row = i / 2, half = i % 2;
-    *reinterpret_cast<uint4*>(dst + (row0 + row) * (K / 2) + 2 * g0 + 16 * half) =
-        *reinterpret_cast<const uint4*>(&st.values[row][16 * half]);
+    uint4 v = *reinterpret_cast<const uint4*>(&st.values[row][16 * half]);
+    const unsigned k = swizzle(row);  // word j of the half is at j ^ k
+    if (k & 1u) v = make_uint4(v.y, v.x, v.w, v.z);
+    if (k & 2u) v = make_uint4(v.z, v.w, v.x, v.y);
+    *reinterpret_cast<uint4*>(dst + (row0 + row) * (K / 2) + 2 * g0 + 16 * half) = v;
   }
   uint8_t* meta = dst + M * K / 2 + meta_offset(row0, g0, K);
   for (int i = t; i < int(sizeof st.meta / 16); i += threads)
@@ -172,8 +221,9 @@ __device__ inline void store_staged(uint8_t* dst, int64_t M, int64_t K, int64_t 
 }
 
 // Kept: w is slope's stored form (kept values and the two tile masks; W2 = W1 ⊙ backward
-// mask for dst_t); otherwise w is a dense W [rows, cols], 2:4 along both dimensions, for
-// both (the masks are not read).
+// mask for dst_t, with its own scale); otherwise w is a dense W [rows, cols], 2:4 along both
+// dimensions, for both with one scale (amax_n and amax_t the same; the masks are not read):
+// the transposed copy's codes are the first copy's, transposed.
 template <bool Kept>
 __global__ void __launch_bounds__(kThreads)
     compress_e4m3_kernel(const uint16_t* __restrict__ w, const uint16_t* __restrict__ fwd_tiles,
@@ -190,17 +240,27 @@ __global__ void __launch_bounds__(kThreads)
   const int tr = threadIdx.x / 16, tc = threadIdx.x % 16;  // lanes: tc fastest, two tr per warp
   const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
   const int64_t gr = r0 + 4 * tr, gc = c0 + 4 * tc;
-  const int64_t at = (gr / 4) * (cols / 4) + gc / 4;
-  PackedTile n, t;
+  uint32_t cn[4], ct[4];  // the tile's rows of codes: W1's (or W's) and W2's (or W's)
   if constexpr (Kept) {
-    n = kept_tile(w, cols, gr, gc, fwd_tiles[at]);
-    t = prune_tile(n, bwd_tiles[at]);
+    const int64_t at = (gr / 4) * (cols / 4) + gc / 4;
+    const unsigned f = fwd_tiles[at], b = bwd_tiles[at];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const uint32_t two = *reinterpret_cast<const uint32_t*>(w + (gr + r) * (cols / 2) + gc / 2);
+      const unsigned nib = (f >> (4 * r)) & 15u;
+      if (dst_n) cn[r] = kept_group_codes(two, nib, nib, sn);
+      if (dst_t) ct[r] = kept_group_codes(two, nib, (b >> (4 * r)) & nib, st);
+    }
   } else {
-    n = t = dense_tile(w, cols, gr, gc);
+    const PackedTile d = dense_tile(w, cols, gr, gc);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) cn[r] = ct[r] = encode_group(d.lo[r], d.hi[r], sn);
   }
-  if (dst_n) stage_rows(staged_n, 4 * tr, tc, n, sn, 1);  // group tc: neighbour lane tc ^ 1
-  if (dst_t)  // Wᵀ's local rows 4tc..4tc + 3, group tr: the lane of tr ^ 1, 16 lanes away
-    stage_rows(staged_t, 4 * tc, tr, transpose_tile(t), st, 16);
+  if (dst_n) stage_rows(staged_n, 4 * tr, tc, cn, 1);  // group tc: neighbour lane tc ^ 1
+  if (dst_t) {  // Wᵀ's local rows 4tc..4tc + 3, group tr: the lane of tr ^ 1, 16 lanes away
+    transpose_codes(ct);
+    stage_rows(staged_t, 4 * tc, tr, ct, 16);
+  }
   __syncthreads();
   // Half the block stores each copy (all of it where there is one).
   const int half = dst_n && dst_t ? kThreads / 2 : kThreads;
@@ -302,9 +362,12 @@ void cusparselt24_compress_kept_e4m3(const bf16* values, const uint16_t* forward
   const auto* v = reinterpret_cast<const uint16_t*>(values);
   CUDA_CHECK(cudaMemsetAsync(amax_n, 0, sizeof(float), stream));
   CUDA_CHECK(cudaMemsetAsync(amax_t, 0, sizeof(float), stream));
-  kept_amax_kernel<<<grid, kThreads, 0, stream>>>(v, forward_tiles, backward_tiles, cols,
-                                                   reinterpret_cast<unsigned*>(amax_n),
-                                                   reinterpret_cast<unsigned*>(amax_t));
+  const int64_t groups = cols / 4;
+  const dim3 amax_grid(unsigned(rows / 4), unsigned((groups + kAmaxThreads - 1) / kAmaxThreads));
+  kept_amax_kernel<<<amax_grid, kAmaxThreads, 0, stream>>>(reinterpret_cast<const uint32_t*>(values), forward_tiles,
+                                                           backward_tiles, groups,
+                                                           reinterpret_cast<unsigned*>(amax_n),
+                                                           reinterpret_cast<unsigned*>(amax_t));
   CUDA_CHECK_LAUNCH("kept_amax_kernel");
   compress_e4m3_kernel<true><<<grid, kThreads, 0, stream>>>(v, forward_tiles, backward_tiles, rows, cols, amax_n,
                                                              amax_t, inv_n, inv_t, static_cast<uint8_t*>(dst_n),
