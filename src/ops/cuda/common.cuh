@@ -27,6 +27,19 @@ __device__ __forceinline__ void unpack8(float (&f)[kPack], const uint4& u) {
     f[2 * k + 1] = t.y;
   }
 }
+
+// Each value rounded to bf16 (round to nearest even), two conversions at a time: the bits
+// of to_f(to_bf(x)) for each.
+template <int n>
+__device__ __forceinline__ void round_to_bf16(float (&f)[n]) {
+  static_assert(n % 2 == 0, "round_to_bf16 takes pairs");
+#pragma unroll
+  for (int k = 0; k < n; k += 2) {
+    const float2 t = __bfloat1622float2(__floats2bfloat162_rn(f[k], f[k + 1]));
+    f[k] = t.x;
+    f[k + 1] = t.y;
+  }
+}
 __device__ __forceinline__ void load8(float (&f)[kPack], const bf16* p) {
   unpack8(f, *reinterpret_cast<const uint4*>(p));
 }

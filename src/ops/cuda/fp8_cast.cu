@@ -100,8 +100,7 @@ __global__ void cast_kernel(uint8_t* out, float* inv_scale, const bf16* x, int64
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t j = j0 + u * stride;
       if (j >= packs) continue;
-      *reinterpret_cast<uint2*>(out + (packs - 1 - j) * kPack) = encode8<E5M2>(f[u], s, clipped);
-      m = fmaxf(m, pack_amax(f[u]));
+      *reinterpret_cast<uint2*>(out + (packs - 1 - j) * kPack) = encode8<E5M2>(f[u], s, clipped, m);
     }
   }
   for (int64_t i = packs * kPack + first; i < n; i += stride) {

@@ -23,11 +23,9 @@ using detail::counter;
 using detail::encode8;
 using detail::fp8_scale_of;
 using detail::kPack;
-using detail::pack_amax;
 using detail::record_amax;
+using detail::round_to_bf16;
 using detail::TilePlace;
-using detail::to_bf;
-using detail::to_f;
 using detail::unpack8;
 
 // RMSNorm y = x·rstd·w, LayerNorm y = (x − mean)·rstd·w + bias, of x [rows, cols] with the
@@ -55,8 +53,9 @@ struct NormTiles {
       const float m = mean ? mean[r] : 0.0f, rs = rstd[r];
 #pragma unroll
       for (int k = 0; k < kPack; ++k)
-        f[i][k] = to_f(to_bf(mean ? detail::norm_output<false>(f[i][k], m, rs, wk[k], bias ? bk[k] : 0.f)
-                                  : detail::norm_output<true>(f[i][k], m, rs, wk[k], 0.f)));
+        f[i][k] = mean ? detail::norm_output<false>(f[i][k], m, rs, wk[k], bias ? bk[k] : 0.f)
+                       : detail::norm_output<true>(f[i][k], m, rs, wk[k], 0.f);
+      round_to_bf16(f[i]);  // as the bf16 kernel stores it
     }
   }
 };
@@ -76,10 +75,8 @@ struct CodeRows {
     if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = __frcp_rn(s);
   }
   __device__ void put(int64_t off, int c, float (&v)[kPack], int) {
-#pragma unroll
-    for (int k = 0; k < kPack; ++k) v[k] = to_f(to_bf(v[k]));  // as the bf16 kernel stores it
-    *reinterpret_cast<uint2*>(out + off + c) = encode8<false>(v, s, clipped);
-    m = fmaxf(m, pack_amax(v));
+    round_to_bf16(v);  // as the bf16 kernel stores it
+    *reinterpret_cast<uint2*>(out + off + c) = encode8<false>(v, s, clipped, m);
   }
   __device__ void finish() {
     __shared__ int scratch[32];

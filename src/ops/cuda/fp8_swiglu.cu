@@ -28,10 +28,10 @@ using detail::kTileCols;
 using detail::kTileRows;
 using detail::kTileThreads;
 using detail::kTileWords;
-using detail::pack_amax;
 using detail::PendingFactor;
 using detail::put_tile;
 using detail::record_amax;
+using detail::round_to_bf16;
 using detail::TileGrid;
 using detail::store_row_codes;
 using detail::store_tile_t;
@@ -41,12 +41,7 @@ using detail::SwigluBackward;
 using detail::tile_g;
 using detail::tile_h;
 using detail::TilePlace;
-using detail::to_bf;
-using detail::to_f;
 using detail::unpack8;
-
-// Each value rounded to bf16 as the unfused kernels store it, before it is encoded.
-__device__ __forceinline__ float as_stored(float x) { return to_f(to_bf(x)); }
 
 // ---------------------------------------------------------------------------------------
 // Forward: kUnroll packs of 8 outputs per thread, their loads in flight together, one block
@@ -86,9 +81,9 @@ __global__ void __launch_bounds__(kThreads)
     scaled.apply(fg);
     scaled.apply(fu);
 #pragma unroll
-    for (int k = 0; k < kPack; ++k) va[k] = as_stored(swiglu_value(fg[k], fu[k]));
-    store_row_codes(act.out, H, encode8<false>(va, s, clipped), p / per_row, p % per_row * kPack, N, H, vec_out);
-    m = fmaxf(m, pack_amax(va));
+    for (int k = 0; k < kPack; ++k) va[k] = swiglu_value(fg[k], fu[k]);
+    round_to_bf16(va);  // as the bf16 kernel stores it
+    store_row_codes(act.out, H, encode8<false>(va, s, clipped, m), p / per_row, p % per_row * kPack, N, H, vec_out);
   }
   add_clipped(counter(act.saturated), clipped, scratch);
   record_amax(act.amax.record, m, fscratch);
@@ -154,15 +149,16 @@ __global__ void __launch_bounds__(kTileThreads, 2)
 #pragma unroll
       for (int k = 0; k < kPack; ++k) {
         const SwigluBackward b = swiglu_backward_at(fg[k], fu[k], fd[k]);
-        vg[k] = as_stored(b.gate);
-        vu[k] = as_stored(b.up);
-        va[k] = as_stored(b.value);
+        vg[k] = b.gate;
+        vu[k] = b.up;
+        va[k] = b.value;
       }
-      dgate[i] = encode8<GradE5M2>(vg, sg, clipped_g);
-      dup[i] = encode8<GradE5M2>(vu, sg, clipped_g);
-      out[i] = encode8<false>(va, sa, clipped_a);
-      mg = fmaxf(mg, fmaxf(pack_amax(vg), pack_amax(vu)));
-      ma = fmaxf(ma, pack_amax(va));
+      round_to_bf16(vg);  // each as the bf16 kernels store it
+      round_to_bf16(vu);
+      round_to_bf16(va);
+      dgate[i] = encode8<GradE5M2>(vg, sg, clipped_g, mg);
+      dup[i] = encode8<GradE5M2>(vu, sg, clipped_g, mg);
+      out[i] = encode8<false>(va, sa, clipped_a, ma);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {

@@ -22,13 +22,28 @@ __device__ __forceinline__ int clips(float x, float s) {
   return Fp8Format<E5M2>::clips(fabsf(x * s));
 }
 
+// The largest |x| of eight values, infinities included, NaN left out.
+__device__ __forceinline__ float pack_top(const float (&f)[kPack]) {
+  float top = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kPack; ++k) top = fmaxf(top, fabsf(f[k]));
+  return top;
+}
+
 // Eight values as eight codes (little-endian: value 0 in the lowest byte), counting the
-// clipped ones.
+// clipped ones. |x · s| grows with |x|, so only a pack whose top clips is counted value by
+// value (rare: a value past the scale's amax, or infinite).
+template <bool E5M2>
+__device__ __forceinline__ uint2 encode8_top(const float (&f)[kPack], float top, float s, int& clipped) {
+  if (clips<E5M2>(top, s)) {
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) clipped += clips<E5M2>(f[k], s);
+  }
+  return {fp8_encode4<E5M2>(f[0], f[1], f[2], f[3], s), fp8_encode4<E5M2>(f[4], f[5], f[6], f[7], s)};
+}
 template <bool E5M2>
 __device__ __forceinline__ uint2 encode8(const float (&f)[kPack], float s, int& clipped) {
-#pragma unroll
-  for (int k = 0; k < kPack; ++k) clipped += clips<E5M2>(f[k], s);
-  return {fp8_encode4<E5M2>(f[0], f[1], f[2], f[3], s), fp8_encode4<E5M2>(f[4], f[5], f[6], f[7], s)};
+  return encode8_top<E5M2>(f, pack_top(f), s, clipped);
 }
 
 // Code k of the eight encode8 gives.
@@ -70,6 +85,18 @@ __device__ __forceinline__ float pack_amax(const float (&f)[kPack]) {
 #pragma unroll
   for (int k = 0; k < kPack; ++k) m = fmaxf(m, finite_abs(f[k]));
   return m;
+}
+
+// encode8, and m raised to the values' largest finite |x| (pack_amax's): their top where it
+// is finite, which is all but always.
+template <bool E5M2>
+__device__ __forceinline__ uint2 encode8(const float (&f)[kPack], float s, int& clipped, float& m) {
+  const float top = pack_top(f);
+  if (isfinite(top))
+    m = fmaxf(m, top);
+  else
+    m = fmaxf(m, pack_amax(f));
+  return encode8_top<E5M2>(f, top, s, clipped);
 }
 
 // Raises *record (when not null) to the block's largest m; the call synchronises the block.
@@ -265,8 +292,7 @@ __global__ void __launch_bounds__(kTileThreads)
     uint2 code[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      code[i] = encode8<E5M2>(f[i], s, clipped);
-      m = fmaxf(m, pack_amax(f[i]));
+      code[i] = encode8<E5M2>(f[i], s, clipped, m);
       if (out) store_row_codes(out, cols, code[i], at.r0 + 4 * g + i, at.c, rows, cols, vec_out);
     }
     if (!out_t) continue;

@@ -14,10 +14,13 @@ class PendingFactor {
       : on_(p.a != nullptr), f_(on_ ? *p.a * *p.b : 1.f) {}
   // A stored bf16 value (as a float) scaled and rounded to bf16 again; untouched without a scale.
   __device__ __forceinline__ float operator()(float x) const { return on_ ? to_f(to_bf(x * f_)) : x; }
+  // Each of n values as the scalar form makes it, rounded two at a time (the same bits).
   template <int n>
   __device__ __forceinline__ void apply(float (&v)[n]) const {
+    if (!on_) return;
 #pragma unroll
-    for (int k = 0; k < n; ++k) v[k] = (*this)(v[k]);
+    for (int k = 0; k < n; ++k) v[k] *= f_;
+    round_to_bf16(v);
   }
 
  private:

@@ -131,14 +131,10 @@ __global__ void __launch_bounds__(kAmaxThreads)
 // meta_offset of rows row0..row0 + 63 and groups g0..g0 + 15, row0 % 64 == g0 % 16 == 0).
 // The threads write their 4×4 tiles here; the block then stores both with 16-byte stores,
 // where a thread's own stores of the transposed copy would each touch 4 bytes of 16 rows.
-// Row r's 4-byte words are swizzled within their 16-byte halves (word w at w ^ swizzle(r)):
-// the transposed copy's lanes write rows 4 apart, all in the same bank otherwise.
 struct StagedCopy {
   uint8_t values[kTile][kTile / 2];
   uint8_t meta[kTile * kTile / 8];
 };
-
-__device__ inline unsigned swizzle(int row) { return unsigned(row >> 4) & 3u; }
 
 // The codes of a group's four values (bf16 bits: lo holds values 0 and 1, hi 2 and 3, the
 // lower in the low half) at scale s.
@@ -177,29 +173,22 @@ __device__ inline void transpose_codes(uint32_t (&rows)[4]) {
 // Four rows of codes of a 4×4 tile (byte j of rows[r]: column j) as the tile's local rows
 // lr..lr + 3 and group lg of op(W): their two stored codes into the values and their
 // nibbles into the metadata. The lanes holding groups lg and lg ^ 1 of the same rows are
-// `partner` apart: the even group's lane writes their shared metadata byte. Each lane walks
-// its rows starting at row (lr / 4) % 4, so that lanes whose rows are 4 or 8 apart store to
-// different banks at each step.
+// `partner` apart: the even group's lane writes their shared metadata byte.
+// (The transposed copy's lanes store rows 4 apart, to one bank; swizzling the rows took more
+// integer instructions than the conflicts cost: the kernel is bound by them.)
 __device__ inline void stage_rows(StagedCopy& st, int lr, int lg, const uint32_t (&rows)[4], int partner) {
-  const int rot = (lr / 4) & 3;
-  uint32_t half_turned[4], turned[4];  // turned[r] = rows[(r + rot) % 4]
-#pragma unroll
-  for (int r = 0; r < 4; ++r) half_turned[r] = rot & 1 ? rows[(r + 1) & 3] : rows[r];
-#pragma unroll
-  for (int r = 0; r < 4; ++r) turned[r] = rot & 2 ? half_turned[(r + 2) & 3] : half_turned[r];
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    const int row = lr + ((r + rot) & 3);
-    const uint32_t codes = turned[r];
-    // Byte j of `marks` is 1 << j where code j is not ±0; their sum is the set of them.
-    const uint32_t marks = __vcmpne4(codes & 0x7F7F7F7Fu, 0u) & 0x08040201u;
-    const unsigned nonzero = (marks * 0x01010101u) >> 24;
+    const uint32_t codes = rows[r];
+    // Bit 8j + 7 of `marks` is set where code j is not ±0 (no carry leaves a byte); the
+    // multiply gathers those four bits into bits 24..27.
+    const uint32_t marks = ((codes & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) & 0x80808080u;
+    const unsigned nonzero = ((marks >> 7) * 0x01020408u) >> 24;
     const unsigned nib = unsigned(kStoredNibbles >> (4 * nonzero)) & 15u;  // i0 | i1 << 2
-    const unsigned word = unsigned(lg / 2) ^ swizzle(row);
-    *reinterpret_cast<uint16_t*>(&st.values[row][4 * word + 2 * (lg % 2)]) =
+    *reinterpret_cast<uint16_t*>(&st.values[lr + r][2 * lg]) =
         uint16_t(__byte_perm(codes, 0u, (nib & 3u) | (nib >> 2) << 4));  // codes i0, i1
     const unsigned other = __shfl_xor_sync(0xffffffffu, nib, partner);
-    if (lg % 2 == 0) st.meta[tile_meta_offset(row, lg)] = uint8_t(nib | other << 4);
+    if (lg % 2 == 0) st.meta[tile_meta_offset(lr + r, lg)] = uint8_t(nib | other << 4);
   }
 }
 
@@ -209,11 +198,8 @@ __device__ inline void store_staged(uint8_t* dst, int64_t M, int64_t K, int64_t 
                                    const StagedCopy& st, int t, int threads) {
   for (int i = t; i < kTile * 2; i += threads) {  // a row's 32 bytes as two 16-byte stores
     const int row = i / 2, half = i % 2;
-    uint4 v = *reinterpret_cast<const uint4*>(&st.values[row][16 * half]);
-    const unsigned k = swizzle(row);  // word j of the half is at j ^ k
-    if (k & 1u) v = make_uint4(v.y, v.x, v.w, v.z);
-    if (k & 2u) v = make_uint4(v.z, v.w, v.x, v.y);
-    *reinterpret_cast<uint4*>(dst + (row0 + row) * (K / 2) + 2 * g0 + 16 * half) = v;
+    *reinterpret_cast<uint4*>(dst + (row0 + row) * (K / 2) + 2 * g0 + 16 * half) =
+        *reinterpret_cast<const uint4*>(&st.values[row][16 * half]);
   }
   uint8_t* meta = dst + M * K / 2 + meta_offset(row0, g0, K);
   for (int i = t; i < int(sizeof st.meta / 16); i += threads)
