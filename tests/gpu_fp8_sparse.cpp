@@ -9,7 +9,8 @@
 //   gradient after one micro-batch, the 2:4 products on the path (the op timings), and a
 //   micro-batch of another size (the dense fp8 products of the pruned weights);
 // - semi_sparse layers the same way (Ws and Wsᵀ from the transposable prune);
-// - the refusal of train.fp8_grad e5m2 (cuSPARSELt's fp8 products take e4m3 only).
+// - the refusal of train.fp8_grad e5m2 (cuSPARSELt's fp8 products take e4m3 only);
+// - the run log's dispatch summary naming the fp8 ways' decisions (host code only).
 // Skips without cuSPARSELt, and below compute capability 8.9 (no fp8 tensor cores).
 #include <gtest/gtest.h>
 
@@ -267,6 +268,32 @@ TEST_F(GpuFp8Sparse, ProducersGiveTheCastsBits) {
 
 TEST_F(GpuFp8Sparse, E5m2GradientsAreRefused) {
   expect_refused({true, Fp8Format::e5m2}, "slope", "set train.fp8_grad: e4m3");
+}
+
+// The dispatch records the fp8 ways as "slope fp8" / "semi_sparse fp8", names the kind table
+// does not hold: the summary (the run log's line after the kinds change) still says each
+// kind's decisions, with what its kind's entry times. Host code only.
+TEST(GpuFp8SparseDispatch, TheSummaryNamesTheFp8Ways) {
+  using Decision = GpuTransformer::SparseDispatch;
+  auto decision = [](const char* kind, int64_t out, int64_t in, double sparse_ms, double dense_ms) {
+    Decision d;
+    d.kind = kind;
+    d.out = out;
+    d.in = in;
+    d.sparse_ms = sparse_ms;
+    d.dense_ms = dense_ms;
+    d.sparse = sparse_ms < dense_ms;
+    return d;
+  };
+  const std::vector<Decision> decisions = {decision("slope fp8", 6144, 2048, 0.25, 0.5),
+                                           decision("semi_sparse_activation", 11264, 2048, 0.6, 0.5),
+                                           decision("slope fp8", 2048, 5632, 0.125, 0.375)};
+  EXPECT_EQ(esplag::sparse_dispatch_summary(decisions),
+            "slope fp8 products by layer shape (prepare + forward + dX per step): "
+            "6144x2048: 2:4 (2:4 0.250 ms, dense 0.500 ms); 2048x5632: 2:4 (2:4 0.125 ms, dense 0.375 ms) | "
+            "semi_sparse_activation products by layer shape (input pruning + forward per step): "
+            "11264x2048: dense (2:4 0.600 ms, dense 0.500 ms)");
+  EXPECT_EQ(esplag::sparse_dispatch_summary({}), "");
 }
 
 }  // namespace

@@ -248,20 +248,27 @@ void check_device_linear_change(const GpuTransformer::LinearKindSetting& st, con
 }
 
 std::string sparse_dispatch_summary(const std::vector<GpuTransformer::SparseDispatch>& decisions) {
+  // The kinds as the decisions name them, in the order they first appear: the fp8 ways are
+  // recorded as "<kind> fp8" and time what their kind's entry says.
+  std::vector<std::string> kinds;
+  for (const auto& d : decisions)
+    if (std::find(kinds.begin(), kinds.end(), d.kind) == kinds.end()) kinds.push_back(d.kind);
   std::string s;
-  for (const auto& kind : device_linear_kinds()) {
+  for (const std::string& kind : kinds) {
+    const std::string base = kind.substr(0, kind.find(" fp8"));
+    std::string times = DeviceLinearKind{}.dispatch_times;
+    for (const auto& k : device_linear_kinds())
+      if (k.name == base) times = k.dispatch_times;
     std::string shapes;
     for (const auto& d : decisions) {
-      if (d.kind != kind.name) continue;
+      if (d.kind != kind) continue;
       char buf[160];
       std::snprintf(buf, sizeof buf, "%s%lldx%lld: %s (2:4 %.3f ms%s, dense %.3f ms)", shapes.empty() ? "" : "; ",
                     static_cast<long long>(d.out), static_cast<long long>(d.in), d.sparse ? "2:4" : "dense",
                     d.sparse_ms, d.gelu_pass ? " with its GELU pass" : "", d.dense_ms);
       shapes += buf;
     }
-    if (!shapes.empty())
-      s += (s.empty() ? "" : " | ") + kind.name + " products by layer shape (" + kind.dispatch_times +
-           " per step): " + shapes;
+    s += (s.empty() ? "" : " | ") + kind + " products by layer shape (" + times + " per step): " + shapes;
   }
   return s;
 }
