@@ -275,19 +275,10 @@ TEST_F(GpuFp8Sparse, E5m2GradientsAreRefused) {
 // kind's decisions, with what its kind's entry times. Host code only.
 TEST(GpuFp8SparseDispatch, TheSummaryNamesTheFp8Ways) {
   using Decision = GpuTransformer::SparseDispatch;
-  auto decision = [](const char* kind, int64_t out, int64_t in, double sparse_ms, double dense_ms) {
-    Decision d;
-    d.kind = kind;
-    d.out = out;
-    d.in = in;
-    d.sparse_ms = sparse_ms;
-    d.dense_ms = dense_ms;
-    d.sparse = sparse_ms < dense_ms;
-    return d;
-  };
-  const std::vector<Decision> decisions = {decision("slope fp8", 6144, 2048, 0.25, 0.5),
-                                           decision("semi_sparse_activation", 11264, 2048, 0.6, 0.5),
-                                           decision("slope fp8", 2048, 5632, 0.125, 0.375)};
+  const std::vector<Decision> decisions = {
+      {.kind = "slope fp8", .out = 6144, .in = 2048, .sparse_ms = 0.25, .dense_ms = 0.5, .sparse = true},
+      {.kind = "semi_sparse_activation", .out = 11264, .in = 2048, .sparse_ms = 0.6, .dense_ms = 0.5, .sparse = false},
+      {.kind = "slope fp8", .out = 2048, .in = 5632, .sparse_ms = 0.125, .dense_ms = 0.375, .sparse = true}};
   EXPECT_EQ(esplag::sparse_dispatch_summary(decisions),
             "slope fp8 products by layer shape (prepare + forward + dX per step): "
             "6144x2048: 2:4 (2:4 0.250 ms, dense 0.500 ms); 2048x5632: 2:4 (2:4 0.125 ms, dense 0.375 ms) | "
