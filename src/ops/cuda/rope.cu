@@ -95,14 +95,10 @@ void launch(bf16* x, int B, int T, int NH, int NKV, int HD, double theta, double
   if (rows == 0) return;
   const int64_t C = static_cast<int64_t>(NH + 2 * NKV) * HD;
   const int heads = NH + (scale ? 2 : 1) * NKV;  // v's heads too where they take a scale
-  if (HD % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 8 == 0) {
-    constexpr int P = 4;
-    const unsigned grid = detail::blocks_for(rows * (HD / 2 / P), kThreads);
-    rope_kernel<P><<<grid, kThreads, 0, stream>>>(x, rows, T, NH + NKV, heads, C, HD, theta, sign, scale);
-  } else {
-    const unsigned grid = detail::blocks_for(rows * (HD / 2), kThreads);
-    rope_kernel<1><<<grid, kThreads, 0, stream>>>(x, rows, T, NH + NKV, heads, C, HD, theta, sign, scale);
-  }
+  const bool wide = HD % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 8 == 0;  // P = 4
+  const unsigned grid = detail::blocks_for(rows * (HD / 2 / (wide ? 4 : 1)), kThreads);
+  auto* kernel = wide ? rope_kernel<4> : rope_kernel<1>;
+  kernel<<<grid, kThreads, 0, stream>>>(x, rows, T, NH + NKV, heads, C, HD, theta, sign, scale);
   CUDA_CHECK_LAUNCH(name);
 }
 

@@ -7,8 +7,9 @@ namespace esplag::gpu::detail {
 
 // σ(x) from the fast exponential and division (ex2.approx, rcp.approx): a few fp32 ulps off
 // the IEEE expf and quotient, far below the bf16 rounding every use of it ends in, and a
-// third of SwiGLU's instructions fewer (its fp8 backward is bound by them). Saturates as σ
-// does: 0 once e^-x overflows (x < -88), 1 once it underflows.
+// few instructions where those take several each (SwiGLU's fp8 producers are bound by
+// instructions: docs/fp8.md). Saturates as σ does: 0 once e^-x overflows (x < -88), 1 once
+// it underflows.
 __device__ __forceinline__ float sigmoidf(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 __device__ __forceinline__ float swiglu_value(float g, float u) { return g * sigmoidf(g) * u; }
 
