@@ -59,4 +59,15 @@ __device__ __forceinline__ uint32_t fp8_encode4(float x0, float x1, float x2, fl
   return fp8_encode2_no_nan<E5M2>(x0, x1, s) | fp8_encode2_no_nan<E5M2>(x2, x3, s) << 16;
 }
 
+// Four words of four codes transposed as a 4 × 4 byte matrix: byte j of word i becomes
+// byte i of word j.
+__device__ __forceinline__ void transpose4x4(uint32_t (&w)[4]) {
+  const uint32_t ab_lo = __byte_perm(w[0], w[1], 0x5140u), ab_hi = __byte_perm(w[0], w[1], 0x7362u);
+  const uint32_t cd_lo = __byte_perm(w[2], w[3], 0x5140u), cd_hi = __byte_perm(w[2], w[3], 0x7362u);
+  w[0] = __byte_perm(ab_lo, cd_lo, 0x5410u);
+  w[1] = __byte_perm(ab_lo, cd_lo, 0x7632u);
+  w[2] = __byte_perm(ab_hi, cd_hi, 0x5410u);
+  w[3] = __byte_perm(ab_hi, cd_hi, 0x7632u);
+}
+
 }  // namespace esplag::gpu::detail

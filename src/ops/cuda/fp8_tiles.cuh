@@ -118,14 +118,11 @@ constexpr int kTileWords = kTileRows / 4 + 1;  // one transposed row (a column o
 __device__ __forceinline__ void transpose4x8(const uint2 (&rows)[4], uint32_t (&words)[8]) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const uint32_t a = half ? rows[0].y : rows[0].x, b = half ? rows[1].y : rows[1].x;
-    const uint32_t c = half ? rows[2].y : rows[2].x, d = half ? rows[3].y : rows[3].x;
-    const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);  // a0 b0 a1 b1, a2 b2 a3 b3
-    const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
-    words[4 * half + 0] = __byte_perm(ab_lo, cd_lo, 0x5410);
-    words[4 * half + 1] = __byte_perm(ab_lo, cd_lo, 0x7632);
-    words[4 * half + 2] = __byte_perm(ab_hi, cd_hi, 0x5410);
-    words[4 * half + 3] = __byte_perm(ab_hi, cd_hi, 0x7632);
+    uint32_t w[4] = {half ? rows[0].y : rows[0].x, half ? rows[1].y : rows[1].x, half ? rows[2].y : rows[2].x,
+                     half ? rows[3].y : rows[3].x};
+    transpose4x4(w);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) words[4 * half + k] = w[k];
   }
 }
 

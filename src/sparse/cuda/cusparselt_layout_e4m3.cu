@@ -76,6 +76,14 @@ void check_destinations(const char* who, const void* dst_n, const void* dst_t) {
 // Whether a bf16 magnitude (15 bits) is finite.
 __device__ inline bool finite_magnitude(unsigned a) { return a < 0x7F80u; }
 
+// The positions of a group's two kept values in its forward mask nibble (kept_tile's
+// order): the nibble's lowest set bit and its next, each as a one-bit mask (0 if none).
+struct KeptPositions {
+  unsigned first, second;
+  __device__ explicit KeptPositions(unsigned nib)
+      : first(nib & (0u - nib)), second((nib ^ first) & (0u - (nib ^ first))) {}
+};
+
 // Largest finite |w| of W1's and of W2's values, as the bits of bf16 magnitudes (which order
 // like the magnitudes): the block's maxima go out by atomicMax on them. The kept values are
 // read as they lie, without the dense tiles: a group's two words are W1's values at the
@@ -96,12 +104,12 @@ __global__ void __launch_bounds__(kAmaxThreads)
     const unsigned f = fwd_tiles[tile_row * groups + g], b = bwd_tiles[tile_row * groups + g];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const unsigned nib = (f >> (4 * r)) & 15u, low = nib & (0u - nib), rest = nib ^ low,
-                     second = rest & (0u - rest), keep = (b >> (4 * r)) & nib;
+      const unsigned nib = (f >> (4 * r)) & 15u, keep = (b >> (4 * r)) & nib;
+      const KeptPositions at(nib);
       const unsigned a0 = two[r] & 0x7FFFu, a1 = (two[r] >> 16) & 0x7FFFu;
-      const bool f0 = low && finite_magnitude(a0), f1 = second && finite_magnitude(a1);
+      const bool f0 = at.first && finite_magnitude(a0), f1 = at.second && finite_magnitude(a1);
       mn = max(mn, max(f0 ? a0 : 0u, f1 ? a1 : 0u));
-      mt = max(mt, max(f0 && (keep & low) ? a0 : 0u, f1 && (keep & second) ? a1 : 0u));
+      mt = max(mt, max(f0 && (keep & at.first) ? a0 : 0u, f1 && (keep & at.second) ? a1 : 0u));
     }
   }
 #pragma unroll
@@ -152,22 +160,12 @@ __device__ inline uint32_t kept_group_codes(uint32_t two, unsigned nib, unsigned
   const float x0 = __uint_as_float(two << 16), x1 = __uint_as_float(two & 0xFFFF0000u);
   const uint32_t c = isnan(x0) | isnan(x1) ? detail::fp8_encode2<false>(x0, x1, s)
                                            : detail::fp8_encode2_no_nan<false>(x0, x1, s);
-  const unsigned low = nib & (0u - nib), rest = nib ^ low, second = rest & (0u - rest);
+  const KeptPositions at(nib);
   // Selector nibble 4 takes a zero byte; 0 and 1 the first and second kept code.
   unsigned select = 0x4444u;
-  if (keep & low) select ^= 4u << (4 * (__ffs(low) - 1));
-  if (keep & second) select ^= 5u << (4 * (__ffs(second) - 1));
+  if (keep & at.first) select ^= 4u << (4 * (__ffs(at.first) - 1));
+  if (keep & at.second) select ^= 5u << (4 * (__ffs(at.second) - 1));
   return __byte_perm(c, 0u, select);
-}
-
-// Rows of four codes transposed: row c of the result is column c of the rows.
-__device__ inline void transpose_codes(uint32_t (&rows)[4]) {
-  const uint32_t a = __byte_perm(rows[0], rows[1], 0x5140u), b = __byte_perm(rows[2], rows[3], 0x5140u);
-  const uint32_t c = __byte_perm(rows[0], rows[1], 0x7362u), d = __byte_perm(rows[2], rows[3], 0x7362u);
-  rows[0] = __byte_perm(a, b, 0x5410u);
-  rows[1] = __byte_perm(a, b, 0x7632u);
-  rows[2] = __byte_perm(c, d, 0x5410u);
-  rows[3] = __byte_perm(c, d, 0x7632u);
 }
 
 // Four rows of codes of a 4×4 tile (byte j of rows[r]: column j) as the tile's local rows
@@ -244,7 +242,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (dst_n) stage_rows(staged_n, 4 * tr, tc, cn, 1);  // group tc: neighbour lane tc ^ 1
   if (dst_t) {  // Wᵀ's local rows 4tc..4tc + 3, group tr: the lane of tr ^ 1, 16 lanes away
-    transpose_codes(ct);
+    detail::transpose4x4(ct);
     stage_rows(staged_t, 4 * tc, tr, ct, 16);
   }
   __syncthreads();
